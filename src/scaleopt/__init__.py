@@ -1,0 +1,10 @@
+"""scaleopt: PyTorch optimizers for training at scale."""
+
+from .adamw import AdamW
+from .groups import param_groups
+from .lamb import LAMB
+from .momentum import Momentum
+
+__version__ = "0.1.0"
+
+__all__ = ["LAMB", "AdamW", "Momentum", "param_groups", "__version__"]

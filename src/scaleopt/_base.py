@@ -1,0 +1,377 @@
+"""The shared optimizer base: parameter groups, names, name rules, validation, gradient intake."""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from . import _blocks
+
+NameRule = Union[None, str, Sequence[str], Callable[[str], bool]]
+
+#: Group keys that are not hyperparameters but may appear in a param group.
+_BOOKKEEPING_KEYS = frozenset({"params", "param_names", "initial_lr"})
+
+#: Gradient intake options every scaleopt optimizer accepts (see ``ScaleOptimizer._intake``).
+GRAD_OPTION_DEFAULTS: Dict[str, Any] = {
+    "rescale_grad": 1.0,
+    "clip_grad_value": None,
+    "clip_grad_norm_per_tensor": None,
+    "max_grad_norm": None,
+}
+
+
+# ------------------------------------------------------------------------------------------------
+# validation helpers
+# ------------------------------------------------------------------------------------------------
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def check_number(
+    name: str,
+    value: Any,
+    *,
+    low: Optional[float] = 0.0,
+    low_open: bool = False,
+    high: Optional[float] = None,
+    high_open: bool = True,
+    allow_none: bool = False,
+) -> None:
+    """Raise ``TypeError``/``ValueError`` naming ``name`` unless ``value`` is a finite number in range."""
+    if value is None and allow_none:
+        return
+    if not _is_number(value):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} ({value!r})")
+    bad = math.isnan(value) or math.isinf(value)
+    if low is not None:
+        bad = bad or value < low or (low_open and value == low)
+    if high is not None:
+        bad = bad or value > high or (high_open and value == high)
+    if bad:
+        lo = "(" if low_open else "["
+        hi = ")" if high_open else "]"
+        rng = f"{lo}{'-inf' if low is None else low}, {'inf' if high is None else high}{hi}"
+        raise ValueError(f"Invalid {name}: {value!r} (must be a finite number in {rng})")
+
+
+def check_betas(value: Any, name: str = "betas") -> None:
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise TypeError(f"{name} must be a pair (beta1, beta2), got {value!r}")
+    for i, b in enumerate(value):
+        check_number(f"{name}[{i}]", b, low=0.0, high=1.0, high_open=True)
+
+
+def check_choice(name: str, value: Any, choices: Sequence[Any]) -> None:
+    if value not in choices:
+        raise ValueError(f"Invalid {name}: {value!r} (choose one of {list(choices)})")
+
+
+def check_optional_bool(name: str, value: Any) -> None:
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"{name} must be True, False or None, got {value!r}")
+
+
+def check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
+def check_name_rule(name: str, rule: Any) -> None:
+    if rule is None or callable(rule) or isinstance(rule, str):
+        rules = [] if rule is None or callable(rule) else [rule]
+    elif isinstance(rule, (list, tuple)) and all(isinstance(r, str) for r in rule):
+        rules = list(rule)
+    else:
+        raise TypeError(
+            f"{name} must be None, a regex, a list of regexes or a callable(name) -> bool, "
+            f"got {rule!r}"
+        )
+    for r in rules:
+        try:
+            re.compile(r)
+        except re.error as exc:
+            raise ValueError(f"Invalid {name}: {r!r} is not a valid regular expression ({exc})")
+
+
+def _rule_is_set(rule: NameRule) -> bool:
+    return rule is not None and not (isinstance(rule, (list, tuple)) and len(rule) == 0)
+
+
+@functools.lru_cache(maxsize=1024)
+def _match_names(rule: Any, names: Tuple[str, ...]) -> Tuple[bool, ...]:
+    if rule is None:
+        return (False,) * len(names)
+    if callable(rule):
+        return tuple(bool(rule(n)) for n in names)
+    patterns = [re.compile(r) for r in ((rule,) if isinstance(rule, str) else rule)]
+    return tuple(any(p.search(n) is not None for p in patterns) for n in names)
+
+
+def match_names(rule: NameRule, names: Sequence[str]) -> Tuple[bool, ...]:
+    """For each name, whether ``rule`` (regex, regex list or callable) selects it."""
+    key = tuple(rule) if isinstance(rule, list) else rule
+    try:
+        return _match_names(key, tuple(names))
+    except TypeError:  # an unhashable callable
+        return _match_names.__wrapped__(key, tuple(names))
+
+
+def _freeze_rule(rule: NameRule, names: Sequence[str]) -> NameRule:
+    """A callable rule as the equivalent list of anchored, escaped names (serialisable)."""
+    if not callable(rule):
+        return list(rule) if isinstance(rule, tuple) else rule
+    return ["^" + re.escape(n) + "$" for n, hit in zip(names, match_names(rule, names)) if hit]
+
+
+# ------------------------------------------------------------------------------------------------
+# parameters in
+# ------------------------------------------------------------------------------------------------
+
+
+def _split_named(params: Iterable[Any]) -> Tuple[List[Any], Optional[List[str]]]:
+    tensors: List[Any] = []
+    names: List[str] = []
+    for p in params:
+        if isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str):
+            names.append(p[0])
+            tensors.append(p[1])
+        else:
+            tensors.append(p)
+    if names and len(names) != len(tensors):
+        raise ValueError("params: either every parameter is named (name, tensor) or none is")
+    return tensors, (names if names else None)
+
+
+def normalize_group(group: Dict[str, Any]) -> Dict[str, Any]:
+    """A param-group dict with plain tensors in ``params`` and names, if any, in ``param_names``."""
+    if not isinstance(group, dict):
+        raise TypeError(f"param_group must be a dict, got {type(group).__name__}")
+    group = dict(group)
+    params = group.get("params")
+    if params is None:
+        raise ValueError("param group has no 'params'")
+    if isinstance(params, Tensor):
+        params = [params]
+    elif isinstance(params, set):
+        raise TypeError("params must be an ordered collection (list), not a set")
+    tensors, names = _split_named(list(params))
+    group["params"] = tensors
+    if names is not None:
+        if "param_names" in group and list(group["param_names"]) != names:
+            raise ValueError("param group gives both named parameters and different 'param_names'")
+        group["param_names"] = names
+    elif "param_names" in group:
+        group["param_names"] = list(group["param_names"])
+        if len(group["param_names"]) != len(tensors):
+            raise ValueError(
+                f"param_names has {len(group['param_names'])} names for {len(tensors)} parameters"
+            )
+    return group
+
+
+def normalize_params(params: Any) -> List[Dict[str, Any]]:
+    """Tensors, ``(name, tensor)`` pairs or group dicts -> a non-empty list of group dicts."""
+    if isinstance(params, Tensor):
+        raise TypeError(
+            "params argument given to the optimizer should be an iterable of Tensors, "
+            "(name, Tensor) pairs or dicts, but got a single Tensor"
+        )
+    if isinstance(params, dict):
+        params = [params]
+    items = list(params)
+    if len(items) == 0:
+        raise ValueError("optimizer got an empty parameter list (params)")
+    if all(isinstance(x, dict) for x in items):
+        return [normalize_group(g) for g in items]
+    if any(isinstance(x, dict) for x in items):
+        raise TypeError("params: mix of param-group dicts and parameters; use dicts for all")
+    return [normalize_group({"params": items})]
+
+
+# ------------------------------------------------------------------------------------------------
+# the base class
+# ------------------------------------------------------------------------------------------------
+
+
+class ScaleOptimizer(torch.optim.Optimizer):
+    """Base class of the scaleopt optimizers.
+
+    On top of :class:`torch.optim.Optimizer` it gives every optimizer:
+
+    * ``params`` as tensors, ``(name, tensor)`` pairs (``model.named_parameters()``) or group
+      dicts; names are kept in each group's ``param_names`` as torch does;
+    * validation of every hyperparameter of every group, at construction and in
+      :meth:`add_param_group`, raising ``ValueError``/``TypeError`` that name the argument; an
+      unknown group key is an error, not silently kept;
+    * name rules (``exclude_from_*``): a regex, a list of regexes (``re.search`` on the name) or a
+      callable on the name. A callable is written into :meth:`state_dict` as the equivalent list of
+      anchored names, so checkpoints load with ``weights_only=True``;
+    * the gradient intake shared by all optimizers (:meth:`_intake`): ``maximize``,
+      ``rescale_grad``, element-wise ``clip_grad_value``, ``clip_grad_norm_per_tensor`` and global
+      ``max_grad_norm`` clipping. It never modifies ``p.grad``.
+    """
+
+    #: Group keys holding name rules.
+    _name_rule_keys: Tuple[str, ...] = ()
+    #: Extra group options a subclass (e.g. a front-end) adds to the defaults.
+    _extra_defaults: Dict[str, Any] = {}
+
+    def __init__(self, params: Any, defaults: Dict[str, Any]) -> None:
+        groups = normalize_params(params)
+        super().__init__(groups, {**defaults, **self._extra_defaults})
+
+    def _refresh_hyperparameters(self) -> None:
+        """Called at the start of every step, before gradients are read. Front-ends override it."""
+
+    # -- groups -------------------------------------------------------------------------------
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        group = normalize_group(param_group)
+        unknown = set(group) - set(self.defaults) - _BOOKKEEPING_KEYS
+        if unknown:
+            raise ValueError(
+                f"Unknown option(s) {sorted(unknown)} in param group for "
+                f"{type(self).__name__}; known options: {sorted(self.defaults)}"
+            )
+        filled = dict(self.defaults)
+        filled.update(group)
+        for p in filled["params"]:
+            if not isinstance(p, Tensor):
+                raise TypeError(
+                    f"{type(self).__name__} can only optimize Tensors, got {type(p).__name__}"
+                )
+            if p.is_complex():
+                raise ValueError(f"{type(self).__name__} does not support complex parameters")
+        self._validate_group(filled)
+        for key in self._name_rule_keys:
+            if _rule_is_set(filled.get(key)) and "param_names" not in filled:
+                raise ValueError(
+                    f"{key} is a rule on parameter names, but the parameters have no names: "
+                    f"pass model.named_parameters() or groups with 'param_names'"
+                )
+        super().add_param_group(group)
+
+    def _validate_group(self, group: Dict[str, Any]) -> None:
+        """Check a group's hyperparameters (defaults filled in). Subclasses extend this."""
+        check_number("lr", group["lr"])
+        check_number("rescale_grad", group["rescale_grad"], low=0.0, low_open=True)
+        check_number(
+            "max_grad_norm", group["max_grad_norm"], low=0.0, low_open=True, allow_none=True
+        )
+        check_number(
+            "clip_grad_norm_per_tensor",
+            group["clip_grad_norm_per_tensor"],
+            low=0.0,
+            low_open=True,
+            allow_none=True,
+        )
+        cv = group["clip_grad_value"]
+        if isinstance(cv, (tuple, list)):
+            if len(cv) != 2:
+                raise TypeError(f"clip_grad_value must be a number or a (min, max) pair, got {cv!r}")
+            check_number("clip_grad_value[0]", cv[0], low=None)
+            check_number("clip_grad_value[1]", cv[1], low=None)
+            if not cv[0] < cv[1]:
+                raise ValueError(f"Invalid clip_grad_value: {cv!r} (needs min < max)")
+            group["clip_grad_value"] = (float(cv[0]), float(cv[1]))
+        else:
+            check_number("clip_grad_value", cv, low=0.0, low_open=True, allow_none=True)
+        if "lr_scale" in group:
+            check_number("lr_scale", group["lr_scale"])
+        if "maximize" in group:
+            check_bool("maximize", group["maximize"])
+        if "foreach" in group:
+            check_optional_bool("foreach", group["foreach"])
+        for key in self._name_rule_keys:
+            check_name_rule(key, group.get(key))
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+
+    # -- names --------------------------------------------------------------------------------
+
+    def _rule_flags(self, group: Dict[str, Any], key: str) -> Tuple[bool, ...]:
+        """Per parameter of ``group``: whether the name rule ``group[key]`` selects it."""
+        rule = group.get(key)
+        if not _rule_is_set(rule):
+            return (False,) * len(group["params"])
+        return match_names(rule, group["param_names"])
+
+    def state_dict(self) -> Dict[str, Any]:
+        sd = super().state_dict()
+        for g in sd["param_groups"]:
+            for key in self._name_rule_keys:
+                if callable(g.get(key)):
+                    g[key] = _freeze_rule(g[key], g["param_names"])
+        return sd
+
+    # -- gradients ----------------------------------------------------------------------------
+
+    def _intake(self) -> Iterator[Tuple[Dict[str, Any], List[int], List[Tensor], List[Tensor]]]:
+        """Yield ``(group, indices, params, grads)`` for each group, over parameters with a grad.
+
+        ``grads`` are the gradients after ``maximize`` (negation), ``rescale_grad``,
+        ``clip_grad_value``, ``clip_grad_norm_per_tensor`` and, last, global ``max_grad_norm``
+        clipping, whose norm is taken over every gradient of every group. New tensors are made
+        only for the transforms in use; ``p.grad`` itself is never written.
+        """
+        self._refresh_hyperparameters()
+        staged = []
+        for group in self.param_groups:
+            idx, params, grads = [], [], []
+            for i, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError(
+                        f"{type(self).__name__} does not support sparse gradients "
+                        f"(parameter {self._param_label(group, i)})"
+                    )
+                idx.append(i)
+                params.append(p)
+                grads.append(p.grad)
+            if grads:
+                if group.get("maximize", False):
+                    grads = torch._foreach_neg(grads)
+                grads = _blocks.scale(grads, group["rescale_grad"])
+                grads = _blocks.clip_by_value(grads, group["clip_grad_value"])
+                grads = _blocks.clip_by_tensor_norm(grads, group["clip_grad_norm_per_tensor"])
+            staged.append((group, idx, params, grads))
+        if any(g["max_grad_norm"] is not None for g, *_ in staged):
+            total = _blocks.global_norm([t for *_, gr in staged for t in gr])
+            for k, (group, idx, params, grads) in enumerate(staged):
+                if group["max_grad_norm"] is not None and grads:
+                    coef = _blocks.clip_coef(total, group["max_grad_norm"])
+                    staged[k] = (group, idx, params, _blocks.scale(grads, coef))
+        for item in staged:
+            if item[2]:
+                yield item
+
+    @staticmethod
+    def _param_label(group: Dict[str, Any], i: int) -> str:
+        names = group.get("param_names")
+        return repr(names[i]) if names else f"#{i}"
+
+    def _closure_loss(self, closure: Optional[Callable[[], Any]]) -> Any:
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
+
+def use_foreach(group: Dict[str, Any], params: Sequence[Tensor]) -> bool:
+    """The fast multi-tensor path unless ``foreach=False`` or the tensors are not strided."""
+    if group.get("foreach") is False:
+        return False
+    return all(p.layout == torch.strided for p in params)

@@ -1,0 +1,224 @@
+"""Building blocks over lists of tensors, shared by every scaleopt optimizer.
+
+Each block comes in the form the optimizers need:
+
+* functions on one tensor (``*_one``) used by the reference single-tensor paths, and
+* functions on lists of tensors that run on ``torch._foreach_*`` kernels, used by the fast
+  multi-tensor paths.
+
+Both forms compute the same thing with the same elementwise operations, so the two paths agree to
+float round-off. Norms and trust ratios are computed in float32 (float64 for float64 tensors)
+whatever the parameter dtype, and a zero norm never produces NaN. No block reads a tensor value
+back to the host, so they can run on an accelerator without synchronising.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor
+
+TensorList = List[Tensor]
+ClipValue = Union[None, float, Tuple[float, float]]
+
+
+# --------------------------------------------------------------------------------------------
+# dtypes and norms
+# --------------------------------------------------------------------------------------------
+
+
+def norm_dtype(t: Tensor) -> torch.dtype:
+    """The dtype norms of ``t`` are accumulated in: float64 for float64, else float32."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def norm_one(t: Tensor) -> Tensor:
+    """L2 norm of one tensor as a 0-d float32 (float64) tensor; 0 for an empty tensor."""
+    return torch.linalg.vector_norm(t, 2, dtype=norm_dtype(t))
+
+
+def norms(tensors: Sequence[Tensor]) -> Tensor:
+    """L2 norm of each tensor, stacked into one float32 (float64 if all are float64) vector."""
+    if len(tensors) == 0:
+        return torch.zeros(0)
+    dtype = torch.float64 if all(t.dtype == torch.float64 for t in tensors) else torch.float32
+    try:
+        out = torch._foreach_norm(list(tensors), 2, dtype=dtype)
+    except (TypeError, RuntimeError):  # older torch without the dtype argument
+        out = [norm_one(t).to(dtype) for t in tensors]
+    return torch.stack([o.to(dtype) for o in out])
+
+
+def global_norm(tensors: Sequence[Tensor]) -> Tensor:
+    """L2 norm of the concatenation of ``tensors`` (0-d, float32 or float64)."""
+    if len(tensors) == 0:
+        return torch.zeros(())
+    by_device: dict = {}
+    for t in tensors:
+        by_device.setdefault(t.device, []).append(t)
+    parts = [norms(ts).square().sum() for ts in by_device.values()]
+    first = parts[0]
+    total = first
+    for extra in parts[1:]:
+        total = total + extra.to(first.device)
+    return total.sqrt()
+
+
+# --------------------------------------------------------------------------------------------
+# gradient clipping (out of place: the caller's gradients are never modified)
+# --------------------------------------------------------------------------------------------
+
+
+def clip_coef(norm: Tensor, max_norm: float) -> Tensor:
+    """``max_norm / max(norm, max_norm)``: 1 when the norm is within bounds, else the scale."""
+    return max_norm / torch.clamp(norm, min=max_norm)
+
+
+def clip_by_value(grads: TensorList, clip: ClipValue) -> TensorList:
+    """Clamp every element to ``[-clip, clip]`` (or ``[lo, hi]`` for a pair)."""
+    if clip is None:
+        return grads
+    lo, hi = tuple(clip) if isinstance(clip, (tuple, list)) else (-clip, clip)
+    out = torch._foreach_clamp_min(grads, lo)
+    torch._foreach_clamp_max_(out, hi)
+    return out
+
+
+def clip_by_tensor_norm(grads: TensorList, max_norm: Optional[float]) -> TensorList:
+    """Scale each tensor so its own L2 norm is at most ``max_norm``."""
+    if max_norm is None or not grads:
+        return grads
+    coefs = clip_coef(norms(grads), max_norm)
+    return torch._foreach_mul(grads, [c.to(g.dtype) for g, c in zip(grads, coefs.unbind(0))])
+
+
+def scale(grads: TensorList, factor: Union[float, Tensor]) -> TensorList:
+    """``grads * factor`` out of place (no copy when the factor is the float 1)."""
+    if isinstance(factor, (int, float)) and factor == 1:
+        return grads
+    if isinstance(factor, Tensor):
+        return torch._foreach_mul(grads, [factor.to(device=g.device, dtype=g.dtype) for g in grads])
+    return torch._foreach_mul(grads, factor)
+
+
+# --------------------------------------------------------------------------------------------
+# Adam moments and direction
+# --------------------------------------------------------------------------------------------
+
+
+def bias_corrections(
+    steps: Sequence[float], beta1: float, beta2: float, enabled: bool
+) -> Tuple[List[float], List[float]]:
+    """``(1 - beta1**t, sqrt(1 - beta2**t))`` per step count; all ones when disabled."""
+    if not enabled:
+        return [1.0] * len(steps), [1.0] * len(steps)
+    bc1 = [1.0 - beta1**t for t in steps]
+    bc2_sqrt = [(1.0 - beta2**t) ** 0.5 for t in steps]
+    return bc1, bc2_sqrt
+
+
+def adam_moments_one(m: Tensor, v: Tensor, g: Tensor, beta1: float, beta2: float) -> None:
+    """``m = beta1*m + (1-beta1)*g``; ``v = beta2*v + (1-beta2)*g*g`` in place."""
+    m.lerp_(g, 1.0 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+
+
+def adam_moments(ms: TensorList, vs: TensorList, gs: TensorList, beta1: float, beta2: float) -> None:
+    torch._foreach_lerp_(ms, gs, 1.0 - beta1)
+    torch._foreach_mul_(vs, beta2)
+    torch._foreach_addcmul_(vs, gs, gs, value=1.0 - beta2)
+
+
+def adam_direction_one(m: Tensor, v: Tensor, bc1: float, bc2_sqrt: float, eps: float) -> Tensor:
+    """``m_hat / (sqrt(v_hat) + eps)`` with ``m_hat = m/bc1``, ``v_hat = v/bc2`` (new tensor)."""
+    denom = v.sqrt().div_(bc2_sqrt).add_(eps)
+    return (m / bc1).div_(denom)
+
+
+def adam_direction(
+    ms: TensorList, vs: TensorList, bc1: List[float], bc2_sqrt: List[float], eps: float
+) -> TensorList:
+    denom = torch._foreach_sqrt(vs)
+    torch._foreach_div_(denom, bc2_sqrt)
+    torch._foreach_add_(denom, eps)
+    upd = torch._foreach_div(ms, bc1)
+    torch._foreach_div_(upd, denom)
+    return upd
+
+
+# --------------------------------------------------------------------------------------------
+# weight decay
+# --------------------------------------------------------------------------------------------
+
+
+def add_decay_to_update(updates: TensorList, params: TensorList, weight_decay: float) -> None:
+    """``u += wd * w`` (decay inside the trust ratio: LAMB paper, Paddle, MXNet, TF1)."""
+    if updates and weight_decay != 0:
+        torch._foreach_add_(updates, params, alpha=weight_decay)
+
+
+def decoupled_decay_(params: TensorList, lr: float, weight_decay: float) -> None:
+    """``w -= lr * wd * w`` in place (AdamW / Keras style, outside the trust ratio)."""
+    if params and weight_decay != 0:
+        torch._foreach_mul_(params, 1.0 - lr * weight_decay)
+
+
+def add_l2_to_grad(grads: TensorList, params: TensorList, weight_decay: float) -> TensorList:
+    """``g + wd * w`` out of place (coupled L2 regularisation)."""
+    if not grads or weight_decay == 0:
+        return grads
+    return torch._foreach_add(grads, params, alpha=weight_decay)
+
+
+def add_l1_to_grad(grads: TensorList, params: TensorList, weight_decay: float) -> TensorList:
+    """``g + wd * sign(w)`` out of place (L1 regularisation)."""
+    if not grads or weight_decay == 0:
+        return grads
+    return torch._foreach_add(grads, torch._foreach_sign(params), alpha=weight_decay)
+
+
+# --------------------------------------------------------------------------------------------
+# trust ratio
+# --------------------------------------------------------------------------------------------
+
+
+def trust_ratio(
+    w_norm: Tensor,
+    u_norm: Tensor,
+    lower_bound: Optional[float] = None,
+    upper_bound: Optional[float] = None,
+) -> Tensor:
+    """``phi(||w||) / ||u||`` elementwise over norms of any shape.
+
+    ``phi`` clamps ``||w||`` to ``[lower_bound, upper_bound]`` (``None`` = unbounded). The clamp
+    comes before the zero test, so a zero tensor with a lower bound gets ``lower/||u||``. The
+    ratio is 1 where ``phi(||w||)`` or ``||u||`` is 0, so it is never NaN or inf for finite input.
+    """
+    if lower_bound is not None or upper_bound is not None:
+        w_norm = torch.clamp(w_norm, min=lower_bound, max=upper_bound)
+    ok = (w_norm > 0) & (u_norm > 0)
+    safe_u = torch.where(ok, u_norm, torch.ones_like(u_norm))
+    return torch.where(ok, w_norm / safe_u, torch.ones_like(w_norm))
+
+
+def apply_trust_ratio_(updates: TensorList, params: TensorList, lower, upper) -> None:
+    """Scale each update in place by its layer's trust ratio (one batched norm computation)."""
+    if not updates:
+        return
+    ratios = trust_ratio(norms(params), norms(updates), lower, upper)
+    torch._foreach_mul_(updates, [r.to(u.dtype) for u, r in zip(updates, ratios.unbind(0))])
+
+
+# --------------------------------------------------------------------------------------------
+# momentum
+# --------------------------------------------------------------------------------------------
+
+
+def heavy_ball_(bufs: TensorList, grads: TensorList, momentum: float, nesterov: bool) -> TensorList:
+    """``v = mu*v + g`` in place; returns the step direction (``v``, or ``g + mu*v`` for Nesterov)."""
+    torch._foreach_mul_(bufs, momentum)
+    torch._foreach_add_(bufs, grads)
+    if nesterov:
+        return torch._foreach_add(grads, bufs, alpha=momentum)
+    return bufs

@@ -1,0 +1,195 @@
+"""AdamW with name-based decay exclusion, on torch's fused kernel where it can run."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+from torch.optim.adamw import adamw as _torch_adamw
+
+from ._base import (
+    GRAD_OPTION_DEFAULTS,
+    NameRule,
+    ScaleOptimizer,
+    check_betas,
+    check_bool,
+    check_number,
+    check_optional_bool,
+)
+
+__all__ = ["AdamW"]
+
+_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _fused_devices() -> List[str]:
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+        return list(_get_fused_kernels_supported_devices())
+    except Exception:  # pragma: no cover - very old torch
+        return ["cuda"]
+
+
+def fused_supported(params: List[Tensor]) -> bool:
+    """Whether torch's fused Adam kernel runs on all of ``params``."""
+    devices = _fused_devices()
+    return all(
+        p.dtype in _FUSED_DTYPES and p.device.type in devices and p.layout == torch.strided
+        for p in params
+    )
+
+
+class AdamW(ScaleOptimizer):
+    r"""AdamW (Loshchilov & Hutter, 2019) with decay exclusion by parameter name.
+
+    .. math::
+        \begin{aligned}
+        w &\leftarrow w - \eta \lambda w \quad\text{(not for excluded names)}\\
+        m_t &= \beta_1 m_{t-1} + (1-\beta_1) g_t,\qquad v_t = \beta_2 v_{t-1} + (1-\beta_2) g_t^2\\
+        w_t &= w - \eta\,\frac{m_t/(1-\beta_1^t)}{\sqrt{v_t/(1-\beta_2^t)} + \epsilon}
+        \end{aligned}
+
+    The numbers, the state (``step``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``) and the
+    checkpoints are those of :class:`torch.optim.AdamW`: a ``state_dict`` moves between the two.
+    The update runs on torch's fused kernel whenever every parameter supports it (CPU and CUDA,
+    float16/bfloat16/float32/float64), else on torch's foreach or single-tensor path.
+
+    Args:
+        params: tensors, ``(name, tensor)`` pairs or param-group dicts.
+        lr (float, default 1e-3): learning rate :math:`\eta`.
+        betas (tuple[float, float], default (0.9, 0.999)): :math:`(\beta_1, \beta_2)`.
+        eps (float, default 1e-8): :math:`\epsilon`.
+        weight_decay (float, default 0.01): :math:`\lambda` (decoupled).
+        amsgrad (bool, default False): keep the running maximum of :math:`v`.
+        exclude_from_weight_decay (regex, list of regexes, callable(name) or None): names that
+            get no decay.
+        max_grad_norm (float or None, default None): global gradient-norm clipping.
+        clip_grad_value, clip_grad_norm_per_tensor, rescale_grad: as in :class:`LAMB`.
+        maximize (bool, default False): maximize the objective.
+        foreach (bool or None, default None), fused (bool or None, default None): the kernel;
+            ``None`` picks the fused kernel when supported.
+
+    Example:
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = AdamW(model.named_parameters(), lr=1e-3, exclude_from_weight_decay=r"bias$")
+        >>> model(torch.randn(8, 4)).square().mean().backward()
+        >>> opt.step()
+
+    Paper: Ilya Loshchilov, Frank Hutter, "Decoupled Weight Decay Regularization", ICLR 2019,
+    https://arxiv.org/abs/1711.05101
+    """
+
+    _name_rule_keys = ("exclude_from_weight_decay",)
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1e-3,
+        betas: Tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        exclude_from_weight_decay: NameRule = None,
+        max_grad_norm: Optional[float] = None,
+        clip_grad_value: Any = None,
+        clip_grad_norm_per_tensor: Optional[float] = None,
+        rescale_grad: float = 1.0,
+        maximize: bool = False,
+        foreach: Optional[bool] = None,
+        fused: Optional[bool] = None,
+    ) -> None:
+        if fused and foreach:
+            raise ValueError("fused=True and foreach=True cannot be set together")
+        defaults = dict(
+            GRAD_OPTION_DEFAULTS,
+            lr=lr,
+            betas=tuple(betas) if isinstance(betas, list) else betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            exclude_from_weight_decay=exclude_from_weight_decay,
+            max_grad_norm=max_grad_norm,
+            clip_grad_value=clip_grad_value,
+            clip_grad_norm_per_tensor=clip_grad_norm_per_tensor,
+            rescale_grad=rescale_grad,
+            maximize=maximize,
+            foreach=foreach,
+            fused=fused,
+        )
+        super().__init__(params, defaults)
+
+    def _validate_group(self, group: Dict[str, Any]) -> None:
+        super()._validate_group(group)
+        check_betas(group["betas"])
+        check_number("eps", group["eps"])
+        check_number("weight_decay", group["weight_decay"])
+        check_bool("amsgrad", group["amsgrad"])
+        check_optional_bool("fused", group["fused"])
+        if group["fused"] and group["foreach"]:
+            raise ValueError("fused=True and foreach=True cannot be set together")
+        if group["fused"] and not fused_supported(group["params"]):
+            raise ValueError(
+                "fused=True needs floating-point parameters on a device with torch's fused Adam "
+                f"kernel ({', '.join(_fused_devices())})"
+            )
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        """Perform one optimization step. ``closure`` re-evaluates the model and returns the loss."""
+        loss = self._closure_loss(closure)
+        for group, idx, params, grads in self._intake():
+            fused = group["fused"]
+            if fused is None:
+                fused = group["foreach"] is not True and fused_supported(params)
+            no_decay = self._rule_flags(group, "exclude_from_weight_decay")
+            lists: Dict[bool, Tuple[List[Tensor], ...]] = {}
+            for i, p, g in zip(idx, params, grads):
+                state = self.state[p]
+                if len(state) == 0:
+                    state["step"] = (
+                        torch.zeros((), dtype=torch.float32, device=p.device)
+                        if fused
+                        else torch.tensor(0.0, dtype=torch.float32)
+                    )
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    if group["amsgrad"]:
+                        state["max_exp_avg_sq"] = torch.zeros_like(
+                            p, memory_format=torch.preserve_format
+                        )
+                if group["amsgrad"] and "max_exp_avg_sq" not in state:
+                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if fused and state["step"].device != p.device:
+                    state["step"] = state["step"].to(p.device)
+                elif not fused and state["step"].device.type != "cpu":
+                    state["step"] = state["step"].cpu()
+                ls = lists.setdefault(not no_decay[i], ([], [], [], [], [], []))
+                ls[0].append(p)
+                ls[1].append(g)
+                ls[2].append(state["exp_avg"])
+                ls[3].append(state["exp_avg_sq"])
+                ls[4].append(state["max_exp_avg_sq"] if group["amsgrad"] else p)
+                ls[5].append(state["step"])
+            beta1, beta2 = group["betas"]
+            for decayed, (ps, gs, ms, vs, maxs, steps) in lists.items():
+                _torch_adamw(
+                    ps,
+                    gs,
+                    ms,
+                    vs,
+                    maxs if group["amsgrad"] else [],
+                    steps,
+                    foreach=None if fused else group["foreach"],
+                    fused=fused,
+                    amsgrad=group["amsgrad"],
+                    beta1=beta1,
+                    beta2=beta2,
+                    lr=group["lr"],
+                    weight_decay=group["weight_decay"] if decayed else 0.0,
+                    eps=group["eps"],
+                    maximize=False,
+                )
+        return loss

@@ -1,0 +1,310 @@
+"""LAMB: layer-wise adaptive moments for large-batch training."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _blocks
+from ._base import (
+    GRAD_OPTION_DEFAULTS,
+    NameRule,
+    ScaleOptimizer,
+    check_betas,
+    check_bool,
+    check_choice,
+    check_number,
+    use_foreach,
+)
+
+__all__ = ["LAMB", "lamb"]
+
+WEIGHT_DECAY_MODES = ("update", "decoupled", "l2")
+
+
+def _check_bounds(group: Dict[str, Any]) -> None:
+    lo, hi = group["lower_bound"], group["upper_bound"]
+    check_number("lower_bound", lo, low=0.0, low_open=True, allow_none=True)
+    check_number("upper_bound", hi, low=0.0, low_open=True, allow_none=True)
+    if lo is not None and hi is not None and lo > hi:
+        raise ValueError(f"Invalid lower_bound/upper_bound: {lo!r} > {hi!r}")
+
+
+class LAMB(ScaleOptimizer):
+    r"""LAMB (You et al., 2020): Adam moments with a layer-wise trust ratio.
+
+    For each parameter tensor :math:`w` with gradient :math:`g` at step :math:`t`:
+
+    .. math::
+        \begin{aligned}
+        m_t &= \beta_1 m_{t-1} + (1-\beta_1) g_t, \qquad
+        v_t = \beta_2 v_{t-1} + (1-\beta_2) g_t^2 \\
+        \hat m_t &= m_t / (1-\beta_1^t), \qquad \hat v_t = v_t / (1-\beta_2^t)
+            \quad\text{(identity when bias\_correction=False)}\\
+        u_t &= \frac{\hat m_t}{\sqrt{\hat v_t} + \epsilon} + \lambda w_{t-1}
+            \quad\text{(weight\_decay\_mode="update")}\\
+        r_t &= \frac{\phi(\lVert w_{t-1}\rVert)}{\lVert u_t \rVert},
+            \quad \phi(x) = \min(\max(x, \text{lower\_bound}), \text{upper\_bound}),
+            \quad r_t = 1 \text{ if } \phi(\lVert w\rVert) = 0 \text{ or } \lVert u_t\rVert = 0\\
+        w_t &= w_{t-1} - \eta\, r_t\, u_t
+        \end{aligned}
+
+    With ``weight_decay_mode="decoupled"`` the decay is :math:`w \leftarrow w - \eta\lambda w`
+    before the step, outside the ratio (Keras); with ``"l2"`` it is added to the gradient
+    (:math:`g \leftarrow g + \lambda w`) before the moments. A tensor whose decay is 0 (because
+    ``weight_decay=0`` or it is excluded) takes the trust ratio only if ``always_adapt=True``;
+    otherwise its step is the plain Adam step :math:`\eta u_t` (Paddle, timm and apex default).
+    A tensor excluded from layer adaptation never takes the ratio.
+
+    Args:
+        params: tensors, ``(name, tensor)`` pairs such as ``model.named_parameters()``, or
+            param-group dicts. Name rules need names.
+        lr (float, default 1e-3): learning rate :math:`\eta`.
+        betas (tuple[float, float], default (0.9, 0.999)): :math:`(\beta_1, \beta_2)`.
+        eps (float, default 1e-6): :math:`\epsilon`, added outside the square root.
+        weight_decay (float, default 0.01): :math:`\lambda`.
+        weight_decay_mode (str, default ``"update"``): where the decay enters: ``"update"``
+            (added to the update before the trust ratio: LAMB paper, Paddle, MXNet, TF1),
+            ``"decoupled"`` (``w -= lr*wd*w`` before the step: Keras) or ``"l2"`` (added to
+            the gradient).
+        bias_correction (bool, default True): divide the moments by :math:`1-\beta^t`.
+        always_adapt (bool, default False): apply the trust ratio also to tensors whose decay
+            is 0 (Paddle ``always_adapt``, apex ``use_nvlamb``).
+        lower_bound (float or None, default None): lower clamp on :math:`\lVert w\rVert`.
+        upper_bound (float or None, default None): upper clamp on :math:`\lVert w\rVert`.
+        max_grad_norm (float or None, default None): clip gradients by their global norm
+            (over every parameter of the optimizer): :math:`g \leftarrow g\,c/\max(\lVert
+            g\rVert, c)`. ``None`` is off; 0 is rejected.
+        clip_grad_value (float, (min, max) or None, default None): clamp each gradient element.
+        clip_grad_norm_per_tensor (float or None, default None): clip each tensor's gradient
+            by its own norm.
+        rescale_grad (float, default 1.0): multiply gradients first (e.g. 1/loss scale).
+        exclude_from_weight_decay (regex, list of regexes, callable(name) or None): names
+            that get no decay (``re.search``).
+        exclude_from_layer_adaptation (regex, list of regexes, callable(name) or None): names
+            that never take the trust ratio.
+        maximize (bool, default False): maximize the objective.
+        foreach (bool or None, default None): ``False`` runs the reference single-tensor
+            loop; otherwise the multi-tensor path.
+
+    Gradients go through ``rescale_grad``, ``clip_grad_value``, ``clip_grad_norm_per_tensor``
+    and ``max_grad_norm`` in that order; ``p.grad`` is never modified.
+
+    Example:
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = LAMB(model.named_parameters(), lr=1e-3, weight_decay=0.01,
+        ...            exclude_from_weight_decay=["bias"])
+        >>> model(torch.randn(8, 4)).square().mean().backward()
+        >>> opt.step()
+
+    Paper: Yang You et al., "Large Batch Optimization for Deep Learning: Training BERT in 76
+    minutes", ICLR 2020, https://arxiv.org/abs/1904.00962
+    """
+
+    _name_rule_keys = ("exclude_from_weight_decay", "exclude_from_layer_adaptation")
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1e-3,
+        betas: Tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.01,
+        *,
+        weight_decay_mode: str = "update",
+        bias_correction: bool = True,
+        always_adapt: bool = False,
+        lower_bound: Optional[float] = None,
+        upper_bound: Optional[float] = None,
+        max_grad_norm: Optional[float] = None,
+        clip_grad_value: Any = None,
+        clip_grad_norm_per_tensor: Optional[float] = None,
+        rescale_grad: float = 1.0,
+        exclude_from_weight_decay: NameRule = None,
+        exclude_from_layer_adaptation: NameRule = None,
+        maximize: bool = False,
+        foreach: Optional[bool] = None,
+    ) -> None:
+        defaults = dict(
+            GRAD_OPTION_DEFAULTS,
+            lr=lr,
+            betas=tuple(betas) if isinstance(betas, list) else betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            weight_decay_mode=weight_decay_mode,
+            bias_correction=bias_correction,
+            always_adapt=always_adapt,
+            lower_bound=lower_bound,
+            upper_bound=upper_bound,
+            max_grad_norm=max_grad_norm,
+            clip_grad_value=clip_grad_value,
+            clip_grad_norm_per_tensor=clip_grad_norm_per_tensor,
+            rescale_grad=rescale_grad,
+            exclude_from_weight_decay=exclude_from_weight_decay,
+            exclude_from_layer_adaptation=exclude_from_layer_adaptation,
+            maximize=maximize,
+            foreach=foreach,
+        )
+        super().__init__(params, defaults)
+
+    def _validate_group(self, group: Dict[str, Any]) -> None:
+        super()._validate_group(group)
+        check_betas(group["betas"])
+        check_number("eps", group["eps"])
+        check_number("weight_decay", group["weight_decay"])
+        check_choice("weight_decay_mode", group["weight_decay_mode"], WEIGHT_DECAY_MODES)
+        check_bool("bias_correction", group["bias_correction"])
+        check_bool("always_adapt", group["always_adapt"])
+        _check_bounds(group)
+
+    def _layer_flags(self, group: Dict[str, Any], idx: Sequence[int]) -> Tuple[List[bool], List[bool]]:
+        """Per parameter (of ``idx``): whether it is decayed and whether it takes the ratio."""
+        no_decay = self._rule_flags(group, "exclude_from_weight_decay")
+        no_adapt = self._rule_flags(group, "exclude_from_layer_adaptation")
+        wd_on = group["weight_decay"] != 0
+        decay = [wd_on and not no_decay[i] for i in idx]
+        adapt = [not no_adapt[i] and (d or group["always_adapt"]) for i, d in zip(idx, decay)]
+        return decay, adapt
+
+    def _state_for(self, group: Dict[str, Any], params: List[Tensor]):
+        ms, vs, steps = [], [], []
+        for p in params:
+            state = self.state[p]
+            if len(state) == 0:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            ms.append(state["exp_avg"])
+            vs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        return ms, vs, steps
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        """Perform one optimization step. ``closure`` re-evaluates the model and returns the loss."""
+        loss = self._closure_loss(closure)
+        for group, idx, params, grads in self._intake():
+            ms, vs, steps = self._state_for(group, params)
+            decay, adapt = self._layer_flags(group, idx)
+            beta1, beta2 = group["betas"]
+            lamb(
+                params,
+                grads,
+                ms,
+                vs,
+                steps,
+                decay=decay,
+                adapt=adapt,
+                lr=group["lr"],
+                beta1=beta1,
+                beta2=beta2,
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                weight_decay_mode=group["weight_decay_mode"],
+                bias_correction=group["bias_correction"],
+                lower_bound=group["lower_bound"],
+                upper_bound=group["upper_bound"],
+                foreach=use_foreach(group, params),
+            )
+        return loss
+
+
+def lamb(
+    params: List[Tensor],
+    grads: List[Tensor],
+    exp_avgs: List[Tensor],
+    exp_avg_sqs: List[Tensor],
+    state_steps: List[Tensor],
+    *,
+    decay: Sequence[bool],
+    adapt: Sequence[bool],
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    weight_decay_mode: str = "update",
+    bias_correction: bool = True,
+    lower_bound: Optional[float] = None,
+    upper_bound: Optional[float] = None,
+    foreach: bool = True,
+) -> None:
+    """Functional LAMB over lists of tensors; see :class:`LAMB`. ``grads`` are read only."""
+    fn = _multi_tensor_lamb if foreach else _single_tensor_lamb
+    fn(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        state_steps,
+        decay=decay,
+        adapt=adapt,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        weight_decay_mode=weight_decay_mode,
+        bias_correction=bias_correction,
+        lower_bound=lower_bound,
+        upper_bound=upper_bound,
+    )
+
+
+def _single_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, decay, adapt, lr,
+                        beta1, beta2, eps, weight_decay, weight_decay_mode, bias_correction,
+                        lower_bound, upper_bound) -> None:
+    """The reference path: one tensor at a time, the algorithm as written in the docstring."""
+    for i, p in enumerate(params):
+        g, m, v = grads[i], exp_avgs[i], exp_avg_sqs[i]
+        state_steps[i] += 1
+        wd = weight_decay if decay[i] else 0.0
+        if weight_decay_mode == "l2" and wd != 0:
+            g = g.add(p, alpha=wd)
+        _blocks.adam_moments_one(m, v, g, beta1, beta2)
+        (bc1,), (bc2_sqrt,) = _blocks.bias_corrections(
+            [state_steps[i].item()], beta1, beta2, bias_correction
+        )
+        u = _blocks.adam_direction_one(m, v, bc1, bc2_sqrt, eps)
+        if weight_decay_mode == "update" and wd != 0:
+            u.add_(p, alpha=wd)
+        elif weight_decay_mode == "decoupled" and wd != 0:
+            p.mul_(1.0 - lr * wd)
+        if adapt[i]:
+            ratio = _blocks.trust_ratio(
+                _blocks.norm_one(p), _blocks.norm_one(u), lower_bound, upper_bound
+            )
+            u.mul_(ratio.to(u.dtype))
+        p.add_(u, alpha=-lr)
+
+
+def _pick(xs: Sequence[Tensor], idx: Sequence[int]) -> List[Tensor]:
+    return [xs[i] for i in idx]
+
+
+def _multi_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, decay, adapt, lr,
+                       beta1, beta2, eps, weight_decay, weight_decay_mode, bias_correction,
+                       lower_bound, upper_bound) -> None:
+    """The fast path: the same algorithm as a few multi-tensor kernels per group."""
+    if not params:
+        return
+    torch._foreach_add_(state_steps, 1)
+    dec = [i for i, d in enumerate(decay) if d and weight_decay != 0]
+    if weight_decay_mode == "l2" and dec:
+        grads = list(grads)
+        for i, g in zip(dec, _blocks.add_l2_to_grad(_pick(grads, dec), _pick(params, dec), weight_decay)):
+            grads[i] = g
+    _blocks.adam_moments(exp_avgs, exp_avg_sqs, grads, beta1, beta2)
+    bc1, bc2_sqrt = _blocks.bias_corrections(
+        [s.item() for s in state_steps], beta1, beta2, bias_correction
+    )
+    updates = _blocks.adam_direction(exp_avgs, exp_avg_sqs, bc1, bc2_sqrt, eps)
+    if weight_decay_mode == "update":
+        _blocks.add_decay_to_update(_pick(updates, dec), _pick(params, dec), weight_decay)
+    elif weight_decay_mode == "decoupled":
+        _blocks.decoupled_decay_(_pick(params, dec), lr, weight_decay)
+    ada = [i for i, a in enumerate(adapt) if a]
+    _blocks.apply_trust_ratio_(_pick(updates, ada), _pick(params, ada), lower_bound, upper_bound)
+    torch._foreach_add_(params, updates, alpha=-lr)
