@@ -91,7 +91,7 @@ def test_the_golden_cases_are_there():
     [
         ("paddle_lamb_exclude_bias", dict(always_adapt=True)),
         ("paddle_lamb_default", dict(weight_decay_mode="decoupled")),
-        ("keras_lamb_default", dict(bias_correction=False)),
+        ("keras_lamb_wd_exclude_bias", dict(weight_decay_mode="update")),
         ("tf1_lamb_numpy_default", dict(bias_correction=True)),
     ],
 )
