@@ -301,6 +301,7 @@ class ScaleOptimizer(torch.optim.Optimizer):
 
     # -- names --------------------------------------------------------------------------------
 
+    @torch.compiler.disable
     def _rule_flags(self, group: Dict[str, Any], key: str) -> Tuple[bool, ...]:
         """Per parameter of ``group``: whether the name rule ``group[key]`` selects it."""
         rule = group.get(key)

@@ -32,6 +32,10 @@ def _fused_devices() -> List[str]:
         return ["cuda"]
 
 
+def _compiling() -> bool:
+    return bool(getattr(torch.compiler, "is_compiling", lambda: False)())
+
+
 def fused_supported(params: List[Tensor]) -> bool:
     """Whether torch's fused Adam kernel runs on all of ``params``."""
     devices = _fused_devices()
@@ -184,6 +188,10 @@ class AdamW(ScaleOptimizer):
                     steps,
                     foreach=None if fused else group["foreach"],
                     fused=fused,
+                    # torch's foreach path needs its tensor-scalar form under torch.compile
+                    capturable=_compiling() and not fused and all(
+                        s.device == p.device for s, p in zip(steps, ps)
+                    ),
                     amsgrad=group["amsgrad"],
                     beta1=beta1,
                     beta2=beta2,

@@ -1,0 +1,66 @@
+"""One registry of optimizer configurations drives the generic tests (tests/test_matrix.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, List
+
+import torch
+
+import scaleopt
+from scaleopt.compat import keras, paddle, tf1
+
+
+@dataclasses.dataclass
+class OptimizerInfo:
+    name: str
+    make: Callable[[List], torch.optim.Optimizer]  # takes model.named_parameters() as a list
+    has_foreach: bool = True  # whether a foreach flag selects fast vs reference path
+
+    def __str__(self) -> str:  # pytest ids
+        return self.name
+
+
+def _keras_excluding_bias(named):
+    opt = keras.Lamb(named, learning_rate=0.01, weight_decay=0.05)
+    opt.exclude_from_weight_decay(var_names=["bias"])
+    return opt
+
+
+REGISTRY: List[OptimizerInfo] = [
+    OptimizerInfo("LAMB", lambda n: scaleopt.LAMB(n, lr=1e-2)),
+    OptimizerInfo("LAMB-exclude", lambda n: scaleopt.LAMB(
+        n, lr=1e-2, exclude_from_weight_decay=["bias", r"^1\."],
+        exclude_from_layer_adaptation=lambda name: name.startswith("2."))),
+    OptimizerInfo("LAMB-decoupled-bounds", lambda n: scaleopt.LAMB(
+        n, lr=1e-2, weight_decay=0.1, weight_decay_mode="decoupled", lower_bound=0.5,
+        upper_bound=2.0, always_adapt=True)),
+    OptimizerInfo("LAMB-l2-clip-nobc", lambda n: scaleopt.LAMB(
+        n, lr=1e-2, weight_decay_mode="l2", bias_correction=False, max_grad_norm=0.1,
+        clip_grad_value=0.05, clip_grad_norm_per_tensor=1.0, rescale_grad=0.5)),
+    OptimizerInfo("LAMB-maximize", lambda n: scaleopt.LAMB(n, lr=1e-2, maximize=True)),
+    OptimizerInfo("AdamW", lambda n: scaleopt.AdamW(n, lr=1e-2), has_foreach=False),
+    OptimizerInfo("AdamW-foreach", lambda n: scaleopt.AdamW(n, lr=1e-2, foreach=True)),
+    OptimizerInfo("AdamW-amsgrad-exclude-clip", lambda n: scaleopt.AdamW(
+        n, lr=1e-2, amsgrad=True, exclude_from_weight_decay=r"bias$", max_grad_norm=0.5),
+        has_foreach=False),
+    OptimizerInfo("Momentum-nesterov-l1", lambda n: scaleopt.Momentum(
+        n, lr=0.1, nesterov=True, weight_decay=1e-3, weight_decay_mode="l1")),
+    OptimizerInfo("paddle.Lamb", lambda n: paddle.Lamb(
+        learning_rate=0.01, parameters=n, grad_clip=paddle.ClipGradByGlobalNorm(1.0),
+        exclude_from_weight_decay_fn=lambda name: name.endswith("bias"))),
+    OptimizerInfo("paddle.AdamW", lambda n: paddle.AdamW(
+        learning_rate=0.01, parameters=n, apply_decay_param_fun=lambda name: "weight" in name),
+        has_foreach=False),
+    OptimizerInfo("paddle.Momentum", lambda n: paddle.Momentum(
+        learning_rate=0.1, momentum=0.9, parameters=n, weight_decay=paddle.L2Decay(1e-3),
+        grad_clip=paddle.ClipGradByValue(0.5))),
+    OptimizerInfo("keras.Lamb", _keras_excluding_bias),
+    OptimizerInfo("tf1.LAMBOptimizer", lambda n: tf1.LAMBOptimizer(
+        n, learning_rate=0.01, exclude_from_weight_decay=["bias"])),
+]
+
+
+def set_foreach(opt: torch.optim.Optimizer, value: bool) -> None:
+    for g in opt.param_groups:
+        g["foreach"] = value

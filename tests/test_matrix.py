@@ -1,0 +1,267 @@
+"""Generic behaviour every optimizer owes its users, driven by tests/registry.py."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+from torch import nn
+
+from registry import REGISTRY, set_foreach
+
+FAST = [i for i in REGISTRY if i.has_foreach]
+
+
+def make_model(seed: int = 0, dtype=torch.float32) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 4), nn.LayerNorm(4), nn.Linear(4, 3)).to(dtype)
+
+
+def batch(t: int, dtype=torch.float32):
+    g = torch.Generator().manual_seed(1000 + t)
+    return torch.randn(16, 5, generator=g).to(dtype), torch.randn(16, 3, generator=g).to(dtype)
+
+
+def loss_of(model: nn.Module, t: int) -> torch.Tensor:
+    dtype = next(model.parameters()).dtype
+    x, y = batch(t, dtype)
+    return (model(x) - y).square().mean()
+
+
+def train(model, opt, steps: int, start: int = 0, step_fn=None) -> None:
+    step_fn = step_fn or opt.step
+    for t in range(start, start + steps):
+        opt.zero_grad()
+        loss_of(model, t).backward()
+        step_fn()
+
+
+def params_of(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def fresh(info, seed: int = 0, dtype=torch.float32):
+    model = make_model(seed, dtype)
+    return model, info.make(list(model.named_parameters()))
+
+
+def roundtrip(sd):
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+@pytest.mark.parametrize("info", REGISTRY, ids=str)
+def test_it_trains(info):
+    model, opt = fresh(info)
+    before = loss_of(model, 0).item()
+    for _ in range(30):
+        opt.zero_grad()
+        loss_of(model, 0).backward()
+        opt.step()
+    after = loss_of(model, 0).item()
+    if opt.defaults.get("maximize"):
+        assert after > before, (before, after)
+    else:
+        assert after < before, (before, after)
+
+
+@pytest.mark.parametrize("info", REGISTRY, ids=str)
+def test_state_dict_resume_is_bit_identical(info):
+    m1, o1 = fresh(info)
+    train(m1, o1, 3)
+    sd = roundtrip(o1.state_dict())  # weights_only=True
+    m2 = copy.deepcopy(m1)
+    o2 = info.make(list(m2.named_parameters()))
+    o2.load_state_dict(sd)
+    train(m1, o1, 4, start=3)
+    train(m2, o2, 4, start=3)
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
+    for p1, p2 in zip(m1.parameters(), m2.parameters()):
+        for k, v in o1.state[p1].items():
+            assert torch.equal(v, o2.state[p2][k]), k
+
+
+@pytest.mark.parametrize("info", REGISTRY, ids=str)
+def test_state_dict_shows_every_option(info):
+    _, opt = fresh(info)
+    sd = roundtrip(opt.state_dict())
+    for group in sd["param_groups"]:
+        assert set(opt.defaults) <= set(group)
+        assert group["param_names"]
+
+
+@pytest.mark.parametrize("src, dst", [(torch.float32, torch.float64), (torch.float64, torch.float32)])
+@pytest.mark.parametrize("info", REGISTRY, ids=str)
+def test_state_dict_survives_a_change_of_dtype(info, src, dst):
+    m1, o1 = fresh(info, dtype=src)
+    train(m1, o1, 3)
+    m2 = copy.deepcopy(m1).to(dst)
+    o2 = info.make(list(m2.named_parameters()))
+    o2.load_state_dict(roundtrip(o1.state_dict()))
+    for p in m2.parameters():
+        for k, v in o2.state[p].items():
+            if k != "step" and torch.is_tensor(v):
+                assert v.dtype == dst, k
+    train(m1, o1, 3, start=3)
+    train(m2, o2, 3, start=3)
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(b.to(src), a, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("info", REGISTRY, ids=str)
+def test_zero_grad(info):
+    model, opt = fresh(info)
+    loss_of(model, 0).backward()
+    opt.zero_grad(set_to_none=False)
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("info", REGISTRY, ids=str)
+def test_closure_is_called_once_and_its_loss_returned(info):
+    model, opt = fresh(info)
+    calls = []
+
+    def closure():
+        calls.append(1)
+        opt.zero_grad()
+        loss = loss_of(model, 0)
+        loss.backward()
+        return loss
+
+    before = params_of(model)
+    loss = opt.step(closure)
+    assert len(calls) == 1 and torch.is_tensor(loss)
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("info", REGISTRY, ids=str)
+def test_step_hooks_run_once_per_step(info):
+    model, opt = fresh(info)
+    seen = []
+    opt.register_step_pre_hook(lambda o, a, k: seen.append("pre"))
+    opt.register_step_post_hook(lambda o, a, k: seen.append("post"))
+    train(model, opt, 2)
+    assert seen == ["pre", "post", "pre", "post"]
+
+
+@pytest.mark.parametrize("info", REGISTRY, ids=str)
+def test_lr_scheduler_drives_the_step(info):
+    model, opt = fresh(info)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 0.0)
+    assert all(g["lr"] == 0.0 for g in opt.param_groups)
+    before = params_of(model)
+    train(model, opt, 2)
+    sched.step()
+    for a, b in zip(before, model.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("info", REGISTRY, ids=str)
+def test_one_cycle_lr(info):
+    model, opt = fresh(info)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.01, total_steps=10)
+    key = "betas" if "betas" in opt.defaults else "momentum"
+    first = (opt.param_groups[0]["lr"], opt.param_groups[0][key])
+    for t in range(5):
+        opt.zero_grad()
+        loss_of(model, t).backward()
+        opt.step()
+        sched.step()
+    now = (opt.param_groups[0]["lr"], opt.param_groups[0][key])
+    assert now[0] != first[0] and now[1] != first[1]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("info", REGISTRY, ids=str)
+def test_add_param_group(info):
+    model, opt = fresh(info)
+    extra = nn.Parameter(torch.randn(4, 3))
+    opt.add_param_group({"params": [extra], "param_names": ["extra.weight"], "lr": 0.05})
+    group = opt.param_groups[-1]
+    assert group["lr"] == 0.05 and set(opt.defaults) <= set(group)
+    before = extra.detach().clone()
+    extra.grad = torch.randn(4, 3)
+    opt.step()
+    assert not torch.equal(before, extra)
+    with pytest.raises(ValueError, match="more than one"):
+        opt.add_param_group({"params": [extra], "param_names": ["again"]})
+
+
+@pytest.mark.parametrize("info", REGISTRY, ids=str)
+def test_compiled_step_matches_eager(info):
+    torch._dynamo.reset()
+    m1, o1 = fresh(info)
+    m2, o2 = fresh(info)
+    train(m1, o1, 3)
+    train(m2, o2, 3, step_fn=torch.compile(o2.step, backend="eager"))
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("info", REGISTRY, ids=str)
+def test_parameter_without_gradient_is_left_alone(info):
+    model = make_model()
+    idle = nn.Parameter(torch.randn(3, 3))
+    opt = info.make(list(model.named_parameters()) + [("idle.weight", idle)])
+    before = idle.detach().clone()
+    train(model, opt, 3)
+    assert torch.equal(before, idle)
+    assert len(opt.state[idle]) == 0
+
+
+@pytest.mark.parametrize("info", REGISTRY, ids=str)
+def test_zero_size_tensors(info):
+    torch.manual_seed(0)
+    named = [
+        ("a.weight", nn.Parameter(torch.randn(3, 2))),
+        ("empty.weight", nn.Parameter(torch.zeros(0, 4))),
+        ("empty.bias", nn.Parameter(torch.zeros(0))),
+    ]
+    opt = info.make(named)
+    before = named[0][1].detach().clone()
+    for _ in range(2):
+        for _, p in named:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    assert torch.isfinite(named[0][1]).all() and not torch.equal(before, named[0][1])
+    assert named[1][1].shape == (0, 4) and named[2][1].shape == (0,)
+
+
+@pytest.mark.parametrize("info", REGISTRY, ids=str)
+def test_sparse_gradient_is_a_clear_error(info):
+    p = nn.Parameter(torch.randn(4, 3))
+    opt = info.make([("emb.weight", p)])
+    p.grad = torch.randn(4, 3).to_sparse()
+    with pytest.raises(RuntimeError, match="sparse"):
+        opt.step()
+
+
+@pytest.mark.parametrize("info", FAST, ids=str)
+def test_fast_path_equals_reference_path(info):
+    m1, fast = fresh(info)
+    m2, ref = fresh(info)
+    set_foreach(fast, True)
+    set_foreach(ref, False)
+    train(m1, fast, 6)
+    train(m2, ref, 6)
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("info", REGISTRY, ids=str)
+def test_non_contiguous_parameters_are_updated(info):
+    base = torch.randn(6, 4)
+    p = nn.Parameter(base.t())  # a transposed, non-contiguous leaf
+    assert not p.is_contiguous()
+    opt = info.make([("w.weight", p)])
+    before = p.detach().clone()
+    p.grad = torch.randn(4, 6).t().contiguous().t()
+    opt.step()
+    assert not torch.equal(before, p)
