@@ -62,11 +62,11 @@ def check_number(
         raise ValueError(f"Invalid {name}: {value!r} (must be a finite number in {rng})")
 
 
-def check_betas(value: Any, name: str = "betas") -> None:
+def check_betas(value: Any, names: Tuple[str, str] = ("betas[0]", "betas[1]")) -> None:
     if not isinstance(value, (tuple, list)) or len(value) != 2:
-        raise TypeError(f"{name} must be a pair (beta1, beta2), got {value!r}")
-    for i, b in enumerate(value):
-        check_number(f"{name}[{i}]", b, low=0.0, high=1.0, high_open=True)
+        raise TypeError(f"betas must be a pair (beta1, beta2), got {value!r}")
+    for name, b in zip(names, value):
+        check_number(name, b, low=0.0, high=1.0, high_open=True)
 
 
 def check_choice(name: str, value: Any, choices: Sequence[Any]) -> None:
@@ -223,6 +223,11 @@ class ScaleOptimizer(torch.optim.Optimizer):
     _name_rule_keys: Tuple[str, ...] = ()
     #: Extra group options a subclass (e.g. a front-end) adds to the defaults.
     _extra_defaults: Dict[str, Any] = {}
+    #: Option -> the argument name users of a subclass know it by (front-ends), for errors.
+    _arg_names: Dict[str, str] = {}
+
+    def _arg(self, key: str) -> str:
+        return self._arg_names.get(key, key)
 
     def __init__(self, params: Any, defaults: Dict[str, Any]) -> None:
         groups = normalize_params(params)
@@ -254,20 +259,21 @@ class ScaleOptimizer(torch.optim.Optimizer):
         for key in self._name_rule_keys:
             if _rule_is_set(filled.get(key)) and "param_names" not in filled:
                 raise ValueError(
-                    f"{key} is a rule on parameter names, but the parameters have no names: "
+                    f"{self._arg(key)} is a rule on parameter names, but the parameters have no names: "
                     f"pass model.named_parameters() or groups with 'param_names'"
                 )
         super().add_param_group(group)
 
     def _validate_group(self, group: Dict[str, Any]) -> None:
         """Check a group's hyperparameters (defaults filled in). Subclasses extend this."""
-        check_number("lr", group["lr"])
-        check_number("rescale_grad", group["rescale_grad"], low=0.0, low_open=True)
+        check_number(self._arg("lr"), group["lr"])
+        check_number(self._arg("rescale_grad"), group["rescale_grad"], low=0.0, low_open=True)
         check_number(
-            "max_grad_norm", group["max_grad_norm"], low=0.0, low_open=True, allow_none=True
+            self._arg("max_grad_norm"), group["max_grad_norm"], low=0.0, low_open=True,
+            allow_none=True,
         )
         check_number(
-            "clip_grad_norm_per_tensor",
+            self._arg("clip_grad_norm_per_tensor"),
             group["clip_grad_norm_per_tensor"],
             low=0.0,
             low_open=True,
@@ -285,13 +291,13 @@ class ScaleOptimizer(torch.optim.Optimizer):
         else:
             check_number("clip_grad_value", cv, low=0.0, low_open=True, allow_none=True)
         if "lr_scale" in group:
-            check_number("lr_scale", group["lr_scale"])
+            check_number(self._arg("lr_scale"), group["lr_scale"])
         if "maximize" in group:
             check_bool("maximize", group["maximize"])
         if "foreach" in group:
             check_optional_bool("foreach", group["foreach"])
         for key in self._name_rule_keys:
-            check_name_rule(key, group.get(key))
+            check_name_rule(self._arg(key), group.get(key))
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         super().__setstate__(state)

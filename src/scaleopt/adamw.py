@@ -127,10 +127,11 @@ class AdamW(ScaleOptimizer):
 
     def _validate_group(self, group: Dict[str, Any]) -> None:
         super()._validate_group(group)
-        check_betas(group["betas"])
-        check_number("eps", group["eps"])
-        check_number("weight_decay", group["weight_decay"])
-        check_bool("amsgrad", group["amsgrad"])
+        a = self._arg
+        check_betas(group["betas"], (a("betas[0]"), a("betas[1]")))
+        check_number(a("eps"), group["eps"])
+        check_number(a("weight_decay"), group["weight_decay"])
+        check_bool(a("amsgrad"), group["amsgrad"])
         check_optional_bool("fused", group["fused"])
         if group["fused"] and group["foreach"]:
             raise ValueError("fused=True and foreach=True cannot be set together")

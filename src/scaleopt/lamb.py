@@ -24,12 +24,13 @@ __all__ = ["LAMB", "lamb"]
 WEIGHT_DECAY_MODES = ("update", "decoupled", "l2")
 
 
-def _check_bounds(group: Dict[str, Any]) -> None:
+def _check_bounds(group: Dict[str, Any], lo_name: str = "lower_bound",
+                  hi_name: str = "upper_bound") -> None:
     lo, hi = group["lower_bound"], group["upper_bound"]
-    check_number("lower_bound", lo, low=0.0, low_open=True, allow_none=True)
-    check_number("upper_bound", hi, low=0.0, low_open=True, allow_none=True)
+    check_number(lo_name, lo, low=0.0, low_open=True, allow_none=True)
+    check_number(hi_name, hi, low=0.0, low_open=True, allow_none=True)
     if lo is not None and hi is not None and lo > hi:
-        raise ValueError(f"Invalid lower_bound/upper_bound: {lo!r} > {hi!r}")
+        raise ValueError(f"Invalid {lo_name}/{hi_name}: {lo!r} > {hi!r}")
 
 
 class LAMB(ScaleOptimizer):
@@ -151,13 +152,14 @@ class LAMB(ScaleOptimizer):
 
     def _validate_group(self, group: Dict[str, Any]) -> None:
         super()._validate_group(group)
-        check_betas(group["betas"])
-        check_number("eps", group["eps"])
-        check_number("weight_decay", group["weight_decay"])
-        check_choice("weight_decay_mode", group["weight_decay_mode"], WEIGHT_DECAY_MODES)
-        check_bool("bias_correction", group["bias_correction"])
-        check_bool("always_adapt", group["always_adapt"])
-        _check_bounds(group)
+        a = self._arg
+        check_betas(group["betas"], (a("betas[0]"), a("betas[1]")))
+        check_number(a("eps"), group["eps"])
+        check_number(a("weight_decay"), group["weight_decay"])
+        check_choice(a("weight_decay_mode"), group["weight_decay_mode"], WEIGHT_DECAY_MODES)
+        check_bool(a("bias_correction"), group["bias_correction"])
+        check_bool(a("always_adapt"), group["always_adapt"])
+        _check_bounds(group, a("lower_bound"), a("upper_bound"))
 
     def _layer_flags(self, group: Dict[str, Any], idx: Sequence[int]) -> Tuple[List[bool], List[bool]]:
         """Per parameter (of ``idx``): whether it is decayed and whether it takes the ratio."""

@@ -90,9 +90,10 @@ class Momentum(ScaleOptimizer):
 
     def _validate_group(self, group: Dict[str, Any]) -> None:
         super()._validate_group(group)
-        check_number("momentum", group["momentum"], high=1.0, high_open=False)
-        check_bool("nesterov", group["nesterov"])
-        check_number("weight_decay", group["weight_decay"])
+        a = self._arg
+        check_number(a("momentum"), group["momentum"], high=1.0, high_open=False)
+        check_bool(a("nesterov"), group["nesterov"])
+        check_number(a("weight_decay"), group["weight_decay"])
         check_choice("weight_decay_mode", group["weight_decay_mode"], ("l2", "l1"))
 
     @torch.no_grad()

@@ -13,6 +13,18 @@ from ._common import GradientsAndVariables, ScheduledLR, as_float
 __all__ = ["Lamb"]
 
 
+_KERAS_ARGS = {
+    "lr": "learning_rate",
+    "betas[0]": "beta_1",
+    "betas[1]": "beta_2",
+    "eps": "epsilon",
+    "max_grad_norm": "global_clipnorm",
+    "clip_grad_value": "clipvalue",
+    "clip_grad_norm_per_tensor": "clipnorm",
+    "exclude_from_weight_decay": "var_names",
+}
+
+
 class Lamb(ScheduledLR, GradientsAndVariables, _LAMB):
     r"""``keras.optimizers.Lamb`` on :class:`scaleopt.LAMB`.
 
@@ -39,6 +51,8 @@ class Lamb(ScheduledLR, GradientsAndVariables, _LAMB):
         >>> model(torch.randn(8, 4)).square().mean().backward()
         >>> opt.step()
     """
+
+    _arg_names = _KERAS_ARGS
 
     def __init__(
         self,

@@ -167,6 +167,15 @@ class _PaddleAPI(ScheduledLR):
     """Paddle's optimizer methods on top of a scaleopt optimizer."""
 
     _extra_defaults = {"lr_scale": 1.0}
+    _arg_names = {
+        "lr": "learning_rate",
+        "betas[0]": "beta1",
+        "betas[1]": "beta2",
+        "eps": "epsilon",
+        "nesterov": "use_nesterov",
+        "exclude_from_weight_decay": "exclude_from_weight_decay_fn",
+        "lr_scale": "learning_rate (group multiplier)",
+    }
 
     def _paddle_init(self, learning_rate: Any, parameters: Any) -> float:
         if parameters is None:
@@ -280,6 +289,7 @@ class Lamb(_PaddleAPI, _LAMB):
         name: Optional[str] = None,
     ) -> None:
         lr = self._paddle_init(learning_rate, parameters)
+        self._arg_names = {**self._arg_names, "weight_decay": "lamb_weight_decay"}
         if exclude_from_weight_decay_fn is not None and not callable(exclude_from_weight_decay_fn):
             raise TypeError("exclude_from_weight_decay_fn must be callable(name) -> bool")
         self.name = name
@@ -335,6 +345,7 @@ class AdamW(_PaddleAPI, _AdamW):
         name: Optional[str] = None,
     ) -> None:
         lr = self._paddle_init(learning_rate, parameters)
+        self._arg_names = {**self._arg_names, "exclude_from_weight_decay": "apply_decay_param_fun"}
         if apply_decay_param_fun is not None and not callable(apply_decay_param_fun):
             raise TypeError("apply_decay_param_fun must be callable(name) -> bool")
         if lr_ratio is not None and not callable(lr_ratio):

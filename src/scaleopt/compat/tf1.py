@@ -29,6 +29,14 @@ class LAMBOptimizer(GradientsAndVariables, _LAMB):
         name ("LAMBOptimizer").
     """
 
+    _arg_names = {
+        "lr": "learning_rate",
+        "betas[0]": "beta_1",
+        "betas[1]": "beta_2",
+        "eps": "epsilon",
+        "weight_decay": "weight_decay_rate",
+    }
+
     def __init__(
         self,
         params: Any,
