@@ -193,13 +193,15 @@ def trust_ratio(
 
     ``phi`` clamps ``||w||`` to ``[lower_bound, upper_bound]`` (``None`` = unbounded). The clamp
     comes before the zero test, so a zero tensor with a lower bound gets ``lower/||u||``. The
-    ratio is 1 where ``phi(||w||)`` or ``||u||`` is 0, so it is never NaN or inf for finite input.
+    ratio is 1 where ``phi(||w||)`` or ``||u||`` is 0, or where the quotient overflows, so it is
+    never NaN or inf.
     """
     if lower_bound is not None or upper_bound is not None:
         w_norm = torch.clamp(w_norm, min=lower_bound, max=upper_bound)
     ok = (w_norm > 0) & (u_norm > 0)
     safe_u = torch.where(ok, u_norm, torch.ones_like(u_norm))
-    return torch.where(ok, w_norm / safe_u, torch.ones_like(w_norm))
+    ratio = w_norm / safe_u
+    return torch.where(ok & torch.isfinite(ratio), ratio, torch.ones_like(ratio))
 
 
 def apply_trust_ratio_(updates: TensorList, params: TensorList, lower, upper) -> None:
