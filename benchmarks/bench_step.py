@@ -1,0 +1,165 @@
+"""Optimizer step time on a BERT-like parameter set, as ratios to torch.optim.AdamW(fused=True).
+
+    python benchmarks/bench_step.py                    # 29M parameters (hidden 512, 4 layers)
+    python benchmarks/bench_step.py --size base        # 110M parameters (BERT-base shapes)
+    python benchmarks/bench_step.py --threads 2 --rounds 15 --json out.json
+
+Every optimizer gets its own copy of the same parameters and gradients. Steps are timed
+interleaved, round after round, in one process, so drifts in machine speed hit every optimizer
+alike; the table gives the median step time and its ratio to the fused AdamW baseline. Peers
+(timm, torch-optimizer, pytorch-optimizer) are timed when installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from typing import Callable, Dict, List, Tuple
+
+import torch
+
+import scaleopt
+
+SIZES = {
+    # name: (hidden, layers, vocab, intermediate)
+    "small": (512, 4, 30522, 2048),
+    "base": (768, 12, 30522, 3072),
+}
+
+
+def bert_shapes(hidden: int, layers: int, vocab: int, inter: int) -> List[Tuple[str, Tuple[int, ...]]]:
+    shapes = [
+        ("embeddings.word_embeddings.weight", (vocab, hidden)),
+        ("embeddings.position_embeddings.weight", (512, hidden)),
+        ("embeddings.token_type_embeddings.weight", (2, hidden)),
+        ("embeddings.LayerNorm.weight", (hidden,)),
+        ("embeddings.LayerNorm.bias", (hidden,)),
+    ]
+    for i in range(layers):
+        p = f"encoder.layer.{i}."
+        for n in ("query", "key", "value"):
+            shapes += [(p + f"attention.self.{n}.weight", (hidden, hidden)),
+                       (p + f"attention.self.{n}.bias", (hidden,))]
+        shapes += [
+            (p + "attention.output.dense.weight", (hidden, hidden)),
+            (p + "attention.output.dense.bias", (hidden,)),
+            (p + "attention.output.LayerNorm.weight", (hidden,)),
+            (p + "attention.output.LayerNorm.bias", (hidden,)),
+            (p + "intermediate.dense.weight", (inter, hidden)),
+            (p + "intermediate.dense.bias", (inter,)),
+            (p + "output.dense.weight", (hidden, inter)),
+            (p + "output.dense.bias", (hidden,)),
+            (p + "output.LayerNorm.weight", (hidden,)),
+            (p + "output.LayerNorm.bias", (hidden,)),
+        ]
+    shapes += [("pooler.dense.weight", (hidden, hidden)), ("pooler.dense.bias", (hidden,))]
+    return shapes
+
+
+def make_params(shapes, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    named = []
+    for name, shape in shapes:
+        p = torch.nn.Parameter((torch.randn(shape, generator=g) * 0.02).to(dtype))
+        p.grad = (torch.randn(shape, generator=g) * 1e-3).to(dtype)
+        named.append((name, p))
+    return named
+
+
+NO_DECAY = [r"bias$", r"LayerNorm"]
+
+
+def candidates() -> Dict[str, Callable]:
+    c: Dict[str, Callable] = {
+        "torch.AdamW(fused=True)": lambda n: torch.optim.AdamW([p for _, p in n], lr=1e-3, fused=True),
+        "torch.AdamW(foreach=True)": lambda n: torch.optim.AdamW([p for _, p in n], lr=1e-3, foreach=True),
+        "scaleopt.AdamW": lambda n: scaleopt.AdamW(n, lr=1e-3, exclude_from_weight_decay=NO_DECAY),
+        "scaleopt.LAMB": lambda n: scaleopt.LAMB(n, lr=1e-3, exclude_from_weight_decay=NO_DECAY),
+        "scaleopt.LAMB(foreach=False)": lambda n: scaleopt.LAMB(
+            n, lr=1e-3, exclude_from_weight_decay=NO_DECAY, foreach=False),
+    }
+    try:
+        from timm.optim import Lamb as TimmLamb
+
+        c["timm.optim.Lamb"] = lambda n: TimmLamb([p for _, p in n], lr=1e-3)
+    except Exception:
+        pass
+    try:
+        import torch_optimizer
+
+        c["torch_optimizer.Lamb"] = lambda n: torch_optimizer.Lamb([p for _, p in n], lr=1e-3)
+    except Exception:
+        pass
+    try:
+        import pytorch_optimizer
+
+        c["pytorch_optimizer.Lamb"] = lambda n: pytorch_optimizer.Lamb([p for _, p in n], lr=1e-3)
+    except Exception:
+        pass
+    return c
+
+
+def bandwidth_reference(named) -> float:
+    """Seconds for one in-place ``p += g`` over all tensors (12 bytes per fp32 parameter)."""
+    params = [p.detach() for _, p in named]
+    grads = [p.grad for _, p in named]
+    torch._foreach_add_(params, grads, alpha=0.0)
+    t = time.perf_counter()
+    torch._foreach_add_(params, grads, alpha=0.0)
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", choices=sorted(SIZES), default="small")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--only", nargs="*", help="substrings of optimizer names to time")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    shapes = bert_shapes(*SIZES[args.size])
+    nparams = sum(torch.Size(s).numel() for _, s in shapes)
+    chosen = {k: v for k, v in candidates().items()
+              if not args.only or k.startswith("torch.AdamW(fused") or any(o in k for o in args.only)}
+    opts = {}
+    for name, make in chosen.items():
+        named = make_params(shapes, dtype)
+        opts[name] = (make(named), named)
+        opts[name][0].step()  # warm-up: allocate state
+    times: Dict[str, List[float]] = {k: [] for k in opts}
+    ref_times = []
+    for _ in range(args.rounds):
+        for name, (opt, _) in opts.items():
+            t = time.perf_counter()
+            opt.step()
+            times[name].append(time.perf_counter() - t)
+        ref_times.append(bandwidth_reference(opts["torch.AdamW(fused=True)"][1]))
+    base = statistics.median(times["torch.AdamW(fused=True)"])
+    ref = statistics.median(ref_times)
+    print(f"BERT-like '{args.size}' set: {nparams / 1e6:.1f}M parameters in {len(shapes)} tensors, "
+          f"{args.dtype}; torch {torch.__version__}, {args.threads} threads, {args.rounds} rounds, "
+          f"{platform.processor() or platform.machine()}")
+    print(f"in-place p += g over all tensors: {ref * 1e3:.1f} ms "
+          f"({12 * nparams / ref / 1e9:.1f} GB/s at 12 bytes per parameter)")
+    print(f"{'optimizer':32s} {'median ms':>10s} {'x fused AdamW':>14s}")
+    rows = []
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        rows.append({"optimizer": name, "median_s": med, "ratio": med / base})
+        print(f"{name:32s} {med * 1e3:10.1f} {med / base:14.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"size": args.size, "params": nparams, "tensors": len(shapes),
+                       "dtype": args.dtype, "threads": args.threads, "torch": torch.__version__,
+                       "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
