@@ -59,14 +59,19 @@ def bert_shapes(hidden: int, layers: int, vocab: int, inter: int) -> List[Tuple[
     return shapes
 
 
-def make_params(shapes, dtype, seed=0):
+def make_params(shapes, dtype, device="cpu", seed=0):
     g = torch.Generator().manual_seed(seed)
     named = []
     for name, shape in shapes:
-        p = torch.nn.Parameter((torch.randn(shape, generator=g) * 0.02).to(dtype))
-        p.grad = (torch.randn(shape, generator=g) * 1e-3).to(dtype)
+        p = torch.nn.Parameter((torch.randn(shape, generator=g) * 0.02).to(device, dtype))
+        p.grad = (torch.randn(shape, generator=g) * 1e-3).to(device, dtype)
         named.append((name, p))
     return named
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
 
 
 NO_DECAY = [r"bias$", r"LayerNorm"]
@@ -106,9 +111,12 @@ def bandwidth_reference(named) -> float:
     """Seconds for one in-place ``p += g`` over all tensors (12 bytes per fp32 parameter)."""
     params = [p.detach() for _, p in named]
     grads = [p.grad for _, p in named]
+    device = str(params[0].device)
     torch._foreach_add_(params, grads, alpha=0.0)
+    sync(device)
     t = time.perf_counter()
     torch._foreach_add_(params, grads, alpha=0.0)
+    sync(device)
     return time.perf_counter() - t
 
 
@@ -117,6 +125,7 @@ def main() -> None:
     ap.add_argument("--size", choices=sorted(SIZES), default="small")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--only", nargs="*", help="substrings of optimizer names to time")
     ap.add_argument("--json", help="write the results here")
@@ -130,22 +139,24 @@ def main() -> None:
               if not args.only or k.startswith("torch.AdamW(fused") or any(o in k for o in args.only)}
     opts = {}
     for name, make in chosen.items():
-        named = make_params(shapes, dtype)
+        named = make_params(shapes, dtype, args.device)
         opts[name] = (make(named), named)
         opts[name][0].step()  # warm-up: allocate state
     times: Dict[str, List[float]] = {k: [] for k in opts}
     ref_times = []
     for _ in range(args.rounds):
         for name, (opt, _) in opts.items():
+            sync(args.device)
             t = time.perf_counter()
             opt.step()
+            sync(args.device)
             times[name].append(time.perf_counter() - t)
         ref_times.append(bandwidth_reference(opts["torch.AdamW(fused=True)"][1]))
     base = statistics.median(times["torch.AdamW(fused=True)"])
     ref = statistics.median(ref_times)
     print(f"BERT-like '{args.size}' set: {nparams / 1e6:.1f}M parameters in {len(shapes)} tensors, "
           f"{args.dtype}; torch {torch.__version__}, {args.threads} threads, {args.rounds} rounds, "
-          f"{platform.processor() or platform.machine()}")
+          f"{torch.cuda.get_device_name() if args.device.startswith('cuda') else platform.machine()}")
     print(f"in-place p += g over all tensors: {ref * 1e3:.1f} ms "
           f"({12 * nparams / ref / 1e9:.1f} GB/s at 12 bytes per parameter)")
     print(f"{'optimizer':32s} {'median ms':>10s} {'x fused AdamW':>14s}")
@@ -157,7 +168,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"size": args.size, "params": nparams, "tensors": len(shapes),
-                       "dtype": args.dtype, "threads": args.threads, "torch": torch.__version__,
+                       "dtype": args.dtype, "threads": args.threads, "device": args.device, "torch": torch.__version__,
                        "rows": rows}, f, indent=2)
 
 
