@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, List
+from typing import Callable, List
 
 import torch
 

@@ -299,6 +299,13 @@ class ScaleOptimizer(torch.optim.Optimizer):
         for key in self._name_rule_keys:
             check_name_rule(self._arg(key), group.get(key))
 
+    def _validate_adam_group(self, group: Dict[str, Any]) -> None:
+        """Checks shared by the Adam-family optimizers: betas, eps, weight_decay."""
+        a = self._arg
+        check_betas(group["betas"], (a("betas[0]"), a("betas[1]")))
+        check_number(a("eps"), group["eps"])
+        check_number(a("weight_decay"), group["weight_decay"])
+
     def __setstate__(self, state: Dict[str, Any]) -> None:
         super().__setstate__(state)
         for group in self.param_groups:

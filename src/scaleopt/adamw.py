@@ -12,9 +12,7 @@ from ._base import (
     GRAD_OPTION_DEFAULTS,
     NameRule,
     ScaleOptimizer,
-    check_betas,
     check_bool,
-    check_number,
     check_optional_bool,
 )
 
@@ -127,10 +125,8 @@ class AdamW(ScaleOptimizer):
 
     def _validate_group(self, group: Dict[str, Any]) -> None:
         super()._validate_group(group)
+        self._validate_adam_group(group)
         a = self._arg
-        check_betas(group["betas"], (a("betas[0]"), a("betas[1]")))
-        check_number(a("eps"), group["eps"])
-        check_number(a("weight_decay"), group["weight_decay"])
         check_bool(a("amsgrad"), group["amsgrad"])
         check_optional_bool("fused", group["fused"])
         if group["fused"] and group["foreach"]:

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
-import torch
 from torch import nn
 
 from ._base import NameRule, check_name_rule, check_number, match_names

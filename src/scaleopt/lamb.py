@@ -12,7 +12,6 @@ from ._base import (
     GRAD_OPTION_DEFAULTS,
     NameRule,
     ScaleOptimizer,
-    check_betas,
     check_bool,
     check_choice,
     check_number,
@@ -152,10 +151,8 @@ class LAMB(ScaleOptimizer):
 
     def _validate_group(self, group: Dict[str, Any]) -> None:
         super()._validate_group(group)
+        self._validate_adam_group(group)
         a = self._arg
-        check_betas(group["betas"], (a("betas[0]"), a("betas[1]")))
-        check_number(a("eps"), group["eps"])
-        check_number(a("weight_decay"), group["weight_decay"])
         check_choice(a("weight_decay_mode"), group["weight_decay_mode"], WEIGHT_DECAY_MODES)
         check_bool(a("bias_correction"), group["bias_correction"])
         check_bool(a("always_adapt"), group["always_adapt"])

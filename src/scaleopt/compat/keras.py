@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple, Union
 
-import torch
 from torch import Tensor
 
 from ..lamb import LAMB as _LAMB
@@ -72,9 +71,10 @@ class Lamb(ScheduledLR, GradientsAndVariables, _LAMB):
                 "Only one of `clipnorm`, `clipvalue` and `global_clipnorm` can be set. Received: "
                 f"clipnorm={clipnorm}, clipvalue={clipvalue}, global_clipnorm={global_clipnorm}"
             )
-        self._lr_source = 0.0
-        lr = self._init_lr_source(learning_rate) if not callable(learning_rate) else 0.0
-        self._lr_source = learning_rate if callable(learning_rate) else lr
+        if callable(learning_rate):  # a schedule of the iteration count, read before each step
+            self._lr_source, lr = learning_rate, 0.0
+        else:
+            lr = self._init_lr_source(learning_rate)
         self.name = name
         self._excluded_ids: set = set()
         super().__init__(

@@ -354,13 +354,7 @@ class AdamW(_PaddleAPI, _AdamW):
         groups = _groups(parameters, {"epsilon": "eps"}, (beta1, beta2))
         if lr_ratio is not None:
             groups = _split_by_lr_ratio(groups, lr_ratio)
-        exclude = None
-        if apply_decay_param_fun is not None:
-            fun = apply_decay_param_fun
-
-            def exclude(name: str) -> bool:
-                return not fun(name)
-
+        exclude = _negate(apply_decay_param_fun) if apply_decay_param_fun is not None else None
         super().__init__(
             groups,
             lr=lr,
@@ -373,6 +367,15 @@ class AdamW(_PaddleAPI, _AdamW):
         )
         self._after_init()
         _check_multi_precision(self, multi_precision)
+
+
+def _negate(rule: Callable[[str], bool]) -> Callable[[str], bool]:
+    """Paddle's "decay this name" rule as scaleopt's "exclude this name" rule."""
+
+    def exclude(name: str) -> bool:
+        return not rule(name)
+
+    return exclude
 
 
 def _split_by_lr_ratio(groups: List[Dict[str, Any]], lr_ratio: Callable[[str], float]):
