@@ -27,6 +27,16 @@ class LAMBOptimizer(GradientsAndVariables, _LAMB):
         learning_rate (float, required), weight_decay_rate (0.01), beta_1 (0.9), beta_2 (0.999),
         epsilon (1e-6), exclude_from_weight_decay (list of regexes or None),
         name ("LAMBOptimizer").
+
+    Example:
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = LAMBOptimizer(model.named_parameters(), learning_rate=0.01,
+        ...                     exclude_from_weight_decay=["bias"])
+        >>> grads = [torch.ones_like(p) for p in model.parameters()]
+        >>> opt.apply_gradients(zip(grads, model.parameters()))
+
+    Reference: the ``LAMBOptimizer`` of the LAMB article's TensorFlow 1 code (You et al., ICLR
+    2020, https://arxiv.org/abs/1904.00962).
     """
 
     _arg_names = {
