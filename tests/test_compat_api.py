@@ -155,8 +155,8 @@ def test_keras_clip_options_map_to_their_meaning():
 def test_tf1_apply_gradients_and_exclusion():
     params = named()
     opt = tf1.LAMBOptimizer(params, learning_rate=0.1, exclude_from_weight_decay=["bias"])
-    decay, adapt = opt._layer_flags(opt.param_groups[0], [0, 1])
-    assert decay == [True, False] and adapt == [True, True]
+    _, wds, adapt = opt._layer_options(opt.param_groups[0], [0, 1])
+    assert wds == [0.01, 0.0] and adapt == [True, True]
     w0 = params[0][1].detach().clone()
     opt.apply_gradients([(torch.ones_like(p), p) for _, p in params])
     assert not torch.equal(w0, params[0][1])

@@ -82,7 +82,8 @@ def test_exclusion_from_decay_and_adaptation_by_name():
         always_adapt=True,
     )
     group = opt.param_groups[0]
-    decay, adapt = opt._layer_flags(group, range(len(named)))
+    _, wds, adapt = opt._layer_options(group, range(len(named)))
+    decay = [w != 0 for w in wds]
     names = [n for n, _ in named]
     assert dict(zip(names, decay)) == {
         "0.weight": True, "0.bias": False, "2.weight": True, "2.bias": False,

@@ -332,13 +332,16 @@ class ScaleOptimizer(torch.optim.Optimizer):
 
     # -- gradients ----------------------------------------------------------------------------
 
-    def _intake(self) -> Iterator[Tuple[Dict[str, Any], List[int], List[Tensor], List[Tensor]]]:
+    def _intake(
+        self, value_clip: bool = True
+    ) -> Iterator[Tuple[Dict[str, Any], List[int], List[Tensor], List[Tensor]]]:
         """Yield ``(group, indices, params, grads)`` for each group, over parameters with a grad.
 
         ``grads`` are the gradients after ``maximize`` (negation), ``rescale_grad``,
-        ``clip_grad_value``, ``clip_grad_norm_per_tensor`` and, last, global ``max_grad_norm``
-        clipping, whose norm is taken over every gradient of every group. New tensors are made
-        only for the transforms in use; ``p.grad`` itself is never written.
+        ``clip_grad_value`` (unless ``value_clip=False``: the optimizer applies it itself),
+        ``clip_grad_norm_per_tensor`` and, last, global ``max_grad_norm`` clipping, whose norm is
+        taken over every gradient of every group. New tensors are made only for the transforms
+        in use; ``p.grad`` itself is never written.
         """
         self._refresh_hyperparameters()
         staged = []
@@ -359,7 +362,8 @@ class ScaleOptimizer(torch.optim.Optimizer):
                 if group.get("maximize", False):
                     grads = torch._foreach_neg(grads)
                 grads = _blocks.scale(grads, group["rescale_grad"])
-                grads = _blocks.clip_by_value(grads, group["clip_grad_value"])
+                if value_clip:
+                    grads = _blocks.clip_by_value(grads, group["clip_grad_value"])
                 grads = _blocks.clip_by_tensor_norm(grads, group["clip_grad_norm_per_tensor"])
             staged.append((group, idx, params, grads))
         if any(g["max_grad_norm"] is not None for g, *_ in staged):

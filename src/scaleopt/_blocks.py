@@ -204,11 +204,11 @@ def trust_ratio(
     return torch.where(ok & torch.isfinite(ratio), ratio, torch.ones_like(ratio))
 
 
-def apply_trust_ratio_(updates: TensorList, params: TensorList, lower, upper) -> None:
-    """Scale each update in place by its layer's trust ratio (one batched norm computation)."""
+def apply_trust_ratio_(updates: TensorList, w_norms: Tensor, lower, upper) -> None:
+    """Scale each update in place by its layer's trust ratio, given the weights' norms."""
     if not updates:
         return
-    ratios = trust_ratio(norms(params), norms(updates), lower, upper)
+    ratios = trust_ratio(w_norms, norms(updates), lower, upper)
     torch._foreach_mul_(updates, [r.to(u.dtype) for u, r in zip(updates, ratios.unbind(0))])
 
 

@@ -8,31 +8,15 @@ import torch
 from torch import Tensor
 
 from . import _blocks
-from ._base import (
-    GRAD_OPTION_DEFAULTS,
-    NameRule,
-    ScaleOptimizer,
-    check_bool,
-    check_choice,
-    check_number,
-    use_foreach,
-)
+from ._base import GRAD_OPTION_DEFAULTS, NameRule, check_choice, use_foreach
+from ._layerwise import LayerwiseAdam, by_value, pick
 
 __all__ = ["LAMB", "lamb"]
 
 WEIGHT_DECAY_MODES = ("update", "decoupled", "l2")
 
 
-def _check_bounds(group: Dict[str, Any], lo_name: str = "lower_bound",
-                  hi_name: str = "upper_bound") -> None:
-    lo, hi = group["lower_bound"], group["upper_bound"]
-    check_number(lo_name, lo, low=0.0, low_open=True, allow_none=True)
-    check_number(hi_name, hi, low=0.0, low_open=True, allow_none=True)
-    if lo is not None and hi is not None and lo > hi:
-        raise ValueError(f"Invalid {lo_name}/{hi_name}: {lo!r} > {hi!r}")
-
-
-class LAMB(ScaleOptimizer):
+class LAMB(LayerwiseAdam):
     r"""LAMB (You et al., 2020): Adam moments with a layer-wise trust ratio.
 
     For each parameter tensor :math:`w` with gradient :math:`g` at step :math:`t`:
@@ -85,6 +69,9 @@ class LAMB(ScaleOptimizer):
             that get no decay (``re.search``).
         exclude_from_layer_adaptation (regex, list of regexes, callable(name) or None): names
             that never take the trust ratio.
+        master_weights (bool, default False): keep a float32 master copy and float32 moments for
+            float16/bfloat16 parameters (Paddle's and MXNet's ``multi_precision``); the update
+            runs in float32 and is rounded into the parameter. Saved in ``state_dict``.
         maximize (bool, default False): maximize the objective.
         foreach (bool or None, default None): ``False`` runs the reference single-tensor
             loop; otherwise the multi-tensor path.
@@ -124,6 +111,7 @@ class LAMB(ScaleOptimizer):
         rescale_grad: float = 1.0,
         exclude_from_weight_decay: NameRule = None,
         exclude_from_layer_adaptation: NameRule = None,
+        master_weights: bool = False,
         maximize: bool = False,
         foreach: Optional[bool] = None,
     ) -> None:
@@ -144,6 +132,7 @@ class LAMB(ScaleOptimizer):
             rescale_grad=rescale_grad,
             exclude_from_weight_decay=exclude_from_weight_decay,
             exclude_from_layer_adaptation=exclude_from_layer_adaptation,
+            master_weights=master_weights,
             maximize=maximize,
             foreach=foreach,
         )
@@ -151,63 +140,28 @@ class LAMB(ScaleOptimizer):
 
     def _validate_group(self, group: Dict[str, Any]) -> None:
         super()._validate_group(group)
-        self._validate_adam_group(group)
-        a = self._arg
-        check_choice(a("weight_decay_mode"), group["weight_decay_mode"], WEIGHT_DECAY_MODES)
-        check_bool(a("bias_correction"), group["bias_correction"])
-        check_bool(a("always_adapt"), group["always_adapt"])
-        _check_bounds(group, a("lower_bound"), a("upper_bound"))
+        check_choice(self._arg("weight_decay_mode"), group["weight_decay_mode"], WEIGHT_DECAY_MODES)
 
-    def _layer_flags(self, group: Dict[str, Any], idx: Sequence[int]) -> Tuple[List[bool], List[bool]]:
-        """Per parameter (of ``idx``): whether it is decayed and whether it takes the ratio."""
-        no_decay = self._rule_flags(group, "exclude_from_weight_decay")
-        no_adapt = self._rule_flags(group, "exclude_from_layer_adaptation")
-        wd_on = group["weight_decay"] != 0
-        decay = [wd_on and not no_decay[i] for i in idx]
-        adapt = [not no_adapt[i] and (d or group["always_adapt"]) for i, d in zip(idx, decay)]
-        return decay, adapt
-
-    def _state_for(self, group: Dict[str, Any], params: List[Tensor]):
-        ms, vs, steps = [], [], []
-        for p in params:
-            state = self.state[p]
-            if len(state) == 0:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            ms.append(state["exp_avg"])
-            vs.append(state["exp_avg_sq"])
-            steps.append(state["step"])
-        return ms, vs, steps
-
-    @torch.no_grad()
-    def step(self, closure=None):  # type: ignore[override]
-        """Perform one optimization step. ``closure`` re-evaluates the model and returns the loss."""
-        loss = self._closure_loss(closure)
-        for group, idx, params, grads in self._intake():
-            ms, vs, steps = self._state_for(group, params)
-            decay, adapt = self._layer_flags(group, idx)
-            beta1, beta2 = group["betas"]
-            lamb(
-                params,
-                grads,
-                ms,
-                vs,
-                steps,
-                decay=decay,
-                adapt=adapt,
-                lr=group["lr"],
-                beta1=beta1,
-                beta2=beta2,
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
-                weight_decay_mode=group["weight_decay_mode"],
-                bias_correction=group["bias_correction"],
-                lower_bound=group["lower_bound"],
-                upper_bound=group["upper_bound"],
-                foreach=use_foreach(group, params),
-            )
-        return loss
+    def _update(self, group, params, grads, exp_avgs, exp_avg_sqs, steps, lrs, wds, adapt) -> None:
+        beta1, beta2 = group["betas"]
+        lamb(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            steps,
+            lrs=lrs,
+            weight_decays=wds,
+            adapt=adapt,
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            weight_decay_mode=group["weight_decay_mode"],
+            bias_correction=group["bias_correction"],
+            lower_bound=group["lower_bound"],
+            upper_bound=group["upper_bound"],
+            foreach=use_foreach(group, params),
+        )
 
 
 def lamb(
@@ -217,49 +171,35 @@ def lamb(
     exp_avg_sqs: List[Tensor],
     state_steps: List[Tensor],
     *,
-    decay: Sequence[bool],
+    lrs: Sequence[float],
+    weight_decays: Sequence[float],
     adapt: Sequence[bool],
-    lr: float,
     beta1: float,
     beta2: float,
     eps: float,
-    weight_decay: float,
     weight_decay_mode: str = "update",
     bias_correction: bool = True,
     lower_bound: Optional[float] = None,
     upper_bound: Optional[float] = None,
     foreach: bool = True,
 ) -> None:
-    """Functional LAMB over lists of tensors; see :class:`LAMB`. ``grads`` are read only."""
+    """Functional LAMB over lists of tensors; see :class:`LAMB`.
+
+    ``lrs``, ``weight_decays`` and ``adapt`` are per tensor. ``grads`` are read, never written.
+    """
     fn = _multi_tensor_lamb if foreach else _single_tensor_lamb
-    fn(
-        params,
-        grads,
-        exp_avgs,
-        exp_avg_sqs,
-        state_steps,
-        decay=decay,
-        adapt=adapt,
-        lr=lr,
-        beta1=beta1,
-        beta2=beta2,
-        eps=eps,
-        weight_decay=weight_decay,
-        weight_decay_mode=weight_decay_mode,
-        bias_correction=bias_correction,
-        lower_bound=lower_bound,
-        upper_bound=upper_bound,
-    )
+    fn(params, grads, exp_avgs, exp_avg_sqs, state_steps, lrs=lrs, weight_decays=weight_decays,
+       adapt=adapt, beta1=beta1, beta2=beta2, eps=eps, weight_decay_mode=weight_decay_mode,
+       bias_correction=bias_correction, lower_bound=lower_bound, upper_bound=upper_bound)
 
 
-def _single_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, decay, adapt, lr,
-                        beta1, beta2, eps, weight_decay, weight_decay_mode, bias_correction,
-                        lower_bound, upper_bound) -> None:
+def _single_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs, weight_decays,
+                        adapt, beta1, beta2, eps, weight_decay_mode, bias_correction, lower_bound,
+                        upper_bound) -> None:
     """The reference path: one tensor at a time, the algorithm as written in the docstring."""
     for i, p in enumerate(params):
-        g, m, v = grads[i], exp_avgs[i], exp_avg_sqs[i]
+        g, m, v, lr, wd = grads[i], exp_avgs[i], exp_avg_sqs[i], lrs[i], weight_decays[i]
         state_steps[i] += 1
-        wd = weight_decay if decay[i] else 0.0
         if weight_decay_mode == "l2" and wd != 0:
             g = g.add(p, alpha=wd)
         _blocks.adam_moments_one(m, v, g, beta1, beta2)
@@ -279,31 +219,33 @@ def _single_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, de
         p.add_(u, alpha=-lr)
 
 
-def _pick(xs: Sequence[Tensor], idx: Sequence[int]) -> List[Tensor]:
-    return [xs[i] for i in idx]
-
-
-def _multi_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, decay, adapt, lr,
-                       beta1, beta2, eps, weight_decay, weight_decay_mode, bias_correction,
-                       lower_bound, upper_bound) -> None:
+def _multi_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs, weight_decays,
+                       adapt, beta1, beta2, eps, weight_decay_mode, bias_correction, lower_bound,
+                       upper_bound) -> None:
     """The fast path: the same algorithm as a few multi-tensor kernels per group."""
     if not params:
         return
     torch._foreach_add_(state_steps, 1)
-    dec = [i for i, d in enumerate(decay) if d and weight_decay != 0]
-    if weight_decay_mode == "l2" and dec:
+    decays = [(wd, ids) for wd, ids in by_value(weight_decays) if wd != 0]
+    if weight_decay_mode == "l2" and decays:
         grads = list(grads)
-        for i, g in zip(dec, _blocks.add_l2_to_grad(_pick(grads, dec), _pick(params, dec), weight_decay)):
-            grads[i] = g
+        for wd, ids in decays:
+            for i, g in zip(ids, _blocks.add_l2_to_grad(pick(grads, ids), pick(params, ids), wd)):
+                grads[i] = g
     _blocks.adam_moments(exp_avgs, exp_avg_sqs, grads, beta1, beta2)
     bc1, bc2_sqrt = _blocks.bias_corrections(
         [s.item() for s in state_steps], beta1, beta2, bias_correction
     )
     updates = _blocks.adam_direction(exp_avgs, exp_avg_sqs, bc1, bc2_sqrt, eps)
     if weight_decay_mode == "update":
-        _blocks.add_decay_to_update(_pick(updates, dec), _pick(params, dec), weight_decay)
+        for wd, ids in decays:
+            _blocks.add_decay_to_update(pick(updates, ids), pick(params, ids), wd)
     elif weight_decay_mode == "decoupled":
-        _blocks.decoupled_decay_(_pick(params, dec), lr, weight_decay)
+        for (lr, wd), ids in by_value(list(zip(lrs, weight_decays))):
+            _blocks.decoupled_decay_(pick(params, ids), lr, wd)
     ada = [i for i, a in enumerate(adapt) if a]
-    _blocks.apply_trust_ratio_(_pick(updates, ada), _pick(params, ada), lower_bound, upper_bound)
-    torch._foreach_add_(params, updates, alpha=-lr)
+    _blocks.apply_trust_ratio_(
+        pick(updates, ada), _blocks.norms(pick(params, ada)), lower_bound, upper_bound
+    )
+    for lr, ids in by_value(lrs):
+        torch._foreach_add_(pick(params, ids), pick(updates, ids), alpha=-lr)

@@ -1,0 +1,164 @@
+"""What LAMB and LANS share: per-layer options, fp32 master weights, Adam state, the step loop."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from ._base import ScaleOptimizer, check_bool, check_number
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def by_value(values: Sequence[Any]) -> List[Tuple[Any, List[int]]]:
+    """Indices grouped by equal value, in first-seen order: ``[(value, [i, ...]), ...]``."""
+    out: Dict[Any, List[int]] = {}
+    for i, v in enumerate(values):
+        out.setdefault(v, []).append(i)
+    return list(out.items())
+
+
+def pick(xs: Sequence[Tensor], idx: Sequence[int]) -> List[Tensor]:
+    return [xs[i] for i in idx]
+
+
+def check_bounds(lo: Any, hi: Any, lo_name: str = "lower_bound", hi_name: str = "upper_bound") -> None:
+    check_number(lo_name, lo, low=0.0, low_open=True, allow_none=True)
+    check_number(hi_name, hi, low=0.0, low_open=True, allow_none=True)
+    if lo is not None and hi is not None and lo > hi:
+        raise ValueError(f"Invalid {lo_name}/{hi_name}: {lo!r} > {hi!r}")
+
+
+class LayerwiseAdam(ScaleOptimizer):
+    """Base of the layer-wise adaptive optimizers (LAMB, LANS).
+
+    Subclasses implement :meth:`_update`, which receives, for one group, the working tensors
+    (fp32 masters where ``master_weights`` applies), the Adam state and per-parameter learning
+    rates, weight decays and adaptation flags.
+
+    With ``master_weights=True``, a float16/bfloat16 parameter keeps a float32 copy
+    (``state["master_param"]``) and float32 moments; the update runs in float32 on the copy,
+    which is then rounded into the parameter. The copy is part of :meth:`state_dict`, and
+    :meth:`load_state_dict` keeps it (and the moments) in float32, so a resumed run continues from
+    the float32 master, not from the rounded weights.
+    """
+
+    _name_rule_keys = ("exclude_from_weight_decay", "exclude_from_layer_adaptation")
+
+    def _validate_group(self, group: Dict[str, Any]) -> None:
+        super()._validate_group(group)
+        self._validate_adam_group(group)
+        a = self._arg
+        check_bool(a("bias_correction"), group["bias_correction"])
+        check_bool(a("always_adapt"), group["always_adapt"])
+        check_bool(a("master_weights"), group["master_weights"])
+        check_bounds(group["lower_bound"], group["upper_bound"], a("lower_bound"), a("upper_bound"))
+
+    # -- per-parameter options ------------------------------------------------------------------
+
+    def _param_multipliers(
+        self, group: Dict[str, Any], idx: Sequence[int]
+    ) -> Tuple[Optional[List[float]], Optional[List[float]]]:
+        """Per-parameter (lr, weight-decay) multipliers; ``None`` means all 1. Front-ends override."""
+        return None, None
+
+    def _layer_options(
+        self, group: Dict[str, Any], idx: Sequence[int]
+    ) -> Tuple[List[float], List[float], List[bool]]:
+        """Per parameter of ``idx``: learning rate, weight decay, and whether it takes the ratio.
+
+        A parameter excluded from weight decay has decay 0. It takes the trust ratio unless it is
+        excluded from layer adaptation, or its decay is 0 and ``always_adapt`` is off.
+        """
+        no_decay = self._rule_flags(group, "exclude_from_weight_decay")
+        no_adapt = self._rule_flags(group, "exclude_from_layer_adaptation")
+        lr_mult, wd_mult = self._param_multipliers(group, idx)
+        lr, wd = group["lr"], group["weight_decay"]
+        lrs = [lr] * len(idx) if lr_mult is None else [lr * m for m in lr_mult]
+        wds = [0.0 if no_decay[i] else wd for i in idx]
+        if wd_mult is not None:
+            wds = [w * m for w, m in zip(wds, wd_mult)]
+        adapt = [not no_adapt[i] and (w != 0 or group["always_adapt"]) for i, w in zip(idx, wds)]
+        return lrs, wds, adapt
+
+    # -- state -----------------------------------------------------------------------------------
+
+    def _working_set(self, group: Dict[str, Any], params: List[Tensor], grads: List[Tensor]):
+        """The tensors the update runs on, and the (param, master) pairs to copy back after it."""
+        if not group["master_weights"]:
+            return params, grads, []
+        work_p, work_g, back = [], [], []
+        for p, g in zip(params, grads):
+            if p.dtype in LOW_PRECISION:
+                state = self.state[p]
+                master = state.get("master_param")
+                if master is None:
+                    master = state["master_param"] = p.detach().to(torch.float32, copy=True)
+                work_p.append(master)
+                work_g.append(g.to(torch.float32))
+                back.append((p, master))
+            else:
+                work_p.append(p)
+                work_g.append(g)
+        return work_p, work_g, back
+
+    def _adam_state(self, params: List[Tensor], work: List[Tensor]):
+        ms, vs, steps = [], [], []
+        for p, w in zip(params, work):
+            state = self.state[p]
+            if "step" not in state:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(w, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(w, memory_format=torch.preserve_format)
+            for key in ("exp_avg", "exp_avg_sq"):
+                if state[key].dtype != w.dtype:  # e.g. a checkpoint saved without master weights
+                    state[key] = state[key].to(w.dtype)
+            ms.append(state["exp_avg"])
+            vs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        return ms, vs, steps
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        saved_groups = state_dict["param_groups"]
+        fp32: Dict[int, Dict[str, Tensor]] = {}
+        for sg, g in zip(saved_groups, self.param_groups):
+            for pid, p in zip(sg["params"], g["params"]):
+                st = state_dict["state"].get(pid, {})
+                if "master_param" in st and p.dtype in LOW_PRECISION:
+                    fp32[id(p)] = {
+                        k: v.to(device=p.device, dtype=torch.float32, copy=True)
+                        for k, v in st.items()
+                        if k != "step" and torch.is_tensor(v) and v.is_floating_point()
+                    }
+        super().load_state_dict(state_dict)
+        for g in self.param_groups:
+            for p in g["params"]:
+                st = self.state.get(p)
+                if not st:
+                    continue
+                if id(p) in fp32:
+                    st.update(fp32[id(p)])
+                elif p.dtype not in LOW_PRECISION:
+                    st.pop("master_param", None)  # a float32 parameter is its own master
+
+    # -- the step --------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        """Perform one optimization step. ``closure`` re-evaluates the model and returns the loss."""
+        loss = self._closure_loss(closure)
+        for group, idx, params, grads in self._intake(**self._intake_options):
+            work_p, work_g, back = self._working_set(group, params, grads)
+            ms, vs, steps = self._adam_state(params, work_p)
+            lrs, wds, adapt = self._layer_options(group, idx)
+            self._update(group, work_p, work_g, ms, vs, steps, lrs, wds, adapt)
+            if back:
+                torch._foreach_copy_([p for p, _ in back], [m for _, m in back])
+        return loss
+
+    _intake_options: Dict[str, Any] = {}
+
+    def _update(self, group, params, grads, exp_avgs, exp_avg_sqs, steps, lrs, wds, adapt) -> None:
+        raise NotImplementedError
