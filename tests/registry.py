@@ -8,7 +8,7 @@ from typing import Callable, List
 import torch
 
 import scaleopt
-from scaleopt.compat import keras, paddle, tf1
+from scaleopt.compat import keras, mxnet, paddle, tf1
 
 
 @dataclasses.dataclass
@@ -39,6 +39,11 @@ REGISTRY: List[OptimizerInfo] = [
         n, lr=1e-2, weight_decay_mode="l2", bias_correction=False, max_grad_norm=0.1,
         clip_grad_value=0.05, clip_grad_norm_per_tensor=1.0, rescale_grad=0.5)),
     OptimizerInfo("LAMB-maximize", lambda n: scaleopt.LAMB(n, lr=1e-2, maximize=True)),
+    OptimizerInfo("LANS", lambda n: scaleopt.LANS(n, lr=1e-2)),
+    OptimizerInfo("LANS-moved-bounds-clip", lambda n: scaleopt.LANS(
+        n, lr=1e-2, weight_decay=0.05, decay_moved_weight=True, lower_bound=0.5, upper_bound=3.0,
+        clip_grad_value=0.3, exclude_from_weight_decay="bias", always_adapt=False,
+        max_grad_norm=1.0)),
     OptimizerInfo("AdamW", lambda n: scaleopt.AdamW(n, lr=1e-2), has_foreach=False),
     OptimizerInfo("AdamW-foreach", lambda n: scaleopt.AdamW(n, lr=1e-2, foreach=True)),
     OptimizerInfo("AdamW-amsgrad-exclude-clip", lambda n: scaleopt.AdamW(
@@ -56,6 +61,10 @@ REGISTRY: List[OptimizerInfo] = [
         learning_rate=0.1, momentum=0.9, parameters=n, weight_decay=paddle.L2Decay(1e-3),
         grad_clip=paddle.ClipGradByValue(0.5))),
     OptimizerInfo("keras.Lamb", _keras_excluding_bias),
+    OptimizerInfo("mxnet.LAMB", lambda n: mxnet.LAMB(
+        n, learning_rate=0.01, wd=0.01, clip_gradient=0.5, lower_bound=0.1,
+        param_idx2name={i: f"p{i}_{'weight' if i % 2 == 0 else 'bias'}" for i in range(len(n))})),
+    OptimizerInfo("mxnet.LANS", lambda n: mxnet.LANS(n, learning_rate=0.01, wd=0.01)),
     OptimizerInfo("tf1.LAMBOptimizer", lambda n: tf1.LAMBOptimizer(
         n, learning_rate=0.01, exclude_from_weight_decay=["bias"])),
 ]

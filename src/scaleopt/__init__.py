@@ -3,8 +3,9 @@
 from .adamw import AdamW
 from .groups import param_groups
 from .lamb import LAMB
+from .lans import LANS
 from .momentum import Momentum
 
 __version__ = "0.1.0"
 
-__all__ = ["LAMB", "AdamW", "Momentum", "param_groups", "__version__"]
+__all__ = ["LAMB", "LANS", "AdamW", "Momentum", "param_groups", "__version__"]

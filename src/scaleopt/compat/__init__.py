@@ -1,10 +1,11 @@
 """Front-ends with the reference frameworks' own class and argument names.
 
-``scaleopt.compat.paddle``, ``scaleopt.compat.keras`` and ``scaleopt.compat.tf1`` hold thin
+``scaleopt.compat.paddle``, ``scaleopt.compat.mxnet``, ``scaleopt.compat.keras`` and
+``scaleopt.compat.tf1`` hold thin
 classes on the scaleopt core that reproduce those frameworks' optimizers, numbers included, for
 porting training scripts.
 """
 
-from . import keras, paddle, tf1
+from . import keras, mxnet, paddle, tf1
 
-__all__ = ["paddle", "keras", "tf1"]
+__all__ = ["paddle", "mxnet", "keras", "tf1"]

@@ -1,0 +1,251 @@
+"""LANS: LAMB with normalised gradients and a Nesterov-style two-part update."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _blocks
+from ._base import GRAD_OPTION_DEFAULTS, NameRule, check_bool, use_foreach
+from ._layerwise import LayerwiseAdam, by_value, pick
+
+__all__ = ["LANS", "lans"]
+
+
+class LANS(LayerwiseAdam):
+    r"""LANS (Zheng et al., 2020): per-tensor normalised gradients, Adam moments, and two
+    trust-ratio-scaled parts weighted :math:`\beta_1` and :math:`1-\beta_1`.
+
+    For each tensor :math:`w` with gradient :math:`g` at step :math:`t`:
+
+    .. math::
+        \begin{aligned}
+        \tilde g &= g / \lVert g \rVert \quad (0 \text{ when } \lVert g\rVert = 0) \\
+        m_t &= \beta_1 m_{t-1} + (1-\beta_1)\tilde g, \qquad
+        v_t = \beta_2 v_{t-1} + (1-\beta_2)\tilde g^2 \\
+        d_t &= \sqrt{v_t/(1-\beta_2^t)} + \epsilon, \qquad
+        r_t = \frac{m_t/(1-\beta_1^t)}{d_t} + \lambda w, \qquad
+        c_t = \frac{\tilde g}{d_t} + \lambda w \\
+        w &\leftarrow w - \eta\beta_1 \frac{\phi(\lVert w\rVert)}{\lVert r_t\rVert} r_t
+              - \eta(1-\beta_1) \frac{\phi(\lVert w\rVert)}{\lVert c_t\rVert} c_t
+        \end{aligned}
+
+    :math:`\phi` clamps :math:`\lVert w\rVert` to ``[lower_bound, upper_bound]``; a ratio whose
+    norms are 0 (or that overflows) is 1. Both parts use the weight from before the step, as in
+    the paper and MXNet's fused kernel. With ``decay_moved_weight=True`` the second part's decay
+    uses the weight already moved by the first part, as MXNet's ``LANS.step()`` does (both ratios
+    still use the pre-step :math:`\lVert w\rVert`).
+
+    Unlike MXNet's ``step()``, an all-zero gradient does not divide 0 by 0: the tensor's
+    normalised gradient is 0 and it stays finite. ``clip_grad_value`` applies to the normalised
+    gradient (as in MXNet); ``rescale_grad`` and the norm-based clipping come before the
+    normalisation (and so only matter for their sign and for non-finite values).
+
+    Args:
+        params: tensors, ``(name, tensor)`` pairs or param-group dicts.
+        lr (float, default 1e-3): learning rate :math:`\eta`.
+        betas (tuple[float, float], default (0.9, 0.999)): :math:`(\beta_1, \beta_2)`.
+        eps (float, default 1e-6): :math:`\epsilon`, outside the square root.
+        weight_decay (float, default 0.01): :math:`\lambda`.
+        bias_correction (bool, default True): divide the moments by :math:`1-\beta^t`.
+        always_adapt (bool, default True): trust ratios also for tensors whose decay is 0.
+        lower_bound (float or None, default None), upper_bound (float or None, default None):
+            clamp :math:`\lVert w\rVert`.
+        decay_moved_weight (bool, default False): MXNet ``step()`` semantics, see above.
+        max_grad_norm, clip_grad_value, clip_grad_norm_per_tensor, rescale_grad: as in
+            :class:`scaleopt.LAMB` (see the note above).
+        exclude_from_weight_decay, exclude_from_layer_adaptation (regex, list, callable or None):
+            name rules, as in :class:`scaleopt.LAMB`.
+        master_weights (bool, default False): float32 master copy for float16/bfloat16 params.
+        maximize (bool, default False): maximize the objective.
+        foreach (bool or None, default None): ``False`` runs the reference single-tensor loop.
+
+    Example:
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = LANS(model.named_parameters(), lr=1e-3, exclude_from_weight_decay="bias")
+        >>> model(torch.randn(8, 4)).square().mean().backward()
+        >>> opt.step()
+
+    Paper: Shuai Zheng, Haibin Lin, Sheng Zha, Mu Li, "Accelerated Large Batch Optimization of
+    BERT Pretraining in 54 minutes", 2020, https://arxiv.org/abs/2006.13484
+    """
+
+    _intake_options = {"value_clip": False}
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1e-3,
+        betas: Tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.01,
+        *,
+        bias_correction: bool = True,
+        always_adapt: bool = True,
+        lower_bound: Optional[float] = None,
+        upper_bound: Optional[float] = None,
+        decay_moved_weight: bool = False,
+        max_grad_norm: Optional[float] = None,
+        clip_grad_value: Any = None,
+        clip_grad_norm_per_tensor: Optional[float] = None,
+        rescale_grad: float = 1.0,
+        exclude_from_weight_decay: NameRule = None,
+        exclude_from_layer_adaptation: NameRule = None,
+        master_weights: bool = False,
+        maximize: bool = False,
+        foreach: Optional[bool] = None,
+    ) -> None:
+        defaults = dict(
+            GRAD_OPTION_DEFAULTS,
+            lr=lr,
+            betas=tuple(betas) if isinstance(betas, list) else betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            bias_correction=bias_correction,
+            always_adapt=always_adapt,
+            lower_bound=lower_bound,
+            upper_bound=upper_bound,
+            decay_moved_weight=decay_moved_weight,
+            max_grad_norm=max_grad_norm,
+            clip_grad_value=clip_grad_value,
+            clip_grad_norm_per_tensor=clip_grad_norm_per_tensor,
+            rescale_grad=rescale_grad,
+            exclude_from_weight_decay=exclude_from_weight_decay,
+            exclude_from_layer_adaptation=exclude_from_layer_adaptation,
+            master_weights=master_weights,
+            maximize=maximize,
+            foreach=foreach,
+        )
+        super().__init__(params, defaults)
+
+    def _validate_group(self, group: Dict[str, Any]) -> None:
+        super()._validate_group(group)
+        check_bool(self._arg("decay_moved_weight"), group["decay_moved_weight"])
+
+    def _update(self, group, params, grads, exp_avgs, exp_avg_sqs, steps, lrs, wds, adapt) -> None:
+        beta1, beta2 = group["betas"]
+        lans(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            steps,
+            lrs=lrs,
+            weight_decays=wds,
+            adapt=adapt,
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            bias_correction=group["bias_correction"],
+            lower_bound=group["lower_bound"],
+            upper_bound=group["upper_bound"],
+            clip_grad_value=group["clip_grad_value"],
+            decay_moved_weight=group["decay_moved_weight"],
+            foreach=use_foreach(group, params),
+        )
+
+
+def lans(
+    params: List[Tensor],
+    grads: List[Tensor],
+    exp_avgs: List[Tensor],
+    exp_avg_sqs: List[Tensor],
+    state_steps: List[Tensor],
+    *,
+    lrs: Sequence[float],
+    weight_decays: Sequence[float],
+    adapt: Sequence[bool],
+    beta1: float,
+    beta2: float,
+    eps: float,
+    bias_correction: bool = True,
+    lower_bound: Optional[float] = None,
+    upper_bound: Optional[float] = None,
+    clip_grad_value: Any = None,
+    decay_moved_weight: bool = False,
+    foreach: bool = True,
+) -> None:
+    """Functional LANS over lists of tensors; see :class:`LANS`. ``grads`` are read only."""
+    fn = _multi_tensor_lans if foreach else _single_tensor_lans
+    fn(params, grads, exp_avgs, exp_avg_sqs, state_steps, lrs=lrs, weight_decays=weight_decays,
+       adapt=adapt, beta1=beta1, beta2=beta2, eps=eps, bias_correction=bias_correction,
+       lower_bound=lower_bound, upper_bound=upper_bound, clip_grad_value=clip_grad_value,
+       decay_moved_weight=decay_moved_weight)
+
+
+def _inverse_norms(norms: Tensor) -> Tensor:
+    """``1/n``, and 0 where ``n`` is 0 (an all-zero gradient stays zero, not NaN)."""
+    return torch.where(norms > 0, 1.0 / torch.where(norms > 0, norms, torch.ones_like(norms)),
+                       torch.zeros_like(norms))
+
+
+def _single_tensor_lans(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs, weight_decays,
+                        adapt, beta1, beta2, eps, bias_correction, lower_bound, upper_bound,
+                        clip_grad_value, decay_moved_weight) -> None:
+    """The reference path: one tensor at a time, the algorithm as written in the docstring."""
+    for i, p in enumerate(params):
+        m, v, lr, wd = exp_avgs[i], exp_avg_sqs[i], lrs[i], weight_decays[i]
+        state_steps[i] += 1
+        g = grads[i] * _inverse_norms(_blocks.norm_one(grads[i])).to(grads[i].dtype)
+        (g,) = _blocks.clip_by_value([g], clip_grad_value)
+        _blocks.adam_moments_one(m, v, g, beta1, beta2)
+        (bc1,), (bc2_sqrt,) = _blocks.bias_corrections(
+            [state_steps[i].item()], beta1, beta2, bias_correction
+        )
+        denom = v.sqrt().div_(bc2_sqrt).add_(eps)
+        r = (m / bc1).div_(denom)
+        c = g / denom
+        w_norm = _blocks.norm_one(p)
+        if wd != 0:
+            r.add_(p, alpha=wd)
+        if adapt[i]:
+            r.mul_(_blocks.trust_ratio(w_norm, _blocks.norm_one(r), lower_bound, upper_bound).to(r.dtype))
+        if decay_moved_weight:
+            p.add_(r, alpha=-lr * beta1)
+        if wd != 0:
+            c.add_(p, alpha=wd)
+        if adapt[i]:
+            c.mul_(_blocks.trust_ratio(w_norm, _blocks.norm_one(c), lower_bound, upper_bound).to(c.dtype))
+        if not decay_moved_weight:
+            p.add_(r, alpha=-lr * beta1)
+        p.add_(c, alpha=-lr * (1.0 - beta1))
+
+
+def _multi_tensor_lans(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs, weight_decays,
+                       adapt, beta1, beta2, eps, bias_correction, lower_bound, upper_bound,
+                       clip_grad_value, decay_moved_weight) -> None:
+    """The fast path: the same algorithm as a few multi-tensor kernels per group."""
+    if not params:
+        return
+    torch._foreach_add_(state_steps, 1)
+    inv = _inverse_norms(_blocks.norms(grads))
+    g = torch._foreach_mul(grads, [s.to(x.dtype) for x, s in zip(grads, inv.unbind(0))])
+    g = _blocks.clip_by_value(g, clip_grad_value)
+    _blocks.adam_moments(exp_avgs, exp_avg_sqs, g, beta1, beta2)
+    bc1, bc2_sqrt = _blocks.bias_corrections(
+        [s.item() for s in state_steps], beta1, beta2, bias_correction
+    )
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denom, bc2_sqrt)
+    torch._foreach_add_(denom, eps)
+    r = torch._foreach_div(exp_avgs, bc1)
+    torch._foreach_div_(r, denom)
+    c = torch._foreach_div(g, denom)
+    decays = [(wd, ids) for wd, ids in by_value(weight_decays) if wd != 0]
+    ada = [i for i, a in enumerate(adapt) if a]
+    w_norms = _blocks.norms(pick(params, ada))
+    for wd, ids in decays:
+        _blocks.add_decay_to_update(pick(r, ids), pick(params, ids), wd)
+    _blocks.apply_trust_ratio_(pick(r, ada), w_norms, lower_bound, upper_bound)
+    if decay_moved_weight:
+        for lr, ids in by_value(lrs):
+            torch._foreach_add_(pick(params, ids), pick(r, ids), alpha=-lr * beta1)
+    for wd, ids in decays:
+        _blocks.add_decay_to_update(pick(c, ids), pick(params, ids), wd)
+    _blocks.apply_trust_ratio_(pick(c, ada), w_norms, lower_bound, upper_bound)
+    for lr, ids in by_value(lrs):
+        if not decay_moved_weight:
+            torch._foreach_add_(pick(params, ids), pick(r, ids), alpha=-lr * beta1)
+        torch._foreach_add_(pick(params, ids), pick(c, ids), alpha=-lr * (1.0 - beta1))
