@@ -77,7 +77,8 @@ def sync(device: str) -> None:
 NO_DECAY = [r"bias$", r"LayerNorm"]
 
 
-def candidates() -> Dict[str, Callable]:
+def candidates() -> Tuple[Dict[str, Callable], Dict[str, Callable]]:
+    """(optimizers on parameters of the chosen dtype, optimizers on bfloat16 parameters)."""
     c: Dict[str, Callable] = {
         "torch.AdamW(fused=True)": lambda n: torch.optim.AdamW([p for _, p in n], lr=1e-3, fused=True),
         "torch.AdamW(foreach=True)": lambda n: torch.optim.AdamW([p for _, p in n], lr=1e-3, foreach=True),
@@ -85,6 +86,14 @@ def candidates() -> Dict[str, Callable]:
         "scaleopt.LAMB": lambda n: scaleopt.LAMB(n, lr=1e-3, exclude_from_weight_decay=NO_DECAY),
         "scaleopt.LAMB(foreach=False)": lambda n: scaleopt.LAMB(
             n, lr=1e-3, exclude_from_weight_decay=NO_DECAY, foreach=False),
+        "scaleopt.LANS": lambda n: scaleopt.LANS(n, lr=1e-3, exclude_from_weight_decay=NO_DECAY),
+    }
+    # bf16 parameters with fp32 master weights and moments (mixed-precision training)
+    low: Dict[str, Callable] = {
+        "scaleopt.LAMB(bf16 params, master_weights)": lambda n: scaleopt.LAMB(
+            n, lr=1e-3, exclude_from_weight_decay=NO_DECAY, master_weights=True),
+        "scaleopt.LANS(bf16 params, master_weights)": lambda n: scaleopt.LANS(
+            n, lr=1e-3, exclude_from_weight_decay=NO_DECAY, master_weights=True),
     }
     try:
         from timm.optim import Lamb as TimmLamb
@@ -104,7 +113,7 @@ def candidates() -> Dict[str, Callable]:
         c["pytorch_optimizer.Lamb"] = lambda n: pytorch_optimizer.Lamb([p for _, p in n], lr=1e-3)
     except Exception:
         pass
-    return c
+    return c, low
 
 
 def bandwidth_reference(named) -> float:
@@ -135,11 +144,14 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     shapes = bert_shapes(*SIZES[args.size])
     nparams = sum(torch.Size(s).numel() for _, s in shapes)
-    chosen = {k: v for k, v in candidates().items()
+    same, low = candidates()
+    every = {k: (v, dtype) for k, v in same.items()}
+    every.update({k: (v, torch.bfloat16) for k, v in low.items()})
+    chosen = {k: v for k, v in every.items()
               if not args.only or k.startswith("torch.AdamW(fused") or any(o in k for o in args.only)}
     opts = {}
-    for name, make in chosen.items():
-        named = make_params(shapes, dtype, args.device)
+    for name, (make, pdtype) in chosen.items():
+        named = make_params(shapes, pdtype, args.device)
         opts[name] = (make(named), named)
         opts[name][0].step()  # warm-up: allocate state
     times: Dict[str, List[float]] = {k: [] for k in opts}
@@ -159,12 +171,12 @@ def main() -> None:
           f"{torch.cuda.get_device_name() if args.device.startswith('cuda') else platform.machine()}")
     print(f"in-place p += g over all tensors: {ref * 1e3:.1f} ms "
           f"({12 * nparams / ref / 1e9:.1f} GB/s at 12 bytes per parameter)")
-    print(f"{'optimizer':32s} {'median ms':>10s} {'x fused AdamW':>14s}")
+    print(f"{'optimizer':44s} {'median ms':>10s} {'x fused AdamW':>14s}")
     rows = []
     for name, ts in times.items():
         med = statistics.median(ts)
         rows.append({"optimizer": name, "median_s": med, "ratio": med / base})
-        print(f"{name:32s} {med * 1e3:10.1f} {med / base:14.2f}")
+        print(f"{name:44s} {med * 1e3:10.1f} {med / base:14.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"size": args.size, "params": nparams, "tensors": len(shapes),

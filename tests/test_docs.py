@@ -9,6 +9,8 @@ import pytest
 
 MODULES = [
     "scaleopt.lamb",
+    "scaleopt.lans",
+    "scaleopt.compat.mxnet",
     "scaleopt.adamw",
     "scaleopt.momentum",
     "scaleopt.groups",
@@ -28,7 +30,7 @@ def test_docstring_examples(name):
     assert result.failed == 0
 
 
-@pytest.mark.parametrize("name", ["LAMB", "AdamW", "Momentum"])
+@pytest.mark.parametrize("name", ["LAMB", "LANS", "AdamW", "Momentum"])
 def test_docstrings_name_every_argument(name):
     import inspect
 

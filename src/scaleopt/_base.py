@@ -389,7 +389,14 @@ class ScaleOptimizer(torch.optim.Optimizer):
 
 
 def use_foreach(group: Dict[str, Any], params: Sequence[Tensor]) -> bool:
-    """The fast multi-tensor path unless ``foreach=False`` or the tensors are not strided."""
-    if group.get("foreach") is False:
+    """Whether to run the multi-tensor (foreach) path rather than the per-tensor loop.
+
+    ``foreach=True``/``False`` decides. ``None`` picks foreach on accelerators, where it saves
+    kernel launches, and the per-tensor loop on the CPU, where torch's foreach ops are a loop
+    themselves and the per-tensor order keeps each tensor in cache (measured faster there).
+    """
+    if not all(p.layout == torch.strided for p in params):
         return False
-    return all(p.layout == torch.strided for p in params)
+    if group.get("foreach") is not None:
+        return bool(group["foreach"])
+    return all(p.device.type != "cpu" for p in params)

@@ -73,8 +73,9 @@ class LAMB(LayerwiseAdam):
             float16/bfloat16 parameters (Paddle's and MXNet's ``multi_precision``); the update
             runs in float32 and is rounded into the parameter. Saved in ``state_dict``.
         maximize (bool, default False): maximize the objective.
-        foreach (bool or None, default None): ``False`` runs the reference single-tensor
-            loop; otherwise the multi-tensor path.
+        foreach (bool or None, default None): ``True`` runs the multi-tensor path, ``False``
+            the reference single-tensor loop; ``None`` picks the multi-tensor path on
+            accelerators and the loop on the CPU (faster there). Both give the same numbers.
 
     Gradients go through ``rescale_grad``, ``clip_grad_value``, ``clip_grad_norm_per_tensor``
     and ``max_grad_norm`` in that order; ``p.grad`` is never modified.

@@ -60,7 +60,9 @@ class LANS(LayerwiseAdam):
             name rules, as in :class:`scaleopt.LAMB`.
         master_weights (bool, default False): float32 master copy for float16/bfloat16 params.
         maximize (bool, default False): maximize the objective.
-        foreach (bool or None, default None): ``False`` runs the reference single-tensor loop.
+        foreach (bool or None, default None): ``True`` runs the multi-tensor path, ``False``
+            the reference single-tensor loop; ``None`` picks the multi-tensor path on
+            accelerators and the loop on the CPU (faster there). Both give the same numbers.
 
     Example:
         >>> model = torch.nn.Linear(4, 2)

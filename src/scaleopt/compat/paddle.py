@@ -175,6 +175,7 @@ class _PaddleAPI(ScheduledLR):
         "nesterov": "use_nesterov",
         "exclude_from_weight_decay": "exclude_from_weight_decay_fn",
         "lr_scale": "learning_rate (group multiplier)",
+        "master_weights": "multi_precision",
     }
 
     def _paddle_init(self, learning_rate: Any, parameters: Any) -> float:
@@ -263,7 +264,8 @@ class Lamb(_PaddleAPI, _LAMB):
         learning_rate (float or LRScheduler, default 0.001), lamb_weight_decay (float, default
         0.01), beta1 (0.9), beta2 (0.999), epsilon (1e-6), parameters (required), grad_clip
         (``ClipGradByGlobalNorm``/``ClipGradByNorm``/``ClipGradByValue`` or None),
-        exclude_from_weight_decay_fn (callable(name) -> bool or None), multi_precision (False),
+        exclude_from_weight_decay_fn (callable(name) -> bool or None), multi_precision (False:
+        True keeps float32 master weights and moments for float16/bfloat16 parameters),
         always_adapt (False), name (None).
 
     Example:
@@ -304,10 +306,10 @@ class Lamb(_PaddleAPI, _LAMB):
             bias_correction=True,
             always_adapt=always_adapt,
             exclude_from_weight_decay=exclude_from_weight_decay_fn,
+            master_weights=bool(multi_precision),
             **_clip_options(grad_clip),
         )
         self._after_init()
-        _check_multi_precision(self, multi_precision)
 
 
 class AdamW(_PaddleAPI, _AdamW):
