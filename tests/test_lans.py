@@ -225,3 +225,15 @@ def test_paddle_multi_precision_uses_master_weights():
     ps[0][1].grad = torch.ones(4, dtype=torch.bfloat16)
     opt.step()
     assert opt.state[ps[0][1]]["master_param"].dtype == torch.float32
+
+
+def test_mxnet_multi_precision_keeps_fp32_masters():
+    ps = [nn.Parameter(torch.ones(4, dtype=torch.float16)), nn.Parameter(torch.ones(2))]
+    for cls in (mxnet.LAMB, mxnet.LANS):
+        opt = cls(ps, learning_rate=0.01, multi_precision=True)
+        for p in ps:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        assert opt.state[ps[0]]["master_param"].dtype == torch.float32
+        assert "master_param" not in opt.state[ps[1]]  # float32 is its own master
+        assert ps[0].dtype == torch.float16
