@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from ._base import ScaleOptimizer, check_bool, check_number
+from ._base import ScaleOptimizer, check_bool, check_number, use_foreach
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -159,6 +159,20 @@ class LayerwiseAdam(ScaleOptimizer):
         return loss
 
     _intake_options: Dict[str, Any] = {}
+
+    @staticmethod
+    def _functional_options(group: Dict[str, Any], params: List[Tensor]) -> Dict[str, Any]:
+        """The keyword arguments LAMB's and LANS's functional forms share, read off a group."""
+        beta1, beta2 = group["betas"]
+        return dict(
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            bias_correction=group["bias_correction"],
+            lower_bound=group["lower_bound"],
+            upper_bound=group["upper_bound"],
+            foreach=use_foreach(group, params),
+        )
 
     def _update(self, group, params, grads, exp_avgs, exp_avg_sqs, steps, lrs, wds, adapt) -> None:
         raise NotImplementedError

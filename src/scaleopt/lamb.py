@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from . import _blocks
-from ._base import GRAD_OPTION_DEFAULTS, NameRule, check_choice, use_foreach
+from ._base import GRAD_OPTION_DEFAULTS, NameRule, check_choice
 from ._layerwise import LayerwiseAdam, by_value, pick
 
 __all__ = ["LAMB", "lamb"]
@@ -144,25 +144,9 @@ class LAMB(LayerwiseAdam):
         check_choice(self._arg("weight_decay_mode"), group["weight_decay_mode"], WEIGHT_DECAY_MODES)
 
     def _update(self, group, params, grads, exp_avgs, exp_avg_sqs, steps, lrs, wds, adapt) -> None:
-        beta1, beta2 = group["betas"]
-        lamb(
-            params,
-            grads,
-            exp_avgs,
-            exp_avg_sqs,
-            steps,
-            lrs=lrs,
-            weight_decays=wds,
-            adapt=adapt,
-            beta1=beta1,
-            beta2=beta2,
-            eps=group["eps"],
-            weight_decay_mode=group["weight_decay_mode"],
-            bias_correction=group["bias_correction"],
-            lower_bound=group["lower_bound"],
-            upper_bound=group["upper_bound"],
-            foreach=use_foreach(group, params),
-        )
+        lamb(params, grads, exp_avgs, exp_avg_sqs, steps, lrs=lrs, weight_decays=wds, adapt=adapt,
+             weight_decay_mode=group["weight_decay_mode"],
+             **self._functional_options(group, params))
 
 
 def lamb(

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from . import _blocks
-from ._base import GRAD_OPTION_DEFAULTS, NameRule, check_bool, use_foreach
+from ._base import GRAD_OPTION_DEFAULTS, NameRule, check_bool
 from ._layerwise import LayerwiseAdam, by_value, pick
 
 __all__ = ["LANS", "lans"]
@@ -127,26 +127,10 @@ class LANS(LayerwiseAdam):
         check_bool(self._arg("decay_moved_weight"), group["decay_moved_weight"])
 
     def _update(self, group, params, grads, exp_avgs, exp_avg_sqs, steps, lrs, wds, adapt) -> None:
-        beta1, beta2 = group["betas"]
-        lans(
-            params,
-            grads,
-            exp_avgs,
-            exp_avg_sqs,
-            steps,
-            lrs=lrs,
-            weight_decays=wds,
-            adapt=adapt,
-            beta1=beta1,
-            beta2=beta2,
-            eps=group["eps"],
-            bias_correction=group["bias_correction"],
-            lower_bound=group["lower_bound"],
-            upper_bound=group["upper_bound"],
-            clip_grad_value=group["clip_grad_value"],
-            decay_moved_weight=group["decay_moved_weight"],
-            foreach=use_foreach(group, params),
-        )
+        lans(params, grads, exp_avgs, exp_avg_sqs, steps, lrs=lrs, weight_decays=wds, adapt=adapt,
+             clip_grad_value=group["clip_grad_value"],
+             decay_moved_weight=group["decay_moved_weight"],
+             **self._functional_options(group, params))
 
 
 def lans(

@@ -88,6 +88,28 @@ class _MXNetAPI:
         self.set_wd_mult({})
         return groups
 
+    def _mx_options(self, learning_rate, beta1, beta2, epsilon, lower_bound, upper_bound, wd,
+                    rescale_grad, clip_gradient, multi_precision, aggregate_num,
+                    use_fused_step) -> Dict[str, Any]:
+        """MXNet's shared arguments as scaleopt options (the ratio applies to every tensor)."""
+        _check_int("aggregate_num", aggregate_num)
+        if not isinstance(use_fused_step, bool):
+            raise TypeError(f"use_fused_step must be True or False, got {use_fused_step!r}")
+        self.aggregate_num = aggregate_num
+        self.use_fused_step = use_fused_step
+        return dict(
+            lr=as_float("learning_rate", learning_rate),
+            betas=(as_float("beta1", beta1), as_float("beta2", beta2)),
+            eps=as_float("epsilon", epsilon),
+            weight_decay=as_float("wd", wd),
+            always_adapt=True,
+            lower_bound=_bound("lower_bound", lower_bound),
+            upper_bound=_bound("upper_bound", upper_bound),
+            clip_grad_value=_clip(clip_gradient),
+            rescale_grad=as_float("rescale_grad", rescale_grad),
+            master_weights=multi_precision,
+        )
+
     def set_lr_mult(self, args_lr_mult: Dict[Key, float]) -> None:
         """Learning-rate multipliers by parameter name or index (replaces earlier ones)."""
         self.lr_mult = {k: as_float(f"lr_mult[{k!r}]", v) for k, v in dict(args_lr_mult).items()}
@@ -168,25 +190,12 @@ class LAMB(_MXNetAPI, _LAMB):
         aggregate_num: int = 0,
         use_fused_step: bool = True,
     ) -> None:
-        _check_int("aggregate_num", aggregate_num)
+        options = self._mx_options(learning_rate, beta1, beta2, epsilon, lower_bound, upper_bound,
+                                   wd, rescale_grad, clip_gradient, multi_precision,
+                                   aggregate_num, use_fused_step)
         groups = self._mx_setup(params, param_idx2name)
-        self.aggregate_num = aggregate_num
-        self.use_fused_step = use_fused_step
-        super().__init__(
-            groups,
-            lr=as_float("learning_rate", learning_rate),
-            betas=(as_float("beta1", beta1), as_float("beta2", beta2)),
-            eps=as_float("epsilon", epsilon),
-            weight_decay=as_float("wd", wd),
-            weight_decay_mode="update",
-            bias_correction=bias_correction,
-            always_adapt=True,
-            lower_bound=_bound("lower_bound", lower_bound),
-            upper_bound=_bound("upper_bound", upper_bound),
-            clip_grad_value=_clip(clip_gradient),
-            rescale_grad=as_float("rescale_grad", rescale_grad),
-            master_weights=multi_precision,
-        )
+        super().__init__(groups, weight_decay_mode="update", bias_correction=bias_correction,
+                         **options)
 
 
 class LANS(_MXNetAPI, _LANS):
@@ -221,23 +230,8 @@ class LANS(_MXNetAPI, _LANS):
         aggregate_num: int = 4,
         use_fused_step: bool = True,
     ) -> None:
-        _check_int("aggregate_num", aggregate_num)
-        if not isinstance(use_fused_step, bool):
-            raise TypeError(f"use_fused_step must be True or False, got {use_fused_step!r}")
+        options = self._mx_options(learning_rate, beta1, beta2, epsilon, lower_bound, upper_bound,
+                                   wd, rescale_grad, clip_gradient, multi_precision,
+                                   aggregate_num, use_fused_step)
         groups = self._mx_setup(params, param_idx2name)
-        self.aggregate_num = aggregate_num
-        self.use_fused_step = use_fused_step
-        super().__init__(
-            groups,
-            lr=as_float("learning_rate", learning_rate),
-            betas=(as_float("beta1", beta1), as_float("beta2", beta2)),
-            eps=as_float("epsilon", epsilon),
-            weight_decay=as_float("wd", wd),
-            always_adapt=True,
-            lower_bound=_bound("lower_bound", lower_bound),
-            upper_bound=_bound("upper_bound", upper_bound),
-            decay_moved_weight=not use_fused_step,
-            clip_grad_value=_clip(clip_gradient),
-            rescale_grad=as_float("rescale_grad", rescale_grad),
-            master_weights=multi_precision,
-        )
+        super().__init__(groups, decay_moved_weight=not use_fused_step, **options)
