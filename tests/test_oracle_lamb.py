@@ -28,9 +28,11 @@ def build_paddle(case, named):
     hp.pop("parameters", None)
     if "grad_clip" in hp:
         hp["grad_clip"] = _paddle_clip(hp["grad_clip"])
-    for key in ("exclude_from_weight_decay_fn", "apply_decay_param_fun", "lr_ratio"):
+    for key in ("exclude_from_weight_decay_fn", "lr_ratio"):  # Paddle calls these with the Parameter
         if key in hp:
             hp[key] = _paddle_callable(hp[key])
+    if "apply_decay_param_fun" in hp:  # Paddle calls this one with the name itself
+        hp["apply_decay_param_fun"] = eval(hp["apply_decay_param_fun"])
     if "weight_decay" in hp and isinstance(hp["weight_decay"], str):
         hp["weight_decay"] = eval(hp["weight_decay"], {"paddle": types.SimpleNamespace(
             regularizer=paddle, L1Decay=paddle.L1Decay, L2Decay=paddle.L2Decay)})
