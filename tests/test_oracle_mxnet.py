@@ -27,7 +27,7 @@ def state_of(opt):
 
 
 @pytest.mark.parametrize("path", CASES, ids=[p.stem for p in CASES])
-@pytest.mark.parametrize("foreach", [True, False], ids=["fast", "reference"])
+@pytest.mark.parametrize("foreach", [True, False, None], ids=["fast", "reference", "default"])
 def test_golden_case(path, foreach):
     case = load(path)
     params = make_params(case)

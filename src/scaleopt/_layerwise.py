@@ -7,6 +7,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from . import _native
 from ._base import ScaleOptimizer, check_bool, check_number, use_foreach
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -159,6 +160,11 @@ class LayerwiseAdam(ScaleOptimizer):
         return loss
 
     _intake_options: Dict[str, Any] = {}
+
+    @staticmethod
+    def _use_native(group: Dict[str, Any], *lists: List[Tensor]) -> bool:
+        """The fused CPU kernels when ``foreach`` is left to us and every tensor suits them."""
+        return group.get("foreach") is None and _native.applies(*lists)
 
     @staticmethod
     def _functional_options(group: Dict[str, Any], params: List[Tensor]) -> Dict[str, Any]:

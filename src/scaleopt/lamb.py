@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from . import _blocks
+from . import _blocks, _native
 from ._base import GRAD_OPTION_DEFAULTS, NameRule, check_choice
 from ._layerwise import LayerwiseAdam, by_value, pick
 
@@ -144,9 +144,14 @@ class LAMB(LayerwiseAdam):
         check_choice(self._arg("weight_decay_mode"), group["weight_decay_mode"], WEIGHT_DECAY_MODES)
 
     def _update(self, group, params, grads, exp_avgs, exp_avg_sqs, steps, lrs, wds, adapt) -> None:
-        lamb(params, grads, exp_avgs, exp_avg_sqs, steps, lrs=lrs, weight_decays=wds, adapt=adapt,
-             weight_decay_mode=group["weight_decay_mode"],
-             **self._functional_options(group, params))
+        options = self._functional_options(group, params)
+        if self._use_native(group, params, grads, exp_avgs, exp_avg_sqs):
+            options.pop("foreach")
+            fn = _native.lamb
+        else:
+            fn = lamb
+        fn(params, grads, exp_avgs, exp_avg_sqs, steps, lrs=lrs, weight_decays=wds, adapt=adapt,
+           weight_decay_mode=group["weight_decay_mode"], **options)
 
 
 def lamb(

@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from . import _blocks
+from . import _blocks, _native
 from ._base import GRAD_OPTION_DEFAULTS, NameRule, check_bool
 from ._layerwise import LayerwiseAdam, by_value, pick
 
@@ -127,10 +127,15 @@ class LANS(LayerwiseAdam):
         check_bool(self._arg("decay_moved_weight"), group["decay_moved_weight"])
 
     def _update(self, group, params, grads, exp_avgs, exp_avg_sqs, steps, lrs, wds, adapt) -> None:
-        lans(params, grads, exp_avgs, exp_avg_sqs, steps, lrs=lrs, weight_decays=wds, adapt=adapt,
-             clip_grad_value=group["clip_grad_value"],
-             decay_moved_weight=group["decay_moved_weight"],
-             **self._functional_options(group, params))
+        options = self._functional_options(group, params)
+        if self._use_native(group, params, grads, exp_avgs, exp_avg_sqs):
+            options.pop("foreach")
+            fn = _native.lans
+        else:
+            fn = lans
+        fn(params, grads, exp_avgs, exp_avg_sqs, steps, lrs=lrs, weight_decays=wds, adapt=adapt,
+           clip_grad_value=group["clip_grad_value"], decay_moved_weight=group["decay_moved_weight"],
+           **options)
 
 
 def lans(

@@ -1,0 +1,147 @@
+/*
+ * Fused CPU kernels for LAMB and LANS on contiguous float32 tensors.
+ *
+ * Plain C with OpenMP, called through ctypes on raw pointers: nothing here depends on a
+ * particular torch version. Each optimizer runs in two passes over memory per tensor:
+ *   phase 1 updates the moments and accumulates the squared norms the trust ratios need;
+ *   phase 2 recomputes the update from the moments and writes the weights.
+ * LAMB moves about 40 bytes per parameter, LANS about 48 (one more read of the gradient for
+ * its norm). Sums are accumulated in double.
+ *
+ * The module is also a (empty) Python extension so that setuptools builds it like one.
+ */
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+
+#define TARGETS __attribute__((target_clones("avx2", "default")))
+
+/* weight-decay modes (LAMB) */
+enum { MODE_UPDATE = 0, MODE_DECOUPLED = 1, MODE_L2 = 2 };
+
+static inline float clampf(float x, float lo, float hi) {
+    x = x < lo ? lo : x;
+    return x > hi ? hi : x;
+}
+
+/* LAMB phase 1: m, v updated in place; p is only read.
+ * With MODE_DECOUPLED the weight is taken as p * decay_factor (phase 2 writes it so).
+ * out[0] = sum w^2, out[1] = sum u^2 with u the full update (decay included). */
+TARGETS void lamb_phase1(const float *p, const float *g, float *m, float *v, int64_t n,
+                         float beta1, float beta2, float bc1, float bc2_sqrt, float eps,
+                         float wd, int mode, float decay_factor, double *out, int nthreads) {
+    double sw = 0.0, su = 0.0;
+    const float one_m_b1 = 1.0f - beta1, one_m_b2 = 1.0f - beta2;
+    const float f = mode == MODE_DECOUPLED ? decay_factor : 1.0f;
+    const float wd_g = mode == MODE_L2 ? wd : 0.0f;
+    const float wd_u = mode == MODE_UPDATE ? wd : 0.0f;
+#pragma omp parallel for simd reduction(+ : sw, su) num_threads(nthreads) schedule(static) if (n >= 32768)
+    for (int64_t i = 0; i < n; i++) {
+        float w = p[i] * f;
+        float gi = g[i] + wd_g * w;
+        float mi = m[i] + one_m_b1 * (gi - m[i]);
+        float vi = v[i] * beta2 + one_m_b2 * gi * gi;
+        m[i] = mi;
+        v[i] = vi;
+        float u = (mi / bc1) / (sqrtf(vi) / bc2_sqrt + eps) + wd_u * w;
+        sw += (double)w * (double)w;
+        su += (double)u * (double)u;
+    }
+    out[0] = sw;
+    out[1] = su;
+}
+
+/* LAMB phase 2: p = w - lr * (ratio * u), with w = p * decay_factor in MODE_DECOUPLED. */
+TARGETS void lamb_phase2(float *p, const float *m, const float *v, int64_t n, float bc1,
+                         float bc2_sqrt, float eps, float wd, int mode, float decay_factor,
+                         float lr, float ratio, int nthreads) {
+    const float f = mode == MODE_DECOUPLED ? decay_factor : 1.0f;
+    const float wd_u = mode == MODE_UPDATE ? wd : 0.0f;
+#pragma omp parallel for simd num_threads(nthreads) schedule(static) if (n >= 32768)
+    for (int64_t i = 0; i < n; i++) {
+        float w = p[i] * f;
+        float u = (m[i] / bc1) / (sqrtf(v[i]) / bc2_sqrt + eps) + wd_u * w;
+        p[i] = w - lr * (ratio * u);
+    }
+}
+
+/* sum of squares (LANS gradient norm). */
+TARGETS double sum_squares(const float *x, int64_t n, int nthreads) {
+    double s = 0.0;
+#pragma omp parallel for simd reduction(+ : s) num_threads(nthreads) schedule(static) if (n >= 32768)
+    for (int64_t i = 0; i < n; i++) s += (double)x[i] * (double)x[i];
+    return s;
+}
+
+/* LANS phase 1. gt = g * ginv, clamped to [lo, hi] when clip != 0; moments;
+ * d = sqrt(v)/bc2_sqrt + eps; r = (m/bc1)/d + wd*w, c = gt/d + wd*w.
+ * out = {sum w^2, sum r^2, sum c^2, sum r*c}. */
+#define LANS_PHASE1_LOOP(GT)                                                                   \
+    _Pragma("omp parallel for simd reduction(+ : sw, sr, sc, src) num_threads(nthreads) schedule(static) if (n >= 32768)") \
+    for (int64_t i = 0; i < n; i++) {                                                          \
+        float w = p[i];                                                                        \
+        float gt = (GT);                                                                       \
+        float mi = m[i] + one_m_b1 * (gt - m[i]);                                              \
+        float vi = v[i] * beta2 + one_m_b2 * gt * gt;                                          \
+        m[i] = mi;                                                                             \
+        v[i] = vi;                                                                             \
+        float d = sqrtf(vi) / bc2_sqrt + eps;                                                  \
+        float r = (mi / bc1) / d + wd * w;                                                     \
+        float c = gt / d + wd * w;                                                             \
+        sw += (double)w * (double)w;                                                           \
+        sr += (double)r * (double)r;                                                           \
+        sc += (double)c * (double)c;                                                           \
+        src += (double)r * (double)c;                                                          \
+    }
+
+TARGETS void lans_phase1(const float *p, const float *g, float *m, float *v, int64_t n,
+                         float ginv, float lo, float hi, int clip, float beta1, float beta2,
+                         float bc1, float bc2_sqrt, float eps, float wd, double *out,
+                         int nthreads) {
+    double sw = 0.0, sr = 0.0, sc = 0.0, src = 0.0;
+    const float one_m_b1 = 1.0f - beta1, one_m_b2 = 1.0f - beta2;
+    if (clip) {
+        LANS_PHASE1_LOOP(clampf(g[i] * ginv, lo, hi))
+    } else {
+        LANS_PHASE1_LOOP(g[i] * ginv)
+    }
+    out[0] = sw;
+    out[1] = sr;
+    out[2] = sc;
+    out[3] = src;
+}
+
+/* LANS phase 2: w1 = w - a * (ratio_r * r); w2 = w1 - b * (ratio_c * c), where c decays w1
+ * when moved != 0 (MXNet's step()) and w otherwise. a = lr*beta1, b = lr*(1-beta1). */
+#define LANS_PHASE2_LOOP(GT, DECAYED)                                                          \
+    _Pragma("omp parallel for simd num_threads(nthreads) schedule(static) if (n >= 32768)")   \
+    for (int64_t i = 0; i < n; i++) {                                                          \
+        float w = p[i];                                                                        \
+        float gt = (GT);                                                                       \
+        float d = sqrtf(v[i]) / bc2_sqrt + eps;                                                \
+        float r = (m[i] / bc1) / d + wd * w;                                                   \
+        float w1 = w - a * (ratio_r * r);                                                      \
+        float c = gt / d + wd * (DECAYED);                                                     \
+        p[i] = w1 - b * (ratio_c * c);                                                         \
+    }
+
+TARGETS void lans_phase2(float *p, const float *g, const float *m, const float *v, int64_t n,
+                         float ginv, float lo, float hi, int clip, float bc1, float bc2_sqrt,
+                         float eps, float wd, float a, float b, float ratio_r, float ratio_c,
+                         int moved, int nthreads) {
+    if (clip && moved) {
+        LANS_PHASE2_LOOP(clampf(g[i] * ginv, lo, hi), w1)
+    } else if (clip) {
+        LANS_PHASE2_LOOP(clampf(g[i] * ginv, lo, hi), w)
+    } else if (moved) {
+        LANS_PHASE2_LOOP(g[i] * ginv, w1)
+    } else {
+        LANS_PHASE2_LOOP(g[i] * ginv, w)
+    }
+}
+
+static struct PyModuleDef kernels_module = {PyModuleDef_HEAD_INIT, "_kernels",
+                                            "Fused CPU kernels (called through ctypes).", -1,
+                                            NULL};
+
+PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&kernels_module); }
