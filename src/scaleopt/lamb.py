@@ -75,7 +75,8 @@ class LAMB(LayerwiseAdam):
         maximize (bool, default False): maximize the objective.
         foreach (bool or None, default None): ``True`` runs the multi-tensor path, ``False``
             the reference single-tensor loop; ``None`` picks the multi-tensor path on
-            accelerators and the loop on the CPU (faster there). Both give the same numbers.
+            accelerators and, on the CPU, the fused C kernels for contiguous float32 tensors
+            (the loop otherwise). All give the same numbers up to float round-off.
 
     Gradients go through ``rescale_grad``, ``clip_grad_value``, ``clip_grad_norm_per_tensor``
     and ``max_grad_norm`` in that order; ``p.grad`` is never modified.
