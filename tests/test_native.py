@@ -84,8 +84,28 @@ def test_kernels_run_the_fp32_master_of_bf16_parameters(cls):
     run(native, a)
     run(ref, b)
     for (_, x), (_, y) in zip(a, b):
-        torch.testing.assert_close(native.state[x]["master_param"], ref.state[y]["master_param"],
-                                   rtol=1e-5, atol=1e-6)
+        master = native.state[x]["master_param"]
+        torch.testing.assert_close(master, ref.state[y]["master_param"], rtol=1e-5, atol=1e-6)
+        # the kernel's rounding into the bf16 parameter is torch's (round to nearest even)
+        assert torch.equal(x.detach(), master.to(torch.bfloat16))
+
+
+@needs_kernels
+def test_kernel_rounding_to_bf16_matches_torch_on_every_kind_of_value():
+    values = torch.cat([
+        torch.randn(100_000) * 10.0 ** torch.randint(-40, 38, (100_000,)).float(),
+        torch.tensor([0.0, -0.0, float("nan"), 3.4e38, -3.4e38, 3.3961775e38,  # -> bf16 inf
+                      1e-45, 1.00390625, 1.01171875]),  # ties round to even
+    ])  # (an infinite weight itself turns NaN in the kernels: 0 * inf in the decay term)
+    master = values.clone()
+    low = torch.zeros_like(master, dtype=torch.bfloat16)
+    zeros = torch.zeros_like(master)
+    # lr = 0: phase 2 writes the master unchanged and its rounding into low
+    _native._lib.lamb_phase2(master.data_ptr(), zeros.data_ptr(), torch.ones_like(master).data_ptr(),
+                             master.numel(), 1.0, 1.0, 1e-8, 0.0, 0, 1.0, 0.0, 1.0, low.data_ptr(), 2)
+    expected = values.to(torch.bfloat16)
+    same = (low == expected) | (low.isnan() & expected.isnan())
+    assert same.all(), values[~same][:5]
 
 
 def test_without_kernels_the_pytorch_path_runs():

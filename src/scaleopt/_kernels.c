@@ -8,11 +8,16 @@
  * LAMB moves about 40 bytes per parameter, LANS about 48 (one more read of the gradient for
  * its norm). Sums are accumulated in double.
  *
+ * For bfloat16 parameters with float32 master weights, the *_bf16g variants read the bfloat16
+ * gradient directly, and phase 2 also writes the rounded bfloat16 parameter (round to nearest
+ * even, as torch's conversion), so the mixed-precision step moves no more bytes than float32.
+ *
  * The module is also a (empty) Python extension so that setuptools builds it like one.
  */
 #include <Python.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #define TARGETS __attribute__((target_clones("avx2", "default")))
 
@@ -24,48 +29,86 @@ static inline float clampf(float x, float lo, float hi) {
     return x > hi ? hi : x;
 }
 
-/* LAMB phase 1: m, v updated in place; p is only read.
- * With MODE_DECOUPLED the weight is taken as p * decay_factor (phase 2 writes it so).
- * out[0] = sum w^2, out[1] = sum u^2 with u the full update (decay included). */
-TARGETS void lamb_phase1(const float *p, const float *g, float *m, float *v, int64_t n,
-                         float beta1, float beta2, float bc1, float bc2_sqrt, float eps,
-                         float wd, int mode, float decay_factor, double *out, int nthreads) {
-    double sw = 0.0, su = 0.0;
-    const float one_m_b1 = 1.0f - beta1, one_m_b2 = 1.0f - beta2;
-    const float f = mode == MODE_DECOUPLED ? decay_factor : 1.0f;
-    const float wd_g = mode == MODE_L2 ? wd : 0.0f;
-    const float wd_u = mode == MODE_UPDATE ? wd : 0.0f;
-#pragma omp parallel for simd reduction(+ : sw, su) num_threads(nthreads) schedule(static) if (n >= 32768)
-    for (int64_t i = 0; i < n; i++) {
-        float w = p[i] * f;
-        float gi = g[i] + wd_g * w;
-        float mi = m[i] + one_m_b1 * (gi - m[i]);
-        float vi = v[i] * beta2 + one_m_b2 * gi * gi;
-        m[i] = mi;
-        v[i] = vi;
-        float u = (mi / bc1) / (sqrtf(vi) / bc2_sqrt + eps) + wd_u * w;
-        sw += (double)w * (double)w;
-        su += (double)u * (double)u;
-    }
-    out[0] = sw;
-    out[1] = su;
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
 }
 
-/* LAMB phase 2: p = w - lr * (ratio * u), with w = p * decay_factor in MODE_DECOUPLED. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    uint32_t nan = (u >> 16) | 0x40u; /* keep NaN a (quiet) NaN */
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+}
+
+#define OMP_FOR _Pragma("omp parallel for simd num_threads(nthreads) schedule(static) if (n >= 32768)")
+
+/* ---------------------------------------------------------------------------------------- */
+/* LAMB                                                                                       */
+/* ---------------------------------------------------------------------------------------- */
+
+/* Phase 1: m, v updated in place; p is only read. With MODE_DECOUPLED the weight is taken as
+ * p * decay_factor (phase 2 writes it so). out[0] = sum w^2, out[1] = sum u^2, u the full
+ * update (decay included). */
+#define LAMB_PHASE1(NAME, GTYPE, GLOAD)                                                        \
+    TARGETS void NAME(const float *p, const GTYPE *g, float *m, float *v, int64_t n,           \
+                      float beta1, float beta2, float bc1, float bc2_sqrt, float eps,          \
+                      float wd, int mode, float decay_factor, double *out, int nthreads) {     \
+        double sw = 0.0, su = 0.0;                                                             \
+        const float one_m_b1 = 1.0f - beta1, one_m_b2 = 1.0f - beta2;                          \
+        const float f = mode == MODE_DECOUPLED ? decay_factor : 1.0f;                          \
+        const float wd_g = mode == MODE_L2 ? wd : 0.0f;                                        \
+        const float wd_u = mode == MODE_UPDATE ? wd : 0.0f;                                    \
+        _Pragma("omp parallel for simd reduction(+ : sw, su) num_threads(nthreads) schedule(static) if (n >= 32768)") \
+        for (int64_t i = 0; i < n; i++) {                                                      \
+            float w = p[i] * f;                                                                \
+            float gi = (GLOAD) + wd_g * w;                                                     \
+            float mi = m[i] + one_m_b1 * (gi - m[i]);                                          \
+            float vi = v[i] * beta2 + one_m_b2 * gi * gi;                                      \
+            m[i] = mi;                                                                         \
+            v[i] = vi;                                                                         \
+            float u = (mi / bc1) / (sqrtf(vi) / bc2_sqrt + eps) + wd_u * w;                    \
+            sw += (double)w * (double)w;                                                       \
+            su += (double)u * (double)u;                                                       \
+        }                                                                                      \
+        out[0] = sw;                                                                           \
+        out[1] = su;                                                                           \
+    }
+
+LAMB_PHASE1(lamb_phase1, float, g[i])
+LAMB_PHASE1(lamb_phase1_bf16g, uint16_t, bf16_to_f32(g[i]))
+
+/* Phase 2: p = w - lr * (ratio * u), with w = p * decay_factor in MODE_DECOUPLED; the rounded
+ * value also goes to low[] (bfloat16) when low is not NULL. */
+#define LAMB_PHASE2_LOOP(STORE_LOW)                                                            \
+    OMP_FOR                                                                                    \
+    for (int64_t i = 0; i < n; i++) {                                                          \
+        float w = p[i] * f;                                                                    \
+        float u = (m[i] / bc1) / (sqrtf(v[i]) / bc2_sqrt + eps) + wd_u * w;                    \
+        float w_new = w - lr * (ratio * u);                                                    \
+        p[i] = w_new;                                                                          \
+        STORE_LOW;                                                                             \
+    }
+
 TARGETS void lamb_phase2(float *p, const float *m, const float *v, int64_t n, float bc1,
                          float bc2_sqrt, float eps, float wd, int mode, float decay_factor,
-                         float lr, float ratio, int nthreads) {
+                         float lr, float ratio, uint16_t *low, int nthreads) {
     const float f = mode == MODE_DECOUPLED ? decay_factor : 1.0f;
     const float wd_u = mode == MODE_UPDATE ? wd : 0.0f;
-#pragma omp parallel for simd num_threads(nthreads) schedule(static) if (n >= 32768)
-    for (int64_t i = 0; i < n; i++) {
-        float w = p[i] * f;
-        float u = (m[i] / bc1) / (sqrtf(v[i]) / bc2_sqrt + eps) + wd_u * w;
-        p[i] = w - lr * (ratio * u);
+    if (low) {
+        LAMB_PHASE2_LOOP(low[i] = f32_to_bf16(w_new))
+    } else {
+        LAMB_PHASE2_LOOP((void)0)
     }
 }
 
-/* sum of squares (LANS gradient norm). */
+/* ---------------------------------------------------------------------------------------- */
+/* LANS                                                                                       */
+/* ---------------------------------------------------------------------------------------- */
+
 TARGETS double sum_squares(const float *x, int64_t n, int nthreads) {
     double s = 0.0;
 #pragma omp parallel for simd reduction(+ : s) num_threads(nthreads) schedule(static) if (n >= 32768)
@@ -73,7 +116,17 @@ TARGETS double sum_squares(const float *x, int64_t n, int nthreads) {
     return s;
 }
 
-/* LANS phase 1. gt = g * ginv, clamped to [lo, hi] when clip != 0; moments;
+TARGETS double sum_squares_bf16(const uint16_t *x, int64_t n, int nthreads) {
+    double s = 0.0;
+#pragma omp parallel for simd reduction(+ : s) num_threads(nthreads) schedule(static) if (n >= 32768)
+    for (int64_t i = 0; i < n; i++) {
+        double xi = (double)bf16_to_f32(x[i]);
+        s += xi * xi;
+    }
+    return s;
+}
+
+/* Phase 1. gt = g * ginv, clamped to [lo, hi] when clip != 0; moments;
  * d = sqrt(v)/bc2_sqrt + eps; r = (m/bc1)/d + wd*w, c = gt/d + wd*w.
  * out = {sum w^2, sum r^2, sum c^2, sum r*c}. */
 #define LANS_PHASE1_LOOP(GT)                                                                   \
@@ -94,27 +147,32 @@ TARGETS double sum_squares(const float *x, int64_t n, int nthreads) {
         src += (double)r * (double)c;                                                          \
     }
 
-TARGETS void lans_phase1(const float *p, const float *g, float *m, float *v, int64_t n,
-                         float ginv, float lo, float hi, int clip, float beta1, float beta2,
-                         float bc1, float bc2_sqrt, float eps, float wd, double *out,
-                         int nthreads) {
-    double sw = 0.0, sr = 0.0, sc = 0.0, src = 0.0;
-    const float one_m_b1 = 1.0f - beta1, one_m_b2 = 1.0f - beta2;
-    if (clip) {
-        LANS_PHASE1_LOOP(clampf(g[i] * ginv, lo, hi))
-    } else {
-        LANS_PHASE1_LOOP(g[i] * ginv)
+#define LANS_PHASE1(NAME, GTYPE, GLOAD)                                                        \
+    TARGETS void NAME(const float *p, const GTYPE *g, float *m, float *v, int64_t n,           \
+                      float ginv, float lo, float hi, int clip, float beta1, float beta2,      \
+                      float bc1, float bc2_sqrt, float eps, float wd, double *out,             \
+                      int nthreads) {                                                          \
+        double sw = 0.0, sr = 0.0, sc = 0.0, src = 0.0;                                        \
+        const float one_m_b1 = 1.0f - beta1, one_m_b2 = 1.0f - beta2;                          \
+        if (clip) {                                                                            \
+            LANS_PHASE1_LOOP(clampf((GLOAD) * ginv, lo, hi))                                   \
+        } else {                                                                               \
+            LANS_PHASE1_LOOP((GLOAD) * ginv)                                                   \
+        }                                                                                      \
+        out[0] = sw;                                                                           \
+        out[1] = sr;                                                                           \
+        out[2] = sc;                                                                           \
+        out[3] = src;                                                                          \
     }
-    out[0] = sw;
-    out[1] = sr;
-    out[2] = sc;
-    out[3] = src;
-}
 
-/* LANS phase 2: w1 = w - a * (ratio_r * r); w2 = w1 - b * (ratio_c * c), where c decays w1
- * when moved != 0 (MXNet's step()) and w otherwise. a = lr*beta1, b = lr*(1-beta1). */
-#define LANS_PHASE2_LOOP(GT, DECAYED)                                                          \
-    _Pragma("omp parallel for simd num_threads(nthreads) schedule(static) if (n >= 32768)")   \
+LANS_PHASE1(lans_phase1, float, g[i])
+LANS_PHASE1(lans_phase1_bf16g, uint16_t, bf16_to_f32(g[i]))
+
+/* Phase 2: w1 = w - a * (ratio_r * r); w2 = w1 - b * (ratio_c * c), where c decays w1 when
+ * moved != 0 (MXNet's step()) and w otherwise. a = lr*beta1, b = lr*(1-beta1). The rounded
+ * value also goes to low[] (bfloat16) when low is not NULL. */
+#define LANS_PHASE2_LOOP(GT, DECAYED, STORE_LOW)                                               \
+    OMP_FOR                                                                                    \
     for (int64_t i = 0; i < n; i++) {                                                          \
         float w = p[i];                                                                        \
         float gt = (GT);                                                                       \
@@ -122,23 +180,36 @@ TARGETS void lans_phase1(const float *p, const float *g, float *m, float *v, int
         float r = (m[i] / bc1) / d + wd * w;                                                   \
         float w1 = w - a * (ratio_r * r);                                                      \
         float c = gt / d + wd * (DECAYED);                                                     \
-        p[i] = w1 - b * (ratio_c * c);                                                         \
+        float w_new = w1 - b * (ratio_c * c);                                                  \
+        p[i] = w_new;                                                                          \
+        STORE_LOW;                                                                             \
     }
 
-TARGETS void lans_phase2(float *p, const float *g, const float *m, const float *v, int64_t n,
-                         float ginv, float lo, float hi, int clip, float bc1, float bc2_sqrt,
-                         float eps, float wd, float a, float b, float ratio_r, float ratio_c,
-                         int moved, int nthreads) {
-    if (clip && moved) {
-        LANS_PHASE2_LOOP(clampf(g[i] * ginv, lo, hi), w1)
-    } else if (clip) {
-        LANS_PHASE2_LOOP(clampf(g[i] * ginv, lo, hi), w)
-    } else if (moved) {
-        LANS_PHASE2_LOOP(g[i] * ginv, w1)
-    } else {
-        LANS_PHASE2_LOOP(g[i] * ginv, w)
+#define LANS_PHASE2_LOW(GT, DECAYED)                                                           \
+    if (low) {                                                                                 \
+        LANS_PHASE2_LOOP(GT, DECAYED, low[i] = f32_to_bf16(w_new))                             \
+    } else {                                                                                   \
+        LANS_PHASE2_LOOP(GT, DECAYED, (void)0)                                                 \
     }
-}
+
+#define LANS_PHASE2(NAME, GTYPE, GLOAD)                                                        \
+    TARGETS void NAME(float *p, const GTYPE *g, const float *m, const float *v, int64_t n,     \
+                      float ginv, float lo, float hi, int clip, float bc1, float bc2_sqrt,     \
+                      float eps, float wd, float a, float b, float ratio_r, float ratio_c,     \
+                      int moved, uint16_t *low, int nthreads) {                                \
+        if (clip && moved) {                                                                   \
+            LANS_PHASE2_LOW(clampf((GLOAD) * ginv, lo, hi), w1)                                \
+        } else if (clip) {                                                                     \
+            LANS_PHASE2_LOW(clampf((GLOAD) * ginv, lo, hi), w)                                 \
+        } else if (moved) {                                                                    \
+            LANS_PHASE2_LOW((GLOAD) * ginv, w1)                                                \
+        } else {                                                                               \
+            LANS_PHASE2_LOW((GLOAD) * ginv, w)                                                 \
+        }                                                                                      \
+    }
+
+LANS_PHASE2(lans_phase2, float, g[i])
+LANS_PHASE2(lans_phase2_bf16g, uint16_t, bf16_to_f32(g[i]))
 
 static struct PyModuleDef kernels_module = {PyModuleDef_HEAD_INIT, "_kernels",
                                             "Fused CPU kernels (called through ctypes).", -1,

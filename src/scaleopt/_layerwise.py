@@ -86,24 +86,22 @@ class LayerwiseAdam(ScaleOptimizer):
 
     # -- state -----------------------------------------------------------------------------------
 
-    def _working_set(self, group: Dict[str, Any], params: List[Tensor], grads: List[Tensor]):
-        """The tensors the update runs on, and the (param, master) pairs to copy back after it."""
+    def _masters(self, group: Dict[str, Any], params: List[Tensor]) -> List[Tensor]:
+        """The tensors the update runs on: the float32 master of a float16/bfloat16 parameter
+        when ``master_weights`` is on, the parameter itself otherwise."""
         if not group["master_weights"]:
-            return params, grads, []
-        work_p, work_g, back = [], [], []
-        for p, g in zip(params, grads):
+            return params
+        work = []
+        for p in params:
             if p.dtype in LOW_PRECISION:
                 state = self.state[p]
                 master = state.get("master_param")
                 if master is None:
                     master = state["master_param"] = p.detach().to(torch.float32, copy=True)
-                work_p.append(master)
-                work_g.append(g.to(torch.float32))
-                back.append((p, master))
+                work.append(master)
             else:
-                work_p.append(p)
-                work_g.append(g)
-        return work_p, work_g, back
+                work.append(p)
+        return work
 
     def _adam_state(self, params: List[Tensor], work: List[Tensor]):
         ms, vs, steps = [], [], []
@@ -151,20 +149,21 @@ class LayerwiseAdam(ScaleOptimizer):
         """Perform one optimization step. ``closure`` re-evaluates the model and returns the loss."""
         loss = self._closure_loss(closure)
         for group, idx, params, grads in self._intake(**self._intake_options):
-            work_p, work_g, back = self._working_set(group, params, grads)
-            ms, vs, steps = self._adam_state(params, work_p)
+            work = self._masters(group, params)
+            ms, vs, steps = self._adam_state(params, work)
             lrs, wds, adapt = self._layer_options(group, idx)
-            self._update(group, work_p, work_g, ms, vs, steps, lrs, wds, adapt)
+            low = [p if p is not w else None for p, w in zip(params, work)]
+            if group.get("foreach") is None and _native.applies(work, grads, ms, vs, low):
+                self._update(group, work, grads, ms, vs, steps, lrs, wds, adapt, low=low)
+                continue
+            work_g = [g if g.dtype == w.dtype else g.to(w.dtype) for g, w in zip(grads, work)]
+            self._update(group, work, work_g, ms, vs, steps, lrs, wds, adapt)
+            back = [(p, w) for p, w in zip(params, work) if p is not w]
             if back:
-                torch._foreach_copy_([p for p, _ in back], [m for _, m in back])
+                torch._foreach_copy_([p for p, _ in back], [w for _, w in back])
         return loss
 
     _intake_options: Dict[str, Any] = {}
-
-    @staticmethod
-    def _use_native(group: Dict[str, Any], *lists: List[Tensor]) -> bool:
-        """The fused CPU kernels when ``foreach`` is left to us and every tensor suits them."""
-        return group.get("foreach") is None and _native.applies(*lists)
 
     @staticmethod
     def _functional_options(group: Dict[str, Any], params: List[Tensor]) -> Dict[str, Any]:
@@ -180,5 +179,9 @@ class LayerwiseAdam(ScaleOptimizer):
             foreach=use_foreach(group, params),
         )
 
-    def _update(self, group, params, grads, exp_avgs, exp_avg_sqs, steps, lrs, wds, adapt) -> None:
+    def _update(self, group, params, grads, exp_avgs, exp_avg_sqs, steps, lrs, wds, adapt,
+                low=None) -> None:
+        """One group's update. ``low`` is given when the fused CPU kernels take the group: then
+        ``low[i]`` is the bfloat16 parameter of master ``params[i]`` (or None), to be written
+        in the same pass."""
         raise NotImplementedError

@@ -28,16 +28,21 @@ if os.environ.get("SCALEOPT_NATIVE", "1") != "0":
 
 if _lib is not None:
     f, i64, i32, dp = ctypes.c_float, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-    _lib.lamb_phase1.argtypes = [dp, dp, dp, dp, i64, f, f, f, f, f, f, i32, f, dp, i32]
-    _lib.lamb_phase1.restype = None
-    _lib.lamb_phase2.argtypes = [dp, dp, dp, i64, f, f, f, f, i32, f, f, f, i32]
+    for _name in ("lamb_phase1", "lamb_phase1_bf16g"):
+        getattr(_lib, _name).argtypes = [dp, dp, dp, dp, i64, f, f, f, f, f, f, i32, f, dp, i32]
+        getattr(_lib, _name).restype = None
+    _lib.lamb_phase2.argtypes = [dp, dp, dp, i64, f, f, f, f, i32, f, f, f, dp, i32]
     _lib.lamb_phase2.restype = None
-    _lib.sum_squares.argtypes = [dp, i64, i32]
-    _lib.sum_squares.restype = ctypes.c_double
-    _lib.lans_phase1.argtypes = [dp, dp, dp, dp, i64, f, f, f, i32, f, f, f, f, f, f, dp, i32]
-    _lib.lans_phase1.restype = None
-    _lib.lans_phase2.argtypes = [dp, dp, dp, dp, i64, f, f, f, i32, f, f, f, f, f, f, f, f, i32, i32]
-    _lib.lans_phase2.restype = None
+    for _name in ("sum_squares", "sum_squares_bf16"):
+        getattr(_lib, _name).argtypes = [dp, i64, i32]
+        getattr(_lib, _name).restype = ctypes.c_double
+    for _name in ("lans_phase1", "lans_phase1_bf16g"):
+        getattr(_lib, _name).argtypes = [dp, dp, dp, dp, i64, f, f, f, i32, f, f, f, f, f, f, dp, i32]
+        getattr(_lib, _name).restype = None
+    for _name in ("lans_phase2", "lans_phase2_bf16g"):
+        getattr(_lib, _name).argtypes = [dp, dp, dp, dp, i64, f, f, f, i32, f, f, f, f, f, f, f, f,
+                                         i32, dp, i32]
+        getattr(_lib, _name).restype = None
 
 _MODES = {"update": 0, "decoupled": 1, "l2": 2}
 
@@ -46,17 +51,37 @@ def available() -> bool:
     return _lib is not None
 
 
-def applies(*lists: Sequence[Tensor]) -> bool:
-    """Whether every tensor is a contiguous float32 CPU tensor (what the kernels take)."""
-    return _lib is not None and all(
-        t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
-        for ts in lists
-        for t in ts
-    )
+def _cpu_contiguous(t: Tensor, dtypes) -> bool:
+    return t.device.type == "cpu" and t.dtype in dtypes and t.is_contiguous()
 
 
-def _ptr(t: Tensor) -> int:
-    return t.data_ptr()
+def applies(work: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
+            exp_avg_sqs: Sequence[Tensor], low: Sequence[Optional[Tensor]]) -> bool:
+    """Whether the kernels take these tensors: float32 weights and moments, contiguous, on the
+    CPU; float32 gradients, or bfloat16 ones for a bfloat16 parameter (``low``) whose float32
+    master is the weight."""
+    if _lib is None:
+        return False
+    f32 = (torch.float32,)
+    for w, g, m, v, lp in zip(work, grads, exp_avgs, exp_avg_sqs, low):
+        if not all(_cpu_contiguous(t, f32) for t in (w, m, v)):
+            return False
+        if lp is None:
+            if not _cpu_contiguous(g, f32):
+                return False
+        elif not (_cpu_contiguous(lp, (torch.bfloat16,))
+                  and _cpu_contiguous(g, (torch.float32, torch.bfloat16))):
+            return False
+    return True
+
+
+def _ptr(t: Optional[Tensor]) -> Optional[int]:
+    return None if t is None else t.data_ptr()
+
+
+def _steps(state_steps: Sequence[Tensor], beta1: float, beta2: float, bias_correction: bool):
+    torch._foreach_add_(list(state_steps), 1)
+    return _blocks.bias_corrections([s.item() for s in state_steps], beta1, beta2, bias_correction)
 
 
 def _ratio(w2: float, u2: float, lower: Optional[float], upper: Optional[float]) -> float:
@@ -71,31 +96,37 @@ def _ratio(w2: float, u2: float, lower: Optional[float], upper: Optional[float])
     return 1.0
 
 
+@torch.compiler.disable  # host code calling C: nothing for dynamo to trace
 def lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs, weight_decays, adapt, beta1,
-         beta2, eps, weight_decay_mode, bias_correction, lower_bound, upper_bound) -> None:
-    """LAMB on the fused kernels: the same update as :func:`scaleopt.lamb.lamb`."""
+         beta2, eps, weight_decay_mode, bias_correction, lower_bound, upper_bound,
+         low=None) -> None:
+    """LAMB on the fused kernels: the same update as :func:`scaleopt.lamb.lamb`.
+
+    ``low[i]``, when given, is the bfloat16 parameter whose float32 master is ``params[i]``:
+    it receives the rounded weights in the same pass."""
     threads = torch.get_num_threads()
     mode = _MODES[weight_decay_mode]
     sums = (ctypes.c_double * 2)()
+    bc1s, bc2s = _steps(state_steps, beta1, beta2, bias_correction)
+    low = low or [None] * len(params)
     for i, p in enumerate(params):
-        state_steps[i] += 1
-        (bc1,), (bc2_sqrt,) = _blocks.bias_corrections(
-            [state_steps[i].item()], beta1, beta2, bias_correction
-        )
-        lr, wd = lrs[i], weight_decays[i]
+        lr, wd, bc1, bc2_sqrt = lrs[i], weight_decays[i], bc1s[i], bc2s[i]
         n = p.numel()
         pd, g, m, v = p.detach(), grads[i], exp_avgs[i], exp_avg_sqs[i]
-        _lib.lamb_phase1(_ptr(pd), _ptr(g), _ptr(m), _ptr(v), n, beta1, beta2, bc1, bc2_sqrt,
-                         eps, wd, mode, 1.0 - lr * wd, ctypes.addressof(sums), threads)
+        phase1 = _lib.lamb_phase1_bf16g if g.dtype == torch.bfloat16 else _lib.lamb_phase1
+        phase1(_ptr(pd), _ptr(g), _ptr(m), _ptr(v), n, beta1, beta2, bc1, bc2_sqrt, eps, wd, mode,
+               1.0 - lr * wd, ctypes.addressof(sums), threads)
         ratio = _ratio(sums[0], sums[1], lower_bound, upper_bound) if adapt[i] else 1.0
         _lib.lamb_phase2(_ptr(pd), _ptr(m), _ptr(v), n, bc1, bc2_sqrt, eps, wd, mode, 1.0 - lr * wd,
-                         lr, ratio, threads)
+                         lr, ratio, _ptr(low[i]), threads)
 
 
+@torch.compiler.disable
 def lans(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs, weight_decays, adapt, beta1,
          beta2, eps, bias_correction, lower_bound, upper_bound, clip_grad_value,
-         decay_moved_weight) -> None:
-    """LANS on the fused kernels: the same update as :func:`scaleopt.lans.lans`."""
+         decay_moved_weight, low=None) -> None:
+    """LANS on the fused kernels: the same update as :func:`scaleopt.lans.lans` (``low`` as in
+    :func:`lamb`)."""
     threads = torch.get_num_threads()
     clip = int(clip_grad_value is not None)
     if clip_grad_value is None:
@@ -105,18 +136,20 @@ def lans(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs, weight_decay
     else:
         lo, hi = -clip_grad_value, clip_grad_value
     sums = (ctypes.c_double * 4)()
+    bc1s, bc2s = _steps(state_steps, beta1, beta2, bias_correction)
+    low = low or [None] * len(params)
     for i, p in enumerate(params):
-        state_steps[i] += 1
-        (bc1,), (bc2_sqrt,) = _blocks.bias_corrections(
-            [state_steps[i].item()], beta1, beta2, bias_correction
-        )
-        lr, wd = lrs[i], weight_decays[i]
+        lr, wd, bc1, bc2_sqrt = lrs[i], weight_decays[i], bc1s[i], bc2s[i]
         n = p.numel()
         pd, g, m, v = p.detach(), grads[i], exp_avgs[i], exp_avg_sqs[i]
-        gnorm = math.sqrt(_lib.sum_squares(_ptr(g), n, threads))
+        bf16 = g.dtype == torch.bfloat16
+        sum_squares = _lib.sum_squares_bf16 if bf16 else _lib.sum_squares
+        phase1 = _lib.lans_phase1_bf16g if bf16 else _lib.lans_phase1
+        phase2 = _lib.lans_phase2_bf16g if bf16 else _lib.lans_phase2
+        gnorm = math.sqrt(sum_squares(_ptr(g), n, threads))
         ginv = 1.0 / gnorm if gnorm > 0 else 0.0
-        _lib.lans_phase1(_ptr(pd), _ptr(g), _ptr(m), _ptr(v), n, ginv, lo, hi, clip, beta1, beta2, bc1,
-                         bc2_sqrt, eps, wd, ctypes.addressof(sums), threads)
+        phase1(_ptr(pd), _ptr(g), _ptr(m), _ptr(v), n, ginv, lo, hi, clip, beta1, beta2, bc1,
+               bc2_sqrt, eps, wd, ctypes.addressof(sums), threads)
         w2, r2, c2, rc = sums[0], sums[1], sums[2], sums[3]
         a, b = lr * beta1, lr * (1.0 - beta1)
         ratio_r = _ratio(w2, r2, lower_bound, upper_bound) if adapt[i] else 1.0
@@ -125,5 +158,5 @@ def lans(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs, weight_decay
             k = wd * a * ratio_r
             c2 = max(c2 - 2.0 * k * rc + k * k * r2, 0.0)
         ratio_c = _ratio(w2, c2, lower_bound, upper_bound) if adapt[i] else 1.0
-        _lib.lans_phase2(_ptr(pd), _ptr(g), _ptr(m), _ptr(v), n, ginv, lo, hi, clip, bc1, bc2_sqrt, eps,
-                         wd, a, b, ratio_r, ratio_c, int(decay_moved_weight), threads)
+        phase2(_ptr(pd), _ptr(g), _ptr(m), _ptr(v), n, ginv, lo, hi, clip, bc1, bc2_sqrt, eps, wd,
+               a, b, ratio_r, ratio_c, int(decay_moved_weight), _ptr(low[i]), threads)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -144,11 +145,12 @@ class LAMB(LayerwiseAdam):
         super()._validate_group(group)
         check_choice(self._arg("weight_decay_mode"), group["weight_decay_mode"], WEIGHT_DECAY_MODES)
 
-    def _update(self, group, params, grads, exp_avgs, exp_avg_sqs, steps, lrs, wds, adapt) -> None:
+    def _update(self, group, params, grads, exp_avgs, exp_avg_sqs, steps, lrs, wds, adapt,
+                low=None) -> None:
         options = self._functional_options(group, params)
-        if self._use_native(group, params, grads, exp_avgs, exp_avg_sqs):
+        if low is not None:
             options.pop("foreach")
-            fn = _native.lamb
+            fn = functools.partial(_native.lamb, low=low)
         else:
             fn = lamb
         fn(params, grads, exp_avgs, exp_avg_sqs, steps, lrs=lrs, weight_decays=wds, adapt=adapt,

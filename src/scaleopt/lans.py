@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -127,11 +128,12 @@ class LANS(LayerwiseAdam):
         super()._validate_group(group)
         check_bool(self._arg("decay_moved_weight"), group["decay_moved_weight"])
 
-    def _update(self, group, params, grads, exp_avgs, exp_avg_sqs, steps, lrs, wds, adapt) -> None:
+    def _update(self, group, params, grads, exp_avgs, exp_avg_sqs, steps, lrs, wds, adapt,
+                low=None) -> None:
         options = self._functional_options(group, params)
-        if self._use_native(group, params, grads, exp_avgs, exp_avg_sqs):
+        if low is not None:
             options.pop("foreach")
-            fn = _native.lans
+            fn = functools.partial(_native.lans, low=low)
         else:
             fn = lans
         fn(params, grads, exp_avgs, exp_avg_sqs, steps, lrs=lrs, weight_decays=wds, adapt=adapt,
