@@ -14,6 +14,7 @@ back to the host, so they can run on an accelerator without synchronising.
 
 from __future__ import annotations
 
+import math
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -75,11 +76,18 @@ def clip_coef(norm: Tensor, max_norm: float) -> Tensor:
     return max_norm / torch.clamp(norm, min=max_norm)
 
 
+def clip_bounds(clip: ClipValue) -> Tuple[float, float]:
+    """``(lo, hi)`` of a value clip: ``[-clip, clip]``, a ``(lo, hi)`` pair, or infinite for None."""
+    if clip is None:
+        return -math.inf, math.inf
+    return tuple(clip) if isinstance(clip, (tuple, list)) else (-clip, clip)
+
+
 def clip_by_value(grads: TensorList, clip: ClipValue) -> TensorList:
     """Clamp every element to ``[-clip, clip]`` (or ``[lo, hi]`` for a pair)."""
     if clip is None:
         return grads
-    lo, hi = tuple(clip) if isinstance(clip, (tuple, list)) else (-clip, clip)
+    lo, hi = clip_bounds(clip)
     out = torch._foreach_clamp_min(grads, lo)
     torch._foreach_clamp_max_(out, hi)
     return out

@@ -96,6 +96,17 @@ def _ratio(w2: float, u2: float, lower: Optional[float], upper: Optional[float])
     return 1.0
 
 
+def _tensors(params, grads, exp_avgs, exp_avg_sqs, state_steps, lrs, weight_decays, low, beta1,
+             beta2, bias_correction):
+    """Per tensor: (index, element count, the kernels' pointers, lr, wd, bias corrections)."""
+    bc1s, bc2s = _steps(state_steps, beta1, beta2, bias_correction)
+    low = low or [None] * len(params)
+    for i, p in enumerate(params):
+        g = grads[i]
+        ptrs = (_ptr(p.detach()), _ptr(g), _ptr(exp_avgs[i]), _ptr(exp_avg_sqs[i]), _ptr(low[i]))
+        yield i, p.numel(), ptrs, g.dtype == torch.bfloat16, lrs[i], weight_decays[i], bc1s[i], bc2s[i]
+
+
 @torch.compiler.disable  # host code calling C: nothing for dynamo to trace
 def lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs, weight_decays, adapt, beta1,
          beta2, eps, weight_decay_mode, bias_correction, lower_bound, upper_bound,
@@ -107,18 +118,16 @@ def lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs, weight_decay
     threads = torch.get_num_threads()
     mode = _MODES[weight_decay_mode]
     sums = (ctypes.c_double * 2)()
-    bc1s, bc2s = _steps(state_steps, beta1, beta2, bias_correction)
-    low = low or [None] * len(params)
-    for i, p in enumerate(params):
-        lr, wd, bc1, bc2_sqrt = lrs[i], weight_decays[i], bc1s[i], bc2s[i]
-        n = p.numel()
-        pd, g, m, v = p.detach(), grads[i], exp_avgs[i], exp_avg_sqs[i]
-        phase1 = _lib.lamb_phase1_bf16g if g.dtype == torch.bfloat16 else _lib.lamb_phase1
-        phase1(_ptr(pd), _ptr(g), _ptr(m), _ptr(v), n, beta1, beta2, bc1, bc2_sqrt, eps, wd, mode,
-               1.0 - lr * wd, ctypes.addressof(sums), threads)
+    for i, n, (p, g, m, v, lp), bf16, lr, wd, bc1, bc2_sqrt in _tensors(
+        params, grads, exp_avgs, exp_avg_sqs, state_steps, lrs, weight_decays, low, beta1, beta2,
+        bias_correction,
+    ):
+        phase1 = _lib.lamb_phase1_bf16g if bf16 else _lib.lamb_phase1
+        phase1(p, g, m, v, n, beta1, beta2, bc1, bc2_sqrt, eps, wd, mode, 1.0 - lr * wd,
+               ctypes.addressof(sums), threads)
         ratio = _ratio(sums[0], sums[1], lower_bound, upper_bound) if adapt[i] else 1.0
-        _lib.lamb_phase2(_ptr(pd), _ptr(m), _ptr(v), n, bc1, bc2_sqrt, eps, wd, mode, 1.0 - lr * wd,
-                         lr, ratio, _ptr(low[i]), threads)
+        _lib.lamb_phase2(p, m, v, n, bc1, bc2_sqrt, eps, wd, mode, 1.0 - lr * wd, lr, ratio, lp,
+                         threads)
 
 
 @torch.compiler.disable
@@ -129,27 +138,19 @@ def lans(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs, weight_decay
     :func:`lamb`)."""
     threads = torch.get_num_threads()
     clip = int(clip_grad_value is not None)
-    if clip_grad_value is None:
-        lo, hi = -math.inf, math.inf
-    elif isinstance(clip_grad_value, (tuple, list)):
-        lo, hi = clip_grad_value
-    else:
-        lo, hi = -clip_grad_value, clip_grad_value
+    lo, hi = _blocks.clip_bounds(clip_grad_value)
     sums = (ctypes.c_double * 4)()
-    bc1s, bc2s = _steps(state_steps, beta1, beta2, bias_correction)
-    low = low or [None] * len(params)
-    for i, p in enumerate(params):
-        lr, wd, bc1, bc2_sqrt = lrs[i], weight_decays[i], bc1s[i], bc2s[i]
-        n = p.numel()
-        pd, g, m, v = p.detach(), grads[i], exp_avgs[i], exp_avg_sqs[i]
-        bf16 = g.dtype == torch.bfloat16
+    for i, n, (p, g, m, v, lp), bf16, lr, wd, bc1, bc2_sqrt in _tensors(
+        params, grads, exp_avgs, exp_avg_sqs, state_steps, lrs, weight_decays, low, beta1, beta2,
+        bias_correction,
+    ):
         sum_squares = _lib.sum_squares_bf16 if bf16 else _lib.sum_squares
         phase1 = _lib.lans_phase1_bf16g if bf16 else _lib.lans_phase1
         phase2 = _lib.lans_phase2_bf16g if bf16 else _lib.lans_phase2
-        gnorm = math.sqrt(sum_squares(_ptr(g), n, threads))
+        gnorm = math.sqrt(sum_squares(g, n, threads))
         ginv = 1.0 / gnorm if gnorm > 0 else 0.0
-        phase1(_ptr(pd), _ptr(g), _ptr(m), _ptr(v), n, ginv, lo, hi, clip, beta1, beta2, bc1,
-               bc2_sqrt, eps, wd, ctypes.addressof(sums), threads)
+        phase1(p, g, m, v, n, ginv, lo, hi, clip, beta1, beta2, bc1, bc2_sqrt, eps, wd,
+               ctypes.addressof(sums), threads)
         w2, r2, c2, rc = sums[0], sums[1], sums[2], sums[3]
         a, b = lr * beta1, lr * (1.0 - beta1)
         ratio_r = _ratio(w2, r2, lower_bound, upper_bound) if adapt[i] else 1.0
@@ -158,5 +159,5 @@ def lans(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs, weight_decay
             k = wd * a * ratio_r
             c2 = max(c2 - 2.0 * k * rc + k * k * r2, 0.0)
         ratio_c = _ratio(w2, c2, lower_bound, upper_bound) if adapt[i] else 1.0
-        phase2(_ptr(pd), _ptr(g), _ptr(m), _ptr(v), n, ginv, lo, hi, clip, bc1, bc2_sqrt, eps, wd,
-               a, b, ratio_r, ratio_c, int(decay_moved_weight), _ptr(low[i]), threads)
+        phase2(p, g, m, v, n, ginv, lo, hi, clip, bc1, bc2_sqrt, eps, wd, a, b, ratio_r, ratio_c,
+               int(decay_moved_weight), lp, threads)
