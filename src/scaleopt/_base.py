@@ -17,14 +17,6 @@ NameRule = Union[None, str, Sequence[str], Callable[[str], bool]]
 #: Group keys that are not hyperparameters but may appear in a param group.
 _BOOKKEEPING_KEYS = frozenset({"params", "param_names", "initial_lr"})
 
-#: Gradient intake options every scaleopt optimizer accepts (see ``ScaleOptimizer._intake``).
-GRAD_OPTION_DEFAULTS: Dict[str, Any] = {
-    "rescale_grad": 1.0,
-    "clip_grad_value": None,
-    "clip_grad_norm_per_tensor": None,
-    "max_grad_norm": None,
-}
-
 
 # ------------------------------------------------------------------------------------------------
 # validation helpers

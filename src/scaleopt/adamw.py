@@ -9,7 +9,6 @@ from torch import Tensor
 from torch.optim.adamw import adamw as _torch_adamw
 
 from ._base import (
-    GRAD_OPTION_DEFAULTS,
     NameRule,
     ScaleOptimizer,
     check_bool,
@@ -106,7 +105,6 @@ class AdamW(ScaleOptimizer):
         if fused and foreach:
             raise ValueError("fused=True and foreach=True cannot be set together")
         defaults = dict(
-            GRAD_OPTION_DEFAULTS,
             lr=lr,
             betas=tuple(betas) if isinstance(betas, list) else betas,
             eps=eps,

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from . import _blocks, _native
-from ._base import GRAD_OPTION_DEFAULTS, NameRule, check_choice
+from ._base import NameRule, check_choice
 from ._layerwise import LayerwiseAdam, by_value, pick
 
 __all__ = ["LAMB", "lamb"]
@@ -119,7 +119,6 @@ class LAMB(LayerwiseAdam):
         foreach: Optional[bool] = None,
     ) -> None:
         defaults = dict(
-            GRAD_OPTION_DEFAULTS,
             lr=lr,
             betas=tuple(betas) if isinstance(betas, list) else betas,
             eps=eps,

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from . import _blocks, _native
-from ._base import GRAD_OPTION_DEFAULTS, NameRule, check_bool
+from ._base import NameRule, check_bool
 from ._layerwise import LayerwiseAdam, by_value, pick
 
 __all__ = ["LANS", "lans"]
@@ -102,7 +102,6 @@ class LANS(LayerwiseAdam):
         foreach: Optional[bool] = None,
     ) -> None:
         defaults = dict(
-            GRAD_OPTION_DEFAULTS,
             lr=lr,
             betas=tuple(betas) if isinstance(betas, list) else betas,
             eps=eps,

@@ -8,7 +8,6 @@ import torch
 
 from . import _blocks
 from ._base import (
-    GRAD_OPTION_DEFAULTS,
     NameRule,
     ScaleOptimizer,
     check_bool,
@@ -72,7 +71,6 @@ class Momentum(ScaleOptimizer):
         foreach: Optional[bool] = None,
     ) -> None:
         defaults = dict(
-            GRAD_OPTION_DEFAULTS,
             lr=lr,
             momentum=momentum,
             nesterov=nesterov,
