@@ -7,7 +7,7 @@
 Every optimizer gets its own copy of the same parameters and gradients. Steps are timed
 interleaved, round after round, in one process, so drifts in machine speed hit every optimizer
 alike; the table gives the median step time and its ratio to the fused AdamW baseline. Peers
-(timm, torch-optimizer, pytorch-optimizer) are timed when installed.
+(timm, torch-optimizer, pytorch-optimizer, DeepSpeed's CPU Adam) are timed when installed.
 """
 
 from __future__ import annotations
@@ -87,6 +87,8 @@ def candidates() -> Tuple[Dict[str, Callable], Dict[str, Callable]]:
         "scaleopt.LAMB(foreach=False)": lambda n: scaleopt.LAMB(
             n, lr=1e-3, exclude_from_weight_decay=NO_DECAY, foreach=False),
         "scaleopt.LANS": lambda n: scaleopt.LANS(n, lr=1e-3, exclude_from_weight_decay=NO_DECAY),
+        "scaleopt.OffloadAdam": lambda n: scaleopt.OffloadAdam(
+            n, lr=1e-3, weight_decay=0.01, exclude_from_weight_decay=NO_DECAY),
     }
     # bf16 parameters with fp32 master weights and moments (mixed-precision training)
     low: Dict[str, Callable] = {
@@ -94,6 +96,10 @@ def candidates() -> Tuple[Dict[str, Callable], Dict[str, Callable]]:
             n, lr=1e-3, exclude_from_weight_decay=NO_DECAY, master_weights=True),
         "scaleopt.LANS(bf16 params, master_weights)": lambda n: scaleopt.LANS(
             n, lr=1e-3, exclude_from_weight_decay=NO_DECAY, master_weights=True),
+        "scaleopt.OffloadAdam(bf16 params)": lambda n: scaleopt.OffloadAdam(
+            n, lr=1e-3, weight_decay=0.01, exclude_from_weight_decay=NO_DECAY),
+        "scaleopt.offload(LAMB)(bf16 params)": lambda n: scaleopt.offload(
+            scaleopt.LAMB, n, lr=1e-3, exclude_from_weight_decay=NO_DECAY),
     }
     try:
         from timm.optim import Lamb as TimmLamb
@@ -111,6 +117,12 @@ def candidates() -> Tuple[Dict[str, Callable], Dict[str, Callable]]:
         import pytorch_optimizer
 
         c["pytorch_optimizer.Lamb"] = lambda n: pytorch_optimizer.Lamb([p for _, p in n], lr=1e-3)
+    except Exception:
+        pass
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        c["deepspeed.DeepSpeedCPUAdam"] = lambda n: DeepSpeedCPUAdam([p for _, p in n], lr=1e-3)
     except Exception:
         pass
     return c, low

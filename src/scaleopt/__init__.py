@@ -5,7 +5,10 @@ from .groups import param_groups
 from .lamb import LAMB
 from .lans import LANS
 from .momentum import Momentum
+from .offload import OffloadAdam, offload
 
 __version__ = "0.1.0"
 
-__all__ = ["LAMB", "LANS", "AdamW", "Momentum", "param_groups", "__version__"]
+__all__ = [
+    "LAMB", "LANS", "AdamW", "Momentum", "OffloadAdam", "offload", "param_groups", "__version__",
+]

@@ -349,7 +349,7 @@ class ScaleOptimizer(torch.optim.Optimizer):
                     )
                 idx.append(i)
                 params.append(p)
-                grads.append(p.grad)
+                grads.append(self._grad_of(p))
             if grads:
                 if group.get("maximize", False):
                     grads = torch._foreach_neg(grads)
@@ -367,6 +367,10 @@ class ScaleOptimizer(torch.optim.Optimizer):
         for item in staged:
             if item[2]:
                 yield item
+
+    def _grad_of(self, p: Tensor) -> Tensor:
+        """The gradient the step reads for ``p`` (an offloaded optimizer reads a host copy)."""
+        return p.grad
 
     @staticmethod
     def _param_label(group: Dict[str, Any], i: int) -> str:

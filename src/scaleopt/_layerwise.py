@@ -152,16 +152,28 @@ class LayerwiseAdam(ScaleOptimizer):
             work = self._masters(group, params)
             ms, vs, steps = self._adam_state(params, work)
             lrs, wds, adapt = self._layer_options(group, idx)
-            low = [p if p is not w else None for p, w in zip(params, work)]
+            low = self._low_targets(params, work)
             if group.get("foreach") is None and _native.applies(work, grads, ms, vs, low):
                 self._update(group, work, grads, ms, vs, steps, lrs, wds, adapt, low=low)
+                self._write_back(params, work, low, [True] * len(params))
                 continue
             work_g = [g if g.dtype == w.dtype else g.to(w.dtype) for g, w in zip(grads, work)]
             self._update(group, work, work_g, ms, vs, steps, lrs, wds, adapt)
-            back = [(p, w) for p, w in zip(params, work) if p is not w]
-            if back:
-                torch._foreach_copy_([p for p, _ in back], [w for _, w in back])
+            self._write_back(params, work, low, [False] * len(params))
         return loss
+
+    def _low_targets(self, params: List[Tensor], work: List[Tensor]) -> List[Optional[Tensor]]:
+        """Per parameter: the low-precision tensor the fused kernels may write the rounded
+        weights into in their pass (the parameter itself when it has a master), or None."""
+        return [p if p is not w else None for p, w in zip(params, work)]
+
+    def _write_back(self, params: List[Tensor], work: List[Tensor], low: List[Optional[Tensor]],
+                    written: List[bool]) -> None:
+        """Round each master into its parameter, unless the kernels did (``written[i]``)."""
+        back = [(p, w) for p, w, lp, done in zip(params, work, low, written)
+                if p is not w and not (done and lp is p)]
+        if back:
+            torch._foreach_copy_([p for p, _ in back], [w for _, w in back])
 
     _intake_options: Dict[str, Any] = {}
 

@@ -1,4 +1,4 @@
-"""The fused CPU kernels (``_kernels.c``) for LAMB and LANS, called through ctypes.
+"""The fused CPU kernels (``_kernels.c``) for LAMB, LANS and Adam, called through ctypes.
 
 They apply to contiguous float32 CPU tensors. When the extension was not built (no compiler at
 install time) or ``SCALEOPT_NATIVE=0`` is set, :func:`available` is False and the optimizers run
@@ -43,6 +43,14 @@ if _lib is not None:
         getattr(_lib, _name).argtypes = [dp, dp, dp, dp, i64, f, f, f, i32, f, f, f, f, f, f, f, f,
                                          i32, dp, i32]
         getattr(_lib, _name).restype = None
+    for _name in ("adam_step", "adam_step_bf16g"):
+        getattr(_lib, _name).argtypes = [dp, dp, dp, dp, i64, f, f, f, f, f, f, f, f, f, dp, i32]
+        getattr(_lib, _name).restype = None
+    _lib.adam_multi.argtypes = [i64] + [dp] * 11 + [f] * 5 + [i32]
+    _lib.adam_multi.restype = None
+    for _name in ("any_nonfinite", "any_nonfinite_bf16"):
+        getattr(_lib, _name).argtypes = [dp, i64, i32]
+        getattr(_lib, _name).restype = i32
 
 _MODES = {"update": 0, "decoupled": 1, "l2": 2}
 
@@ -161,3 +169,54 @@ def lans(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs, weight_decay
         ratio_c = _ratio(w2, c2, lower_bound, upper_bound) if adapt[i] else 1.0
         phase2(p, g, m, v, n, ginv, lo, hi, clip, bc1, bc2_sqrt, eps, wd, a, b, ratio_r, ratio_c,
                int(decay_moved_weight), lp, threads)
+
+
+def adam_applies(work: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
+                 low: Optional[Tensor]) -> bool:
+    """Whether :func:`adam` takes this tensor: float32 contiguous CPU weight and moments; a
+    float32 gradient, or a bfloat16 one; ``low``, if given, a contiguous bfloat16 CPU tensor."""
+    if _lib is None:
+        return False
+    f32 = (torch.float32,)
+    if not all(_cpu_contiguous(t, f32) for t in (work, exp_avg, exp_avg_sq)):
+        return False
+    if not _cpu_contiguous(grad, (torch.float32, torch.bfloat16)):
+        return False
+    return low is None or _cpu_contiguous(low, (torch.bfloat16,))
+
+
+@torch.compiler.disable
+def adam(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
+         exp_avg_sqs: Sequence[Tensor], low: Sequence[Optional[Tensor]], *,
+         step_sizes: Sequence[float], bias_correction2_sqrts: Sequence[float],
+         weight_decays_l2: Sequence[float], decays: Sequence[float], beta1: float, beta2: float,
+         eps: float, grad_multiplier: float, threads: int) -> None:
+    """One Adam step on each tensor, one pass over memory each (see ``_kernels.c``), in one
+    call; ``low[i]``, when given, receives the rounded bfloat16 weights of ``params[i]``."""
+    count = len(params)
+    if count == 0:
+        return
+    ptrs = torch.tensor(
+        [[t.data_ptr() for t in ts] for ts in (params, grads, exp_avgs, exp_avg_sqs)]
+        + [[0 if t is None else t.data_ptr() for t in low], [t.numel() for t in params]],
+        dtype=torch.int64,
+    )
+    is_bf16 = torch.tensor([g.dtype == torch.bfloat16 for g in grads], dtype=torch.int32)
+    scalars = torch.tensor([list(step_sizes), list(bias_correction2_sqrts), list(weight_decays_l2),
+                            list(decays)], dtype=torch.float32)
+    row = ptrs.data_ptr()
+    srow = scalars.data_ptr()
+    _lib.adam_multi(count, *(row + 8 * count * k for k in range(5)), row + 8 * count * 5,
+                    is_bf16.data_ptr(), *(srow + 4 * count * k for k in range(4)),
+                    1.0 - beta1, beta2, 1.0 - beta2, eps, grad_multiplier, threads)
+
+
+def any_nonfinite(t: Tensor, threads: int) -> bool:
+    """Whether a tensor holds an inf or NaN (one read pass; kernels for contiguous float32 and
+    bfloat16 CPU tensors, torch otherwise)."""
+    if _lib is not None and t.device.type == "cpu" and t.is_contiguous():
+        if t.dtype == torch.float32:
+            return bool(_lib.any_nonfinite(t.data_ptr(), t.numel(), threads))
+        if t.dtype == torch.bfloat16:
+            return bool(_lib.any_nonfinite_bf16(t.data_ptr(), t.numel(), threads))
+    return not bool(torch.isfinite(t).all())
