@@ -8,7 +8,7 @@ from typing import Callable, List
 import torch
 
 import scaleopt
-from scaleopt.compat import keras, mxnet, paddle, tf1
+from scaleopt.compat import keras, mindspore, mxnet, paddle, tf1
 
 
 @dataclasses.dataclass
@@ -16,6 +16,7 @@ class OptimizerInfo:
     name: str
     make: Callable[[List], torch.optim.Optimizer]  # takes model.named_parameters() as a list
     has_foreach: bool = True  # whether a foreach flag selects fast vs reference path
+    host_step: bool = False  # the update runs on the host (offloaded): it syncs by design
 
     def __str__(self) -> str:  # pytest ids
         return self.name
@@ -67,6 +68,22 @@ REGISTRY: List[OptimizerInfo] = [
     OptimizerInfo("mxnet.LANS", lambda n: mxnet.LANS(n, learning_rate=0.01, wd=0.01)),
     OptimizerInfo("tf1.LAMBOptimizer", lambda n: tf1.LAMBOptimizer(
         n, learning_rate=0.01, exclude_from_weight_decay=["bias"])),
+    OptimizerInfo("OffloadAdam", lambda n: scaleopt.OffloadAdam(n, lr=1e-2, weight_decay=0.01),
+                  has_foreach=False, host_step=True),
+    OptimizerInfo("OffloadAdam-l2-amsgrad-clip-exclude", lambda n: scaleopt.OffloadAdam(
+        n, lr=1e-2, weight_decay=0.05, decoupled=False, amsgrad=True, max_grad_norm=0.5,
+        exclude_from_weight_decay=r"bias$", maximize=True), has_foreach=False, host_step=True),
+    OptimizerInfo("OffloadAdam-nesterov-hat-scaled", lambda n: scaleopt.OffloadAdam(
+        n, lr=1e-2, nesterov=True, eps_mode="hat", loss_scale=8.0, check_finite=True,
+        num_threads=1), has_foreach=False, host_step=True),
+    OptimizerInfo("offload(LAMB)", lambda n: scaleopt.offload(
+        scaleopt.LAMB, n, lr=1e-2, exclude_from_weight_decay="bias", max_grad_norm=1.0),
+        host_step=True),
+    OptimizerInfo("offload(LANS)", lambda n: scaleopt.offload(scaleopt.LANS, n, lr=1e-2),
+                  host_step=True),
+    OptimizerInfo("mindspore.AdamOffload", lambda n: mindspore.AdamOffload(
+        n, learning_rate=0.01, weight_decay=0.01, use_nesterov=True), has_foreach=False,
+        host_step=True),
 ]
 
 

@@ -54,7 +54,7 @@ def test_cuda_fast_path_equals_reference(info):
         torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("info", REGISTRY, ids=str)
+@pytest.mark.parametrize("info", [i for i in REGISTRY if not i.host_step], ids=str)
 def test_cuda_step_never_synchronises(info):
     m = model()
     opt = info.make(list(m.named_parameters()))
@@ -115,3 +115,73 @@ def test_cuda_bf16_lamb_tracks_fp32():
     run(m16, o16, 5)
     for a, b in zip(m32.parameters(), m16.parameters()):
         torch.testing.assert_close(b.float(), a, rtol=0.05, atol=0.02)
+
+
+# -- offloaded optimizers: the model on the GPU, the state and the update on the host -----------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_cuda_offload_keeps_state_on_the_host_and_matches_cpu(dtype, overlap):
+    mc, mg = model("cpu", dtype), model("cuda", dtype)
+    oc = scaleopt.OffloadAdam(mc.parameters(), lr=1e-2, weight_decay=0.1)
+    og = scaleopt.OffloadAdam(mg.parameters(), lr=1e-2, weight_decay=0.1, overlap=overlap)
+    assert bool(og._hooks) == overlap
+    run(mc, oc, 5)
+    run(mg, og, 5)
+    for a, b in zip(mc.parameters(), mg.parameters()):
+        assert b.is_cuda and b.dtype == dtype
+        st = og.state[b]
+        assert all(v.device.type == "cpu" for v in st.values())
+        assert st["master_param"].dtype == torch.float32 and st["master_param"].is_pinned()
+        assert torch.equal(b.detach().cpu(), st["master_param"].to(dtype))
+        torch.testing.assert_close(st["master_param"], oc.state[a].get("master_param", a.detach()),
+                                   rtol=1e-4, atol=1e-5)
+
+
+def test_cuda_offload_accumulation_and_gradients_changed_after_backward():
+    # two micro-batches per step, then the gradients are clipped on the device after the hooks
+    # copied them: the step must use the final gradients
+    torch.manual_seed(0)
+    mc, mg = model("cpu"), model("cuda")
+    oc = torch.optim.AdamW(mc.parameters(), lr=1e-2, foreach=False)
+    og = scaleopt.OffloadAdam(mg.parameters(), lr=1e-2, weight_decay=0.01)
+    for t in range(4):
+        g = torch.Generator().manual_seed(t)
+        xs = [torch.randn(32, 32, generator=g) for _ in range(2)]
+        for m, opt in ((mc, oc), (mg, og)):
+            dev = next(m.parameters()).device
+            opt.zero_grad()
+            for x in xs:
+                m(x.to(dev)).square().mean().backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.1)
+            opt.step()
+    for a, b in zip(mc.parameters(), mg.parameters()):
+        torch.testing.assert_close(b.cpu(), a, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("cls", [scaleopt.LAMB, scaleopt.LANS], ids=["LAMB", "LANS"])
+def test_cuda_offloaded_layerwise_bf16_tracks_the_host_run(cls):
+    mc, mg = model("cpu", torch.bfloat16), model("cuda", torch.bfloat16)
+    oc = scaleopt.offload(cls, mc.named_parameters(), lr=1e-2)
+    og = scaleopt.offload(cls, mg.named_parameters(), lr=1e-2)
+    run(mc, oc, 5)
+    run(mg, og, 5)
+    for a, b in zip(mc.parameters(), mg.parameters()):
+        torch.testing.assert_close(og.state[b]["master_param"], oc.state[a]["master_param"],
+                                   rtol=1e-3, atol=1e-4)
+        assert torch.equal(b.detach().cpu(), og.state[b]["master_param"].to(torch.bfloat16))
+
+
+def test_cuda_offload_checkpoint_from_a_cpu_run_stays_on_the_host():
+    mc = model("cpu")
+    oc = scaleopt.OffloadAdam(mc.parameters(), lr=1e-2)
+    run(mc, oc, 3)
+    mg = copy.deepcopy(mc).cuda()
+    og = scaleopt.OffloadAdam(mg.parameters(), lr=1e-2)
+    og.load_state_dict(oc.state_dict())
+    assert all(v.device.type == "cpu" for s in og.state.values() for v in s.values())
+    run(mc, oc, 3, start=3)
+    run(mg, og, 3, start=3)
+    for a, b in zip(mc.parameters(), mg.parameters()):
+        torch.testing.assert_close(b.cpu(), a, rtol=1e-4, atol=1e-5)

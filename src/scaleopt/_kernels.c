@@ -217,11 +217,12 @@ LANS_PHASE2(lans_phase2_bf16g, uint16_t, bf16_to_f32(g[i]))
 
 /* One pass: g' = g * gmul + wd_l2 * w (gmul folds the loss-scale unscaling, clipping and the
  * sign for maximize into one scalar); m = lerp(m, g', 1-b1); v = b2*v + (1-b2)*g'^2;
- * w = w * decay - step_size * m / (sqrt(v) / bc2_sqrt + eps), where decay = 1 - lr*wd for
- * decoupled decay (AdamW) and 1 otherwise. The rounded weight also goes to low[] (bfloat16)
- * when low is not NULL. Same operations in the same order as torch's single-tensor Adam, with
- * the scalars (1-b1, 1-b2, lr/bc1, ...) computed in double by the caller, as torch does. */
-#define ADAM_LOOP(GLOAD, STORE_LOW)                                                            \
+ * w = w * decay - step_size * n / (sqrt(v) / bc2_sqrt + eps), where n = m, or
+ * b1*m + (1-b1)*g' with nesterov, and decay = 1 - lr*wd for decoupled decay (AdamW), else 1.
+ * The rounded weight also goes to low[] (bfloat16) when low is not NULL. Same operations in the
+ * same order as torch's single-tensor Adam, with the scalars (1-b1, 1-b2, lr/bc1, ...) computed
+ * in double by the caller, as torch does. */
+#define ADAM_LOOP(GLOAD, NUM, STORE_LOW)                                                       \
     OMP_FOR                                                                                    \
     for (int64_t i = 0; i < n; i++) {                                                          \
         float w = p[i];                                                                        \
@@ -230,41 +231,53 @@ LANS_PHASE2(lans_phase2_bf16g, uint16_t, bf16_to_f32(g[i]))
         float vi = v[i] * beta2 + one_m_b2 * gi * gi;                                          \
         m[i] = mi;                                                                             \
         v[i] = vi;                                                                             \
-        float w_new = w * decay - step_size * (mi / (sqrtf(vi) / bc2_sqrt + eps));             \
+        float w_new = w * decay - step_size * ((NUM) / (sqrtf(vi) / bc2_sqrt + eps));          \
         p[i] = w_new;                                                                          \
         STORE_LOW;                                                                             \
     }
 
-#define ADAM_STEP(NAME, GTYPE, GLOAD)                                                          \
-    TARGETS void NAME(float *p, const GTYPE *g, float *m, float *v, int64_t n,                 \
-                      float step_size, float one_m_b1, float beta2, float one_m_b2,            \
-                      float bc2_sqrt, float eps, float wd_l2, float decay, float gmul,         \
-                      uint16_t *low, int nthreads) {                                           \
-        if (low) {                                                                             \
-            ADAM_LOOP(GLOAD, low[i] = f32_to_bf16(w_new))                                      \
-        } else {                                                                               \
-            ADAM_LOOP(GLOAD, (void)0)                                                          \
-        }                                                                                      \
+#define ADAM_LOOPS(GLOAD)                                                                      \
+    if (low && nesterov) {                                                                     \
+        ADAM_LOOP(GLOAD, beta1 * mi + one_m_b1 * gi, low[i] = f32_to_bf16(w_new))              \
+    } else if (low) {                                                                          \
+        ADAM_LOOP(GLOAD, mi, low[i] = f32_to_bf16(w_new))                                      \
+    } else if (nesterov) {                                                                     \
+        ADAM_LOOP(GLOAD, beta1 * mi + one_m_b1 * gi, (void)0)                                  \
+    } else {                                                                                   \
+        ADAM_LOOP(GLOAD, mi, (void)0)                                                          \
     }
 
-ADAM_STEP(adam_step, float, g[i])
-ADAM_STEP(adam_step_bf16g, uint16_t, bf16_to_f32(g[i]))
+TARGETS static void adam_step(float *p, const float *g, float *m, float *v, int64_t n,
+                              float step_size, float beta1, float one_m_b1, float beta2,
+                              float one_m_b2, float bc2_sqrt, float eps, float wd_l2, float decay,
+                              float gmul, int nesterov, uint16_t *low, int nthreads) {
+    ADAM_LOOPS(g[i])
+}
 
-/* adam_step / adam_step_bf16g over `count` tensors in one call (per-tensor pointers, sizes and
- * scalars in arrays; g_bf16[t] tells the gradient's dtype). */
+TARGETS static void adam_step_bf16g(float *p, const uint16_t *g, float *m, float *v, int64_t n,
+                                    float step_size, float beta1, float one_m_b1, float beta2,
+                                    float one_m_b2, float bc2_sqrt, float eps, float wd_l2,
+                                    float decay, float gmul, int nesterov, uint16_t *low,
+                                    int nthreads) {
+    ADAM_LOOPS(bf16_to_f32(g[i]))
+}
+
+/* One Adam step on each of `count` tensors (per-tensor pointers, sizes and scalars in arrays;
+ * g_bf16[t] tells the gradient's dtype; per-group scalars as arguments). */
 void adam_multi(int64_t count, float *const *p, const void *const *g, float *const *m,
                 float *const *v, uint16_t *const *low, const int64_t *n, const int32_t *g_bf16,
                 const float *step_size, const float *bc2_sqrt, const float *wd_l2,
-                const float *decay, float one_m_b1, float beta2, float one_m_b2, float eps,
-                float gmul, int nthreads) {
+                const float *decay, float beta1, float one_m_b1, float beta2, float one_m_b2,
+                float eps, float gmul, int nesterov, int nthreads) {
     for (int64_t t = 0; t < count; t++) {
         if (g_bf16[t])
-            adam_step_bf16g(p[t], (const uint16_t *)g[t], m[t], v[t], n[t], step_size[t], one_m_b1,
-                            beta2, one_m_b2, bc2_sqrt[t], eps, wd_l2[t], decay[t], gmul, low[t],
-                            nthreads);
+            adam_step_bf16g(p[t], (const uint16_t *)g[t], m[t], v[t], n[t], step_size[t], beta1,
+                            one_m_b1, beta2, one_m_b2, bc2_sqrt[t], eps, wd_l2[t], decay[t], gmul,
+                            nesterov, low[t], nthreads);
         else
-            adam_step(p[t], (const float *)g[t], m[t], v[t], n[t], step_size[t], one_m_b1, beta2,
-                      one_m_b2, bc2_sqrt[t], eps, wd_l2[t], decay[t], gmul, low[t], nthreads);
+            adam_step(p[t], (const float *)g[t], m[t], v[t], n[t], step_size[t], beta1, one_m_b1,
+                      beta2, one_m_b2, bc2_sqrt[t], eps, wd_l2[t], decay[t], gmul, nesterov,
+                      low[t], nthreads);
     }
 }
 

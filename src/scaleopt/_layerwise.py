@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -148,6 +149,15 @@ class LayerwiseAdam(ScaleOptimizer):
     def step(self, closure=None):  # type: ignore[override]
         """Perform one optimization step. ``closure`` re-evaluates the model and returns the loss."""
         loss = self._closure_loss(closure)
+        with self._step_context():
+            self._step_groups()
+        return loss
+
+    def _step_context(self):
+        """A context manager around the update (the offloaded variants set threads and buffers)."""
+        return contextlib.nullcontext()
+
+    def _step_groups(self) -> None:
         for group, idx, params, grads in self._intake(**self._intake_options):
             work = self._masters(group, params)
             ms, vs, steps = self._adam_state(params, work)
@@ -160,7 +170,6 @@ class LayerwiseAdam(ScaleOptimizer):
             work_g = [g if g.dtype == w.dtype else g.to(w.dtype) for g, w in zip(grads, work)]
             self._update(group, work, work_g, ms, vs, steps, lrs, wds, adapt)
             self._write_back(params, work, low, [False] * len(params))
-        return loss
 
     def _low_targets(self, params: List[Tensor], work: List[Tensor]) -> List[Optional[Tensor]]:
         """Per parameter: the low-precision tensor the fused kernels may write the rounded

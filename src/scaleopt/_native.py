@@ -10,7 +10,7 @@ from __future__ import annotations
 import ctypes
 import math
 import os
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -43,10 +43,7 @@ if _lib is not None:
         getattr(_lib, _name).argtypes = [dp, dp, dp, dp, i64, f, f, f, i32, f, f, f, f, f, f, f, f,
                                          i32, dp, i32]
         getattr(_lib, _name).restype = None
-    for _name in ("adam_step", "adam_step_bf16g"):
-        getattr(_lib, _name).argtypes = [dp, dp, dp, dp, i64, f, f, f, f, f, f, f, f, f, dp, i32]
-        getattr(_lib, _name).restype = None
-    _lib.adam_multi.argtypes = [i64] + [dp] * 11 + [f] * 5 + [i32]
+    _lib.adam_multi.argtypes = [i64] + [dp] * 11 + [f] * 6 + [i32, i32]
     _lib.adam_multi.restype = None
     for _name in ("any_nonfinite", "any_nonfinite_bf16"):
         getattr(_lib, _name).argtypes = [dp, i64, i32]
@@ -190,9 +187,11 @@ def adam(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[T
          exp_avg_sqs: Sequence[Tensor], low: Sequence[Optional[Tensor]], *,
          step_sizes: Sequence[float], bias_correction2_sqrts: Sequence[float],
          weight_decays_l2: Sequence[float], decays: Sequence[float], beta1: float, beta2: float,
-         eps: float, grad_multiplier: float, threads: int) -> None:
+         eps: float, grad_multiplier: float, nesterov: bool = False,
+         one_minus_betas: Optional[Tuple[float, float]] = None, threads: int) -> None:
     """One Adam step on each tensor, one pass over memory each (see ``_kernels.c``), in one
-    call; ``low[i]``, when given, receives the rounded bfloat16 weights of ``params[i]``."""
+    call; ``low[i]``, when given, receives the rounded bfloat16 weights of ``params[i]``.
+    ``one_minus_betas`` overrides ``(1-beta1, 1-beta2)`` (computed in double by default)."""
     count = len(params)
     if count == 0:
         return
@@ -204,11 +203,13 @@ def adam(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[T
     is_bf16 = torch.tensor([g.dtype == torch.bfloat16 for g in grads], dtype=torch.int32)
     scalars = torch.tensor([list(step_sizes), list(bias_correction2_sqrts), list(weight_decays_l2),
                             list(decays)], dtype=torch.float32)
+    omb1, omb2 = one_minus_betas or (1.0 - beta1, 1.0 - beta2)
     row = ptrs.data_ptr()
     srow = scalars.data_ptr()
     _lib.adam_multi(count, *(row + 8 * count * k for k in range(5)), row + 8 * count * 5,
                     is_bf16.data_ptr(), *(srow + 4 * count * k for k in range(4)),
-                    1.0 - beta1, beta2, 1.0 - beta2, eps, grad_multiplier, threads)
+                    beta1, omb1, beta2, omb2, eps, grad_multiplier, int(nesterov),
+                    threads)
 
 
 def any_nonfinite(t: Tensor, threads: int) -> bool:

@@ -20,7 +20,14 @@ import torch
 from torch import Tensor
 
 from . import _blocks, _native
-from ._base import NameRule, ScaleOptimizer, check_bool, check_name_rule, check_number
+from ._base import (
+    NameRule,
+    ScaleOptimizer,
+    check_bool,
+    check_choice,
+    check_name_rule,
+    check_number,
+)
 from ._layerwise import LayerwiseAdam
 
 __all__ = ["OffloadAdam", "HostOffload", "offload"]
@@ -277,6 +284,12 @@ class OffloadAdam(HostOffload, ScaleOptimizer):
         decoupled (bool, default True): AdamW's decoupled decay; False adds :math:`\lambda w` to
             the gradient (Adam's L2).
         amsgrad (bool, default False), maximize (bool, default False): as in torch.
+        nesterov (bool, default False): step along :math:`\beta_1 m_t + (1-\beta_1) g`
+            instead of :math:`m_t` (MindSpore's ``use_nesterov``).
+        eps_mode (``"standard"`` or ``"hat"``, default ``"standard"``): ``"hat"`` is the Adam
+            paper's :math:`\hat\epsilon` form, :math:`w \leftarrow w - \eta
+            \frac{\sqrt{1-\beta_2^t}}{1-\beta_1^t}\frac{m_t}{\sqrt{v_t}+\epsilon}` (MindSpore,
+            TensorFlow's Adam).
         exclude_from_weight_decay (name rule, default None): names that get no decay.
         max_grad_norm (float or None, default None): clip by the global norm of all gradients.
         loss_scale (float, default 1): the gradients are divided by it.
@@ -312,6 +325,8 @@ class OffloadAdam(HostOffload, ScaleOptimizer):
         amsgrad: bool = False,
         *,
         maximize: bool = False,
+        nesterov: bool = False,
+        eps_mode: str = "standard",
         exclude_from_weight_decay: NameRule = None,
         max_grad_norm: Optional[float] = None,
         loss_scale: float = 1.0,
@@ -327,6 +342,8 @@ class OffloadAdam(HostOffload, ScaleOptimizer):
             decoupled=decoupled,
             amsgrad=amsgrad,
             maximize=maximize,
+            nesterov=nesterov,
+            eps_mode=eps_mode,
             exclude_from_weight_decay=exclude_from_weight_decay,
             max_grad_norm=max_grad_norm,
             loss_scale=loss_scale,
@@ -349,6 +366,10 @@ class OffloadAdam(HostOffload, ScaleOptimizer):
         check_bool(a("decoupled"), group["decoupled"])
         check_bool(a("amsgrad"), group["amsgrad"])
         check_bool(a("maximize"), group["maximize"])
+        check_bool(a("nesterov"), group["nesterov"])
+        check_choice("eps_mode", group["eps_mode"], ("standard", "hat"))
+        if group["amsgrad"] and group["nesterov"]:
+            raise ValueError("amsgrad=True and nesterov=True cannot be combined")
         check_number(a("max_grad_norm"), group["max_grad_norm"], low=0.0, low_open=True,
                      allow_none=True)
         check_number(a("loss_scale"), group["loss_scale"], low=0.0, low_open=True)
@@ -411,11 +432,14 @@ class OffloadAdam(HostOffload, ScaleOptimizer):
         with _threads(self.num_threads) as threads:
             muls = self._multipliers(staged, threads)
             self.skipped = muls is None
-            if muls is None:
-                return loss
-            for (group, idx, params, grads), mul in zip(staged, muls):
-                self._update_group(group, idx, params, grads, mul, threads)
+            if muls is not None:
+                for (group, idx, params, grads), mul in zip(staged, muls):
+                    self._update_group(group, idx, params, grads, mul, threads)
+        self._after_step()
         return loss
+
+    def _after_step(self) -> None:
+        """Called at the end of every step, skipped or not. Front-ends override it."""
 
     def _state(self, p: Tensor, w: Tensor, amsgrad: bool) -> Dict[str, Any]:
         state = self.state[p]
@@ -427,10 +451,28 @@ class OffloadAdam(HostOffload, ScaleOptimizer):
             state["max_exp_avg_sq"] = torch.zeros_like(w, memory_format=torch.contiguous_format)
         return state
 
+    def _step_scalars(self, group: Dict[str, Any], step: float) -> Tuple[float, float]:
+        """``(step_size, d)`` of the update ``w -= step_size * m / (sqrt(v)/d + eps)`` at step
+        ``step``: ``(lr/(1-b1^t), sqrt(1-b2^t))``, or ``(lr*sqrt(1-b2^t)/(1-b1^t), 1)`` in the
+        epsilon-hat form."""
+        beta1, beta2 = group["betas"]
+        bc1 = 1 - beta1 ** step
+        bc2_sqrt = math.sqrt(1 - beta2 ** step)
+        if group["eps_mode"] == "hat":
+            return group["lr"] * bc2_sqrt / bc1, 1.0
+        return group["lr"] / bc1, bc2_sqrt
+
+    def _one_minus_betas(self, group: Dict[str, Any]) -> Tuple[float, float]:
+        """``(1-beta1, 1-beta2)`` as the update uses them (in double, as torch)."""
+        beta1, beta2 = group["betas"]
+        return 1.0 - beta1, 1.0 - beta2
+
     @torch.compiler.disable
     def _update_group(self, group, idx, params, grads, mul, threads) -> None:
         beta1, beta2 = group["betas"]
         lr, eps, amsgrad, decoupled = group["lr"], group["eps"], group["amsgrad"], group["decoupled"]
+        nesterov = group["nesterov"]
+        omb = self._one_minus_betas(group)
         no_decay = self._rule_flags(group, "exclude_from_weight_decay")
         work = [self._master(p) for p in params]
         low = [self._low_target(p) for p in params]
@@ -440,21 +482,20 @@ class OffloadAdam(HostOffload, ScaleOptimizer):
         fast: List[Tuple[int, float, float, float]] = []
         for k, (i, w, g, st) in enumerate(zip(idx, work, grads, states)):
             wd = 0.0 if no_decay[i] else group["weight_decay"]
-            step = steps[k].item()
-            bc1 = 1 - beta1 ** step
-            bc2_sqrt = math.sqrt(1 - beta2 ** step)
+            step_size, bc2_sqrt = self._step_scalars(group, steps[k].item())
             m, v = st["exp_avg"], st["exp_avg_sq"]
             if g.dtype not in (torch.float32, torch.bfloat16):
                 low[k] = None
             if not amsgrad and _native.adam_applies(w, g, m, v, low[k]):
-                fast.append((k, lr / bc1, bc2_sqrt, wd))
+                fast.append((k, step_size, bc2_sqrt, wd))
                 continue
             low[k] = None
             gf = g.to(torch.float32) if g.dtype != w.dtype else g
             gf = gf * mul if mul != 1.0 else gf
             _adam_reference(w, gf, m, v, st.get("max_exp_avg_sq"), lr=lr, beta1=beta1,
-                            beta2=beta2, bc1=bc1, bc2_sqrt=bc2_sqrt, eps=eps, weight_decay=wd,
-                            decoupled=decoupled, amsgrad=amsgrad)
+                            beta2=beta2, one_minus_betas=omb, step_size=step_size,
+                            bc2_sqrt=bc2_sqrt, eps=eps, weight_decay=wd, decoupled=decoupled,
+                            nesterov=nesterov)
         if fast:
             ks = [f[0] for f in fast]
             _native.adam(
@@ -465,29 +506,33 @@ class OffloadAdam(HostOffload, ScaleOptimizer):
                 bias_correction2_sqrts=[f[2] for f in fast],
                 weight_decays_l2=[0.0 if decoupled else f[3] for f in fast],
                 decays=[1.0 - lr * f[3] if decoupled else 1.0 for f in fast],
-                beta1=beta1, beta2=beta2, eps=eps, grad_multiplier=mul, threads=threads,
+                beta1=beta1, beta2=beta2, eps=eps, grad_multiplier=mul, nesterov=nesterov,
+                one_minus_betas=omb, threads=threads,
             )
         self._write_back(params, work, low, [low[k] is not None for k in range(len(params))])
 
 
 def _adam_reference(w: Tensor, g: Tensor, m: Tensor, v: Tensor, vmax: Optional[Tensor], *,
-                    lr: float, beta1: float, beta2: float, bc1: float, bc2_sqrt: float,
-                    eps: float, weight_decay: float, decoupled: bool, amsgrad: bool) -> None:
-    """Adam on one tensor with torch ops (any layout, dtype or device): torch's single-tensor
-    Adam/AdamW, for what the kernel does not take."""
+                    lr: float, beta1: float, beta2: float, one_minus_betas: Tuple[float, float],
+                    step_size: float, bc2_sqrt: float, eps: float, weight_decay: float,
+                    decoupled: bool, nesterov: bool) -> None:
+    """Adam on one tensor with torch ops (any layout, dtype or device), for what the kernel does
+    not take: torch's single-tensor Adam/AdamW (``vmax`` given: amsgrad), with the Nesterov
+    numerator ``b1*m + (1-b1)*g`` when asked."""
     if weight_decay != 0:
         if decoupled:
             w.mul_(1 - lr * weight_decay)
         else:
             g = g.add(w, alpha=weight_decay)
-    m.lerp_(g, 1 - beta1)
-    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    if amsgrad:
+    m.lerp_(g, one_minus_betas[0])
+    v.mul_(beta2).addcmul_(g, g, value=one_minus_betas[1])
+    if vmax is not None:
         torch.maximum(vmax, v, out=vmax)
         denom = (vmax.sqrt() / bc2_sqrt).add_(eps)
     else:
         denom = (v.sqrt() / bc2_sqrt).add_(eps)
-    w.addcdiv_(m, denom, value=-lr / bc1)
+    num = m.mul(beta1).add_(g, alpha=one_minus_betas[0]) if nesterov else m
+    w.addcdiv_(num, denom, value=-step_size)
 
 
 def offload(optimizer_class: Type[LayerwiseAdam], params: Any, *, overlap: bool = True,
@@ -536,14 +581,14 @@ class _OffloadLayerwise(HostOffload):
     def _low_targets(self, params: List[Tensor], work: List[Tensor]) -> List[Optional[Tensor]]:
         return [None if p is w else self._low_target(p) for p, w in zip(params, work)]
 
-    def step(self, closure=None):  # type: ignore[override]
+    @contextlib.contextmanager
+    def _step_context(self):
         self._wait_for_copies_back()
         with _threads(self.num_threads):
-            loss = super().step(closure)  # type: ignore[misc]
+            yield
         for group in self.param_groups:
             for p in group["params"]:
                 self._pending.pop(p, None)
-        return loss
 
 
 _OFFLOADED: Dict[type, type] = {}

@@ -1,11 +1,11 @@
 """Front-ends with the reference frameworks' own class and argument names.
 
-``scaleopt.compat.paddle``, ``scaleopt.compat.mxnet``, ``scaleopt.compat.keras`` and
-``scaleopt.compat.tf1`` hold thin
+``scaleopt.compat.paddle``, ``scaleopt.compat.mxnet``, ``scaleopt.compat.mindspore``,
+``scaleopt.compat.keras`` and ``scaleopt.compat.tf1`` hold thin
 classes on the scaleopt core that reproduce those frameworks' optimizers, numbers included, for
 porting training scripts.
 """
 
-from . import keras, mxnet, paddle, tf1
+from . import keras, mindspore, mxnet, paddle, tf1
 
-__all__ = ["paddle", "mxnet", "keras", "tf1"]
+__all__ = ["paddle", "mxnet", "mindspore", "keras", "tf1"]
