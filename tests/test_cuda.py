@@ -133,10 +133,14 @@ def test_cuda_offload_keeps_state_on_the_host_and_matches_cpu(dtype, overlap):
         assert b.is_cuda and b.dtype == dtype
         st = og.state[b]
         assert all(v.device.type == "cpu" for v in st.values())
-        assert st["master_param"].dtype == torch.float32 and st["master_param"].is_pinned()
-        assert torch.equal(b.detach().cpu(), st["master_param"].to(dtype))
-        torch.testing.assert_close(st["master_param"], oc.state[a].get("master_param", a.detach()),
-                                   rtol=1e-4, atol=1e-5)
+        if dtype == torch.float32:
+            assert st["master_param"].is_pinned()
+        else:  # split master: the pinned host copy of the parameter + the low 16 bits
+            assert og._staging[b].is_pinned() and st["master_lo"].dtype == torch.int16
+        master = og.master(b)
+        assert master.dtype == torch.float32
+        assert torch.equal(b.detach().cpu(), master.to(dtype))
+        torch.testing.assert_close(master, oc.master(a).detach(), rtol=1e-4, atol=1e-5)
 
 
 def test_cuda_offload_accumulation_and_gradients_changed_after_backward():
@@ -168,9 +172,8 @@ def test_cuda_offloaded_layerwise_bf16_tracks_the_host_run(cls):
     run(mc, oc, 5)
     run(mg, og, 5)
     for a, b in zip(mc.parameters(), mg.parameters()):
-        torch.testing.assert_close(og.state[b]["master_param"], oc.state[a]["master_param"],
-                                   rtol=1e-3, atol=1e-4)
-        assert torch.equal(b.detach().cpu(), og.state[b]["master_param"].to(torch.bfloat16))
+        torch.testing.assert_close(og.master(b), oc.master(a), rtol=1e-3, atol=1e-4)
+        assert torch.equal(b.detach().cpu(), og.master(b).to(torch.bfloat16))
 
 
 def test_cuda_offload_checkpoint_from_a_cpu_run_stays_on_the_host():

@@ -135,7 +135,7 @@ def test_bf16_parameters_with_fp32_master_track_the_fp32_run():
         runs[dtype] = (params, opt)
     (p32, _), (p16, opt16) = runs[torch.float32], runs[torch.bfloat16]
     for a, b in zip(p32, p16):
-        master = opt16.state[b]["master_param"]
+        master = opt16.master(b)
         assert master.dtype == torch.float32 and b.dtype == torch.bfloat16
         assert opt16.state[b]["exp_avg"].dtype == torch.float32
         assert torch.equal(b.detach(), master.to(torch.bfloat16))  # the parameter is the rounded master
@@ -156,8 +156,7 @@ def test_bf16_kernel_equals_torch_path(monkeypatch):
     (k, ok), (t, ot) = train(True), train(False)
     monkeypatch.setattr(_native, "adam_applies", real)
     for a, b, pa, pb in zip(k, t, ok.param_groups[0]["params"], ot.param_groups[0]["params"]):
-        torch.testing.assert_close(ok.state[pa]["master_param"], ot.state[pb]["master_param"],
-                                   rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(ok.master(pa), ot.master(pb), rtol=1e-6, atol=1e-7)
         assert (a.float() - b.float()).abs().max() <= 2 ** -7 * b.float().abs().max()
 
 
@@ -168,7 +167,7 @@ def test_fp16_parameters_take_the_torch_path_with_a_master():
         p.grad = torch.randn(5, 4).half()
         opt.step()
     assert opt.state[p]["master_param"].dtype == torch.float32
-    assert torch.equal(p.detach(), opt.state[p]["master_param"].half())
+    assert torch.equal(p.detach(), opt.master(p).half())
 
 
 def test_a_float32_host_parameter_is_its_own_master():
@@ -258,9 +257,40 @@ def test_a_bf16_checkpoint_keeps_the_float32_master():
     m2 = copy.deepcopy(m1)
     o2 = OffloadAdam(m2.parameters(), lr=1e-3)
     o2.load_state_dict(_roundtrip(o1.state_dict()))
+    saved = o1.state_dict()
     for a, b in zip(m1.parameters(), m2.parameters()):
-        assert torch.equal(o1.state[a]["master_param"], o2.state[b]["master_param"])
-        assert not torch.equal(o2.state[b]["master_param"], b.detach().float())
+        assert torch.equal(o1.master(a), o2.master(b))
+        assert not torch.equal(o2.master(b), b.detach().float())
+    for st in saved["state"].values():
+        assert st["master_param"].dtype == torch.float32 and "master_lo" not in st
+
+
+def test_a_bf16_master_is_held_as_the_parameter_plus_16_low_bits():
+    model = model_of(dtype=torch.bfloat16)
+    opt = OffloadAdam(model.parameters(), lr=1e-2)
+    run(model, opt, steps=3, sched=False)
+    for p in model.parameters():
+        st = opt.state[p]
+        if _native.available():
+            assert "master_param" not in st and st["master_lo"].dtype == torch.int16
+        assert torch.equal(opt.master(p).to(torch.bfloat16), p.detach())
+
+
+@pytest.mark.parametrize("saved_split, loaded_split", [(True, False), (False, True)])
+def test_checkpoints_move_between_split_and_float32_masters(saved_split, loaded_split,
+                                                            monkeypatch):
+    def build(split, model):
+        monkeypatch.setattr(_native, "available", lambda: split)
+        return OffloadAdam(model.parameters(), lr=1e-2, weight_decay=0.1)
+    m1 = model_of(dtype=torch.bfloat16)
+    o1 = build(saved_split, m1)
+    run(m1, o1, steps=3, sched=False)
+    m2 = copy.deepcopy(m1)
+    o2 = build(loaded_split, m2)
+    o2.load_state_dict(_roundtrip(o1.state_dict()))
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        assert torch.equal(o1.master(a), o2.master(b))
+        assert ("master_lo" in o2.state[b]) == loaded_split
 
 
 def _grad_scaler():

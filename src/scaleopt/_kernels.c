@@ -219,65 +219,103 @@ LANS_PHASE2(lans_phase2_bf16g, uint16_t, bf16_to_f32(g[i]))
  * sign for maximize into one scalar); m = lerp(m, g', 1-b1); v = b2*v + (1-b2)*g'^2;
  * w = w * decay - step_size * n / (sqrt(v) / bc2_sqrt + eps), where n = m, or
  * b1*m + (1-b1)*g' with nesterov, and decay = 1 - lr*wd for decoupled decay (AdamW), else 1.
- * The rounded weight also goes to low[] (bfloat16) when low is not NULL. Same operations in the
- * same order as torch's single-tensor Adam, with the scalars (1-b1, 1-b2, lr/bc1, ...) computed
- * in double by the caller, as torch does. */
-#define ADAM_LOOP(GLOAD, NUM, STORE_LOW)                                                       \
+ * Same operations in the same order as torch's single-tensor Adam, with the scalars (1-b1, 1-b2,
+ * lr/bc1, ...) computed in double by the caller, as torch does.
+ *
+ * Where the weight lives:
+ *  - float32 (adam_f32*): p[i]; the rounded weight also goes to low[] (bfloat16) if not NULL.
+ *  - split (adam_split*): a bfloat16 parameter and the low 16 bits of its float32 master.
+ *    The master is stored exactly: its upper 16 bits are the parameter's bits, less one when
+ *    the parameter was rounded up, i.e. when the low half is >= 0x8000. The parameter is the
+ *    master rounded to nearest (ties away from zero). Per parameter that reads and writes 2+2
+ *    bytes instead of 4 (master) + 2 (parameter, plus the read that a store to a line not in
+ *    cache costs), with a handful of integer operations. */
+static inline uint16_t split_high(float w) {
+    uint32_t u;
+    memcpy(&u, &w, sizeof u);
+    return (uint16_t)((u + 0x8000u) >> 16);
+}
+
+static inline uint16_t split_low(float w) {
+    uint32_t u;
+    memcpy(&u, &w, sizeof u);
+    return (uint16_t)(u & 0xffffu);
+}
+
+static inline float split_join(uint16_t hi, uint16_t lo) {
+    uint32_t u = ((uint32_t)(uint16_t)(hi - (lo >> 15)) << 16) | lo;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+#define ADAM_LOOP(LOADW, GLOAD, NUM, STOREW)                                                   \
     OMP_FOR                                                                                    \
     for (int64_t i = 0; i < n; i++) {                                                          \
-        float w = p[i];                                                                        \
+        float w = (LOADW);                                                                     \
         float gi = (GLOAD) * gmul + wd_l2 * w;                                                 \
         float mi = m[i] + one_m_b1 * (gi - m[i]);                                              \
         float vi = v[i] * beta2 + one_m_b2 * gi * gi;                                          \
         m[i] = mi;                                                                             \
         v[i] = vi;                                                                             \
         float w_new = w * decay - step_size * ((NUM) / (sqrtf(vi) / bc2_sqrt + eps));          \
-        p[i] = w_new;                                                                          \
-        STORE_LOW;                                                                             \
+        STOREW;                                                                                \
     }
 
-#define ADAM_LOOPS(GLOAD)                                                                      \
-    if (low && nesterov) {                                                                     \
-        ADAM_LOOP(GLOAD, beta1 * mi + one_m_b1 * gi, low[i] = f32_to_bf16(w_new))              \
-    } else if (low) {                                                                          \
-        ADAM_LOOP(GLOAD, mi, low[i] = f32_to_bf16(w_new))                                      \
-    } else if (nesterov) {                                                                     \
-        ADAM_LOOP(GLOAD, beta1 * mi + one_m_b1 * gi, (void)0)                                  \
+#define ADAM_NESTEROV(LOADW, GLOAD, STOREW)                                                    \
+    if (nesterov) {                                                                            \
+        ADAM_LOOP(LOADW, GLOAD, beta1 * mi + one_m_b1 * gi, STOREW)                            \
     } else {                                                                                   \
-        ADAM_LOOP(GLOAD, mi, (void)0)                                                          \
+        ADAM_LOOP(LOADW, GLOAD, mi, STOREW)                                                    \
     }
 
-TARGETS static void adam_step(float *p, const float *g, float *m, float *v, int64_t n,
-                              float step_size, float beta1, float one_m_b1, float beta2,
-                              float one_m_b2, float bc2_sqrt, float eps, float wd_l2, float decay,
-                              float gmul, int nesterov, uint16_t *low, int nthreads) {
-    ADAM_LOOPS(g[i])
-}
+#define ADAM_ARGS                                                                              \
+    float *m, float *v, int64_t n, float step_size, float beta1, float one_m_b1, float beta2,  \
+        float one_m_b2, float bc2_sqrt, float eps, float wd_l2, float decay, float gmul,       \
+        int nesterov, int nthreads
 
-TARGETS static void adam_step_bf16g(float *p, const uint16_t *g, float *m, float *v, int64_t n,
-                                    float step_size, float beta1, float one_m_b1, float beta2,
-                                    float one_m_b2, float bc2_sqrt, float eps, float wd_l2,
-                                    float decay, float gmul, int nesterov, uint16_t *low,
-                                    int nthreads) {
-    ADAM_LOOPS(bf16_to_f32(g[i]))
-}
+#define ADAM_F32(NAME, GTYPE, GLOAD)                                                           \
+    TARGETS static void NAME(float *p, uint16_t *low, const GTYPE *g, ADAM_ARGS) {             \
+        if (low) {                                                                             \
+            ADAM_NESTEROV(p[i], GLOAD, (p[i] = w_new, low[i] = f32_to_bf16(w_new)))            \
+        } else {                                                                               \
+            ADAM_NESTEROV(p[i], GLOAD, p[i] = w_new)                                           \
+        }                                                                                      \
+    }
 
-/* One Adam step on each of `count` tensors (per-tensor pointers, sizes and scalars in arrays;
- * g_bf16[t] tells the gradient's dtype; per-group scalars as arguments). */
-void adam_multi(int64_t count, float *const *p, const void *const *g, float *const *m,
-                float *const *v, uint16_t *const *low, const int64_t *n, const int32_t *g_bf16,
-                const float *step_size, const float *bc2_sqrt, const float *wd_l2,
-                const float *decay, float beta1, float one_m_b1, float beta2, float one_m_b2,
-                float eps, float gmul, int nesterov, int nthreads) {
+#define ADAM_SPLIT(NAME, GTYPE, GLOAD)                                                         \
+    TARGETS static void NAME(uint16_t *hi, uint16_t *lo, const GTYPE *g, ADAM_ARGS) {          \
+        ADAM_NESTEROV(split_join(hi[i], lo[i]), GLOAD,                                         \
+                      (hi[i] = split_high(w_new), lo[i] = split_low(w_new)))                   \
+    }
+
+ADAM_F32(adam_f32, float, g[i])
+ADAM_F32(adam_f32_bf16g, uint16_t, bf16_to_f32(g[i]))
+ADAM_SPLIT(adam_split, float, g[i])
+ADAM_SPLIT(adam_split_bf16g, uint16_t, bf16_to_f32(g[i]))
+
+/* One Adam step on each of `count` tensors: per-tensor pointers, sizes and scalars in arrays,
+ * per-group scalars as arguments; step[t] (the step counter) is incremented. kind[t]: bit 0 =
+ * bfloat16 gradient, bit 1 = split storage
+ * (w[t] is the bfloat16 parameter, low[t] the low halves); otherwise w[t] is the float32
+ * weight and low[t] an optional bfloat16 copy to write. */
+void adam_multi(int64_t count, void *const *w, const void *const *g, float *const *m,
+                float *const *v, uint16_t *const *low, const int64_t *n, const int32_t *kind,
+                float *const *step, const float *step_size, const float *bc2_sqrt,
+                const float *wd_l2, const float *decay, float beta1, float one_m_b1, float beta2,
+                float one_m_b2, float eps, float gmul, int nesterov, int nthreads) {
     for (int64_t t = 0; t < count; t++) {
-        if (g_bf16[t])
-            adam_step_bf16g(p[t], (const uint16_t *)g[t], m[t], v[t], n[t], step_size[t], beta1,
-                            one_m_b1, beta2, one_m_b2, bc2_sqrt[t], eps, wd_l2[t], decay[t], gmul,
-                            nesterov, low[t], nthreads);
-        else
-            adam_step(p[t], (const float *)g[t], m[t], v[t], n[t], step_size[t], beta1, one_m_b1,
-                      beta2, one_m_b2, bc2_sqrt[t], eps, wd_l2[t], decay[t], gmul, nesterov,
-                      low[t], nthreads);
+        *step[t] += 1.0f; /* the state's step counter (a float32 scalar tensor) */
+#define ADAM_CALL(FN, WT, GT)                                                                  \
+    FN((WT *)w[t], low[t], (const GT *)g[t], m[t], v[t], n[t], step_size[t], beta1, one_m_b1,  \
+       beta2, one_m_b2, bc2_sqrt[t], eps, wd_l2[t], decay[t], gmul, nesterov, nthreads)
+        switch (kind[t]) {
+        case 0: ADAM_CALL(adam_f32, float, float); break;
+        case 1: ADAM_CALL(adam_f32_bf16g, float, uint16_t); break;
+        case 2: ADAM_CALL(adam_split, uint16_t, float); break;
+        default: ADAM_CALL(adam_split_bf16g, uint16_t, uint16_t); break;
+        }
+#undef ADAM_CALL
     }
 }
 

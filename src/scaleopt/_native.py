@@ -43,7 +43,7 @@ if _lib is not None:
         getattr(_lib, _name).argtypes = [dp, dp, dp, dp, i64, f, f, f, i32, f, f, f, f, f, f, f, f,
                                          i32, dp, i32]
         getattr(_lib, _name).restype = None
-    _lib.adam_multi.argtypes = [i64] + [dp] * 11 + [f] * 6 + [i32, i32]
+    _lib.adam_multi.argtypes = [i64] + [dp] * 12 + [f] * 6 + [i32, i32]
     _lib.adam_multi.restype = None
     for _name in ("any_nonfinite", "any_nonfinite_bf16"):
         getattr(_lib, _name).argtypes = [dp, i64, i32]
@@ -170,44 +170,85 @@ def lans(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs, weight_decay
 
 def adam_applies(work: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
                  low: Optional[Tensor]) -> bool:
-    """Whether :func:`adam` takes this tensor: float32 contiguous CPU weight and moments; a
-    float32 gradient, or a bfloat16 one; ``low``, if given, a contiguous bfloat16 CPU tensor."""
+    """Whether :func:`adam` takes this tensor: float32 moments, contiguous on the CPU; a float32
+    or bfloat16 gradient; and either a float32 weight with an optional bfloat16 copy ``low``, or
+    split storage: a bfloat16 weight with the int16 low halves of its master in ``low``."""
     if _lib is None:
         return False
-    f32 = (torch.float32,)
-    if not all(_cpu_contiguous(t, f32) for t in (work, exp_avg, exp_avg_sq)):
+    for t in (exp_avg, exp_avg_sq):
+        if t.dtype != torch.float32 or t.is_cuda or not t.is_contiguous():
+            return False
+    if not grad_applies(grad):
         return False
-    if not _cpu_contiguous(grad, (torch.float32, torch.bfloat16)):
+    if work.dtype == torch.bfloat16:
+        return _cpu_contiguous(work, _BF16) and low is not None and _cpu_contiguous(low, _INT16)
+    if not _cpu_contiguous(work, _F32):
         return False
-    return low is None or _cpu_contiguous(low, (torch.bfloat16,))
+    return low is None or _cpu_contiguous(low, _BF16)
+
+
+def grad_applies(grad: Tensor) -> bool:
+    """Whether :func:`adam` reads this gradient: float32 or bfloat16, contiguous, on the CPU."""
+    return grad.dtype in _ADAM_GRADS and grad.device.type == "cpu" and grad.is_contiguous()
+
+
+_F32, _BF16, _INT16 = (torch.float32,), (torch.bfloat16,), (torch.int16,)
+_ADAM_GRADS = (torch.float32, torch.bfloat16)
+
+
+def split_join(hi: Tensor, lo: Tensor) -> Tensor:
+    """The float32 master held as a bfloat16 ``hi`` (the master rounded to nearest, ties away
+    from zero) and int16 ``lo`` (its low 16 bits), as the kernels store it (see ``_kernels.c``)."""
+    h = hi.view(torch.int16).to(torch.int32) & 0xFFFF
+    low = lo.to(torch.int32) & 0xFFFF
+    top = (h - (low >> 15)) & 0xFFFF
+    bits = (top.to(torch.int64) << 16) | low.to(torch.int64)
+    bits = bits - (bits >= 2 ** 31).to(torch.int64) * 2 ** 32
+    return bits.to(torch.int32).view(torch.float32)
+
+
+def split_(master: Tensor, hi: Tensor, lo: Tensor) -> None:
+    """Store a float32 ``master`` exactly as ``hi`` and ``lo`` (the inverse of :func:`split_join`)."""
+    bits = master.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    top = ((bits + 0x8000) >> 16) & 0xFFFF
+    low = bits & 0xFFFF
+    hi.copy_((top - (top >= 2 ** 15).to(torch.int64) * 2 ** 16).to(torch.int16).view(torch.bfloat16))
+    lo.copy_((low - (low >= 2 ** 15).to(torch.int64) * 2 ** 16).to(torch.int16))
 
 
 @torch.compiler.disable
 def adam(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
-         exp_avg_sqs: Sequence[Tensor], low: Sequence[Optional[Tensor]], *,
+         exp_avg_sqs: Sequence[Tensor], low: Sequence[Optional[Tensor]],
+         state_steps: Sequence[Tensor], *,
          step_sizes: Sequence[float], bias_correction2_sqrts: Sequence[float],
          weight_decays_l2: Sequence[float], decays: Sequence[float], beta1: float, beta2: float,
          eps: float, grad_multiplier: float, nesterov: bool = False,
          one_minus_betas: Optional[Tuple[float, float]] = None, threads: int) -> None:
     """One Adam step on each tensor, one pass over memory each (see ``_kernels.c``), in one
-    call; ``low[i]``, when given, receives the rounded bfloat16 weights of ``params[i]``.
-    ``one_minus_betas`` overrides ``(1-beta1, 1-beta2)`` (computed in double by default)."""
+    call. For a float32 ``params[i]``, ``low[i]``, when given, receives the rounded bfloat16
+    weights; for a bfloat16 ``params[i]`` (split storage), ``low[i]`` holds the master's low
+    halves.
+    ``one_minus_betas`` overrides ``(1-beta1, 1-beta2)`` (computed in double by default).
+    Each ``state_steps[i]`` (a float32 CPU scalar) is incremented; the scalars given are those
+    of the incremented step."""
     count = len(params)
     if count == 0:
         return
     ptrs = torch.tensor(
         [[t.data_ptr() for t in ts] for ts in (params, grads, exp_avgs, exp_avg_sqs)]
-        + [[0 if t is None else t.data_ptr() for t in low], [t.numel() for t in params]],
+        + [[0 if t is None else t.data_ptr() for t in low], [t.numel() for t in params],
+           [t.data_ptr() for t in state_steps]],
         dtype=torch.int64,
     )
-    is_bf16 = torch.tensor([g.dtype == torch.bfloat16 for g in grads], dtype=torch.int32)
+    kind = torch.tensor([int(g.dtype == torch.bfloat16) + 2 * int(p.dtype == torch.bfloat16)
+                         for p, g in zip(params, grads)], dtype=torch.int32)
     scalars = torch.tensor([list(step_sizes), list(bias_correction2_sqrts), list(weight_decays_l2),
                             list(decays)], dtype=torch.float32)
     omb1, omb2 = one_minus_betas or (1.0 - beta1, 1.0 - beta2)
     row = ptrs.data_ptr()
     srow = scalars.data_ptr()
     _lib.adam_multi(count, *(row + 8 * count * k for k in range(5)), row + 8 * count * 5,
-                    is_bf16.data_ptr(), *(srow + 4 * count * k for k in range(4)),
+                    kind.data_ptr(), row + 8 * count * 6, *(srow + 4 * count * k for k in range(4)),
                     beta1, omb1, beta2, omb2, eps, grad_multiplier, int(nesterov),
                     threads)
 

@@ -64,6 +64,11 @@ class HostOffload:
     * ``state["master_param"]``: the float32 host copy the update runs on, for every ``p`` that
       is not a float32 host tensor itself (device parameters, bfloat16/float16 host parameters);
       pinned when ``p`` is on an accelerator. Moments live beside it, in float32 host memory.
+      Where the fused kernels run, :class:`OffloadAdam` holds the float32 master of a bfloat16
+      parameter split in two halves instead: the parameter itself (the master rounded to
+      nearest) and ``state["master_lo"]``, the low 16 bits (see :meth:`master`). That is the
+      same float32 value in less memory and less traffic; checkpoints hold it as
+      ``master_param``.
     * Gradients: a host ``p.grad`` is read where it is. A device gradient is copied into a host
       buffer of its dtype on a side stream, started by a post-accumulate-grad hook the moment
       backward has produced it (``overlap=True``), so the copies overlap the rest of backward.
@@ -76,6 +81,10 @@ class HostOffload:
       step waits for those copies before writing the host buffers again.
     """
 
+    #: Whether bfloat16 parameters keep their master as (parameter, low halves) when the
+    #: kernels are available (see :meth:`master`).
+    _split_masters = False
+
     def _offload_init(self, overlap: bool, num_threads: Optional[int]) -> None:
         if num_threads is not None:
             if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
@@ -83,6 +92,7 @@ class HostOffload:
         check_bool("overlap", overlap)
         self.num_threads = num_threads
         self.overlap = overlap
+        self._plans: Dict[Tensor, Any] = {}
         self._grad_bufs: Dict[Tensor, Tensor] = {}
         self._staging: Dict[Tensor, Tensor] = {}
         self._pending: Dict[Tensor, Tuple[Tensor, int, Any]] = {}
@@ -110,6 +120,38 @@ class HostOffload:
             master.copy_(p.detach())
             state["master_param"] = master
         return master
+
+    def _wants_split(self, p: Tensor) -> bool:
+        return (self._split_masters and p.dtype == torch.bfloat16 and _native.available()
+                and (not _on_host(p) or p.is_contiguous()))
+
+    def _hi(self, p: Tensor) -> Tensor:
+        """The bfloat16 upper half of a split master: ``p`` on the host, else a host copy."""
+        if _on_host(p):
+            return p
+        buf = self._staging.get(p)
+        if buf is None:
+            buf = self._staging[p] = self._host_empty(p, torch.bfloat16)
+            buf.copy_(p.detach())
+        return buf
+
+    def _split_pair(self, p: Tensor) -> Tuple[Tensor, Tensor]:
+        """``(hi, lo)``: the two halves of ``p``'s float32 master (created equal to ``p``)."""
+        state = self.state[p]
+        lo = state.get("master_lo")
+        if lo is None:
+            lo = state["master_lo"] = torch.zeros(p.shape, dtype=torch.int16)
+        return self._hi(p), lo
+
+    def master(self, p: Tensor) -> Tensor:
+        """The float32 master weights of ``p`` (a new tensor for a split master; ``p`` itself
+        for a float32 host parameter)."""
+        state = self.state.get(p, {})
+        if "master_lo" in state:
+            return _native.split_join(self._hi(p).detach(), state["master_lo"])
+        if _in_place(p):
+            return p
+        return self._master(p)
 
     def _low_target(self, p: Tensor) -> Optional[Tensor]:
         """Where the kernels write the rounded bfloat16 weights: ``p`` itself on the host, a
@@ -179,6 +221,8 @@ class HostOffload:
         return self._grad_bufs[p]
 
     def _grads_to_host(self, params: List[Tensor]) -> List[Tensor]:
+        if not self._pending and all(p.device.type == "cpu" for p in params):
+            return [p.grad for p in params]
         grads = [self._host_grad(p) for p in params]
         for p in params:
             self._pending.pop(p, None)
@@ -215,6 +259,19 @@ class HostOffload:
 
     # -- checkpoints ------------------------------------------------------------------------------
 
+    def state_dict(self) -> Dict[str, Any]:
+        sd = super().state_dict()  # type: ignore[misc]
+        index = 0
+        for g in self.param_groups:
+            for p in g["params"]:
+                st = sd["state"].get(index)
+                if st is not None and "master_lo" in st:
+                    st = {k: v for k, v in st.items() if k != "master_lo"}
+                    st["master_param"] = self.master(p)
+                    sd["state"][index] = st
+                index += 1
+        return sd
+
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load a checkpoint (also one of :class:`torch.optim.AdamW` for :class:`OffloadAdam`).
 
@@ -235,12 +292,21 @@ class HostOffload:
                         host[k] = t
                 keep[id(p)] = host
         super().load_state_dict(state_dict)  # type: ignore[misc]
+        self._plans.clear()
         for g in self.param_groups:
             for p in g["params"]:
                 st = self.state.get(p)
                 if st and id(p) in keep:
                     st.update(keep[id(p)])
-                    if "master_param" not in st:
+                    st.pop("master_lo", None)
+                    if self._wants_split(p):
+                        master = st.pop("master_param", None)
+                        hi, lo = self._split_pair(p)
+                        if master is not None:
+                            _native.split_(master, hi.detach(), lo)
+                            if not _on_host(p):
+                                p.detach().copy_(hi)
+                    elif "master_param" not in st:
                         self._master(p)
                 elif st and _in_place(p):
                     st.pop("master_param", None)  # a float32 host parameter is its own master
@@ -313,6 +379,7 @@ class OffloadAdam(HostOffload, ScaleOptimizer):
 
     _name_rule_keys = ("exclude_from_weight_decay",)
     _step_supports_amp_scaling = True
+    _split_masters = True
 
     def __init__(
         self,
@@ -441,14 +508,41 @@ class OffloadAdam(HostOffload, ScaleOptimizer):
     def _after_step(self) -> None:
         """Called at the end of every step, skipped or not. Front-ends override it."""
 
-    def _state(self, p: Tensor, w: Tensor, amsgrad: bool) -> Dict[str, Any]:
+    def _plan(self, p: Tensor, amsgrad: bool):
+        """Per parameter, what the update reads: ``(state, exp_avg, exp_avg_sq, work, low,
+        split, kernel_takes_it)`` where ``work`` is the float32 master (or the bfloat16 upper
+        half of a split master) and ``low`` the bfloat16 copy to write (or the split master's
+        low half). Cached while the state holds the same tensors."""
+        st = self.state[p]
+        plan = self._plans.get(p)
+        if (plan is not None and plan[0] is st and plan[1] is st.get("exp_avg")
+                and plan[2] is st.get("exp_avg_sq") and plan[7] == (p.dtype, p.device)
+                and not (amsgrad and "max_exp_avg_sq" not in st)):
+            return plan
+        split = self._wants_split(p)
+        if split:  # the kernel's split storage: (bfloat16 upper half, int16 lower half)
+            work, low = self._split_pair(p)
+        else:
+            work, low = self._master(p), self._low_target(p)
+        st = self._state(p, amsgrad)
+        m, v = st["exp_avg"], st["exp_avg_sq"]
+        takes = _native.adam_applies(work, torch.empty(0), m, v, low)
+        plan = self._plans[p] = (st, m, v, work, low, split, takes, (p.dtype, p.device))
+        return plan
+
+    def _state(self, p: Tensor, amsgrad: bool) -> Dict[str, Any]:
+        """``p``'s step and moments: host tensors, float32 (float64 for a float64 parameter)."""
         state = self.state[p]
+        dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
         if "step" not in state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        elif state["step"].dtype != torch.float32 or state["step"].device.type != "cpu":
+            state["step"] = state["step"].to("cpu", torch.float32)  # e.g. from a fused CUDA Adam
+        if "exp_avg" not in state:
             for key in ("exp_avg", "exp_avg_sq"):
-                state[key] = torch.zeros_like(w, memory_format=torch.contiguous_format)
+                state[key] = torch.zeros(p.shape, dtype=dtype)
         if amsgrad and "max_exp_avg_sq" not in state:
-            state["max_exp_avg_sq"] = torch.zeros_like(w, memory_format=torch.contiguous_format)
+            state["max_exp_avg_sq"] = torch.zeros(p.shape, dtype=dtype)
         return state
 
     def _step_scalars(self, group: Dict[str, Any], step: float) -> Tuple[float, float]:
@@ -474,34 +568,41 @@ class OffloadAdam(HostOffload, ScaleOptimizer):
         nesterov = group["nesterov"]
         omb = self._one_minus_betas(group)
         no_decay = self._rule_flags(group, "exclude_from_weight_decay")
-        work = [self._master(p) for p in params]
-        low = [self._low_target(p) for p in params]
-        states = [self._state(p, w, amsgrad) for p, w in zip(params, work)]
-        steps = [st["step"] for st in states]
-        torch._foreach_add_(steps, 1)
+        plans = [self._plan(p, amsgrad) for p in params]
+        work = [pl[3] for pl in plans]
+        low: List[Optional[Tensor]] = [pl[4] for pl in plans]
+        split = [pl[5] for pl in plans]
+        states = [pl[0] for pl in plans]
+        scalars: Dict[float, Tuple[float, float]] = {}
         fast: List[Tuple[int, float, float, float]] = []
-        for k, (i, w, g, st) in enumerate(zip(idx, work, grads, states)):
+        for k, (i, g, pl) in enumerate(zip(idx, grads, plans)):
+            st, m, v, w = pl[0], pl[1], pl[2], pl[3]
             wd = 0.0 if no_decay[i] else group["weight_decay"]
-            step_size, bc2_sqrt = self._step_scalars(group, steps[k].item())
-            m, v = st["exp_avg"], st["exp_avg_sq"]
-            if g.dtype not in (torch.float32, torch.bfloat16):
-                low[k] = None
-            if not amsgrad and _native.adam_applies(w, g, m, v, low[k]):
+            step = st["step"].item() + 1.0  # the kernel increments the counter, else below
+            if step not in scalars:
+                scalars[step] = self._step_scalars(group, step)
+            step_size, bc2_sqrt = scalars[step]
+            if pl[6] and not amsgrad and _native.grad_applies(g):
                 fast.append((k, step_size, bc2_sqrt, wd))
                 continue
-            low[k] = None
-            gf = g.to(torch.float32) if g.dtype != w.dtype else g
+            st["step"] += 1
+            master = _native.split_join(w.detach(), low[k]) if split[k] else w
+            if not split[k]:
+                low[k] = None
+            gf = g.to(torch.float32) if g.dtype != master.dtype else g
             gf = gf * mul if mul != 1.0 else gf
-            _adam_reference(w, gf, m, v, st.get("max_exp_avg_sq"), lr=lr, beta1=beta1,
+            _adam_reference(master, gf, m, v, st.get("max_exp_avg_sq"), lr=lr, beta1=beta1,
                             beta2=beta2, one_minus_betas=omb, step_size=step_size,
                             bc2_sqrt=bc2_sqrt, eps=eps, weight_decay=wd, decoupled=decoupled,
                             nesterov=nesterov)
+            if split[k]:
+                _native.split_(master, w.detach(), low[k])
         if fast:
             ks = [f[0] for f in fast]
             _native.adam(
                 [work[k] for k in ks], [grads[k] for k in ks],
                 [states[k]["exp_avg"] for k in ks], [states[k]["exp_avg_sq"] for k in ks],
-                [low[k] for k in ks],
+                [low[k] for k in ks], [states[k]["step"] for k in ks],
                 step_sizes=[f[1] for f in fast],
                 bias_correction2_sqrts=[f[2] for f in fast],
                 weight_decays_l2=[0.0 if decoupled else f[3] for f in fast],
@@ -509,7 +610,9 @@ class OffloadAdam(HostOffload, ScaleOptimizer):
                 beta1=beta1, beta2=beta2, eps=eps, grad_multiplier=mul, nesterov=nesterov,
                 one_minus_betas=omb, threads=threads,
             )
-        self._write_back(params, work, low, [low[k] is not None for k in range(len(params))])
+        # a split master's upper half is the parameter (host) or its staging copy (device)
+        self._write_back(params, work, low,
+                         [low[k] is not None and not split[k] for k in range(len(params))])
 
 
 def _adam_reference(w: Tensor, g: Tensor, m: Tensor, v: Tensor, vmax: Optional[Tensor], *,
