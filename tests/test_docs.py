@@ -17,6 +17,8 @@ MODULES = [
     "scaleopt.compat.paddle",
     "scaleopt.compat.keras",
     "scaleopt.compat.tf1",
+    "scaleopt.offload",
+    "scaleopt.compat.mindspore",
 ]
 
 
@@ -30,7 +32,7 @@ def test_docstring_examples(name):
     assert result.failed == 0
 
 
-@pytest.mark.parametrize("name", ["LAMB", "LANS", "AdamW", "Momentum"])
+@pytest.mark.parametrize("name", ["LAMB", "LANS", "AdamW", "Momentum", "OffloadAdam"])
 def test_docstrings_name_every_argument(name):
     import inspect
 

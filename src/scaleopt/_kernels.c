@@ -249,7 +249,7 @@ static inline float split_join(uint16_t hi, uint16_t lo) {
     return f;
 }
 
-#define ADAM_LOOP(LOADW, GLOAD, NUM, STOREW)                                                   \
+#define ADAM_LOOP(LOADW, GLOAD, NUM, DENOM, STOREW)                                            \
     OMP_FOR                                                                                    \
     for (int64_t i = 0; i < n; i++) {                                                          \
         float w = (LOADW);                                                                     \
@@ -258,16 +258,22 @@ static inline float split_join(uint16_t hi, uint16_t lo) {
         float vi = v[i] * beta2 + one_m_b2 * gi * gi;                                          \
         m[i] = mi;                                                                             \
         v[i] = vi;                                                                             \
-        float w_new = w * decay - step_size * ((NUM) / (sqrtf(vi) / bc2_sqrt + eps));          \
+        float w_new = w * decay - step_size * ((NUM) / (DENOM));                               \
         STOREW;                                                                                \
     }
 
-#define ADAM_NESTEROV(LOADW, GLOAD, STOREW)                                                    \
+#define ADAM_NESTEROV(LOADW, GLOAD, DENOM, STOREW)                                             \
     if (nesterov) {                                                                            \
-        ADAM_LOOP(LOADW, GLOAD, beta1 * mi + one_m_b1 * gi, STOREW)                            \
+        ADAM_LOOP(LOADW, GLOAD, beta1 * mi + one_m_b1 * gi, DENOM, STOREW)                     \
     } else {                                                                                   \
-        ADAM_LOOP(LOADW, GLOAD, mi, STOREW)                                                    \
+        ADAM_LOOP(LOADW, GLOAD, mi, DENOM, STOREW)                                             \
     }
+
+/* float32 weights: torch's exact sqrt(v)/bc2_sqrt + eps. Split (bfloat16) weights, whose
+ * parameter is rounded anyway: sqrt(v) * (1/bc2_sqrt) + eps, one division less per element
+ * (within an ulp of the division). */
+#define DENOM_EXACT sqrtf(vi) / bc2_sqrt + eps
+#define DENOM_FAST sqrtf(vi) * inv_bc2_sqrt + eps
 
 #define ADAM_ARGS                                                                              \
     float *m, float *v, int64_t n, float step_size, float beta1, float one_m_b1, float beta2,  \
@@ -277,15 +283,16 @@ static inline float split_join(uint16_t hi, uint16_t lo) {
 #define ADAM_F32(NAME, GTYPE, GLOAD)                                                           \
     TARGETS static void NAME(float *p, uint16_t *low, const GTYPE *g, ADAM_ARGS) {             \
         if (low) {                                                                             \
-            ADAM_NESTEROV(p[i], GLOAD, (p[i] = w_new, low[i] = f32_to_bf16(w_new)))            \
+            ADAM_NESTEROV(p[i], GLOAD, DENOM_EXACT, (p[i] = w_new, low[i] = f32_to_bf16(w_new))) \
         } else {                                                                               \
-            ADAM_NESTEROV(p[i], GLOAD, p[i] = w_new)                                           \
+            ADAM_NESTEROV(p[i], GLOAD, DENOM_EXACT, p[i] = w_new)                              \
         }                                                                                      \
     }
 
 #define ADAM_SPLIT(NAME, GTYPE, GLOAD)                                                         \
     TARGETS static void NAME(uint16_t *hi, uint16_t *lo, const GTYPE *g, ADAM_ARGS) {          \
-        ADAM_NESTEROV(split_join(hi[i], lo[i]), GLOAD,                                         \
+        const float inv_bc2_sqrt = 1.0f / bc2_sqrt;                                            \
+        ADAM_NESTEROV(split_join(hi[i], lo[i]), GLOAD, DENOM_FAST,                             \
                       (hi[i] = split_high(w_new), lo[i] = split_low(w_new)))                   \
     }
 
