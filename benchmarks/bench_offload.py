@@ -22,7 +22,7 @@ import time
 import torch
 
 import scaleopt
-from bench_step import SIZES, bert_shapes, make_params, sync
+from scaleopt.cli.bench import SIZES, bert_shapes, make_params, sync
 
 
 def candidates(device: str):

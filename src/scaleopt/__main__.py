@@ -1,0 +1,5 @@
+"""``python -m scaleopt``: the ``scaleopt`` command."""
+
+from .cli import console
+
+console()

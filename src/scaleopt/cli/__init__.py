@@ -1,0 +1,191 @@
+"""The ``scaleopt`` command: ``train``, ``study large-batch`` and ``bench``.
+
+Exit codes: 0 success; 2 bad arguments or values (with a message naming the option);
+3 the training diverged (the loss became inf or NaN); 1 any other failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import List, Optional
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_DIVERGED = 0, 1, 2, 3
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _add_training_options(p: argparse.ArgumentParser, study: bool = False) -> None:
+    from . import data, optimizers
+
+    d = __import__("scaleopt.cli.train", fromlist=["Config"]).Config()
+    g = p.add_argument_group("data and model")
+    g.add_argument("--dataset", default=d.dataset, choices=sorted(data.DATASETS),
+                   help="; ".join(f"{k}: {v}" for k, v in data.DATASETS.items()))
+    g.add_argument("--train-size", type=_positive_int, default=d.train_size,
+                   help=f"training examples, generated (default: {d.train_size}; the test set has 16384)")
+    g.add_argument("--width", type=_positive_int, default=d.width,
+                   help=f"hidden width of the 2-hidden-layer MLP (default: {d.width})")
+    g = p.add_argument_group("training")
+    if not study:
+        g.add_argument("--optimizer", default=d.optimizer, choices=list(optimizers.OPTIMIZERS),
+                       metavar="NAME", help="; ".join(f"{k}: {c.help} (default lr {c.lr:g})"
+                                                      for k, c in optimizers.OPTIMIZERS.items())
+                       + f" (default: {d.optimizer})")
+        g.add_argument("--lr", type=float, help="peak learning rate (default: the optimizer's, above)")
+        g.add_argument("--batch-size", type=_positive_int, default=d.batch_size,
+                       help=f"global batch size, split over --workers (default: {d.batch_size})")
+    g.add_argument("--epochs", type=_positive_int, default=d.epochs if not study else 4,
+                   help=f"passes over the training set (default: {d.epochs if not study else 4})")
+    if not study:
+        g.add_argument("--steps", type=_positive_int, help="train this many steps instead of --epochs")
+    g.add_argument("--weight-decay", type=float, default=d.weight_decay,
+                   help=f"decay of weight matrices; biases and norms get none (default: {d.weight_decay})")
+    g.add_argument("--warmup", type=float, default=d.warmup,
+                   help="linear warm-up: a fraction of the steps if below 1, else a number of "
+                        f"steps (default: {d.warmup})")
+    g.add_argument("--schedule", choices=optimizers.SCHEDULES, default=d.schedule,
+                   help=f"learning-rate decay after warm-up (default: {d.schedule})")
+    g.add_argument("--seed", type=int, default=d.seed, help=f"model and batch order seed (default: {d.seed})")
+    g = p.add_argument_group("system")
+    g.add_argument("--device", default=d.device, help="cpu or cuda (default: cpu)")
+    g.add_argument("--threads", type=_positive_int, help="intra-op threads (default: torch's)")
+    if not study:
+        g.add_argument("--offload", action="store_true",
+                       help="optimizer state and update on the host: OffloadAdam for adamw, "
+                            "scaleopt.offload() for lamb and lans")
+        g.add_argument("--workers", type=_positive_int, default=1,
+                       help="train in N processes on torch.distributed (gloo on the CPU, NCCL "
+                            "on GPUs), started by this command on 127.0.0.1; under torchrun "
+                            "the launch decides (default: 1)")
+    g.add_argument("--out", help="folder for the results (default: scaleopt-runs/<run>)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _config(args: argparse.Namespace, **over):
+    from .train import Config
+
+    fields = {f.name for f in dataclasses.fields(Config)}
+    values = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    values["progress"] = not args.no_progress
+    values.update(over)
+    return Config(**values)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="scaleopt",
+        description="Train, compare and benchmark the scaleopt optimizers on built-in data "
+                    "(generated, nothing is downloaded).",
+        epilog="Exit codes: 0 success, 2 bad arguments, 3 training diverged, 1 other failure.")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser("train", help="train the built-in model (the default run takes seconds)",
+                       description="Train a 2-hidden-layer MLP on generated spiral data and "
+                                   "report the test accuracy; writes result.json, history.csv "
+                                   "and curves.png.")
+    _add_training_options(p)
+
+    p = sub.add_parser("study", help="studies: large-batch",
+                       description="Run a study and write a table and a plot.")
+    studies = p.add_subparsers(dest="study", metavar="STUDY")
+    studies.required = True
+    s = studies.add_parser(
+        "large-batch", help="final accuracy against batch size for LAMB, LANS and AdamW",
+        description=__import__("scaleopt.cli.study", fromlist=["x"]).__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("--batch-sizes", type=_positive_int, nargs="+",
+                   default=[64, 256, 1024, 4096, 8192], metavar="B",
+                   help="batch sizes (default: 64 256 1024 4096 8192)")
+    s.add_argument("--optimizers", nargs="+", default=["lamb", "lans", "adamw"], metavar="NAME",
+                   help="optimizers to compare (default: lamb lans adamw)")
+    s.add_argument("--base-batch", type=_positive_int, default=1024,
+                   help="batch size at which each optimizer uses its default learning rate (default: 1024)")
+    s.add_argument("--scaling", choices=["sqrt", "linear"], default="sqrt",
+                   help="learning rate against batch size (default: sqrt)")
+    _add_training_options(s, study=True)
+
+    p = sub.add_parser("bench", help="optimizer step time as ratios to torch's fused AdamW",
+                       description=__import__("scaleopt.cli.bench", fromlist=["x"]).__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    from .bench import add_arguments
+
+    add_arguments(p)
+    return ap
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)  # exits with 2 on a usage error
+    from .train import Diverged
+
+    try:
+        if args.command == "train":
+            return _train(args)
+        if args.command == "study":
+            return _study(args)
+        from . import bench
+
+        bench.check_arguments(args)
+        bench.run(args)
+        return EXIT_OK
+    except ValueError as exc:
+        print(f"scaleopt {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except Diverged as exc:
+        print(f"scaleopt {args.command}: training diverged: {exc}", file=sys.stderr)
+        return EXIT_DIVERGED
+
+
+def _train(args: argparse.Namespace) -> int:
+    from . import train
+
+    cfg = _config(args)
+    train.check(cfg)
+    if cfg.out is None:
+        cfg = dataclasses.replace(cfg, out=train.default_out(cfg))
+    r = train.train(cfg)
+    if not r:  # another rank of a torchrun launch: rank 0 reports
+        return EXIT_OK
+    print(f"{cfg.optimizer}{' (offloaded)' if cfg.offload else ''} on {cfg.dataset}: "
+          f"test accuracy {r['test_accuracy']:.4f}, test loss {r['test_loss']:.4f} after "
+          f"{r['steps']} steps ({r['epochs']:.1f} epochs) of batch {cfg.batch_size}, lr {r['lr']:g}")
+    line = (f"{r['time_s']:.1f} s, {r['steps_per_s']:.1f} steps/s, {r['samples_per_s']:,.0f} samples/s, "
+            f"{r['parameters']:,} parameters, {r['threads']} threads")
+    if "workers" in r:
+        line += (f"; {r['workers']} workers, {r['allreduce_bytes_per_step']:,} gradient bytes "
+                 f"all-reduced per step (about {r['bytes_sent_per_rank_per_step']:,} sent per rank)")
+    print(line)
+    print(f"results: {cfg.out}/result.json, history.csv, curves.png")
+    return EXIT_OK
+
+
+def _study(args: argparse.Namespace) -> int:
+    from . import optimizers, study, train
+
+    unknown = [n for n in args.optimizers if n not in optimizers.OPTIMIZERS]
+    if unknown:
+        raise ValueError(f"unknown optimizer(s) {unknown}; choose from {', '.join(optimizers.OPTIMIZERS)}")
+    base = _config(args, optimizer=args.optimizers[0], batch_size=min(args.batch_sizes))
+    for b in args.batch_sizes:
+        train.check(dataclasses.replace(base, batch_size=b))
+    out = args.out or "scaleopt-runs/study-large-batch"
+    rows = study.large_batch(args.batch_sizes, args.optimizers, base, args.base_batch,
+                             args.scaling, out=out)
+    print(open(f"{out}/study.md").read())
+    print(f"results: {out}/study.json, study.csv, study.md, study.png")
+    return EXIT_OK if rows else EXIT_FAILED
+
+
+def console() -> None:
+    sys.exit(main())

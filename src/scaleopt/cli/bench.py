@@ -1,0 +1,243 @@
+"""``scaleopt bench``: optimizer step time on a BERT-like parameter set, as ratios to
+``torch.optim.AdamW(fused=True)``.
+
+Every optimizer gets its own copy of the same parameters and gradients. Steps are timed
+interleaved, round after round, in one process, so drifts in machine speed hit every optimizer
+alike; the table gives the median step time and its ratio to the fused AdamW baseline, and the
+time of one in-place ``p += g`` over all tensors (12 bytes per float32 parameter) as the
+memory-bandwidth reference. Peers (timm, torch-optimizer, pytorch-optimizer, DeepSpeed's CPU Adam)
+are timed when installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from typing import Callable, Dict, List, Tuple
+
+import torch
+
+import scaleopt
+
+SIZES = {
+    # name: (hidden, layers, vocab, intermediate)
+    "small": (512, 4, 30522, 2048),
+    "base": (768, 12, 30522, 3072),
+}
+
+
+def bert_shapes(hidden: int, layers: int, vocab: int, inter: int) -> List[Tuple[str, Tuple[int, ...]]]:
+    shapes = [
+        ("embeddings.word_embeddings.weight", (vocab, hidden)),
+        ("embeddings.position_embeddings.weight", (512, hidden)),
+        ("embeddings.token_type_embeddings.weight", (2, hidden)),
+        ("embeddings.LayerNorm.weight", (hidden,)),
+        ("embeddings.LayerNorm.bias", (hidden,)),
+    ]
+    for i in range(layers):
+        p = f"encoder.layer.{i}."
+        for n in ("query", "key", "value"):
+            shapes += [(p + f"attention.self.{n}.weight", (hidden, hidden)),
+                       (p + f"attention.self.{n}.bias", (hidden,))]
+        shapes += [
+            (p + "attention.output.dense.weight", (hidden, hidden)),
+            (p + "attention.output.dense.bias", (hidden,)),
+            (p + "attention.output.LayerNorm.weight", (hidden,)),
+            (p + "attention.output.LayerNorm.bias", (hidden,)),
+            (p + "intermediate.dense.weight", (inter, hidden)),
+            (p + "intermediate.dense.bias", (inter,)),
+            (p + "output.dense.weight", (hidden, inter)),
+            (p + "output.dense.bias", (hidden,)),
+            (p + "output.LayerNorm.weight", (hidden,)),
+            (p + "output.LayerNorm.bias", (hidden,)),
+        ]
+    shapes += [("pooler.dense.weight", (hidden, hidden)), ("pooler.dense.bias", (hidden,))]
+    return shapes
+
+
+def make_params(shapes, dtype, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    named = []
+    for name, shape in shapes:
+        p = torch.nn.Parameter((torch.randn(shape, generator=g) * 0.02).to(device, dtype))
+        p.grad = (torch.randn(shape, generator=g) * 1e-3).to(device, dtype)
+        named.append((name, p))
+    return named
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+NO_DECAY = [r"bias$", r"LayerNorm"]
+
+
+def candidates() -> Tuple[Dict[str, Callable], Dict[str, Callable]]:
+    """(optimizers on parameters of the chosen dtype, optimizers on bfloat16 parameters)."""
+    c: Dict[str, Callable] = {
+        "torch.AdamW(fused=True)": lambda n: torch.optim.AdamW([p for _, p in n], lr=1e-3, fused=True),
+        "torch.AdamW(foreach=True)": lambda n: torch.optim.AdamW([p for _, p in n], lr=1e-3, foreach=True),
+        "scaleopt.AdamW": lambda n: scaleopt.AdamW(n, lr=1e-3, exclude_from_weight_decay=NO_DECAY),
+        "scaleopt.LAMB": lambda n: scaleopt.LAMB(n, lr=1e-3, exclude_from_weight_decay=NO_DECAY),
+        "scaleopt.LAMB(foreach=False)": lambda n: scaleopt.LAMB(
+            n, lr=1e-3, exclude_from_weight_decay=NO_DECAY, foreach=False),
+        "scaleopt.LANS": lambda n: scaleopt.LANS(n, lr=1e-3, exclude_from_weight_decay=NO_DECAY),
+        "scaleopt.OffloadAdam": lambda n: scaleopt.OffloadAdam(
+            n, lr=1e-3, weight_decay=0.01, exclude_from_weight_decay=NO_DECAY),
+    }
+    # bf16 parameters with fp32 master weights and moments (mixed-precision training)
+    low: Dict[str, Callable] = {
+        "scaleopt.LAMB(bf16 params, master_weights)": lambda n: scaleopt.LAMB(
+            n, lr=1e-3, exclude_from_weight_decay=NO_DECAY, master_weights=True),
+        "scaleopt.LANS(bf16 params, master_weights)": lambda n: scaleopt.LANS(
+            n, lr=1e-3, exclude_from_weight_decay=NO_DECAY, master_weights=True),
+        "scaleopt.OffloadAdam(bf16 params)": lambda n: scaleopt.OffloadAdam(
+            n, lr=1e-3, weight_decay=0.01, exclude_from_weight_decay=NO_DECAY),
+        "scaleopt.offload(LAMB)(bf16 params)": lambda n: scaleopt.offload(
+            scaleopt.LAMB, n, lr=1e-3, exclude_from_weight_decay=NO_DECAY),
+    }
+    try:
+        from timm.optim import Lamb as TimmLamb
+
+        c["timm.optim.Lamb"] = lambda n: TimmLamb([p for _, p in n], lr=1e-3)
+    except Exception:
+        pass
+    try:
+        import torch_optimizer
+
+        c["torch_optimizer.Lamb"] = lambda n: torch_optimizer.Lamb([p for _, p in n], lr=1e-3)
+    except Exception:
+        pass
+    try:
+        import pytorch_optimizer
+
+        c["pytorch_optimizer.Lamb"] = lambda n: pytorch_optimizer.Lamb([p for _, p in n], lr=1e-3)
+    except Exception:
+        pass
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        c["deepspeed.DeepSpeedCPUAdam"] = lambda n: DeepSpeedCPUAdam([p for _, p in n], lr=1e-3)
+    except Exception:
+        pass
+    return c, low
+
+
+def bandwidth_reference(named) -> float:
+    """Seconds for one in-place ``p += g`` over all tensors (12 bytes per fp32 parameter)."""
+    params = [p.detach() for _, p in named]
+    grads = [p.grad for _, p in named]
+    device = str(params[0].device)
+    torch._foreach_add_(params, grads, alpha=0.0)
+    sync(device)
+    t = time.perf_counter()
+    torch._foreach_add_(params, grads, alpha=0.0)
+    sync(device)
+    return time.perf_counter() - t
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--size", choices=sorted(SIZES), default="small",
+                    help="BERT-like shapes: small = hidden 512, 4 layers (28.8M parameters); "
+                         "base = BERT-base (109.5M) (default: small)")
+    ap.add_argument("--hidden", type=int, help="override the hidden size of --size")
+    ap.add_argument("--layers", type=int, help="override the number of layers of --size")
+    ap.add_argument("--vocab", type=int, help="override the vocabulary size of --size")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="parameter dtype of the main rows (default: float32)")
+    ap.add_argument("--threads", type=int, default=2, help="intra-op threads (default: 2)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    ap.add_argument("--rounds", type=int, default=10,
+                    help="timed steps per optimizer, interleaved (default: 10)")
+    ap.add_argument("--only", nargs="*", metavar="NAME",
+                    help="time only optimizers whose name contains one of these (the fused "
+                         "AdamW baseline always runs)")
+    ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    for name in ("hidden", "layers", "vocab", "threads", "rounds"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name} must be at least 1, got {value}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device here")
+
+
+def shapes_of(args: argparse.Namespace):
+    hidden, layers, vocab, inter = SIZES[args.size]
+    if args.hidden is not None:
+        hidden, inter = args.hidden, 4 * args.hidden
+    layers = args.layers if args.layers is not None else layers
+    vocab = args.vocab if args.vocab is not None else vocab
+    return bert_shapes(hidden, layers, vocab, inter)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(ap)
+    args = ap.parse_args(argv)
+    try:
+        check_arguments(args)
+    except ValueError as exc:
+        ap.error(str(exc))
+    run(args)
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Time the candidates; print the table; return (and write, with --json) the results."""
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    shapes = shapes_of(args)
+    nparams = sum(torch.Size(s).numel() for _, s in shapes)
+    same, low = candidates()
+    every = {k: (v, dtype) for k, v in same.items()}
+    every.update({k: (v, torch.bfloat16) for k, v in low.items()})
+    # DeepSpeed's CPU Adam leaves its threads busy for a while after a step: time it last in
+    # each round, so the in-place reference (not an optimizer) comes right after it
+    every = dict(sorted(every.items(), key=lambda kv: "deepspeed" in kv[0]))
+    chosen = {k: v for k, v in every.items()
+              if not args.only or k.startswith("torch.AdamW(fused") or any(o in k for o in args.only)}
+    opts = {}
+    for name, (make, pdtype) in chosen.items():
+        named = make_params(shapes, pdtype, args.device)
+        opts[name] = (make(named), named)
+        opts[name][0].step()  # warm-up: allocate state
+    times: Dict[str, List[float]] = {k: [] for k in opts}
+    ref_times = []
+    for _ in range(args.rounds):
+        for name, (opt, _) in opts.items():
+            sync(args.device)
+            t = time.perf_counter()
+            opt.step()
+            sync(args.device)
+            times[name].append(time.perf_counter() - t)
+        ref_times.append(bandwidth_reference(opts["torch.AdamW(fused=True)"][1]))
+    base = statistics.median(times["torch.AdamW(fused=True)"])
+    ref = statistics.median(ref_times)
+    print(f"BERT-like '{args.size}' set: {nparams / 1e6:.1f}M parameters in {len(shapes)} tensors, "
+          f"{args.dtype}; torch {torch.__version__}, {args.threads} threads, {args.rounds} rounds, "
+          f"{torch.cuda.get_device_name() if args.device.startswith('cuda') else platform.machine()}")
+    print(f"in-place p += g over all tensors: {ref * 1e3:.1f} ms "
+          f"({12 * nparams / ref / 1e9:.1f} GB/s at 12 bytes per parameter)")
+    print(f"{'optimizer':44s} {'median ms':>10s} {'x fused AdamW':>14s}")
+    rows = []
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        rows.append({"optimizer": name, "median_s": med, "ratio": med / base})
+        print(f"{name:44s} {med * 1e3:10.1f} {med / base:14.2f}")
+    result = {"size": args.size, "params": nparams, "tensors": len(shapes), "dtype": args.dtype,
+              "threads": args.threads, "device": args.device, "torch": torch.__version__,
+              "rounds": args.rounds, "bandwidth_reference_s": ref, "rows": rows}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""Writing results: JSON, CSV and PNG plots (matplotlib, without a display)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import pathlib
+from typing import Any, Dict, List
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def write_run(result: Dict[str, Any], out: str) -> Dict[str, str]:
+    """``result.json``, ``history.csv`` and ``curves.png`` (loss and accuracy against steps)."""
+    folder = pathlib.Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    files = {"json": folder / "result.json", "csv": folder / "history.csv",
+             "png": folder / "curves.png"}
+    files["json"].write_text(json.dumps(result, indent=2))
+    history: List[Dict[str, Any]] = result["history"]
+    with files["csv"].open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(history[0]))
+        w.writeheader()
+        w.writerows(history)
+    plt = _plt()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    steps = [h["step"] for h in history]
+    curve = result.get("train_curve") or [(h["step"], h["train_loss"]) for h in history]
+    a.plot([c[0] for c in curve], [c[1] for c in curve], label="train (batch)", alpha=0.8)
+    a.plot(steps, [h["test_loss"] for h in history], marker="o", label="test")
+    a.set_xlabel("step")
+    a.set_ylabel("cross-entropy")
+    a.set_yscale("log")
+    a.legend()
+    b.plot(steps, [h["test_accuracy"] for h in history], marker="o", color="C2")
+    b.set_xlabel("step")
+    b.set_ylabel("test accuracy")
+    cfg = result["config"]
+    fig.suptitle(f"{cfg['optimizer']} on {cfg['dataset']}, batch {cfg['batch_size']}, "
+                 f"lr {result['lr']:g}: test accuracy {result['test_accuracy']:.3f}")
+    fig.tight_layout()
+    fig.savefig(files["png"], dpi=100)
+    plt.close(fig)
+    return {k: str(v) for k, v in files.items()}
+
+
+def write_study(rows: List[Dict[str, Any]], out: str, title: str) -> Dict[str, str]:
+    """``study.json``, ``study.csv``, ``study.md`` (a table) and ``study.png`` (final test
+    accuracy against batch size, one line per optimizer)."""
+    folder = pathlib.Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    files = {"json": folder / "study.json", "csv": folder / "study.csv",
+             "md": folder / "study.md", "png": folder / "study.png"}
+    files["json"].write_text(json.dumps(rows, indent=2))
+    keys = ["optimizer", "batch_size", "lr", "steps", "test_accuracy", "test_loss", "time_s"]
+    with files["csv"].open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    names = list(dict.fromkeys(r["optimizer"] for r in rows))
+    sizes = sorted({r["batch_size"] for r in rows})
+    acc = {(r["optimizer"], r["batch_size"]): r for r in rows}
+    lines = ["| batch size | steps | " + " | ".join(names) + " |",
+             "|---:|---:|" + "---:|" * len(names)]
+    for b in sizes:
+        steps = next(r["steps"] for r in rows if r["batch_size"] == b)
+        cells = []
+        for n in names:
+            r = acc.get((n, b))
+            cells.append("-" if r is None else
+                         ("diverged" if r.get("diverged") else f"{r['test_accuracy']:.4f} (lr {r['lr']:.3g})"))
+        lines.append(f"| {b} | {steps} | " + " | ".join(cells) + " |")
+    files["md"].write_text(f"{title}\n\ntest accuracy (learning rate)\n\n" + "\n".join(lines) + "\n")
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for n in names:
+        pts = [(b, acc[(n, b)]["test_accuracy"]) for b in sizes
+               if (n, b) in acc and not acc[(n, b)].get("diverged")]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=n)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size (same number of epochs)")
+    ax.set_ylabel("final test accuracy")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(files["png"], dpi=100)
+    plt.close(fig)
+    return {k: str(v) for k, v in files.items()}

@@ -1,0 +1,287 @@
+"""``scaleopt train``: one training run, in this process or in N processes on torch.distributed."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import os
+import pathlib
+import socket
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from . import data, optimizers
+
+
+class Diverged(RuntimeError):
+    """The training loss became inf or NaN."""
+
+
+@dataclasses.dataclass
+class Config:
+    optimizer: str = "lamb"
+    dataset: str = "spirals"
+    train_size: int = 131072
+    batch_size: int = 1024
+    epochs: int = 8
+    steps: Optional[int] = None  # overrides epochs
+    lr: Optional[float] = None  # None: the optimizer's default
+    weight_decay: float = 0.01
+    warmup: float = 0.1  # a fraction of the steps (< 1) or a number of steps
+    schedule: str = "cosine"
+    width: int = 256
+    seed: int = 0
+    offload: bool = False
+    workers: int = 1
+    device: str = "cpu"
+    threads: Optional[int] = None
+    out: Optional[str] = None
+    progress: bool = True
+    evals: int = 16  # test-set evaluations over the run
+
+    def resolved_lr(self) -> float:
+        return self.lr if self.lr is not None else optimizers.OPTIMIZERS[self.optimizer].lr
+
+    def total_steps(self) -> int:
+        if self.steps is not None:
+            return self.steps
+        return self.epochs * (self.train_size // self.batch_size)
+
+    def warmup_steps(self) -> int:
+        total = self.total_steps()
+        return int(self.warmup * total) if self.warmup < 1 else min(int(self.warmup), total)
+
+
+def check(cfg: Config) -> None:
+    """Raise ``ValueError`` with a clear message for a configuration that cannot run."""
+    if cfg.optimizer not in optimizers.OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {cfg.optimizer!r}; choose one of "
+                         f"{', '.join(optimizers.OPTIMIZERS)}")
+    if cfg.dataset not in data.DATASETS:
+        raise ValueError(f"unknown dataset {cfg.dataset!r}; choose one of {', '.join(data.DATASETS)}")
+    for name in ("train_size", "batch_size", "epochs", "width", "workers", "evals"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
+    if cfg.steps is not None and cfg.steps < 1:
+        raise ValueError(f"--steps must be at least 1, got {cfg.steps}")
+    if cfg.batch_size > cfg.train_size:
+        raise ValueError(f"--batch-size {cfg.batch_size} is larger than the training set "
+                         f"({cfg.train_size} examples; see --train-size)")
+    if cfg.batch_size % cfg.workers:
+        raise ValueError(f"--batch-size {cfg.batch_size} must be a multiple of --workers {cfg.workers}")
+    lr = cfg.resolved_lr()
+    if not (math.isfinite(lr) and lr > 0):
+        raise ValueError(f"--lr must be a positive number, got {lr}")
+    if not (math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0):
+        raise ValueError(f"--weight-decay must be >= 0, got {cfg.weight_decay}")
+    if not cfg.warmup >= 0:
+        raise ValueError(f"--warmup must be >= 0, got {cfg.warmup}")
+    if cfg.schedule not in optimizers.SCHEDULES:
+        raise ValueError(f"unknown schedule {cfg.schedule!r}; choose one of {optimizers.SCHEDULES}")
+    if cfg.offload and not optimizers.OPTIMIZERS[cfg.optimizer].offloadable:
+        raise ValueError(f"--offload applies to lamb, lans and adamw, not {cfg.optimizer}")
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device here")
+    if cfg.device != "cpu" and not cfg.device.startswith("cuda"):
+        raise ValueError(f"--device must be cpu or cuda, got {cfg.device!r}")
+    if cfg.threads is not None and cfg.threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {cfg.threads}")
+
+
+def default_out(cfg: Config) -> str:
+    tag = f"{cfg.optimizer}{'-offload' if cfg.offload else ''}-b{cfg.batch_size}"
+    return str(pathlib.Path("scaleopt-runs") / f"train-{tag}")
+
+
+# ------------------------------------------------------------------------------------------------
+# the run
+# ------------------------------------------------------------------------------------------------
+
+
+def _evaluate(model, x, y, batch: int = 8192):
+    model.eval()
+    loss, correct = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, len(x), batch):
+            out = model(x[i:i + batch])
+            loss += F.cross_entropy(out, y[i:i + batch], reduction="sum").item()
+            correct += (out.argmax(1) == y[i:i + batch]).sum().item()
+    model.train()
+    return loss / len(x), correct / len(x)
+
+
+def run(cfg: Config, rank: int = 0, world: int = 1) -> Dict[str, Any]:
+    """Train; on rank 0 return (and write, if ``cfg.out``) the results. Raises :class:`Diverged`."""
+    check(cfg)
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    device = torch.device(cfg.device if not cfg.device.startswith("cuda") or world == 1
+                          else f"cuda:{rank % torch.cuda.device_count()}")
+    x, y, xt, yt, classes = data.load(cfg.dataset, cfg.train_size)
+    x, y, xt, yt = x.to(device), y.to(device), xt.to(device), yt.to(device)
+    model = data.make_model(x.shape[1], classes, cfg.width, seed=cfg.seed).to(device)
+    lr = cfg.resolved_lr()
+    opt = optimizers.build(cfg.optimizer, model, lr, cfg.weight_decay, cfg.offload)
+    total, warmup = cfg.total_steps(), cfg.warmup_steps()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, optimizers.schedule(cfg.schedule, total, warmup))
+    net = model
+    if world > 1:
+        net = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None)
+    per_rank = cfg.batch_size // world
+    steps_per_epoch = cfg.train_size // cfg.batch_size
+    numel = sum(p.numel() for p in model.parameters())
+    g = torch.Generator().manual_seed(cfg.seed)  # the same batches on every rank
+    history: List[Dict[str, Any]] = []
+    eval_every = max(1, total // cfg.evals)
+    log_every = max(1, total // 200)
+    curve: List[Any] = []  # (step, training loss of the batch)
+    bar = None
+    if rank == 0 and cfg.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, desc=f"{cfg.optimizer} b{cfg.batch_size}", unit="step",
+                   dynamic_ncols=True, file=sys.stderr, mininterval=0.5,
+                   disable=None)  # None: a bar on a terminal, none in a log
+    start = time.perf_counter()
+    perm = torch.randperm(cfg.train_size, generator=g)
+    step = 0
+    loss_value = float("nan")
+    while step < total:
+        k = step % steps_per_epoch
+        if k == 0 and step > 0:
+            perm = torch.randperm(cfg.train_size, generator=g)
+        idx = perm[k * cfg.batch_size:(k + 1) * cfg.batch_size][rank * per_rank:(rank + 1) * per_rank]
+        idx = idx.to(device)
+        loss = F.cross_entropy(net(x[idx]), y[idx])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        step += 1
+        if step % log_every == 0 or step % eval_every == 0 or step == total:
+            loss_value = loss.item()
+            if rank == 0:
+                curve.append((step, loss_value))
+            if not math.isfinite(loss_value):
+                if bar is not None:
+                    bar.close()
+                raise Diverged(f"the training loss is {loss_value} at step {step}: lower --lr")
+        if bar is not None:
+            bar.update(1)
+            if step % log_every == 0 or step == total:
+                elapsed = time.perf_counter() - start
+                bar.set_postfix(loss=f"{loss_value:.4f}",
+                                samples_per_s=f"{step * cfg.batch_size / elapsed:,.0f}")
+        if rank == 0 and (step % eval_every == 0 or step == total):
+            test_loss, test_acc = _evaluate(model, xt, yt)
+            history.append({"step": step, "epoch": step / steps_per_epoch,
+                            "train_loss": loss_value, "lr": sched.get_last_lr()[0],
+                            "test_loss": test_loss, "test_accuracy": test_acc,
+                            "time_s": time.perf_counter() - start})
+    elapsed = time.perf_counter() - start
+    if bar is not None:
+        bar.close()
+    if rank != 0:
+        return {}
+    last = history[-1]
+    result = {
+        "config": dataclasses.asdict(cfg),
+        "lr": lr,
+        "parameters": numel,
+        "steps": total,
+        "epochs": total / steps_per_epoch,
+        "train_loss": last["train_loss"],
+        "test_loss": last["test_loss"],
+        "test_accuracy": last["test_accuracy"],
+        "time_s": elapsed,
+        "steps_per_s": total / elapsed,
+        "samples_per_s": total * cfg.batch_size / elapsed,
+        "history": history,
+        "train_curve": curve,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+    if world > 1:
+        # DDP all-reduces every gradient each step (ring all-reduce: each rank sends about
+        # 2(N-1)/N of the gradient bytes)
+        grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        result["workers"] = world
+        result["allreduce_bytes_per_step"] = grad_bytes
+        result["bytes_sent_per_rank_per_step"] = int(2 * (world - 1) / world * grad_bytes)
+    if cfg.out:
+        from . import report
+
+        report.write_run(result, cfg.out)
+    return result
+
+
+# ------------------------------------------------------------------------------------------------
+# several processes
+# ------------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, cfg: Config, world: int, port: int, result_file: str) -> None:
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
+    dist.init_process_group(backend, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        if cfg.threads is None:  # share the cores between the processes
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        result = run(dataclasses.replace(cfg, out=None), rank, world)
+        if rank == 0:
+            pathlib.Path(result_file).write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def train(cfg: Config) -> Dict[str, Any]:
+    """Run ``cfg``: in this process, in ``cfg.workers`` processes started here, or as one rank
+    of a ``torchrun`` launch (``WORLD_SIZE`` set in the environment)."""
+    check(cfg)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun
+        backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
+        try:
+            rank, world = dist.get_rank(), dist.get_world_size()
+            check(dataclasses.replace(cfg, workers=world))
+            return run(dataclasses.replace(cfg, workers=world, out=cfg.out if rank == 0 else None),
+                       rank, world)
+        finally:
+            dist.destroy_process_group()
+    if cfg.workers == 1:
+        return run(cfg)
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        result_file = os.path.join(tmp, "result.json")
+        try:
+            mp.spawn(_worker, args=(cfg, cfg.workers, _free_port(), result_file),
+                     nprocs=cfg.workers, join=True)
+        except mp.ProcessRaisedException as exc:
+            if "Diverged" in str(exc):
+                raise Diverged(str(exc).strip().splitlines()[-1]) from None
+            raise
+        result = json.loads(pathlib.Path(result_file).read_text())
+    if cfg.out:
+        from . import report
+
+        report.write_run(result, cfg.out)
+    return result

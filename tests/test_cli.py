@@ -1,0 +1,181 @@
+"""The `scaleopt` command: each subcommand on a tiny configuration, its outputs and its errors."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from scaleopt.cli import EXIT_DIVERGED, EXIT_USAGE, main
+
+TINY = ["--train-size", "2048", "--batch-size", "256", "--width", "32", "--no-progress"]
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_train_writes_results_history_and_a_plot(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", *TINY, "--epochs", "3", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    result = json.loads((out / "result.json").read_text())
+    assert result["steps"] == 3 * 2048 // 256
+    assert result["config"]["optimizer"] == "lamb" and result["lr"] == 1e-2
+    assert 0.0 <= result["test_accuracy"] <= 1.0 and math.isfinite(result["test_loss"])
+    assert f"test accuracy {result['test_accuracy']:.4f}" in printed
+    assert "steps/s" in printed and "samples/s" in printed
+    rows = list(csv.DictReader((out / "history.csv").open()))
+    assert rows and int(rows[-1]["step"]) == result["steps"]
+    assert float(rows[-1]["test_accuracy"]) == pytest.approx(result["test_accuracy"])
+    # the learning rate warmed up and decayed to 0 (cosine)
+    assert float(rows[-1]["lr"]) == pytest.approx(0.0, abs=1e-9)
+    assert (out / "curves.png").read_bytes().startswith(PNG)
+
+
+def test_the_default_run_learns_the_task(tmp_path):
+    # the README's main job, shortened: LAMB on the default data gets well above chance (0.2)
+    out = tmp_path / "run"
+    assert main(["train", "--epochs", "2", "--no-progress", "--out", str(out)]) == 0
+    assert json.loads((out / "result.json").read_text())["test_accuracy"] > 0.9
+
+
+@pytest.mark.parametrize("optimizer, extra", [
+    ("lans", []), ("adamw", ["--offload"]), ("lamb", ["--offload"]), ("offload-adam", []),
+    ("momentum", []), ("torch-adamw", []), ("torch-sgd", ["--schedule", "linear"]),
+    ("adamw", ["--schedule", "constant", "--warmup", "0"]),
+])
+def test_every_optimizer_trains(tmp_path, optimizer, extra):
+    out = tmp_path / "run"
+    assert main(["train", *TINY, "--steps", "40", "--optimizer", optimizer, *extra,
+                 "--out", str(out)]) == 0
+    result = json.loads((out / "result.json").read_text())
+    first = result["train_curve"][0][1]
+    assert result["steps"] == 40 and result["train_loss"] < first
+
+
+def test_two_workers_compute_what_one_process_computes(tmp_path):
+    runs = {}
+    for workers in (1, 2):
+        out = tmp_path / f"w{workers}"
+        assert main(["train", *TINY, "--steps", "12", "--workers", str(workers), "--threads", "1",
+                     "--out", str(out)]) == 0
+        runs[workers] = json.loads((out / "result.json").read_text())
+    assert runs[2]["workers"] == 2
+    assert runs[2]["allreduce_bytes_per_step"] == 4 * runs[2]["parameters"]
+    assert runs[2]["test_loss"] == pytest.approx(runs[1]["test_loss"], rel=1e-4)
+
+
+def test_study_large_batch_writes_a_table_and_a_plot(tmp_path, capsys):
+    out = tmp_path / "study"
+    assert main(["study", "large-batch", *[a for a in TINY if a not in ("--batch-size", "256")],
+                 "--batch-sizes", "128", "512", "--optimizers", "lamb", "adamw", "--epochs", "1",
+                 "--out", str(out)]) == 0
+    rows = json.loads((out / "study.json").read_text())
+    assert {(r["optimizer"], r["batch_size"]) for r in rows} == {
+        ("lamb", 128), ("lamb", 512), ("adamw", 128), ("adamw", 512)}
+    lamb = {r["batch_size"]: r for r in rows if r["optimizer"] == "lamb"}
+    assert lamb[512]["lr"] == pytest.approx(1e-2 * (512 / 1024) ** 0.5)  # sqrt scaling
+    assert lamb[128]["steps"] == 4 * lamb[512]["steps"]  # same epochs
+    table = (out / "study.md").read_text()
+    assert "| 128 |" in table and "| 512 |" in table and "lamb" in table
+    assert (out / "study.png").read_bytes().startswith(PNG)
+    assert "| 512 |" in capsys.readouterr().out
+
+
+def test_bench_times_the_optimizers(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--hidden", "32", "--layers", "1", "--vocab", "500", "--rounds", "2",
+                 "--only", "LAMB", "OffloadAdam", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    names = [r["optimizer"] for r in result["rows"]]
+    assert names[0] == "torch.AdamW(fused=True)" and result["rows"][0]["ratio"] == 1.0
+    assert "scaleopt.LAMB" in names and "scaleopt.OffloadAdam" in names
+    assert all(r["median_s"] > 0 for r in result["rows"])
+    printed = capsys.readouterr().out
+    assert "x fused AdamW" in printed and "in-place p += g" in printed
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--batch-size", "4096", "--train-size", "1024"], "larger than the training set"),
+    (["train", "--optimizer", "torch-sgd", "--offload"], "--offload applies"),
+    (["train", "--lr", "-1"], "--lr must be a positive"),
+    (["train", "--weight-decay", "-0.1"], "--weight-decay"),
+    (["train", "--batch-size", "1000", "--workers", "3"], "multiple of --workers"),
+    (["train", "--device", "tpu"], "--device"),
+    (["study", "large-batch", "--optimizers", "lamb", "sgd9"], "unknown optimizer"),
+    (["bench", "--rounds", "0"], "--rounds"),
+])
+def test_bad_values_are_clear_errors_with_exit_code_2(argv, message, capsys):
+    assert main(argv) == EXIT_USAGE
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [
+    ["train", "--optimizer", "nope"], ["train", "--batch-size", "0"], ["train", "--epochs", "x"],
+    ["study"], ["frobnicate"], [],
+])
+def test_usage_errors_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert "usage: scaleopt" in capsys.readouterr().err
+
+
+def test_divergence_exits_3(tmp_path, capsys):
+    assert main(["train", *TINY, "--lr", "1e6", "--steps", "30", "--out", str(tmp_path)]) == EXIT_DIVERGED
+    assert "diverged" in capsys.readouterr().err
+
+
+def _subparsers(parser):
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield sub
+                yield from _subparsers(sub)
+
+
+def test_help_explains_every_option(capsys):
+    from scaleopt.cli import build_parser
+
+    subs = list(_subparsers(build_parser()))
+    assert {s.prog for s in subs} >= {"scaleopt train", "scaleopt study large-batch", "scaleopt bench"}
+    for sub in subs:
+        for action in sub._actions:
+            if action.option_strings and action.dest != "help":
+                assert action.help and len(action.help) > 10, (sub.prog, action.option_strings)
+    for argv in (["train", "--help"], ["study", "large-batch", "--help"], ["bench", "--help"]):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 0
+        assert "default" in capsys.readouterr().out
+
+
+def test_the_console_script_is_installed():
+    exe = shutil.which("scaleopt")
+    cmd = [exe] if exe else [sys.executable, "-m", "scaleopt"]
+    done = subprocess.run([*cmd, "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "train" in done.stdout and "bench" in done.stdout
+
+
+def test_a_torchrun_launch_trains_as_one_job(tmp_path):
+    torchrun = shutil.which("torchrun")
+    if torchrun is None:
+        pytest.fail("torchrun is installed with torch and should be on PATH")
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = tmp_path / "run"
+    done = subprocess.run(
+        [torchrun, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+         "-m", "scaleopt", "train", *TINY, "--steps", "6", "--threads", "1", "--out", str(out)],
+        capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads((out / "result.json").read_text())
+    assert result["workers"] == 2 and result["steps"] == 6
