@@ -16,7 +16,7 @@ class OptimizerInfo:
     name: str
     make: Callable[[List], torch.optim.Optimizer]  # takes model.named_parameters() as a list
     has_foreach: bool = True  # whether a foreach flag selects fast vs reference path
-    host_step: bool = False  # the update runs on the host (offloaded): it syncs by design
+    host_step: bool = False  # the step reads values on the host (offloaded, DGC's selection)
 
     def __str__(self) -> str:  # pytest ids
         return self.name
@@ -81,6 +81,13 @@ REGISTRY: List[OptimizerInfo] = [
         host_step=True),
     OptimizerInfo("offload(LANS)", lambda n: scaleopt.offload(scaleopt.LANS, n, lr=1e-2),
                   host_step=True),
+    OptimizerInfo("DGCMomentum", lambda n: scaleopt.DGCMomentum(
+        n, lr=0.05, sparsity=[0.5, 0.9], rampup_begin_step=1, rampup_step=2, min_numel=8,
+        weight_decay=1e-3, local_grad_clip_norm=5.0), has_foreach=False, host_step=True),
+    OptimizerInfo("paddle.DGCMomentumOptimizer", lambda n: paddle.DGCMomentumOptimizer(
+        learning_rate=0.05, momentum=0.9, rampup_begin_step=0, sparsity=[0.75],
+        parameters=n, use_nesterov=True, regularization=paddle.L1Decay(1e-4)),
+        has_foreach=False, host_step=True),
     OptimizerInfo("mindspore.AdamOffload", lambda n: mindspore.AdamOffload(
         n, learning_rate=0.01, weight_decay=0.01, use_nesterov=True), has_foreach=False,
         host_step=True),

@@ -1,6 +1,7 @@
 """scaleopt: PyTorch optimizers for training at scale."""
 
 from .adamw import AdamW
+from .dgc import DGCMomentum
 from .groups import param_groups
 from .lamb import LAMB
 from .lans import LANS
@@ -10,5 +11,5 @@ from .offload import OffloadAdam, offload
 __version__ = "0.1.0"
 
 __all__ = [
-    "LAMB", "LANS", "AdamW", "Momentum", "OffloadAdam", "offload", "param_groups", "__version__",
+    "LAMB", "LANS", "AdamW", "Momentum", "OffloadAdam", "DGCMomentum", "offload", "param_groups", "__version__",
 ]

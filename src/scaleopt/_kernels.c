@@ -341,6 +341,23 @@ TARGETS int any_nonfinite_bf16(const uint16_t *x, int64_t n, int nthreads) {
     return bad;
 }
 
+/* ---------------------------------------------------------------------------------------- */
+/* DGC selection                                                                              */
+/* ---------------------------------------------------------------------------------------- */
+
+/* Indices i with |v[i]| >= thr, in order, into out[0..cap); returns how many there are (which
+ * may exceed cap: then only the first cap were written). One read pass, no allocation. */
+int64_t select_above(const float *v, int64_t n, float thr, int64_t *out, int64_t cap) {
+    int64_t count = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (fabsf(v[i]) >= thr) {
+            if (count < cap) out[count] = i;
+            count++;
+        }
+    }
+    return count;
+}
+
 static struct PyModuleDef kernels_module = {PyModuleDef_HEAD_INIT, "_kernels",
                                             "Fused CPU kernels (called through ctypes).", -1,
                                             NULL};

@@ -45,6 +45,8 @@ if _lib is not None:
         getattr(_lib, _name).restype = None
     _lib.adam_multi.argtypes = [i64] + [dp] * 12 + [f] * 6 + [i32, i32]
     _lib.adam_multi.restype = None
+    _lib.select_above.argtypes = [dp, i64, f, dp, i64]
+    _lib.select_above.restype = i64
     for _name in ("any_nonfinite", "any_nonfinite_bf16"):
         getattr(_lib, _name).argtypes = [dp, i64, i32]
         getattr(_lib, _name).restype = i32
@@ -262,3 +264,14 @@ def any_nonfinite(t: Tensor, threads: int) -> bool:
         if t.dtype == torch.bfloat16:
             return bool(_lib.any_nonfinite_bf16(t.data_ptr(), t.numel(), threads))
     return not bool(torch.isfinite(t).all())
+
+
+def select_above(v: Tensor, threshold: float, capacity: int) -> Optional[Tensor]:
+    """Indices of ``|v| >= threshold`` in a flat tensor, in one pass (the kernel, for contiguous
+    float32 CPU tensors; torch otherwise). None when there are more than ``capacity``."""
+    if _lib is not None and _cpu_contiguous(v, _F32):
+        out = torch.empty(capacity, dtype=torch.int64)
+        count = _lib.select_above(v.data_ptr(), v.numel(), threshold, out.data_ptr(), capacity)
+        return out[:count] if count <= capacity else None
+    idx = torch.nonzero(v.abs() >= threshold).flatten()
+    return idx if idx.numel() <= capacity else None

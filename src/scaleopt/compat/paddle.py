@@ -21,6 +21,7 @@ from torch import Tensor
 from .. import _base
 from ..adamw import AdamW as _AdamW
 from ..lamb import LAMB as _LAMB
+from ..dgc import DGCMomentum as _DGCMomentum
 from ..momentum import Momentum as _Momentum
 from ._common import ScheduledLR, as_float, rename_group_keys
 
@@ -28,6 +29,7 @@ __all__ = [
     "Lamb",
     "AdamW",
     "Momentum",
+    "DGCMomentumOptimizer",
     "ClipGradByGlobalNorm",
     "ClipGradByNorm",
     "ClipGradByValue",
@@ -445,3 +447,72 @@ class Momentum(_PaddleAPI, _Momentum):
         )
         self._after_init()
         _check_multi_precision(self, multi_precision)
+
+
+class DGCMomentumOptimizer(_PaddleAPI, _DGCMomentum):
+    r"""``paddle.fluid.optimizer.DGCMomentumOptimizer`` on :class:`scaleopt.DGCMomentum`:
+    Deep Gradient Compression momentum over ``torch.distributed`` (Paddle's runs on GPUs in
+    static graphs only; this runs wherever torch does).
+
+    Before ``rampup_begin_step``: :class:`Momentum` with a dense all-reduce. After it, the
+    sparsity walks ``sparsity`` over ``rampup_step`` steps with Paddle's index, then its last
+    entry holds; tensors below 16384 elements stay dense. ``local_grad_clip_norm`` clips each
+    local gradient by norm at ``local_grad_clip_norm * num_trainers ** -0.5`` (``num_trainers``
+    defaults to the process group's size). ``regularization`` (:class:`L2Decay` /
+    :class:`L1Decay` or a float, L2) is added to the local gradient before the momentum
+    correction. ``grad_clip`` must be :class:`ClipGradByNorm` (each local gradient clipped by its
+    own norm), anything else raises ``TypeError``, as Paddle documents.
+
+    Args:
+        learning_rate (float or LRScheduler), momentum (float), rampup_begin_step (int),
+        rampup_step (int, default 1), sparsity (list, default [0.999]), use_nesterov (False),
+        local_grad_clip_norm (None), num_trainers (None), regularization (None),
+        grad_clip (None), parameters (required), name (None).
+    """
+
+    _arg_names = {"lr": "learning_rate"}
+
+    def __init__(
+        self,
+        learning_rate: Any,
+        momentum: float,
+        rampup_begin_step: int,
+        rampup_step: int = 1,
+        sparsity: Any = (0.999,),
+        use_nesterov: bool = False,
+        local_grad_clip_norm: Optional[float] = None,
+        num_trainers: Optional[int] = None,
+        regularization: Union[None, float, L2Decay] = None,
+        grad_clip: Any = None,
+        parameters: Any = None,
+        name: Optional[str] = None,
+    ) -> None:
+        if grad_clip is not None and not isinstance(grad_clip, ClipGradByNorm):
+            raise TypeError(
+                "The type of grad_clip should be 'ClipGradByNorm', because DGCMomentumOptimizer "
+                f"only supports ClipGradByNorm; got {type(grad_clip).__name__}"
+            )
+        lr = self._paddle_init(learning_rate, parameters)
+        self.name = name
+        if regularization is None:
+            wd, mode = 0.0, "l2"
+        elif isinstance(regularization, L2Decay):
+            wd, mode = regularization.coeff, regularization.mode
+        else:
+            wd, mode = as_float("regularization", regularization), "l2"
+        super().__init__(
+            _groups(parameters, {}),
+            lr=lr,
+            momentum=as_float("momentum", momentum),
+            nesterov=use_nesterov,
+            weight_decay=wd,
+            weight_decay_mode=mode,
+            sparsity=list(sparsity),
+            rampup_begin_step=rampup_begin_step,
+            rampup_step=rampup_step,
+            local_grad_clip_norm=None if local_grad_clip_norm is None else as_float(
+                "local_grad_clip_norm", local_grad_clip_norm),
+            num_workers=num_trainers,
+            clip_grad_norm_per_tensor=None if grad_clip is None else grad_clip.clip_norm,
+        )
+        self._after_init()

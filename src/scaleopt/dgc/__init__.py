@@ -1,0 +1,13 @@
+"""Deep Gradient Compression (Lin et al., ICLR 2018) over ``torch.distributed``.
+
+:class:`DGCMomentum` communicates in ``step()``; :func:`ddp_comm_hook` with a
+:class:`DGCHookState` does the same as a ``DistributedDataParallel`` communication hook.
+"""
+
+from .hook import DGCHookState, ddp_comm_hook
+from .optimizer import DGCMomentum
+from .schedule import PAPER_SPARSITY, sparsity_at
+from .select import k_of, topk_exact, topk_sampled
+
+__all__ = ["DGCMomentum", "DGCHookState", "ddp_comm_hook", "PAPER_SPARSITY", "sparsity_at",
+           "k_of", "topk_exact", "topk_sampled"]

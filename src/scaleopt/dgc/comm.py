@@ -1,0 +1,96 @@
+"""Sending exactly k (index, value) pairs per tensor with one all-gather, and decoding them."""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+INT32_LIMIT = 2 ** 31
+
+
+def index_dtype(numel: int) -> torch.dtype:
+    """int32 indices, int64 only for tensors of 2^31 elements or more."""
+    return torch.int32 if numel < INT32_LIMIT else torch.int64
+
+
+def world_of(group: Optional[dist.ProcessGroup]) -> int:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+class PeerFailure(RuntimeError):
+    """A collective failed or timed out: a peer rank has probably died."""
+
+
+def _collective(fn, what: str):
+    try:
+        return fn()
+    except RuntimeError as exc:  # gloo/NCCL errors and timeouts
+        raise PeerFailure(
+            f"DGC {what} failed (a peer rank may have died or stalled past the process group's "
+            f"timeout): {exc}"
+        ) from exc
+
+
+def pack(indices: Sequence[Tensor], values: Sequence[Tensor]) -> Tensor:
+    """One byte buffer holding every tensor's indices and then its values."""
+    parts = []
+    for i, v in zip(indices, values):
+        parts.append(i.contiguous().view(torch.uint8))
+        parts.append(v.contiguous().view(torch.uint8))
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+
+
+def unpack(buf: Tensor, layout: Sequence[Tuple[int, torch.dtype, torch.dtype]]):
+    """Inverse of :func:`pack` for one rank's buffer: ``layout`` is (k, index dtype, value dtype)
+    per tensor, the same on every rank."""
+    out = []
+    at = 0
+    for k, idt, vdt in layout:
+        ib = k * torch.empty((), dtype=idt).element_size()
+        vb = k * torch.empty((), dtype=vdt).element_size()
+        out.append((buf[at:at + ib].view(idt), buf[at + ib:at + ib + vb].view(vdt)))
+        at += ib + vb
+    return out
+
+
+def sparse_allgather_mean(indices: List[Tensor], values: List[Tensor], numels: List[int],
+                          group: Optional[dist.ProcessGroup]) -> List[Tensor]:
+    """Every rank sends its k (index, value) pairs per tensor in one all-gather; returns, per
+    tensor, the dense mean over ranks of the scattered values (flat, the values' dtype)."""
+    world = world_of(group)
+    layout = [(i.numel(), i.dtype, v.dtype) for i, v in zip(indices, values)]
+    buf = pack(indices, values)
+    if world > 1:
+        chunks = [torch.empty_like(buf) for _ in range(world)]
+        _collective(lambda: dist.all_gather(chunks, buf, group=group), "all-gather")
+    else:
+        chunks = [buf]
+    dense = [torch.zeros(n, dtype=v.dtype, device=v.device) for n, v in zip(numels, values)]
+    for chunk in chunks:
+        for d, (i, v) in zip(dense, unpack(chunk, layout)):
+            d.index_add_(0, i.long(), v)
+    if world > 1:
+        for d in dense:
+            d.div_(world)
+    return dense
+
+
+def dense_allreduce_mean(tensors: List[Tensor], group: Optional[dist.ProcessGroup]) -> List[Tensor]:
+    """The mean over ranks of each tensor (one flat all-reduce); copies, inputs untouched."""
+    if not tensors:
+        return []
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    world = world_of(group)
+    if world > 1:
+        _collective(lambda: dist.all_reduce(flat, group=group), "all-reduce")
+        flat.div_(world)
+    out, at = [], 0
+    for t in tensors:
+        out.append(flat[at:at + t.numel()].view_as(t))
+        at += t.numel()
+    return out

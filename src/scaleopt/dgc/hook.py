@@ -1,0 +1,118 @@
+"""DGC as a ``DistributedDataParallel`` communication hook.
+
+    state = DGCHookState(model, momentum=0.9, sparsity=[0.999], min_numel=16384)
+    ddp.register_comm_hook(state, ddp_comm_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)   # no momentum: it lives in the state
+
+The hook replaces DDP's all-reduce of a bucket: it adds weight decay, clips, runs the momentum
+correction and selection per parameter, all-gathers exactly k (index, value) pairs per tensor and
+returns, for each parameter, the update DGC applies; plain SGD then does ``w -= lr * update``.
+This equals :class:`DGCMomentum`. The residuals are keyed by parameter name, not by bucket, so
+DDP's bucket rebuild after the first iteration does not disturb them; the state pickles without
+its model and process group (set them again after loading), like torch's PowerSGD state.
+"""
+
+from typing import Any, Dict, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import comm
+from .optimizer import dgc_updates, finish_telemetry, new_telemetry
+from .schedule import PAPER_SPARSITY
+
+
+class DGCHookState:
+    """Options and per-parameter residuals (``u``, ``v``) of :func:`ddp_comm_hook`."""
+
+    def __init__(self, model: nn.Module, momentum: float = 0.9, nesterov: bool = False,
+                 weight_decay: float = 0.0, sparsity: Sequence[float] = PAPER_SPARSITY,
+                 rampup_begin_step: int = 0, rampup_step: int = 1,
+                 local_grad_clip_norm: Optional[float] = None, min_numel: int = 16384, *,
+                 weight_decay_mode: str = "l2", momentum_masking: bool = True,
+                 selection: str = "sample", value_dtype: Optional[torch.dtype] = None,
+                 process_group: Optional[Any] = None) -> None:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        self.model: Optional[nn.Module] = model
+        self.process_group = process_group
+        self.options = dict(momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+                            weight_decay_mode=weight_decay_mode, sparsity=list(sparsity),
+                            rampup_begin_step=rampup_begin_step, rampup_step=rampup_step,
+                            local_grad_clip_norm=local_grad_clip_norm, min_numel=min_numel,
+                            momentum_masking=momentum_masking, selection=selection)
+        from .optimizer import DGCMomentum
+
+        DGCMomentum([nn.Parameter(torch.zeros(1))], lr=0.0, **{  # the same checks
+            k: v for k, v in self.options.items()}, value_dtype=value_dtype)
+        self.value_dtype = value_dtype
+        self.step = 0
+        self.residuals: Dict[str, Dict[str, torch.Tensor]] = {}
+        self.telemetry: Dict[str, float] = {}
+        self._tel = new_telemetry()
+        self._generator = torch.Generator().manual_seed(0)
+        self._names: Dict[int, str] = {}
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        for key in ("model", "process_group", "_names", "_generator"):
+            state.pop(key, None)
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self.model, self.process_group, self._names = None, None, {}
+        self._generator = torch.Generator().manual_seed(0)
+
+    def attach(self, model: nn.Module, process_group: Optional[Any] = None) -> "DGCHookState":
+        """Set the model (and group) again, e.g. after unpickling."""
+        self.model = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+        self.process_group = process_group
+        self._names = {}
+        return self
+
+    def name_of(self, p: torch.Tensor) -> str:
+        if not self._names:
+            if self.model is None:
+                raise RuntimeError("DGCHookState has no model: call state.attach(model)")
+            self._names = {id(q): n for n, q in self.model.named_parameters()}
+        return self._names[id(p)]
+
+
+def ddp_comm_hook(state: "DGCHookState", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The DDP communication hook: returns the bucket's DGC updates (see the module doc)."""
+    params = bucket.parameters()
+    grads = [g.detach() for g in bucket.gradients()]
+    world = comm.world_of(state.process_group)
+    opts = state.options
+    if opts["weight_decay"]:
+        wd, l2 = opts["weight_decay"], opts["weight_decay_mode"] == "l2"
+        grads = [g + wd * (p.detach() if l2 else p.detach().sign()).view_as(g)
+                 for g, p in zip(grads, params)]
+    clip = opts["local_grad_clip_norm"]
+    if clip is not None:
+        c = clip * world ** -0.5
+        grads = [g * (c / max(float(torch.linalg.vector_norm(g.float())), c)) for g in grads]
+    states = []
+    for p in params:
+        name = state.name_of(p)
+        st = state.residuals.get(name)
+        if st is None:
+            st = state.residuals[name] = {"u": torch.zeros_like(p, memory_format=torch.contiguous_format),
+                                          "v": torch.zeros_like(p, memory_format=torch.contiguous_format)}
+        states.append(st)
+    updates = dgc_updates(grads, states, opts, state.step, world, state.process_group,
+                          state.value_dtype, state._generator, state._tel)
+    buffer = bucket.buffer()
+    out = torch.zeros_like(buffer)
+    for view, upd in zip(bucket.gradients(), updates):
+        at = (view.data_ptr() - buffer.data_ptr()) // buffer.element_size()
+        out[at:at + view.numel()].copy_(upd.reshape(-1))
+    if bucket.is_last():
+        state.step += 1
+        finish_telemetry(state._tel)
+        state.telemetry, state._tel = state._tel, new_telemetry()
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(out)
+    return fut

@@ -1,0 +1,317 @@
+"""``DGCMomentum``: Deep Gradient Compression momentum SGD that communicates in ``step()``."""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .._base import ScaleOptimizer, check_bool, check_choice, check_number
+from . import comm, select
+from .schedule import PAPER_SPARSITY, sparsity_at
+
+
+def _check_sparsity(name: str, value: Any) -> None:
+    if not isinstance(value, (list, tuple)) or not value:
+        raise TypeError(f"{name} must be a non-empty list of sparsities in [0, 1), got {value!r}")
+    for s in value:
+        check_number(f"{name} entry", s, low=0.0, high=1.0, high_open=True)
+
+
+class DGCMomentum(ScaleOptimizer):
+    r"""Deep Gradient Compression (Lin et al., ICLR 2018) momentum SGD over ``torch.distributed``.
+
+    Per worker and step, for each tensor with gradient :math:`g` (after weight decay, L2
+    :math:`g+\lambda w` or L1 :math:`g+\lambda\,\mathrm{sign}(w)`, and local clipping to
+    ``local_grad_clip_norm`` :math:`\cdot N^{-1/2}`):
+
+    .. math::
+        \begin{aligned}
+        u &\leftarrow m u + g,\qquad v \leftarrow v + u
+            \qquad(\text{Nesterov: } u \leftarrow m(u + g),\ v \leftarrow v + u + g)\\
+        S &= \text{the } k = \lceil (1-s)\,n \rceil \text{ entries of largest } |v|\\
+        G &= \frac1N \sum_{\text{ranks}} v_S \quad(\text{one all-gather of exactly } k
+            \text{ (index, value) pairs per tensor})\\
+        v_S &\leftarrow 0,\quad u_S \leftarrow 0 \ (\text{momentum factor masking}),\qquad
+        w \leftarrow w - \eta\, G
+        \end{aligned}
+
+    Before ``rampup_begin_step`` every tensor is dense: its gradient is all-reduced and
+    :math:`u \leftarrow m u + \bar g,\ w \leftarrow w - \eta u` (Nesterov:
+    :math:`w \leftarrow w - \eta(\bar g + m u)`), i.e. Paddle's ``Momentum``. After it the
+    sparsity :math:`s` walks ``sparsity`` over ``rampup_step`` steps with Paddle's index
+    ``int((t - begin) * len(sparsity) / rampup_step)``, then its last entry holds. Tensors with
+    fewer than ``min_numel`` elements, and tensors for which the sparse all-gather would move more
+    bytes than a dense all-reduce at this world size and density, stay dense.
+
+    Args:
+        params: tensors, ``(name, tensor)`` pairs or param-group dicts.
+        lr (float): :math:`\eta`.
+        momentum (float, default 0.9): :math:`m`.
+        nesterov (bool, default False).
+        weight_decay (float, default 0), weight_decay_mode (``"l2"`` or ``"l1"``).
+        sparsity (sequence of floats, default the paper's 0.75, 0.9375, 0.984375, 0.996, 0.999).
+        rampup_begin_step (int, default 0), rampup_step (int, default 1).
+        local_grad_clip_norm (float or None, default None): clip threshold before scaling by
+            :math:`N^{-1/2}`; ``clip_mode`` ``"tensor"`` (Paddle: each tensor by its own norm)
+            or ``"global"`` (the paper: the norm over all gradients of the group).
+        min_numel (int, default 16384): smaller tensors stay dense.
+        momentum_masking (bool, default True): clear the sent entries of :math:`u` too.
+        selection (``"sample"`` or ``"topk"``, default ``"sample"``): threshold estimated from
+            a ~1% sample then refined (exact top-k of the candidates), or ``torch.topk``.
+        value_dtype (torch.dtype or None, default None): dtype of the values sent (float16,
+            bfloat16 or float32; None: the gradient's).
+        process_group (default None: the default group, or no communication when
+            ``torch.distributed`` is not initialized).
+        num_workers (int or None, default None): the :math:`N` of the clipping threshold
+            (default: the process group's size; Paddle's ``num_trainers``).
+        clip_grad_norm_per_tensor (float or None, default None): also clip each local gradient
+            by its own norm, unscaled (Paddle's ``grad_clip=ClipGradByNorm(c)``).
+
+    ``opt.telemetry`` holds, for the last step, host-side counts (no device sync): bytes this
+    rank sends, the bytes of a dense all-reduce of the same tensors, the bytes gathered by all
+    ranks (``N * k * (index + value bytes)``), the achieved density, and the selection time.
+
+    Example:
+        >>> model = torch.nn.Linear(200, 100, bias=False)
+        >>> opt = DGCMomentum(model.parameters(), lr=0.1, min_numel=1000, sparsity=[0.99])
+        >>> model(torch.randn(8, 200)).square().mean().backward()
+        >>> opt.step(); round(opt.telemetry["density"], 3)
+        0.01
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float,
+        momentum: float = 0.9,
+        nesterov: bool = False,
+        weight_decay: float = 0.0,
+        sparsity: Sequence[float] = PAPER_SPARSITY,
+        rampup_begin_step: int = 0,
+        rampup_step: int = 1,
+        local_grad_clip_norm: Optional[float] = None,
+        min_numel: int = 16384,
+        *,
+        weight_decay_mode: str = "l2",
+        clip_mode: str = "tensor",
+        momentum_masking: bool = True,
+        selection: str = "sample",
+        value_dtype: Optional[torch.dtype] = None,
+        process_group: Optional[Any] = None,
+        num_workers: Optional[int] = None,
+        clip_grad_norm_per_tensor: Optional[float] = None,
+    ) -> None:
+        if num_workers is not None and (isinstance(num_workers, bool) or not isinstance(
+                num_workers, int) or num_workers < 1):
+            raise ValueError(f"Invalid num_workers: {num_workers!r} (a positive int or None)")
+        self.num_workers = num_workers
+        defaults = dict(
+            lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+            weight_decay_mode=weight_decay_mode, sparsity=list(sparsity) if isinstance(
+                sparsity, (list, tuple)) else sparsity,
+            rampup_begin_step=rampup_begin_step, rampup_step=rampup_step,
+            local_grad_clip_norm=local_grad_clip_norm, clip_mode=clip_mode,
+            min_numel=min_numel, momentum_masking=momentum_masking, selection=selection,
+            clip_grad_norm_per_tensor=clip_grad_norm_per_tensor,
+        )
+        if value_dtype not in (None, torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(f"Invalid value_dtype: {value_dtype!r} (float16, bfloat16, float32 or None)")
+        self.value_dtype = value_dtype
+        self.process_group = process_group
+        self.dgc_step = 0
+        self.telemetry: Dict[str, float] = {}
+        self._generator = torch.Generator().manual_seed(0)
+        super().__init__(params, defaults)
+        self._world_at_init = comm.world_of(process_group)
+
+    def _validate_group(self, group: Dict[str, Any]) -> None:
+        check_number("lr", group["lr"])
+        check_number("momentum", group["momentum"], low=0.0, high=1.0, high_open=True)
+        check_bool("nesterov", group["nesterov"])
+        check_number("weight_decay", group["weight_decay"])
+        check_choice("weight_decay_mode", group["weight_decay_mode"], ("l2", "l1"))
+        _check_sparsity("sparsity", group["sparsity"])
+        for key in ("rampup_begin_step", "rampup_step", "min_numel"):
+            v = group[key]
+            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if key == "rampup_step" else 0):
+                raise ValueError(f"Invalid {key}: {v!r} (an int >= {1 if key == 'rampup_step' else 0})")
+        check_number("local_grad_clip_norm", group["local_grad_clip_norm"], low=0.0,
+                     low_open=True, allow_none=True)
+        check_choice("clip_mode", group["clip_mode"], ("tensor", "global"))
+        check_number("clip_grad_norm_per_tensor", group["clip_grad_norm_per_tensor"], low=0.0,
+                     low_open=True, allow_none=True)
+        check_bool("momentum_masking", group["momentum_masking"])
+        check_choice("selection", group["selection"], ("sample", "topk"))
+        if group["nesterov"] and group["momentum"] == 0:
+            raise ValueError("nesterov=True needs momentum > 0")
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def state_dict(self) -> Dict[str, Any]:
+        sd = super().state_dict()
+        sd["dgc_step"] = self.dgc_step
+        sd["world_size"] = comm.world_of(self.process_group)
+        return sd
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self.dgc_step = int(state_dict.get("dgc_step", 0))
+        saved, now = state_dict.get("world_size"), comm.world_of(self.process_group)
+        if saved is not None and saved != now:
+            warnings.warn(
+                f"DGCMomentum checkpoint from {saved} workers loaded with {now}: the residuals "
+                f"(u, v) belong to the old workers and are reset", stacklevel=2)
+            for st in self.state.values():
+                for key in ("u", "v"):
+                    if key in st:
+                        st[key].zero_()
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def _local_grads(self, group, params) -> List[Tensor]:
+        world = self.num_workers or comm.world_of(self.process_group)
+        grads = []
+        for p in params:
+            if p.grad.is_sparse:
+                raise RuntimeError("DGCMomentum does not support sparse gradients")
+            g = p.grad
+            wd = group["weight_decay"]
+            if wd:
+                g = g + wd * (p.detach() if group["weight_decay_mode"] == "l2" else p.detach().sign())
+            grads.append(g)
+        clip = group["local_grad_clip_norm"]
+        if clip is not None and grads:
+            c = clip * world ** -0.5
+            if group["clip_mode"] == "tensor":
+                grads = [g * (c / max(float(torch.linalg.vector_norm(g.float())), c)) for g in grads]
+            else:
+                total = math.sqrt(sum(float(torch.linalg.vector_norm(g.float())) ** 2 for g in grads))
+                grads = [g * (c / max(total, c)) for g in grads]
+        c = group["clip_grad_norm_per_tensor"]
+        if c is not None:
+            grads = [g * (c / max(float(torch.linalg.vector_norm(g.float())), c)) for g in grads]
+        return grads
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        """One step: select, communicate, update. ``closure`` re-evaluates the loss."""
+        loss = self._closure_loss(closure)
+        self._refresh_hyperparameters()
+        world = comm.world_of(self.process_group)
+        tel = new_telemetry()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            grads = self._local_grads(group, params)
+            states = []
+            for p in params:
+                st = self.state[p]
+                if "u" not in st:
+                    st["u"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                    st["v"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                    st["step"] = torch.tensor(0.0)
+                st["step"] += 1
+                states.append(st)
+            updates = dgc_updates(grads, states, group, self.dgc_step, world, self.process_group,
+                                  self.value_dtype, self._generator, tel)
+            for p, upd in zip(params, updates):
+                p.add_(upd.view_as(p).to(p.dtype), alpha=-group["lr"])
+        self.dgc_step += 1
+        finish_telemetry(tel)
+        self.telemetry = tel
+        return loss
+
+
+def new_telemetry() -> Dict[str, float]:
+    return dict(bytes_sent=0, dense_bytes=0, bytes_gathered=0, selected=0, numel=0,
+                selection_s=0.0)
+
+
+def finish_telemetry(tel: Dict[str, float]) -> None:
+    tel["density"] = tel["selected"] / max(tel["numel"], 1)
+
+
+def _is_dense(opts, world: int, numel: int, k: int, vbytes: int, ibytes: int) -> bool:
+    if numel < opts["min_numel"]:
+        return True
+    if world <= 1:
+        return False
+    # ring all-reduce: about 2(N-1)/N * n * value bytes per rank; all-gather: (N-1) * k pairs
+    return (world - 1) * k * (vbytes + ibytes) >= 2 * (world - 1) / world * numel * vbytes
+
+
+@torch.compiler.disable  # selection and communication: host logic, nothing to trace
+def dgc_updates(grads: List[Tensor], states: List[Dict[str, Tensor]], opts: Dict[str, Any],
+                step: int, world: int, process_group, value_dtype, generator,
+                tel: Dict[str, float]) -> List[Tensor]:
+    """DGC for one set of tensors at step ``step``: momentum correction, selection, one
+    all-gather for the sparse tensors and one all-reduce for the dense ones. Updates each
+    state's ``u``/``v`` and returns, per tensor, the update ``U`` of ``w -= lr * U``: the mean of
+    the gathered values for a sparse tensor, the momentum step for a dense one. ``opts`` holds
+    the group's options (momentum, nesterov, sparsity schedule, min_numel, masking, selection)."""
+    s = sparsity_at(step, opts["rampup_begin_step"], opts["rampup_step"], opts["sparsity"])
+    m, nesterov = opts["momentum"], opts["nesterov"]
+    updates: List[Optional[Tensor]] = [None] * len(grads)
+    dense, sparse = [], []
+    for j, (g, st) in enumerate(zip(grads, states)):
+        numel = g.numel()
+        vdt = value_dtype or g.dtype
+        vbytes = torch.empty((), dtype=vdt).element_size()
+        idt = comm.index_dtype(numel)
+        ibytes = torch.empty((), dtype=idt).element_size()
+        k = numel if s is None else select.k_of(numel, s)
+        allreduce_bytes = int(2 * (world - 1) / max(world, 1) * numel * g.element_size())
+        tel["dense_bytes"] += allreduce_bytes
+        tel["numel"] += numel
+        if s is None or _is_dense(opts, world, numel, k, vbytes, ibytes):
+            dense.append(j)
+            tel["bytes_sent"] += allreduce_bytes
+            tel["selected"] += numel
+        else:
+            sparse.append((j, k, idt, vdt, vbytes + ibytes))
+    # dense tensors: all-reduce, then momentum SGD on the mean gradient
+    for j, g in zip(dense, comm.dense_allreduce_mean([grads[j] for j in dense], process_group)):
+        u = states[j]["u"]
+        u.mul_(m).add_(g.view_as(u))
+        updates[j] = g.view_as(u).add(u, alpha=m) if nesterov else u.clone()
+    if sparse:
+        indices, values = [], []
+        t0 = time.perf_counter()
+        for j, k, idt, vdt, _ in sparse:
+            g, u, v = grads[j], states[j]["u"], states[j]["v"]
+            g = g.view_as(u)
+            if nesterov:
+                u.add_(g).mul_(m)
+                v.add_(u).add_(g)
+            else:
+                u.mul_(m).add_(g)
+                v.add_(u)
+            flat = v.view(-1)
+            if opts["selection"] == "topk":
+                idx = select.topk_exact(flat, k)
+            else:
+                idx = select.topk_sampled(flat, k, generator=generator)
+            indices.append(idx.to(idt))
+            values.append(flat[idx].to(vdt))
+        tel["selection_s"] += time.perf_counter() - t0
+        means = comm.sparse_allgather_mean(indices, values, [grads[j].numel() for j, *_ in sparse],
+                                           process_group)
+        for (j, k, idt, vdt, pair), idx, val, G in zip(sparse, indices, values, means):
+            st = states[j]
+            idx = idx.long()
+            # what was sent leaves the residual (a rounding error of a low-precision value stays)
+            st["v"].view(-1).index_add_(0, idx, val.to(st["v"].dtype), alpha=-1)
+            if opts["momentum_masking"]:
+                st["u"].view(-1)[idx] = 0
+            updates[j] = G
+            tel["bytes_sent"] += k * pair * max(world - 1, 0)
+            tel["bytes_gathered"] += world * k * pair
+            tel["selected"] += k
+    return updates  # type: ignore[return-value]

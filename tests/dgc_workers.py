@@ -1,0 +1,147 @@
+"""Worker functions for the multi-process DGC tests (spawned, gloo on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import scaleopt
+from scaleopt.dgc import DGCHookState, ddp_comm_hook
+
+
+def run_workers(fn, world: int, tmp, *args, timeout: float = 60.0):
+    """Run ``fn(rank, world, tmp, *args)`` in ``world`` processes; return each rank's result
+    (what it saved), or raise with the failing rank's traceback."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.makedirs(str(tmp), exist_ok=True)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, str(tmp), args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    results = []
+    for r in range(world):
+        path = os.path.join(str(tmp), f"rank{r}.pt")
+        err = os.path.join(str(tmp), f"rank{r}.err")
+        if os.path.exists(err):
+            raise AssertionError(f"rank {r} failed:\n{open(err).read()}")
+        results.append(torch.load(path, weights_only=False) if os.path.exists(path) else None)
+    if alive:
+        raise AssertionError(f"{len(alive)} worker(s) still running after {timeout} s")
+    return results
+
+
+def _entry(fn, rank, world, port, tmp, args):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=10))
+        out = fn(rank, world, tmp, *args)
+        if out is not None:
+            torch.save(out, os.path.join(tmp, f"rank{rank}.pt"))
+    except BaseException:
+        with open(os.path.join(tmp, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def model_of(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(64, 512), nn.Tanh(), nn.Linear(512, 64), nn.Linear(64, 4))
+
+
+def batch(rank, t, n=16):
+    g = torch.Generator().manual_seed(1000 * t + rank)
+    return torch.randn(n, 64, generator=g), torch.randn(n, 4, generator=g)
+
+
+OPTIONS = dict(lr=0.05, momentum=0.9, sparsity=[0.9, 0.99], rampup_begin_step=1, rampup_step=2,
+               min_numel=4096, selection="topk")
+
+
+def train_dgc(rank, world, tmp, steps, options):
+    """Train with DGCMomentum; return the parameters of every rank after every step, the
+    telemetry, the final state, and the sum over steps of the u added to v (m * u_prev + g,
+    computed here from the gradient, for the conservation check)."""
+    model = model_of()
+    opt = scaleopt.DGCMomentum(model.parameters(), **options)
+    m = options.get("momentum", 0.9)
+    u_sum = [torch.zeros_like(p) for p in model.parameters()]
+    history, tels = [], []
+    for t in range(steps):
+        x, y = batch(rank, t)
+        opt.zero_grad()
+        (model(x) - y).square().mean().backward()
+        u_prev = [opt.state[p]["u"].clone() if "u" in opt.state[p] else torch.zeros_like(p)
+                  for p in model.parameters()]
+        opt.step()
+        for s, up, p in zip(u_sum, u_prev, model.parameters()):
+            s += m * up + p.grad
+        tels.append(dict(opt.telemetry))
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        everyone = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(everyone, flat)
+        history.append(everyone)
+    return {"history": history, "telemetry": tels, "u_sum": u_sum,
+            "v": [opt.state[p]["v"].clone() for p in model.parameters()],
+            "numels": [p.numel() for p in model.parameters()]}
+
+
+def train_hook(rank, world, tmp, steps, options, bucket_cap_mb):
+    """The same training through DDP with the DGC hook and plain SGD."""
+    model = model_of()
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
+    opts = {k: v for k, v in options.items() if k != "lr"}
+    state = DGCHookState(ddp, **opts)
+    ddp.register_comm_hook(state, ddp_comm_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=options["lr"])
+    history = []
+    for t in range(steps):
+        x, y = batch(rank, t)
+        opt.zero_grad()
+        (ddp(x) - y).square().mean().backward()
+        opt.step()
+        history.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    return {"history": history, "telemetry": state.telemetry}
+
+
+def die_after_one_step(rank, world, tmp):
+    model = model_of()
+    opt = scaleopt.DGCMomentum(model.parameters(), lr=0.1, sparsity=[0.99], min_numel=4096)
+    for t in range(3):
+        x, y = batch(rank, t)
+        opt.zero_grad()
+        (model(x) - y).square().mean().backward()
+        if rank == 1 and t == 1:
+            os._exit(0)  # this worker dies without a word
+        import time
+
+        start = time.monotonic()
+        try:
+            opt.step()
+        except scaleopt.dgc.comm.PeerFailure as exc:
+            return {"error": str(exc), "after_s": time.monotonic() - start}
+    return {"error": None}

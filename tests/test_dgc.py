@@ -1,0 +1,330 @@
+"""Deep Gradient Compression: schedule, selection, the optimizer and the DDP hook, on real gloo
+process groups (several processes on 127.0.0.1, short timeouts)."""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import scaleopt
+from scaleopt.compat import paddle
+from scaleopt.dgc import DGCMomentum, PAPER_SPARSITY, k_of, sparsity_at, topk_exact, topk_sampled
+
+import dgc_workers as W
+from oracle import case_files, load, make_params, replay
+
+# -- schedule and selection ---------------------------------------------------------------------
+
+
+def test_paddle_sparsity_schedule():
+    s = [0.75, 0.9375, 0.984375, 0.996, 0.999]
+    assert [sparsity_at(t, 3, 10, s) for t in range(0, 16)] == [
+        None, None, None,  # dense before rampup_begin_step
+        0.75, 0.75, 0.9375, 0.9375, 0.984375, 0.984375, 0.996, 0.996, 0.999, 0.999,
+        0.999, 0.999, 0.999]
+    assert sparsity_at(0, 0, 1, [0.999]) == 0.999
+    assert PAPER_SPARSITY == (0.75, 0.9375, 0.984375, 0.996, 0.999)
+
+
+@pytest.mark.parametrize("n, s, k", [(1000, 0.999, 1), (100000, 0.999, 100), (10, 0.0, 10),
+                                     (7, 0.5, 4), (1, 0.999, 1), (0, 0.9, 0)])
+def test_k_is_ceil_of_density_times_numel(n, s, k):
+    assert k_of(n, s) == k
+
+
+@pytest.mark.parametrize("n, k", [(100000, 100), (50000, 1), (20000, 2000), (300, 299), (64, 64)])
+def test_sampled_selection_is_the_exact_top_k(n, k):
+    g = torch.Generator().manual_seed(n + k)
+    v = torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 3  # heavy-ish tails
+    got = topk_sampled(v, k, generator=g)
+    assert got.numel() == k and got.unique().numel() == k
+    assert set(got.tolist()) == set(topk_exact(v, k).tolist())
+
+
+def test_sampled_selection_survives_a_bad_sample():
+    v = torch.zeros(100000)
+    v[:50] = torch.arange(1, 51, dtype=torch.float32)  # almost every sample sees 0
+    got = topk_sampled(v, 50, generator=torch.Generator().manual_seed(0))
+    assert sorted(got.tolist()) == list(range(50))
+
+
+# -- one process ------------------------------------------------------------------------------------
+
+
+def _train_pair(make_a, make_b, steps=6, seed=0):
+    a = W.model_of(seed)
+    b = copy.deepcopy(a)
+    oa, ob = make_a(a), make_b(b)
+    for t in range(steps):
+        x, y = W.batch(0, t)
+        for model, opt in ((a, oa), (b, ob)):
+            opt.zero_grad()
+            (model(x) - y).square().mean().backward()
+            opt.step()
+    return a, b, oa, ob
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_density_one_without_masking_is_momentum_sgd(nesterov):
+    a, b, *_ = _train_pair(
+        lambda m: DGCMomentum(m.parameters(), lr=0.05, sparsity=[0.0], min_numel=1,
+                              momentum_masking=False, nesterov=nesterov),
+        lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, nesterov=nesterov))
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_before_rampup_it_is_paddle_momentum_on_the_golden_cases():
+    for path in case_files(["paddle_momentum"]):
+        case = load(path)
+        params = make_params(case)
+        hp = case["normalized"]
+        opt = DGCMomentum(list(params.values()), lr=hp["lr"], momentum=hp["momentum"],
+                          nesterov=hp.get("nesterov", False), rampup_begin_step=10 ** 6)
+        replay(case, params, opt.step)
+
+
+def test_conservation_in_one_process():
+    opts = dict(lr=0.05, momentum=0.9, sparsity=[0.95], min_numel=100, selection="sample")
+    model = W.model_of()
+    w0 = [p.detach().clone() for p in model.parameters()]
+    opt = DGCMomentum(model.parameters(), **opts)
+    u_sum = [torch.zeros_like(p) for p in model.parameters()]
+    for t in range(8):
+        x, y = W.batch(0, t)
+        opt.zero_grad()
+        (model(x) - y).square().mean().backward()
+        u_prev = [opt.state[p]["u"].clone() if "u" in opt.state[p] else torch.zeros_like(p)
+                  for p in model.parameters()]
+        opt.step()
+        for s, up, p in zip(u_sum, u_prev, model.parameters()):
+            s += 0.9 * up + p.grad
+    for p, p0, s in zip(model.parameters(), w0, u_sum):
+        applied = (p0 - p.detach()) / 0.05
+        if p.numel() >= 100:
+            # everything accumulated was either applied or is still in the residual v
+            torch.testing.assert_close(applied + opt.state[p]["v"], s, rtol=1e-4, atol=1e-5)
+            assert opt.state[p]["v"].abs().sum() > 0  # and something is still held back
+
+
+def test_telemetry_counts_exactly_k_pairs():
+    model = W.model_of()
+    opt = DGCMomentum(model.parameters(), lr=0.1, sparsity=[0.999], min_numel=4096)
+    x, y = W.batch(0, 0)
+    (model(x) - y).square().mean().backward()
+    opt.step()
+    big = [p.numel() for p in model.parameters() if p.numel() >= 4096]
+    ks = [k_of(n, 0.999) for n in big]
+    assert opt.telemetry["bytes_gathered"] == sum(ks) * (4 + 4)  # world 1: int32 + float32
+    small = sum(p.numel() for p in model.parameters() if p.numel() < 4096)
+    assert opt.telemetry["selected"] == sum(ks) + small
+
+
+def test_parameters_without_gradients_and_k_at_least_numel():
+    model = W.model_of()
+    idle = nn.Parameter(torch.randn(10))
+    opt = DGCMomentum(list(model.parameters()) + [idle], lr=0.1, sparsity=[0.0], min_numel=1)
+    before = idle.detach().clone()
+    x, y = W.batch(0, 0)
+    (model(x) - y).square().mean().backward()
+    opt.step()
+    assert torch.equal(before, idle) and len(opt.state[idle]) == 0
+    for p in model.parameters():  # density 1: everything was sent, nothing held back
+        assert opt.state[p]["v"].abs().max() == 0
+
+
+def test_resume_is_bit_identical_and_a_new_world_size_resets_the_residuals():
+    def make(m):
+        return DGCMomentum(m.parameters(), lr=0.05, sparsity=[0.9, 0.99], rampup_begin_step=1,
+                           rampup_step=3, min_numel=1000)
+    a = W.model_of()
+    oa = make(a)
+    for t in range(3):
+        x, y = W.batch(0, t)
+        oa.zero_grad(); (a(x) - y).square().mean().backward(); oa.step()
+    buf = io.BytesIO()
+    torch.save(oa.state_dict(), buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    b = copy.deepcopy(a)
+    ob = make(b)
+    ob.load_state_dict(copy.deepcopy(saved))
+    assert ob.dgc_step == 3
+    for t in range(3, 7):
+        x, y = W.batch(0, t)
+        for m, o in ((a, oa), (b, ob)):
+            o.zero_grad(); (m(x) - y).square().mean().backward(); o.step()
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    saved["world_size"] = 4
+    c = copy.deepcopy(a)
+    oc = make(c)
+    with pytest.warns(UserWarning, match="reset"):
+        oc.load_state_dict(saved)
+    assert all(st["v"].abs().max() == 0 for st in oc.state.values())
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    (dict(lr=-1.0), ValueError), (dict(momentum=1.0), ValueError),
+    (dict(sparsity=[1.0]), ValueError), (dict(sparsity=[]), TypeError),
+    (dict(sparsity=0.99), TypeError), (dict(rampup_step=0), ValueError),
+    (dict(rampup_begin_step=-1), ValueError), (dict(min_numel=1.5), ValueError),
+    (dict(local_grad_clip_norm=0.0), ValueError), (dict(selection="random"), ValueError),
+    (dict(weight_decay_mode="l3"), ValueError), (dict(clip_mode="layer"), ValueError),
+    (dict(value_dtype=torch.int8), ValueError), (dict(nesterov=True, momentum=0.0), ValueError),
+])
+def test_bad_options_are_clear_errors(kwargs, error):
+    opts = dict(lr=0.1)
+    opts.update(kwargs)
+    with pytest.raises(error):
+        DGCMomentum([nn.Parameter(torch.randn(3))], **opts)
+
+
+# -- several processes --------------------------------------------------------------------------
+
+
+def _simulate(world, steps, opts):
+    """An independent single-process reference of N DGC workers with exact top-k."""
+    models = [W.model_of() for _ in range(world)]
+    params = [list(m.parameters()) for m in models]
+    n = len(params[0])
+    u = [[torch.zeros_like(p) for p in params[0]] for _ in range(world)]
+    v = [[torch.zeros_like(p) for p in params[0]] for _ in range(world)]
+    out = []
+    m, lr = opts["momentum"], opts["lr"]
+    for t in range(steps):
+        grads = []
+        for r in range(world):
+            for p in params[r]:
+                p.grad = None
+            x, y = W.batch(r, t)
+            (models[r](x) - y).square().mean().backward()
+            grads.append([p.grad.clone() for p in params[r]])
+        s = sparsity_at(t, opts["rampup_begin_step"], opts["rampup_step"], opts["sparsity"])
+        for i in range(n):
+            numel = params[0][i].numel()
+            k = numel if s is None else k_of(numel, s)
+            dense = s is None or numel < opts["min_numel"] or \
+                (world - 1) * k * 8 >= 2 * (world - 1) / world * numel * 4
+            if dense:
+                gbar = sum(grads[r][i] for r in range(world)) / world
+                for r in range(world):
+                    u[r][i] = m * u[r][i] + gbar
+                    with torch.no_grad():
+                        params[r][i] -= lr * u[r][i]
+                continue
+            total = torch.zeros(numel)
+            for r in range(world):
+                u[r][i] = m * u[r][i] + grads[r][i]
+                v[r][i] = v[r][i] + u[r][i]
+                flat = v[r][i].reshape(-1)
+                idx = torch.topk(flat.abs(), k).indices
+                total.index_add_(0, idx, flat[idx])
+                flat[idx] = 0
+                u[r][i].reshape(-1)[idx] = 0
+            for r in range(world):
+                with torch.no_grad():
+                    params[r][i] -= lr * (total / world).view_as(params[r][i])
+        out.append(torch.cat([p.detach().reshape(-1) for p in params[0]]))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_n_processes_equal_the_simulation_and_stay_identical(world, tmp_path):
+    steps = 5
+    opts = dict(W.OPTIONS)
+    results = W.run_workers(W.train_dgc, world, tmp_path, steps, opts)
+    want = _simulate(world, steps, opts)
+    for t in range(steps):
+        replicas = results[0]["history"][t]
+        for r in range(1, world):
+            assert torch.equal(replicas[0], replicas[r]), f"rank {r} differs at step {t}"
+        torch.testing.assert_close(replicas[0], want[t], rtol=1e-5, atol=1e-6)
+    # exactly k (index, value) pairs per compressed tensor from every rank
+    tel = results[0]["telemetry"][-1]
+    s = opts["sparsity"][-1]
+    ks = [k_of(n, s) for n in results[0]["numels"] if n >= opts["min_numel"]]
+    assert tel["bytes_gathered"] == world * sum(ks) * (4 + 4)
+    assert tel["bytes_sent"] < tel["dense_bytes"]
+
+
+def test_conservation_across_processes(tmp_path):
+    world, steps = 2, 6
+    opts = dict(lr=0.05, momentum=0.9, sparsity=[0.95], min_numel=4096, selection="sample")
+    results = W.run_workers(W.train_dgc, world, tmp_path, steps, opts)
+    w0 = torch.cat([p.detach().reshape(-1) for p in W.model_of().parameters()])
+    applied = (w0 - results[0]["history"][-1][0]) / opts["lr"]  # = sum_t G_t, G the mean
+    at = 0
+    for i, numel in enumerate(results[0]["numels"]):
+        if numel >= opts["min_numel"]:
+            sent_by_all = world * applied[at:at + numel]
+            residuals = sum(r["v"][i].reshape(-1) for r in results)
+            accumulated = sum(r["u_sum"][i].reshape(-1) for r in results)
+            torch.testing.assert_close(sent_by_all + residuals, accumulated, rtol=1e-4, atol=1e-4)
+        at += numel
+
+
+@pytest.mark.parametrize("bucket_cap_mb", [25.0, 0.01])
+def test_the_ddp_hook_equals_the_optimizer(bucket_cap_mb, tmp_path):
+    world, steps = 2, 5
+    opts = dict(W.OPTIONS)
+    a = W.run_workers(W.train_dgc, world, tmp_path / "opt", steps, opts)
+    b = W.run_workers(W.train_hook, world, tmp_path / "hook", steps, opts, bucket_cap_mb)
+    for t in range(steps):
+        torch.testing.assert_close(b[0]["history"][t], a[0]["history"][t][0], rtol=1e-5, atol=1e-6)
+    assert b[0]["telemetry"]["bytes_gathered"] == a[0]["telemetry"][-1]["bytes_gathered"]
+
+
+def test_a_dead_rank_is_a_clear_error_not_a_hang(tmp_path):
+    results = W.run_workers(W.die_after_one_step, 2, tmp_path, timeout=60)
+    assert results[0]["error"] and "peer rank may have died" in results[0]["error"]
+    assert results[0]["after_s"] < 30
+
+
+def test_hook_state_pickles_without_model_and_group():
+    import pickle
+
+    model = W.model_of()
+    state = scaleopt.dgc.DGCHookState(model, sparsity=[0.99])
+    state.residuals["0.weight"] = {"u": torch.ones(2), "v": torch.zeros(2)}
+    back = pickle.loads(pickle.dumps(state))
+    assert back.model is None and back.process_group is None
+    assert torch.equal(back.residuals["0.weight"]["u"], torch.ones(2))
+    with pytest.raises(RuntimeError, match="attach"):
+        back.name_of(next(model.parameters()))
+    assert back.attach(model).name_of(next(model.parameters())) == "0.weight"
+
+
+# -- Paddle front-end ---------------------------------------------------------------------------
+
+
+def test_paddle_dgc_momentum_optimizer_arguments():
+    model = W.model_of()
+    opt = paddle.DGCMomentumOptimizer(
+        learning_rate=0.01, momentum=0.9, rampup_begin_step=2, rampup_step=3,
+        sparsity=[0.99], parameters=model.parameters(), local_grad_clip_norm=1.0,
+        regularization=paddle.L2Decay(1e-4), grad_clip=paddle.ClipGradByNorm(1.0))
+    g = opt.param_groups[0]
+    assert (g["lr"], g["momentum"], g["rampup_begin_step"], g["rampup_step"]) == (0.01, 0.9, 2, 3)
+    assert g["weight_decay"] == 1e-4 and g["weight_decay_mode"] == "l2"
+    assert g["local_grad_clip_norm"] == 1.0 and g["clip_mode"] == "tensor"
+    x, y = W.batch(0, 0)
+    (model(x) - y).square().mean().backward()
+    opt.step()
+    opt.clear_grad()  # Paddle's default: set to zero
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+    l1 = paddle.DGCMomentumOptimizer(0.01, 0.9, 0, parameters=model.parameters(),
+                                     regularization=paddle.L1Decay(1e-3))
+    assert l1.param_groups[0]["weight_decay_mode"] == "l1"
+
+
+@pytest.mark.parametrize("clip", ["global", "value"])
+def test_paddle_dgc_rejects_other_clips(clip):
+    c = paddle.ClipGradByGlobalNorm(1.0) if clip == "global" else paddle.ClipGradByValue(1.0)
+    with pytest.raises(TypeError, match="ClipGradByNorm"):
+        paddle.DGCMomentumOptimizer(0.01, 0.9, 0, parameters=W.model_of().parameters(), grad_clip=c)
