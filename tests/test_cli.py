@@ -98,7 +98,22 @@ def test_bench_times_the_optimizers(tmp_path, capsys):
     assert "x fused AdamW" in printed and "in-place p += g" in printed
 
 
+def test_dgc_on_two_workers_reports_its_traffic(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", *TINY, "--steps", "8", "--workers", "2", "--threads", "1",
+                 "--optimizer", "momentum", "--dgc", "--dgc-sparsity", "0.9", "0.99",
+                 "--dgc-rampup-steps", "4", "--dgc-min-numel", "1000", "--out", str(out)]) == 0
+    result = json.loads((out / "result.json").read_text())
+    tel = result["dgc_final_telemetry"]
+    # the sparsity warmed up from 0.9 to 0.99: the last step is sparser than the average
+    assert result["workers"] == 2 and 0 < tel["density"] < result["dgc_density"] < 1
+    assert tel["bytes_sent"] < tel["dense_bytes"] / 2
+    assert "DGC on 2 workers" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["train", "--dgc"], "--optimizer momentum"),
+    (["train", "--optimizer", "momentum", "--dgc", "--dgc-sparsity", "1.0"], "--dgc-sparsity"),
     (["train", "--batch-size", "4096", "--train-size", "1024"], "larger than the training set"),
     (["train", "--optimizer", "torch-sgd", "--offload"], "--offload applies"),
     (["train", "--lr", "-1"], "--lr must be a positive"),

@@ -19,6 +19,7 @@ MODULES = [
     "scaleopt.compat.tf1",
     "scaleopt.offload",
     "scaleopt.compat.mindspore",
+    "scaleopt.dgc.optimizer",
 ]
 
 
@@ -32,7 +33,7 @@ def test_docstring_examples(name):
     assert result.failed == 0
 
 
-@pytest.mark.parametrize("name", ["LAMB", "LANS", "AdamW", "Momentum", "OffloadAdam"])
+@pytest.mark.parametrize("name", ["LAMB", "LANS", "AdamW", "Momentum", "OffloadAdam", "DGCMomentum"])
 def test_docstrings_name_every_argument(name):
     import inspect
 

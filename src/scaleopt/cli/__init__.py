@@ -67,6 +67,20 @@ def _add_training_options(p: argparse.ArgumentParser, study: bool = False) -> No
                        help="train in N processes on torch.distributed (gloo on the CPU, NCCL "
                             "on GPUs), started by this command on 127.0.0.1; under torchrun "
                             "the launch decides (default: 1)")
+    if not study:
+        g = p.add_argument_group("deep gradient compression (with --optimizer momentum)")
+        g.add_argument("--dgc", action="store_true",
+                       help="scaleopt.DGCMomentum: send only the largest accumulated gradients "
+                            "(exactly k per tensor, one all-gather); the rest stays local")
+        g.add_argument("--dgc-sparsity", type=float, nargs="+", metavar="S",
+                       help="sparsity warm-up list; the last value holds (default: the paper's "
+                            "0.75 0.9375 0.984375 0.996 0.999)")
+        g.add_argument("--dgc-rampup-begin-step", type=int, default=0,
+                       help="dense momentum SGD before this step (default: 0)")
+        g.add_argument("--dgc-rampup-steps", type=_positive_int, default=1,
+                       help="steps over which the sparsity list is walked (default: 1)")
+        g.add_argument("--dgc-min-numel", type=int, default=16384,
+                       help="smaller tensors are sent dense (default: 16384, as Paddle)")
     g.add_argument("--out", help="folder for the results (default: scaleopt-runs/<run>)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -162,7 +176,12 @@ def _train(args: argparse.Namespace) -> int:
           f"{r['steps']} steps ({r['epochs']:.1f} epochs) of batch {cfg.batch_size}, lr {r['lr']:g}")
     line = (f"{r['time_s']:.1f} s, {r['steps_per_s']:.1f} steps/s, {r['samples_per_s']:,.0f} samples/s, "
             f"{r['parameters']:,} parameters, {r['threads']} threads")
-    if "workers" in r:
+    if "dgc_density" in r:
+        dense, sent = r["dense_bytes_sent_per_rank_per_step"], r["dgc_bytes_sent_per_rank_per_step"]
+        line += (f"; DGC on {r['workers']} workers: density {r['dgc_density']:.4f}, "
+                 f"{sent:,.0f} bytes sent per rank per step vs {dense:,.0f} dense "
+                 f"({dense / max(sent, 1):.0f}x fewer)")
+    elif "workers" in r:
         line += (f"; {r['workers']} workers, {r['allreduce_bytes_per_step']:,} gradient bytes "
                  f"all-reduced per step (about {r['bytes_sent_per_rank_per_step']:,} sent per rank)")
     print(line)

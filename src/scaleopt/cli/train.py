@@ -45,6 +45,11 @@ class Config:
     out: Optional[str] = None
     progress: bool = True
     evals: int = 16  # test-set evaluations over the run
+    dgc: bool = False  # Deep Gradient Compression momentum (with --optimizer momentum)
+    dgc_sparsity: Optional[List[float]] = None  # None: the paper's warm-up list
+    dgc_rampup_begin_step: int = 0
+    dgc_rampup_steps: int = 1
+    dgc_min_numel: int = 16384
 
     def resolved_lr(self) -> float:
         return self.lr if self.lr is not None else optimizers.OPTIMIZERS[self.optimizer].lr
@@ -87,6 +92,15 @@ def check(cfg: Config) -> None:
         raise ValueError(f"unknown schedule {cfg.schedule!r}; choose one of {optimizers.SCHEDULES}")
     if cfg.offload and not optimizers.OPTIMIZERS[cfg.optimizer].offloadable:
         raise ValueError(f"--offload applies to lamb, lans and adamw, not {cfg.optimizer}")
+    if cfg.dgc:
+        if cfg.optimizer != "momentum":
+            raise ValueError("--dgc is DGC momentum SGD: use it with --optimizer momentum")
+        for sp in cfg.dgc_sparsity or ():
+            if not 0 <= sp < 1:
+                raise ValueError(f"--dgc-sparsity values must be in [0, 1), got {sp}")
+        if cfg.dgc_rampup_begin_step < 0 or cfg.dgc_rampup_steps < 1 or cfg.dgc_min_numel < 0:
+            raise ValueError("--dgc-rampup-begin-step and --dgc-min-numel must be >= 0, "
+                             "--dgc-rampup-steps >= 1")
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device here")
     if cfg.device != "cpu" and not cfg.device.startswith("cuda"):
@@ -128,11 +142,20 @@ def run(cfg: Config, rank: int = 0, world: int = 1) -> Dict[str, Any]:
     x, y, xt, yt = x.to(device), y.to(device), xt.to(device), yt.to(device)
     model = data.make_model(x.shape[1], classes, cfg.width, seed=cfg.seed).to(device)
     lr = cfg.resolved_lr()
-    opt = optimizers.build(cfg.optimizer, model, lr, cfg.weight_decay, cfg.offload)
+    if cfg.dgc:
+        from ..dgc import PAPER_SPARSITY, DGCMomentum
+        from ..groups import param_groups
+
+        opt = DGCMomentum(param_groups(model, weight_decay=cfg.weight_decay), lr=lr, momentum=0.9,
+                          sparsity=cfg.dgc_sparsity or list(PAPER_SPARSITY),
+                          rampup_begin_step=cfg.dgc_rampup_begin_step,
+                          rampup_step=cfg.dgc_rampup_steps, min_numel=cfg.dgc_min_numel)
+    else:
+        opt = optimizers.build(cfg.optimizer, model, lr, cfg.weight_decay, cfg.offload)
     total, warmup = cfg.total_steps(), cfg.warmup_steps()
     sched = torch.optim.lr_scheduler.LambdaLR(opt, optimizers.schedule(cfg.schedule, total, warmup))
     net = model
-    if world > 1:
+    if world > 1 and not cfg.dgc:  # DGC communicates in its step
         net = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None)
     per_rank = cfg.batch_size // world
@@ -154,6 +177,7 @@ def run(cfg: Config, rank: int = 0, world: int = 1) -> Dict[str, Any]:
     perm = torch.randperm(cfg.train_size, generator=g)
     step = 0
     loss_value = float("nan")
+    dgc_totals: Dict[str, float] = {}
     while step < total:
         k = step % steps_per_epoch
         if k == 0 and step > 0:
@@ -166,6 +190,9 @@ def run(cfg: Config, rank: int = 0, world: int = 1) -> Dict[str, Any]:
         opt.step()
         sched.step()
         step += 1
+        if cfg.dgc:
+            for key in ("bytes_sent", "dense_bytes", "selected", "numel"):
+                dgc_totals[key] = dgc_totals.get(key, 0) + opt.telemetry[key]
         if step % log_every == 0 or step % eval_every == 0 or step == total:
             loss_value = loss.item()
             if rank == 0:
@@ -209,7 +236,13 @@ def run(cfg: Config, rank: int = 0, world: int = 1) -> Dict[str, Any]:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
     }
-    if world > 1:
+    if cfg.dgc:
+        result["workers"] = world
+        result["dgc_bytes_sent_per_rank_per_step"] = dgc_totals["bytes_sent"] / total
+        result["dense_bytes_sent_per_rank_per_step"] = dgc_totals["dense_bytes"] / total
+        result["dgc_density"] = dgc_totals["selected"] / dgc_totals["numel"]
+        result["dgc_final_telemetry"] = dict(opt.telemetry)
+    elif world > 1:
         # DDP all-reduces every gradient each step (ring all-reduce: each rank sends about
         # 2(N-1)/N of the gradient bytes)
         grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

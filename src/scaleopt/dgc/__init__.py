@@ -4,10 +4,11 @@
 :class:`DGCHookState` does the same as a ``DistributedDataParallel`` communication hook.
 """
 
+from .comm import PeerFailure
 from .hook import DGCHookState, ddp_comm_hook
 from .optimizer import DGCMomentum
 from .schedule import PAPER_SPARSITY, sparsity_at
 from .select import k_of, topk_exact, topk_sampled
 
-__all__ = ["DGCMomentum", "DGCHookState", "ddp_comm_hook", "PAPER_SPARSITY", "sparsity_at",
+__all__ = ["DGCMomentum", "DGCHookState", "ddp_comm_hook", "PeerFailure", "PAPER_SPARSITY", "sparsity_at",
            "k_of", "topk_exact", "topk_sampled"]
