@@ -328,3 +328,21 @@ def test_paddle_dgc_rejects_other_clips(clip):
     c = paddle.ClipGradByGlobalNorm(1.0) if clip == "global" else paddle.ClipGradByValue(1.0)
     with pytest.raises(TypeError, match="ClipGradByNorm"):
         paddle.DGCMomentumOptimizer(0.01, 0.9, 0, parameters=W.model_of().parameters(), grad_clip=c)
+
+
+def test_half_precision_values_halve_the_value_bytes_and_keep_the_rounding_error():
+    model = W.model_of()
+    opt = DGCMomentum(model.parameters(), lr=0.1, sparsity=[0.99], min_numel=4096,
+                      value_dtype=torch.float16)
+    x, y = W.batch(0, 0)
+    (model(x) - y).square().mean().backward()
+    u0 = [p.grad.clone() for p in model.parameters()]  # first step: u = g, v = u
+    w0 = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    ks = [k_of(p.numel(), 0.99) for p in model.parameters() if p.numel() >= 4096]
+    assert opt.telemetry["bytes_gathered"] == sum(ks) * (4 + 2)
+    for p, g, w in zip(model.parameters(), u0, w0):
+        if p.numel() >= 4096:
+            sent = (w - p.detach()) / 0.1  # float16-rounded values, applied
+            # what was not sent, the rounding error included, is still in v
+            torch.testing.assert_close(sent + opt.state[p]["v"], g, rtol=0, atol=1e-6)
