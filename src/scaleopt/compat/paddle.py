@@ -228,6 +228,15 @@ class _PaddleAPI(ScheduledLR):
         self.load_state_dict(state_dict)  # type: ignore[attr-defined]
 
 
+def _decay(name: str, value: Union[None, float, "L2Decay"]):
+    """``(coefficient, mode)`` of a Paddle regulariser: None, a float (L2), L2Decay or L1Decay."""
+    if value is None:
+        return 0.0, "l2"
+    if isinstance(value, L2Decay):
+        return value.coeff, value.mode
+    return as_float(name, value), "l2"
+
+
 def _groups(parameters: Any, renames: Dict[str, str], betas=None) -> List[Dict[str, Any]]:
     renames = {"learning_rate": "lr_scale", **renames}
     return rename_group_keys(
@@ -429,12 +438,7 @@ class Momentum(_PaddleAPI, _Momentum):
     ) -> None:
         lr = self._paddle_init(learning_rate, parameters)
         self.name = name
-        if weight_decay is None:
-            wd, mode = 0.0, "l2"
-        elif isinstance(weight_decay, L2Decay):
-            wd, mode = weight_decay.coeff, weight_decay.mode
-        else:
-            wd, mode = as_float("weight_decay", weight_decay), "l2"
+        wd, mode = _decay("weight_decay", weight_decay)
         super().__init__(
             _groups(parameters, {}),
             lr=lr,
@@ -494,12 +498,7 @@ class DGCMomentumOptimizer(_PaddleAPI, _DGCMomentum):
             )
         lr = self._paddle_init(learning_rate, parameters)
         self.name = name
-        if regularization is None:
-            wd, mode = 0.0, "l2"
-        elif isinstance(regularization, L2Decay):
-            wd, mode = regularization.coeff, regularization.mode
-        else:
-            wd, mode = as_float("regularization", regularization), "l2"
+        wd, mode = _decay("regularization", regularization)
         super().__init__(
             _groups(parameters, {}),
             lr=lr,
