@@ -139,7 +139,8 @@ def test_cuda_offload_keeps_state_on_the_host_and_matches_cpu(dtype, overlap):
             assert og._staging[b].is_pinned() and st["master_lo"].dtype == torch.int16
         master = og.master(b)
         assert master.dtype == torch.float32
-        assert torch.equal(b.detach().cpu(), master.to(dtype))
+        rounded = master.to(dtype).float()  # nearest (ties may break either way)
+        assert torch.all((b.detach().cpu().float() - master).abs() <= (rounded - master).abs())
         torch.testing.assert_close(master, oc.master(a).detach(), rtol=1e-4, atol=1e-5)
 
 
