@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import copy
 import io
-import math
-import warnings
 
 import pytest
 import torch

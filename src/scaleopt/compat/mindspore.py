@@ -23,7 +23,6 @@ import math
 import struct
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
-import torch
 from torch import Tensor
 
 from .._base import normalize_group

@@ -51,8 +51,8 @@ def unpack(buf: Tensor, layout: Sequence[Tuple[int, torch.dtype, torch.dtype]]):
     out = []
     at = 0
     for k, idt, vdt in layout:
-        ib = k * torch.empty((), dtype=idt).element_size()
-        vb = k * torch.empty((), dtype=vdt).element_size()
+        ib = k * idt.itemsize
+        vb = k * vdt.itemsize
         out.append((buf[at:at + ib].view(idt), buf[at + ib:at + ib + vb].view(vdt)))
         at += ib + vb
     return out

@@ -8,7 +8,6 @@ import warnings
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from .._base import ScaleOptimizer, check_bool, check_choice, check_number
@@ -263,9 +262,9 @@ def dgc_updates(grads: List[Tensor], states: List[Dict[str, Tensor]], opts: Dict
     for j, (g, st) in enumerate(zip(grads, states)):
         numel = g.numel()
         vdt = value_dtype or g.dtype
-        vbytes = torch.empty((), dtype=vdt).element_size()
+        vbytes = vdt.itemsize
         idt = comm.index_dtype(numel)
-        ibytes = torch.empty((), dtype=idt).element_size()
+        ibytes = idt.itemsize
         k = numel if s is None else select.k_of(numel, s)
         allreduce_bytes = int(2 * (world - 1) / max(world, 1) * numel * g.element_size())
         tel["dense_bytes"] += allreduce_bytes
