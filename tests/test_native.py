@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -84,10 +85,21 @@ def test_kernels_run_the_fp32_master_of_bf16_parameters(cls):
     run(native, a)
     run(ref, b)
     for (_, x), (_, y) in zip(a, b):
-        master = native.state[x]["master_param"]
-        torch.testing.assert_close(master, ref.state[y]["master_param"], rtol=1e-5, atol=1e-6)
-        # the kernel's rounding into the bf16 parameter is torch's (round to nearest even)
-        assert torch.equal(x.detach(), master.to(torch.bfloat16))
+        # the kernels keep the master split: the parameter + its int16 lower halves
+        assert native.state[x]["master_lo"].dtype == torch.int16
+        assert "master_param" not in native.state[x]
+        assert native.state[x]["exp_avg"].dtype == torch.float32
+        master = native.master(x)
+        assert master.dtype == torch.float32
+        torch.testing.assert_close(master, ref.master(y), rtol=1e-5, atol=1e-6)
+        # the parameter is the master rounded to nearest (ties away from zero)
+        assert torch.equal(x.detach(), master.to(torch.bfloat16)) or rounded_to_nearest(x, master)
+
+
+def rounded_to_nearest(param, master):
+    """``param`` is ``master`` rounded to a nearest bfloat16 (ties broken either way)."""
+    err = (param.detach().float() - master).abs()
+    return bool(torch.all(err <= (master.to(torch.bfloat16).float() - master).abs()))
 
 
 @needs_kernels
@@ -105,7 +117,7 @@ def test_kernel_rounding_to_bf16_matches_torch_on_every_kind_of_value():
     zeros, ones = torch.zeros_like(master), torch.ones_like(master)  # m, v: kept alive
     # lr = 0: phase 2 writes the master unchanged and its rounding into low
     _native._lib.lamb_phase2(master.data_ptr(), zeros.data_ptr(), ones.data_ptr(),
-                             master.numel(), 1.0, 1.0, 1e-8, 0.0, 0, 1.0, 0.0, 1.0, low.data_ptr(), 2)
+                             master.numel(), 1.0, 1.0, 1e-8, 0.0, 0, 1.0, 0.0, 1.0, low.data_ptr(), 0, 2)
     expected = values.to(torch.bfloat16)
     same = (low == expected) | (low.isnan() & expected.isnan())
     assert same.all(), values[~same][:5]
@@ -119,3 +131,84 @@ def test_without_kernels_the_pytorch_path_runs():
     )
     env = dict(os.environ, SCALEOPT_NATIVE="0")
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
+
+
+@needs_kernels
+@pytest.mark.parametrize("cls", [scaleopt.LAMB, scaleopt.LANS])
+def test_split_masters_checkpoint_as_float32_both_ways(cls, monkeypatch):
+    a = named(dtype=torch.bfloat16)
+    split = cls(a, lr=1e-2, master_weights=True)
+    run(split, a, steps=3)
+    sd = split.state_dict()
+    for (_, x), st in zip(a, sd["state"].values()):
+        assert "master_lo" not in st and st["master_param"].dtype == torch.float32
+        assert torch.equal(st["master_param"], split.master(x))
+    # into an optimizer with plain float32 masters (as where the kernels are not built) ...
+    b = [(n, nn.Parameter(x.detach().clone())) for n, x in a]
+    with monkeypatch.context() as m:
+        m.setattr(_native, "available", lambda: False)
+        plain = cls(b, lr=1e-2, master_weights=True)
+        plain.load_state_dict(copy.deepcopy(sd))
+        for (_, x), (_, y) in zip(a, b):
+            assert torch.equal(plain.state[y]["master_param"], split.master(x))
+        run(plain, b, steps=2)
+    # ... and back into split storage: the master comes back exactly
+    c = [(n, nn.Parameter(y.detach().clone())) for n, y in b]
+    again = cls(c, lr=1e-2, master_weights=True)
+    again.load_state_dict(plain.state_dict())
+    for (_, y), (_, z) in zip(b, c):
+        assert "master_param" not in again.state[z]
+        assert torch.equal(again.master(z), plain.state[y]["master_param"])
+
+
+@needs_kernels
+@pytest.mark.parametrize("cls", [scaleopt.LAMB, scaleopt.LANS])
+def test_pytorch_path_continues_a_split_master(cls):
+    a, b = named(dtype=torch.bfloat16), named(dtype=torch.bfloat16)
+    kernel = cls(a, lr=1e-2, master_weights=True, weight_decay=0.01)
+    mixed = cls(b, lr=1e-2, master_weights=True, weight_decay=0.01)
+    run(kernel, a, steps=6)
+    run(mixed, b, steps=3)
+    mixed.param_groups[0]["foreach"] = False  # now the PyTorch path, on the same split state
+    for t in range(3, 6):
+        g = torch.Generator().manual_seed(t)
+        for _, p in b:
+            p.grad = (torch.randn(p.shape, generator=g) * (10.0 if t % 3 == 0 else 0.1)).to(p.dtype)
+        mixed.step()
+    for (_, x), (_, y) in zip(a, b):
+        assert "master_lo" in mixed.state[y] and "master_param" not in mixed.state[y]
+        torch.testing.assert_close(mixed.master(y), kernel.master(x), rtol=1e-5, atol=1e-6)
+        assert rounded_to_nearest(y, mixed.master(y))
+
+
+@needs_kernels
+def test_split_master_costs_two_bytes_per_parameter():
+    a = named(dtype=torch.bfloat16)
+    opt = scaleopt.LAMB(a, master_weights=True)
+    run(opt, a, steps=1)
+    for _, p in a:
+        extra = [t for k, t in opt.state[p].items() if k not in ("step", "exp_avg", "exp_avg_sq")]
+        assert sum(t.numel() * t.element_size() for t in extra) == 2 * p.numel()
+
+
+@needs_kernels
+@pytest.mark.parametrize("cls", [scaleopt.LAMB, scaleopt.LANS])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_step_allocates_nothing_the_size_of_the_model(cls, dtype):
+    from torch.profiler import ProfilerActivity, profile
+
+    ps = [nn.Parameter(torch.randn(512, 1024).to(dtype)) for _ in range(4)]  # 2M parameters
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    opt = cls(ps, master_weights=True, weight_decay=0.01)
+    opt.step()  # the state is created here
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        opt.step()
+    allocated = sum(max(e.cpu_memory_usage, 0) for e in prof.events())
+    assert allocated < 4096, allocated
+    # the check sees allocations: the PyTorch path allocates its temporaries
+    ref = cls(ps, master_weights=True, weight_decay=0.01, foreach=True)
+    ref.step()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        ref.step()
+    assert sum(max(e.cpu_memory_usage, 0) for e in prof.events()) > 4 * 2 ** 21

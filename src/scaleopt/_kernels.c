@@ -6,11 +6,16 @@
  *   phase 1 updates the moments and accumulates the squared norms the trust ratios need;
  *   phase 2 recomputes the update from the moments and writes the weights.
  * LAMB moves about 40 bytes per parameter, LANS about 48 (one more read of the gradient for
- * its norm). Sums are accumulated in double.
+ * its norm), against 28 for Adam. Reductions add float partial sums over blocks into doubles,
+ * and the per-element divisions are cut to one (reciprocals of the bias corrections), so the
+ * passes stay memory-bound.
  *
  * For bfloat16 parameters with float32 master weights, the *_bf16g variants read the bfloat16
- * gradient directly, and phase 2 also writes the rounded bfloat16 parameter (round to nearest
- * even, as torch's conversion), so the mixed-precision step moves no more bytes than float32.
+ * gradient directly. The master is either a float32 tensor (phase 2 then also writes the rounded
+ * bfloat16 parameter, round to nearest even as torch's conversion) or split (lo != NULL): the
+ * bfloat16 parameter holds its upper half and lo[] its lower 16 bits, read and written in place
+ * (see split_join), 4 bytes per weight instead of 4 + 2: LAMB then moves about 38 bytes per
+ * parameter, LANS about 42.
  *
  * The module is also a (empty) Python extension so that setuptools builds it like one.
  */
@@ -46,6 +51,44 @@ static inline uint16_t f32_to_bf16(float f) {
 
 #define OMP_FOR _Pragma("omp parallel for simd num_threads(nthreads) schedule(static) if (n >= 32768)")
 
+/* Split float32 masters (bfloat16 parameters): see the Adam section below for the layout. */
+static inline uint16_t split_high(float w) {
+    uint32_t u;
+    memcpy(&u, &w, sizeof u);
+    return (uint16_t)((u + 0x8000u) >> 16);
+}
+
+static inline uint16_t split_low(float w) {
+    uint32_t u;
+    memcpy(&u, &w, sizeof u);
+    return (uint16_t)(u & 0xffffu);
+}
+
+static inline float split_join(uint16_t hi, uint16_t lo) {
+    uint32_t u = ((uint32_t)(uint16_t)(hi - (lo >> 15)) << 16) | lo;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Reductions run over blocks of RBLOCK elements: within a block the sums are float (vector
+ * lanes, a few hundred terms each), and each block's sum is added to a double. That keeps the
+ * inner loop in single precision, where converting every term to double would make these
+ * memory-bound passes compute-bound, and the result within ~1e-6 relative of a double sum. */
+#define RBLOCK 2048
+#define BLOCKS_BEGIN(...)                                                                      \
+    _Pragma(__VA_ARGS__)                                                                       \
+    for (int64_t blk = 0; blk < n; blk += RBLOCK) {                                            \
+        const int64_t end = n - blk < RBLOCK ? n : blk + RBLOCK;
+#define BLOCKS_END }
+
+/* Where the weights are: pw is float32 (W_F32), or the bfloat16 upper halves of split masters
+ * whose lower halves are lo (W_SPLIT). */
+#define W_F32 (((const float *)pw)[i])
+#define W_F32_STORE (((float *)pw)[i] = w_new)
+#define W_SPLIT split_join(((const uint16_t *)pw)[i], lo[i])
+#define W_SPLIT_STORE (((uint16_t *)pw)[i] = split_high(w_new), lo[i] = split_low(w_new))
+
 /* ---------------------------------------------------------------------------------------- */
 /* LAMB                                                                                       */
 /* ---------------------------------------------------------------------------------------- */
@@ -53,26 +96,40 @@ static inline uint16_t f32_to_bf16(float f) {
 /* Phase 1: m, v updated in place; p is only read. With MODE_DECOUPLED the weight is taken as
  * p * decay_factor (phase 2 writes it so). out[0] = sum w^2, out[1] = sum u^2, u the full
  * update (decay included). */
-#define LAMB_PHASE1(NAME, GTYPE, GLOAD)                                                        \
-    TARGETS void NAME(const float *p, const GTYPE *g, float *m, float *v, int64_t n,           \
-                      float beta1, float beta2, float bc1, float bc2_sqrt, float eps,          \
-                      float wd, int mode, float decay_factor, double *out, int nthreads) {     \
-        double sw = 0.0, su = 0.0;                                                             \
-        const float one_m_b1 = 1.0f - beta1, one_m_b2 = 1.0f - beta2;                          \
-        const float f = mode == MODE_DECOUPLED ? decay_factor : 1.0f;                          \
-        const float wd_g = mode == MODE_L2 ? wd : 0.0f;                                        \
-        const float wd_u = mode == MODE_UPDATE ? wd : 0.0f;                                    \
-        _Pragma("omp parallel for simd reduction(+ : sw, su) num_threads(nthreads) schedule(static) if (n >= 32768)") \
-        for (int64_t i = 0; i < n; i++) {                                                      \
-            float w = p[i] * f;                                                                \
+#define LAMB_PHASE1_LOOP(WLOAD, GLOAD)                                                         \
+    BLOCKS_BEGIN("omp parallel for reduction(+ : sw, su) num_threads(nthreads) schedule(static) if (n >= 32768)") \
+        float bw = 0.0f, bu = 0.0f;                                                            \
+        _Pragma("omp simd reduction(+ : bw, bu)")                                              \
+        for (int64_t i = blk; i < end; i++) {                                                  \
+            float w = (WLOAD) * f;                                                             \
             float gi = (GLOAD) + wd_g * w;                                                     \
             float mi = m[i] + one_m_b1 * (gi - m[i]);                                          \
             float vi = v[i] * beta2 + one_m_b2 * gi * gi;                                      \
             m[i] = mi;                                                                         \
             v[i] = vi;                                                                         \
-            float u = (mi / bc1) / (sqrtf(vi) / bc2_sqrt + eps) + wd_u * w;                    \
-            sw += (double)w * (double)w;                                                       \
-            su += (double)u * (double)u;                                                       \
+            float u = (mi * inv_bc1) / (sqrtf(vi) * inv_bc2_sqrt + eps) + wd_u * w;            \
+            bw += w * w;                                                                       \
+            bu += u * u;                                                                       \
+        }                                                                                      \
+        sw += bw;                                                                              \
+        su += bu;                                                                              \
+    BLOCKS_END
+
+#define LAMB_PHASE1(NAME, GTYPE, GLOAD)                                                        \
+    TARGETS void NAME(const void *pw, const uint16_t *lo, const GTYPE *g, float *m, float *v,  \
+                      int64_t n,                                                               \
+                      float beta1, float beta2, float bc1, float bc2_sqrt, float eps,          \
+                      float wd, int mode, float decay_factor, double *out, int nthreads) {     \
+        double sw = 0.0, su = 0.0;                                                             \
+        const float one_m_b1 = 1.0f - beta1, one_m_b2 = 1.0f - beta2;                          \
+        const float inv_bc1 = 1.0f / bc1, inv_bc2_sqrt = 1.0f / bc2_sqrt;                      \
+        const float f = mode == MODE_DECOUPLED ? decay_factor : 1.0f;                          \
+        const float wd_g = mode == MODE_L2 ? wd : 0.0f;                                        \
+        const float wd_u = mode == MODE_UPDATE ? wd : 0.0f;                                    \
+        if (lo) {                                                                              \
+            LAMB_PHASE1_LOOP(W_SPLIT, GLOAD)                                                   \
+        } else {                                                                               \
+            LAMB_PHASE1_LOOP(W_F32, GLOAD)                                                     \
         }                                                                                      \
         out[0] = sw;                                                                           \
         out[1] = su;                                                                           \
@@ -81,27 +138,31 @@ static inline uint16_t f32_to_bf16(float f) {
 LAMB_PHASE1(lamb_phase1, float, g[i])
 LAMB_PHASE1(lamb_phase1_bf16g, uint16_t, bf16_to_f32(g[i]))
 
-/* Phase 2: p = w - lr * (ratio * u), with w = p * decay_factor in MODE_DECOUPLED; the rounded
- * value also goes to low[] (bfloat16) when low is not NULL. */
-#define LAMB_PHASE2_LOOP(STORE_LOW)                                                            \
+/* Phase 2: p = w - lr * (ratio * u), with w = p * decay_factor in MODE_DECOUPLED. With split
+ * != 0, pw and low are a split master's halves; otherwise pw is float32 and the rounded value
+ * also goes to low[] (bfloat16) when low is not NULL. */
+#define LAMB_PHASE2_LOOP(WLOAD, STOREW)                                                        \
     OMP_FOR                                                                                    \
     for (int64_t i = 0; i < n; i++) {                                                          \
-        float w = p[i] * f;                                                                    \
-        float u = (m[i] / bc1) / (sqrtf(v[i]) / bc2_sqrt + eps) + wd_u * w;                    \
+        float w = (WLOAD) * f;                                                                 \
+        float u = (m[i] * inv_bc1) / (sqrtf(v[i]) * inv_bc2_sqrt + eps) + wd_u * w;            \
         float w_new = w - lr * (ratio * u);                                                    \
-        p[i] = w_new;                                                                          \
-        STORE_LOW;                                                                             \
+        STOREW;                                                                                \
     }
 
-TARGETS void lamb_phase2(float *p, const float *m, const float *v, int64_t n, float bc1,
+TARGETS void lamb_phase2(void *pw, const float *m, const float *v, int64_t n, float bc1,
                          float bc2_sqrt, float eps, float wd, int mode, float decay_factor,
-                         float lr, float ratio, uint16_t *low, int nthreads) {
+                         float lr, float ratio, uint16_t *low, int split, int nthreads) {
+    uint16_t *const lo = low;
     const float f = mode == MODE_DECOUPLED ? decay_factor : 1.0f;
     const float wd_u = mode == MODE_UPDATE ? wd : 0.0f;
-    if (low) {
-        LAMB_PHASE2_LOOP(low[i] = f32_to_bf16(w_new))
+    const float inv_bc1 = 1.0f / bc1, inv_bc2_sqrt = 1.0f / bc2_sqrt;
+    if (split) {
+        LAMB_PHASE2_LOOP(W_SPLIT, W_SPLIT_STORE)
+    } else if (low) {
+        LAMB_PHASE2_LOOP(W_F32, (W_F32_STORE, low[i] = f32_to_bf16(w_new)))
     } else {
-        LAMB_PHASE2_LOOP((void)0)
+        LAMB_PHASE2_LOOP(W_F32, W_F32_STORE)
     }
 }
 
@@ -109,55 +170,68 @@ TARGETS void lamb_phase2(float *p, const float *m, const float *v, int64_t n, fl
 /* LANS                                                                                       */
 /* ---------------------------------------------------------------------------------------- */
 
-TARGETS double sum_squares(const float *x, int64_t n, int nthreads) {
-    double s = 0.0;
-#pragma omp parallel for simd reduction(+ : s) num_threads(nthreads) schedule(static) if (n >= 32768)
-    for (int64_t i = 0; i < n; i++) s += (double)x[i] * (double)x[i];
-    return s;
-}
-
-TARGETS double sum_squares_bf16(const uint16_t *x, int64_t n, int nthreads) {
-    double s = 0.0;
-#pragma omp parallel for simd reduction(+ : s) num_threads(nthreads) schedule(static) if (n >= 32768)
-    for (int64_t i = 0; i < n; i++) {
-        double xi = (double)bf16_to_f32(x[i]);
-        s += xi * xi;
+#define SUM_SQUARES(NAME, T, LOAD)                                                             \
+    TARGETS double NAME(const T *x, int64_t n, int nthreads) {                                 \
+        double s = 0.0;                                                                        \
+        BLOCKS_BEGIN("omp parallel for reduction(+ : s) num_threads(nthreads) schedule(static) if (n >= 32768)") \
+            float b = 0.0f;                                                                    \
+            _Pragma("omp simd reduction(+ : b)")                                               \
+            for (int64_t i = blk; i < end; i++) {                                              \
+                float xi = (LOAD);                                                             \
+                b += xi * xi;                                                                  \
+            }                                                                                  \
+            s += b;                                                                            \
+        BLOCKS_END                                                                             \
+        return s;                                                                              \
     }
-    return s;
-}
 
-/* Phase 1. gt = g * ginv, clamped to [lo, hi] when clip != 0; moments;
+SUM_SQUARES(sum_squares, float, x[i])
+SUM_SQUARES(sum_squares_bf16, uint16_t, bf16_to_f32(x[i]))
+
+/* Phase 1. gt = g * ginv, clamped to [glo, ghi] when clip != 0; moments;
  * d = sqrt(v)/bc2_sqrt + eps; r = (m/bc1)/d + wd*w, c = gt/d + wd*w.
  * out = {sum w^2, sum r^2, sum c^2, sum r*c}. */
-#define LANS_PHASE1_LOOP(GT)                                                                   \
-    _Pragma("omp parallel for simd reduction(+ : sw, sr, sc, src) num_threads(nthreads) schedule(static) if (n >= 32768)") \
-    for (int64_t i = 0; i < n; i++) {                                                          \
-        float w = p[i];                                                                        \
-        float gt = (GT);                                                                       \
-        float mi = m[i] + one_m_b1 * (gt - m[i]);                                              \
-        float vi = v[i] * beta2 + one_m_b2 * gt * gt;                                          \
-        m[i] = mi;                                                                             \
-        v[i] = vi;                                                                             \
-        float d = sqrtf(vi) / bc2_sqrt + eps;                                                  \
-        float r = (mi / bc1) / d + wd * w;                                                     \
-        float c = gt / d + wd * w;                                                             \
-        sw += (double)w * (double)w;                                                           \
-        sr += (double)r * (double)r;                                                           \
-        sc += (double)c * (double)c;                                                           \
-        src += (double)r * (double)c;                                                          \
-    }
+#define LANS_PHASE1_LOOP(WLOAD, GT)                                                            \
+    BLOCKS_BEGIN("omp parallel for reduction(+ : sw, sr, sc, src) num_threads(nthreads) schedule(static) if (n >= 32768)") \
+        float bw = 0.0f, br = 0.0f, bc = 0.0f, brc = 0.0f;                                     \
+        _Pragma("omp simd reduction(+ : bw, br, bc, brc)")                                     \
+        for (int64_t i = blk; i < end; i++) {                                                  \
+            float w = (WLOAD);                                                                 \
+            float gt = (GT);                                                                   \
+            float mi = m[i] + one_m_b1 * (gt - m[i]);                                          \
+            float vi = v[i] * beta2 + one_m_b2 * gt * gt;                                      \
+            m[i] = mi;                                                                         \
+            v[i] = vi;                                                                         \
+            float dinv = 1.0f / (sqrtf(vi) * inv_bc2_sqrt + eps);                              \
+            float r = (mi * inv_bc1) * dinv + wd * w;                                          \
+            float c = gt * dinv + wd * w;                                                      \
+            bw += w * w;                                                                       \
+            br += r * r;                                                                       \
+            bc += c * c;                                                                       \
+            brc += r * c;                                                                      \
+        }                                                                                      \
+        sw += bw;                                                                              \
+        sr += br;                                                                              \
+        sc += bc;                                                                              \
+        src += brc;                                                                            \
+    BLOCKS_END
 
 #define LANS_PHASE1(NAME, GTYPE, GLOAD)                                                        \
-    TARGETS void NAME(const float *p, const GTYPE *g, float *m, float *v, int64_t n,           \
-                      float ginv, float lo, float hi, int clip, float beta1, float beta2,      \
-                      float bc1, float bc2_sqrt, float eps, float wd, double *out,             \
-                      int nthreads) {                                                          \
+    TARGETS void NAME(const void *pw, const uint16_t *lo, const GTYPE *g, float *m, float *v,  \
+                      int64_t n, float ginv, float glo, float ghi, int clip, float beta1,      \
+                      float beta2, float bc1, float bc2_sqrt, float eps, float wd,             \
+                      double *out, int nthreads) {                                             \
         double sw = 0.0, sr = 0.0, sc = 0.0, src = 0.0;                                        \
         const float one_m_b1 = 1.0f - beta1, one_m_b2 = 1.0f - beta2;                          \
-        if (clip) {                                                                            \
-            LANS_PHASE1_LOOP(clampf((GLOAD) * ginv, lo, hi))                                   \
+        const float inv_bc1 = 1.0f / bc1, inv_bc2_sqrt = 1.0f / bc2_sqrt;                      \
+        if (clip && lo) {                                                                      \
+            LANS_PHASE1_LOOP(W_SPLIT, clampf((GLOAD) * ginv, glo, ghi))                        \
+        } else if (clip) {                                                                     \
+            LANS_PHASE1_LOOP(W_F32, clampf((GLOAD) * ginv, glo, ghi))                          \
+        } else if (lo) {                                                                       \
+            LANS_PHASE1_LOOP(W_SPLIT, (GLOAD) * ginv)                                          \
         } else {                                                                               \
-            LANS_PHASE1_LOOP((GLOAD) * ginv)                                                   \
+            LANS_PHASE1_LOOP(W_F32, (GLOAD) * ginv)                                            \
         }                                                                                      \
         out[0] = sw;                                                                           \
         out[1] = sr;                                                                           \
@@ -169,38 +243,41 @@ LANS_PHASE1(lans_phase1, float, g[i])
 LANS_PHASE1(lans_phase1_bf16g, uint16_t, bf16_to_f32(g[i]))
 
 /* Phase 2: w1 = w - a * (ratio_r * r); w2 = w1 - b * (ratio_c * c), where c decays w1 when
- * moved != 0 (MXNet's step()) and w otherwise. a = lr*beta1, b = lr*(1-beta1). The rounded
- * value also goes to low[] (bfloat16) when low is not NULL. */
-#define LANS_PHASE2_LOOP(GT, DECAYED, STORE_LOW)                                               \
+ * moved != 0 (MXNet's step()) and w otherwise. a = lr*beta1, b = lr*(1-beta1). pw and low as
+ * in lamb_phase2. */
+#define LANS_PHASE2_LOOP(WLOAD, GT, DECAYED, STOREW)                                           \
     OMP_FOR                                                                                    \
     for (int64_t i = 0; i < n; i++) {                                                          \
-        float w = p[i];                                                                        \
+        float w = (WLOAD);                                                                     \
         float gt = (GT);                                                                       \
-        float d = sqrtf(v[i]) / bc2_sqrt + eps;                                                \
-        float r = (m[i] / bc1) / d + wd * w;                                                   \
+        float dinv = 1.0f / (sqrtf(v[i]) * inv_bc2_sqrt + eps);                                \
+        float r = (m[i] * inv_bc1) * dinv + wd * w;                                            \
         float w1 = w - a * (ratio_r * r);                                                      \
-        float c = gt / d + wd * (DECAYED);                                                     \
+        float c = gt * dinv + wd * (DECAYED);                                                  \
         float w_new = w1 - b * (ratio_c * c);                                                  \
-        p[i] = w_new;                                                                          \
-        STORE_LOW;                                                                             \
+        STOREW;                                                                                \
     }
 
 #define LANS_PHASE2_LOW(GT, DECAYED)                                                           \
-    if (low) {                                                                                 \
-        LANS_PHASE2_LOOP(GT, DECAYED, low[i] = f32_to_bf16(w_new))                             \
+    if (split) {                                                                               \
+        LANS_PHASE2_LOOP(W_SPLIT, GT, DECAYED, W_SPLIT_STORE)                                  \
+    } else if (low) {                                                                          \
+        LANS_PHASE2_LOOP(W_F32, GT, DECAYED, (W_F32_STORE, low[i] = f32_to_bf16(w_new)))       \
     } else {                                                                                   \
-        LANS_PHASE2_LOOP(GT, DECAYED, (void)0)                                                 \
+        LANS_PHASE2_LOOP(W_F32, GT, DECAYED, W_F32_STORE)                                      \
     }
 
 #define LANS_PHASE2(NAME, GTYPE, GLOAD)                                                        \
-    TARGETS void NAME(float *p, const GTYPE *g, const float *m, const float *v, int64_t n,     \
-                      float ginv, float lo, float hi, int clip, float bc1, float bc2_sqrt,     \
+    TARGETS void NAME(void *pw, const GTYPE *g, const float *m, const float *v, int64_t n,     \
+                      float ginv, float glo, float ghi, int clip, float bc1, float bc2_sqrt,   \
                       float eps, float wd, float a, float b, float ratio_r, float ratio_c,     \
-                      int moved, uint16_t *low, int nthreads) {                                \
+                      int moved, uint16_t *low, int split, int nthreads) {                     \
+        uint16_t *const lo = low;                                                              \
+        const float inv_bc1 = 1.0f / bc1, inv_bc2_sqrt = 1.0f / bc2_sqrt;                      \
         if (clip && moved) {                                                                   \
-            LANS_PHASE2_LOW(clampf((GLOAD) * ginv, lo, hi), w1)                                \
+            LANS_PHASE2_LOW(clampf((GLOAD) * ginv, glo, ghi), w1)                                \
         } else if (clip) {                                                                     \
-            LANS_PHASE2_LOW(clampf((GLOAD) * ginv, lo, hi), w)                                 \
+            LANS_PHASE2_LOW(clampf((GLOAD) * ginv, glo, ghi), w)                                 \
         } else if (moved) {                                                                    \
             LANS_PHASE2_LOW((GLOAD) * ginv, w1)                                                \
         } else {                                                                               \
@@ -230,25 +307,6 @@ LANS_PHASE2(lans_phase2_bf16g, uint16_t, bf16_to_f32(g[i]))
  *    master rounded to nearest (ties away from zero). Per parameter that reads and writes 2+2
  *    bytes instead of 4 (master) + 2 (parameter, plus the read that a store to a line not in
  *    cache costs), with a handful of integer operations. */
-static inline uint16_t split_high(float w) {
-    uint32_t u;
-    memcpy(&u, &w, sizeof u);
-    return (uint16_t)((u + 0x8000u) >> 16);
-}
-
-static inline uint16_t split_low(float w) {
-    uint32_t u;
-    memcpy(&u, &w, sizeof u);
-    return (uint16_t)(u & 0xffffu);
-}
-
-static inline float split_join(uint16_t hi, uint16_t lo) {
-    uint32_t u = ((uint32_t)(uint16_t)(hi - (lo >> 15)) << 16) | lo;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
 #define ADAM_LOOP(LOADW, GLOAD, NUM, DENOM, STOREW)                                            \
     OMP_FOR                                                                                    \
     for (int64_t i = 0; i < n; i++) {                                                          \

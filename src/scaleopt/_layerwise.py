@@ -40,9 +40,14 @@ class LayerwiseAdam(ScaleOptimizer):
     (fp32 masters where ``master_weights`` applies), the Adam state and per-parameter learning
     rates, weight decays and adaptation flags.
 
-    With ``master_weights=True``, a float16/bfloat16 parameter keeps a float32 copy
-    (``state["master_param"]``) and float32 moments; the update runs in float32 on the copy,
-    which is then rounded into the parameter. The copy is part of :meth:`state_dict`, and
+    With ``master_weights=True``, a float16/bfloat16 parameter keeps float32 master weights and
+    float32 moments; the update runs in float32 on the master, which is then rounded into the
+    parameter. :meth:`master` returns the master. Where the fused CPU kernels run (a contiguous
+    bfloat16 CPU parameter), the master is kept *split*: the parameter itself holds its upper
+    16 bits (rounded to nearest) and ``state["master_lo"]`` (int16) its lower 16 bits, so the
+    master costs 2 extra bytes per parameter instead of 4 and the step moves fewer bytes than a
+    float32 one. Elsewhere it is a float32 tensor, ``state["master_param"]``.
+    :meth:`state_dict` always stores the master as float32 ``master_param``, and
     :meth:`load_state_dict` keeps it (and the moments) in float32, so a resumed run continues from
     the float32 master, not from the rounded weights.
     """
@@ -87,9 +92,27 @@ class LayerwiseAdam(ScaleOptimizer):
 
     # -- state -----------------------------------------------------------------------------------
 
+    @staticmethod
+    def _splits(group: Dict[str, Any], p: Tensor) -> bool:
+        """Whether ``p``'s master is to be kept split (the fused kernels' storage, see the class
+        doc): decided when its state is created or loaded; an explicit ``foreach`` keeps float32
+        masters for the PyTorch paths."""
+        return (group["master_weights"] and group.get("foreach") is None
+                and p.dtype == torch.bfloat16 and p.device.type == "cpu" and p.is_contiguous()
+                and _native.available())
+
+    def master(self, p: Tensor) -> Tensor:
+        """The float32 master weights of ``p``: a new tensor for a split master, the stored copy
+        for another low-precision parameter with master weights, ``p`` itself otherwise."""
+        state = self.state.get(p, {})
+        if "master_lo" in state:
+            return _native.split_join(p.detach(), state["master_lo"])
+        return state.get("master_param", p)
+
     def _masters(self, group: Dict[str, Any], params: List[Tensor]) -> List[Tensor]:
         """The tensors the update runs on: the float32 master of a float16/bfloat16 parameter
-        when ``master_weights`` is on, the parameter itself otherwise."""
+        when ``master_weights`` is on (the parameter itself for a split master, whose lower
+        halves :meth:`_low_targets` gives), the parameter itself otherwise."""
         if not group["master_weights"]:
             return params
         work = []
@@ -97,6 +120,11 @@ class LayerwiseAdam(ScaleOptimizer):
             if p.dtype in LOW_PRECISION:
                 state = self.state[p]
                 master = state.get("master_param")
+                if "master_lo" in state or (master is None and self._splits(group, p)):
+                    if "master_lo" not in state:  # the master starts equal to the parameter
+                        state["master_lo"] = torch.zeros(p.shape, dtype=torch.int16)
+                    work.append(p)
+                    continue
                 if master is None:
                     master = state["master_param"] = p.detach().to(torch.float32, copy=True)
                 work.append(master)
@@ -108,17 +136,22 @@ class LayerwiseAdam(ScaleOptimizer):
         ms, vs, steps = [], [], []
         for p, w in zip(params, work):
             state = self.state[p]
+            dtype = torch.float32 if "master_lo" in state else w.dtype
             if "step" not in state:
                 state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(w, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(w, memory_format=torch.preserve_format)
+                state["exp_avg"] = torch.zeros_like(w, dtype=dtype, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(w, dtype=dtype,
+                                                       memory_format=torch.preserve_format)
             for key in ("exp_avg", "exp_avg_sq"):
-                if state[key].dtype != w.dtype:  # e.g. a checkpoint saved without master weights
-                    state[key] = state[key].to(w.dtype)
+                if state[key].dtype != dtype:  # e.g. a checkpoint saved without master weights
+                    state[key] = state[key].to(dtype)
             ms.append(state["exp_avg"])
             vs.append(state["exp_avg_sq"])
             steps.append(state["step"])
         return ms, vs, steps
+
+    def state_dict(self) -> Dict[str, Any]:
+        return joined_masters(self, super().state_dict())
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         saved_groups = state_dict["param_groups"]
@@ -138,8 +171,12 @@ class LayerwiseAdam(ScaleOptimizer):
                 st = self.state.get(p)
                 if not st:
                     continue
+                st.pop("master_lo", None)
                 if id(p) in fp32:
                     st.update(fp32[id(p)])
+                    if self._splits(g, p):
+                        st["master_lo"] = torch.zeros(p.shape, dtype=torch.int16)
+                        _native.split_(st.pop("master_param"), p.detach(), st["master_lo"])
                 elif p.dtype not in LOW_PRECISION:
                     st.pop("master_param", None)  # a float32 parameter is its own master
 
@@ -167,14 +204,23 @@ class LayerwiseAdam(ScaleOptimizer):
                 self._update(group, work, grads, ms, vs, steps, lrs, wds, adapt, low=low)
                 self._write_back(params, work, low, [True] * len(params))
                 continue
-            work_g = [g if g.dtype == w.dtype else g.to(w.dtype) for g, w in zip(grads, work)]
-            self._update(group, work, work_g, ms, vs, steps, lrs, wds, adapt)
+            # the PyTorch path runs on float32 masters: split ones are joined, then split again
+            split = [w is p and "master_lo" in self.state[p] for p, w in zip(params, work)]
+            full = [_native.split_join(w.detach(), self.state[w]["master_lo"]) if s else w
+                    for w, s in zip(work, split)]
+            work_g = [g if g.dtype == w.dtype else g.to(w.dtype) for g, w in zip(grads, full)]
+            self._update(group, full, work_g, ms, vs, steps, lrs, wds, adapt)
+            for p, w, s in zip(params, full, split):
+                if s:
+                    _native.split_(w, p.detach(), self.state[p]["master_lo"])
             self._write_back(params, work, low, [False] * len(params))
 
     def _low_targets(self, params: List[Tensor], work: List[Tensor]) -> List[Optional[Tensor]]:
         """Per parameter: the low-precision tensor the fused kernels may write the rounded
-        weights into in their pass (the parameter itself when it has a master), or None."""
-        return [p if p is not w else None for p, w in zip(params, work)]
+        weights into in their pass (the parameter itself when it has a master), the lower halves
+        of a split master, or None."""
+        return [self.state[p]["master_lo"] if p is w and "master_lo" in self.state[p]
+                else (p if p is not w else None) for p, w in zip(params, work)]
 
     def _write_back(self, params: List[Tensor], work: List[Tensor], low: List[Optional[Tensor]],
                     written: List[bool]) -> None:
@@ -206,3 +252,18 @@ class LayerwiseAdam(ScaleOptimizer):
         ``low[i]`` is the bfloat16 parameter of master ``params[i]`` (or None), to be written
         in the same pass."""
         raise NotImplementedError
+
+
+def joined_masters(opt: Any, sd: Dict[str, Any]) -> Dict[str, Any]:
+    """``sd`` (``opt``'s state dict) with each split master stored as a float32 ``master_param``
+    (from ``opt.master(p)``) instead of its ``master_lo`` halves."""
+    index = 0
+    for g in opt.param_groups:
+        for p in g["params"]:
+            st = sd["state"].get(index)
+            if st is not None and "master_lo" in st:
+                st = {k: v for k, v in st.items() if k != "master_lo"}
+                st["master_param"] = opt.master(p)
+                sd["state"][index] = st
+            index += 1
+    return sd

@@ -29,19 +29,20 @@ if os.environ.get("SCALEOPT_NATIVE", "1") != "0":
 if _lib is not None:
     f, i64, i32, dp = ctypes.c_float, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     for _name in ("lamb_phase1", "lamb_phase1_bf16g"):
-        getattr(_lib, _name).argtypes = [dp, dp, dp, dp, i64, f, f, f, f, f, f, i32, f, dp, i32]
+        getattr(_lib, _name).argtypes = [dp, dp, dp, dp, dp, i64, f, f, f, f, f, f, i32, f, dp, i32]
         getattr(_lib, _name).restype = None
-    _lib.lamb_phase2.argtypes = [dp, dp, dp, i64, f, f, f, f, i32, f, f, f, dp, i32]
+    _lib.lamb_phase2.argtypes = [dp, dp, dp, i64, f, f, f, f, i32, f, f, f, dp, i32, i32]
     _lib.lamb_phase2.restype = None
     for _name in ("sum_squares", "sum_squares_bf16"):
         getattr(_lib, _name).argtypes = [dp, i64, i32]
         getattr(_lib, _name).restype = ctypes.c_double
     for _name in ("lans_phase1", "lans_phase1_bf16g"):
-        getattr(_lib, _name).argtypes = [dp, dp, dp, dp, i64, f, f, f, i32, f, f, f, f, f, f, dp, i32]
+        getattr(_lib, _name).argtypes = [dp, dp, dp, dp, dp, i64, f, f, f, i32, f, f, f, f, f, f, dp,
+                                         i32]
         getattr(_lib, _name).restype = None
     for _name in ("lans_phase2", "lans_phase2_bf16g"):
         getattr(_lib, _name).argtypes = [dp, dp, dp, dp, i64, f, f, f, i32, f, f, f, f, f, f, f, f,
-                                         i32, dp, i32]
+                                         i32, dp, i32, i32]
         getattr(_lib, _name).restype = None
     _lib.adam_multi.argtypes = [i64] + [dp] * 12 + [f] * 6 + [i32, i32]
     _lib.adam_multi.restype = None
@@ -64,14 +65,23 @@ def _cpu_contiguous(t: Tensor, dtypes) -> bool:
 
 def applies(work: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
             exp_avg_sqs: Sequence[Tensor], low: Sequence[Optional[Tensor]]) -> bool:
-    """Whether the kernels take these tensors: float32 weights and moments, contiguous, on the
-    CPU; float32 gradients, or bfloat16 ones for a bfloat16 parameter (``low``) whose float32
-    master is the weight."""
+    """Whether the LAMB/LANS kernels take these tensors: float32 moments, all contiguous on the
+    CPU, and per tensor either a float32 weight with a float32 gradient, or a float32 master of a
+    bfloat16 parameter (``low``) with a float32 or bfloat16 gradient, or a split master: a
+    bfloat16 weight (the upper halves) whose ``low`` holds the int16 lower halves (see
+    :func:`split_join`), with a float32 or bfloat16 gradient."""
     if _lib is None:
         return False
     f32 = (torch.float32,)
     for w, g, m, v, lp in zip(work, grads, exp_avgs, exp_avg_sqs, low):
-        if not all(_cpu_contiguous(t, f32) for t in (w, m, v)):
+        if not (_cpu_contiguous(m, f32) and _cpu_contiguous(v, f32)):
+            return False
+        if w.dtype == torch.bfloat16:
+            if not (_cpu_contiguous(w, _BF16) and lp is not None and _cpu_contiguous(lp, _INT16)
+                    and _cpu_contiguous(g, _ADAM_GRADS)):
+                return False
+            continue
+        if not _cpu_contiguous(w, f32):
             return False
         if lp is None:
             if not _cpu_contiguous(g, f32):
@@ -105,13 +115,15 @@ def _ratio(w2: float, u2: float, lower: Optional[float], upper: Optional[float])
 
 def _tensors(params, grads, exp_avgs, exp_avg_sqs, state_steps, lrs, weight_decays, low, beta1,
              beta2, bias_correction):
-    """Per tensor: (index, element count, the kernels' pointers, lr, wd, bias corrections)."""
+    """Per tensor: (index, element count, the kernels' pointers, whether the gradient is
+    bfloat16, whether the weight is a split master, lr, wd, bias corrections)."""
     bc1s, bc2s = _steps(state_steps, beta1, beta2, bias_correction)
     low = low or [None] * len(params)
     for i, p in enumerate(params):
         g = grads[i]
         ptrs = (_ptr(p.detach()), _ptr(g), _ptr(exp_avgs[i]), _ptr(exp_avg_sqs[i]), _ptr(low[i]))
-        yield i, p.numel(), ptrs, g.dtype == torch.bfloat16, lrs[i], weight_decays[i], bc1s[i], bc2s[i]
+        yield (i, p.numel(), ptrs, g.dtype == torch.bfloat16, p.dtype == torch.bfloat16, lrs[i],
+               weight_decays[i], bc1s[i], bc2s[i])
 
 
 @torch.compiler.disable  # host code calling C: nothing for dynamo to trace
@@ -121,20 +133,21 @@ def lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs, weight_decay
     """LAMB on the fused kernels: the same update as :func:`scaleopt.lamb.lamb`.
 
     ``low[i]``, when given, is the bfloat16 parameter whose float32 master is ``params[i]``:
-    it receives the rounded weights in the same pass."""
+    it receives the rounded weights in the same pass. A bfloat16 ``params[i]`` is a split
+    master, whose lower halves are ``low[i]`` (int16)."""
     threads = torch.get_num_threads()
     mode = _MODES[weight_decay_mode]
     sums = (ctypes.c_double * 2)()
-    for i, n, (p, g, m, v, lp), bf16, lr, wd, bc1, bc2_sqrt in _tensors(
+    for i, n, (p, g, m, v, lp), bf16, split, lr, wd, bc1, bc2_sqrt in _tensors(
         params, grads, exp_avgs, exp_avg_sqs, state_steps, lrs, weight_decays, low, beta1, beta2,
         bias_correction,
     ):
         phase1 = _lib.lamb_phase1_bf16g if bf16 else _lib.lamb_phase1
-        phase1(p, g, m, v, n, beta1, beta2, bc1, bc2_sqrt, eps, wd, mode, 1.0 - lr * wd,
-               ctypes.addressof(sums), threads)
+        phase1(p, lp if split else None, g, m, v, n, beta1, beta2, bc1, bc2_sqrt, eps, wd, mode,
+               1.0 - lr * wd, ctypes.addressof(sums), threads)
         ratio = _ratio(sums[0], sums[1], lower_bound, upper_bound) if adapt[i] else 1.0
         _lib.lamb_phase2(p, m, v, n, bc1, bc2_sqrt, eps, wd, mode, 1.0 - lr * wd, lr, ratio, lp,
-                         threads)
+                         int(split), threads)
 
 
 @torch.compiler.disable
@@ -147,7 +160,7 @@ def lans(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs, weight_decay
     clip = int(clip_grad_value is not None)
     lo, hi = _blocks.clip_bounds(clip_grad_value)
     sums = (ctypes.c_double * 4)()
-    for i, n, (p, g, m, v, lp), bf16, lr, wd, bc1, bc2_sqrt in _tensors(
+    for i, n, (p, g, m, v, lp), bf16, split, lr, wd, bc1, bc2_sqrt in _tensors(
         params, grads, exp_avgs, exp_avg_sqs, state_steps, lrs, weight_decays, low, beta1, beta2,
         bias_correction,
     ):
@@ -156,8 +169,8 @@ def lans(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs, weight_decay
         phase2 = _lib.lans_phase2_bf16g if bf16 else _lib.lans_phase2
         gnorm = math.sqrt(sum_squares(g, n, threads))
         ginv = 1.0 / gnorm if gnorm > 0 else 0.0
-        phase1(p, g, m, v, n, ginv, lo, hi, clip, beta1, beta2, bc1, bc2_sqrt, eps, wd,
-               ctypes.addressof(sums), threads)
+        phase1(p, lp if split else None, g, m, v, n, ginv, lo, hi, clip, beta1, beta2, bc1,
+               bc2_sqrt, eps, wd, ctypes.addressof(sums), threads)
         w2, r2, c2, rc = sums[0], sums[1], sums[2], sums[3]
         a, b = lr * beta1, lr * (1.0 - beta1)
         ratio_r = _ratio(w2, r2, lower_bound, upper_bound) if adapt[i] else 1.0
@@ -167,7 +180,7 @@ def lans(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs, weight_decay
             c2 = max(c2 - 2.0 * k * rc + k * k * r2, 0.0)
         ratio_c = _ratio(w2, c2, lower_bound, upper_bound) if adapt[i] else 1.0
         phase2(p, g, m, v, n, ginv, lo, hi, clip, bc1, bc2_sqrt, eps, wd, a, b, ratio_r, ratio_c,
-               int(decay_moved_weight), lp, threads)
+               int(decay_moved_weight), lp, int(split), threads)
 
 
 def adam_applies(work: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,

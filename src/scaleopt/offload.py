@@ -28,7 +28,7 @@ from ._base import (
     check_name_rule,
     check_number,
 )
-from ._layerwise import LayerwiseAdam
+from ._layerwise import LayerwiseAdam, joined_masters
 
 __all__ = ["OffloadAdam", "HostOffload", "offload"]
 
@@ -260,17 +260,7 @@ class HostOffload:
     # -- checkpoints ------------------------------------------------------------------------------
 
     def state_dict(self) -> Dict[str, Any]:
-        sd = super().state_dict()  # type: ignore[misc]
-        index = 0
-        for g in self.param_groups:
-            for p in g["params"]:
-                st = sd["state"].get(index)
-                if st is not None and "master_lo" in st:
-                    st = {k: v for k, v in st.items() if k != "master_lo"}
-                    st["master_param"] = self.master(p)
-                    sd["state"][index] = st
-                index += 1
-        return sd
+        return joined_masters(self, super().state_dict())  # type: ignore[misc]
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load a checkpoint (also one of :class:`torch.optim.AdamW` for :class:`OffloadAdam`).
@@ -677,6 +667,10 @@ class _OffloadLayerwise(HostOffload):
 
     def _grad_of(self, p: Tensor) -> Tensor:
         return self._host_grad(p)
+
+    @staticmethod
+    def _splits(group: Dict[str, Any], p: Tensor) -> bool:
+        return False  # float32 host masters (HostOffload), not the in-place split storage
 
     def _masters(self, group: Dict[str, Any], params: List[Tensor]) -> List[Tensor]:
         return [self._master(p) for p in params]
