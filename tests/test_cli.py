@@ -102,13 +102,25 @@ def test_dgc_on_two_workers_reports_its_traffic(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["train", *TINY, "--steps", "8", "--workers", "2", "--threads", "1",
                  "--optimizer", "momentum", "--dgc", "--dgc-sparsity", "0.9", "0.99",
-                 "--dgc-rampup-steps", "4", "--dgc-min-numel", "1000", "--out", str(out)]) == 0
+                 "--dgc-rampup-steps", "4", "--dgc-min-numel", "1000", "--dgc-value-dtype",
+                 "float16", "--out", str(out)]) == 0
     result = json.loads((out / "result.json").read_text())
     tel = result["dgc_final_telemetry"]
     # the sparsity warmed up from 0.9 to 0.99: the last step is sparser than the average
     assert result["workers"] == 2 and 0 < tel["density"] < result["dgc_density"] < 1
     assert tel["bytes_sent"] < tel["dense_bytes"] / 2
-    assert "DGC on 2 workers" in capsys.readouterr().out
+    # this rank's message: float16 values + int32 indices for the tensors of >= 1000 elements,
+    # the float32 values of the others; against the float32 gradient
+    from scaleopt.cli.data import make_model
+    from scaleopt.dgc.select import k_of
+
+    numels = [p.numel() for p in make_model(2, 5, 32).parameters()]
+    ks = [k_of(n, 0.99) for n in numels if n >= 1000]
+    assert tel["payload_bytes"] == 6 * sum(ks) + 4 * sum(n for n in numels if n < 1000)
+    assert tel["dense_payload_bytes"] == 4 * sum(numels) == 4 * result["parameters"]
+    assert result["dgc_payload_bytes_per_rank_per_step"] > tel["payload_bytes"]
+    printed = capsys.readouterr().out
+    assert "DGC on 2 workers" in printed and "payload" in printed
 
 
 @pytest.mark.parametrize("argv, message", [

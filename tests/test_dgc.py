@@ -122,6 +122,9 @@ def test_telemetry_counts_exactly_k_pairs():
     assert opt.telemetry["bytes_gathered"] == sum(ks) * (4 + 4)  # world 1: int32 + float32
     small = sum(p.numel() for p in model.parameters() if p.numel() < 4096)
     assert opt.telemetry["selected"] == sum(ks) + small
+    # this rank's message: its pairs, and the small tensors' values, against the gradient's bytes
+    assert opt.telemetry["payload_bytes"] == sum(ks) * (4 + 4) + small * 4
+    assert opt.telemetry["dense_payload_bytes"] == sum(p.numel() for p in model.parameters()) * 4
 
 
 def test_parameters_without_gradients_and_k_at_least_numel():
@@ -339,8 +342,30 @@ def test_half_precision_values_halve_the_value_bytes_and_keep_the_rounding_error
     opt.step()
     ks = [k_of(p.numel(), 0.99) for p in model.parameters() if p.numel() >= 4096]
     assert opt.telemetry["bytes_gathered"] == sum(ks) * (4 + 2)
+    small = sum(p.numel() for p in model.parameters() if p.numel() < 4096)
+    assert opt.telemetry["payload_bytes"] == sum(ks) * (4 + 2) + small * 4  # dense stay float32
     for p, g, w in zip(model.parameters(), u0, w0):
         if p.numel() >= 4096:
             sent = (w - p.detach()) / 0.1  # float16-rounded values, applied
             # what was not sent, the rounding error included, is still in v
             torch.testing.assert_close(sent + opt.state[p]["v"], g, rtol=0, atol=1e-6)
+
+
+def test_pack_keeps_every_segment_aligned_with_odd_k_and_mixed_dtypes():
+    from scaleopt.dgc import comm
+
+    gen = torch.Generator().manual_seed(0)
+    specs = [(3, torch.int32, torch.float16), (5, torch.int64, torch.float32),
+             (1, torch.int32, torch.bfloat16), (7, torch.int32, torch.float32)]
+    indices = [torch.randint(0, 100, (k,), generator=gen).to(idt) for k, idt, _ in specs]
+    values = [torch.randn(k, generator=gen).to(vdt) for k, _, vdt in specs]
+    buf = comm.pack(indices, values)
+    assert buf.numel() == sum(k * (i.itemsize + v.itemsize) for k, i, v in specs)
+    for (i, v), (i2, v2) in zip(zip(indices, values), comm.unpack(buf, specs)):
+        assert i2.dtype == i.dtype and v2.dtype == v.dtype
+        assert torch.equal(i, i2) and torch.equal(v, v2)
+    # decoding through the same path as the all-gather (one rank)
+    means = comm.sparse_allgather_mean(indices, values, [100] * len(specs), None)
+    for i, v, d in zip(indices, values, means):
+        want = torch.zeros(100, dtype=v.dtype).index_add_(0, i.long(), v)
+        assert torch.equal(d, want)

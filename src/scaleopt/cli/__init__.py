@@ -81,6 +81,10 @@ def _add_training_options(p: argparse.ArgumentParser, study: bool = False) -> No
                        help="steps over which the sparsity list is walked (default: 1)")
         g.add_argument("--dgc-min-numel", type=int, default=16384,
                        help="smaller tensors are sent dense (default: 16384, as Paddle)")
+        g.add_argument("--dgc-value-dtype", choices=("float32", "float16", "bfloat16"),
+                       default="float32",
+                       help="dtype of the gradient values sent; their rounding error stays in "
+                            "the local residual (default: float32)")
     g.add_argument("--out", help="folder for the results (default: scaleopt-runs/<run>)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -178,9 +182,16 @@ def _train(args: argparse.Namespace) -> int:
             f"{r['parameters']:,} parameters, {r['threads']} threads")
     if "dgc_density" in r:
         dense, sent = r["dense_bytes_sent_per_rank_per_step"], r["dgc_bytes_sent_per_rank_per_step"]
+        grad, msg = (r["dense_payload_bytes_per_rank_per_step"],
+                     r["dgc_payload_bytes_per_rank_per_step"])
+        last = r["dgc_final_telemetry"]
         line += (f"; DGC on {r['workers']} workers: density {r['dgc_density']:.4f}, "
                  f"{sent:,.0f} bytes sent per rank per step vs {dense:,.0f} dense "
-                 f"({dense / max(sent, 1):.0f}x fewer)")
+                 f"({dense / max(sent, 1):.0f}x fewer); payload {msg:,.0f} bytes per rank per "
+                 f"step vs a {grad:,.0f}-byte gradient ({grad / max(msg, 1):.0f}x smaller); "
+                 f"last step: {last['dense_bytes'] / max(last['bytes_sent'], 1):.0f}x fewer "
+                 f"bytes sent, payload {last['dense_payload_bytes'] / max(last['payload_bytes'], 1):.0f}x "
+                 f"smaller")
     elif "workers" in r:
         line += (f"; {r['workers']} workers, {r['allreduce_bytes_per_step']:,} gradient bytes "
                  f"all-reduced per step (about {r['bytes_sent_per_rank_per_step']:,} sent per rank)")

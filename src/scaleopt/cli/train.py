@@ -50,6 +50,7 @@ class Config:
     dgc_rampup_begin_step: int = 0
     dgc_rampup_steps: int = 1
     dgc_min_numel: int = 16384
+    dgc_value_dtype: str = "float32"  # dtype of the values sent (the indices are int32)
 
     def resolved_lr(self) -> float:
         return self.lr if self.lr is not None else optimizers.OPTIMIZERS[self.optimizer].lr
@@ -149,7 +150,8 @@ def run(cfg: Config, rank: int = 0, world: int = 1) -> Dict[str, Any]:
         opt = DGCMomentum(param_groups(model, weight_decay=cfg.weight_decay), lr=lr, momentum=0.9,
                           sparsity=cfg.dgc_sparsity or list(PAPER_SPARSITY),
                           rampup_begin_step=cfg.dgc_rampup_begin_step,
-                          rampup_step=cfg.dgc_rampup_steps, min_numel=cfg.dgc_min_numel)
+                          rampup_step=cfg.dgc_rampup_steps, min_numel=cfg.dgc_min_numel,
+                          value_dtype=getattr(torch, cfg.dgc_value_dtype))
     else:
         opt = optimizers.build(cfg.optimizer, model, lr, cfg.weight_decay, cfg.offload)
     total, warmup = cfg.total_steps(), cfg.warmup_steps()
@@ -191,7 +193,8 @@ def run(cfg: Config, rank: int = 0, world: int = 1) -> Dict[str, Any]:
         sched.step()
         step += 1
         if cfg.dgc:
-            for key in ("bytes_sent", "dense_bytes", "selected", "numel"):
+            for key in ("bytes_sent", "dense_bytes", "payload_bytes", "dense_payload_bytes",
+                        "selected", "numel"):
                 dgc_totals[key] = dgc_totals.get(key, 0) + opt.telemetry[key]
         if step % log_every == 0 or step % eval_every == 0 or step == total:
             loss_value = loss.item()
@@ -240,6 +243,8 @@ def run(cfg: Config, rank: int = 0, world: int = 1) -> Dict[str, Any]:
         result["workers"] = world
         result["dgc_bytes_sent_per_rank_per_step"] = dgc_totals["bytes_sent"] / total
         result["dense_bytes_sent_per_rank_per_step"] = dgc_totals["dense_bytes"] / total
+        result["dgc_payload_bytes_per_rank_per_step"] = dgc_totals["payload_bytes"] / total
+        result["dense_payload_bytes_per_rank_per_step"] = dgc_totals["dense_payload_bytes"] / total
         result["dgc_density"] = dgc_totals["selected"] / dgc_totals["numel"]
         result["dgc_final_telemetry"] = dict(opt.telemetry)
     elif world > 1:

@@ -36,26 +36,32 @@ def _collective(fn, what: str):
         ) from exc
 
 
+def _order(sizes: Sequence[int]) -> List[int]:
+    """Segments by decreasing element size (stable): each segment's bytes are a multiple of its
+    element size, so every segment starts aligned for its dtype."""
+    return sorted(range(len(sizes)), key=lambda j: -sizes[j])
+
+
 def pack(indices: Sequence[Tensor], values: Sequence[Tensor]) -> Tensor:
-    """One byte buffer holding every tensor's indices and then its values."""
-    parts = []
-    for i, v in zip(indices, values):
-        parts.append(i.contiguous().view(torch.uint8))
-        parts.append(v.contiguous().view(torch.uint8))
+    """One byte buffer holding every tensor's indices and values (int64 before int32 before
+    2-byte values, so that each can be viewed in place)."""
+    segments = [t for pair in zip(indices, values) for t in pair]
+    parts = [segments[j].contiguous().view(torch.uint8)
+             for j in _order([t.element_size() for t in segments])]
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
 
 
 def unpack(buf: Tensor, layout: Sequence[Tuple[int, torch.dtype, torch.dtype]]):
     """Inverse of :func:`pack` for one rank's buffer: ``layout`` is (k, index dtype, value dtype)
-    per tensor, the same on every rank."""
-    out = []
+    per tensor, the same on every rank. Returns (indices, values) per tensor."""
+    specs = [(k, dt) for k, idt, vdt in layout for dt in (idt, vdt)]
+    views: List[Optional[Tensor]] = [None] * len(specs)
     at = 0
-    for k, idt, vdt in layout:
-        ib = k * idt.itemsize
-        vb = k * vdt.itemsize
-        out.append((buf[at:at + ib].view(idt), buf[at + ib:at + ib + vb].view(vdt)))
-        at += ib + vb
-    return out
+    for j in _order([dt.itemsize for _, dt in specs]):
+        k, dt = specs[j]
+        views[j] = buf[at:at + k * dt.itemsize].view(dt)
+        at += k * dt.itemsize
+    return [(views[2 * t], views[2 * t + 1]) for t in range(len(layout))]
 
 
 def sparse_allgather_mean(indices: List[Tensor], values: List[Tensor], numels: List[int],

@@ -72,9 +72,14 @@ class DGCMomentum(ScaleOptimizer):
         clip_grad_norm_per_tensor (float or None, default None): also clip each local gradient
             by its own norm, unscaled (Paddle's ``grad_clip=ClipGradByNorm(c)``).
 
-    ``opt.telemetry`` holds, for the last step, host-side counts (no device sync): bytes this
-    rank sends, the bytes of a dense all-reduce of the same tensors, the bytes gathered by all
-    ranks (``N * k * (index + value bytes)``), the achieved density, and the selection time.
+    ``opt.telemetry`` holds, for the last step, host-side counts (no device sync):
+    ``bytes_sent``, the bytes this rank puts on the wire (``(N-1) * k * (index + value bytes)``
+    for the all-gather, ``2(N-1)/N`` of the values for a ring all-reduce of the dense tensors)
+    against ``dense_bytes``, a ring all-reduce of every gradient; ``payload_bytes``, this rank's
+    message (its k pairs per sparse tensor, the values of the dense ones) against
+    ``dense_payload_bytes``, the gradient itself (the DGC paper's "gradient size"); the bytes
+    gathered by all ranks, ``bytes_gathered`` (``N * k * (index + value bytes)``); the achieved
+    ``density``; and the selection time ``selection_s``.
 
     Example:
         >>> model = torch.nn.Linear(200, 100, bias=False)
@@ -229,8 +234,8 @@ class DGCMomentum(ScaleOptimizer):
 
 
 def new_telemetry() -> Dict[str, float]:
-    return dict(bytes_sent=0, dense_bytes=0, bytes_gathered=0, selected=0, numel=0,
-                selection_s=0.0)
+    return dict(bytes_sent=0, dense_bytes=0, bytes_gathered=0, payload_bytes=0,
+                dense_payload_bytes=0, selected=0, numel=0, selection_s=0.0)
 
 
 def finish_telemetry(tel: Dict[str, float]) -> None:
@@ -268,10 +273,12 @@ def dgc_updates(grads: List[Tensor], states: List[Dict[str, Tensor]], opts: Dict
         k = numel if s is None else select.k_of(numel, s)
         allreduce_bytes = int(2 * (world - 1) / max(world, 1) * numel * g.element_size())
         tel["dense_bytes"] += allreduce_bytes
+        tel["dense_payload_bytes"] += numel * g.element_size()
         tel["numel"] += numel
         if s is None or _is_dense(opts, world, numel, k, vbytes, ibytes):
             dense.append(j)
             tel["bytes_sent"] += allreduce_bytes
+            tel["payload_bytes"] += numel * g.element_size()
             tel["selected"] += numel
         else:
             sparse.append((j, k, idt, vdt, vbytes + ibytes))
@@ -312,5 +319,6 @@ def dgc_updates(grads: List[Tensor], states: List[Dict[str, Tensor]], opts: Dict
             updates[j] = G
             tel["bytes_sent"] += k * pair * max(world - 1, 0)
             tel["bytes_gathered"] += world * k * pair
+            tel["payload_bytes"] += k * pair
             tel["selected"] += k
     return updates  # type: ignore[return-value]
