@@ -127,6 +127,31 @@ def train_hook(rank, world, tmp, steps, options, bucket_cap_mb):
     return {"history": history, "telemetry": state.telemetry}
 
 
+def train_with_a_branch_only_rank_0_uses(rank, world, tmp, steps, options, explicit_zero):
+    """A model with a branch that only rank 0 runs: its parameters have gradients there and
+    none on the other ranks (zeros with ``explicit_zero``). Returns every rank's parameters
+    after every step."""
+    model = model_of()
+    branch = nn.Linear(64, 4)
+    params = list(model.parameters()) + list(branch.parameters())
+    opt = scaleopt.DGCMomentum(params, **options)
+    history = []
+    for t in range(steps):
+        x, y = batch(rank, t)
+        opt.zero_grad()
+        out = model(x) + (branch(x) if rank == 0 else 0)
+        (out - y).square().mean().backward()
+        if explicit_zero and rank != 0:
+            for p in branch.parameters():
+                p.grad = torch.zeros_like(p)
+        opt.step()
+        flat = torch.cat([p.detach().reshape(-1) for p in params])
+        everyone = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(everyone, flat)
+        history.append(everyone)
+    return {"history": history}
+
+
 def die_after_one_step(rank, world, tmp):
     model = model_of()
     opt = scaleopt.DGCMomentum(model.parameters(), lr=0.1, sparsity=[0.99], min_numel=4096)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from scaleopt.cli import EXIT_DIVERGED, EXIT_USAGE, main
 
@@ -40,6 +41,23 @@ def test_the_default_run_learns_the_task(tmp_path):
     out = tmp_path / "run"
     assert main(["train", "--epochs", "2", "--no-progress", "--out", str(out)]) == 0
     assert json.loads((out / "result.json").read_text())["test_accuracy"] > 0.9
+
+
+def test_topics_data_is_learned_by_the_bag_of_words_model(tmp_path):
+    from scaleopt.cli import data
+
+    x, y, xt, yt, classes = data.load("topics", 4096, test_size=1024)
+    assert x.shape == (4096, 32) and x.dtype == torch.int64 and classes == 5
+    assert 0 <= int(x.min()) and int(x.max()) < data.TOPICS["vocab"]
+    assert torch.equal(xt, data.load("topics", 4096, test_size=1024)[2])  # generated, repeatable
+    out = tmp_path / "run"
+    assert main(["train", "--dataset", "topics", "--width", "32", "--train-size", "65536",
+                 "--epochs", "4", "--batch-size", "512", "--optimizer", "momentum",
+                 "--no-progress", "--out", str(out)]) == 0
+    result = json.loads((out / "result.json").read_text())
+    # nearly all of the model is the embedding table; 0.89 is the best possible accuracy
+    assert result["parameters"] == 32768 * 32 + 32 * 5 + 5
+    assert result["test_accuracy"] > 0.8
 
 
 @pytest.mark.parametrize("optimizer, extra", [

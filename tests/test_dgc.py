@@ -281,6 +281,22 @@ def test_the_ddp_hook_equals_the_optimizer(bucket_cap_mb, tmp_path):
     assert b[0]["telemetry"]["bytes_gathered"] == a[0]["telemetry"][-1]["bytes_gathered"]
 
 
+def test_a_parameter_used_on_one_rank_only(tmp_path):
+    # rank 1 never touches the branch: it must still take part (as with a zero gradient) rather
+    # than send a different set of tensors and hang or mix up the buffers
+    world, steps = 2, 4
+    opts = dict(lr=0.05, momentum=0.9, sparsity=[0.9], min_numel=1, selection="topk")
+    unused = W.run_workers(W.train_with_a_branch_only_rank_0_uses, world, tmp_path / "a", steps,
+                           opts, False)
+    zeros = W.run_workers(W.train_with_a_branch_only_rank_0_uses, world, tmp_path / "b", steps,
+                          opts, True)
+    for t in range(steps):
+        a, b = unused[0]["history"][t], zeros[0]["history"][t]
+        assert torch.equal(a[0], a[1]), f"replicas differ at step {t}"
+        assert torch.equal(a[0], b[0])  # = rank 1 sending a zero gradient for the branch
+    assert not torch.equal(unused[0]["history"][-1][0][-20:], unused[0]["history"][0][0][-20:])
+
+
 def test_a_dead_rank_is_a_clear_error_not_a_hang(tmp_path):
     results = W.run_workers(W.die_after_one_step, 2, tmp_path, timeout=60)
     assert results[0]["error"] and "peer rank may have died" in results[0]["error"]

@@ -12,7 +12,13 @@ from torch import Tensor, nn
 DATASETS = {
     "spirals": "points on 5 interleaved noisy spiral arms in the plane, 5 classes (default)",
     "spirals2": "the classic two-spiral problem, 2 classes",
+    "topics": "bags of 32 words from a 32,768-word vocabulary, 5 classes told apart by a few "
+              "topic words; an embedding-bag model, whose parameters sit in one large table",
 }
+
+#: the ``topics`` data: vocabulary, words per document, classes, topic words per class and the
+#: share of a document's words drawn from its class's topic words (the rest: Zipf background)
+TOPICS = dict(vocab=32768, length=32, classes=5, topic_words=256, share=0.06)
 
 
 def spirals(n: int, seed: int, arms: int = 5, turns: float = 1.5,
@@ -26,8 +32,31 @@ def spirals(n: int, seed: int, arms: int = 5, turns: float = 1.5,
     return xy + noise * torch.randn(n, 2, generator=g), label
 
 
+def topics(n: int, seed: int, vocab: int, length: int, classes: int, topic_words: int,
+           share: float) -> Tuple[Tensor, Tensor]:
+    """``n`` documents of ``length`` word ids: each word is, with probability ``share``, one of
+    its class's ``topic_words`` (the same sets for every seed), else a word drawn from a Zipf
+    distribution over the whole vocabulary. A document without topic words cannot be told apart,
+    which caps the attainable accuracy (about 0.89 with the defaults)."""
+    perm = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))
+    words = perm[:classes * topic_words].view(classes, topic_words)
+    rest = perm[classes * topic_words:]  # the background words, most frequent first
+    g = torch.Generator().manual_seed(seed)
+    label = torch.randint(0, classes, (n,), generator=g)
+    zipf = 1.0 / torch.arange(1, len(rest) + 1, dtype=torch.float64)
+    background = rest[torch.multinomial(zipf, n * length, replacement=True, generator=g)]
+    background = background.view(n, length)
+    topic = words[label.unsqueeze(1), torch.randint(0, topic_words, (n, length), generator=g)]
+    pick = torch.rand(n, length, generator=g) < share
+    return torch.where(pick, topic, background), label
+
+
 def load(name: str, train_size: int, test_size: int = 16384):
     """``(x_train, y_train, x_test, y_test, classes)`` of a built-in dataset."""
+    if name == "topics":
+        x, y = topics(train_size, seed=1, **TOPICS)
+        xt, yt = topics(test_size, seed=2, **TOPICS)
+        return x, y, xt, yt, TOPICS["classes"]
     if name == "spirals":
         kw = dict(arms=5, turns=1.5, noise=0.02)
     elif name == "spirals2":
@@ -39,9 +68,16 @@ def load(name: str, train_size: int, test_size: int = 16384):
     return x, y, xt, yt, kw["arms"]
 
 
-def make_model(inputs: int, classes: int, width: int = 256, seed: int = 0) -> nn.Module:
-    """A small MLP: two hidden layers with LayerNorm and GELU."""
+def make_model(inputs: int, classes: int, width: int = 256, seed: int = 0,
+               vocab: int = 0) -> nn.Module:
+    """A small MLP (two hidden layers with LayerNorm and GELU) on ``inputs`` features; with
+    ``vocab``, a bag-of-words model instead: the sum of the words' ``width``-dimensional
+    embeddings, then a linear layer."""
     torch.manual_seed(seed)
+    if vocab:
+        bag = nn.EmbeddingBag(vocab, width, mode="sum")
+        nn.init.normal_(bag.weight, std=0.02)
+        return nn.Sequential(bag, nn.Linear(width, classes))
     return nn.Sequential(
         nn.Linear(inputs, width), nn.LayerNorm(width), nn.GELU(),
         nn.Linear(width, width), nn.LayerNorm(width), nn.GELU(),

@@ -141,7 +141,8 @@ def run(cfg: Config, rank: int = 0, world: int = 1) -> Dict[str, Any]:
                           else f"cuda:{rank % torch.cuda.device_count()}")
     x, y, xt, yt, classes = data.load(cfg.dataset, cfg.train_size)
     x, y, xt, yt = x.to(device), y.to(device), xt.to(device), yt.to(device)
-    model = data.make_model(x.shape[1], classes, cfg.width, seed=cfg.seed).to(device)
+    vocab = data.TOPICS["vocab"] if cfg.dataset == "topics" else 0
+    model = data.make_model(x.shape[1], classes, cfg.width, seed=cfg.seed, vocab=vocab).to(device)
     lr = cfg.resolved_lr()
     if cfg.dgc:
         from ..dgc import PAPER_SPARSITY, DGCMomentum

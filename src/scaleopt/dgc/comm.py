@@ -36,6 +36,17 @@ def _collective(fn, what: str):
         ) from exc
 
 
+def any_rank(flags: List[bool], group: Optional[dist.ProcessGroup],
+             device: torch.device) -> List[bool]:
+    """``flags`` OR-ed over the ranks (one small all-reduce; the flags themselves in one
+    process)."""
+    if world_of(group) <= 1 or not flags:
+        return list(flags)
+    t = torch.tensor(flags, dtype=torch.int32, device=device)
+    _collective(lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group), "all-reduce")
+    return [bool(f) for f in t.tolist()]
+
+
 def _order(sizes: Sequence[int]) -> List[int]:
     """Segments by decreasing element size (stable): each segment's bytes are a multiple of its
     element size, so every segment starts aligned for its dtype."""

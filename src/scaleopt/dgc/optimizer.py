@@ -182,9 +182,9 @@ class DGCMomentum(ScaleOptimizer):
         world = self.num_workers or comm.world_of(self.process_group)
         grads = []
         for p in params:
-            if p.grad.is_sparse:
+            if p.grad is not None and p.grad.is_sparse:
                 raise RuntimeError("DGCMomentum does not support sparse gradients")
-            g = p.grad
+            g = p.grad if p.grad is not None else torch.zeros_like(p)  # unused here, not elsewhere
             wd = group["weight_decay"]
             if wd:
                 g = g + wd * (p.detach() if group["weight_decay_mode"] == "l2" else p.detach().sign())
@@ -210,7 +210,11 @@ class DGCMomentum(ScaleOptimizer):
         world = comm.world_of(self.process_group)
         tel = new_telemetry()
         for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
+            # a parameter unused on this rank but used on another takes part with a zero
+            # gradient, so that every rank sends the same tensors; one unused everywhere is skipped
+            used = comm.any_rank([p.grad is not None for p in group["params"]], self.process_group,
+                                 group["params"][0].device if group["params"] else torch.device("cpu"))
+            params = [p for p, u in zip(group["params"], used) if u]
             if not params:
                 continue
             grads = self._local_grads(group, params)
