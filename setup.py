@@ -7,7 +7,7 @@ setup(
         Extension(
             "scaleopt._kernels",
             sources=["src/scaleopt/_kernels.c"],
-            extra_compile_args=["-O3", "-fopenmp", "-fno-math-errno", "-std=c99"],
+            extra_compile_args=["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=fast", "-std=c99"],
             extra_link_args=["-fopenmp"],
             optional=True,
         )

@@ -212,3 +212,13 @@ def test_kernel_step_allocates_nothing_the_size_of_the_model(cls, dtype):
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         ref.step()
     assert sum(max(e.cpu_memory_usage, 0) for e in prof.events()) > 4 * 2 ** 21
+
+
+@needs_kernels
+@pytest.mark.parametrize("n", [1, 5, 2047, 2048, 2049, 100_003, 1 << 20])
+def test_sum_of_squares_is_the_double_sum(n):
+    # blocks of 2048 (and a shorter last one): float partial sums added in double
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 3.0
+    for t, fn in ((x, _native._lib.sum_squares), (x.bfloat16(), _native._lib.sum_squares_bf16)):
+        want = float(t.double().square().sum())
+        assert fn(t.data_ptr(), n, 2) == pytest.approx(want, rel=1e-6)
