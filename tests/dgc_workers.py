@@ -152,6 +152,43 @@ def train_with_a_branch_only_rank_0_uses(rank, world, tmp, steps, options, expli
     return {"history": history}
 
 
+class _WithBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.branch = model_of(), nn.Linear(64, 4)
+
+    def forward(self, x, use_branch: bool):
+        return self.body(x) + (self.branch(x) if use_branch else 0)
+
+
+def train_hook_with_a_branch_only_rank_0_uses(rank, world, tmp, steps, options):
+    """The branch model through DDP (find_unused_parameters) with the DGC hook and plain SGD;
+    returns every rank's parameters (in the optimizer-path order) after every step."""
+    torch.manual_seed(0)
+    model = _WithBranch()
+    model.body.load_state_dict(model_of().state_dict())
+    torch.manual_seed(0)
+    model_of()  # the optimizer path built its branch after model_of(): the same random state
+    model.branch.load_state_dict(nn.Linear(64, 4).state_dict())
+    ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    opts = {k: v for k, v in options.items() if k != "lr"}
+    state = DGCHookState(ddp, **opts)
+    ddp.register_comm_hook(state, ddp_comm_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=options["lr"])
+    params = list(model.body.parameters()) + list(model.branch.parameters())
+    history = []
+    for t in range(steps):
+        x, y = batch(rank, t)
+        opt.zero_grad()
+        (ddp(x, rank == 0) - y).square().mean().backward()
+        opt.step()
+        flat = torch.cat([p.detach().reshape(-1) for p in params])
+        everyone = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(everyone, flat)
+        history.append(everyone)
+    return {"history": history}
+
+
 def die_after_one_step(rank, world, tmp):
     model = model_of()
     opt = scaleopt.DGCMomentum(model.parameters(), lr=0.1, sparsity=[0.99], min_numel=4096)

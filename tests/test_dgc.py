@@ -297,6 +297,21 @@ def test_a_parameter_used_on_one_rank_only(tmp_path):
     assert not torch.equal(unused[0]["history"][-1][0][-20:], unused[0]["history"][0][0][-20:])
 
 
+def test_the_ddp_hook_with_unused_parameters_equals_the_optimizer(tmp_path):
+    # DDP(find_unused_parameters=True) hands the hook zeros for the branch rank 1 does not run;
+    # the result equals the optimizer path, where rank 1 takes part with a zero gradient
+    world, steps = 2, 4
+    opts = dict(lr=0.05, momentum=0.9, sparsity=[0.9], min_numel=1, selection="topk")
+    a = W.run_workers(W.train_with_a_branch_only_rank_0_uses, world, tmp_path / "opt", steps,
+                      opts, False)
+    b = W.run_workers(W.train_hook_with_a_branch_only_rank_0_uses, world, tmp_path / "hook",
+                      steps, opts)
+    for t in range(steps):
+        assert torch.equal(b[0]["history"][t][0], b[0]["history"][t][1])
+        torch.testing.assert_close(b[0]["history"][t][0], a[0]["history"][t][0], rtol=1e-5,
+                                   atol=1e-6)
+
+
 def test_a_dead_rank_is_a_clear_error_not_a_hang(tmp_path):
     results = W.run_workers(W.die_after_one_step, 2, tmp_path, timeout=60)
     assert results[0]["error"] and "peer rank may have died" in results[0]["error"]
