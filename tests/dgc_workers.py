@@ -81,6 +81,14 @@ OPTIONS = dict(lr=0.05, momentum=0.9, sparsity=[0.9, 0.99], rampup_begin_step=1,
                min_numel=4096, selection="topk")
 
 
+def every_rank(params, world):
+    """Every rank's parameters, flattened into one vector each (an all-gather)."""
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    everyone = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(everyone, flat)
+    return everyone
+
+
 def train_dgc(rank, world, tmp, steps, options):
     """Train with DGCMomentum; return the parameters of every rank after every step, the
     telemetry, the final state, and the sum over steps of the u added to v (m * u_prev + g,
@@ -100,10 +108,7 @@ def train_dgc(rank, world, tmp, steps, options):
         for s, up, p in zip(u_sum, u_prev, model.parameters()):
             s += m * up + p.grad
         tels.append(dict(opt.telemetry))
-        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        everyone = [torch.empty_like(flat) for _ in range(world)]
-        dist.all_gather(everyone, flat)
-        history.append(everyone)
+        history.append(every_rank(model.parameters(), world))
     return {"history": history, "telemetry": tels, "u_sum": u_sum,
             "v": [opt.state[p]["v"].clone() for p in model.parameters()],
             "numels": [p.numel() for p in model.parameters()]}
@@ -145,10 +150,7 @@ def train_with_a_branch_only_rank_0_uses(rank, world, tmp, steps, options, expli
             for p in branch.parameters():
                 p.grad = torch.zeros_like(p)
         opt.step()
-        flat = torch.cat([p.detach().reshape(-1) for p in params])
-        everyone = [torch.empty_like(flat) for _ in range(world)]
-        dist.all_gather(everyone, flat)
-        history.append(everyone)
+        history.append(every_rank(params, world))
     return {"history": history}
 
 
@@ -182,10 +184,7 @@ def train_hook_with_a_branch_only_rank_0_uses(rank, world, tmp, steps, options):
         opt.zero_grad()
         (ddp(x, rank == 0) - y).square().mean().backward()
         opt.step()
-        flat = torch.cat([p.detach().reshape(-1) for p in params])
-        everyone = [torch.empty_like(flat) for _ in range(world)]
-        dist.all_gather(everyone, flat)
-        history.append(everyone)
+        history.append(every_rank(params, world))
     return {"history": history}
 
 
