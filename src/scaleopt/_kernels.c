@@ -24,11 +24,11 @@
 #include <stdint.h>
 #include <string.h>
 
-/* Clones for AVX2 + FMA (x86-64-v3), AVX2, and the baseline, picked at load time by the CPU's
- * features; with -ffp-contract=fast (setup.py) a*b+c becomes one fused multiply-add where the
- * CPU has it. */
+/* Clones for AVX-512 (x86-64-v4), AVX2 + FMA (x86-64-v3), AVX2, and the baseline, picked at
+ * load time by the CPU's features; with -ffp-contract=fast (setup.py) a*b+c becomes one fused
+ * multiply-add where the CPU has it. */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
-#define TARGETS __attribute__((target_clones("arch=x86-64-v3", "avx2", "default")))
+#define TARGETS __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "avx2", "default")))
 #elif defined(__x86_64__)
 #define TARGETS __attribute__((target_clones("avx2", "default")))
 #else
