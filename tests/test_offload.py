@@ -431,9 +431,35 @@ def test_offloaded_layerwise_equals_the_plain_optimizer(cls, dtype):
     run(m2, off, steps=6)
     for a, b in zip(m1.parameters(), m2.parameters()):
         assert torch.equal(a, b)
-    if dtype == torch.bfloat16:
-        for p in m2.parameters():
-            assert off.state[p]["master_param"].dtype == torch.float32
+    if dtype == torch.bfloat16:  # both keep split masters: the same bits
+        for a, b in zip(m1.parameters(), m2.parameters()):
+            assert "master_lo" in off.state[b] and "master_param" not in off.state[b]
+            assert torch.equal(off.master(b), plain.master(a))
+
+
+@pytest.mark.parametrize("cls", [scaleopt.LAMB, scaleopt.LANS], ids=["LAMB", "LANS"])
+def test_offloaded_layerwise_bf16_checkpoints_carry_float32_masters(cls):
+    m1 = model_of(dtype=torch.bfloat16)
+    off = offload(cls, m1.named_parameters(), lr=1e-2)
+    run(m1, off, steps=4, sched=False)
+    sd = off.state_dict()
+    for p, st in zip(m1.parameters(), sd["state"].values()):
+        assert "master_lo" not in st and torch.equal(st["master_param"], off.master(p))
+    # into a fresh offloaded optimizer and into the plain one: both go on bit for bit
+    m2, m3 = copy.deepcopy(m1), copy.deepcopy(m1)
+    again = offload(cls, m2.named_parameters(), lr=1e-2)
+    again.load_state_dict(copy.deepcopy(sd))
+    plain = cls(m3.named_parameters(), lr=1e-2, master_weights=True)
+    plain.load_state_dict(copy.deepcopy(sd))
+    for opt, m in ((off, m1), (again, m2), (plain, m3)):
+        for t in range(4, 7):
+            opt.zero_grad()
+            loss_of(m, t).backward()
+            opt.step()
+    for a, b, c in zip(m1.parameters(), m2.parameters(), m3.parameters()):
+        assert torch.equal(a, b) and torch.equal(a, c)
+        assert torch.equal(off.master(a), again.master(b))
+        assert torch.equal(off.master(a), plain.master(c))
 
 
 def test_offloaded_fp16_parameters_are_rounded_from_the_master():

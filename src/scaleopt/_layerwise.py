@@ -200,26 +200,28 @@ class LayerwiseAdam(ScaleOptimizer):
             ms, vs, steps = self._adam_state(params, work)
             lrs, wds, adapt = self._layer_options(group, idx)
             low = self._low_targets(params, work)
+            # a split master's upper half (work) is written by the kernels or split_ below, and
+            # its lower half is no parameter: ``written`` is about bfloat16 copies only
+            split = ["master_lo" in self.state[p] for p in params]
             if group.get("foreach") is None and _native.applies(work, grads, ms, vs, low):
                 self._update(group, work, grads, ms, vs, steps, lrs, wds, adapt, low=low)
-                self._write_back(params, work, low, [True] * len(params))
+                self._write_back(params, work, low, [not s for s in split])
                 continue
             # the PyTorch path runs on float32 masters: split ones are joined, then split again
-            split = [w is p and "master_lo" in self.state[p] for p, w in zip(params, work)]
-            full = [_native.split_join(w.detach(), self.state[w]["master_lo"]) if s else w
-                    for w, s in zip(work, split)]
+            full = [_native.split_join(w.detach(), lp) if s else w
+                    for w, lp, s in zip(work, low, split)]
             work_g = [g if g.dtype == w.dtype else g.to(w.dtype) for g, w in zip(grads, full)]
             self._update(group, full, work_g, ms, vs, steps, lrs, wds, adapt)
-            for p, w, s in zip(params, full, split):
+            for w, f, lp, s in zip(work, full, low, split):
                 if s:
-                    _native.split_(w, p.detach(), self.state[p]["master_lo"])
+                    _native.split_(f, w.detach(), lp)
             self._write_back(params, work, low, [False] * len(params))
 
     def _low_targets(self, params: List[Tensor], work: List[Tensor]) -> List[Optional[Tensor]]:
         """Per parameter: the low-precision tensor the fused kernels may write the rounded
         weights into in their pass (the parameter itself when it has a master), the lower halves
         of a split master, or None."""
-        return [self.state[p]["master_lo"] if p is w and "master_lo" in self.state[p]
+        return [self.state[p]["master_lo"] if "master_lo" in self.state[p]
                 else (p if p is not w else None) for p, w in zip(params, work)]
 
     def _write_back(self, params: List[Tensor], work: List[Tensor], low: List[Optional[Tensor]],

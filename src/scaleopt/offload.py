@@ -652,7 +652,7 @@ def offload(optimizer_class: Type[LayerwiseAdam], params: Any, *, overlap: bool 
         _OFFLOADED[optimizer_class] = cls
     if "master_weights" in options and not options["master_weights"]:
         raise ValueError("offloaded optimizers always keep float32 master weights (master_weights)")
-    opt = cls(params, **options)
+    opt = cls(params, **dict(options, master_weights=True))  # as its groups should say
     opt._offload_init(overlap, num_threads)
     return opt
 
@@ -668,15 +668,19 @@ class _OffloadLayerwise(HostOffload):
     def _grad_of(self, p: Tensor) -> Tensor:
         return self._host_grad(p)
 
+    _split_masters = True  # bfloat16 parameters: split masters on the host (HostOffload)
+
     @staticmethod
     def _splits(group: Dict[str, Any], p: Tensor) -> bool:
-        return False  # float32 host masters (HostOffload), not the in-place split storage
+        return False  # HostOffload decides (_wants_split) and converts checkpoints
 
     def _masters(self, group: Dict[str, Any], params: List[Tensor]) -> List[Tensor]:
-        return [self._master(p) for p in params]
+        return [self._split_pair(p)[0] if self._wants_split(p) else self._master(p)
+                for p in params]
 
     def _low_targets(self, params: List[Tensor], work: List[Tensor]) -> List[Optional[Tensor]]:
-        return [None if p is w else self._low_target(p) for p, w in zip(params, work)]
+        return [self.state[p]["master_lo"] if "master_lo" in self.state[p]
+                else (None if p is w else self._low_target(p)) for p, w in zip(params, work)]
 
     @contextlib.contextmanager
     def _step_context(self):
