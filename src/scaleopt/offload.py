@@ -631,8 +631,8 @@ def _adam_reference(w: Tensor, g: Tensor, m: Tensor, v: Tensor, vmax: Optional[T
 def offload(optimizer_class: Type[LayerwiseAdam], params: Any, *, overlap: bool = True,
             num_threads: Optional[int] = None, **options: Any) -> LayerwiseAdam:
     """``optimizer_class`` (:class:`~scaleopt.LAMB` or :class:`~scaleopt.LANS`) on the host
-    pipeline of :class:`HostOffload`: float32 masters and moments in host memory, gradients to
-    the host, the fused host kernels, weights back to the device.
+    pipeline of :class:`HostOffload`: float32 masters (split for bfloat16 parameters) and moments
+    in host memory, gradients to the host, the fused host kernels, weights back to the device.
 
     >>> import scaleopt
     >>> model = torch.nn.Linear(4, 2)
