@@ -393,6 +393,102 @@ void adam_multi(int64_t count, void *const *w, const void *const *g, float *cons
     }
 }
 
+/* ---------------------------------------------------------------------------------------- */
+/* LAMB and LANS over all tensors of a group in one call                                     */
+/* ---------------------------------------------------------------------------------------- */
+
+/* The trust ratio ||w|| / ||u|| from squared norms, ||w|| clamped to [lower, upper] where
+ * given; 1 when either norm is 0 or the ratio is not finite. */
+static double trust_ratio(double w2, double u2, int has_lower, double lower, int has_upper,
+                          double upper) {
+    double w = sqrt(w2), u = sqrt(u2);
+    if (has_lower && w < lower) w = lower;
+    if (has_upper && w > upper) w = upper;
+    if (w > 0.0 && u > 0.0 && isfinite(w / u)) return w / u;
+    return 1.0;
+}
+
+/* Per tensor t: its step counter (a float32 scalar) is incremented and the bias corrections
+ * computed from it in double, as the Python side does (1 - beta^t, (1 - beta2^t) ** 0.5). */
+static void bias_corrections(float *step, double beta1, double beta2, int enabled, double *bc1,
+                             double *bc2_sqrt) {
+    *step += 1.0f;
+    double t = (double)*step;
+    *bc1 = enabled ? 1.0 - pow(beta1, t) : 1.0;
+    *bc2_sqrt = enabled ? pow(1.0 - pow(beta2, t), 0.5) : 1.0;
+}
+
+/* kind[t]: bit 0 = bfloat16 gradient, bit 1 = split master (w[t] the bfloat16 upper halves,
+ * low[t] the lower halves); otherwise w[t] is float32 and low[t] an optional bfloat16 copy. */
+#define MULTI_ARGS                                                                             \
+    int64_t count, void *const *w, const void *const *g, float *const *m, float *const *v,     \
+        uint16_t *const *low, const int64_t *n, const int32_t *kind, float *const *step,       \
+        const double *lr, const double *wd, const int32_t *adapt, double beta1, double beta2,  \
+        float eps, int bias_correction, int has_lower, double lower, int has_upper,            \
+        double upper, int nthreads
+
+void lamb_multi(MULTI_ARGS, int mode) {
+    double sums[2];
+    for (int64_t t = 0; t < count; t++) {
+        double bc1, bc2_sqrt;
+        bias_corrections(step[t], beta1, beta2, bias_correction, &bc1, &bc2_sqrt);
+        const int split = (kind[t] & 2) != 0;
+        const float decay = (float)(1.0 - lr[t] * wd[t]);
+        if (kind[t] & 1)
+            lamb_phase1_bf16g(w[t], split ? low[t] : NULL, (const uint16_t *)g[t], m[t], v[t],
+                              n[t], (float)beta1, (float)beta2, (float)bc1, (float)bc2_sqrt, eps,
+                              (float)wd[t], mode, decay, sums, nthreads);
+        else
+            lamb_phase1(w[t], split ? low[t] : NULL, (const float *)g[t], m[t], v[t], n[t],
+                        (float)beta1, (float)beta2, (float)bc1, (float)bc2_sqrt, eps,
+                        (float)wd[t], mode, decay, sums, nthreads);
+        double ratio = adapt[t] ? trust_ratio(sums[0], sums[1], has_lower, lower, has_upper,
+                                              upper) : 1.0;
+        lamb_phase2(w[t], m[t], v[t], n[t], (float)bc1, (float)bc2_sqrt, eps, (float)wd[t],
+                    mode, decay, (float)lr[t], (float)ratio, low[t], split, nthreads);
+    }
+}
+
+void lans_multi(MULTI_ARGS, int clip, float glo, float ghi, int moved) {
+    double sums[4];
+    for (int64_t t = 0; t < count; t++) {
+        double bc1, bc2_sqrt;
+        bias_corrections(step[t], beta1, beta2, bias_correction, &bc1, &bc2_sqrt);
+        const int split = (kind[t] & 2) != 0, bf16 = (kind[t] & 1) != 0;
+        double gnorm = sqrt(bf16 ? sum_squares_bf16((const uint16_t *)g[t], n[t], nthreads)
+                                 : sum_squares((const float *)g[t], n[t], nthreads));
+        const float ginv = (float)(gnorm > 0.0 ? 1.0 / gnorm : 0.0);
+        if (bf16)
+            lans_phase1_bf16g(w[t], split ? low[t] : NULL, (const uint16_t *)g[t], m[t], v[t],
+                              n[t], ginv, glo, ghi, clip, (float)beta1, (float)beta2, (float)bc1,
+                              (float)bc2_sqrt, eps, (float)wd[t], sums, nthreads);
+        else
+            lans_phase1(w[t], split ? low[t] : NULL, (const float *)g[t], m[t], v[t], n[t], ginv,
+                        glo, ghi, clip, (float)beta1, (float)beta2, (float)bc1, (float)bc2_sqrt,
+                        eps, (float)wd[t], sums, nthreads);
+        const double a = lr[t] * beta1, b = lr[t] * (1.0 - beta1);
+        double c2 = sums[2];
+        const double ratio_r = adapt[t] ? trust_ratio(sums[0], sums[1], has_lower, lower,
+                                                      has_upper, upper) : 1.0;
+        if (moved) { /* c' = c - wd*a*ratio_r*r: ||c'||^2 from the sums of phase 1 */
+            const double k = wd[t] * a * ratio_r;
+            c2 = c2 - 2.0 * k * sums[3] + k * k * sums[1];
+            if (c2 < 0.0) c2 = 0.0;
+        }
+        const double ratio_c = adapt[t] ? trust_ratio(sums[0], c2, has_lower, lower, has_upper,
+                                                      upper) : 1.0;
+        if (bf16)
+            lans_phase2_bf16g(w[t], (const uint16_t *)g[t], m[t], v[t], n[t], ginv, glo, ghi,
+                              clip, (float)bc1, (float)bc2_sqrt, eps, (float)wd[t], (float)a,
+                              (float)b, (float)ratio_r, (float)ratio_c, moved, low[t], split,
+                              nthreads);
+        else
+            lans_phase2(w[t], (const float *)g[t], m[t], v[t], n[t], ginv, glo, ghi, clip,
+                        (float)bc1, (float)bc2_sqrt, eps, (float)wd[t], (float)a, (float)b,
+                        (float)ratio_r, (float)ratio_c, moved, low[t], split, nthreads);
+    }
+}
+
 /* 1 when any of x[0..n) is inf or NaN. */
 TARGETS int any_nonfinite(const float *x, int64_t n, int nthreads) {
     int bad = 0;

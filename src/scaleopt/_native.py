@@ -8,7 +8,6 @@ their PyTorch paths, which compute the same numbers.
 from __future__ import annotations
 
 import ctypes
-import math
 import os
 from typing import Optional, Sequence, Tuple
 
@@ -44,6 +43,12 @@ if _lib is not None:
         getattr(_lib, _name).argtypes = [dp, dp, dp, dp, i64, f, f, f, i32, f, f, f, f, f, f, f, f,
                                          i32, dp, i32, i32]
         getattr(_lib, _name).restype = None
+    d = ctypes.c_double
+    _multi = [i64] + [dp] * 11 + [d, d, f, i32, i32, d, i32, d, i32]
+    _lib.lamb_multi.argtypes = _multi + [i32]
+    _lib.lamb_multi.restype = None
+    _lib.lans_multi.argtypes = _multi + [i32, f, f, i32]
+    _lib.lans_multi.restype = None
     _lib.adam_multi.argtypes = [i64] + [dp] * 12 + [f] * 6 + [i32, i32]
     _lib.adam_multi.restype = None
     _lib.select_above.argtypes = [dp, i64, f, dp, i64]
@@ -60,7 +65,7 @@ def available() -> bool:
 
 
 def _cpu_contiguous(t: Tensor, dtypes) -> bool:
-    return t.device.type == "cpu" and t.dtype in dtypes and t.is_contiguous()
+    return t.is_cpu and t.dtype in dtypes and t.is_contiguous()
 
 
 def applies(work: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
@@ -92,95 +97,57 @@ def applies(work: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[
     return True
 
 
-def _ptr(t: Optional[Tensor]) -> Optional[int]:
-    return None if t is None else t.data_ptr()
-
-
-def _steps(state_steps: Sequence[Tensor], beta1: float, beta2: float, bias_correction: bool):
-    torch._foreach_add_(list(state_steps), 1)
-    return _blocks.bias_corrections([s.item() for s in state_steps], beta1, beta2, bias_correction)
-
-
-def _ratio(w2: float, u2: float, lower: Optional[float], upper: Optional[float]) -> float:
-    """:func:`scaleopt._blocks.trust_ratio` on host scalars (squared norms in, ratio out)."""
-    w, u = math.sqrt(w2), math.sqrt(u2)
-    if lower is not None:
-        w = max(w, lower)
-    if upper is not None:
-        w = min(w, upper)
-    if w > 0 and u > 0 and math.isfinite(w / u):
-        return w / u
-    return 1.0
-
-
-def _tensors(params, grads, exp_avgs, exp_avg_sqs, state_steps, lrs, weight_decays, low, beta1,
-             beta2, bias_correction):
-    """Per tensor: (index, element count, the kernels' pointers, whether the gradient is
-    bfloat16, whether the weight is a split master, lr, wd, bias corrections)."""
-    bc1s, bc2s = _steps(state_steps, beta1, beta2, bias_correction)
-    low = low or [None] * len(params)
-    for i, p in enumerate(params):
-        g = grads[i]
-        ptrs = (_ptr(p.detach()), _ptr(g), _ptr(exp_avgs[i]), _ptr(exp_avg_sqs[i]), _ptr(low[i]))
-        yield (i, p.numel(), ptrs, g.dtype == torch.bfloat16, p.dtype == torch.bfloat16, lrs[i],
-               weight_decays[i], bc1s[i], bc2s[i])
+def _run_multi(kernel, extra, params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs,
+               weight_decays, adapt, low, beta1, beta2, eps, bias_correction, lower_bound,
+               upper_bound) -> None:
+    """Call a ``*_multi`` kernel on every tensor: per-tensor arrays (built as tensors, alive
+    until the call returns), the group's scalars, then the kernel's own ``extra`` arguments."""
+    count = len(params)
+    if count == 0:
+        return
+    low = low or [None] * count
+    ptrs = torch.tensor(
+        [[p.detach().data_ptr() for p in params], [g.data_ptr() for g in grads],
+         [t.data_ptr() for t in exp_avgs], [t.data_ptr() for t in exp_avg_sqs],
+         [0 if t is None else t.data_ptr() for t in low], [p.numel() for p in params],
+         [t.data_ptr() for t in state_steps]],
+        dtype=torch.int64,
+    )
+    kind = torch.tensor([int(g.dtype == torch.bfloat16) + 2 * int(p.dtype == torch.bfloat16)
+                         for p, g in zip(params, grads)], dtype=torch.int32)
+    rates = torch.tensor([list(lrs), list(weight_decays)], dtype=torch.float64)
+    flags = torch.tensor([int(bool(a)) for a in adapt], dtype=torch.int32)
+    row, rrow = ptrs.data_ptr(), rates.data_ptr()
+    kernel(count, *(row + 8 * count * k for k in range(6)), kind.data_ptr(), row + 8 * count * 6,
+           rrow, rrow + 8 * count, flags.data_ptr(), beta1, beta2, eps, int(bias_correction),
+           int(lower_bound is not None), lower_bound or 0.0, int(upper_bound is not None),
+           upper_bound or 0.0, torch.get_num_threads(), *extra)
 
 
 @torch.compiler.disable  # host code calling C: nothing for dynamo to trace
-def lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs, weight_decays, adapt, beta1,
-         beta2, eps, weight_decay_mode, bias_correction, lower_bound, upper_bound,
-         low=None) -> None:
-    """LAMB on the fused kernels: the same update as :func:`scaleopt.lamb.lamb`.
+def lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, weight_decay_mode, **options) -> None:
+    """LAMB on the fused kernels, all tensors in one call: the same update as
+    :func:`scaleopt.lamb.lamb` (options: ``lrs``, ``weight_decays``, ``adapt``, ``beta1``,
+    ``beta2``, ``eps``, ``bias_correction``, ``lower_bound``, ``upper_bound``, ``low``).
 
     ``low[i]``, when given, is the bfloat16 parameter whose float32 master is ``params[i]``:
     it receives the rounded weights in the same pass. A bfloat16 ``params[i]`` is a split
     master, whose lower halves are ``low[i]`` (int16)."""
-    threads = torch.get_num_threads()
-    mode = _MODES[weight_decay_mode]
-    sums = (ctypes.c_double * 2)()
-    for i, n, (p, g, m, v, lp), bf16, split, lr, wd, bc1, bc2_sqrt in _tensors(
-        params, grads, exp_avgs, exp_avg_sqs, state_steps, lrs, weight_decays, low, beta1, beta2,
-        bias_correction,
-    ):
-        phase1 = _lib.lamb_phase1_bf16g if bf16 else _lib.lamb_phase1
-        phase1(p, lp if split else None, g, m, v, n, beta1, beta2, bc1, bc2_sqrt, eps, wd, mode,
-               1.0 - lr * wd, ctypes.addressof(sums), threads)
-        ratio = _ratio(sums[0], sums[1], lower_bound, upper_bound) if adapt[i] else 1.0
-        _lib.lamb_phase2(p, m, v, n, bc1, bc2_sqrt, eps, wd, mode, 1.0 - lr * wd, lr, ratio, lp,
-                         int(split), threads)
+    options.setdefault("low", None)
+    _run_multi(_lib.lamb_multi, (_MODES[weight_decay_mode],), params, grads, exp_avgs,
+               exp_avg_sqs, state_steps, **options)
 
 
 @torch.compiler.disable
-def lans(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs, weight_decays, adapt, beta1,
-         beta2, eps, bias_correction, lower_bound, upper_bound, clip_grad_value,
-         decay_moved_weight, low=None) -> None:
-    """LANS on the fused kernels: the same update as :func:`scaleopt.lans.lans` (``low`` as in
-    :func:`lamb`)."""
-    threads = torch.get_num_threads()
-    clip = int(clip_grad_value is not None)
+def lans(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, clip_grad_value,
+         decay_moved_weight, **options) -> None:
+    """LANS on the fused kernels, all tensors in one call: the same update as
+    :func:`scaleopt.lans.lans` (options and ``low`` as in :func:`lamb`)."""
+    options.setdefault("low", None)
     lo, hi = _blocks.clip_bounds(clip_grad_value)
-    sums = (ctypes.c_double * 4)()
-    for i, n, (p, g, m, v, lp), bf16, split, lr, wd, bc1, bc2_sqrt in _tensors(
-        params, grads, exp_avgs, exp_avg_sqs, state_steps, lrs, weight_decays, low, beta1, beta2,
-        bias_correction,
-    ):
-        sum_squares = _lib.sum_squares_bf16 if bf16 else _lib.sum_squares
-        phase1 = _lib.lans_phase1_bf16g if bf16 else _lib.lans_phase1
-        phase2 = _lib.lans_phase2_bf16g if bf16 else _lib.lans_phase2
-        gnorm = math.sqrt(sum_squares(g, n, threads))
-        ginv = 1.0 / gnorm if gnorm > 0 else 0.0
-        phase1(p, lp if split else None, g, m, v, n, ginv, lo, hi, clip, beta1, beta2, bc1,
-               bc2_sqrt, eps, wd, ctypes.addressof(sums), threads)
-        w2, r2, c2, rc = sums[0], sums[1], sums[2], sums[3]
-        a, b = lr * beta1, lr * (1.0 - beta1)
-        ratio_r = _ratio(w2, r2, lower_bound, upper_bound) if adapt[i] else 1.0
-        if decay_moved_weight:
-            # c' = c - wd*a*ratio_r*r, so ||c'||^2 follows from the sums of phase 1
-            k = wd * a * ratio_r
-            c2 = max(c2 - 2.0 * k * rc + k * k * r2, 0.0)
-        ratio_c = _ratio(w2, c2, lower_bound, upper_bound) if adapt[i] else 1.0
-        phase2(p, g, m, v, n, ginv, lo, hi, clip, bc1, bc2_sqrt, eps, wd, a, b, ratio_r, ratio_c,
-               int(decay_moved_weight), lp, int(split), threads)
+    extra = (int(clip_grad_value is not None), lo, hi, int(decay_moved_weight))
+    _run_multi(_lib.lans_multi, extra, params, grads, exp_avgs, exp_avg_sqs, state_steps,
+               **options)
 
 
 def adam_applies(work: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
