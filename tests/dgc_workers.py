@@ -89,6 +89,19 @@ def every_rank(params, world):
     return everyone
 
 
+def step_adding_up_u(model, opt, u_sum, m, rank, t):
+    """One DGC step on ``batch(rank, t)``; adds to ``u_sum`` the u that the step adds to v
+    (``m * u_prev + g``, from the gradient: for the conservation checks)."""
+    x, y = batch(rank, t)
+    opt.zero_grad()
+    (model(x) - y).square().mean().backward()
+    u_prev = [opt.state[p]["u"].clone() if "u" in opt.state[p] else torch.zeros_like(p)
+              for p in model.parameters()]
+    opt.step()
+    for s, up, p in zip(u_sum, u_prev, model.parameters()):
+        s += m * up + p.grad
+
+
 def train_dgc(rank, world, tmp, steps, options):
     """Train with DGCMomentum; return the parameters of every rank after every step, the
     telemetry, the final state, and the sum over steps of the u added to v (m * u_prev + g,
@@ -99,14 +112,7 @@ def train_dgc(rank, world, tmp, steps, options):
     u_sum = [torch.zeros_like(p) for p in model.parameters()]
     history, tels = [], []
     for t in range(steps):
-        x, y = batch(rank, t)
-        opt.zero_grad()
-        (model(x) - y).square().mean().backward()
-        u_prev = [opt.state[p]["u"].clone() if "u" in opt.state[p] else torch.zeros_like(p)
-                  for p in model.parameters()]
-        opt.step()
-        for s, up, p in zip(u_sum, u_prev, model.parameters()):
-            s += m * up + p.grad
+        step_adding_up_u(model, opt, u_sum, m, rank, t)
         tels.append(dict(opt.telemetry))
         history.append(every_rank(model.parameters(), world))
     return {"history": history, "telemetry": tels, "u_sum": u_sum,

@@ -95,14 +95,7 @@ def test_conservation_in_one_process():
     opt = DGCMomentum(model.parameters(), **opts)
     u_sum = [torch.zeros_like(p) for p in model.parameters()]
     for t in range(8):
-        x, y = W.batch(0, t)
-        opt.zero_grad()
-        (model(x) - y).square().mean().backward()
-        u_prev = [opt.state[p]["u"].clone() if "u" in opt.state[p] else torch.zeros_like(p)
-                  for p in model.parameters()]
-        opt.step()
-        for s, up, p in zip(u_sum, u_prev, model.parameters()):
-            s += 0.9 * up + p.grad
+        W.step_adding_up_u(model, opt, u_sum, 0.9, 0, t)
     for p, p0, s in zip(model.parameters(), w0, u_sum):
         applied = (p0 - p.detach()) / 0.05
         if p.numel() >= 100:
