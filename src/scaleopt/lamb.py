@@ -70,14 +70,17 @@ class LAMB(LayerwiseAdam):
             that get no decay (``re.search``).
         exclude_from_layer_adaptation (regex, list of regexes, callable(name) or None): names
             that never take the trust ratio.
-        master_weights (bool, default False): keep a float32 master copy and float32 moments for
+        master_weights (bool, default False): keep float32 master weights and float32 moments for
             float16/bfloat16 parameters (Paddle's and MXNet's ``multi_precision``); the update
-            runs in float32 and is rounded into the parameter. Saved in ``state_dict``.
+            runs in float32 and is rounded into the parameter. ``opt.master(p)`` returns the
+            master; where the fused C kernels run, a bfloat16 parameter's master is kept split
+            (the parameter + ``state["master_lo"]``, its low 16 bits). Saved in ``state_dict``
+            as float32 ``master_param``.
         maximize (bool, default False): maximize the objective.
         foreach (bool or None, default None): ``True`` runs the multi-tensor path, ``False``
             the reference single-tensor loop; ``None`` picks the multi-tensor path on
             accelerators and, on the CPU, the fused C kernels for contiguous float32 tensors
-            (the loop otherwise). All give the same numbers up to float round-off.
+            and bfloat16 ones with master weights (the loop otherwise). All give the same numbers up to float round-off.
 
     Gradients go through ``rescale_grad``, ``clip_grad_value``, ``clip_grad_norm_per_tensor``
     and ``max_grad_norm`` in that order; ``p.grad`` is never modified.

@@ -59,7 +59,8 @@ class LANS(LayerwiseAdam):
             :class:`scaleopt.LAMB` (see the note above).
         exclude_from_weight_decay, exclude_from_layer_adaptation (regex, list, callable or None):
             name rules, as in :class:`scaleopt.LAMB`.
-        master_weights (bool, default False): float32 master copy for float16/bfloat16 params.
+        master_weights (bool, default False): float32 master weights for float16/bfloat16
+            params, as in :class:`~scaleopt.LAMB` (split for bfloat16 where the kernels run).
         maximize (bool, default False): maximize the objective.
         foreach (bool or None, default None): ``True`` runs the multi-tensor path, ``False``
             the reference single-tensor loop; ``None`` picks the multi-tensor path on
