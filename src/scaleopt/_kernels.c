@@ -297,6 +297,10 @@ LANS_PHASE1(lans_phase1_bf16g, uint16_t, bf16_to_f32(g[i]))
 LANS_PHASE2(lans_phase2, float, g[i])
 LANS_PHASE2(lans_phase2_bf16g, uint16_t, bf16_to_f32(g[i]))
 
+/* The Adam kernel keeps torch's operations exactly, so no fused multiply-adds here. */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+
 /* ---------------------------------------------------------------------------------------- */
 /* Adam / AdamW (OffloadAdam's host step)                                                    */
 /* ---------------------------------------------------------------------------------------- */
@@ -392,6 +396,8 @@ void adam_multi(int64_t count, void *const *w, const void *const *g, float *cons
 #undef ADAM_CALL
     }
 }
+
+#pragma GCC pop_options
 
 /* ---------------------------------------------------------------------------------------- */
 /* LAMB and LANS over all tensors of a group in one call                                     */
