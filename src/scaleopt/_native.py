@@ -70,31 +70,28 @@ def _cpu_contiguous(t: Tensor, dtypes) -> bool:
 
 def applies(work: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
             exp_avg_sqs: Sequence[Tensor], low: Sequence[Optional[Tensor]]) -> bool:
-    """Whether the LAMB/LANS kernels take these tensors: float32 moments, all contiguous on the
-    CPU, and per tensor either a float32 weight with a float32 gradient, or a float32 master of a
-    bfloat16 parameter (``low``) with a float32 or bfloat16 gradient, or a split master: a
-    bfloat16 weight (the upper halves) whose ``low`` holds the int16 lower halves (see
-    :func:`split_join`), with a float32 or bfloat16 gradient."""
-    if _lib is None:
-        return False
-    f32 = (torch.float32,)
-    for w, g, m, v, lp in zip(work, grads, exp_avgs, exp_avg_sqs, low):
-        if not (_cpu_contiguous(m, f32) and _cpu_contiguous(v, f32)):
-            return False
-        if w.dtype == torch.bfloat16:
-            if not (_cpu_contiguous(w, _BF16) and lp is not None and _cpu_contiguous(lp, _INT16)
-                    and _cpu_contiguous(g, _ADAM_GRADS)):
-                return False
-            continue
-        if not _cpu_contiguous(w, f32):
-            return False
-        if lp is None:
-            if not _cpu_contiguous(g, f32):
-                return False
-        elif not (_cpu_contiguous(lp, (torch.bfloat16,))
-                  and _cpu_contiguous(g, (torch.float32, torch.bfloat16))):
-            return False
-    return True
+    """Whether the LAMB/LANS kernels take these tensors: what :func:`adam_applies` takes, except
+    a bfloat16 gradient for a float32 weight that is no master (no ``low``)."""
+    return _lib is not None and all(
+        adam_applies(w, g, m, v, lp)
+        and not (lp is None and w.dtype == torch.float32 and g.dtype != torch.float32)
+        for w, g, m, v, lp in zip(work, grads, exp_avgs, exp_avg_sqs, low))
+
+
+def _tensor_table(params, grads, exp_avgs, exp_avg_sqs, low, state_steps):
+    """What the ``*_multi`` kernels read per tensor: an int64 table whose rows are the
+    addresses of the weights, gradients, moments, ``low`` tensors (0 for None), the element
+    counts and the step counters, and the int32 kinds (bit 0: bfloat16 gradient, bit 1:
+    bfloat16 weight, i.e. a split master)."""
+    ptrs = torch.tensor(
+        [[t.data_ptr() for t in ts] for ts in (params, grads, exp_avgs, exp_avg_sqs)]
+        + [[0 if t is None else t.data_ptr() for t in low], [t.numel() for t in params],
+           [t.data_ptr() for t in state_steps]],
+        dtype=torch.int64,
+    )
+    kind = torch.tensor([int(g.dtype == torch.bfloat16) + 2 * int(p.dtype == torch.bfloat16)
+                         for p, g in zip(params, grads)], dtype=torch.int32)
+    return ptrs, kind
 
 
 def _run_multi(kernel, extra, params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs,
@@ -105,16 +102,8 @@ def _run_multi(kernel, extra, params, grads, exp_avgs, exp_avg_sqs, state_steps,
     count = len(params)
     if count == 0:
         return
-    low = low or [None] * count
-    ptrs = torch.tensor(
-        [[p.detach().data_ptr() for p in params], [g.data_ptr() for g in grads],
-         [t.data_ptr() for t in exp_avgs], [t.data_ptr() for t in exp_avg_sqs],
-         [0 if t is None else t.data_ptr() for t in low], [p.numel() for p in params],
-         [t.data_ptr() for t in state_steps]],
-        dtype=torch.int64,
-    )
-    kind = torch.tensor([int(g.dtype == torch.bfloat16) + 2 * int(p.dtype == torch.bfloat16)
-                         for p, g in zip(params, grads)], dtype=torch.int32)
+    ptrs, kind = _tensor_table(params, grads, exp_avgs, exp_avg_sqs, low or [None] * count,
+                               state_steps)
     rates = torch.tensor([list(lrs), list(weight_decays)], dtype=torch.float64)
     flags = torch.tensor([int(bool(a)) for a in adapt], dtype=torch.int32)
     row, rrow = ptrs.data_ptr(), rates.data_ptr()
@@ -157,9 +146,8 @@ def adam_applies(work: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor
     split storage: a bfloat16 weight with the int16 low halves of its master in ``low``."""
     if _lib is None:
         return False
-    for t in (exp_avg, exp_avg_sq):
-        if t.dtype != torch.float32 or t.is_cuda or not t.is_contiguous():
-            return False
+    if not (_cpu_contiguous(exp_avg, _F32) and _cpu_contiguous(exp_avg_sq, _F32)):
+        return False
     if not grad_applies(grad):
         return False
     if work.dtype == torch.bfloat16:
@@ -171,7 +159,7 @@ def adam_applies(work: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor
 
 def grad_applies(grad: Tensor) -> bool:
     """Whether :func:`adam` reads this gradient: float32 or bfloat16, contiguous, on the CPU."""
-    return grad.dtype in _ADAM_GRADS and grad.device.type == "cpu" and grad.is_contiguous()
+    return _cpu_contiguous(grad, _ADAM_GRADS)
 
 
 _F32, _BF16, _INT16 = (torch.float32,), (torch.bfloat16,), (torch.int16,)
@@ -216,14 +204,7 @@ def adam(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[T
     count = len(params)
     if count == 0:
         return
-    ptrs = torch.tensor(
-        [[t.data_ptr() for t in ts] for ts in (params, grads, exp_avgs, exp_avg_sqs)]
-        + [[0 if t is None else t.data_ptr() for t in low], [t.numel() for t in params],
-           [t.data_ptr() for t in state_steps]],
-        dtype=torch.int64,
-    )
-    kind = torch.tensor([int(g.dtype == torch.bfloat16) + 2 * int(p.dtype == torch.bfloat16)
-                         for p, g in zip(params, grads)], dtype=torch.int32)
+    ptrs, kind = _tensor_table(params, grads, exp_avgs, exp_avg_sqs, low, state_steps)
     scalars = torch.tensor([list(step_sizes), list(bias_correction2_sqrts), list(weight_decays_l2),
                             list(decays)], dtype=torch.float32)
     omb1, omb2 = one_minus_betas or (1.0 - beta1, 1.0 - beta2)
