@@ -218,11 +218,15 @@ class LayerwiseAdam(ScaleOptimizer):
             self._write_back(params, work, low, [False] * len(params))
 
     def _low_targets(self, params: List[Tensor], work: List[Tensor]) -> List[Optional[Tensor]]:
-        """Per parameter: the low-precision tensor the fused kernels may write the rounded
-        weights into in their pass (the parameter itself when it has a master), the lower halves
-        of a split master, or None."""
+        """Per parameter: the lower halves of a split master; for another parameter with a
+        master, the low-precision tensor the fused kernels may write the rounded weights into in
+        their pass (:meth:`_low_target`); None for a parameter that is its own master."""
         return [self.state[p]["master_lo"] if "master_lo" in self.state[p]
-                else (p if p is not w else None) for p, w in zip(params, work)]
+                else (None if p is w else self._low_target(p)) for p, w in zip(params, work)]
+
+    def _low_target(self, p: Tensor) -> Optional[Tensor]:
+        """Where the rounded weights of ``p``'s master go: ``p`` itself."""
+        return p
 
     def _write_back(self, params: List[Tensor], work: List[Tensor], low: List[Optional[Tensor]],
                     written: List[bool]) -> None:

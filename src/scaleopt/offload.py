@@ -678,9 +678,6 @@ class _OffloadLayerwise(HostOffload):
         return [self._split_pair(p)[0] if self._wants_split(p) else self._master(p)
                 for p in params]
 
-    def _low_targets(self, params: List[Tensor], work: List[Tensor]) -> List[Optional[Tensor]]:
-        return [self.state[p]["master_lo"] if "master_lo" in self.state[p]
-                else (None if p is w else self._low_target(p)) for p, w in zip(params, work)]
 
     @contextlib.contextmanager
     def _step_context(self):
