@@ -209,12 +209,14 @@ class DGCMomentum(ScaleOptimizer):
         self._refresh_hyperparameters()
         world = comm.world_of(self.process_group)
         tel = new_telemetry()
+        # a parameter unused on this rank but used on another takes part with a zero gradient,
+        # so that every rank sends the same tensors; one unused everywhere is skipped (the flags
+        # of all groups in one all-reduce)
+        every = [p for group in self.param_groups for p in group["params"]]
+        used = iter(comm.any_rank([p.grad is not None for p in every], self.process_group,
+                                  every[0].device if every else torch.device("cpu")))
         for group in self.param_groups:
-            # a parameter unused on this rank but used on another takes part with a zero
-            # gradient, so that every rank sends the same tensors; one unused everywhere is skipped
-            used = comm.any_rank([p.grad is not None for p in group["params"]], self.process_group,
-                                 group["params"][0].device if group["params"] else torch.device("cpu"))
-            params = [p for p, u in zip(group["params"], used) if u]
+            params = [p for p in group["params"] if next(used)]
             if not params:
                 continue
             grads = self._local_grads(group, params)
