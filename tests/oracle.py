@@ -6,6 +6,7 @@ import json
 import pathlib
 from typing import Any, Callable, Dict, List
 
+import pytest
 import torch
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -64,3 +65,13 @@ def replay(case: Dict[str, Any], params: Dict[str, torch.nn.Parameter], step: Ca
                         msg=lambda m, n=n, t=t, key=key: f"{case['case']}: state {key} of {n} "
                         f"after step {t + 1}: {m}",
                     )
+
+
+def assert_variant_misses(case: Dict[str, Any], params: Dict[str, torch.nn.Parameter], opt,
+                          change: Dict[str, Any]) -> None:
+    """``opt`` with its groups' options changed by ``change`` does not reproduce ``case``: the
+    replay is sharp enough to tell the reference's semantics from a near miss."""
+    for g in opt.param_groups:
+        g.update(change)
+    with pytest.raises(AssertionError):
+        replay(case, params, opt.step)
