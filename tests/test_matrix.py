@@ -265,3 +265,42 @@ def test_non_contiguous_parameters_are_updated(info):
     p.grad = torch.randn(4, 6).t().contiguous().t()
     opt.step()
     assert not torch.equal(before, p)
+
+
+# Tensor -> Python conversions: on a CUDA tensor each of these waits for the device.
+HOST_READS = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__")
+
+
+@pytest.mark.parametrize("info", [i for i in FAST if not i.host_step], ids=str)
+def test_device_path_reads_no_tensor_value_on_the_host(info, monkeypatch):
+    """The path GPUs take (foreach) reads no value back but the step counters, which live on
+    the CPU as in torch.optim: a proxy on CPU, run by CI, for the CUDA sync test in test_cuda.py.
+    """
+    model, opt = fresh(info)
+    set_foreach(opt, True)
+    train(model, opt, 1)  # state allocated
+    steps = {id(s["step"]) for s in opt.state.values() if "step" in s}
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    reads = []
+
+    def guarded(name):
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            if id(self) not in steps:
+                reads.append(f"Tensor.{name} on a {tuple(self.shape)} tensor")
+            return original(self, *args, **kwargs)
+
+        return read
+
+    for name in HOST_READS:
+        monkeypatch.setattr(torch.Tensor, name, guarded(name))
+    for name in ("nonzero", "masked_select", "argwhere", "unique"):
+        monkeypatch.setattr(torch, name, lambda *a, _n=name, **k: reads.append(f"torch.{_n}"))
+    before = params_of(model)
+    opt.step()
+    opt.step()
+    monkeypatch.undo()
+    assert reads == []
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
