@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 import subprocess
 import sys
 
@@ -131,6 +132,45 @@ def test_without_kernels_the_pytorch_path_runs():
     )
     env = dict(os.environ, SCALEOPT_NATIVE="0")
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_installing_without_a_compiler_gives_the_same_numbers(tmp_path):
+    """A machine with no C compiler: the install succeeds without the kernels, and LAMB and LANS
+    compute what they compute here (with the kernels, when built)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        shutil.copy(os.path.join(ROOT, name), src / name)
+    shutil.copytree(os.path.join(ROOT, "src"), src / "src",
+                    ignore=shutil.ignore_patterns("*.so", "*.egg-info", "__pycache__"))
+    env = dict(os.environ, CC="/bin/false", CXX="/bin/false", PIP_NO_INDEX="1")
+    env.pop("SCALEOPT_NATIVE", None)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                    "--no-build-isolation", "--target", str(tmp_path / "site"), str(src)],
+                   env=env, check=True, timeout=300, capture_output=True)
+    code = (
+        "import sys, torch, scaleopt; from scaleopt import _native;"
+        "assert scaleopt.__file__.startswith(sys.argv[1]), scaleopt.__file__;"
+        "assert not _native.available();"
+        "from test_native import named, run;"
+        "out = {}\n"
+        "for cls in (scaleopt.LAMB, scaleopt.LANS):\n"
+        "    p = named(); run(cls(p, lr=1e-2, weight_decay=0.01), p); out[cls.__name__] = [q for _, q in p]\n"
+        "torch.save(out, sys.argv[2])"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), os.path.dirname(__file__)]))
+    env.pop("SCALEOPT_NATIVE", None)
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "site"), str(tmp_path / "out.pt")],
+                   env=env, check=True, timeout=120, cwd=tmp_path)
+    theirs = torch.load(tmp_path / "out.pt", weights_only=True)
+    for cls in (scaleopt.LAMB, scaleopt.LANS):
+        p = named()
+        run(cls(p, lr=1e-2, weight_decay=0.01), p)
+        for a, (_, b) in zip(theirs[cls.__name__], p):
+            torch.testing.assert_close(a, b.detach(), rtol=2e-6, atol=1e-7)
 
 
 @needs_kernels
