@@ -108,12 +108,18 @@ def test_bench_times_the_optimizers(tmp_path, capsys):
     assert main(["bench", "--hidden", "32", "--layers", "1", "--vocab", "500", "--rounds", "2",
                  "--only", "LAMB", "OffloadAdam", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
-    names = [r["optimizer"] for r in result["rows"]]
+    rows = {r["optimizer"]: r for r in result["rows"]}
+    names = list(rows)
     assert names[0] == "torch.AdamW(fused=True)" and result["rows"][0]["ratio"] == 1.0
     assert "scaleopt.LAMB" in names and "scaleopt.OffloadAdam" in names
     assert all(r["median_s"] > 0 for r in result["rows"])
+    # each bf16 row is set against its float32 row, round by round
+    bf16 = rows["scaleopt.LAMB(bf16 params, master_weights)"]
+    assert bf16["fp32_row"] == "scaleopt.LAMB" and bf16["ratio_to_fp32"] > 0
+    assert rows["scaleopt.OffloadAdam(bf16 params)"]["fp32_row"] == "scaleopt.OffloadAdam"
+    assert "ratio_to_fp32" not in rows["scaleopt.LAMB"]
     printed = capsys.readouterr().out
-    assert "x fused AdamW" in printed and "in-place p += g" in printed
+    assert "x fused AdamW" in printed and "x fp32 row" in printed and "in-place p += g" in printed
 
 
 def test_dgc_on_two_workers_reports_its_traffic(tmp_path, capsys):

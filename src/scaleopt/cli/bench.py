@@ -6,7 +6,8 @@ interleaved, round after round, in one process, so drifts in machine speed hit e
 alike; the table gives the median step time and the median over rounds of its ratio to the fused
 AdamW baseline's step in the same round (paired, which cancels most of the drift), and the
 time of one in-place ``p += g`` over all tensors (12 bytes per float32 parameter) as the
-memory-bandwidth reference. Peers (timm, torch-optimizer, pytorch-optimizer, DeepSpeed's CPU Adam)
+memory-bandwidth reference. Rows with bfloat16 parameters also give their paired ratio to the
+same optimizer's float32 row (``x fp32 row``). Peers (timm, torch-optimizer, pytorch-optimizer, DeepSpeed's CPU Adam)
 are timed when installed.
 """
 
@@ -76,6 +77,14 @@ def sync(device: str) -> None:
 
 NO_DECAY = [r"bias$", r"LayerNorm"]
 
+# the float32-parameter row each bfloat16 row is set against ("no slower than the fp32 step")
+FP32_ROW = {
+    "scaleopt.LAMB(bf16 params, master_weights)": "scaleopt.LAMB",
+    "scaleopt.LANS(bf16 params, master_weights)": "scaleopt.LANS",
+    "scaleopt.OffloadAdam(bf16 params)": "scaleopt.OffloadAdam",
+    "scaleopt.offload(LAMB)(bf16 params)": "scaleopt.LAMB",
+}
+
 
 def candidates() -> Tuple[Dict[str, Callable], Dict[str, Callable]]:
     """(optimizers on parameters of the chosen dtype, optimizers on bfloat16 parameters)."""
@@ -90,7 +99,8 @@ def candidates() -> Tuple[Dict[str, Callable], Dict[str, Callable]]:
         "scaleopt.OffloadAdam": lambda n: scaleopt.OffloadAdam(
             n, lr=1e-3, weight_decay=0.01, exclude_from_weight_decay=NO_DECAY),
     }
-    # bf16 parameters with fp32 master weights and moments (mixed-precision training)
+    # bf16 parameters with fp32 master weights and moments (mixed-precision training); each
+    # row is also compared with the float32 row of FP32_ROW
     low: Dict[str, Callable] = {
         "scaleopt.LAMB(bf16 params, master_weights)": lambda n: scaleopt.LAMB(
             n, lr=1e-3, exclude_from_weight_decay=NO_DECAY, master_weights=True),
@@ -126,6 +136,11 @@ def candidates() -> Tuple[Dict[str, Callable], Dict[str, Callable]]:
     except Exception:
         pass
     return c, low
+
+
+def paired_ratio(times: List[float], baseline: List[float]) -> float:
+    """The median over rounds of ``times[r] / baseline[r]``: both were timed in the same round."""
+    return statistics.median(t / b for t, b in zip(times, baseline))
 
 
 def bandwidth_reference(named) -> float:
@@ -225,14 +240,18 @@ def run(args: argparse.Namespace) -> dict:
           f"{torch.cuda.get_device_name() if args.device.startswith('cuda') else platform.machine()}")
     print(f"in-place p += g over all tensors: {ref * 1e3:.1f} ms "
           f"({12 * nparams / ref / 1e9:.1f} GB/s at 12 bytes per parameter)")
-    print(f"{'optimizer':44s} {'median ms':>10s} {'x fused AdamW':>14s}")
+    print(f"{'optimizer':44s} {'median ms':>10s} {'x fused AdamW':>14s} {'x fp32 row':>11s}")
     rows = []
     for name, ts in times.items():
         med = statistics.median(ts)
-        paired = statistics.median(t / b for t, b in zip(ts, times["torch.AdamW(fused=True)"]))
-        rows.append({"optimizer": name, "median_s": med, "ratio": paired,
-                     "ratio_of_medians": med / base})
-        print(f"{name:44s} {med * 1e3:10.1f} {paired:14.2f}")
+        paired = paired_ratio(ts, times["torch.AdamW(fused=True)"])
+        row = {"optimizer": name, "median_s": med, "ratio": paired, "ratio_of_medians": med / base}
+        fp32 = FP32_ROW.get(name) if args.dtype == "float32" else None
+        if fp32 in times:
+            row["fp32_row"], row["ratio_to_fp32"] = fp32, paired_ratio(ts, times[fp32])
+        rows.append(row)
+        vs_fp32 = f"{row['ratio_to_fp32']:11.2f}" if "ratio_to_fp32" in row else ""
+        print(f"{name:44s} {med * 1e3:10.1f} {paired:14.2f} {vs_fp32}".rstrip())
     result = {"size": args.size, "params": nparams, "tensors": len(shapes), "dtype": args.dtype,
               "threads": args.threads, "device": args.device, "torch": torch.__version__,
               "rounds": args.rounds, "bandwidth_reference_s": ref, "rows": rows}
