@@ -57,6 +57,31 @@ LANS_CONFIGS = [
 
 
 @needs_kernels
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("cls", [scaleopt.LAMB, scaleopt.LANS])
+def test_kernels_cover_every_element_of_large_tensors(cls, threads):
+    # sizes around the parallel threshold (32768) and the backward passes' chunks (131072)
+    sizes = [32767, 32769, 70001, 262143, 3 * 131072 + 12345]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        pairs = []
+        for foreach in (None, False):
+            g = torch.Generator().manual_seed(0)
+            params = [(f"w{k}", nn.Parameter(torch.randn(n, generator=g))) for k, n in enumerate(sizes)]
+            opt = cls(params, lr=1e-2, weight_decay=0.1, foreach=foreach)
+            for t in range(3):
+                for _, p in params:
+                    p.grad = torch.randn(p.shape, generator=g) * (1.0 + t)
+                opt.step()
+            pairs.append(params)
+    finally:
+        torch.set_num_threads(before)
+    for (n, x), (_, y) in zip(*pairs):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=n)
+
+
+@needs_kernels
 @pytest.mark.parametrize("cls, config", [(scaleopt.LAMB, c) for c in LAMB_CONFIGS]
                          + [(scaleopt.LANS, c) for c in LANS_CONFIGS])
 def test_kernels_equal_the_reference_path(cls, config, monkeypatch):

@@ -23,6 +23,12 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#else
+static int omp_get_num_threads(void) { return 1; }
+static int omp_get_thread_num(void) { return 0; }
+#endif
 
 /* Clones for AVX-512 (x86-64-v4), AVX2 + FMA (x86-64-v3), AVX2, and the baseline, picked at
  * load time by the CPU's features; with -ffp-contract=fast (setup.py) a*b+c becomes one fused
@@ -91,6 +97,45 @@ static inline float split_join(uint16_t hi, uint16_t lo) {
         const int64_t end = n - blk < RBLOCK ? n : blk + RBLOCK;
 #define BLOCKS_END }
 
+/* The passes over a tensor alternate direction (LAMB: phase 1 forwards, phase 2 backwards; LANS:
+ * the gradient's norm backwards, phase 1 forwards, phase 2 backwards), so that each thread starts
+ * a pass where it ended the one before, on data still in the caches. For a tensor somewhat larger
+ * than the last-level cache that saves a good part of a pass's reads, where a pass in the same
+ * direction would find none of its data left (the cache evicts the oldest lines first, which it
+ * needs first). Backwards means chunk by chunk (up to CHUNK elements), downwards; each chunk
+ * upwards, so the hardware prefetchers still see ascending streams. A thread's chunks are the
+ * ones it covered in the forward pass, give or take one. */
+#define CHUNK 131072
+/* This thread's chunks [first, last) of *size elements: each thread gets an equal number of
+ * chunks of at most CHUNK elements (multiples of RBLOCK), about n / threads elements in all. */
+static inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
+static inline void thread_chunks(int64_t n, int64_t *size, int64_t *first, int64_t *last) {
+    const int id = omp_get_thread_num(), nt = omp_get_num_threads();
+    int64_t share = round_up((n + nt - 1) / nt, RBLOCK);
+    if (share == 0) share = RBLOCK;
+    const int64_t per_thread = (share + CHUNK - 1) / CHUNK;
+    *size = round_up((share + per_thread - 1) / per_thread, RBLOCK);
+    const int64_t chunks = (n + *size - 1) / *size;
+    *first = chunks * id / nt;
+    *last = chunks * (id + 1) / nt;
+}
+#define BACKWARDS_BEGIN(...)                                                                   \
+    _Pragma(__VA_ARGS__) {                                                                     \
+        int64_t size_, first_, last_;                                                          \
+        thread_chunks(n, &size_, &first_, &last_);                                             \
+        for (int64_t chunk_ = last_ - 1; chunk_ >= first_; chunk_--) {                         \
+            const int64_t from = chunk_ * size_, to = n - from < size_ ? n : from + size_;
+#define BACKWARDS_END }}
+
+/* An elementwise pass, backwards. */
+#define BACKWARDS_FOR(BODY)                                                                    \
+    BACKWARDS_BEGIN("omp parallel num_threads(nthreads) if (n >= 32768)")                      \
+        _Pragma("omp simd")                                                                    \
+        for (int64_t i = from; i < to; i++) {                                                  \
+            BODY                                                                               \
+        }                                                                                      \
+    BACKWARDS_END
+
 /* Where the weights are: pw is float32 (W_F32), or the bfloat16 upper halves of split masters
  * whose lower halves are lo (W_SPLIT). */
 #define W_F32 (((const float *)pw)[i])
@@ -151,13 +196,12 @@ LAMB_PHASE1(lamb_phase1_bf16g, uint16_t, bf16_to_f32(g[i]))
  * != 0, pw and low are a split master's halves; otherwise pw is float32 and the rounded value
  * also goes to low[] (bfloat16) when low is not NULL. */
 #define LAMB_PHASE2_LOOP(WLOAD, STOREW)                                                        \
-    OMP_FOR                                                                                    \
-    for (int64_t i = 0; i < n; i++) {                                                          \
+    BACKWARDS_FOR(                                                                             \
         float w = (WLOAD) * f;                                                                 \
         float u = (m[i] * inv_bc1) / (sqrtf(v[i]) * inv_bc2_sqrt + eps) + wd_u * w;            \
         float w_new = w - lr * (ratio * u);                                                    \
         STOREW;                                                                                \
-    }
+    )
 
 TARGETS void lamb_phase2(void *pw, const float *m, const float *v, int64_t n, float bc1,
                          float bc2_sqrt, float eps, float wd, int mode, float decay_factor,
@@ -179,18 +223,23 @@ TARGETS void lamb_phase2(void *pw, const float *m, const float *v, int64_t n, fl
 /* LANS                                                                                       */
 /* ---------------------------------------------------------------------------------------- */
 
+/* The gradient's sum of squares, LANS's first pass: backwards, so that phase 1 (forwards) starts
+ * on the gradient this pass read last. */
 #define SUM_SQUARES(NAME, T, LOAD)                                                             \
     TARGETS double NAME(const T *x, int64_t n, int nthreads) {                                 \
         double s = 0.0;                                                                        \
-        BLOCKS_BEGIN("omp parallel for reduction(+ : s) num_threads(nthreads) schedule(static) if (n >= 32768)") \
-            float b = 0.0f;                                                                    \
-            _Pragma("omp simd reduction(+ : b)")                                               \
-            for (int64_t i = blk; i < end; i++) {                                              \
-                float xi = (LOAD);                                                             \
-                b += xi * xi;                                                                  \
+        BACKWARDS_BEGIN("omp parallel reduction(+ : s) num_threads(nthreads) if (n >= 32768)") \
+            for (int64_t blk = from; blk < to; blk += RBLOCK) {                                \
+                const int64_t end = to - blk < RBLOCK ? to : blk + RBLOCK;                     \
+                float b = 0.0f;                                                                \
+                _Pragma("omp simd reduction(+ : b)")                                           \
+                for (int64_t i = blk; i < end; i++) {                                          \
+                    float xi = (LOAD);                                                         \
+                    b += xi * xi;                                                              \
+                }                                                                              \
+                s += b;                                                                        \
             }                                                                                  \
-            s += b;                                                                            \
-        BLOCKS_END                                                                             \
+        BACKWARDS_END                                                                          \
         return s;                                                                              \
     }
 
@@ -255,8 +304,7 @@ LANS_PHASE1(lans_phase1_bf16g, uint16_t, bf16_to_f32(g[i]))
  * moved != 0 (MXNet's step()) and w otherwise. a = lr*beta1, b = lr*(1-beta1). pw and low as
  * in lamb_phase2. */
 #define LANS_PHASE2_LOOP(WLOAD, GT, DECAYED, STOREW)                                           \
-    OMP_FOR                                                                                    \
-    for (int64_t i = 0; i < n; i++) {                                                          \
+    BACKWARDS_FOR(                                                                             \
         float w = (WLOAD);                                                                     \
         float gt = (GT);                                                                       \
         float dinv = 1.0f / (sqrtf(v[i]) * inv_bc2_sqrt + eps);                                \
@@ -265,7 +313,7 @@ LANS_PHASE1(lans_phase1_bf16g, uint16_t, bf16_to_f32(g[i]))
         float c = gt * dinv + wd * (DECAYED);                                                  \
         float w_new = w1 - b * (ratio_c * c);                                                  \
         STOREW;                                                                                \
-    }
+    )
 
 #define LANS_PHASE2_LOW(GT, DECAYED)                                                           \
     if (split) {                                                                               \
