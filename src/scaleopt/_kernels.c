@@ -80,7 +80,8 @@ static inline uint16_t split_low(float w) {
 }
 
 static inline float split_join(uint16_t hi, uint16_t lo) {
-    uint32_t u = ((uint32_t)(uint16_t)(hi - (lo >> 15)) << 16) | lo;
+    /* (hi << 16) + the low half as a signed offset: hi was rounded up when lo >= 0x8000 */
+    uint32_t u = ((uint32_t)hi << 16) + (uint32_t)(int32_t)(int16_t)lo;
     float f;
     memcpy(&f, &u, sizeof f);
     return f;
