@@ -1,0 +1,37 @@
+"""The scripts in benchmarks/ run (on tiny sizes) and print what their docs promise."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(script, *args):
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *args],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_bench_sizes_gives_a_row_per_size():
+    out = run("bench_sizes.py", "--sizes", "1000", "5000", "--total", "10000", "--rounds", "2",
+              "--threads", "1")
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert [r[0] for r in rows] == ["1,000", "5,000"]
+    assert [r[1] for r in rows] == ["10", "2"]
+    assert all(float(x) > 0 for r in rows for x in r[2:])
+
+
+def test_bench_dgc_select_finds_the_same_indices_as_topk():
+    out = run("bench_dgc_select.py", "--numel", "100000", "--rounds", "1", "--threads", "1")
+    assert "same indices: True" in out and "scaleopt.dgc.topk_sampled" in out
+
+
+@pytest.mark.parametrize("script", ["bench_step.py", "bench_offload.py"])
+def test_bench_scripts_answer_help(script):
+    assert "usage" in run(script, "--help")
