@@ -2,13 +2,14 @@
  * Fused CPU kernels for LAMB, LANS and Adam on contiguous float32 tensors.
  *
  * Plain C with OpenMP, called through ctypes on raw pointers: nothing here depends on a
- * particular torch version. Each optimizer runs in two passes over memory per tensor:
+ * particular torch version. LAMB and LANS run in two passes over memory per tensor:
  *   phase 1 updates the moments and accumulates the squared norms the trust ratios need;
- *   phase 2 recomputes the update from the moments and writes the weights.
- * LAMB moves about 40 bytes per parameter, LANS about 48 (one more read of the gradient for
- * its norm), against 28 for Adam. Reductions add float partial sums over blocks into doubles,
- * and the per-element divisions are cut to one (reciprocals of the bias corrections), so the
- * passes stay memory-bound.
+ *   phase 2 recomputes the update from the moments and writes the weights;
+ * LANS first reads the gradient once for its norm. The passes alternate direction (see
+ * BACKWARDS_BEGIN). LAMB moves about 40 bytes per parameter, LANS about 48, against 28 for
+ * Adam. Reductions add float partial sums over blocks into doubles, and the per-element
+ * divisions are cut to one (reciprocals of the bias corrections), so the passes stay
+ * memory-bound.
  *
  * For bfloat16 parameters with float32 master weights, the *_bf16g variants read the bfloat16
  * gradient directly. The master is either a float32 tensor (phase 2 then also writes the rounded
