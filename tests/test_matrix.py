@@ -304,3 +304,34 @@ def test_device_path_reads_no_tensor_value_on_the_host(info, monkeypatch):
     monkeypatch.undo()
     assert reads == []
     assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("info", [i for i in REGISTRY if not i.host_step], ids=str)
+def test_compiled_step_does_not_recompile_as_the_step_and_lr_change(info):
+    """``torch.compile(opt.step)`` under an LR schedule: after the first steps (state
+    allocation, the learning rate turning from a constant into an input), no step recompiles:
+    neither the step counters nor the changing rates are constants of the graph; and the
+    compiled steps compute what the eager ones do. Multi-tensor paths run as on a GPU
+    (``foreach=True``; on the CPU the kernels are outside the graph)."""
+    torch._dynamo.reset()
+    runs = []
+    for compiled in (False, True):
+        model, opt = fresh(info)
+        if info.has_foreach:
+            set_foreach(opt, True)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1.0 + t))
+        step = torch.compile(opt.step, backend="aot_eager") if compiled else opt.step
+
+        def steps(start, n):
+            for t in range(start, start + n):
+                opt.zero_grad()
+                loss_of(model, t).backward()
+                step()
+                sched.step()
+
+        steps(0, 3)
+        with torch._dynamo.config.patch(error_on_recompile=compiled):
+            steps(3, 4)
+        runs.append(model)
+    for a, b in zip(runs[0].parameters(), runs[1].parameters()):
+        torch.testing.assert_close(a, b)

@@ -115,6 +115,34 @@ def scale(grads: TensorList, factor: Union[float, Tensor]) -> TensorList:
 # --------------------------------------------------------------------------------------------
 
 
+def compiling() -> bool:
+    """Whether ``torch.compile`` is tracing the step."""
+    return bool(getattr(torch.compiler, "is_compiling", lambda: False)())
+
+
+def add_scaled_(params: TensorList, updates: TensorList, alphas: Sequence[float]) -> None:
+    """``params[i] += alphas[i] * updates[i]``. Eagerly, one multi-tensor add per distinct
+    factor; under ``torch.compile`` a product per tensor, where the compiler takes each factor
+    (a learning rate an LR schedule changes) as an input rather than a constant of the graph: as
+    a multi-tensor op's scalar it would recompile the step whenever the rate changes."""
+    if compiling():
+        torch._foreach_add_(list(params), [u * a for u, a in zip(updates, alphas)])
+        return
+    by_alpha: dict = {}
+    for i, a in enumerate(alphas):
+        by_alpha.setdefault(a, []).append(i)
+    for a, ids in by_alpha.items():
+        torch._foreach_add_([params[i] for i in ids], [updates[i] for i in ids], alpha=a)
+
+
+def add_scaled_one_(p: Tensor, u: Tensor, alpha: float) -> None:
+    """``p += alpha * u`` (see :func:`add_scaled_`)."""
+    if compiling():
+        p.add_(u * alpha)
+    else:
+        p.add_(u, alpha=alpha)
+
+
 def bias_corrections(
     steps: Sequence[float], beta1: float, beta2: float, enabled: bool
 ) -> Tuple[List[float], List[float]]:
@@ -124,6 +152,22 @@ def bias_corrections(
     bc1 = [1.0 - beta1**t for t in steps]
     bc2_sqrt = [(1.0 - beta2**t) ** 0.5 for t in steps]
     return bc1, bc2_sqrt
+
+
+def step_bias_corrections(
+    steps: Sequence[Tensor], beta1: float, beta2: float, enabled: bool
+) -> Tuple[list, list]:
+    """:func:`bias_corrections` of the step-counter tensors (on the CPU, as in torch.optim).
+
+    Eagerly the counters are read as Python numbers. Under ``torch.compile`` the corrections
+    are 0-d float64 tensors computed from the counters, so the compiled step neither reads them
+    back nor specialises on their values (which would recompile it at every step).
+    """
+    if not compiling() or not enabled:
+        return bias_corrections([s.item() for s in steps] if enabled else steps, beta1, beta2,
+                                enabled)
+    t = [s.double() for s in steps]
+    return [1.0 - beta1**x for x in t], [(1.0 - beta2**x).sqrt() for x in t]
 
 
 def adam_moments_one(m: Tensor, v: Tensor, g: Tensor, beta1: float, beta2: float) -> None:

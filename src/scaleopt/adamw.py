@@ -174,6 +174,14 @@ class AdamW(ScaleOptimizer):
                 ls[5].append(state["step"])
             beta1, beta2 = group["betas"]
             for decayed, (ps, gs, ms, vs, maxs, steps) in lists.items():
+                # torch's foreach path needs its tensor-scalar form under torch.compile
+                capturable = _compiling() and not fused and all(
+                    s.device == p.device for s, p in zip(steps, ps))
+                lr = group["lr"]
+                if capturable:
+                    # a 0-d tensor made from the float: an input of the compiled graph, not a
+                    # constant that an LR schedule would recompile at every step
+                    lr = torch.ones((), dtype=torch.float32, device=ps[0].device) * lr
                 _torch_adamw(
                     ps,
                     gs,
@@ -183,14 +191,11 @@ class AdamW(ScaleOptimizer):
                     steps,
                     foreach=None if fused else group["foreach"],
                     fused=fused,
-                    # torch's foreach path needs its tensor-scalar form under torch.compile
-                    capturable=_compiling() and not fused and all(
-                        s.device == p.device for s, p in zip(steps, ps)
-                    ),
+                    capturable=capturable,
                     amsgrad=group["amsgrad"],
                     beta1=beta1,
                     beta2=beta2,
-                    lr=group["lr"],
+                    lr=lr,
                     weight_decay=group["weight_decay"] if decayed else 0.0,
                     eps=group["eps"],
                     maximize=False,

@@ -198,8 +198,8 @@ def _single_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lr
         if weight_decay_mode == "l2" and wd != 0:
             g = g.add(p, alpha=wd)
         _blocks.adam_moments_one(m, v, g, beta1, beta2)
-        (bc1,), (bc2_sqrt,) = _blocks.bias_corrections(
-            [state_steps[i].item()], beta1, beta2, bias_correction
+        (bc1,), (bc2_sqrt,) = _blocks.step_bias_corrections(
+            [state_steps[i]], beta1, beta2, bias_correction
         )
         u = _blocks.adam_direction_one(m, v, bc1, bc2_sqrt, eps)
         if weight_decay_mode == "update" and wd != 0:
@@ -211,7 +211,7 @@ def _single_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lr
                 _blocks.norm_one(p), _blocks.norm_one(u), lower_bound, upper_bound
             )
             u.mul_(ratio.to(u.dtype))
-        p.add_(u, alpha=-lr)
+        _blocks.add_scaled_one_(p, u, -lr)
 
 
 def _multi_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs, weight_decays,
@@ -228,19 +228,20 @@ def _multi_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs
             for i, g in zip(ids, _blocks.add_l2_to_grad(pick(grads, ids), pick(params, ids), wd)):
                 grads[i] = g
     _blocks.adam_moments(exp_avgs, exp_avg_sqs, grads, beta1, beta2)
-    bc1, bc2_sqrt = _blocks.bias_corrections(
-        [s.item() for s in state_steps], beta1, beta2, bias_correction
-    )
+    bc1, bc2_sqrt = _blocks.step_bias_corrections(state_steps, beta1, beta2, bias_correction)
     updates = _blocks.adam_direction(exp_avgs, exp_avg_sqs, bc1, bc2_sqrt, eps)
     if weight_decay_mode == "update":
         for wd, ids in decays:
             _blocks.add_decay_to_update(pick(updates, ids), pick(params, ids), wd)
-    elif weight_decay_mode == "decoupled":
-        for (lr, wd), ids in by_value(list(zip(lrs, weight_decays))):
-            _blocks.decoupled_decay_(pick(params, ids), lr, wd)
+    elif weight_decay_mode == "decoupled" and decays:
+        if _blocks.compiling():  # per tensor: the rates are inputs, not constants (add_scaled_)
+            for p, lr, wd in zip(params, lrs, weight_decays):
+                p.mul_(1.0 - lr * wd)
+        else:
+            for (lr, wd), ids in by_value(list(zip(lrs, weight_decays))):
+                _blocks.decoupled_decay_(pick(params, ids), lr, wd)
     ada = [i for i, a in enumerate(adapt) if a]
     _blocks.apply_trust_ratio_(
         pick(updates, ada), _blocks.norms(pick(params, ada)), lower_bound, upper_bound
     )
-    for lr, ids in by_value(lrs):
-        torch._foreach_add_(pick(params, ids), pick(updates, ids), alpha=-lr)
+    _blocks.add_scaled_(params, updates, [-lr for lr in lrs])

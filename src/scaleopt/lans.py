@@ -185,8 +185,8 @@ def _single_tensor_lans(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lr
         g = grads[i] * _inverse_norms(_blocks.norm_one(grads[i])).to(grads[i].dtype)
         (g,) = _blocks.clip_by_value([g], clip_grad_value)
         _blocks.adam_moments_one(m, v, g, beta1, beta2)
-        (bc1,), (bc2_sqrt,) = _blocks.bias_corrections(
-            [state_steps[i].item()], beta1, beta2, bias_correction
+        (bc1,), (bc2_sqrt,) = _blocks.step_bias_corrections(
+            [state_steps[i]], beta1, beta2, bias_correction
         )
         denom = v.sqrt().div_(bc2_sqrt).add_(eps)
         r = (m / bc1).div_(denom)
@@ -197,14 +197,14 @@ def _single_tensor_lans(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lr
         if adapt[i]:
             r.mul_(_blocks.trust_ratio(w_norm, _blocks.norm_one(r), lower_bound, upper_bound).to(r.dtype))
         if decay_moved_weight:
-            p.add_(r, alpha=-lr * beta1)
+            _blocks.add_scaled_one_(p, r, -lr * beta1)
         if wd != 0:
             c.add_(p, alpha=wd)
         if adapt[i]:
             c.mul_(_blocks.trust_ratio(w_norm, _blocks.norm_one(c), lower_bound, upper_bound).to(c.dtype))
         if not decay_moved_weight:
-            p.add_(r, alpha=-lr * beta1)
-        p.add_(c, alpha=-lr * (1.0 - beta1))
+            _blocks.add_scaled_one_(p, r, -lr * beta1)
+        _blocks.add_scaled_one_(p, c, -lr * (1.0 - beta1))
 
 
 def _multi_tensor_lans(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs, weight_decays,
@@ -218,9 +218,7 @@ def _multi_tensor_lans(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs
     g = torch._foreach_mul(grads, [s.to(x.dtype) for x, s in zip(grads, inv.unbind(0))])
     g = _blocks.clip_by_value(g, clip_grad_value)
     _blocks.adam_moments(exp_avgs, exp_avg_sqs, g, beta1, beta2)
-    bc1, bc2_sqrt = _blocks.bias_corrections(
-        [s.item() for s in state_steps], beta1, beta2, bias_correction
-    )
+    bc1, bc2_sqrt = _blocks.step_bias_corrections(state_steps, beta1, beta2, bias_correction)
     denom = torch._foreach_sqrt(exp_avg_sqs)
     torch._foreach_div_(denom, bc2_sqrt)
     torch._foreach_add_(denom, eps)
@@ -234,12 +232,10 @@ def _multi_tensor_lans(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs
         _blocks.add_decay_to_update(pick(r, ids), pick(params, ids), wd)
     _blocks.apply_trust_ratio_(pick(r, ada), w_norms, lower_bound, upper_bound)
     if decay_moved_weight:
-        for lr, ids in by_value(lrs):
-            torch._foreach_add_(pick(params, ids), pick(r, ids), alpha=-lr * beta1)
+        _blocks.add_scaled_(params, r, [-lr * beta1 for lr in lrs])
     for wd, ids in decays:
         _blocks.add_decay_to_update(pick(c, ids), pick(params, ids), wd)
     _blocks.apply_trust_ratio_(pick(c, ada), w_norms, lower_bound, upper_bound)
-    for lr, ids in by_value(lrs):
-        if not decay_moved_weight:
-            torch._foreach_add_(pick(params, ids), pick(r, ids), alpha=-lr * beta1)
-        torch._foreach_add_(pick(params, ids), pick(c, ids), alpha=-lr * (1.0 - beta1))
+    if not decay_moved_weight:
+        _blocks.add_scaled_(params, r, [-lr * beta1 for lr in lrs])
+    _blocks.add_scaled_(params, c, [-lr * (1.0 - beta1) for lr in lrs])

@@ -142,4 +142,4 @@ def _momentum_lists(params, grads, bufs, decayed, lr, momentum, nesterov, weight
         add = _blocks.add_l2_to_grad if mode == "l2" else _blocks.add_l1_to_grad
         grads = add(grads, params, weight_decay)
     direction = _blocks.heavy_ball_(bufs, grads, momentum, nesterov)
-    torch._foreach_add_(params, direction, alpha=-lr)
+    _blocks.add_scaled_(params, direction, [-lr] * len(params))
