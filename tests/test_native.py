@@ -41,6 +41,10 @@ def run(opt, params, steps=8, zero_at=None):
 
 LAMB_CONFIGS = [
     dict(),
+    # scalar gradient transforms the kernels apply as they read the gradient
+    dict(max_grad_norm=0.5, rescale_grad=0.25, maximize=True),
+    dict(clip_grad_norm_per_tensor=0.3, max_grad_norm=1.0, weight_decay_mode="l2",
+         weight_decay=0.1),
     dict(weight_decay=0.1, exclude_from_weight_decay="bias"),
     dict(weight_decay=0.1, weight_decay_mode="decoupled", always_adapt=True),
     dict(weight_decay=0.1, weight_decay_mode="l2", bias_correction=False),
@@ -49,6 +53,7 @@ LAMB_CONFIGS = [
 ]
 LANS_CONFIGS = [
     dict(),
+    dict(max_grad_norm=0.5, rescale_grad=4.0, maximize=True, clip_grad_norm_per_tensor=0.1),
     dict(weight_decay=0.1, decay_moved_weight=True),
     dict(weight_decay=0.1, lower_bound=5.0, upper_bound=8.0, clip_grad_value=0.01,
          exclude_from_weight_decay="bias", always_adapt=False),
@@ -259,13 +264,18 @@ def test_split_master_costs_two_bytes_per_parameter():
 @needs_kernels
 @pytest.mark.parametrize("cls", [scaleopt.LAMB, scaleopt.LANS])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_step_allocates_nothing_the_size_of_the_model(cls, dtype):
+@pytest.mark.parametrize("scalars", [{}, dict(max_grad_norm=1.0, rescale_grad=0.5, maximize=True,
+                                                clip_grad_norm_per_tensor=10.0)],
+                         ids=["plain", "clipped"])
+def test_kernel_step_allocates_nothing_the_size_of_the_model(cls, dtype, scalars):
+    # with clipping, rescaling or maximize the kernels take the gradients times one scalar per
+    # tensor as they read them: no scaled copy of the gradients
     from torch.profiler import ProfilerActivity, profile
 
     ps = [nn.Parameter(torch.randn(512, 1024).to(dtype)) for _ in range(4)]  # 2M parameters
     for p in ps:
         p.grad = torch.randn_like(p)
-    opt = cls(ps, master_weights=True, weight_decay=0.01)
+    opt = cls(ps, master_weights=True, weight_decay=0.01, **scalars)
     opt.step()  # the state is created here
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         opt.step()

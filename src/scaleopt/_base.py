@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 import torch
 from torch import Tensor
 
-from . import _blocks
+from . import _blocks, _native
 
 NameRule = Union[None, str, Sequence[str], Callable[[str], bool]]
 
@@ -325,8 +325,10 @@ class ScaleOptimizer(torch.optim.Optimizer):
     # -- gradients ----------------------------------------------------------------------------
 
     def _intake(
-        self, value_clip: bool = True
-    ) -> Iterator[Tuple[Dict[str, Any], List[int], List[Tensor], List[Tensor]]]:
+        self,
+        value_clip: bool = True,
+        defer: Optional[Callable[[Dict[str, Any], List[Tensor]], bool]] = None,
+    ) -> Iterator[tuple]:
         """Yield ``(group, indices, params, grads)`` for each group, over parameters with a grad.
 
         ``grads`` are the gradients after ``maximize`` (negation), ``rescale_grad``,
@@ -334,6 +336,15 @@ class ScaleOptimizer(torch.optim.Optimizer):
         ``clip_grad_norm_per_tensor`` and, last, global ``max_grad_norm`` clipping, whose norm is
         taken over every gradient of every group. New tensors are made only for the transforms
         in use; ``p.grad`` itself is never written.
+
+        With ``defer``, a predicate on ``(group, params)``, the items are
+        ``(group, indices, params, grads, multipliers)``. A group the predicate accepts (where
+        no element-wise clipping comes first) keeps its gradients as they are, and the scalar
+        transforms (sign, ``rescale_grad``, both norm clippings) come as one float per tensor
+        that the consumer multiplies the gradient by as it reads it (the fused CPU kernels do,
+        which saves a pass over the gradients and a copy of them); the norms the clippings need
+        are those of the scaled gradients, from one read of the raw ones. ``multipliers`` is None
+        where nothing scales or the group is not deferred.
         """
         self._refresh_hyperparameters()
         staged = []
@@ -350,23 +361,55 @@ class ScaleOptimizer(torch.optim.Optimizer):
                 idx.append(i)
                 params.append(p)
                 grads.append(self._grad_of(p))
-            if grads:
+            deferred = bool(grads) and defer is not None and defer(group, params) and not (
+                value_clip and group["clip_grad_value"] is not None)
+            mults = norms = None
+            if deferred:
+                mults, norms = self._deferred_multipliers(group, grads)
+            elif grads:
                 if group.get("maximize", False):
                     grads = torch._foreach_neg(grads)
                 grads = _blocks.scale(grads, group["rescale_grad"])
                 if value_clip:
                     grads = _blocks.clip_by_value(grads, group["clip_grad_value"])
                 grads = _blocks.clip_by_tensor_norm(grads, group["clip_grad_norm_per_tensor"])
-            staged.append((group, idx, params, grads))
+            staged.append([group, idx, params, grads, mults, norms, deferred])
         if any(g["max_grad_norm"] is not None for g, *_ in staged):
-            total = _blocks.global_norm([t for *_, gr in staged for t in gr])
-            for k, (group, idx, params, grads) in enumerate(staged):
+            plain = [t for _, _, _, gr, _, _, d in staged if not d for t in gr]
+            total = _blocks.global_norm(plain)
+            scaled = [(nm * torch.tensor(m, dtype=nm.dtype).abs()).square().sum()
+                      for _, _, _, _, m, nm, d in staged if d and nm is not None]
+            if scaled:
+                total = (total.square() + torch.stack(scaled).sum().to(total.device)).sqrt()
+            for item in staged:
+                group, grads, deferred = item[0], item[3], item[6]
                 if group["max_grad_norm"] is not None and grads:
                     coef = _blocks.clip_coef(total, group["max_grad_norm"])
-                    staged[k] = (group, idx, params, _blocks.scale(grads, coef))
-        for item in staged:
-            if item[2]:
-                yield item
+                    if deferred:
+                        c = float(coef)  # a CPU scalar: deferred groups are host ones
+                        item[4] = [m * c for m in item[4]]
+                    else:
+                        item[3] = _blocks.scale(grads, coef)
+        for group, idx, params, grads, mults, _, _ in staged:
+            if params:
+                yield (group, idx, params, grads, mults) if defer is not None else (
+                    group, idx, params, grads)
+
+    @staticmethod
+    def _deferred_multipliers(group: Dict[str, Any], grads: List[Tensor]):
+        """A deferred group's per-tensor multipliers before global clipping (None when all are
+        1 and nothing clips globally), and the raw gradients' norms where a clipping needs them."""
+        base = (-1.0 if group.get("maximize", False) else 1.0) * group["rescale_grad"]
+        per_tensor, global_clip = group["clip_grad_norm_per_tensor"], group["max_grad_norm"]
+        if base == 1.0 and per_tensor is None and global_clip is None:
+            return None, None
+        norms = (_native.norms(grads) if per_tensor is not None or global_clip is not None
+                 else None)
+        mults = [base] * len(grads)
+        if per_tensor is not None:
+            coefs = _blocks.clip_coef(norms * group["rescale_grad"], per_tensor).tolist()
+            mults = [base * c for c in coefs]
+        return mults, norms
 
     def _grad_of(self, p: Tensor) -> Tensor:
         """The gradient the step reads for ``p`` (an offloaded optimizer reads a host copy)."""

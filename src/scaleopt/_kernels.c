@@ -149,7 +149,8 @@ static inline void thread_chunks(int64_t n, int64_t *size, int64_t *first, int64
 /* LAMB                                                                                       */
 /* ---------------------------------------------------------------------------------------- */
 
-/* Phase 1: m, v updated in place; p is only read. With MODE_DECOUPLED the weight is taken as
+/* Phase 1: m, v updated in place; p is only read; the gradient is g * gmul (its scalars: sign,
+ * rescaling, clipping factors). With MODE_DECOUPLED the weight is taken as
  * p * decay_factor (phase 2 writes it so). out[0] = sum w^2, out[1] = sum u^2, u the full
  * update (decay included). */
 #define LAMB_PHASE1_LOOP(WLOAD, GLOAD)                                                         \
@@ -172,8 +173,8 @@ static inline void thread_chunks(int64_t n, int64_t *size, int64_t *first, int64
     BLOCKS_END
 
 #define LAMB_PHASE1(NAME, GTYPE, GLOAD)                                                        \
-    TARGETS void NAME(const void *pw, const uint16_t *lo, const GTYPE *g, float *m, float *v,  \
-                      int64_t n,                                                               \
+    TARGETS void NAME(const void *pw, const uint16_t *lo, const GTYPE *g, float gmul, float *m, \
+                      float *v, int64_t n,                                                     \
                       float beta1, float beta2, float bc1, float bc2_sqrt, float eps,          \
                       float wd, int mode, float decay_factor, double *out, int nthreads) {     \
         double sw = 0.0, su = 0.0;                                                             \
@@ -191,8 +192,8 @@ static inline void thread_chunks(int64_t n, int64_t *size, int64_t *first, int64
         out[1] = su;                                                                           \
     }
 
-LAMB_PHASE1(lamb_phase1, float, g[i])
-LAMB_PHASE1(lamb_phase1_bf16g, uint16_t, bf16_to_f32(g[i]))
+LAMB_PHASE1(lamb_phase1, float, g[i] * gmul)
+LAMB_PHASE1(lamb_phase1_bf16g, uint16_t, bf16_to_f32(g[i]) * gmul)
 
 /* Phase 2: p = w - lr * (ratio * u), with w = p * decay_factor in MODE_DECOUPLED. With split
  * != 0, pw and low are a split master's halves; otherwise pw is float32 and the rounded value
@@ -475,9 +476,11 @@ static void bias_corrections(float *step, double beta1, double beta2, int enable
 }
 
 /* kind[t]: bit 0 = bfloat16 gradient, bit 1 = split master (w[t] the bfloat16 upper halves,
- * low[t] the lower halves); otherwise w[t] is float32 and low[t] an optional bfloat16 copy. */
+ * low[t] the lower halves); otherwise w[t] is float32 and low[t] an optional bfloat16 copy.
+ * gmul[t] (all 1 when gmul is NULL): the scalar tensor t's gradient is taken times. */
 #define MULTI_ARGS                                                                             \
-    int64_t count, void *const *w, const void *const *g, float *const *m, float *const *v,     \
+    int64_t count, void *const *w, const void *const *g, const float *gmul, float *const *m,   \
+        float *const *v,                                                                       \
         uint16_t *const *low, const int64_t *n, const int32_t *kind, float *const *step,       \
         const double *lr, const double *wd, const int32_t *adapt, double beta1, double beta2,  \
         float eps, int bias_correction, int has_lower, double lower, int has_upper,            \
@@ -490,12 +493,13 @@ void lamb_multi(MULTI_ARGS, int mode) {
         bias_corrections(step[t], beta1, beta2, bias_correction, &bc1, &bc2_sqrt);
         const int split = (kind[t] & 2) != 0;
         const float decay = (float)(1.0 - lr[t] * wd[t]);
+        const float gm = gmul ? gmul[t] : 1.0f;
         if (kind[t] & 1)
-            lamb_phase1_bf16g(w[t], split ? low[t] : NULL, (const uint16_t *)g[t], m[t], v[t],
-                              n[t], (float)beta1, (float)beta2, (float)bc1, (float)bc2_sqrt, eps,
-                              (float)wd[t], mode, decay, sums, nthreads);
+            lamb_phase1_bf16g(w[t], split ? low[t] : NULL, (const uint16_t *)g[t], gm, m[t],
+                              v[t], n[t], (float)beta1, (float)beta2, (float)bc1,
+                              (float)bc2_sqrt, eps, (float)wd[t], mode, decay, sums, nthreads);
         else
-            lamb_phase1(w[t], split ? low[t] : NULL, (const float *)g[t], m[t], v[t], n[t],
+            lamb_phase1(w[t], split ? low[t] : NULL, (const float *)g[t], gm, m[t], v[t], n[t],
                         (float)beta1, (float)beta2, (float)bc1, (float)bc2_sqrt, eps,
                         (float)wd[t], mode, decay, sums, nthreads);
         double ratio = adapt[t] ? trust_ratio(sums[0], sums[1], has_lower, lower, has_upper,
@@ -511,9 +515,12 @@ void lans_multi(MULTI_ARGS, int clip, float glo, float ghi, int moved) {
         double bc1, bc2_sqrt;
         bias_corrections(step[t], beta1, beta2, bias_correction, &bc1, &bc2_sqrt);
         const int split = (kind[t] & 2) != 0, bf16 = (kind[t] & 1) != 0;
-        double gnorm = sqrt(bf16 ? sum_squares_bf16((const uint16_t *)g[t], n[t], nthreads)
-                                 : sum_squares((const float *)g[t], n[t], nthreads));
-        const float ginv = (float)(gnorm > 0.0 ? 1.0 / gnorm : 0.0);
+        /* the normalised gradient of g * gm is sign(gm) * g / ||g||: gm goes into ginv */
+        const double gm = gmul ? (double)gmul[t] : 1.0;
+        double gnorm = fabs(gm) * sqrt(bf16 ? sum_squares_bf16((const uint16_t *)g[t], n[t],
+                                                               nthreads)
+                                            : sum_squares((const float *)g[t], n[t], nthreads));
+        const float ginv = (float)(gnorm > 0.0 ? gm / gnorm : 0.0);
         if (bf16)
             lans_phase1_bf16g(w[t], split ? low[t] : NULL, (const uint16_t *)g[t], m[t], v[t],
                               n[t], ginv, glo, ghi, clip, (float)beta1, (float)beta2, (float)bc1,

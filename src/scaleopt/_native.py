@@ -28,7 +28,8 @@ if os.environ.get("SCALEOPT_NATIVE", "1") != "0":
 if _lib is not None:
     f, i64, i32, dp = ctypes.c_float, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     for _name in ("lamb_phase1", "lamb_phase1_bf16g"):
-        getattr(_lib, _name).argtypes = [dp, dp, dp, dp, dp, i64, f, f, f, f, f, f, i32, f, dp, i32]
+        getattr(_lib, _name).argtypes = [dp, dp, dp, f, dp, dp, i64, f, f, f, f, f, f, i32, f, dp,
+                                         i32]
         getattr(_lib, _name).restype = None
     _lib.lamb_phase2.argtypes = [dp, dp, dp, i64, f, f, f, f, i32, f, f, f, dp, i32, i32]
     _lib.lamb_phase2.restype = None
@@ -44,7 +45,7 @@ if _lib is not None:
                                          i32, dp, i32, i32]
         getattr(_lib, _name).restype = None
     d = ctypes.c_double
-    _multi = [i64] + [dp] * 11 + [d, d, f, i32, i32, d, i32, d, i32]
+    _multi = [i64] + [dp] * 12 + [d, d, f, i32, i32, d, i32, d, i32]
     _lib.lamb_multi.argtypes = _multi + [i32]
     _lib.lamb_multi.restype = None
     _lib.lans_multi.argtypes = _multi + [i32, f, f, i32]
@@ -66,6 +67,18 @@ def available() -> bool:
 
 def _cpu_contiguous(t: Tensor, dtypes) -> bool:
     return t.is_cpu and t.dtype in dtypes and t.is_contiguous()
+
+
+def norms(tensors: Sequence[Tensor]) -> Tensor:
+    """L2 norm of each tensor as a float32 vector, like :func:`_blocks.norms`; contiguous float32
+    and bfloat16 CPU tensors are read once by the sum-of-squares kernel (torch's CPU norm of a
+    bfloat16 tensor first copies it to float32)."""
+    if _lib is None or not all(_cpu_contiguous(t, (torch.float32, torch.bfloat16)) for t in tensors):
+        return _blocks.norms(tensors)
+    threads = torch.get_num_threads()
+    sums = [(_lib.sum_squares_bf16 if t.dtype == torch.bfloat16 else _lib.sum_squares)(
+        t.data_ptr(), t.numel(), threads) for t in tensors]
+    return torch.tensor(sums, dtype=torch.float64).sqrt_().to(torch.float32)
 
 
 def applies(work: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
@@ -96,9 +109,10 @@ def _tensor_table(params, grads, exp_avgs, exp_avg_sqs, low, state_steps):
 
 def _run_multi(kernel, extra, params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs,
                weight_decays, adapt, low, beta1, beta2, eps, bias_correction, lower_bound,
-               upper_bound) -> None:
+               upper_bound, gmul=None) -> None:
     """Call a ``*_multi`` kernel on every tensor: per-tensor arrays (built as tensors, alive
-    until the call returns), the group's scalars, then the kernel's own ``extra`` arguments."""
+    until the call returns), the group's scalars, then the kernel's own ``extra`` arguments.
+    ``gmul`` (per tensor, or None for ones): the scalar each gradient is taken times."""
     count = len(params)
     if count == 0:
         return
@@ -106,8 +120,10 @@ def _run_multi(kernel, extra, params, grads, exp_avgs, exp_avg_sqs, state_steps,
                                state_steps)
     rates = torch.tensor([list(lrs), list(weight_decays)], dtype=torch.float64)
     flags = torch.tensor([int(bool(a)) for a in adapt], dtype=torch.int32)
+    mults = None if gmul is None else torch.tensor(list(gmul), dtype=torch.float32)
     row, rrow = ptrs.data_ptr(), rates.data_ptr()
-    kernel(count, *(row + 8 * count * k for k in range(6)), kind.data_ptr(), row + 8 * count * 6,
+    kernel(count, row, row + 8 * count, None if mults is None else mults.data_ptr(),
+           *(row + 8 * count * k for k in range(2, 6)), kind.data_ptr(), row + 8 * count * 6,
            rrow, rrow + 8 * count, flags.data_ptr(), beta1, beta2, eps, int(bias_correction),
            int(lower_bound is not None), lower_bound or 0.0, int(upper_bound is not None),
            upper_bound or 0.0, torch.get_num_threads(), *extra)
@@ -117,11 +133,13 @@ def _run_multi(kernel, extra, params, grads, exp_avgs, exp_avg_sqs, state_steps,
 def lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, weight_decay_mode, **options) -> None:
     """LAMB on the fused kernels, all tensors in one call: the same update as
     :func:`scaleopt.lamb.lamb` (options: ``lrs``, ``weight_decays``, ``adapt``, ``beta1``,
-    ``beta2``, ``eps``, ``bias_correction``, ``lower_bound``, ``upper_bound``, ``low``).
+    ``beta2``, ``eps``, ``bias_correction``, ``lower_bound``, ``upper_bound``, ``low``, ``gmul``).
 
     ``low[i]``, when given, is the bfloat16 parameter whose float32 master is ``params[i]``:
     it receives the rounded weights in the same pass. A bfloat16 ``params[i]`` is a split
-    master, whose lower halves are ``low[i]`` (int16)."""
+    master, whose lower halves are ``low[i]`` (int16). ``gmul[i]``, when given, is the scalar
+    ``grads[i]`` is taken times (sign, rescaling and clipping factors, see
+    ``ScaleOptimizer._intake``): the gradients are read as they are, never copied."""
     options.setdefault("low", None)
     _run_multi(_lib.lamb_multi, (_MODES[weight_decay_mode],), params, grads, exp_avgs,
                exp_avg_sqs, state_steps, **options)
@@ -131,7 +149,7 @@ def lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, weight_decay_mode
 def lans(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, clip_grad_value,
          decay_moved_weight, **options) -> None:
     """LANS on the fused kernels, all tensors in one call: the same update as
-    :func:`scaleopt.lans.lans` (options and ``low`` as in :func:`lamb`)."""
+    :func:`scaleopt.lans.lans` (options, ``low`` and ``gmul`` as in :func:`lamb`)."""
     options.setdefault("low", None)
     lo, hi = _blocks.clip_bounds(clip_grad_value)
     extra = (int(clip_grad_value is not None), lo, hi, int(decay_moved_weight))

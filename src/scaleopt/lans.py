@@ -129,11 +129,11 @@ class LANS(LayerwiseAdam):
         check_bool(self._arg("decay_moved_weight"), group["decay_moved_weight"])
 
     def _update(self, group, params, grads, exp_avgs, exp_avg_sqs, steps, lrs, wds, adapt,
-                low=None) -> None:
+                low=None, gmul=None) -> None:
         options = self._functional_options(group, params)
         if low is not None:
             options.pop("foreach")
-            fn = functools.partial(_native.lans, low=low)
+            fn = functools.partial(_native.lans, low=low, gmul=gmul)
         else:
             fn = lans
         fn(params, grads, exp_avgs, exp_avg_sqs, steps, lrs=lrs, weight_decays=wds, adapt=adapt,

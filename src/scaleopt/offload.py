@@ -668,6 +668,9 @@ class _OffloadLayerwise(HostOffload):
     def _grad_of(self, p: Tensor) -> Tensor:
         return self._host_grad(p)
 
+    def _kernels_may_run(self, group: Dict[str, Any], params: List[Tensor]) -> bool:
+        return group.get("foreach") is None and _native.available()  # the step is on the host
+
     _split_masters = True  # bfloat16 parameters: split masters on the host (HostOffload)
 
     @staticmethod

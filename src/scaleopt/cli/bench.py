@@ -96,6 +96,9 @@ def candidates() -> Tuple[Dict[str, Callable], Dict[str, Callable]]:
         "scaleopt.LAMB(foreach=False)": lambda n: scaleopt.LAMB(
             n, lr=1e-3, exclude_from_weight_decay=NO_DECAY, foreach=False),
         "scaleopt.LANS": lambda n: scaleopt.LANS(n, lr=1e-3, exclude_from_weight_decay=NO_DECAY),
+        # BERT's LAMB recipe clips by the global gradient norm
+        "scaleopt.LAMB(max_grad_norm=1.0)": lambda n: scaleopt.LAMB(
+            n, lr=1e-3, exclude_from_weight_decay=NO_DECAY, max_grad_norm=1.0),
         "scaleopt.OffloadAdam": lambda n: scaleopt.OffloadAdam(
             n, lr=1e-3, weight_decay=0.01, exclude_from_weight_decay=NO_DECAY),
     }
