@@ -62,6 +62,18 @@ LANS_CONFIGS = [
 
 
 @needs_kernels
+@pytest.mark.parametrize("cls", [scaleopt.LAMB, scaleopt.LANS])
+def test_clipping_that_does_not_clip_changes_nothing(cls):
+    # the clipping's norms come from one read of the gradients (and LANS reuses them for its
+    # normalisation); with a bound they never reach, the steps are bit for bit the plain ones
+    a, b = named(), named()
+    run(cls(a, lr=1e-2, max_grad_norm=1e9, clip_grad_norm_per_tensor=1e9), a)
+    run(cls(b, lr=1e-2), b)
+    for (n, x), (_, y) in zip(a, b):
+        assert torch.equal(x, y), n
+
+
+@needs_kernels
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("cls", [scaleopt.LAMB, scaleopt.LANS])
 def test_kernels_cover_every_element_of_large_tensors(cls, threads):

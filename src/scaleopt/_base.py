@@ -5,7 +5,8 @@ from __future__ import annotations
 import functools
 import math
 import re
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import (Any, Callable, Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence,
+                    Tuple, Union)
 
 import torch
 from torch import Tensor
@@ -193,6 +194,16 @@ def normalize_params(params: Any) -> List[Dict[str, Any]]:
 # ------------------------------------------------------------------------------------------------
 
 
+class GradScalars(NamedTuple):
+    """A deferred group's gradient scalars (see :meth:`ScaleOptimizer._intake`)."""
+
+    #: per tensor, the float its raw gradient is to be taken times
+    mults: List[float]
+    #: per tensor, the raw gradient's sum of squares (float64) where the clipping computed it
+    #: with the kernels' sum of squares; else None
+    sq_sums: Optional[Tensor]
+
+
 class ScaleOptimizer(torch.optim.Optimizer):
     """Base class of the scaleopt optimizers.
 
@@ -338,13 +349,13 @@ class ScaleOptimizer(torch.optim.Optimizer):
         in use; ``p.grad`` itself is never written.
 
         With ``defer``, a predicate on ``(group, params)``, the items are
-        ``(group, indices, params, grads, multipliers)``. A group the predicate accepts (where
+        ``(group, indices, params, grads, scalars)``. A group the predicate accepts (where
         no element-wise clipping comes first) keeps its gradients as they are, and the scalar
         transforms (sign, ``rescale_grad``, both norm clippings) come as one float per tensor
         that the consumer multiplies the gradient by as it reads it (the fused CPU kernels do,
         which saves a pass over the gradients and a copy of them); the norms the clippings need
-        are those of the scaled gradients, from one read of the raw ones. ``multipliers`` is None
-        where nothing scales or the group is not deferred.
+        are those of the scaled gradients, from one read of the raw ones. ``scalars`` is a
+        :class:`GradScalars`, or None where nothing scales or the group is not deferred.
         """
         self._refresh_hyperparameters()
         staged = []
@@ -363,9 +374,9 @@ class ScaleOptimizer(torch.optim.Optimizer):
                 grads.append(self._grad_of(p))
             deferred = bool(grads) and defer is not None and defer(group, params) and not (
                 value_clip and group["clip_grad_value"] is not None)
-            mults = norms = None
+            mults = norms = sums = None
             if deferred:
-                mults, norms = self._deferred_multipliers(group, grads)
+                mults, norms, sums = self._deferred_multipliers(group, grads)
             elif grads:
                 if group.get("maximize", False):
                     grads = torch._foreach_neg(grads)
@@ -373,12 +384,12 @@ class ScaleOptimizer(torch.optim.Optimizer):
                 if value_clip:
                     grads = _blocks.clip_by_value(grads, group["clip_grad_value"])
                 grads = _blocks.clip_by_tensor_norm(grads, group["clip_grad_norm_per_tensor"])
-            staged.append([group, idx, params, grads, mults, norms, deferred])
+            staged.append([group, idx, params, grads, mults, norms, deferred, sums])
         if any(g["max_grad_norm"] is not None for g, *_ in staged):
-            plain = [t for _, _, _, gr, _, _, d in staged if not d for t in gr]
+            plain = [t for _, _, _, gr, _, _, d, _ in staged if not d for t in gr]
             total = _blocks.global_norm(plain)
             scaled = [(nm * torch.tensor(m, dtype=nm.dtype).abs()).square().sum()
-                      for _, _, _, _, m, nm, d in staged if d and nm is not None]
+                      for _, _, _, _, m, nm, d, _ in staged if d and nm is not None]
             if scaled:
                 total = (total.square() + torch.stack(scaled).sum().to(total.device)).sqrt()
             for item in staged:
@@ -390,26 +401,29 @@ class ScaleOptimizer(torch.optim.Optimizer):
                         item[4] = [m * c for m in item[4]]
                     else:
                         item[3] = _blocks.scale(grads, coef)
-        for group, idx, params, grads, mults, _, _ in staged:
+        for group, idx, params, grads, mults, _, _, sums in staged:
             if params:
-                yield (group, idx, params, grads, mults) if defer is not None else (
-                    group, idx, params, grads)
+                yield (group, idx, params, grads, None if mults is None else GradScalars(
+                    mults, sums)) if defer is not None else (group, idx, params, grads)
 
     @staticmethod
     def _deferred_multipliers(group: Dict[str, Any], grads: List[Tensor]):
         """A deferred group's per-tensor multipliers before global clipping (None when all are
-        1 and nothing clips globally), and the raw gradients' norms where a clipping needs them."""
+        1 and nothing clips globally), and the raw gradients' norms and sums of squares (these
+        from the kernels where they run, else None) where a clipping needs them."""
         base = (-1.0 if group.get("maximize", False) else 1.0) * group["rescale_grad"]
         per_tensor, global_clip = group["clip_grad_norm_per_tensor"], group["max_grad_norm"]
         if base == 1.0 and per_tensor is None and global_clip is None:
-            return None, None
-        norms = (_native.norms(grads) if per_tensor is not None or global_clip is not None
-                 else None)
+            return None, None, None
+        sums = norms = None
+        if per_tensor is not None or global_clip is not None:
+            sums = _native.sums_of_squares(grads)
+            norms = _blocks.norms(grads) if sums is None else sums.sqrt().to(torch.float32)
         mults = [base] * len(grads)
         if per_tensor is not None:
             coefs = _blocks.clip_coef(norms * group["rescale_grad"], per_tensor).tolist()
             mults = [base * c for c in coefs]
-        return mults, norms
+        return mults, norms, sums
 
     def _grad_of(self, p: Tensor) -> Tensor:
         """The gradient the step reads for ``p`` (an offloaded optimizer reads a host copy)."""

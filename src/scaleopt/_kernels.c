@@ -509,7 +509,9 @@ void lamb_multi(MULTI_ARGS, int mode) {
     }
 }
 
-void lans_multi(MULTI_ARGS, int clip, float glo, float ghi, int moved) {
+/* gsq[t], when gsq is not NULL: the sum of squares of tensor t's gradient, already computed
+ * (by the same sum_squares, for the clipping norms), so that pass is not run again. */
+void lans_multi(MULTI_ARGS, int clip, float glo, float ghi, int moved, const double *gsq) {
     double sums[4];
     for (int64_t t = 0; t < count; t++) {
         double bc1, bc2_sqrt;
@@ -517,9 +519,10 @@ void lans_multi(MULTI_ARGS, int clip, float glo, float ghi, int moved) {
         const int split = (kind[t] & 2) != 0, bf16 = (kind[t] & 1) != 0;
         /* the normalised gradient of g * gm is sign(gm) * g / ||g||: gm goes into ginv */
         const double gm = gmul ? (double)gmul[t] : 1.0;
-        double gnorm = fabs(gm) * sqrt(bf16 ? sum_squares_bf16((const uint16_t *)g[t], n[t],
-                                                               nthreads)
-                                            : sum_squares((const float *)g[t], n[t], nthreads));
+        const double sq = gsq ? gsq[t]
+                              : bf16 ? sum_squares_bf16((const uint16_t *)g[t], n[t], nthreads)
+                                     : sum_squares((const float *)g[t], n[t], nthreads);
+        double gnorm = fabs(gm) * sqrt(sq);
         const float ginv = (float)(gnorm > 0.0 ? gm / gnorm : 0.0);
         if (bf16)
             lans_phase1_bf16g(w[t], split ? low[t] : NULL, (const uint16_t *)g[t], m[t], v[t],

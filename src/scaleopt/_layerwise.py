@@ -201,8 +201,8 @@ class LayerwiseAdam(ScaleOptimizer):
                 and all(p.device.type == "cpu" for p in params))
 
     def _step_groups(self) -> None:
-        for group, idx, params, grads, gmul in self._intake(defer=self._kernels_may_run,
-                                                            **self._intake_options):
+        for group, idx, params, grads, scalars in self._intake(defer=self._kernels_may_run,
+                                                               **self._intake_options):
             work = self._masters(group, params)
             ms, vs, steps = self._adam_state(params, work)
             lrs, wds, adapt = self._layer_options(group, idx)
@@ -212,11 +212,11 @@ class LayerwiseAdam(ScaleOptimizer):
             split = ["master_lo" in self.state[p] for p in params]
             if group.get("foreach") is None and _native.applies(work, grads, ms, vs, low):
                 self._update(group, work, grads, ms, vs, steps, lrs, wds, adapt, low=low,
-                             gmul=gmul)
+                             scalars=scalars)
                 self._write_back(params, work, low, [not s for s in split])
                 continue
-            if gmul is not None:  # deferred scalars the kernels did not take after all
-                grads = torch._foreach_mul(grads, gmul)
+            if scalars is not None:  # deferred scalars the kernels did not take after all
+                grads = torch._foreach_mul(grads, scalars.mults)
             # the PyTorch path runs on float32 masters: split ones are joined, then split again
             full = [_native.split_join(w.detach(), lp) if s else w
                     for w, lp, s in zip(work, low, split)]
@@ -263,10 +263,11 @@ class LayerwiseAdam(ScaleOptimizer):
         )
 
     def _update(self, group, params, grads, exp_avgs, exp_avg_sqs, steps, lrs, wds, adapt,
-                low=None, gmul=None) -> None:
+                low=None, scalars=None) -> None:
         """One group's update. ``low`` is given when the fused CPU kernels take the group: then
         ``low[i]`` is the bfloat16 parameter of master ``params[i]`` (or None), to be written
-        in the same pass, and ``gmul`` the gradients' multipliers (or None)."""
+        in the same pass, and ``scalars`` the gradients' :class:`~scaleopt._base.GradScalars`
+        (or None)."""
         raise NotImplementedError
 
 

@@ -48,7 +48,7 @@ if _lib is not None:
     _multi = [i64] + [dp] * 12 + [d, d, f, i32, i32, d, i32, d, i32]
     _lib.lamb_multi.argtypes = _multi + [i32]
     _lib.lamb_multi.restype = None
-    _lib.lans_multi.argtypes = _multi + [i32, f, f, i32]
+    _lib.lans_multi.argtypes = _multi + [i32, f, f, i32, dp]
     _lib.lans_multi.restype = None
     _lib.adam_multi.argtypes = [i64] + [dp] * 12 + [f] * 6 + [i32, i32]
     _lib.adam_multi.restype = None
@@ -69,16 +69,15 @@ def _cpu_contiguous(t: Tensor, dtypes) -> bool:
     return t.is_cpu and t.dtype in dtypes and t.is_contiguous()
 
 
-def norms(tensors: Sequence[Tensor]) -> Tensor:
-    """L2 norm of each tensor as a float32 vector, like :func:`_blocks.norms`; contiguous float32
-    and bfloat16 CPU tensors are read once by the sum-of-squares kernel (torch's CPU norm of a
-    bfloat16 tensor first copies it to float32)."""
-    if _lib is None or not all(_cpu_contiguous(t, (torch.float32, torch.bfloat16)) for t in tensors):
-        return _blocks.norms(tensors)
+def sums_of_squares(tensors: Sequence[Tensor]) -> Optional[Tensor]:
+    """Each tensor's sum of squares (float64 vector) by the kernel LANS's first pass uses, for
+    contiguous float32 and bfloat16 CPU tensors; None for others (or without the kernels)."""
+    if _lib is None or not all(_cpu_contiguous(t, (torch.float32, torch.bfloat16))
+                               for t in tensors):
+        return None
     threads = torch.get_num_threads()
-    sums = [(_lib.sum_squares_bf16 if t.dtype == torch.bfloat16 else _lib.sum_squares)(
-        t.data_ptr(), t.numel(), threads) for t in tensors]
-    return torch.tensor(sums, dtype=torch.float64).sqrt_().to(torch.float32)
+    return torch.tensor([(_lib.sum_squares_bf16 if t.dtype == torch.bfloat16 else _lib.sum_squares)(
+        t.data_ptr(), t.numel(), threads) for t in tensors], dtype=torch.float64)
 
 
 def applies(work: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
@@ -147,12 +146,16 @@ def lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, weight_decay_mode
 
 @torch.compiler.disable
 def lans(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, clip_grad_value,
-         decay_moved_weight, **options) -> None:
+         decay_moved_weight, grad_sq_sums=None, **options) -> None:
     """LANS on the fused kernels, all tensors in one call: the same update as
-    :func:`scaleopt.lans.lans` (options, ``low`` and ``gmul`` as in :func:`lamb`)."""
+    :func:`scaleopt.lans.lans` (options, ``low`` and ``gmul`` as in :func:`lamb`).
+    ``grad_sq_sums``: the gradients' sums of squares from :func:`sums_of_squares`, when already
+    computed (for clipping): LANS's own pass over the gradients for their norms is skipped."""
     options.setdefault("low", None)
     lo, hi = _blocks.clip_bounds(clip_grad_value)
-    extra = (int(clip_grad_value is not None), lo, hi, int(decay_moved_weight))
+    sq = None if grad_sq_sums is None else grad_sq_sums.contiguous()
+    extra = (int(clip_grad_value is not None), lo, hi, int(decay_moved_weight),
+             None if sq is None else sq.data_ptr())
     _run_multi(_lib.lans_multi, extra, params, grads, exp_avgs, exp_avg_sqs, state_steps,
                **options)
 

@@ -148,11 +148,12 @@ class LAMB(LayerwiseAdam):
         check_choice(self._arg("weight_decay_mode"), group["weight_decay_mode"], WEIGHT_DECAY_MODES)
 
     def _update(self, group, params, grads, exp_avgs, exp_avg_sqs, steps, lrs, wds, adapt,
-                low=None, gmul=None) -> None:
+                low=None, scalars=None) -> None:
         options = self._functional_options(group, params)
         if low is not None:
             options.pop("foreach")
-            fn = functools.partial(_native.lamb, low=low, gmul=gmul)
+            fn = functools.partial(_native.lamb, low=low,
+                                   gmul=None if scalars is None else scalars.mults)
         else:
             fn = lamb
         fn(params, grads, exp_avgs, exp_avg_sqs, steps, lrs=lrs, weight_decays=wds, adapt=adapt,

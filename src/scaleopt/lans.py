@@ -129,11 +129,13 @@ class LANS(LayerwiseAdam):
         check_bool(self._arg("decay_moved_weight"), group["decay_moved_weight"])
 
     def _update(self, group, params, grads, exp_avgs, exp_avg_sqs, steps, lrs, wds, adapt,
-                low=None, gmul=None) -> None:
+                low=None, scalars=None) -> None:
         options = self._functional_options(group, params)
         if low is not None:
             options.pop("foreach")
-            fn = functools.partial(_native.lans, low=low, gmul=gmul)
+            fn = functools.partial(_native.lans, low=low,
+                                   gmul=None if scalars is None else scalars.mults,
+                                   grad_sq_sums=None if scalars is None else scalars.sq_sums)
         else:
             fn = lans
         fn(params, grads, exp_avgs, exp_avg_sqs, steps, lrs=lrs, weight_decays=wds, adapt=adapt,
