@@ -45,6 +45,8 @@ LAMB_CONFIGS = [
     dict(max_grad_norm=0.5, rescale_grad=0.25, maximize=True),
     dict(clip_grad_norm_per_tensor=0.3, max_grad_norm=1.0, weight_decay_mode="l2",
          weight_decay=0.1),
+    dict(clip_grad_value=0.02, rescale_grad=2.0, maximize=True, weight_decay_mode="l2",
+         weight_decay=0.1),
     dict(weight_decay=0.1, exclude_from_weight_decay="bias"),
     dict(weight_decay=0.1, weight_decay_mode="decoupled", always_adapt=True),
     dict(weight_decay=0.1, weight_decay_mode="l2", bias_correction=False),
@@ -277,11 +279,12 @@ def test_split_master_costs_two_bytes_per_parameter():
 @pytest.mark.parametrize("cls", [scaleopt.LAMB, scaleopt.LANS])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("scalars", [{}, dict(max_grad_norm=1.0, rescale_grad=0.5, maximize=True,
-                                                clip_grad_norm_per_tensor=10.0)],
-                         ids=["plain", "clipped"])
+                                                clip_grad_norm_per_tensor=10.0),
+                                     dict(clip_grad_value=0.1, rescale_grad=0.5)],
+                         ids=["plain", "clipped", "value-clipped"])
 def test_kernel_step_allocates_nothing_the_size_of_the_model(cls, dtype, scalars):
     # with clipping, rescaling or maximize the kernels take the gradients times one scalar per
-    # tensor as they read them: no scaled copy of the gradients
+    # tensor (then clamped, for clip_grad_value) as they read them: no scaled copy of them
     from torch.profiler import ProfilerActivity, profile
 
     ps = [nn.Parameter(torch.randn(512, 1024).to(dtype)) for _ in range(4)]  # 2M parameters

@@ -202,6 +202,9 @@ class GradScalars(NamedTuple):
     #: per tensor, the raw gradient's sum of squares (float64) where the clipping computed it
     #: with the kernels' sum of squares; else None
     sq_sums: Optional[Tensor]
+    #: ``clip_grad_value`` to clamp the product to (element-wise clipping, when no norm
+    #: clipping follows it), or None
+    clamp: Any = None
 
 
 class ScaleOptimizer(torch.optim.Optimizer):
@@ -349,10 +352,11 @@ class ScaleOptimizer(torch.optim.Optimizer):
         in use; ``p.grad`` itself is never written.
 
         With ``defer``, a predicate on ``(group, params)``, the items are
-        ``(group, indices, params, grads, scalars)``. A group the predicate accepts (where
-        no element-wise clipping comes first) keeps its gradients as they are, and the scalar
-        transforms (sign, ``rescale_grad``, both norm clippings) come as one float per tensor
-        that the consumer multiplies the gradient by as it reads it (the fused CPU kernels do,
+        ``(group, indices, params, grads, scalars)``. A group the predicate accepts (unless
+        element-wise clipping comes before a norm clipping) keeps its gradients as they are, and
+        the scalar transforms (sign, ``rescale_grad``, both norm clippings) come as one float
+        per tensor that the consumer multiplies the gradient by (then clamps, for element-wise
+        clipping) as it reads it (the fused CPU kernels do,
         which saves a pass over the gradients and a copy of them); the norms the clippings need
         are those of the scaled gradients, from one read of the raw ones. ``scalars`` is a
         :class:`GradScalars`, or None where nothing scales or the group is not deferred.
@@ -372,11 +376,13 @@ class ScaleOptimizer(torch.optim.Optimizer):
                 idx.append(i)
                 params.append(p)
                 grads.append(self._grad_of(p))
+            clamp = group["clip_grad_value"] if value_clip else None
             deferred = bool(grads) and defer is not None and defer(group, params) and not (
-                value_clip and group["clip_grad_value"] is not None)
+                clamp is not None and (group["clip_grad_norm_per_tensor"] is not None
+                                       or group["max_grad_norm"] is not None))
             mults = norms = sums = None
             if deferred:
-                mults, norms, sums = self._deferred_multipliers(group, grads)
+                mults, norms, sums = self._deferred_multipliers(group, grads, clamp)
             elif grads:
                 if group.get("maximize", False):
                     grads = torch._foreach_neg(grads)
@@ -384,12 +390,12 @@ class ScaleOptimizer(torch.optim.Optimizer):
                 if value_clip:
                     grads = _blocks.clip_by_value(grads, group["clip_grad_value"])
                 grads = _blocks.clip_by_tensor_norm(grads, group["clip_grad_norm_per_tensor"])
-            staged.append([group, idx, params, grads, mults, norms, deferred, sums])
+            staged.append([group, idx, params, grads, mults, norms, deferred, sums, clamp])
         if any(g["max_grad_norm"] is not None for g, *_ in staged):
-            plain = [t for _, _, _, gr, _, _, d, _ in staged if not d for t in gr]
+            plain = [t for _, _, _, gr, _, _, d, _, _ in staged if not d for t in gr]
             total = _blocks.global_norm(plain)
             scaled = [(nm * torch.tensor(m, dtype=nm.dtype).abs()).square().sum()
-                      for _, _, _, _, m, nm, d, _ in staged if d and nm is not None]
+                      for _, _, _, _, m, nm, d, _, _ in staged if d and nm is not None]
             if scaled:
                 total = (total.square() + torch.stack(scaled).sum().to(total.device)).sqrt()
             for item in staged:
@@ -401,19 +407,19 @@ class ScaleOptimizer(torch.optim.Optimizer):
                         item[4] = [m * c for m in item[4]]
                     else:
                         item[3] = _blocks.scale(grads, coef)
-        for group, idx, params, grads, mults, _, _, sums in staged:
+        for group, idx, params, grads, mults, _, _, sums, clamp in staged:
             if params:
                 yield (group, idx, params, grads, None if mults is None else GradScalars(
-                    mults, sums)) if defer is not None else (group, idx, params, grads)
+                    mults, sums, clamp)) if defer is not None else (group, idx, params, grads)
 
     @staticmethod
-    def _deferred_multipliers(group: Dict[str, Any], grads: List[Tensor]):
+    def _deferred_multipliers(group: Dict[str, Any], grads: List[Tensor], clamp: Any):
         """A deferred group's per-tensor multipliers before global clipping (None when all are
         1 and nothing clips globally), and the raw gradients' norms and sums of squares (these
         from the kernels where they run, else None) where a clipping needs them."""
         base = (-1.0 if group.get("maximize", False) else 1.0) * group["rescale_grad"]
         per_tensor, global_clip = group["clip_grad_norm_per_tensor"], group["max_grad_norm"]
-        if base == 1.0 and per_tensor is None and global_clip is None:
+        if base == 1.0 and per_tensor is None and global_clip is None and clamp is None:
             return None, None, None
         sums = norms = None
         if per_tensor is not None or global_clip is not None:

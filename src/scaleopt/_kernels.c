@@ -150,7 +150,7 @@ static inline void thread_chunks(int64_t n, int64_t *size, int64_t *first, int64
 /* ---------------------------------------------------------------------------------------- */
 
 /* Phase 1: m, v updated in place; p is only read; the gradient is g * gmul (its scalars: sign,
- * rescaling, clipping factors). With MODE_DECOUPLED the weight is taken as
+ * rescaling, clipping factors), clamped to [glo, ghi] when clip != 0. With MODE_DECOUPLED the weight is taken as
  * p * decay_factor (phase 2 writes it so). out[0] = sum w^2, out[1] = sum u^2, u the full
  * update (decay included). */
 #define LAMB_PHASE1_LOOP(WLOAD, GLOAD)                                                         \
@@ -173,8 +173,8 @@ static inline void thread_chunks(int64_t n, int64_t *size, int64_t *first, int64
     BLOCKS_END
 
 #define LAMB_PHASE1(NAME, GTYPE, GLOAD)                                                        \
-    TARGETS void NAME(const void *pw, const uint16_t *lo, const GTYPE *g, float gmul, float *m, \
-                      float *v, int64_t n,                                                     \
+    TARGETS void NAME(const void *pw, const uint16_t *lo, const GTYPE *g, float gmul, int clip, \
+                      float glo, float ghi, float *m, float *v, int64_t n,                     \
                       float beta1, float beta2, float bc1, float bc2_sqrt, float eps,          \
                       float wd, int mode, float decay_factor, double *out, int nthreads) {     \
         double sw = 0.0, su = 0.0;                                                             \
@@ -183,17 +183,21 @@ static inline void thread_chunks(int64_t n, int64_t *size, int64_t *first, int64
         const float f = mode == MODE_DECOUPLED ? decay_factor : 1.0f;                          \
         const float wd_g = mode == MODE_L2 ? wd : 0.0f;                                        \
         const float wd_u = mode == MODE_UPDATE ? wd : 0.0f;                                    \
-        if (lo) {                                                                              \
-            LAMB_PHASE1_LOOP(W_SPLIT, GLOAD)                                                   \
+        if (clip && lo) {                                                                      \
+            LAMB_PHASE1_LOOP(W_SPLIT, clampf((GLOAD) * gmul, glo, ghi))                        \
+        } else if (clip) {                                                                     \
+            LAMB_PHASE1_LOOP(W_F32, clampf((GLOAD) * gmul, glo, ghi))                          \
+        } else if (lo) {                                                                       \
+            LAMB_PHASE1_LOOP(W_SPLIT, (GLOAD) * gmul)                                          \
         } else {                                                                               \
-            LAMB_PHASE1_LOOP(W_F32, GLOAD)                                                     \
+            LAMB_PHASE1_LOOP(W_F32, (GLOAD) * gmul)                                            \
         }                                                                                      \
         out[0] = sw;                                                                           \
         out[1] = su;                                                                           \
     }
 
-LAMB_PHASE1(lamb_phase1, float, g[i] * gmul)
-LAMB_PHASE1(lamb_phase1_bf16g, uint16_t, bf16_to_f32(g[i]) * gmul)
+LAMB_PHASE1(lamb_phase1, float, g[i])
+LAMB_PHASE1(lamb_phase1_bf16g, uint16_t, bf16_to_f32(g[i]))
 
 /* Phase 2: p = w - lr * (ratio * u), with w = p * decay_factor in MODE_DECOUPLED. With split
  * != 0, pw and low are a split master's halves; otherwise pw is float32 and the rounded value
@@ -486,7 +490,7 @@ static void bias_corrections(float *step, double beta1, double beta2, int enable
         float eps, int bias_correction, int has_lower, double lower, int has_upper,            \
         double upper, int nthreads
 
-void lamb_multi(MULTI_ARGS, int mode) {
+void lamb_multi(MULTI_ARGS, int mode, int clip, float glo, float ghi) {
     double sums[2];
     for (int64_t t = 0; t < count; t++) {
         double bc1, bc2_sqrt;
@@ -495,11 +499,12 @@ void lamb_multi(MULTI_ARGS, int mode) {
         const float decay = (float)(1.0 - lr[t] * wd[t]);
         const float gm = gmul ? gmul[t] : 1.0f;
         if (kind[t] & 1)
-            lamb_phase1_bf16g(w[t], split ? low[t] : NULL, (const uint16_t *)g[t], gm, m[t],
-                              v[t], n[t], (float)beta1, (float)beta2, (float)bc1,
+            lamb_phase1_bf16g(w[t], split ? low[t] : NULL, (const uint16_t *)g[t], gm, clip,
+                              glo, ghi, m[t], v[t], n[t], (float)beta1, (float)beta2, (float)bc1,
                               (float)bc2_sqrt, eps, (float)wd[t], mode, decay, sums, nthreads);
         else
-            lamb_phase1(w[t], split ? low[t] : NULL, (const float *)g[t], gm, m[t], v[t], n[t],
+            lamb_phase1(w[t], split ? low[t] : NULL, (const float *)g[t], gm, clip, glo, ghi,
+                        m[t], v[t], n[t],
                         (float)beta1, (float)beta2, (float)bc1, (float)bc2_sqrt, eps,
                         (float)wd[t], mode, decay, sums, nthreads);
         double ratio = adapt[t] ? trust_ratio(sums[0], sums[1], has_lower, lower, has_upper,

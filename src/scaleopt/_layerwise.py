@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from . import _native
+from . import _blocks, _native
 from ._base import ScaleOptimizer, check_bool, check_number, use_foreach
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -216,7 +216,8 @@ class LayerwiseAdam(ScaleOptimizer):
                 self._write_back(params, work, low, [not s for s in split])
                 continue
             if scalars is not None:  # deferred scalars the kernels did not take after all
-                grads = torch._foreach_mul(grads, scalars.mults)
+                grads = _blocks.clip_by_value(torch._foreach_mul(grads, scalars.mults),
+                                              scalars.clamp)
             # the PyTorch path runs on float32 masters: split ones are joined, then split again
             full = [_native.split_join(w.detach(), lp) if s else w
                     for w, lp, s in zip(work, low, split)]

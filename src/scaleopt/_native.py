@@ -28,8 +28,8 @@ if os.environ.get("SCALEOPT_NATIVE", "1") != "0":
 if _lib is not None:
     f, i64, i32, dp = ctypes.c_float, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     for _name in ("lamb_phase1", "lamb_phase1_bf16g"):
-        getattr(_lib, _name).argtypes = [dp, dp, dp, f, dp, dp, i64, f, f, f, f, f, f, i32, f, dp,
-                                         i32]
+        getattr(_lib, _name).argtypes = [dp, dp, dp, f, i32, f, f, dp, dp, i64, f, f, f, f, f, f,
+                                         i32, f, dp, i32]
         getattr(_lib, _name).restype = None
     _lib.lamb_phase2.argtypes = [dp, dp, dp, i64, f, f, f, f, i32, f, f, f, dp, i32, i32]
     _lib.lamb_phase2.restype = None
@@ -46,7 +46,7 @@ if _lib is not None:
         getattr(_lib, _name).restype = None
     d = ctypes.c_double
     _multi = [i64] + [dp] * 12 + [d, d, f, i32, i32, d, i32, d, i32]
-    _lib.lamb_multi.argtypes = _multi + [i32]
+    _lib.lamb_multi.argtypes = _multi + [i32, i32, f, f]
     _lib.lamb_multi.restype = None
     _lib.lans_multi.argtypes = _multi + [i32, f, f, i32, dp]
     _lib.lans_multi.restype = None
@@ -129,7 +129,8 @@ def _run_multi(kernel, extra, params, grads, exp_avgs, exp_avg_sqs, state_steps,
 
 
 @torch.compiler.disable  # host code calling C: nothing for dynamo to trace
-def lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, weight_decay_mode, **options) -> None:
+def lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, weight_decay_mode,
+         clip_grad_value=None, **options) -> None:
     """LAMB on the fused kernels, all tensors in one call: the same update as
     :func:`scaleopt.lamb.lamb` (options: ``lrs``, ``weight_decays``, ``adapt``, ``beta1``,
     ``beta2``, ``eps``, ``bias_correction``, ``lower_bound``, ``upper_bound``, ``low``, ``gmul``).
@@ -138,10 +139,13 @@ def lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, weight_decay_mode
     it receives the rounded weights in the same pass. A bfloat16 ``params[i]`` is a split
     master, whose lower halves are ``low[i]`` (int16). ``gmul[i]``, when given, is the scalar
     ``grads[i]`` is taken times (sign, rescaling and clipping factors, see
-    ``ScaleOptimizer._intake``): the gradients are read as they are, never copied."""
+    ``ScaleOptimizer._intake``): the gradients are read as they are, never copied; with
+    ``clip_grad_value`` the product is then clamped (LAMB's element-wise clipping)."""
     options.setdefault("low", None)
-    _run_multi(_lib.lamb_multi, (_MODES[weight_decay_mode],), params, grads, exp_avgs,
-               exp_avg_sqs, state_steps, **options)
+    lo, hi = _blocks.clip_bounds(clip_grad_value)
+    extra = (_MODES[weight_decay_mode], int(clip_grad_value is not None), lo, hi)
+    _run_multi(_lib.lamb_multi, extra, params, grads, exp_avgs, exp_avg_sqs, state_steps,
+               **options)
 
 
 @torch.compiler.disable

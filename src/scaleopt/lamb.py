@@ -153,7 +153,8 @@ class LAMB(LayerwiseAdam):
         if low is not None:
             options.pop("foreach")
             fn = functools.partial(_native.lamb, low=low,
-                                   gmul=None if scalars is None else scalars.mults)
+                                   gmul=None if scalars is None else scalars.mults,
+                                   clip_grad_value=None if scalars is None else scalars.clamp)
         else:
             fn = lamb
         fn(params, grads, exp_avgs, exp_avg_sqs, steps, lrs=lrs, weight_decays=wds, adapt=adapt,
