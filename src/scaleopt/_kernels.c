@@ -145,6 +145,19 @@ static inline void thread_chunks(int64_t n, int64_t *size, int64_t *first, int64
 #define W_SPLIT split_join(((const uint16_t *)pw)[i], lo[i])
 #define W_SPLIT_STORE (((uint16_t *)pw)[i] = split_high(w_new), lo[i] = split_low(w_new))
 
+/* A phase-1 loop in its four variants: the weight float32 or a split master (lo != NULL), and
+ * the gradient G as it is, or clamped to [glo, ghi] (clip != 0). */
+#define PHASE1_VARIANTS(LOOP, G)                                                               \
+    if (clip && lo) {                                                                          \
+        LOOP(W_SPLIT, clampf(G, glo, ghi))                                                     \
+    } else if (clip) {                                                                         \
+        LOOP(W_F32, clampf(G, glo, ghi))                                                       \
+    } else if (lo) {                                                                           \
+        LOOP(W_SPLIT, G)                                                                       \
+    } else {                                                                                   \
+        LOOP(W_F32, G)                                                                         \
+    }
+
 /* ---------------------------------------------------------------------------------------- */
 /* LAMB                                                                                       */
 /* ---------------------------------------------------------------------------------------- */
@@ -183,15 +196,7 @@ static inline void thread_chunks(int64_t n, int64_t *size, int64_t *first, int64
         const float f = mode == MODE_DECOUPLED ? decay_factor : 1.0f;                          \
         const float wd_g = mode == MODE_L2 ? wd : 0.0f;                                        \
         const float wd_u = mode == MODE_UPDATE ? wd : 0.0f;                                    \
-        if (clip && lo) {                                                                      \
-            LAMB_PHASE1_LOOP(W_SPLIT, clampf((GLOAD) * gmul, glo, ghi))                        \
-        } else if (clip) {                                                                     \
-            LAMB_PHASE1_LOOP(W_F32, clampf((GLOAD) * gmul, glo, ghi))                          \
-        } else if (lo) {                                                                       \
-            LAMB_PHASE1_LOOP(W_SPLIT, (GLOAD) * gmul)                                          \
-        } else {                                                                               \
-            LAMB_PHASE1_LOOP(W_F32, (GLOAD) * gmul)                                            \
-        }                                                                                      \
+        PHASE1_VARIANTS(LAMB_PHASE1_LOOP, (GLOAD) * gmul)                                      \
         out[0] = sw;                                                                           \
         out[1] = su;                                                                           \
     }
@@ -289,15 +294,7 @@ SUM_SQUARES(sum_squares_bf16, uint16_t, bf16_to_f32(x[i]))
         double sw = 0.0, sr = 0.0, sc = 0.0, src = 0.0;                                        \
         const float one_m_b1 = 1.0f - beta1, one_m_b2 = 1.0f - beta2;                          \
         const float inv_bc1 = 1.0f / bc1, inv_bc2_sqrt = 1.0f / bc2_sqrt;                      \
-        if (clip && lo) {                                                                      \
-            LANS_PHASE1_LOOP(W_SPLIT, clampf((GLOAD) * ginv, glo, ghi))                        \
-        } else if (clip) {                                                                     \
-            LANS_PHASE1_LOOP(W_F32, clampf((GLOAD) * ginv, glo, ghi))                          \
-        } else if (lo) {                                                                       \
-            LANS_PHASE1_LOOP(W_SPLIT, (GLOAD) * ginv)                                          \
-        } else {                                                                               \
-            LANS_PHASE1_LOOP(W_F32, (GLOAD) * ginv)                                            \
-        }                                                                                      \
+        PHASE1_VARIANTS(LANS_PHASE1_LOOP, (GLOAD) * ginv)                                      \
         out[0] = sw;                                                                           \
         out[1] = sr;                                                                           \
         out[2] = sc;                                                                           \
