@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import re
@@ -207,6 +208,21 @@ class GradScalars(NamedTuple):
     clamp: Any = None
 
 
+@dataclasses.dataclass
+class _Staged:
+    """One group on its way through :meth:`ScaleOptimizer._intake`."""
+
+    group: Dict[str, Any]
+    idx: List[int]
+    params: List[Tensor]
+    grads: List[Tensor]
+    clamp: Any = None
+    deferred: bool = False
+    mults: Optional[List[float]] = None
+    norms: Optional[Tensor] = None
+    sums: Optional[Tensor] = None
+
+
 class ScaleOptimizer(torch.optim.Optimizer):
     """Base class of the scaleopt optimizers.
 
@@ -356,9 +372,9 @@ class ScaleOptimizer(torch.optim.Optimizer):
         element-wise clipping comes before a norm clipping) keeps its gradients as they are, and
         the scalar transforms (sign, ``rescale_grad``, both norm clippings) come as one float
         per tensor that the consumer multiplies the gradient by (then clamps, for element-wise
-        clipping) as it reads it (the fused CPU kernels do,
-        which saves a pass over the gradients and a copy of them); the norms the clippings need
-        are those of the scaled gradients, from one read of the raw ones. ``scalars`` is a
+        clipping) as it reads it (the fused CPU kernels do, which saves a pass over the
+        gradients and a copy of them); the norms the clippings need are those of the scaled
+        gradients, from one read of the raw ones. ``scalars`` is a
         :class:`GradScalars`, or None where nothing scales or the group is not deferred.
         """
         self._refresh_hyperparameters()
@@ -377,45 +393,47 @@ class ScaleOptimizer(torch.optim.Optimizer):
                 params.append(p)
                 grads.append(self._grad_of(p))
             clamp = group["clip_grad_value"] if value_clip else None
-            deferred = bool(grads) and defer is not None and defer(group, params) and not (
-                clamp is not None and (group["clip_grad_norm_per_tensor"] is not None
-                                       or group["max_grad_norm"] is not None))
-            mults = norms = sums = None
-            if deferred:
-                mults, norms, sums = self._deferred_multipliers(group, grads, clamp)
+            item = _Staged(group, idx, params, grads, clamp=clamp, deferred=(
+                bool(grads) and defer is not None and defer(group, params) and not (
+                    clamp is not None and (group["clip_grad_norm_per_tensor"] is not None
+                                           or group["max_grad_norm"] is not None))))
+            if item.deferred:
+                item.mults, item.norms, item.sums = self._deferred_multipliers(group, grads, clamp)
             elif grads:
                 if group.get("maximize", False):
                     grads = torch._foreach_neg(grads)
                 grads = _blocks.scale(grads, group["rescale_grad"])
                 if value_clip:
                     grads = _blocks.clip_by_value(grads, group["clip_grad_value"])
-                grads = _blocks.clip_by_tensor_norm(grads, group["clip_grad_norm_per_tensor"])
-            staged.append([group, idx, params, grads, mults, norms, deferred, sums, clamp])
-        if any(g["max_grad_norm"] is not None for g, *_ in staged):
-            plain = [t for _, _, _, gr, _, _, d, _, _ in staged if not d for t in gr]
-            total = _blocks.global_norm(plain)
-            scaled = [(nm * torch.tensor(m, dtype=nm.dtype).abs()).square().sum()
-                      for _, _, _, _, m, nm, d, _, _ in staged if d and nm is not None]
+                item.grads = _blocks.clip_by_tensor_norm(grads, group["clip_grad_norm_per_tensor"])
+            staged.append(item)
+        if any(s.group["max_grad_norm"] is not None for s in staged):
+            total = _blocks.global_norm([t for s in staged if not s.deferred for t in s.grads])
+            scaled = [(s.norms * torch.tensor(s.mults, dtype=s.norms.dtype).abs()).square().sum()
+                      for s in staged if s.deferred and s.norms is not None]
             if scaled:
                 total = (total.square() + torch.stack(scaled).sum().to(total.device)).sqrt()
-            for item in staged:
-                group, grads, deferred = item[0], item[3], item[6]
-                if group["max_grad_norm"] is not None and grads:
-                    coef = _blocks.clip_coef(total, group["max_grad_norm"])
-                    if deferred:
+            for s in staged:
+                if s.group["max_grad_norm"] is not None and s.grads:
+                    coef = _blocks.clip_coef(total, s.group["max_grad_norm"])
+                    if s.deferred:
                         c = float(coef)  # a CPU scalar: deferred groups are host ones
-                        item[4] = [m * c for m in item[4]]
+                        s.mults = [m * c for m in s.mults]
                     else:
-                        item[3] = _blocks.scale(grads, coef)
-        for group, idx, params, grads, mults, _, _, sums, clamp in staged:
-            if params:
-                yield (group, idx, params, grads, None if mults is None else GradScalars(
-                    mults, sums, clamp)) if defer is not None else (group, idx, params, grads)
+                        s.grads = _blocks.scale(s.grads, coef)
+        for s in staged:
+            if not s.params:
+                continue
+            if defer is None:
+                yield s.group, s.idx, s.params, s.grads
+            else:
+                yield s.group, s.idx, s.params, s.grads, (
+                    None if s.mults is None else GradScalars(s.mults, s.sums, s.clamp))
 
     @staticmethod
     def _deferred_multipliers(group: Dict[str, Any], grads: List[Tensor], clamp: Any):
         """A deferred group's per-tensor multipliers before global clipping (None when all are
-        1 and nothing clips globally), and the raw gradients' norms and sums of squares (these
+        1 and nothing clips), and the raw gradients' norms and sums of squares (these
         from the kernels where they run, else None) where a clipping needs them."""
         base = (-1.0 if group.get("maximize", False) else 1.0) * group["rescale_grad"]
         per_tensor, global_clip = group["clip_grad_norm_per_tensor"], group["max_grad_norm"]

@@ -681,7 +681,6 @@ class _OffloadLayerwise(HostOffload):
         return [self._split_pair(p)[0] if self._wants_split(p) else self._master(p)
                 for p in params]
 
-
     @contextlib.contextmanager
     def _step_context(self):
         self._wait_for_copies_back()
