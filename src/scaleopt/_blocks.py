@@ -15,7 +15,7 @@ back to the host, so they can run on an accelerator without synchronising.
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -115,6 +115,14 @@ def scale(grads: TensorList, factor: Union[float, Tensor]) -> TensorList:
 # --------------------------------------------------------------------------------------------
 
 
+def by_value(values: Sequence[Any]) -> List[Tuple[Any, List[int]]]:
+    """Indices grouped by equal value, in first-seen order: ``[(value, [i, ...]), ...]``."""
+    out: Dict[Any, List[int]] = {}
+    for i, v in enumerate(values):
+        out.setdefault(v, []).append(i)
+    return list(out.items())
+
+
 def compiling() -> bool:
     """Whether ``torch.compile`` is tracing the step."""
     return bool(getattr(torch.compiler, "is_compiling", lambda: False)())
@@ -128,10 +136,7 @@ def add_scaled_(params: TensorList, updates: TensorList, alphas: Sequence[float]
     if compiling():
         torch._foreach_add_(list(params), [u * a for u, a in zip(updates, alphas)])
         return
-    by_alpha: dict = {}
-    for i, a in enumerate(alphas):
-        by_alpha.setdefault(a, []).append(i)
-    for a, ids in by_alpha.items():
+    for a, ids in by_value(alphas):
         torch._foreach_add_([params[i] for i in ids], [updates[i] for i in ids], alpha=a)
 
 

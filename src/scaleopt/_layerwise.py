@@ -14,14 +14,6 @@ from ._base import ScaleOptimizer, check_bool, check_number, use_foreach
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-def by_value(values: Sequence[Any]) -> List[Tuple[Any, List[int]]]:
-    """Indices grouped by equal value, in first-seen order: ``[(value, [i, ...]), ...]``."""
-    out: Dict[Any, List[int]] = {}
-    for i, v in enumerate(values):
-        out.setdefault(v, []).append(i)
-    return list(out.items())
-
-
 def pick(xs: Sequence[Tensor], idx: Sequence[int]) -> List[Tensor]:
     return [xs[i] for i in idx]
 

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 from torch.optim.adamw import adamw as _torch_adamw
 
+from . import _blocks
 from ._base import (
     NameRule,
     ScaleOptimizer,
@@ -27,10 +28,6 @@ def _fused_devices() -> List[str]:
         return list(_get_fused_kernels_supported_devices())
     except Exception:  # pragma: no cover - very old torch
         return ["cuda"]
-
-
-def _compiling() -> bool:
-    return bool(getattr(torch.compiler, "is_compiling", lambda: False)())
 
 
 def fused_supported(params: List[Tensor]) -> bool:
@@ -175,7 +172,7 @@ class AdamW(ScaleOptimizer):
             beta1, beta2 = group["betas"]
             for decayed, (ps, gs, ms, vs, maxs, steps) in lists.items():
                 # torch's foreach path needs its tensor-scalar form under torch.compile
-                capturable = _compiling() and not fused and all(
+                capturable = _blocks.compiling() and not fused and all(
                     s.device == p.device for s, p in zip(steps, ps))
                 lr = group["lr"]
                 if capturable:

@@ -10,7 +10,8 @@ from torch import Tensor
 
 from . import _blocks, _native
 from ._base import NameRule, check_choice
-from ._layerwise import LayerwiseAdam, by_value, pick
+from ._blocks import by_value
+from ._layerwise import LayerwiseAdam, pick
 
 __all__ = ["LAMB", "lamb"]
 
