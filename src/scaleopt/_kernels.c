@@ -163,9 +163,9 @@ static inline void thread_chunks(int64_t n, int64_t *size, int64_t *first, int64
 /* ---------------------------------------------------------------------------------------- */
 
 /* Phase 1: m, v updated in place; p is only read; the gradient is g * gmul (its scalars: sign,
- * rescaling, clipping factors), clamped to [glo, ghi] when clip != 0. With MODE_DECOUPLED the weight is taken as
- * p * decay_factor (phase 2 writes it so). out[0] = sum w^2, out[1] = sum u^2, u the full
- * update (decay included). */
+ * rescaling, clipping factors), clamped to [glo, ghi] when clip != 0. With MODE_DECOUPLED the
+ * weight is taken as p * decay_factor (phase 2 writes it so). out[0] = sum w^2,
+ * out[1] = sum u^2, u the full update (decay included). */
 #define LAMB_PHASE1_LOOP(WLOAD, GLOAD)                                                         \
     BLOCKS_BEGIN("omp parallel for reduction(+ : sw, su) num_threads(nthreads) schedule(static) if (n >= 32768)") \
         float bw = 0.0f, bu = 0.0f;                                                            \
@@ -336,9 +336,9 @@ LANS_PHASE1(lans_phase1_bf16g, uint16_t, bf16_to_f32(g[i]))
         uint16_t *const lo = low;                                                              \
         const float inv_bc1 = 1.0f / bc1, inv_bc2_sqrt = 1.0f / bc2_sqrt;                      \
         if (clip && moved) {                                                                   \
-            LANS_PHASE2_LOW(clampf((GLOAD) * ginv, glo, ghi), w1)                                \
+            LANS_PHASE2_LOW(clampf((GLOAD) * ginv, glo, ghi), w1)                              \
         } else if (clip) {                                                                     \
-            LANS_PHASE2_LOW(clampf((GLOAD) * ginv, glo, ghi), w)                                 \
+            LANS_PHASE2_LOW(clampf((GLOAD) * ginv, glo, ghi), w)                               \
         } else if (moved) {                                                                    \
             LANS_PHASE2_LOW((GLOAD) * ginv, w1)                                                \
         } else {                                                                               \
@@ -481,8 +481,8 @@ static void bias_corrections(float *step, double beta1, double beta2, int enable
  * gmul[t] (all 1 when gmul is NULL): the scalar tensor t's gradient is taken times. */
 #define MULTI_ARGS                                                                             \
     int64_t count, void *const *w, const void *const *g, const float *gmul, float *const *m,   \
-        float *const *v,                                                                       \
-        uint16_t *const *low, const int64_t *n, const int32_t *kind, float *const *step,       \
+        float *const *v, uint16_t *const *low, const int64_t *n, const int32_t *kind,          \
+        float *const *step,                                                                    \
         const double *lr, const double *wd, const int32_t *adapt, double beta1, double beta2,  \
         float eps, int bias_correction, int has_lower, double lower, int has_upper,            \
         double upper, int nthreads
@@ -501,9 +501,8 @@ void lamb_multi(MULTI_ARGS, int mode, int clip, float glo, float ghi) {
                               (float)bc2_sqrt, eps, (float)wd[t], mode, decay, sums, nthreads);
         else
             lamb_phase1(w[t], split ? low[t] : NULL, (const float *)g[t], gm, clip, glo, ghi,
-                        m[t], v[t], n[t],
-                        (float)beta1, (float)beta2, (float)bc1, (float)bc2_sqrt, eps,
-                        (float)wd[t], mode, decay, sums, nthreads);
+                        m[t], v[t], n[t], (float)beta1, (float)beta2, (float)bc1,
+                        (float)bc2_sqrt, eps, (float)wd[t], mode, decay, sums, nthreads);
         double ratio = adapt[t] ? trust_ratio(sums[0], sums[1], has_lower, lower, has_upper,
                                               upper) : 1.0;
         lamb_phase2(w[t], m[t], v[t], n[t], (float)bc1, (float)bc2_sqrt, eps, (float)wd[t],

@@ -76,8 +76,12 @@ def sums_of_squares(tensors: Sequence[Tensor]) -> Optional[Tensor]:
                                for t in tensors):
         return None
     threads = torch.get_num_threads()
-    return torch.tensor([(_lib.sum_squares_bf16 if t.dtype == torch.bfloat16 else _lib.sum_squares)(
-        t.data_ptr(), t.numel(), threads) for t in tensors], dtype=torch.float64)
+
+    def sum_squares(t: Tensor) -> float:
+        fn = _lib.sum_squares_bf16 if t.dtype == torch.bfloat16 else _lib.sum_squares
+        return fn(t.data_ptr(), t.numel(), threads)
+
+    return torch.tensor([sum_squares(t) for t in tensors], dtype=torch.float64)
 
 
 def applies(work: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
