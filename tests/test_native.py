@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import copy
+import ctypes
 import os
+import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -159,10 +162,11 @@ def test_kernel_rounding_to_bf16_matches_torch_on_every_kind_of_value():
     values = values[values.isfinite() | values.isnan()]
     master = values.clone()
     low = torch.zeros_like(master, dtype=torch.bfloat16)
-    zeros, ones = torch.zeros_like(master), torch.ones_like(master)  # m, v: kept alive
-    # lr = 0: phase 2 writes the master unchanged and its rounding into low
-    _native._lib.lamb_phase2(master.data_ptr(), zeros.data_ptr(), ones.data_ptr(),
-                             master.numel(), 1.0, 1.0, 1e-8, 0.0, 0, 1.0, 0.0, 1.0, low.data_ptr(), 0, 2)
+    grad, m, v = (torch.zeros_like(master) for _ in range(3))
+    # lr = 0 and a zero gradient: the master stays as it is, and its rounding goes into low
+    _native.lamb([master], [grad], [m], [v], [torch.tensor(0.0)], lrs=[0.0], weight_decays=[0.0],
+                 adapt=[False], low=[low], weight_decay_mode="update", beta1=0.9, beta2=0.999,
+                 eps=1e-8, bias_correction=True, lower_bound=None, upper_bound=None)
     expected = values.to(torch.bfloat16)
     same = (low == expected) | (low.isnan() & expected.isnan())
     assert same.all(), values[~same][:5]
@@ -309,6 +313,69 @@ def test_kernel_step_allocates_nothing_the_size_of_the_model(cls, dtype, scalars
 def test_sum_of_squares_is_the_double_sum(n):
     # blocks of 2048 (and a shorter last one): float partial sums added in double
     x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 3.0
-    for t, fn in ((x, _native._lib.sum_squares), (x.bfloat16(), _native._lib.sum_squares_bf16)):
+    for t in (x, x.bfloat16()):
         want = float(t.double().square().sum())
-        assert fn(t.data_ptr(), n, 2) == pytest.approx(want, rel=1e-6)
+        assert _native.sum_squares(t, 2) == pytest.approx(want, rel=1e-6)
+
+
+# -- the binding -----------------------------------------------------------------------------------
+
+_C_TYPES = {"int64_t": ctypes.c_int64, "int32_t": ctypes.c_int32, "int": ctypes.c_int,
+            "float": ctypes.c_float, "double": ctypes.c_double, "void": None}
+
+
+def _c_declarations():
+    """Each non-static function of ``_kernels.c``: name -> (return type, [parameter types]),
+    also those a macro defines (``SUM_SQUARES(sum_squares, float, ...)``)."""
+    source = (Path(scaleopt.__file__).parent / "_kernels.c").read_text()
+    for macro, args, body in re.findall(r"^#define (\w+)\(([^)]*)\)((?:.*\\\n)+)", source,
+                                        flags=re.M):
+        names = [a.strip() for a in args.split(",")]
+        for call in re.findall(rf"^{macro}\(([^\n]*)\)$", source, flags=re.M):
+            values = [v.strip() for v in call.split(",")]
+            text = body.replace("\\\n", "\n")
+            for name, value in zip(names, values):
+                text = re.sub(rf"\b{name}\b", value, text)
+            source += "\n" + "\n".join(line.strip() for line in text.splitlines())
+    found = {}
+    pattern = r"^(?:TARGETS )?(\w+) (\w+)\(([^)]*)\) \{"
+    for ret, name, params in re.findall(pattern, source, flags=re.M):
+        found[name] = (ret, [" ".join(p.split()[:-1]) + ("*" if "*" in p else "")
+                             for p in params.split(",")])
+    return found
+
+
+def _as_ctypes(c_type: str):
+    """The ctypes type a C parameter type is bound with: a pointer to a struct of the binding
+    as POINTER(struct), any other pointer as c_void_p."""
+    if c_type.endswith("*"):
+        base = c_type.replace("const", "").replace("*", "").strip()
+        struct = getattr(_native, base, None)
+        return ctypes.POINTER(struct) if isinstance(struct, type) else ctypes.c_void_p
+    return _C_TYPES[c_type]
+
+
+@needs_kernels
+def test_each_binding_matches_its_c_declaration():
+    declared = _c_declarations()
+    for name, (restype, argtypes) in _native.SIGNATURES.items():
+        assert name in declared, f"{name} is bound but not declared in _kernels.c"
+        ret, params = declared[name]
+        assert restype is _C_TYPES[ret], name
+        assert [_as_ctypes(p) for p in params] == argtypes, name
+        fn = getattr(_native._lib, name)
+        assert fn.restype is restype and fn.argtypes == argtypes
+    assert set(declared) - {"PyInit__kernels"} == set(_native.SIGNATURES), "exported, unbound"
+
+
+@needs_kernels
+@pytest.mark.parametrize("struct", _native.STRUCTS, ids=lambda s: s.__name__)
+def test_each_struct_has_the_c_layout(struct):
+    fields = [getattr(struct, name).offset for name, _ in struct._fields_]
+    assert _native.struct_layout(struct) == (ctypes.sizeof(struct), *fields)
+
+
+@needs_kernels
+def test_a_wrong_argument_raises_instead_of_reaching_c():
+    with pytest.raises(ctypes.ArgumentError):
+        _native._lib.lamb_multi(0, 1, None)

@@ -22,6 +22,7 @@
  */
 #include <Python.h>
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 #ifdef _OPENMP
@@ -44,6 +45,82 @@ static int omp_get_thread_num(void) { return 0; }
 
 /* weight-decay modes (LAMB) */
 enum { MODE_UPDATE = 0, MODE_DECOUPLED = 1, MODE_L2 = 2 };
+
+/* The arguments of the multi-tensor calls, one struct per tensor and one per call. Their
+ * ctypes mirrors are in _native.py; struct_layout() below lets a test compare the two. */
+
+/* What every multi-tensor kernel reads of a tensor. kind: bit 0 = bfloat16 gradient, bit 1 =
+ * split master (w the bfloat16 upper halves, low the int16 lower halves); otherwise w is the
+ * float32 weight and low an optional bfloat16 copy to write in the same pass. */
+#define TENSOR_FIELDS                                                                          \
+    void *w;          /* float32 weight, or a split master's bfloat16 upper halves */        \
+    const void *g;    /* float32 or bfloat16 gradient */                                     \
+    float *m;         /* first moment */                                                     \
+    float *v;         /* second moment */                                                    \
+    uint16_t *low;    /* see kind; NULL for none */                                          \
+    float *step;      /* the step counter (a float32 scalar), incremented */                 \
+    int64_t n;        /* elements */                                                         \
+    int32_t kind;                                                                              \
+    float gmul;       /* the scalar the gradient is taken times */
+
+typedef struct {
+    TENSOR_FIELDS
+    double lr, wd; /* learning rate, weight decay */
+    double gsq;    /* LANS: the gradient's sum of squares when already computed, else < 0 */
+    int32_t adapt; /* whether the trust ratio applies */
+} LayerwiseTensor;
+
+typedef struct {
+    double beta1, beta2, lower, upper;
+    float eps, clip_lo, clip_hi; /* element-wise gradient clipping bounds (when clip) */
+    int32_t bias_correction, has_lower, has_upper, clip, nthreads;
+    int32_t mode;  /* LAMB: the weight-decay mode */
+    int32_t moved; /* LANS: decay_moved_weight */
+} LayerwiseConfig;
+
+typedef struct {
+    TENSOR_FIELDS
+    float step_size, bc2_sqrt, wd_l2, decay; /* lr/bc1, sqrt(1-b2^t), L2 decay, 1-lr*wd */
+} AdamTensor;
+
+typedef struct {
+    float beta1, one_m_b1, beta2, one_m_b2, eps;
+    int32_t nesterov, nthreads;
+} AdamConfig;
+
+#define FIELD(S, F) offsetof(S, F)
+/* sizeof and the field offsets of struct `which` (0: LayerwiseTensor, 1: LayerwiseConfig,
+ * 2: AdamTensor, 3: AdamConfig), in declaration order, into out; returns how many. */
+int64_t struct_layout(int32_t which, int64_t *out) {
+#define TENSOR_OFFSETS(S)                                                                      \
+    FIELD(S, w), FIELD(S, g), FIELD(S, m), FIELD(S, v), FIELD(S, low), FIELD(S, step),         \
+        FIELD(S, n), FIELD(S, kind), FIELD(S, gmul)
+    const int64_t layouts[4][20] = {
+        {sizeof(LayerwiseTensor), TENSOR_OFFSETS(LayerwiseTensor), FIELD(LayerwiseTensor, lr),
+         FIELD(LayerwiseTensor, wd), FIELD(LayerwiseTensor, gsq), FIELD(LayerwiseTensor, adapt),
+         -1},
+        {sizeof(LayerwiseConfig), FIELD(LayerwiseConfig, beta1), FIELD(LayerwiseConfig, beta2),
+         FIELD(LayerwiseConfig, lower), FIELD(LayerwiseConfig, upper),
+         FIELD(LayerwiseConfig, eps), FIELD(LayerwiseConfig, clip_lo),
+         FIELD(LayerwiseConfig, clip_hi), FIELD(LayerwiseConfig, bias_correction),
+         FIELD(LayerwiseConfig, has_lower), FIELD(LayerwiseConfig, has_upper),
+         FIELD(LayerwiseConfig, clip), FIELD(LayerwiseConfig, nthreads),
+         FIELD(LayerwiseConfig, mode), FIELD(LayerwiseConfig, moved), -1},
+        {sizeof(AdamTensor), TENSOR_OFFSETS(AdamTensor), FIELD(AdamTensor, step_size),
+         FIELD(AdamTensor, bc2_sqrt), FIELD(AdamTensor, wd_l2), FIELD(AdamTensor, decay), -1},
+        {sizeof(AdamConfig), FIELD(AdamConfig, beta1), FIELD(AdamConfig, one_m_b1),
+         FIELD(AdamConfig, beta2), FIELD(AdamConfig, one_m_b2), FIELD(AdamConfig, eps),
+         FIELD(AdamConfig, nesterov), FIELD(AdamConfig, nthreads), -1},
+    };
+#undef TENSOR_OFFSETS
+    if (which < 0 || which > 3) return 0;
+    int64_t k = 0;
+    while (k < 20 && layouts[which][k] >= 0) {
+        out[k] = layouts[which][k];
+        k++;
+    }
+    return k;
+}
 
 static inline float clampf(float x, float lo, float hi) {
     x = x < lo ? lo : x;
@@ -186,7 +263,7 @@ static inline void thread_chunks(int64_t n, int64_t *size, int64_t *first, int64
     BLOCKS_END
 
 #define LAMB_PHASE1(NAME, GTYPE, GLOAD)                                                        \
-    TARGETS void NAME(const void *pw, const uint16_t *lo, const GTYPE *g, float gmul, int clip, \
+    TARGETS static void NAME(const void *pw, const uint16_t *lo, const GTYPE *g, float gmul, int clip, \
                       float glo, float ghi, float *m, float *v, int64_t n,                     \
                       float beta1, float beta2, float bc1, float bc2_sqrt, float eps,          \
                       float wd, int mode, float decay_factor, double *out, int nthreads) {     \
@@ -215,7 +292,7 @@ LAMB_PHASE1(lamb_phase1_bf16g, uint16_t, bf16_to_f32(g[i]))
         STOREW;                                                                                \
     )
 
-TARGETS void lamb_phase2(void *pw, const float *m, const float *v, int64_t n, float bc1,
+TARGETS static void lamb_phase2(void *pw, const float *m, const float *v, int64_t n, float bc1,
                          float bc2_sqrt, float eps, float wd, int mode, float decay_factor,
                          float lr, float ratio, uint16_t *low, int split, int nthreads) {
     uint16_t *const lo = low;
@@ -287,7 +364,7 @@ SUM_SQUARES(sum_squares_bf16, uint16_t, bf16_to_f32(x[i]))
     BLOCKS_END
 
 #define LANS_PHASE1(NAME, GTYPE, GLOAD)                                                        \
-    TARGETS void NAME(const void *pw, const uint16_t *lo, const GTYPE *g, float *m, float *v,  \
+    TARGETS static void NAME(const void *pw, const uint16_t *lo, const GTYPE *g, float *m, float *v,  \
                       int64_t n, float ginv, float glo, float ghi, int clip, float beta1,      \
                       float beta2, float bc1, float bc2_sqrt, float eps, float wd,             \
                       double *out, int nthreads) {                                             \
@@ -329,7 +406,7 @@ LANS_PHASE1(lans_phase1_bf16g, uint16_t, bf16_to_f32(g[i]))
     }
 
 #define LANS_PHASE2(NAME, GTYPE, GLOAD)                                                        \
-    TARGETS void NAME(void *pw, const GTYPE *g, const float *m, const float *v, int64_t n,     \
+    TARGETS static void NAME(void *pw, const GTYPE *g, const float *m, const float *v, int64_t n,     \
                       float ginv, float glo, float ghi, int clip, float bc1, float bc2_sqrt,   \
                       float eps, float wd, float a, float b, float ratio_r, float ratio_c,     \
                       int moved, uint16_t *low, int split, int nthreads) {                     \
@@ -424,22 +501,16 @@ ADAM_F32(adam_f32_bf16g, uint16_t, bf16_to_f32(g[i]))
 ADAM_SPLIT(adam_split, float, g[i])
 ADAM_SPLIT(adam_split_bf16g, uint16_t, bf16_to_f32(g[i]))
 
-/* One Adam step on each of `count` tensors: per-tensor pointers, sizes and scalars in arrays,
- * per-group scalars as arguments; step[t] (the step counter) is incremented. kind[t]: bit 0 =
- * bfloat16 gradient, bit 1 = split storage
- * (w[t] is the bfloat16 parameter, low[t] the low halves); otherwise w[t] is the float32
- * weight and low[t] an optional bfloat16 copy to write. */
-void adam_multi(int64_t count, void *const *w, const void *const *g, float *const *m,
-                float *const *v, uint16_t *const *low, const int64_t *n, const int32_t *kind,
-                float *const *step, const float *step_size, const float *bc2_sqrt,
-                const float *wd_l2, const float *decay, float beta1, float one_m_b1, float beta2,
-                float one_m_b2, float eps, float gmul, int nesterov, int nthreads) {
+/* One Adam step on each of `count` tensors (see TensorArgs); step[t] is incremented. */
+void adam_multi(const AdamTensor *ts, int64_t count, const AdamConfig *cfg) {
     for (int64_t t = 0; t < count; t++) {
-        *step[t] += 1.0f; /* the state's step counter (a float32 scalar tensor) */
+        const AdamTensor *x = &ts[t];
+        *x->step += 1.0f; /* the state's step counter (a float32 scalar tensor) */
 #define ADAM_CALL(FN, WT, GT)                                                                  \
-    FN((WT *)w[t], low[t], (const GT *)g[t], m[t], v[t], n[t], step_size[t], beta1, one_m_b1,  \
-       beta2, one_m_b2, bc2_sqrt[t], eps, wd_l2[t], decay[t], gmul, nesterov, nthreads)
-        switch (kind[t]) {
+    FN((WT *)x->w, x->low, (const GT *)x->g, x->m, x->v, x->n, x->step_size, cfg->beta1,       \
+       cfg->one_m_b1, cfg->beta2, cfg->one_m_b2, x->bc2_sqrt, cfg->eps, x->wd_l2, x->decay,    \
+       x->gmul, cfg->nesterov, cfg->nthreads)
+        switch (x->kind) {
         case 0: ADAM_CALL(adam_f32, float, float); break;
         case 1: ADAM_CALL(adam_f32_bf16g, float, uint16_t); break;
         case 2: ADAM_CALL(adam_split, uint16_t, float); break;
@@ -457,102 +528,95 @@ void adam_multi(int64_t count, void *const *w, const void *const *g, float *cons
 
 /* The trust ratio ||w|| / ||u|| from squared norms, ||w|| clamped to [lower, upper] where
  * given; 1 when either norm is 0 or the ratio is not finite. */
-static double trust_ratio(double w2, double u2, int has_lower, double lower, int has_upper,
-                          double upper) {
+static double trust_ratio(double w2, double u2, const LayerwiseConfig *cfg) {
     double w = sqrt(w2), u = sqrt(u2);
-    if (has_lower && w < lower) w = lower;
-    if (has_upper && w > upper) w = upper;
+    if (cfg->has_lower && w < cfg->lower) w = cfg->lower;
+    if (cfg->has_upper && w > cfg->upper) w = cfg->upper;
     if (w > 0.0 && u > 0.0 && isfinite(w / u)) return w / u;
     return 1.0;
 }
 
-/* Per tensor t: its step counter (a float32 scalar) is incremented and the bias corrections
+/* Per tensor: its step counter (a float32 scalar) is incremented and the bias corrections
  * computed from it in double, as the Python side does (1 - beta^t, (1 - beta2^t) ** 0.5). */
-static void bias_corrections(float *step, double beta1, double beta2, int enabled, double *bc1,
+static void bias_corrections(float *step, const LayerwiseConfig *cfg, double *bc1,
                              double *bc2_sqrt) {
     *step += 1.0f;
     double t = (double)*step;
-    *bc1 = enabled ? 1.0 - pow(beta1, t) : 1.0;
-    *bc2_sqrt = enabled ? pow(1.0 - pow(beta2, t), 0.5) : 1.0;
+    *bc1 = cfg->bias_correction ? 1.0 - pow(cfg->beta1, t) : 1.0;
+    *bc2_sqrt = cfg->bias_correction ? pow(1.0 - pow(cfg->beta2, t), 0.5) : 1.0;
 }
 
-/* kind[t]: bit 0 = bfloat16 gradient, bit 1 = split master (w[t] the bfloat16 upper halves,
- * low[t] the lower halves); otherwise w[t] is float32 and low[t] an optional bfloat16 copy.
- * gmul[t] (all 1 when gmul is NULL): the scalar tensor t's gradient is taken times. */
-#define MULTI_ARGS                                                                             \
-    int64_t count, void *const *w, const void *const *g, const float *gmul, float *const *m,   \
-        float *const *v, uint16_t *const *low, const int64_t *n, const int32_t *kind,          \
-        float *const *step,                                                                    \
-        const double *lr, const double *wd, const int32_t *adapt, double beta1, double beta2,  \
-        float eps, int bias_correction, int has_lower, double lower, int has_upper,            \
-        double upper, int nthreads
-
-void lamb_multi(MULTI_ARGS, int mode, int clip, float glo, float ghi) {
+void lamb_multi(const LayerwiseTensor *ts, int64_t count, const LayerwiseConfig *cfg) {
     double sums[2];
     for (int64_t t = 0; t < count; t++) {
+        const LayerwiseTensor *x = &ts[t];
         double bc1, bc2_sqrt;
-        bias_corrections(step[t], beta1, beta2, bias_correction, &bc1, &bc2_sqrt);
-        const int split = (kind[t] & 2) != 0;
-        const float decay = (float)(1.0 - lr[t] * wd[t]);
-        const float gm = gmul ? gmul[t] : 1.0f;
-        if (kind[t] & 1)
-            lamb_phase1_bf16g(w[t], split ? low[t] : NULL, (const uint16_t *)g[t], gm, clip,
-                              glo, ghi, m[t], v[t], n[t], (float)beta1, (float)beta2, (float)bc1,
-                              (float)bc2_sqrt, eps, (float)wd[t], mode, decay, sums, nthreads);
+        bias_corrections(x->step, cfg, &bc1, &bc2_sqrt);
+        const int split = (x->kind & 2) != 0;
+        const float decay = (float)(1.0 - x->lr * x->wd);
+        uint16_t *lo = split ? x->low : NULL;
+#define CALL_LAMB_PHASE1(FN, GT)                                                                    \
+    FN(x->w, lo, (const GT *)x->g, x->gmul, cfg->clip, cfg->clip_lo, cfg->clip_hi, x->m, x->v, \
+       x->n, (float)cfg->beta1, (float)cfg->beta2, (float)bc1, (float)bc2_sqrt, cfg->eps,      \
+       (float)x->wd, cfg->mode, decay, sums, cfg->nthreads)
+        if (x->kind & 1)
+            CALL_LAMB_PHASE1(lamb_phase1_bf16g, uint16_t);
         else
-            lamb_phase1(w[t], split ? low[t] : NULL, (const float *)g[t], gm, clip, glo, ghi,
-                        m[t], v[t], n[t], (float)beta1, (float)beta2, (float)bc1,
-                        (float)bc2_sqrt, eps, (float)wd[t], mode, decay, sums, nthreads);
-        double ratio = adapt[t] ? trust_ratio(sums[0], sums[1], has_lower, lower, has_upper,
-                                              upper) : 1.0;
-        lamb_phase2(w[t], m[t], v[t], n[t], (float)bc1, (float)bc2_sqrt, eps, (float)wd[t],
-                    mode, decay, (float)lr[t], (float)ratio, low[t], split, nthreads);
+            CALL_LAMB_PHASE1(lamb_phase1, float);
+#undef CALL_LAMB_PHASE1
+        double ratio = x->adapt ? trust_ratio(sums[0], sums[1], cfg) : 1.0;
+        lamb_phase2(x->w, x->m, x->v, x->n, (float)bc1, (float)bc2_sqrt, cfg->eps, (float)x->wd,
+                    cfg->mode, decay, (float)x->lr, (float)ratio, x->low, split, cfg->nthreads);
     }
 }
 
-/* gsq[t], when gsq is not NULL: the sum of squares of tensor t's gradient, already computed
- * (by the same sum_squares, for the clipping norms), so that pass is not run again. */
-void lans_multi(MULTI_ARGS, int clip, float glo, float ghi, int moved, const double *gsq) {
+/* LANS's gradient norm: x->gsq when given (>= 0: already computed by the same sum_squares, for
+ * the clipping norms, so that pass is not run again), else one pass over the gradient. */
+static double grad_sum_squares(const LayerwiseTensor *x, int nthreads) {
+    if (x->gsq >= 0.0) return x->gsq;
+    return (x->kind & 1) ? sum_squares_bf16((const uint16_t *)x->g, x->n, nthreads)
+                         : sum_squares((const float *)x->g, x->n, nthreads);
+}
+
+void lans_multi(const LayerwiseTensor *ts, int64_t count, const LayerwiseConfig *cfg) {
     double sums[4];
     for (int64_t t = 0; t < count; t++) {
+        const LayerwiseTensor *x = &ts[t];
         double bc1, bc2_sqrt;
-        bias_corrections(step[t], beta1, beta2, bias_correction, &bc1, &bc2_sqrt);
-        const int split = (kind[t] & 2) != 0, bf16 = (kind[t] & 1) != 0;
+        bias_corrections(x->step, cfg, &bc1, &bc2_sqrt);
+        const int split = (x->kind & 2) != 0;
+        uint16_t *lo = split ? x->low : NULL;
         /* the normalised gradient of g * gm is sign(gm) * g / ||g||: gm goes into ginv */
-        const double gm = gmul ? (double)gmul[t] : 1.0;
-        const double sq = gsq ? gsq[t]
-                              : bf16 ? sum_squares_bf16((const uint16_t *)g[t], n[t], nthreads)
-                                     : sum_squares((const float *)g[t], n[t], nthreads);
-        double gnorm = fabs(gm) * sqrt(sq);
+        const double gm = (double)x->gmul;
+        const double gnorm = fabs(gm) * sqrt(grad_sum_squares(x, cfg->nthreads));
         const float ginv = (float)(gnorm > 0.0 ? gm / gnorm : 0.0);
-        if (bf16)
-            lans_phase1_bf16g(w[t], split ? low[t] : NULL, (const uint16_t *)g[t], m[t], v[t],
-                              n[t], ginv, glo, ghi, clip, (float)beta1, (float)beta2, (float)bc1,
-                              (float)bc2_sqrt, eps, (float)wd[t], sums, nthreads);
+#define CALL_LANS_PHASE1(FN, GT)                                                                    \
+    FN(x->w, lo, (const GT *)x->g, x->m, x->v, x->n, ginv, cfg->clip_lo, cfg->clip_hi,         \
+       cfg->clip, (float)cfg->beta1, (float)cfg->beta2, (float)bc1, (float)bc2_sqrt, cfg->eps, \
+       (float)x->wd, sums, cfg->nthreads)
+        if (x->kind & 1)
+            CALL_LANS_PHASE1(lans_phase1_bf16g, uint16_t);
         else
-            lans_phase1(w[t], split ? low[t] : NULL, (const float *)g[t], m[t], v[t], n[t], ginv,
-                        glo, ghi, clip, (float)beta1, (float)beta2, (float)bc1, (float)bc2_sqrt,
-                        eps, (float)wd[t], sums, nthreads);
-        const double a = lr[t] * beta1, b = lr[t] * (1.0 - beta1);
+            CALL_LANS_PHASE1(lans_phase1, float);
+#undef CALL_LANS_PHASE1
+        const double a = x->lr * cfg->beta1, b = x->lr * (1.0 - cfg->beta1);
         double c2 = sums[2];
-        const double ratio_r = adapt[t] ? trust_ratio(sums[0], sums[1], has_lower, lower,
-                                                      has_upper, upper) : 1.0;
-        if (moved) { /* c' = c - wd*a*ratio_r*r: ||c'||^2 from the sums of phase 1 */
-            const double k = wd[t] * a * ratio_r;
+        const double ratio_r = x->adapt ? trust_ratio(sums[0], sums[1], cfg) : 1.0;
+        if (cfg->moved) { /* c' = c - wd*a*ratio_r*r: ||c'||^2 from the sums of phase 1 */
+            const double k = x->wd * a * ratio_r;
             c2 = c2 - 2.0 * k * sums[3] + k * k * sums[1];
             if (c2 < 0.0) c2 = 0.0;
         }
-        const double ratio_c = adapt[t] ? trust_ratio(sums[0], c2, has_lower, lower, has_upper,
-                                                      upper) : 1.0;
-        if (bf16)
-            lans_phase2_bf16g(w[t], (const uint16_t *)g[t], m[t], v[t], n[t], ginv, glo, ghi,
-                              clip, (float)bc1, (float)bc2_sqrt, eps, (float)wd[t], (float)a,
-                              (float)b, (float)ratio_r, (float)ratio_c, moved, low[t], split,
-                              nthreads);
+        const double ratio_c = x->adapt ? trust_ratio(sums[0], c2, cfg) : 1.0;
+#define CALL_LANS_PHASE2(FN, GT)                                                                    \
+    FN(x->w, (const GT *)x->g, x->m, x->v, x->n, ginv, cfg->clip_lo, cfg->clip_hi, cfg->clip,  \
+       (float)bc1, (float)bc2_sqrt, cfg->eps, (float)x->wd, (float)a, (float)b, (float)ratio_r, \
+       (float)ratio_c, cfg->moved, x->low, split, cfg->nthreads)
+        if (x->kind & 1)
+            CALL_LANS_PHASE2(lans_phase2_bf16g, uint16_t);
         else
-            lans_phase2(w[t], (const float *)g[t], m[t], v[t], n[t], ginv, glo, ghi, clip,
-                        (float)bc1, (float)bc2_sqrt, eps, (float)wd[t], (float)a, (float)b,
-                        (float)ratio_r, (float)ratio_c, moved, low[t], split, nthreads);
+            CALL_LANS_PHASE2(lans_phase2, float);
+#undef CALL_LANS_PHASE2
     }
 }
 

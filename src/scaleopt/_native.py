@@ -16,6 +16,62 @@ from torch import Tensor
 
 from . import _blocks
 
+from ctypes import POINTER, c_double, c_float, c_int32, c_int64, c_void_p
+
+_TENSOR_FIELDS = [("w", c_void_p), ("g", c_void_p), ("m", c_void_p), ("v", c_void_p),
+                  ("low", c_void_p), ("step", c_void_p), ("n", c_int64), ("kind", c_int32),
+                  ("gmul", c_float)]
+
+
+class LayerwiseTensor(ctypes.Structure):
+    """One tensor of a LAMB/LANS call (``LayerwiseTensor`` in ``_kernels.c``)."""
+
+    _fields_ = _TENSOR_FIELDS + [("lr", c_double), ("wd", c_double), ("gsq", c_double),
+                                 ("adapt", c_int32)]
+
+
+class LayerwiseConfig(ctypes.Structure):
+    """A LAMB/LANS call's group options (``LayerwiseConfig`` in ``_kernels.c``)."""
+
+    _fields_ = [("beta1", c_double), ("beta2", c_double), ("lower", c_double),
+                ("upper", c_double), ("eps", c_float), ("clip_lo", c_float), ("clip_hi", c_float),
+                ("bias_correction", c_int32), ("has_lower", c_int32), ("has_upper", c_int32),
+                ("clip", c_int32), ("nthreads", c_int32), ("mode", c_int32), ("moved", c_int32)]
+
+
+class AdamTensor(ctypes.Structure):
+    """One tensor of an Adam call (``AdamTensor`` in ``_kernels.c``)."""
+
+    _fields_ = _TENSOR_FIELDS + [("step_size", c_float), ("bc2_sqrt", c_float),
+                                 ("wd_l2", c_float), ("decay", c_float)]
+
+
+class AdamConfig(ctypes.Structure):
+    """An Adam call's group options (``AdamConfig`` in ``_kernels.c``)."""
+
+    _fields_ = [("beta1", c_float), ("one_m_b1", c_float), ("beta2", c_float),
+                ("one_m_b2", c_float), ("eps", c_float), ("nesterov", c_int32),
+                ("nthreads", c_int32)]
+
+
+#: The structs in the order ``struct_layout()`` (C) numbers them.
+STRUCTS = (LayerwiseTensor, LayerwiseConfig, AdamTensor, AdamConfig)
+
+_COUNT_AND_THREADS = [c_void_p, c_int64, c_int32]
+#: Every C function called from Python: name -> (restype, argtypes). ``tests/test_native.py``
+#: checks each against its declaration in ``_kernels.c``.
+SIGNATURES = {
+    "lamb_multi": (None, [POINTER(LayerwiseTensor), c_int64, POINTER(LayerwiseConfig)]),
+    "lans_multi": (None, [POINTER(LayerwiseTensor), c_int64, POINTER(LayerwiseConfig)]),
+    "adam_multi": (None, [POINTER(AdamTensor), c_int64, POINTER(AdamConfig)]),
+    "sum_squares": (c_double, _COUNT_AND_THREADS),
+    "sum_squares_bf16": (c_double, _COUNT_AND_THREADS),
+    "any_nonfinite": (c_int32, _COUNT_AND_THREADS),
+    "any_nonfinite_bf16": (c_int32, _COUNT_AND_THREADS),
+    "select_above": (c_int64, [c_void_p, c_int64, c_float, c_void_p, c_int64]),
+    "struct_layout": (c_int64, [c_int32, c_void_p]),
+}
+
 _lib = None
 if os.environ.get("SCALEOPT_NATIVE", "1") != "0":
     try:
@@ -26,37 +82,17 @@ if os.environ.get("SCALEOPT_NATIVE", "1") != "0":
         _lib = None
 
 if _lib is not None:
-    f, i64, i32, dp = ctypes.c_float, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-    for _name in ("lamb_phase1", "lamb_phase1_bf16g"):
-        getattr(_lib, _name).argtypes = [dp, dp, dp, f, i32, f, f, dp, dp, i64, f, f, f, f, f, f,
-                                         i32, f, dp, i32]
-        getattr(_lib, _name).restype = None
-    _lib.lamb_phase2.argtypes = [dp, dp, dp, i64, f, f, f, f, i32, f, f, f, dp, i32, i32]
-    _lib.lamb_phase2.restype = None
-    for _name in ("sum_squares", "sum_squares_bf16"):
-        getattr(_lib, _name).argtypes = [dp, i64, i32]
-        getattr(_lib, _name).restype = ctypes.c_double
-    for _name in ("lans_phase1", "lans_phase1_bf16g"):
-        getattr(_lib, _name).argtypes = [dp, dp, dp, dp, dp, i64, f, f, f, i32, f, f, f, f, f, f, dp,
-                                         i32]
-        getattr(_lib, _name).restype = None
-    for _name in ("lans_phase2", "lans_phase2_bf16g"):
-        getattr(_lib, _name).argtypes = [dp, dp, dp, dp, i64, f, f, f, i32, f, f, f, f, f, f, f, f,
-                                         i32, dp, i32, i32]
-        getattr(_lib, _name).restype = None
-    d = ctypes.c_double
-    _multi = [i64] + [dp] * 12 + [d, d, f, i32, i32, d, i32, d, i32]
-    _lib.lamb_multi.argtypes = _multi + [i32, i32, f, f]
-    _lib.lamb_multi.restype = None
-    _lib.lans_multi.argtypes = _multi + [i32, f, f, i32, dp]
-    _lib.lans_multi.restype = None
-    _lib.adam_multi.argtypes = [i64] + [dp] * 12 + [f] * 6 + [i32, i32]
-    _lib.adam_multi.restype = None
-    _lib.select_above.argtypes = [dp, i64, f, dp, i64]
-    _lib.select_above.restype = i64
-    for _name in ("any_nonfinite", "any_nonfinite_bf16"):
-        getattr(_lib, _name).argtypes = [dp, i64, i32]
-        getattr(_lib, _name).restype = i32
+    for _name, (_restype, _argtypes) in SIGNATURES.items():
+        getattr(_lib, _name).restype = _restype
+        getattr(_lib, _name).argtypes = _argtypes
+
+
+def struct_layout(struct: type) -> Tuple[int, ...]:
+    """``(sizeof, offsets of the fields...)`` of a struct as the C side lays it out."""
+    out = (c_int64 * 32)()
+    count = _lib.struct_layout(STRUCTS.index(struct), ctypes.addressof(out))
+    return tuple(out[:count])
+
 
 _MODES = {"update": 0, "decoupled": 1, "l2": 2}
 
@@ -69,19 +105,21 @@ def _cpu_contiguous(t: Tensor, dtypes) -> bool:
     return t.is_cpu and t.dtype in dtypes and t.is_contiguous()
 
 
+def sum_squares(t: Tensor, threads: int) -> float:
+    """The sum of squares of a contiguous float32 or bfloat16 CPU tensor, as LANS's first pass
+    computes it: float partial sums over blocks of 2048 elements, added in double."""
+    fn = _lib.sum_squares_bf16 if t.dtype == torch.bfloat16 else _lib.sum_squares
+    return fn(t.data_ptr(), t.numel(), threads)
+
+
 def sums_of_squares(tensors: Sequence[Tensor]) -> Optional[Tensor]:
-    """Each tensor's sum of squares (float64 vector) by the kernel LANS's first pass uses, for
-    contiguous float32 and bfloat16 CPU tensors; None for others (or without the kernels)."""
+    """Each tensor's sum of squares (float64 vector) by :func:`sum_squares`, for contiguous
+    float32 and bfloat16 CPU tensors; None for others (or without the kernels)."""
     if _lib is None or not all(_cpu_contiguous(t, (torch.float32, torch.bfloat16))
                                for t in tensors):
         return None
     threads = torch.get_num_threads()
-
-    def sum_squares(t: Tensor) -> float:
-        fn = _lib.sum_squares_bf16 if t.dtype == torch.bfloat16 else _lib.sum_squares
-        return fn(t.data_ptr(), t.numel(), threads)
-
-    return torch.tensor([sum_squares(t) for t in tensors], dtype=torch.float64)
+    return torch.tensor([sum_squares(t, threads) for t in tensors], dtype=torch.float64)
 
 
 def applies(work: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
@@ -94,42 +132,52 @@ def applies(work: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[
         for w, g, m, v, lp in zip(work, grads, exp_avgs, exp_avg_sqs, low))
 
 
-def _tensor_table(params, grads, exp_avgs, exp_avg_sqs, low, state_steps):
-    """What the ``*_multi`` kernels read per tensor: an int64 table whose rows are the
-    addresses of the weights, gradients, moments, ``low`` tensors (0 for None), the element
-    counts and the step counters, and the int32 kinds (bit 0: bfloat16 gradient, bit 1:
-    bfloat16 weight, i.e. a split master)."""
-    ptrs = torch.tensor(
-        [[t.data_ptr() for t in ts] for ts in (params, grads, exp_avgs, exp_avg_sqs)]
-        + [[0 if t is None else t.data_ptr() for t in low], [t.numel() for t in params],
-           [t.data_ptr() for t in state_steps]],
-        dtype=torch.int64,
-    )
-    kind = torch.tensor([int(g.dtype == torch.bfloat16) + 2 * int(p.dtype == torch.bfloat16)
-                         for p, g in zip(params, grads)], dtype=torch.int32)
-    return ptrs, kind
+def _kind(weight: Tensor, grad: Tensor) -> int:
+    """Bit 0: a bfloat16 gradient; bit 1: a bfloat16 weight, i.e. a split master."""
+    return int(grad.dtype == torch.bfloat16) + 2 * int(weight.dtype == torch.bfloat16)
 
 
-def _run_multi(kernel, extra, params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs,
-               weight_decays, adapt, low, beta1, beta2, eps, bias_correction, lower_bound,
-               upper_bound, gmul=None) -> None:
-    """Call a ``*_multi`` kernel on every tensor: per-tensor arrays (built as tensors, alive
-    until the call returns), the group's scalars, then the kernel's own ``extra`` arguments.
-    ``gmul`` (per tensor, or None for ones): the scalar each gradient is taken times."""
+def _ptr(t: Optional[Tensor]) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _layerwise_tensors(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs,
+                       weight_decays, adapt, low=None, gmul=None, grad_sq_sums=None):
+    """The per-tensor array of a ``lamb_multi`` / ``lans_multi`` call. ``gmul`` (per tensor,
+    or None for ones): the scalar each gradient is taken times; ``grad_sq_sums``: the
+    gradients' sums of squares where already computed (LANS)."""
     count = len(params)
-    if count == 0:
+    low = low or [None] * count
+    gmul = [1.0] * count if gmul is None else gmul
+    gsq = [-1.0] * count if grad_sq_sums is None else grad_sq_sums.tolist()
+    return (LayerwiseTensor * count)(*[
+        LayerwiseTensor(w.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), _ptr(lo),
+                        s.data_ptr(), w.numel(), _kind(w, g), gm, lr, wd, sq, int(bool(a)))
+        for w, g, m, v, lo, s, gm, lr, wd, sq, a in zip(
+            params, grads, exp_avgs, exp_avg_sqs, low, state_steps, gmul, lrs, weight_decays,
+            gsq, adapt)])
+
+
+def _layerwise_config(*, beta1, beta2, eps, bias_correction, lower_bound, upper_bound,
+                      clip_grad_value, mode=0, moved=False) -> LayerwiseConfig:
+    lo, hi = _blocks.clip_bounds(clip_grad_value)
+    return LayerwiseConfig(
+        beta1=beta1, beta2=beta2, lower=lower_bound or 0.0, upper=upper_bound or 0.0, eps=eps,
+        clip_lo=lo, clip_hi=hi, bias_correction=int(bias_correction),
+        has_lower=int(lower_bound is not None), has_upper=int(upper_bound is not None),
+        clip=int(clip_grad_value is not None), nthreads=torch.get_num_threads(), mode=mode,
+        moved=int(moved))
+
+
+_LAYERWISE_ARRAYS = ("lrs", "weight_decays", "adapt", "low", "gmul", "grad_sq_sums")
+
+
+def _run_layerwise(kernel, params, grads, exp_avgs, exp_avg_sqs, state_steps, **options):
+    if not params:
         return
-    ptrs, kind = _tensor_table(params, grads, exp_avgs, exp_avg_sqs, low or [None] * count,
-                               state_steps)
-    rates = torch.tensor([list(lrs), list(weight_decays)], dtype=torch.float64)
-    flags = torch.tensor([int(bool(a)) for a in adapt], dtype=torch.int32)
-    mults = None if gmul is None else torch.tensor(list(gmul), dtype=torch.float32)
-    row, rrow = ptrs.data_ptr(), rates.data_ptr()
-    kernel(count, row, row + 8 * count, None if mults is None else mults.data_ptr(),
-           *(row + 8 * count * k for k in range(2, 6)), kind.data_ptr(), row + 8 * count * 6,
-           rrow, rrow + 8 * count, flags.data_ptr(), beta1, beta2, eps, int(bias_correction),
-           int(lower_bound is not None), lower_bound or 0.0, int(upper_bound is not None),
-           upper_bound or 0.0, torch.get_num_threads(), *extra)
+    arrays = {k: options.pop(k) for k in _LAYERWISE_ARRAYS if k in options}
+    tensors = _layerwise_tensors(params, grads, exp_avgs, exp_avg_sqs, state_steps, **arrays)
+    kernel(tensors, len(params), ctypes.byref(_layerwise_config(**options)))
 
 
 @torch.compiler.disable  # host code calling C: nothing for dynamo to trace
@@ -145,11 +193,8 @@ def lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, weight_decay_mode
     ``grads[i]`` is taken times (sign, rescaling and clipping factors, see
     ``ScaleOptimizer._intake``): the gradients are read as they are, never copied; with
     ``clip_grad_value`` the product is then clamped (LAMB's element-wise clipping)."""
-    options.setdefault("low", None)
-    lo, hi = _blocks.clip_bounds(clip_grad_value)
-    extra = (_MODES[weight_decay_mode], int(clip_grad_value is not None), lo, hi)
-    _run_multi(_lib.lamb_multi, extra, params, grads, exp_avgs, exp_avg_sqs, state_steps,
-               **options)
+    _run_layerwise(_lib.lamb_multi, params, grads, exp_avgs, exp_avg_sqs, state_steps,
+                   mode=_MODES[weight_decay_mode], clip_grad_value=clip_grad_value, **options)
 
 
 @torch.compiler.disable
@@ -159,13 +204,9 @@ def lans(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, clip_grad_value,
     :func:`scaleopt.lans.lans` (options, ``low`` and ``gmul`` as in :func:`lamb`).
     ``grad_sq_sums``: the gradients' sums of squares from :func:`sums_of_squares`, when already
     computed (for clipping): LANS's own pass over the gradients for their norms is skipped."""
-    options.setdefault("low", None)
-    lo, hi = _blocks.clip_bounds(clip_grad_value)
-    sq = None if grad_sq_sums is None else grad_sq_sums.contiguous()
-    extra = (int(clip_grad_value is not None), lo, hi, int(decay_moved_weight),
-             None if sq is None else sq.data_ptr())
-    _run_multi(_lib.lans_multi, extra, params, grads, exp_avgs, exp_avg_sqs, state_steps,
-               **options)
+    _run_layerwise(_lib.lans_multi, params, grads, exp_avgs, exp_avg_sqs, state_steps,
+                   clip_grad_value=clip_grad_value, moved=decay_moved_weight,
+                   grad_sq_sums=grad_sq_sums, **options)
 
 
 def adam_applies(work: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
@@ -221,28 +262,28 @@ def adam(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[T
          state_steps: Sequence[Tensor], *,
          step_sizes: Sequence[float], bias_correction2_sqrts: Sequence[float],
          weight_decays_l2: Sequence[float], decays: Sequence[float], beta1: float, beta2: float,
-         eps: float, grad_multiplier: float, nesterov: bool = False,
+         eps: float, grad_multipliers: Sequence[float], nesterov: bool = False,
          one_minus_betas: Optional[Tuple[float, float]] = None, threads: int) -> None:
     """One Adam step on each tensor, one pass over memory each (see ``_kernels.c``), in one
     call. For a float32 ``params[i]``, ``low[i]``, when given, receives the rounded bfloat16
     weights; for a bfloat16 ``params[i]`` (split storage), ``low[i]`` holds the master's low
-    halves.
+    halves. ``grad_multipliers[i]``: the scalar ``grads[i]`` is taken times.
     ``one_minus_betas`` overrides ``(1-beta1, 1-beta2)`` (computed in double by default).
     Each ``state_steps[i]`` (a float32 CPU scalar) is incremented; the scalars given are those
     of the incremented step."""
     count = len(params)
     if count == 0:
         return
-    ptrs, kind = _tensor_table(params, grads, exp_avgs, exp_avg_sqs, low, state_steps)
-    scalars = torch.tensor([list(step_sizes), list(bias_correction2_sqrts), list(weight_decays_l2),
-                            list(decays)], dtype=torch.float32)
+    tensors = (AdamTensor * count)(*[
+        AdamTensor(w.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), _ptr(lo),
+                   s.data_ptr(), w.numel(), _kind(w, g), gm, ss, bc, l2, dc)
+        for w, g, m, v, lo, s, gm, ss, bc, l2, dc in zip(
+            params, grads, exp_avgs, exp_avg_sqs, low, state_steps, grad_multipliers,
+            step_sizes, bias_correction2_sqrts, weight_decays_l2, decays)])
     omb1, omb2 = one_minus_betas or (1.0 - beta1, 1.0 - beta2)
-    row = ptrs.data_ptr()
-    srow = scalars.data_ptr()
-    _lib.adam_multi(count, *(row + 8 * count * k for k in range(5)), row + 8 * count * 5,
-                    kind.data_ptr(), row + 8 * count * 6, *(srow + 4 * count * k for k in range(4)),
-                    beta1, omb1, beta2, omb2, eps, grad_multiplier, int(nesterov),
-                    threads)
+    config = AdamConfig(beta1=beta1, one_m_b1=omb1, beta2=beta2, one_m_b2=omb2, eps=eps,
+                        nesterov=int(nesterov), nthreads=threads)
+    _lib.adam_multi(tensors, count, ctypes.byref(config))
 
 
 def any_nonfinite(t: Tensor, threads: int) -> bool:

@@ -597,7 +597,7 @@ class OffloadAdam(HostOffload, ScaleOptimizer):
                 bias_correction2_sqrts=[f[2] for f in fast],
                 weight_decays_l2=[0.0 if decoupled else f[3] for f in fast],
                 decays=[1.0 - lr * f[3] if decoupled else 1.0 for f in fast],
-                beta1=beta1, beta2=beta2, eps=eps, grad_multiplier=mul, nesterov=nesterov,
+                beta1=beta1, beta2=beta2, eps=eps, grad_multipliers=[mul] * len(fast), nesterov=nesterov,
                 one_minus_betas=omb, threads=threads,
             )
         # a split master's upper half is the parameter (host) or its staging copy (device)
