@@ -126,7 +126,7 @@ def test_cuda_offload_keeps_state_on_the_host_and_matches_cpu(dtype, overlap):
     mc, mg = model("cpu", dtype), model("cuda", dtype)
     oc = scaleopt.OffloadAdam(mc.parameters(), lr=1e-2, weight_decay=0.1)
     og = scaleopt.OffloadAdam(mg.parameters(), lr=1e-2, weight_decay=0.1, overlap=overlap)
-    assert bool(og._hooks) == overlap
+    assert bool(og.host.hooks) == overlap
     run(mc, oc, 5)
     run(mg, og, 5)
     for a, b in zip(mc.parameters(), mg.parameters()):
@@ -136,7 +136,7 @@ def test_cuda_offload_keeps_state_on_the_host_and_matches_cpu(dtype, overlap):
         if dtype == torch.float32:
             assert st["master_param"].is_pinned()
         else:  # split master: the pinned host copy of the parameter + the low 16 bits
-            assert og._staging[b].is_pinned() and st["master_lo"].dtype == torch.int16
+            assert og.host.upper(b).is_pinned() and st["master_lo"].dtype == torch.int16
         master = og.master(b)
         assert master.dtype == torch.float32
         rounded = master.to(dtype).float()  # nearest (ties may break either way)

@@ -251,9 +251,18 @@ class ScaleOptimizer(torch.optim.Optimizer):
     def _arg(self, key: str) -> str:
         return self._arg_names.get(key, key)
 
+    #: The :class:`~scaleopt._host.HostPipeline` of an offloaded optimizer (its gradients,
+    #: masters and weights go through host memory), else None.
+    host: Any = None
+
     def __init__(self, params: Any, defaults: Dict[str, Any]) -> None:
         groups = normalize_params(params)
         super().__init__(groups, {**defaults, **self._extra_defaults})
+        self._attach()
+
+    def _attach(self) -> None:
+        """Set up what is not part of the pickled state (called by ``__init__`` and after
+        unpickling or copying). Subclasses extend it."""
 
     def _refresh_hyperparameters(self) -> None:
         """Called at the start of every step, before gradients are read. Front-ends override it."""
@@ -285,6 +294,8 @@ class ScaleOptimizer(torch.optim.Optimizer):
                     f"pass model.named_parameters() or groups with 'param_names'"
                 )
         super().add_param_group(group)
+        if self.host is not None:
+            self.host.track(self.param_groups[-1]["params"])
 
     def _validate_group(self, group: Dict[str, Any]) -> None:
         """Check a group's hyperparameters (defaults filled in). Subclasses extend this."""
@@ -328,11 +339,26 @@ class ScaleOptimizer(torch.optim.Optimizer):
         check_number(a("eps"), group["eps"])
         check_number(a("weight_decay"), group["weight_decay"])
 
+    def __getstate__(self) -> Dict[str, Any]:
+        state = super().__getstate__()
+        if self.host is not None:
+            state["host_options"] = self.host.options()
+        return state
+
     def __setstate__(self, state: Dict[str, Any]) -> None:
+        state = dict(state)
+        host_options = state.pop("host_options", None)
+        unpickled = "defaults" in state  # not torch's load_state_dict, which passes no defaults
         super().__setstate__(state)
         for group in self.param_groups:
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
+        if unpickled:
+            self._attach()
+        if host_options is not None:
+            from ._host import attach_host
+
+            attach_host(self, **host_options)
 
     # -- names --------------------------------------------------------------------------------
 
@@ -391,7 +417,7 @@ class ScaleOptimizer(torch.optim.Optimizer):
                     )
                 idx.append(i)
                 params.append(p)
-                grads.append(self._grad_of(p))
+                grads.append(p.grad if self.host is None else self.host.host_grad(p))
             clamp = group["clip_grad_value"] if value_clip else None
             item = _Staged(group, idx, params, grads, clamp=clamp, deferred=(
                 bool(grads) and defer is not None and defer(group, params) and not (
@@ -448,10 +474,6 @@ class ScaleOptimizer(torch.optim.Optimizer):
             coefs = _blocks.clip_coef(norms * group["rescale_grad"], per_tensor).tolist()
             mults = [base * c for c in coefs]
         return mults, norms, sums
-
-    def _grad_of(self, p: Tensor) -> Tensor:
-        """The gradient the step reads for ``p`` (an offloaded optimizer reads a host copy)."""
-        return p.grad
 
     @staticmethod
     def _param_label(group: Dict[str, Any], i: int) -> str:

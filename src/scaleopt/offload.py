@@ -1,9 +1,9 @@
 """Optimizers whose state and update live in host memory while the model lives on a device.
 
-:class:`HostOffload` is the pipeline: float32 master weights and optimizer state in host memory
-(pinned when the parameter is on an accelerator), gradients copied to the host as soon as
-backward produces them, the update run on the host, the weights copied back without blocking.
-:class:`OffloadAdam` is Adam/AdamW on it; :func:`offload` puts LAMB or LANS on it.
+:class:`OffloadAdam` is Adam/AdamW on the host pipeline (``scaleopt._host.HostPipeline``:
+float32 master weights and optimizer state in host memory, pinned when the parameter is on an
+accelerator; gradients copied to the host as soon as backward produces them; the update run on
+the host; the weights copied back without blocking). :func:`offload` puts LAMB or LANS on it.
 
 When a parameter already lives in host memory as a float32 tensor (a CPU model), it is its own
 master: the step updates it in place and nothing is copied.
@@ -11,10 +11,8 @@ master: the step updates it in place and nothing is copied.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import weakref
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Type
+from typing import Any, Dict, List, Optional, Tuple, Type
 
 import torch
 from torch import Tensor
@@ -28,291 +26,18 @@ from ._base import (
     check_name_rule,
     check_number,
 )
-from ._layerwise import LayerwiseAdam, joined_masters
+from ._host import HostPipeline, attach_host, check_num_threads
+from ._layerwise import LayerwiseAdam
+from ._masters import LocalPlacement, MasterWeights
 
-__all__ = ["OffloadAdam", "HostOffload", "offload"]
-
-
-def _on_host(p: Tensor) -> bool:
-    return p.device.type == "cpu"
+__all__ = ["OffloadAdam", "HostPipeline", "offload"]
 
 
-def _in_place(p: Tensor) -> bool:
-    """A parameter the host step updates directly: a float32 (or float64) host tensor."""
-    return _on_host(p) and p.dtype in (torch.float32, torch.float64)
-
-
-@contextlib.contextmanager
-def _threads(n: Optional[int]) -> Iterator[int]:
-    """Run the body with ``n`` intra-op threads (``None``: leave torch's setting)."""
-    before = torch.get_num_threads()
-    if n is None or n == before:
-        yield before
-        return
-    torch.set_num_threads(n)
-    try:
-        yield n
-    finally:
-        torch.set_num_threads(before)
-
-
-class HostOffload:
-    """Mixin: the host side of an offloaded optimizer.
-
-    Per parameter ``p`` (state keyed by ``p``, as in torch):
-
-    * ``state["master_param"]``: the float32 host copy the update runs on, for every ``p`` that
-      is not a float32 host tensor itself (device parameters, bfloat16/float16 host parameters);
-      pinned when ``p`` is on an accelerator. Moments live beside it, in float32 host memory.
-      Where the fused kernels run, :class:`OffloadAdam` holds the float32 master of a bfloat16
-      parameter split in two halves instead: the parameter itself (the master rounded to
-      nearest) and ``state["master_lo"]``, the low 16 bits (see :meth:`master`). That is the
-      same float32 value in less memory and less traffic; checkpoints hold it as
-      ``master_param``.
-    * Gradients: a host ``p.grad`` is read where it is. A device gradient is copied into a host
-      buffer of its dtype on a side stream, started by a post-accumulate-grad hook the moment
-      backward has produced it (``overlap=True``), so the copies overlap the rest of backward.
-      With gradient accumulation the hook fires after every micro-batch and the last copy wins;
-      ``step()`` re-copies any gradient that changed after its copy (e.g. clipped on the device).
-    * Weights back: the kernels write bfloat16 parameters' rounded weights into a pinned staging
-      buffer in the same pass as the update; each device parameter is then copied from its
-      staging buffer (or float32 master) with ``non_blocking=True`` on the current stream, so
-      the next forward, queued after the copies, never reads a half-copied weight. The next
-      step waits for those copies before writing the host buffers again.
-    """
-
-    #: Whether bfloat16 parameters keep their master as (parameter, low halves) when the
-    #: kernels are available (see :meth:`master`).
-    _split_masters = False
-
-    def _offload_init(self, overlap: bool, num_threads: Optional[int]) -> None:
-        if num_threads is not None:
-            if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
-                raise ValueError(f"Invalid num_threads: {num_threads!r} (a positive int or None)")
-        check_bool("overlap", overlap)
-        self.num_threads = num_threads
-        self.overlap = overlap
-        self._plans: Dict[Tensor, Any] = {}
-        self._grad_bufs: Dict[Tensor, Tensor] = {}
-        self._staging: Dict[Tensor, Tensor] = {}
-        self._pending: Dict[Tensor, Tuple[Tensor, int, Any]] = {}
-        self._streams: Dict[torch.device, Any] = {}
-        self._h2d_done: List[Any] = []
-        self._hooks: List[Any] = []
-        for group in self.param_groups:
-            self._register_hooks(group["params"])
-
-    # -- buffers ---------------------------------------------------------------------------------
-
-    @staticmethod
-    def _host_empty(like: Tensor, dtype: torch.dtype) -> Tensor:
-        pin = not _on_host(like) and torch.cuda.is_available()
-        return torch.empty(like.shape, dtype=dtype, pin_memory=pin)
-
-    def _master(self, p: Tensor) -> Tensor:
-        """The float32 host tensor the update runs on (``p`` itself for a float32 host tensor)."""
-        if _in_place(p):
-            return p
-        state = self.state[p]
-        master = state.get("master_param")
-        if master is None:
-            master = self._host_empty(p, torch.float32)
-            master.copy_(p.detach())
-            state["master_param"] = master
-        return master
-
-    def _wants_split(self, p: Tensor) -> bool:
-        return (self._split_masters and p.dtype == torch.bfloat16 and _native.available()
-                and (not _on_host(p) or p.is_contiguous()))
-
-    def _hi(self, p: Tensor) -> Tensor:
-        """The bfloat16 upper half of a split master: ``p`` on the host, else a host copy."""
-        if _on_host(p):
-            return p
-        buf = self._staging.get(p)
-        if buf is None:
-            buf = self._staging[p] = self._host_empty(p, torch.bfloat16)
-            buf.copy_(p.detach())
-        return buf
-
-    def _split_pair(self, p: Tensor) -> Tuple[Tensor, Tensor]:
-        """``(hi, lo)``: the two halves of ``p``'s float32 master (created equal to ``p``)."""
-        state = self.state[p]
-        lo = state.get("master_lo")
-        if lo is None:
-            lo = state["master_lo"] = torch.zeros(p.shape, dtype=torch.int16)
-        return self._hi(p), lo
-
-    def master(self, p: Tensor) -> Tensor:
-        """The float32 master weights of ``p`` (a new tensor for a split master; ``p`` itself
-        for a float32 host parameter)."""
-        state = self.state.get(p, {})
-        if "master_lo" in state:
-            return _native.split_join(self._hi(p).detach(), state["master_lo"])
-        if _in_place(p):
-            return p
-        return self._master(p)
-
-    def _low_target(self, p: Tensor) -> Optional[Tensor]:
-        """Where the kernels write the rounded bfloat16 weights: ``p`` itself on the host, a
-        pinned staging buffer for a device parameter; None for other dtypes."""
-        if p.dtype != torch.bfloat16:
-            return None
-        if _on_host(p):
-            return p if p.is_contiguous() else None
-        buf = self._staging.get(p)
-        if buf is None:
-            buf = self._staging[p] = self._host_empty(p, torch.bfloat16)
-        return buf
-
-    # -- gradients to the host --------------------------------------------------------------------
-
-    def _register_hooks(self, params: List[Tensor]) -> None:
-        if not self.overlap:
-            return
-        ref = weakref.ref(self)
-        for p in params:
-            if _on_host(p) or not p.requires_grad or p.device.type != "cuda":
-                continue
-
-            def before_accumulate(grad: Tensor, p=p) -> Tensor:
-                opt = ref()
-                if opt is not None:  # the accumulation must not overwrite a copy in flight
-                    pending = opt._pending.get(p)
-                    if pending is not None:
-                        torch.cuda.current_stream(p.device).wait_event(pending[2])
-                return grad
-
-            def after_accumulate(param: Tensor, p=p) -> None:
-                opt = ref()
-                if opt is not None:
-                    opt._start_copy(p)
-
-            self._hooks.append(p.register_hook(before_accumulate))
-            self._hooks.append(p.register_post_accumulate_grad_hook(after_accumulate))
-
-    def _start_copy(self, p: Tensor) -> None:
-        """Start copying ``p.grad`` (on an accelerator) into its host buffer, on a side stream."""
-        g = p.grad
-        buf = self._grad_bufs.get(p)
-        if buf is None or buf.dtype != g.dtype:
-            buf = self._grad_bufs[p] = self._host_empty(p, g.dtype)
-        stream = self._streams.get(p.device)
-        if stream is None:
-            stream = self._streams[p.device] = torch.cuda.Stream(p.device)
-        stream.wait_stream(torch.cuda.current_stream(p.device))
-        with torch.cuda.stream(stream):
-            buf.copy_(g, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
-        g.record_stream(stream)
-        self._pending[p] = (g, g._version, event)
-
-    def _host_grad(self, p: Tensor) -> Tensor:
-        """``p``'s gradient in host memory, complete (waits for its copy)."""
-        g = p.grad
-        if _on_host(p):
-            return g
-        pending = self._pending.get(p)
-        if pending is None or pending[0] is not g or pending[1] != g._version:
-            self._start_copy(p)
-            pending = self._pending[p]
-        pending[2].synchronize()
-        return self._grad_bufs[p]
-
-    def _grads_to_host(self, params: List[Tensor]) -> List[Tensor]:
-        if not self._pending and all(p.device.type == "cpu" for p in params):
-            return [p.grad for p in params]
-        grads = [self._host_grad(p) for p in params]
-        for p in params:
-            self._pending.pop(p, None)
-        return grads
-
-    # -- weights back -----------------------------------------------------------------------------
-
-    def _wait_for_copies_back(self) -> None:
-        """The host buffers are read by the previous step's copies to the device: wait for them."""
-        for event in self._h2d_done:
-            event.synchronize()
-        self._h2d_done = []
-
-    def _write_back(self, params: List[Tensor], work: List[Tensor],
-                    low: List[Optional[Tensor]], written: List[bool]) -> None:
-        """Bring each parameter up to date with its master: ``written[i]`` tells that the kernel
-        already wrote ``low[i]`` in its pass."""
-        devices = set()
-        for p, w, lp, done in zip(params, work, low, written):
-            if p is w:
-                continue
-            if _on_host(p):
-                if not (done and lp is p):
-                    p.detach().copy_(w)
-                continue
-            src = lp if (done and lp is not None) else w
-            p.detach().copy_(src, non_blocking=True)
-            devices.add(p.device)
-        for device in devices:
-            if device.type == "cuda":
-                event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(device))
-                self._h2d_done.append(event)
-
-    # -- checkpoints ------------------------------------------------------------------------------
-
-    def state_dict(self) -> Dict[str, Any]:
-        return joined_masters(self, super().state_dict())  # type: ignore[misc]
-
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Load a checkpoint (also one of :class:`torch.optim.AdamW` for :class:`OffloadAdam`).
-
-        torch's loader would move the state to each parameter's device and dtype; here master
-        weights and moments go back to float32 host memory, from the saved values (not rounded).
-        A checkpoint without ``master_param`` starts the master from the parameter."""
-        keep: Dict[int, Dict[str, Tensor]] = {}
-        for sg, g in zip(state_dict["param_groups"], self.param_groups):
-            for pid, p in zip(sg["params"], g["params"]):
-                st = state_dict["state"].get(pid, {})
-                if _in_place(p):
-                    continue
-                host = {}
-                for k, v in st.items():
-                    if k != "step" and torch.is_tensor(v) and v.is_floating_point():
-                        t = self._host_empty(p, torch.float32)
-                        t.copy_(v.detach().reshape(p.shape))
-                        host[k] = t
-                keep[id(p)] = host
-        super().load_state_dict(state_dict)  # type: ignore[misc]
-        self._plans.clear()
-        for g in self.param_groups:
-            for p in g["params"]:
-                st = self.state.get(p)
-                if st and id(p) in keep:
-                    st.update(keep[id(p)])
-                    st.pop("master_lo", None)
-                    if self._wants_split(p):
-                        master = st.pop("master_param", None)
-                        hi, lo = self._split_pair(p)
-                        if master is not None:
-                            _native.split_(master, hi.detach(), lo)
-                            if not _on_host(p):
-                                p.detach().copy_(hi)
-                    elif "master_param" not in st:
-                        self._master(p)
-                elif st and _in_place(p):
-                    st.pop("master_param", None)  # a float32 host parameter is its own master
-
-    def remove_hooks(self) -> None:
-        """Remove the gradient hooks (they are also inert once the optimizer is deleted)."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-
-
-class OffloadAdam(HostOffload, ScaleOptimizer):
+class OffloadAdam(ScaleOptimizer):
     r"""Adam / AdamW with float32 master weights and state in host memory.
 
     The parameters stay on their device in any float dtype; the update runs on the host (see
-    :class:`HostOffload` for the pipeline). The numbers are those of :class:`torch.optim.AdamW`
+    ``scaleopt._host`` for the pipeline). The numbers are those of :class:`torch.optim.AdamW`
     (``decoupled=True``) or :class:`torch.optim.Adam` (``decoupled=False``):
 
     .. math::
@@ -369,7 +94,6 @@ class OffloadAdam(HostOffload, ScaleOptimizer):
 
     _name_rule_keys = ("exclude_from_weight_decay",)
     _step_supports_amp_scaling = True
-    _split_masters = True
 
     def __init__(
         self,
@@ -408,13 +132,22 @@ class OffloadAdam(HostOffload, ScaleOptimizer):
         check_bool("check_finite", check_finite)
         self.check_finite = check_finite
         self.skipped = False
+        check_num_threads(num_threads)
         super().__init__(params, defaults)
-        self._offload_init(overlap, num_threads)
+        attach_host(self, overlap=overlap, num_threads=num_threads)
 
-    def add_param_group(self, param_group: Dict[str, Any]) -> None:
-        super().add_param_group(param_group)
-        if hasattr(self, "_hooks"):
-            self._register_hooks(self.param_groups[-1]["params"])
+    def _attach(self) -> None:
+        super()._attach()
+        self._master_weights = MasterWeights(self, LocalPlacement())  # then the host's
+
+    def master(self, p: Tensor) -> Tensor:
+        """The float32 master weights of ``p`` (a new tensor for a split master; ``p`` itself
+        for a float32 host parameter)."""
+        return self._master_weights.master(p)
+
+    def remove_hooks(self) -> None:
+        """Remove the gradient hooks (they are also inert once the optimizer is deleted)."""
+        self.host.remove_hooks()
 
     def _validate_group(self, group: Dict[str, Any]) -> None:
         a = self._arg
@@ -451,7 +184,7 @@ class OffloadAdam(HostOffload, ScaleOptimizer):
                         f"(parameter {self._param_label(group, i)})"
                     )
             if params:
-                out.append((group, idx, params, self._grads_to_host(params)))
+                out.append((group, idx, params, [self.host.host_grad(p) for p in params]))
         return out
 
     def _multipliers(self, staged, threads: int) -> Optional[List[float]]:
@@ -484,9 +217,8 @@ class OffloadAdam(HostOffload, ScaleOptimizer):
     def step(self, closure=None):  # type: ignore[override]
         """Perform one optimization step. ``closure`` re-evaluates the model and returns the loss."""
         loss = self._closure_loss(closure)
-        staged = self._gather()
-        self._wait_for_copies_back()
-        with _threads(self.num_threads) as threads:
+        with self.host.stepping() as threads:
+            staged = self._gather()
             muls = self._multipliers(staged, threads)
             self.skipped = muls is None
             if muls is not None:
@@ -497,28 +229,6 @@ class OffloadAdam(HostOffload, ScaleOptimizer):
 
     def _after_step(self) -> None:
         """Called at the end of every step, skipped or not. Front-ends override it."""
-
-    def _plan(self, p: Tensor, amsgrad: bool):
-        """Per parameter, what the update reads: ``(state, exp_avg, exp_avg_sq, work, low,
-        split, kernel_takes_it)`` where ``work`` is the float32 master (or the bfloat16 upper
-        half of a split master) and ``low`` the bfloat16 copy to write (or the split master's
-        low half). Cached while the state holds the same tensors."""
-        st = self.state[p]
-        plan = self._plans.get(p)
-        if (plan is not None and plan[0] is st and plan[1] is st.get("exp_avg")
-                and plan[2] is st.get("exp_avg_sq") and plan[7] == (p.dtype, p.device)
-                and not (amsgrad and "max_exp_avg_sq" not in st)):
-            return plan
-        split = self._wants_split(p)
-        if split:  # the kernel's split storage: (bfloat16 upper half, int16 lower half)
-            work, low = self._split_pair(p)
-        else:
-            work, low = self._master(p), self._low_target(p)
-        st = self._state(p, amsgrad)
-        m, v = st["exp_avg"], st["exp_avg_sq"]
-        takes = _native.adam_applies(work, torch.empty(0), m, v, low)
-        plan = self._plans[p] = (st, m, v, work, low, split, takes, (p.dtype, p.device))
-        return plan
 
     def _state(self, p: Tensor, amsgrad: bool) -> Dict[str, Any]:
         """``p``'s step and moments: host tensors, float32 (float64 for a float64 parameter)."""
@@ -554,55 +264,52 @@ class OffloadAdam(HostOffload, ScaleOptimizer):
     @torch.compiler.disable
     def _update_group(self, group, idx, params, grads, mul, threads) -> None:
         beta1, beta2 = group["betas"]
-        lr, eps, amsgrad, decoupled = group["lr"], group["eps"], group["amsgrad"], group["decoupled"]
-        nesterov = group["nesterov"]
         omb = self._one_minus_betas(group)
         no_decay = self._rule_flags(group, "exclude_from_weight_decay")
-        plans = [self._plan(p, amsgrad) for p in params]
-        work = [pl[3] for pl in plans]
-        low: List[Optional[Tensor]] = [pl[4] for pl in plans]
-        split = [pl[5] for pl in plans]
-        states = [pl[0] for pl in plans]
-        scalars: Dict[float, Tuple[float, float]] = {}
-        fast: List[Tuple[int, float, float, float]] = []
-        for k, (i, g, pl) in enumerate(zip(idx, grads, plans)):
-            st, m, v, w = pl[0], pl[1], pl[2], pl[3]
-            wd = 0.0 if no_decay[i] else group["weight_decay"]
-            step = st["step"].item() + 1.0  # the kernel increments the counter, else below
-            if step not in scalars:
-                scalars[step] = self._step_scalars(group, step)
-            step_size, bc2_sqrt = scalars[step]
-            if pl[6] and not amsgrad and _native.grad_applies(g):
-                fast.append((k, step_size, bc2_sqrt, wd))
-                continue
-            st["step"] += 1
-            master = _native.split_join(w.detach(), low[k]) if split[k] else w
-            if not split[k]:
-                low[k] = None
-            gf = g.to(torch.float32) if g.dtype != master.dtype else g
-            gf = gf * mul if mul != 1.0 else gf
-            _adam_reference(master, gf, m, v, st.get("max_exp_avg_sq"), lr=lr, beta1=beta1,
-                            beta2=beta2, one_minus_betas=omb, step_size=step_size,
-                            bc2_sqrt=bc2_sqrt, eps=eps, weight_decay=wd, decoupled=decoupled,
-                            nesterov=nesterov)
-            if split[k]:
-                _native.split_(master, w.detach(), low[k])
-        if fast:
-            ks = [f[0] for f in fast]
-            _native.adam(
-                [work[k] for k in ks], [grads[k] for k in ks],
-                [states[k]["exp_avg"] for k in ks], [states[k]["exp_avg_sq"] for k in ks],
-                [low[k] for k in ks], [states[k]["step"] for k in ks],
-                step_sizes=[f[1] for f in fast],
-                bias_correction2_sqrts=[f[2] for f in fast],
-                weight_decays_l2=[0.0 if decoupled else f[3] for f in fast],
-                decays=[1.0 - lr * f[3] if decoupled else 1.0 for f in fast],
-                beta1=beta1, beta2=beta2, eps=eps, grad_multipliers=[mul] * len(fast), nesterov=nesterov,
-                one_minus_betas=omb, threads=threads,
-            )
-        # a split master's upper half is the parameter (host) or its staging copy (device)
-        self._write_back(params, work, low,
-                         [low[k] is not None and not split[k] for k in range(len(params))])
+        view = self._master_weights.view(group, params)
+        states = [self._state(p, group["amsgrad"]) for p in params]
+        decays = [0.0 if no_decay[i] else group["weight_decay"] for i in idx]
+        step_scalars = self._steps_scalars(group, states)
+        fast = [k for k, (g, st) in enumerate(zip(grads, states))
+                if not group["amsgrad"] and _native.adam_applies(
+                    view.work[k], g, st["exp_avg"], st["exp_avg_sq"], view.low[k])]
+        slow = [k for k in range(len(params)) if k not in set(fast)]
+        with self._master_weights.as_float32(view.subset(slow)) as masters:
+            for k, master in zip(slow, masters):
+                st = states[k]
+                st["step"] += 1
+                g = grads[k].to(torch.float32) if grads[k].dtype != master.dtype else grads[k]
+                _adam_reference(master, g * mul if mul != 1.0 else g, st["exp_avg"],
+                                st["exp_avg_sq"], st.get("max_exp_avg_sq"), lr=group["lr"],
+                                beta1=beta1, beta2=beta2, one_minus_betas=omb,
+                                step_size=step_scalars[k][0], bc2_sqrt=step_scalars[k][1],
+                                eps=group["eps"], weight_decay=decays[k],
+                                decoupled=group["decoupled"], nesterov=group["nesterov"])
+        decoupled, lr = group["decoupled"], group["lr"]
+        _native.adam(
+            [view.work[k] for k in fast], [grads[k] for k in fast],
+            [states[k]["exp_avg"] for k in fast], [states[k]["exp_avg_sq"] for k in fast],
+            [view.low[k] for k in fast], [states[k]["step"] for k in fast],
+            step_sizes=[step_scalars[k][0] for k in fast],
+            bias_correction2_sqrts=[step_scalars[k][1] for k in fast],
+            weight_decays_l2=[0.0 if decoupled else decays[k] for k in fast],
+            decays=[1.0 - lr * decays[k] if decoupled else 1.0 for k in fast],
+            beta1=beta1, beta2=beta2, eps=group["eps"], grad_multipliers=[mul] * len(fast),
+            nesterov=group["nesterov"], one_minus_betas=omb, threads=threads,
+        )
+        fast_set = set(fast)
+        self._master_weights.commit(view, [k in fast_set for k in range(len(params))])
+
+    def _steps_scalars(self, group, states) -> List[Tuple[float, float]]:
+        """Per tensor, :meth:`_step_scalars` at the step about to be taken."""
+        cache: Dict[float, Tuple[float, float]] = {}
+        out = []
+        for st in states:
+            step = st["step"].item() + 1.0
+            if step not in cache:
+                cache[step] = self._step_scalars(group, step)
+            out.append(cache[step])
+        return out
 
 
 def _adam_reference(w: Tensor, g: Tensor, m: Tensor, v: Tensor, vmax: Optional[Tensor], *,
@@ -631,8 +338,9 @@ def _adam_reference(w: Tensor, g: Tensor, m: Tensor, v: Tensor, vmax: Optional[T
 def offload(optimizer_class: Type[LayerwiseAdam], params: Any, *, overlap: bool = True,
             num_threads: Optional[int] = None, **options: Any) -> LayerwiseAdam:
     """``optimizer_class`` (:class:`~scaleopt.LAMB` or :class:`~scaleopt.LANS`) on the host
-    pipeline of :class:`HostOffload`: float32 masters (split for bfloat16 parameters) and moments
-    in host memory, gradients to the host, the fused host kernels, weights back to the device.
+    pipeline: float32 masters (split for bfloat16 parameters) and moments in host memory,
+    gradients to the host, the fused host kernels, weights back to the device. The result is
+    an ``optimizer_class`` whose ``host`` is the pipeline.
 
     >>> import scaleopt
     >>> model = torch.nn.Linear(4, 2)
@@ -645,50 +353,9 @@ def offload(optimizer_class: Type[LayerwiseAdam], params: Any, *, overlap: bool 
             f"offload() takes a layer-wise optimizer class (scaleopt.LAMB, scaleopt.LANS); "
             f"for Adam use scaleopt.OffloadAdam. Got {optimizer_class!r}"
         )
-    cls = _OFFLOADED.get(optimizer_class)
-    if cls is None:
-        cls = type(f"Offload{optimizer_class.__name__}", (_OffloadLayerwise, optimizer_class),
-                   {"__module__": __name__, "__doc__": optimizer_class.__doc__})
-        _OFFLOADED[optimizer_class] = cls
     if "master_weights" in options and not options["master_weights"]:
         raise ValueError("offloaded optimizers always keep float32 master weights (master_weights)")
-    opt = cls(params, **dict(options, master_weights=True))  # as its groups should say
-    opt._offload_init(overlap, num_threads)
+    check_num_threads(num_threads)
+    opt = optimizer_class(params, **dict(options, master_weights=True))  # as its groups say
+    attach_host(opt, overlap=overlap, num_threads=num_threads)
     return opt
-
-
-class _OffloadLayerwise(HostOffload):
-    """A :class:`LayerwiseAdam` whose step runs on :class:`HostOffload`."""
-
-    def add_param_group(self, param_group: Dict[str, Any]) -> None:
-        super().add_param_group(param_group)  # type: ignore[misc]
-        if hasattr(self, "_hooks"):
-            self._register_hooks(self.param_groups[-1]["params"])
-
-    def _grad_of(self, p: Tensor) -> Tensor:
-        return self._host_grad(p)
-
-    def _kernels_may_run(self, group: Dict[str, Any], params: List[Tensor]) -> bool:
-        return group.get("foreach") is None and _native.available()  # the step is on the host
-
-    _split_masters = True  # bfloat16 parameters: split masters on the host (HostOffload)
-
-    @staticmethod
-    def _splits(group: Dict[str, Any], p: Tensor) -> bool:
-        return False  # HostOffload decides (_wants_split) and converts checkpoints
-
-    def _masters(self, group: Dict[str, Any], params: List[Tensor]) -> List[Tensor]:
-        return [self._split_pair(p)[0] if self._wants_split(p) else self._master(p)
-                for p in params]
-
-    @contextlib.contextmanager
-    def _step_context(self):
-        self._wait_for_copies_back()
-        with _threads(self.num_threads):
-            yield
-        for group in self.param_groups:
-            for p in group["params"]:
-                self._pending.pop(p, None)
-
-
-_OFFLOADED: Dict[type, type] = {}

@@ -1,0 +1,248 @@
+"""Master weights: where each parameter's float32 master lives and how the update reaches it.
+
+A parameter's master is stored in one of three ways (:class:`Storage`):
+
+* ``OWN``: the parameter is its own master (a float32 parameter, or no master weights);
+* ``COPY``: a float32 tensor, ``state["master_param"]``;
+* ``SPLIT``: the float32 value held in two halves: a bfloat16 tensor with its upper 16 bits
+  (rounded to nearest: the parameter itself, or its host copy) and ``state["master_lo"]``
+  (int16) with its lower 16 bits. The same value as a float32 master in 2 extra bytes per
+  parameter instead of 4; the fused kernels read and write it in place.
+
+:class:`MasterWeights` owns those state entries for one optimizer: it gives the tensors an
+update runs on (:meth:`MasterWeights.view`), joins and re-splits them for the PyTorch paths
+(:meth:`MasterWeights.as_float32`), commits the result to the parameters
+(:meth:`MasterWeights.commit`), and converts checkpoints through the optimizer's state-dict
+hooks: a state dict always holds a float32 ``master_param``, and loading one keeps the saved
+float32 values (torch's loader would round them to the parameter's dtype) and splits them where
+this optimizer splits. A :class:`Placement` says where masters live: beside their parameters
+(:class:`LocalPlacement`) or in host memory (``scaleopt._host.HostPipeline``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+from typing import Any, Dict, Iterator, List, Optional, Protocol, Union
+
+import torch
+from torch import Tensor
+
+from . import _native
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+class Storage(enum.Enum):
+    OWN = "own"
+    COPY = "copy"
+    SPLIT = "split"
+
+
+class Placement(Protocol):
+    """Where the masters of an optimizer live, and how the parameters get their values."""
+
+    def storage(self, group: Dict[str, Any], p: Tensor) -> Storage:
+        """How a new master of ``p`` is to be stored."""
+
+    def new_copy(self, p: Tensor) -> Tensor:
+        """A new float32 master equal to ``p``."""
+
+    def upper(self, p: Tensor) -> Tensor:
+        """The bfloat16 tensor holding the upper halves of ``p``'s split master."""
+
+    def rounded_target(self, p: Tensor) -> Optional[Tensor]:
+        """Where the fused kernels may write the rounded weights of a ``COPY`` master."""
+
+    def load_float32(self, p: Tensor, value: Tensor) -> Tensor:
+        """A checkpoint's ``value`` (master or moment of ``p``) as this placement keeps it."""
+
+    def keeps_float32(self, p: Tensor, saved: Dict[str, Any]) -> bool:
+        """Whether ``p``'s saved state is to be loaded in float32 (not in ``p``'s dtype)."""
+
+    def copy_back(self, pairs: List[tuple]) -> None:
+        """Give each parameter of ``(parameter, source)`` the source's values."""
+
+
+class LocalPlacement:
+    """Masters beside their parameters, on the same device. A float16/bfloat16 parameter has a
+    master when its group says ``master_weights``; it is split where the fused kernels run (a
+    contiguous bfloat16 CPU parameter and ``foreach=None``), a float32 copy elsewhere."""
+
+    def storage(self, group: Dict[str, Any], p: Tensor) -> Storage:
+        if not group["master_weights"] or p.dtype not in LOW_PRECISION:
+            return Storage.OWN
+        if (group.get("foreach") is None and p.dtype == torch.bfloat16
+                and p.device.type == "cpu" and p.is_contiguous() and _native.available()):
+            return Storage.SPLIT
+        return Storage.COPY
+
+    def new_copy(self, p: Tensor) -> Tensor:
+        return p.detach().to(torch.float32, copy=True)
+
+    def upper(self, p: Tensor) -> Tensor:
+        return p
+
+    def rounded_target(self, p: Tensor) -> Optional[Tensor]:
+        return p
+
+    def load_float32(self, p: Tensor, value: Tensor) -> Tensor:
+        return value.to(device=p.device, dtype=torch.float32, copy=True)
+
+    def keeps_float32(self, p: Tensor, saved: Dict[str, Any]) -> bool:
+        return "master_param" in saved and p.dtype in LOW_PRECISION
+
+    def copy_back(self, pairs: List[tuple]) -> None:
+        if pairs:
+            torch._foreach_copy_([p for p, _ in pairs], [src for _, src in pairs])
+
+
+@dataclasses.dataclass
+class MasterView:
+    """One group's parameters as an update sees them."""
+
+    params: List[Tensor]
+    #: the tensors the update runs on: a float32 master, a split master's upper half, or the
+    #: parameter itself
+    work: List[Tensor]
+    #: per tensor, for the fused kernels: a split master's lower halves, where a float32
+    #: master's rounded weights go, or None
+    low: List[Optional[Tensor]]
+    split: List[bool]
+
+    def subset(self, indices: List[int]) -> "MasterView":
+        return MasterView(*([xs[k] for k in indices]
+                            for xs in (self.params, self.work, self.low, self.split)))
+
+
+class MasterWeights:
+    """The master weights of one optimizer (see the module doc)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, placement: Placement) -> None:
+        self.optimizer = optimizer
+        self.placement = placement
+        self._loading: Dict[int, Dict[str, Tensor]] = {}
+        optimizer.register_state_dict_post_hook(self._joined_in_state_dict)
+        optimizer.register_load_state_dict_pre_hook(self._keep_float32)
+        optimizer.register_load_state_dict_post_hook(self._after_load)
+
+    # -- the step --------------------------------------------------------------------------------
+
+    def storage(self, group: Dict[str, Any], p: Tensor) -> Storage:
+        """How ``p``'s master is stored: as its state holds it, else as the placement says."""
+        state = self.optimizer.state[p]
+        if "master_lo" in state:
+            return Storage.SPLIT
+        if "master_param" in state:
+            return Storage.COPY
+        return self.placement.storage(group, p)
+
+    def view(self, group: Dict[str, Any], params: List[Tensor]) -> MasterView:
+        """The tensors ``params``' update runs on (masters made equal to the parameters where
+        new)."""
+        work, low, split = [], [], []
+        for p in params:
+            kind = self.storage(group, p)
+            state = self.optimizer.state[p]
+            if kind is Storage.SPLIT:
+                if "master_lo" not in state:
+                    state["master_lo"] = torch.zeros(p.shape, dtype=torch.int16)
+                work.append(self.placement.upper(p))
+                low.append(state["master_lo"])
+            elif kind is Storage.COPY:
+                if "master_param" not in state:
+                    state["master_param"] = self.placement.new_copy(p)
+                work.append(state["master_param"])
+                low.append(self.placement.rounded_target(p))
+            else:
+                work.append(p)
+                low.append(None)
+            split.append(kind is Storage.SPLIT)
+        return MasterView(list(params), work, low, split)
+
+    @contextlib.contextmanager
+    def as_float32(self, view: MasterView) -> Iterator[List[Tensor]]:
+        """The view's working tensors with split masters joined into float32 tensors, split
+        again when the body is done (the PyTorch paths run on these)."""
+        full = [_native.split_join(w.detach(), lo) if s else w
+                for w, lo, s in zip(view.work, view.low, view.split)]
+        yield full
+        for w, f, lo, s in zip(view.work, full, view.low, view.split):
+            if s:
+                _native.split_(f, w.detach(), lo)
+
+    def commit(self, view: MasterView, rounded_written: Union[bool, List[bool]]) -> None:
+        """Bring each parameter up to date with its master. ``rounded_written`` (for all
+        tensors, or per tensor): the fused kernels wrote a ``COPY`` master's rounded weights
+        into its ``low`` tensor."""
+        if isinstance(rounded_written, bool):
+            rounded_written = [rounded_written] * len(view.params)
+        pairs = []
+        for p, w, lo, s, written in zip(view.params, view.work, view.low, view.split,
+                                        rounded_written):
+            if p is w:
+                continue
+            source = lo if (written and not s and lo is not None) else w
+            if source is not p:
+                pairs.append((p, source))
+        self.placement.copy_back(pairs)
+
+    def master(self, p: Tensor) -> Tensor:
+        """The float32 master weights of ``p``: a new tensor for a split master, the stored copy
+        for a ``COPY`` master, ``p`` itself otherwise."""
+        state = self.optimizer.state.get(p, {})
+        if "master_lo" in state:
+            return _native.split_join(self.placement.upper(p).detach(), state["master_lo"])
+        return state.get("master_param", p)
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    def _params(self) -> Iterator[tuple]:
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                yield group, p
+
+    def _joined_in_state_dict(self, optimizer: Any, sd: Dict[str, Any]) -> Dict[str, Any]:
+        """A state dict holds each split master as a float32 ``master_param``."""
+        for index, (_, p) in enumerate(self._params()):
+            st = sd["state"].get(index)
+            if st is not None and "master_lo" in st:
+                st = {k: v for k, v in st.items() if k != "master_lo"}
+                st["master_param"] = self.master(p)
+                sd["state"][index] = st
+        return sd
+
+    def _keep_float32(self, optimizer: Any, sd: Dict[str, Any]) -> None:
+        """Before torch's loader casts the state to the parameters' dtypes: the float32 values
+        to keep (masters and moments), by parameter."""
+        self._loading = {}
+        saved = [p for g in sd["param_groups"] for p in g["params"]]
+        for pid, (_, p) in zip(saved, self._params()):
+            st = sd["state"].get(pid, {})
+            if self.placement.keeps_float32(p, st):
+                self._loading[id(p)] = {
+                    k: self.placement.load_float32(p, v) for k, v in st.items()
+                    if k != "step" and torch.is_tensor(v) and v.is_floating_point()}
+
+    def _after_load(self, optimizer: Any) -> None:
+        loading, self._loading = self._loading, {}
+        for group, p in self._params():
+            st = self.optimizer.state.get(p)
+            if not st:
+                continue
+            st.pop("master_lo", None)
+            st.update(loading.get(id(p), {}))
+            kind = self.placement.storage(group, p)
+            if kind is Storage.OWN:
+                st.pop("master_param", None)
+            elif kind is Storage.SPLIT:
+                master = st.pop("master_param", None)
+                st["master_lo"] = torch.zeros(p.shape, dtype=torch.int16)
+                upper = self.placement.upper(p)
+                if master is not None:
+                    _native.split_(master, upper.detach(), st["master_lo"])
+                    if upper is not p:
+                        p.detach().copy_(upper)
+            elif "master_param" not in st:
+                st["master_param"] = self.placement.new_copy(p)
