@@ -538,3 +538,30 @@ def test_the_host_kernel_computes_torchs_adamw_bit_for_bit_almost_everywhere():
     same = a.detach() == b.detach()
     assert same.float().mean() > 0.99
     torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: OffloadAdam(ps, lr=1e-2, check_finite=True, num_threads=1),
+    lambda ps: offload(scaleopt.LAMB, ps, lr=1e-2, num_threads=1),
+], ids=["OffloadAdam", "offload(LAMB)"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copied_offloaded_optimizer_keeps_its_pipeline_and_steps_the_same(make, dtype, how):
+    import pickle
+
+    model = model_of(dtype=dtype)
+    opt = make(model.parameters())
+    run(model, opt, steps=2, sched=False)
+    model2, opt2 = (copy.deepcopy((model, opt)) if how == "deepcopy"
+                    else pickle.loads(pickle.dumps((model, opt))))
+    assert opt2.host is not None and opt2.host.num_threads == 1
+    assert opt2.host is not opt.host
+    for m, o in ((model, opt), (model2, opt2)):
+        for t in range(2, 4):
+            o.zero_grad()
+            loss_of(m, t).backward()
+            o.step()
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(opt.master(a), opt2.master(b))

@@ -339,8 +339,12 @@ class ScaleOptimizer(torch.optim.Optimizer):
         check_number(a("eps"), group["eps"])
         check_number(a("weight_decay"), group["weight_decay"])
 
+    #: Attributes (options that are not group keys) a copy or an unpickled optimizer keeps.
+    _pickled_attributes: Tuple[str, ...] = ()
+
     def __getstate__(self) -> Dict[str, Any]:
         state = super().__getstate__()
+        state.update({k: self.__dict__[k] for k in self._pickled_attributes if k in self.__dict__})
         if self.host is not None:
             state["host_options"] = self.host.options()
         return state
