@@ -12,7 +12,7 @@ from typing import (Any, Callable, Dict, Iterable, Iterator, List, NamedTuple, O
 import torch
 from torch import Tensor
 
-from . import _blocks, _native
+from . import _blocks
 
 NameRule = Union[None, str, Sequence[str], Callable[[str], bool]]
 
@@ -201,26 +201,45 @@ class GradScalars(NamedTuple):
     #: per tensor, the float its raw gradient is to be taken times
     mults: List[float]
     #: per tensor, the raw gradient's sum of squares (float64) where the clipping computed it
-    #: with the kernels' sum of squares; else None
+    #: with the consumer's sum of squares; else None
     sq_sums: Optional[Tensor]
     #: ``clip_grad_value`` to clamp the product to (element-wise clipping, when no norm
     #: clipping follows it), or None
     clamp: Any = None
 
 
+def apply_grad_scalars(grads: List[Tensor], scalars: Optional[GradScalars]) -> List[Tensor]:
+    """The gradients with their deferred scalars applied (new tensors), for the implementations
+    that do not take them as they read the gradients."""
+    if scalars is None:
+        return grads
+    return _blocks.clip_by_value(torch._foreach_mul(grads, scalars.mults), scalars.clamp)
+
+
+class Deferral(NamedTuple):
+    """A consumer that applies the gradients' scalar transforms itself as it reads them."""
+
+    #: ``(group, params) -> bool``: whether it does for this group
+    accepts: Callable[[Dict[str, Any], List[Tensor]], bool]
+    #: ``grads -> float64 vector or None``: its sum of squares, for the norms the clippings
+    #: need (None where it does not take these tensors; the norms then come from torch)
+    sums_of_squares: Callable[[List[Tensor]], Optional[Tensor]]
+
+
 @dataclasses.dataclass
-class _Staged:
-    """One group on its way through :meth:`ScaleOptimizer._intake`."""
+class GroupGrads:
+    """One group's gradients as :meth:`ScaleOptimizer._intake` hands them over."""
 
     group: Dict[str, Any]
+    #: the positions in ``group["params"]`` of the parameters that have a gradient
     idx: List[int]
     params: List[Tensor]
+    #: transformed gradients, or for a deferred group the raw ones (see ``scalars``)
     grads: List[Tensor]
-    clamp: Any = None
+    #: a deferred group's scalars (None where nothing scales or the group is not deferred)
+    scalars: Optional[GradScalars] = None
     deferred: bool = False
-    mults: Optional[List[float]] = None
     norms: Optional[Tensor] = None
-    sums: Optional[Tensor] = None
 
 
 class ScaleOptimizer(torch.optim.Optimizer):
@@ -384,100 +403,63 @@ class ScaleOptimizer(torch.optim.Optimizer):
 
     # -- gradients ----------------------------------------------------------------------------
 
-    def _intake(
-        self,
-        value_clip: bool = True,
-        defer: Optional[Callable[[Dict[str, Any], List[Tensor]], bool]] = None,
-    ) -> Iterator[tuple]:
-        """Yield ``(group, indices, params, grads)`` for each group, over parameters with a grad.
+    def _intake(self, value_clip: bool = True,
+                defer: Optional[Deferral] = None) -> Iterator[GroupGrads]:
+        """Each group's parameters that have a gradient, and their gradients.
 
-        ``grads`` are the gradients after ``maximize`` (negation), ``rescale_grad``,
-        ``clip_grad_value`` (unless ``value_clip=False``: the optimizer applies it itself),
-        ``clip_grad_norm_per_tensor`` and, last, global ``max_grad_norm`` clipping, whose norm is
-        taken over every gradient of every group. New tensors are made only for the transforms
-        in use; ``p.grad`` itself is never written.
+        The gradients are after ``maximize`` (negation), ``rescale_grad``, ``clip_grad_value``
+        (unless ``value_clip=False``: the optimizer applies it itself),
+        ``clip_grad_norm_per_tensor`` and, last, global ``max_grad_norm`` clipping, whose norm
+        is taken over every gradient of every group. New tensors are made only for the
+        transforms in use; ``p.grad`` itself is never written. An offloaded optimizer reads
+        host copies of the gradients (``self.host``).
 
-        With ``defer``, a predicate on ``(group, params)``, the items are
-        ``(group, indices, params, grads, scalars)``. A group the predicate accepts (unless
-        element-wise clipping comes before a norm clipping) keeps its gradients as they are, and
-        the scalar transforms (sign, ``rescale_grad``, both norm clippings) come as one float
-        per tensor that the consumer multiplies the gradient by (then clamps, for element-wise
-        clipping) as it reads it (the fused CPU kernels do, which saves a pass over the
-        gradients and a copy of them); the norms the clippings need are those of the scaled
-        gradients, from one read of the raw ones. ``scalars`` is a
-        :class:`GradScalars`, or None where nothing scales or the group is not deferred.
+        With ``defer``, a group it accepts (unless element-wise clipping comes before a norm
+        clipping) keeps its raw gradients, and the scalar transforms (sign, ``rescale_grad``,
+        both norm clippings) come in ``scalars`` as one float per tensor that the consumer
+        multiplies the gradient by (then clamps, for element-wise clipping) as it reads it (the
+        fused CPU kernels do, which saves a pass over the gradients and a copy of them); the
+        norms the clippings need are those of the scaled gradients, from one read of the raw
+        ones.
         """
         self._refresh_hyperparameters()
-        staged = []
-        for group in self.param_groups:
-            idx, params, grads = [], [], []
-            for i, p in enumerate(group["params"]):
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError(
-                        f"{type(self).__name__} does not support sparse gradients "
-                        f"(parameter {self._param_label(group, i)})"
-                    )
-                idx.append(i)
-                params.append(p)
-                grads.append(p.grad if self.host is None else self.host.host_grad(p))
-            clamp = group["clip_grad_value"] if value_clip else None
-            item = _Staged(group, idx, params, grads, clamp=clamp, deferred=(
-                bool(grads) and defer is not None and defer(group, params) and not (
-                    clamp is not None and (group["clip_grad_norm_per_tensor"] is not None
-                                           or group["max_grad_norm"] is not None))))
-            if item.deferred:
-                item.mults, item.norms, item.sums = self._deferred_multipliers(group, grads, clamp)
-            elif grads:
-                if group.get("maximize", False):
-                    grads = torch._foreach_neg(grads)
-                grads = _blocks.scale(grads, group["rescale_grad"])
-                if value_clip:
-                    grads = _blocks.clip_by_value(grads, group["clip_grad_value"])
-                item.grads = _blocks.clip_by_tensor_norm(grads, group["clip_grad_norm_per_tensor"])
-            staged.append(item)
+        staged = [self._collect(group, value_clip, defer) for group in self.param_groups]
         if any(s.group["max_grad_norm"] is not None for s in staged):
-            total = _blocks.global_norm([t for s in staged if not s.deferred for t in s.grads])
-            scaled = [(s.norms * torch.tensor(s.mults, dtype=s.norms.dtype).abs()).square().sum()
-                      for s in staged if s.deferred and s.norms is not None]
-            if scaled:
-                total = (total.square() + torch.stack(scaled).sum().to(total.device)).sqrt()
-            for s in staged:
-                if s.group["max_grad_norm"] is not None and s.grads:
-                    coef = _blocks.clip_coef(total, s.group["max_grad_norm"])
-                    if s.deferred:
-                        c = float(coef)  # a CPU scalar: deferred groups are host ones
-                        s.mults = [m * c for m in s.mults]
-                    else:
-                        s.grads = _blocks.scale(s.grads, coef)
+            _clip_by_global_norm(staged)
         for s in staged:
-            if not s.params:
-                continue
-            if defer is None:
-                yield s.group, s.idx, s.params, s.grads
-            else:
-                yield s.group, s.idx, s.params, s.grads, (
-                    None if s.mults is None else GradScalars(s.mults, s.sums, s.clamp))
+            if s.params:
+                yield s
 
-    @staticmethod
-    def _deferred_multipliers(group: Dict[str, Any], grads: List[Tensor], clamp: Any):
-        """A deferred group's per-tensor multipliers before global clipping (None when all are
-        1 and nothing clips), and the raw gradients' norms and sums of squares (these
-        from the kernels where they run, else None) where a clipping needs them."""
-        base = (-1.0 if group.get("maximize", False) else 1.0) * group["rescale_grad"]
-        per_tensor, global_clip = group["clip_grad_norm_per_tensor"], group["max_grad_norm"]
-        if base == 1.0 and per_tensor is None and global_clip is None and clamp is None:
-            return None, None, None
-        sums = norms = None
-        if per_tensor is not None or global_clip is not None:
-            sums = _native.sums_of_squares(grads)
-            norms = _blocks.norms(grads) if sums is None else sums.sqrt().to(torch.float32)
-        mults = [base] * len(grads)
-        if per_tensor is not None:
-            coefs = _blocks.clip_coef(norms * group["rescale_grad"], per_tensor).tolist()
-            mults = [base * c for c in coefs]
-        return mults, norms, sums
+    def _collect(self, group: Dict[str, Any], value_clip: bool,
+                 defer: Optional[Deferral]) -> GroupGrads:
+        """One group's gradients, transformed (or, deferred, their scalars) but for the global
+        clipping."""
+        idx, params, grads = [], [], []
+        for i, p in enumerate(group["params"]):
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients "
+                                   f"(parameter {self._param_label(group, i)})")
+            idx.append(i)
+            params.append(p)
+            grads.append(p.grad if self.host is None else self.host.host_grad(p))
+        item = GroupGrads(group, idx, params, grads)
+        clamp = group["clip_grad_value"] if value_clip else None
+        norm_clip = (group["clip_grad_norm_per_tensor"] is not None
+                     or group["max_grad_norm"] is not None)
+        item.deferred = (bool(grads) and defer is not None and defer.accepts(group, params)
+                         and not (clamp is not None and norm_clip))
+        if item.deferred:
+            item.scalars, item.norms = _deferred_scalars(group, grads, clamp, defer)
+        elif grads:
+            if group.get("maximize", False):
+                grads = torch._foreach_neg(grads)
+            grads = _blocks.scale(grads, group["rescale_grad"])
+            if value_clip:
+                grads = _blocks.clip_by_value(grads, group["clip_grad_value"])
+            item.grads = _blocks.clip_by_tensor_norm(grads, group["clip_grad_norm_per_tensor"])
+        return item
 
     @staticmethod
     def _param_label(group: Dict[str, Any], i: int) -> str:
@@ -491,15 +473,39 @@ class ScaleOptimizer(torch.optim.Optimizer):
             return closure()
 
 
-def use_foreach(group: Dict[str, Any], params: Sequence[Tensor]) -> bool:
-    """Whether to run the multi-tensor (foreach) path rather than the per-tensor loop.
+def _deferred_scalars(group: Dict[str, Any], grads: List[Tensor], clamp: Any,
+                      defer: Deferral) -> Tuple[Optional[GradScalars], Optional[Tensor]]:
+    """A deferred group's scalars before global clipping (None when all multipliers are 1 and
+    nothing clips), and the raw gradients' norms where a clipping needs them."""
+    base = (-1.0 if group.get("maximize", False) else 1.0) * group["rescale_grad"]
+    per_tensor, global_clip = group["clip_grad_norm_per_tensor"], group["max_grad_norm"]
+    if base == 1.0 and per_tensor is None and global_clip is None and clamp is None:
+        return None, None
+    sums = norms = None
+    if per_tensor is not None or global_clip is not None:
+        sums = defer.sums_of_squares(grads)
+        norms = _blocks.norms(grads) if sums is None else sums.sqrt().to(torch.float32)
+    mults = [base] * len(grads)
+    if per_tensor is not None:
+        coefs = _blocks.clip_coef(norms * group["rescale_grad"], per_tensor).tolist()
+        mults = [base * c for c in coefs]
+    return GradScalars(mults, sums, clamp), norms
 
-    ``foreach=True``/``False`` decides. ``None`` picks foreach on accelerators, where it saves
-    kernel launches, and the per-tensor loop on the CPU, where torch's foreach ops are a loop
-    themselves (measured faster there). LAMB and LANS go further on the CPU: see ``_native``.
-    """
-    if not all(p.layout == torch.strided for p in params):
-        return False
-    if group.get("foreach") is not None:
-        return bool(group["foreach"])
-    return all(p.device.type != "cpu" for p in params)
+
+def _clip_by_global_norm(staged: List[GroupGrads]) -> None:
+    """``max_grad_norm``: scale the gradients of the groups that set it by ``c / max(||g||,
+    c)``, ``||g||`` over every gradient of every group (deferred ones: into their scalars)."""
+    total = _blocks.global_norm([t for s in staged if not s.deferred for t in s.grads])
+    scaled = [(s.norms * torch.tensor(s.scalars.mults, dtype=s.norms.dtype).abs()).square().sum()
+              for s in staged if s.deferred and s.norms is not None]
+    if scaled:
+        total = (total.square() + torch.stack(scaled).sum().to(total.device)).sqrt()
+    for s in staged:
+        if s.group["max_grad_norm"] is None or not s.grads:
+            continue
+        coef = _blocks.clip_coef(total, s.group["max_grad_norm"])
+        if s.deferred:
+            c = float(coef)  # a CPU scalar: deferred groups are host ones
+            s.scalars = s.scalars._replace(mults=[m * c for m in s.scalars.mults])
+        else:
+            s.grads = _blocks.scale(s.grads, coef)

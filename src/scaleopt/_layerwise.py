@@ -8,8 +8,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from . import _blocks, _native
-from ._base import ScaleOptimizer, check_bool, check_number, use_foreach
+from . import _native
+from ._base import (Deferral, GradScalars, ScaleOptimizer, apply_grad_scalars, check_bool,
+                    check_number)
+from ._dispatch import Impl, implementation
 from ._masters import LOW_PRECISION, LocalPlacement, MasterView, MasterWeights
 
 def pick(xs: Sequence[Tensor], idx: Sequence[int]) -> List[Tensor]:
@@ -120,35 +122,34 @@ class LayerwiseAdam(ScaleOptimizer):
             self._step_groups()
         return loss
 
-    def _kernels_may_run(self, group: Dict[str, Any], params: List[Tensor]) -> bool:
-        """Whether the fused CPU kernels may take the group's step, so that the gradients'
-        scalar transforms can be left to them (``ScaleOptimizer._intake``'s ``defer``)."""
-        return (group.get("foreach") is None and _native.available()
-                and (self.host is not None or all(p.device.type == "cpu" for p in params)))
+    def _takes_grad_scalars(self, group: Dict[str, Any], params: List[Tensor]) -> bool:
+        """Whether the fused kernels may take the group's step, so that the gradients' scalar
+        transforms are left to them (``ScaleOptimizer._intake``'s deferral)."""
+        return implementation(group, params, on_host=self.host is not None) is Impl.NATIVE
 
     def _step_groups(self) -> None:
-        for group, idx, params, grads, scalars in self._intake(defer=self._kernels_may_run,
-                                                               **self._intake_options):
+        defer = Deferral(self._takes_grad_scalars, _native.sums_of_squares)
+        for item in self._intake(defer=defer, **self._intake_options):
+            group, params = item.group, item.params
             view = self._master_weights.view(group, params)
             ms, vs, steps = self._adam_state(params, view)
-            lrs, wds, adapt = self._layer_options(group, idx)
-            if group.get("foreach") is None and _native.applies(view.work, grads, ms, vs, view.low):
-                self._update(group, view.work, grads, ms, vs, steps, lrs, wds, adapt, low=view.low,
-                             scalars=scalars)
-                self._master_weights.commit(view, rounded_written=True)
-                continue
-            if scalars is not None:  # deferred scalars the kernels did not take after all
-                grads = _blocks.clip_by_value(torch._foreach_mul(grads, scalars.mults),
-                                              scalars.clamp)
-            with self._master_weights.as_float32(view) as full:
-                work_g = [g if g.dtype == w.dtype else g.to(w.dtype) for g, w in zip(grads, full)]
-                self._update(group, full, work_g, ms, vs, steps, lrs, wds, adapt)
-            self._master_weights.commit(view, rounded_written=False)
+            impl = implementation(group, params, on_host=self.host is not None,
+                                  tensors=(view.work, item.grads, ms, vs, view.low))
+            layer = self._layer_options(group, item.idx)
+            if impl is Impl.NATIVE:  # on the masters as stored, scalars applied as read
+                self._update(group, view.work, item.grads, ms, vs, steps, layer, impl,
+                             low=view.low, scalars=item.scalars)
+            else:  # on float32 masters (split ones joined, then split again)
+                grads = apply_grad_scalars(item.grads, item.scalars)
+                with self._master_weights.as_float32(view) as full:
+                    grads = [g if g.dtype == w.dtype else g.to(w.dtype) for g, w in zip(grads, full)]
+                    self._update(group, full, grads, ms, vs, steps, layer, impl)
+            self._master_weights.commit(view, rounded_written=impl is Impl.NATIVE)
 
     _intake_options: Dict[str, Any] = {}
 
     @staticmethod
-    def _functional_options(group: Dict[str, Any], params: List[Tensor]) -> Dict[str, Any]:
+    def _functional_options(group: Dict[str, Any]) -> Dict[str, Any]:
         """The keyword arguments LAMB's and LANS's functional forms share, read off a group."""
         beta1, beta2 = group["betas"]
         return dict(
@@ -158,14 +159,15 @@ class LayerwiseAdam(ScaleOptimizer):
             bias_correction=group["bias_correction"],
             lower_bound=group["lower_bound"],
             upper_bound=group["upper_bound"],
-            foreach=use_foreach(group, params),
         )
 
-    def _update(self, group, params, grads, exp_avgs, exp_avg_sqs, steps, lrs, wds, adapt,
-                low=None, scalars=None) -> None:
-        """One group's update. ``low`` is given when the fused CPU kernels take the group: then
-        ``low[i]`` is the bfloat16 parameter of master ``params[i]`` (or None), to be written
-        in the same pass, and ``scalars`` the gradients' :class:`~scaleopt._base.GradScalars`
-        (or None)."""
+    def _update(self, group: Dict[str, Any], params: List[Tensor], grads: List[Tensor],
+                exp_avgs: List[Tensor], exp_avg_sqs: List[Tensor], steps: List[Tensor],
+                layer: Tuple[List[float], List[float], List[bool]], impl: Impl,
+                low: Optional[List[Optional[Tensor]]] = None,
+                scalars: Optional[GradScalars] = None) -> None:
+        """One group's update by ``impl``: ``layer`` holds the per-tensor learning rates, weight
+        decays and adaptation flags; for ``NATIVE``, ``low[i]`` is the split master's lower
+        half or where the rounded weights of master ``params[i]`` go (or None), and
+        ``scalars`` the gradients' deferred scalars."""
         raise NotImplementedError
-

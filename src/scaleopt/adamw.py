@@ -136,7 +136,8 @@ class AdamW(ScaleOptimizer):
     def step(self, closure=None):  # type: ignore[override]
         """Perform one optimization step. ``closure`` re-evaluates the model and returns the loss."""
         loss = self._closure_loss(closure)
-        for group, idx, params, grads in self._intake():
+        for item in self._intake():
+            group, idx, params, grads = item.group, item.idx, item.params, item.grads
             fused = group["fused"]
             if fused is None:
                 fused = group["foreach"] is not True and fused_supported(params)

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from . import _blocks, _native
-from ._base import NameRule, check_choice
+from ._base import GradScalars, NameRule, apply_grad_scalars, check_choice
 from ._blocks import by_value
+from ._dispatch import Impl, resolve
 from ._layerwise import LayerwiseAdam, pick
 
 __all__ = ["LAMB", "lamb"]
@@ -148,19 +148,12 @@ class LAMB(LayerwiseAdam):
         super()._validate_group(group)
         check_choice(self._arg("weight_decay_mode"), group["weight_decay_mode"], WEIGHT_DECAY_MODES)
 
-    def _update(self, group, params, grads, exp_avgs, exp_avg_sqs, steps, lrs, wds, adapt,
-                low=None, scalars=None) -> None:
-        options = self._functional_options(group, params)
-        if low is not None:
-            options.pop("foreach")
-            fn = functools.partial(_native.lamb, low=low,
-                                   gmul=None if scalars is None else scalars.mults,
-                                   clip_grad_value=None if scalars is None else scalars.clamp)
-        else:
-            fn = lamb
-        fn(params, grads, exp_avgs, exp_avg_sqs, steps, lrs=lrs, weight_decays=wds, adapt=adapt,
-           weight_decay_mode=group["weight_decay_mode"], **options)
-
+    def _update(self, group, params, grads, exp_avgs, exp_avg_sqs, steps, layer, impl, low=None,
+                scalars=None) -> None:
+        lrs, wds, adapt = layer
+        lamb(params, grads, exp_avgs, exp_avg_sqs, steps, lrs=lrs, weight_decays=wds, adapt=adapt,
+             weight_decay_mode=group["weight_decay_mode"], implementation=impl,
+             low=low, grad_scalars=scalars, **self._functional_options(group))
 
 def lamb(
     params: List[Tensor],
@@ -180,16 +173,31 @@ def lamb(
     lower_bound: Optional[float] = None,
     upper_bound: Optional[float] = None,
     foreach: bool = True,
+    implementation: Optional[str] = None,
+    low: Optional[List[Optional[Tensor]]] = None,
+    grad_scalars: Optional[GradScalars] = None,
 ) -> None:
     """Functional LAMB over lists of tensors; see :class:`LAMB`.
 
     ``lrs``, ``weight_decays`` and ``adapt`` are per tensor. ``grads`` are read, never written.
+    ``implementation``: ``"single"`` (the reference loop), ``"multi"`` (multi-tensor ops) or
+    ``"native"`` (the fused CPU kernels, see :func:`scaleopt._native.lamb` for ``low``); by
+    default ``foreach`` picks multi or single. ``grad_scalars``: per-tensor multipliers (and a
+    clamp) to apply to the gradients as they are read.
     """
-    fn = _multi_tensor_lamb if foreach else _single_tensor_lamb
-    fn(params, grads, exp_avgs, exp_avg_sqs, state_steps, lrs=lrs, weight_decays=weight_decays,
-       adapt=adapt, beta1=beta1, beta2=beta2, eps=eps, weight_decay_mode=weight_decay_mode,
-       bias_correction=bias_correction, lower_bound=lower_bound, upper_bound=upper_bound)
-
+    impl = resolve(implementation, foreach)
+    options = dict(lrs=lrs, weight_decays=weight_decays, adapt=adapt, beta1=beta1, beta2=beta2,
+                   eps=eps, weight_decay_mode=weight_decay_mode, bias_correction=bias_correction,
+                   lower_bound=lower_bound, upper_bound=upper_bound)
+    if impl is Impl.NATIVE:
+        _native.lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, low=low,
+                     gmul=None if grad_scalars is None else grad_scalars.mults,
+                     clip_grad_value=None if grad_scalars is None else grad_scalars.clamp,
+                     **options)
+        return
+    fn = _multi_tensor_lamb if impl is Impl.MULTI else _single_tensor_lamb
+    fn(params, apply_grad_scalars(grads, grad_scalars), exp_avgs, exp_avg_sqs, state_steps,
+       **options)
 
 def _single_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs, weight_decays,
                         adapt, beta1, beta2, eps, weight_decay_mode, bias_correction, lower_bound,

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from . import _blocks, _native
-from ._base import NameRule, check_bool
+from ._base import GradScalars, NameRule, apply_grad_scalars, check_bool
 from ._blocks import by_value
+from ._dispatch import Impl, resolve
 from ._layerwise import LayerwiseAdam, pick
 
 __all__ = ["LANS", "lans"]
@@ -129,20 +129,13 @@ class LANS(LayerwiseAdam):
         super()._validate_group(group)
         check_bool(self._arg("decay_moved_weight"), group["decay_moved_weight"])
 
-    def _update(self, group, params, grads, exp_avgs, exp_avg_sqs, steps, lrs, wds, adapt,
-                low=None, scalars=None) -> None:
-        options = self._functional_options(group, params)
-        if low is not None:
-            options.pop("foreach")
-            fn = functools.partial(_native.lans, low=low,
-                                   gmul=None if scalars is None else scalars.mults,
-                                   grad_sq_sums=None if scalars is None else scalars.sq_sums)
-        else:
-            fn = lans
-        fn(params, grads, exp_avgs, exp_avg_sqs, steps, lrs=lrs, weight_decays=wds, adapt=adapt,
-           clip_grad_value=group["clip_grad_value"], decay_moved_weight=group["decay_moved_weight"],
-           **options)
-
+    def _update(self, group, params, grads, exp_avgs, exp_avg_sqs, steps, layer, impl, low=None,
+                scalars=None) -> None:
+        lrs, wds, adapt = layer
+        lans(params, grads, exp_avgs, exp_avg_sqs, steps, lrs=lrs, weight_decays=wds, adapt=adapt,
+             clip_grad_value=group["clip_grad_value"],
+             decay_moved_weight=group["decay_moved_weight"], implementation=impl,
+             low=low, grad_scalars=scalars, **self._functional_options(group))
 
 def lans(
     params: List[Tensor],
@@ -163,14 +156,28 @@ def lans(
     clip_grad_value: Any = None,
     decay_moved_weight: bool = False,
     foreach: bool = True,
+    implementation: Optional[str] = None,
+    low: Optional[List[Optional[Tensor]]] = None,
+    grad_scalars: Optional[GradScalars] = None,
 ) -> None:
-    """Functional LANS over lists of tensors; see :class:`LANS`. ``grads`` are read only."""
-    fn = _multi_tensor_lans if foreach else _single_tensor_lans
-    fn(params, grads, exp_avgs, exp_avg_sqs, state_steps, lrs=lrs, weight_decays=weight_decays,
-       adapt=adapt, beta1=beta1, beta2=beta2, eps=eps, bias_correction=bias_correction,
-       lower_bound=lower_bound, upper_bound=upper_bound, clip_grad_value=clip_grad_value,
-       decay_moved_weight=decay_moved_weight)
-
+    """Functional LANS over lists of tensors; see :class:`LANS`. ``grads`` are read only.
+    ``implementation``, ``low`` and ``grad_scalars`` as in :func:`scaleopt.lamb.lamb`; the
+    scalars' ``sq_sums``, when given, are the gradients' sums of squares, which the native
+    implementation then does not compute again."""
+    impl = resolve(implementation, foreach)
+    options = dict(lrs=lrs, weight_decays=weight_decays, adapt=adapt, beta1=beta1, beta2=beta2,
+                   eps=eps, bias_correction=bias_correction, lower_bound=lower_bound,
+                   upper_bound=upper_bound, clip_grad_value=clip_grad_value,
+                   decay_moved_weight=decay_moved_weight)
+    if impl is Impl.NATIVE:
+        _native.lans(params, grads, exp_avgs, exp_avg_sqs, state_steps, low=low,
+                     gmul=None if grad_scalars is None else grad_scalars.mults,
+                     grad_sq_sums=None if grad_scalars is None else grad_scalars.sq_sums,
+                     **options)
+        return
+    fn = _multi_tensor_lans if impl is Impl.MULTI else _single_tensor_lans
+    fn(params, apply_grad_scalars(grads, grad_scalars), exp_avgs, exp_avg_sqs, state_steps,
+       **options)
 
 def _inverse_norms(norms: Tensor) -> Tensor:
     """``1/n``, and 0 where ``n`` is 0 (an all-zero gradient stays zero, not NaN)."""

@@ -7,13 +7,13 @@ from typing import Any, Dict, Optional
 import torch
 
 from . import _blocks
+from ._dispatch import Impl, implementation
 from ._base import (
     NameRule,
     ScaleOptimizer,
     check_bool,
     check_choice,
     check_number,
-    use_foreach,
 )
 
 __all__ = ["Momentum"]
@@ -98,7 +98,8 @@ class Momentum(ScaleOptimizer):
     def step(self, closure=None):  # type: ignore[override]
         """Perform one optimization step. ``closure`` re-evaluates the model and returns the loss."""
         loss = self._closure_loss(closure)
-        for group, idx, params, grads in self._intake():
+        for item in self._intake():
+            group, idx, params, grads = item.group, item.idx, item.params, item.grads
             bufs = []
             for p in params:
                 state = self.state[p]
@@ -117,7 +118,7 @@ class Momentum(ScaleOptimizer):
                 nesterov=group["nesterov"],
                 weight_decay=group["weight_decay"],
                 weight_decay_mode=group["weight_decay_mode"],
-                foreach=use_foreach(group, params),
+                foreach=implementation(group, params, kernels=False) is Impl.MULTI,
             )
         return loss
 

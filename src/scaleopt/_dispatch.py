@@ -1,0 +1,66 @@
+"""Which implementation runs an update: decided in one place, :func:`implementation`.
+
+* ``SINGLE``: the reference loop, one tensor at a time, the algorithm as written in the docs;
+* ``MULTI``: torch's multi-tensor (foreach) ops, a few kernels per group (accelerators);
+* ``NATIVE``: the fused C kernels (``_native``), all tensors of a group in one call, two passes
+  over memory per tensor (the CPU).
+
+All three compute the same numbers up to float round-off.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _native
+
+
+class Impl(str, enum.Enum):
+    SINGLE = "single"
+    MULTI = "multi"
+    NATIVE = "native"
+
+
+#: What the kernels read of a group: working tensors, gradients, moments, ``low`` tensors.
+KernelTensors = Tuple[Sequence[Tensor], Sequence[Tensor], Sequence[Tensor], Sequence[Tensor],
+                      Sequence[Optional[Tensor]]]
+
+
+def implementation(group: Dict[str, Any], params: Sequence[Tensor], *, kernels: bool = True,
+                   on_host: bool = False, tensors: Optional[KernelTensors] = None) -> Impl:
+    """The implementation of a group's update.
+
+    ``foreach=True``/``False`` (the group's option) asks for ``MULTI``/``SINGLE``. With
+    ``foreach=None``: ``NATIVE`` for an optimizer with ``kernels`` when they are built, the
+    update runs in host memory (CPU parameters, or ``on_host``: an offloaded optimizer) and,
+    when ``tensors`` are given, the kernels take every one of them (:func:`_native.applies`:
+    contiguous float32 weights, or bfloat16 ones with master weights); without ``tensors`` the
+    answer says whether the kernels may take the group (before its state exists). Otherwise
+    ``MULTI`` on accelerators, where it saves kernel launches, and ``SINGLE`` on the CPU, where
+    torch's foreach ops are a loop themselves. Sparse layouts always take ``SINGLE``.
+    """
+    if not all(p.layout == torch.strided for p in params):
+        return Impl.SINGLE
+    foreach = group.get("foreach")
+    if foreach is not None:
+        return Impl.MULTI if foreach else Impl.SINGLE
+    if (kernels and _native.available()
+            and (on_host or all(p.device.type == "cpu" for p in params))
+            and (tensors is None or _native.applies(*tensors))):
+        return Impl.NATIVE
+    return Impl.MULTI if all(p.device.type != "cpu" for p in params) else Impl.SINGLE
+
+
+def resolve(impl: Optional[str], foreach: bool) -> Impl:
+    """A functional form's ``implementation`` argument, or its older ``foreach`` flag."""
+    if impl is None:
+        return Impl.MULTI if foreach else Impl.SINGLE
+    try:
+        return Impl(impl)
+    except ValueError:
+        raise ValueError(f"Invalid implementation: {impl!r} (choose one of "
+                         f"{[i.value for i in Impl]})") from None
