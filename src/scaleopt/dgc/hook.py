@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import comm
-from .optimizer import dgc_updates, finish_telemetry, new_telemetry
+from .optimizer import dgc_updates, finish_telemetry, local_gradients, new_telemetry
 from .schedule import PAPER_SPARSITY
 
 
@@ -86,14 +86,7 @@ def ddp_comm_hook(state: "DGCHookState", bucket: dist.GradBucket) -> torch.futur
     grads = [g.detach() for g in bucket.gradients()]
     world = comm.world_of(state.process_group)
     opts = state.options
-    if opts["weight_decay"]:
-        wd, l2 = opts["weight_decay"], opts["weight_decay_mode"] == "l2"
-        grads = [g + wd * (p.detach() if l2 else p.detach().sign()).view_as(g)
-                 for g, p in zip(grads, params)]
-    clip = opts["local_grad_clip_norm"]
-    if clip is not None:
-        c = clip * world ** -0.5
-        grads = [g * (c / max(float(torch.linalg.vector_norm(g.float())), c)) for g in grads]
+    grads = local_gradients(grads, params, opts, world)
     states = []
     for p in params:
         name = state.name_of(p)

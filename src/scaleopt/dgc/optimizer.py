@@ -184,19 +184,8 @@ class DGCMomentum(ScaleOptimizer):
         for p in params:
             if p.grad is not None and p.grad.is_sparse:
                 raise RuntimeError("DGCMomentum does not support sparse gradients")
-            g = p.grad if p.grad is not None else torch.zeros_like(p)  # unused here, not elsewhere
-            wd = group["weight_decay"]
-            if wd:
-                g = g + wd * (p.detach() if group["weight_decay_mode"] == "l2" else p.detach().sign())
-            grads.append(g)
-        clip = group["local_grad_clip_norm"]
-        if clip is not None and grads:
-            c = clip * world ** -0.5
-            if group["clip_mode"] == "tensor":
-                grads = [g * (c / max(float(torch.linalg.vector_norm(g.float())), c)) for g in grads]
-            else:
-                total = math.sqrt(sum(float(torch.linalg.vector_norm(g.float())) ** 2 for g in grads))
-                grads = [g * (c / max(total, c)) for g in grads]
+            grads.append(p.grad if p.grad is not None else torch.zeros_like(p))  # unused here only
+        grads = local_gradients(grads, params, group, world, group["clip_mode"])
         c = group["clip_grad_norm_per_tensor"]
         if c is not None:
             grads = [g * (c / max(float(torch.linalg.vector_norm(g.float())), c)) for g in grads]
@@ -258,6 +247,26 @@ def _is_dense(opts, world: int, numel: int, k: int, vbytes: int, ibytes: int) ->
 
 
 @torch.compiler.disable  # selection and communication: host logic, nothing to trace
+def local_gradients(grads: List[Tensor], params: List[Tensor], options: Dict[str, Any],
+                    world: int, clip_mode: str = "tensor") -> List[Tensor]:
+    """Paddle's local gradients: the decay added (``weight_decay * w`` for ``"l2"``,
+    ``weight_decay * sign(w)`` for ``"l1"``), then ``local_grad_clip_norm`` scaled by
+    ``world ** -0.5``, per tensor (``clip_mode="tensor"``) or over all of them (``"global"``)."""
+    wd = options["weight_decay"]
+    if wd:
+        l2 = options["weight_decay_mode"] == "l2"
+        grads = [g + wd * (p.detach() if l2 else p.detach().sign()).view_as(g)
+                 for g, p in zip(grads, params)]
+    clip = options["local_grad_clip_norm"]
+    if clip is None or not grads:
+        return grads
+    c = clip * world ** -0.5
+    if clip_mode == "tensor":
+        return [g * (c / max(float(torch.linalg.vector_norm(g.float())), c)) for g in grads]
+    total = math.sqrt(sum(float(torch.linalg.vector_norm(g.float())) ** 2 for g in grads))
+    return [g * (c / max(total, c)) for g in grads]
+
+
 def dgc_updates(grads: List[Tensor], states: List[Dict[str, Tensor]], opts: Dict[str, Any],
                 step: int, world: int, process_group, value_dtype, generator,
                 tel: Dict[str, float]) -> List[Tensor]:
