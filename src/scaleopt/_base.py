@@ -95,6 +95,21 @@ def check_name_rule(name: str, rule: Any) -> None:
             raise ValueError(f"Invalid {name}: {r!r} is not a valid regular expression ({exc})")
 
 
+def _checked_value_clip(cv: Any) -> Any:
+    """``clip_grad_value`` checked: None, a positive number, or a ``(min, max)`` pair (as
+    floats)."""
+    if not isinstance(cv, (tuple, list)):
+        check_number("clip_grad_value", cv, low=0.0, low_open=True, allow_none=True)
+        return cv
+    if len(cv) != 2:
+        raise TypeError(f"clip_grad_value must be a number or a (min, max) pair, got {cv!r}")
+    check_number("clip_grad_value[0]", cv[0], low=None)
+    check_number("clip_grad_value[1]", cv[1], low=None)
+    if not cv[0] < cv[1]:
+        raise ValueError(f"Invalid clip_grad_value: {cv!r} (needs min < max)")
+    return (float(cv[0]), float(cv[1]))
+
+
 def _rule_is_set(rule: NameRule) -> bool:
     return rule is not None and not (isinstance(rule, (list, tuple)) and len(rule) == 0)
 
@@ -224,6 +239,8 @@ class Deferral(NamedTuple):
     #: ``grads -> float64 vector or None``: its sum of squares, for the norms the clippings
     #: need (None where it does not take these tensors; the norms then come from torch)
     sums_of_squares: Callable[[List[Tensor]], Optional[Tensor]]
+    #: ``grad -> bool``: its test for inf/NaN (for ``check_finite``), or None for torch's
+    any_nonfinite: Optional[Callable[[Tensor], bool]] = None
 
 
 @dataclasses.dataclass
@@ -240,6 +257,13 @@ class GroupGrads:
     scalars: Optional[GradScalars] = None
     deferred: bool = False
     norms: Optional[Tensor] = None
+
+
+class Intake(list):
+    """The :class:`GroupGrads` of a step (empty when ``skipped``)."""
+
+    #: the step is to be skipped: an inf/NaN gradient (see :meth:`ScaleOptimizer._intake`)
+    skipped: bool = False
 
 
 class ScaleOptimizer(torch.optim.Optimizer):
@@ -266,6 +290,9 @@ class ScaleOptimizer(torch.optim.Optimizer):
     _extra_defaults: Dict[str, Any] = {}
     #: Option -> the argument name users of a subclass know it by (front-ends), for errors.
     _arg_names: Dict[str, str] = {}
+    #: Whether a GradScaler hands the step its scale and inf flag (``grad_scale``,
+    #: ``found_inf``) instead of unscaling the gradients itself (see :meth:`_intake`).
+    _step_supports_amp_scaling = False
 
     def _arg(self, key: str) -> str:
         return self._arg_names.get(key, key)
@@ -317,35 +344,20 @@ class ScaleOptimizer(torch.optim.Optimizer):
             self.host.track(self.param_groups[-1]["params"])
 
     def _validate_group(self, group: Dict[str, Any]) -> None:
-        """Check a group's hyperparameters (defaults filled in). Subclasses extend this."""
+        """Check a group's hyperparameters (defaults filled in): the learning rate, the gradient
+        options :meth:`_intake` reads where the optimizer has them, ``maximize``, ``foreach``
+        and the name rules. Subclasses extend this."""
         check_number(self._arg("lr"), group["lr"])
-        check_number(self._arg("rescale_grad"), group["rescale_grad"], low=0.0, low_open=True)
-        check_number(
-            self._arg("max_grad_norm"), group["max_grad_norm"], low=0.0, low_open=True,
-            allow_none=True,
-        )
-        check_number(
-            self._arg("clip_grad_norm_per_tensor"),
-            group["clip_grad_norm_per_tensor"],
-            low=0.0,
-            low_open=True,
-            allow_none=True,
-        )
-        cv = group["clip_grad_value"]
-        if isinstance(cv, (tuple, list)):
-            if len(cv) != 2:
-                raise TypeError(f"clip_grad_value must be a number or a (min, max) pair, got {cv!r}")
-            check_number("clip_grad_value[0]", cv[0], low=None)
-            check_number("clip_grad_value[1]", cv[1], low=None)
-            if not cv[0] < cv[1]:
-                raise ValueError(f"Invalid clip_grad_value: {cv!r} (needs min < max)")
-            group["clip_grad_value"] = (float(cv[0]), float(cv[1]))
-        else:
-            check_number("clip_grad_value", cv, low=0.0, low_open=True, allow_none=True)
-        if "lr_scale" in group:
-            check_number(self._arg("lr_scale"), group["lr_scale"])
+        for key in ("rescale_grad", "loss_scale"):
+            if key in group:
+                check_number(self._arg(key), group[key], low=0.0, low_open=True)
+        for key in ("max_grad_norm", "clip_grad_norm_per_tensor"):
+            if key in group:
+                check_number(self._arg(key), group[key], low=0.0, low_open=True, allow_none=True)
+        if "clip_grad_value" in group:
+            group["clip_grad_value"] = _checked_value_clip(group["clip_grad_value"])
         if "maximize" in group:
-            check_bool("maximize", group["maximize"])
+            check_bool(self._arg("maximize"), group["maximize"])
         if "foreach" in group:
             check_optional_bool("foreach", group["foreach"])
         for key in self._name_rule_keys:
@@ -403,32 +415,54 @@ class ScaleOptimizer(torch.optim.Optimizer):
 
     # -- gradients ----------------------------------------------------------------------------
 
-    def _intake(self, value_clip: bool = True,
-                defer: Optional[Deferral] = None) -> Iterator[GroupGrads]:
+    def _intake(self, value_clip: bool = True, defer: Optional[Deferral] = None, *,
+                skip_nonfinite: bool = False, check_finite: bool = False) -> Intake:
         """Each group's parameters that have a gradient, and their gradients.
 
-        The gradients are after ``maximize`` (negation), ``rescale_grad``, ``clip_grad_value``
-        (unless ``value_clip=False``: the optimizer applies it itself),
-        ``clip_grad_norm_per_tensor`` and, last, global ``max_grad_norm`` clipping, whose norm
-        is taken over every gradient of every group. New tensors are made only for the
-        transforms in use; ``p.grad`` itself is never written. An offloaded optimizer reads
-        host copies of the gradients (``self.host``).
+        The gradients are after ``maximize`` (negation), unscaling (``rescale_grad``, a
+        group's ``loss_scale``, and a :class:`torch.amp.GradScaler`'s scale when the optimizer
+        says ``_step_supports_amp_scaling``), ``clip_grad_value`` (unless ``value_clip=False``:
+        the optimizer applies it itself), ``clip_grad_norm_per_tensor`` and, last, global
+        ``max_grad_norm`` clipping, whose norm is taken over every gradient of every group.
+        New tensors are made only for the transforms in use; ``p.grad`` itself is never
+        written. An offloaded optimizer reads host copies of the gradients (``self.host``).
 
         With ``defer``, a group it accepts (unless element-wise clipping comes before a norm
-        clipping) keeps its raw gradients, and the scalar transforms (sign, ``rescale_grad``,
-        both norm clippings) come in ``scalars`` as one float per tensor that the consumer
+        clipping) keeps its raw gradients, and the scalar transforms (sign, unscaling, both
+        norm clippings) come in ``scalars`` as one float per tensor that the consumer
         multiplies the gradient by (then clamps, for element-wise clipping) as it reads it (the
         fused CPU kernels do, which saves a pass over the gradients and a copy of them); the
         norms the clippings need are those of the scaled gradients, from one read of the raw
         ones.
+
+        With ``skip_nonfinite``, the result is empty and ``skipped`` when the GradScaler found
+        an inf/NaN, when the global clipping norm is not finite, or (``check_finite``, without
+        global clipping) when a gradient holds an inf/NaN.
         """
         self._refresh_hyperparameters()
+        if skip_nonfinite and _found_inf(self):
+            return _skipped()
         staged = [self._collect(group, value_clip, defer) for group in self.param_groups]
-        if any(s.group["max_grad_norm"] is not None for s in staged):
-            _clip_by_global_norm(staged)
-        for s in staged:
-            if s.params:
-                yield s
+        finite = True
+        if any(s.group.get("max_grad_norm") is not None for s in staged):
+            total = _clip_by_global_norm(staged)
+            finite = not skip_nonfinite or bool(torch.isfinite(total))  # a host read: opt-in
+        elif check_finite:
+            test = _torch_any_nonfinite if defer is None or defer.any_nonfinite is None \
+                else defer.any_nonfinite
+            finite = not any(test(g) for s in staged for g in s.grads)
+        if skip_nonfinite and not finite:
+            return _skipped()
+        return Intake([s for s in staged if s.params])
+
+    def _unscale(self, group: Dict[str, Any]) -> float:
+        """The factor a group's raw gradients are unscaled by: ``rescale_grad``, divided by the
+        group's ``loss_scale`` and by a GradScaler's scale (when the optimizer takes it)."""
+        amp = getattr(self, "grad_scale", None) if self._step_supports_amp_scaling else None
+        factor = group.get("rescale_grad", 1.0)
+        if amp is not None:
+            factor = factor * (1.0 / float(amp))
+        return factor / group.get("loss_scale", 1.0)
 
     def _collect(self, group: Dict[str, Any], value_clip: bool,
                  defer: Optional[Deferral]) -> GroupGrads:
@@ -445,20 +479,20 @@ class ScaleOptimizer(torch.optim.Optimizer):
             params.append(p)
             grads.append(p.grad if self.host is None else self.host.host_grad(p))
         item = GroupGrads(group, idx, params, grads)
-        clamp = group["clip_grad_value"] if value_clip else None
-        norm_clip = (group["clip_grad_norm_per_tensor"] is not None
-                     or group["max_grad_norm"] is not None)
+        clamp = group.get("clip_grad_value") if value_clip else None
+        per_tensor = group.get("clip_grad_norm_per_tensor")
+        norm_clip = per_tensor is not None or group.get("max_grad_norm") is not None
         item.deferred = (bool(grads) and defer is not None and defer.accepts(group, params)
                          and not (clamp is not None and norm_clip))
+        unscale = self._unscale(group)
         if item.deferred:
-            item.scalars, item.norms = _deferred_scalars(group, grads, clamp, defer)
+            item.scalars, item.norms = _deferred_scalars(group, grads, unscale, clamp, defer)
         elif grads:
             if group.get("maximize", False):
                 grads = torch._foreach_neg(grads)
-            grads = _blocks.scale(grads, group["rescale_grad"])
-            if value_clip:
-                grads = _blocks.clip_by_value(grads, group["clip_grad_value"])
-            item.grads = _blocks.clip_by_tensor_norm(grads, group["clip_grad_norm_per_tensor"])
+            grads = _blocks.scale(grads, unscale)
+            grads = _blocks.clip_by_value(grads, clamp)
+            item.grads = _blocks.clip_by_tensor_norm(grads, per_tensor)
         return item
 
     @staticmethod
@@ -473,12 +507,12 @@ class ScaleOptimizer(torch.optim.Optimizer):
             return closure()
 
 
-def _deferred_scalars(group: Dict[str, Any], grads: List[Tensor], clamp: Any,
+def _deferred_scalars(group: Dict[str, Any], grads: List[Tensor], unscale: float, clamp: Any,
                       defer: Deferral) -> Tuple[Optional[GradScalars], Optional[Tensor]]:
     """A deferred group's scalars before global clipping (None when all multipliers are 1 and
     nothing clips), and the raw gradients' norms where a clipping needs them."""
-    base = (-1.0 if group.get("maximize", False) else 1.0) * group["rescale_grad"]
-    per_tensor, global_clip = group["clip_grad_norm_per_tensor"], group["max_grad_norm"]
+    base = (-1.0 if group.get("maximize", False) else 1.0) * unscale
+    per_tensor, global_clip = group.get("clip_grad_norm_per_tensor"), group.get("max_grad_norm")
     if base == 1.0 and per_tensor is None and global_clip is None and clamp is None:
         return None, None
     sums = norms = None
@@ -487,21 +521,22 @@ def _deferred_scalars(group: Dict[str, Any], grads: List[Tensor], clamp: Any,
         norms = _blocks.norms(grads) if sums is None else sums.sqrt().to(torch.float32)
     mults = [base] * len(grads)
     if per_tensor is not None:
-        coefs = _blocks.clip_coef(norms * group["rescale_grad"], per_tensor).tolist()
+        coefs = _blocks.clip_coef(norms * unscale, per_tensor).tolist()
         mults = [base * c for c in coefs]
     return GradScalars(mults, sums, clamp), norms
 
 
-def _clip_by_global_norm(staged: List[GroupGrads]) -> None:
+def _clip_by_global_norm(staged: List[GroupGrads]) -> Tensor:
     """``max_grad_norm``: scale the gradients of the groups that set it by ``c / max(||g||,
-    c)``, ``||g||`` over every gradient of every group (deferred ones: into their scalars)."""
+    c)``, ``||g||`` (returned) over every gradient of every group (deferred ones: into their
+    scalars)."""
     total = _blocks.global_norm([t for s in staged if not s.deferred for t in s.grads])
     scaled = [(s.norms * torch.tensor(s.scalars.mults, dtype=s.norms.dtype).abs()).square().sum()
               for s in staged if s.deferred and s.norms is not None]
     if scaled:
         total = (total.square() + torch.stack(scaled).sum().to(total.device)).sqrt()
     for s in staged:
-        if s.group["max_grad_norm"] is None or not s.grads:
+        if s.group.get("max_grad_norm") is None or not s.grads:
             continue
         coef = _blocks.clip_coef(total, s.group["max_grad_norm"])
         if s.deferred:
@@ -509,3 +544,20 @@ def _clip_by_global_norm(staged: List[GroupGrads]) -> None:
             s.scalars = s.scalars._replace(mults=[m * c for m in s.scalars.mults])
         else:
             s.grads = _blocks.scale(s.grads, coef)
+    return total
+
+
+def _found_inf(opt: Any) -> bool:
+    """Whether a GradScaler handed the optimizer an inf/NaN found in the gradients."""
+    found = getattr(opt, "found_inf", None) if opt._step_supports_amp_scaling else None
+    return found is not None and float(found) != 0.0
+
+
+def _skipped() -> Intake:
+    out = Intake()
+    out.skipped = True
+    return out
+
+
+def _torch_any_nonfinite(t: Tensor) -> bool:
+    return not bool(torch.isfinite(t).all())

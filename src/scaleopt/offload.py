@@ -19,6 +19,8 @@ from torch import Tensor
 
 from . import _blocks, _native
 from ._base import (
+    Deferral,
+    GroupGrads,
     NameRule,
     ScaleOptimizer,
     check_bool,
@@ -151,80 +153,33 @@ class OffloadAdam(ScaleOptimizer):
         self.host.remove_hooks()
 
     def _validate_group(self, group: Dict[str, Any]) -> None:
+        super()._validate_group(group)
         a = self._arg
-        check_number(a("lr"), group["lr"])
         self._validate_adam_group(group)
         check_bool(a("decoupled"), group["decoupled"])
         check_bool(a("amsgrad"), group["amsgrad"])
-        check_bool(a("maximize"), group["maximize"])
         check_bool(a("nesterov"), group["nesterov"])
         check_choice("eps_mode", group["eps_mode"], ("standard", "hat"))
         if group["amsgrad"] and group["nesterov"]:
             raise ValueError("amsgrad=True and nesterov=True cannot be combined")
-        check_number(a("max_grad_norm"), group["max_grad_norm"], low=0.0, low_open=True,
-                     allow_none=True)
-        check_number(a("loss_scale"), group["loss_scale"], low=0.0, low_open=True)
         for p in group["params"]:
             if not p.is_floating_point():
                 raise TypeError(f"{type(self).__name__} optimizes floating-point tensors, got {p.dtype}")
-        for key in self._name_rule_keys:
-            check_name_rule(a(key), group.get(key))
 
     # -- the step --------------------------------------------------------------------------------
-
-    def _gather(self) -> List[Tuple[Dict[str, Any], List[int], List[Tensor], List[Tensor]]]:
-        self._refresh_hyperparameters()
-        out = []
-        for group in self.param_groups:
-            idx = [i for i, p in enumerate(group["params"]) if p.grad is not None]
-            params = [group["params"][i] for i in idx]
-            for i, p in zip(idx, params):
-                if p.grad.is_sparse:
-                    raise RuntimeError(
-                        f"{type(self).__name__} does not support sparse gradients "
-                        f"(parameter {self._param_label(group, i)})"
-                    )
-            if params:
-                out.append((group, idx, params, [self.host.host_grad(p) for p in params]))
-        return out
-
-    def _multipliers(self, staged, threads: int) -> Optional[List[float]]:
-        """Per group, the one scalar each gradient is multiplied by (sign, unscaling, clipping);
-        None when the step must be skipped for a non-finite gradient."""
-        amp_scale = getattr(self, "grad_scale", None)
-        found_inf = getattr(self, "found_inf", None)
-        if found_inf is not None and float(found_inf) != 0.0:
-            return None
-        inv_amp = 1.0 if amp_scale is None else 1.0 / float(amp_scale)
-        unscale = [inv_amp / g["loss_scale"] for g, *_ in staged]
-        clip = [g["max_grad_norm"] for g, *_ in staged]
-        coef = [1.0] * len(staged)
-        if any(c is not None for c in clip):
-            total = 0.0
-            for u, (_, _, _, grads) in zip(unscale, staged):
-                total += float(_blocks.global_norm(grads)) ** 2 * u * u
-            total = math.sqrt(total)
-            if not math.isfinite(total):
-                return None
-            coef = [1.0 if c is None else c / max(total, c) for c in clip]
-        elif self.check_finite:
-            if any(_native.any_nonfinite(g, threads) for *_, grads in staged for g in grads):
-                return None
-        return [
-            u * c * (-1.0 if g["maximize"] else 1.0) for u, c, (g, *_) in zip(unscale, coef, staged)
-        ]
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
         """Perform one optimization step. ``closure`` re-evaluates the model and returns the loss."""
         loss = self._closure_loss(closure)
         with self.host.stepping() as threads:
-            staged = self._gather()
-            muls = self._multipliers(staged, threads)
-            self.skipped = muls is None
-            if muls is not None:
-                for (group, idx, params, grads), mul in zip(staged, muls):
-                    self._update_group(group, idx, params, grads, mul, threads)
+            host_kernels = Deferral(lambda group, params: True, _native.sums_of_squares,
+                                    lambda g: _native.any_nonfinite(g, threads))
+            intake = self._intake(defer=host_kernels, skip_nonfinite=True,
+                                  check_finite=self.check_finite)
+            self.skipped = intake.skipped
+            for item in intake:
+                self._update_group(item, threads)
         self._after_step()
         return loss
 
@@ -263,7 +218,9 @@ class OffloadAdam(ScaleOptimizer):
         return 1.0 - beta1, 1.0 - beta2
 
     @torch.compiler.disable
-    def _update_group(self, group, idx, params, grads, mul, threads) -> None:
+    def _update_group(self, item: GroupGrads, threads: int) -> None:
+        group, idx, params, grads = item.group, item.idx, item.params, item.grads
+        mults = [1.0] * len(params) if item.scalars is None else item.scalars.mults
         beta1, beta2 = group["betas"]
         omb = self._one_minus_betas(group)
         no_decay = self._rule_flags(group, "exclude_from_weight_decay")
@@ -280,7 +237,7 @@ class OffloadAdam(ScaleOptimizer):
                 st = states[k]
                 st["step"] += 1
                 g = grads[k].to(torch.float32) if grads[k].dtype != master.dtype else grads[k]
-                _adam_reference(master, g * mul if mul != 1.0 else g, st["exp_avg"],
+                _adam_reference(master, g * mults[k] if mults[k] != 1.0 else g, st["exp_avg"],
                                 st["exp_avg_sq"], st.get("max_exp_avg_sq"), lr=group["lr"],
                                 beta1=beta1, beta2=beta2, one_minus_betas=omb,
                                 step_size=step_scalars[k][0], bc2_sqrt=step_scalars[k][1],
@@ -295,7 +252,7 @@ class OffloadAdam(ScaleOptimizer):
             bias_correction2_sqrts=[step_scalars[k][1] for k in fast],
             weight_decays_l2=[0.0 if decoupled else decays[k] for k in fast],
             decays=[1.0 - lr * decays[k] if decoupled else 1.0 for k in fast],
-            beta1=beta1, beta2=beta2, eps=group["eps"], grad_multipliers=[mul] * len(fast),
+            beta1=beta1, beta2=beta2, eps=group["eps"], grad_multipliers=[mults[k] for k in fast],
             nesterov=group["nesterov"], one_minus_betas=omb, threads=threads,
         )
         fast_set = set(fast)

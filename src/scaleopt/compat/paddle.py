@@ -180,6 +180,10 @@ class _PaddleAPI(ScheduledLR):
         "master_weights": "multi_precision",
     }
 
+    def _validate_group(self, group: Dict[str, Any]) -> None:
+        super()._validate_group(group)  # type: ignore[misc]
+        _base.check_number(self._arg("lr_scale"), group["lr_scale"])
+
     def _paddle_init(self, learning_rate: Any, parameters: Any) -> float:
         if parameters is None:
             raise ValueError(
