@@ -93,8 +93,9 @@ def test_single_and_multi_tensor_moments_agree():
         _blocks.adam_moments_one(m, v, gg, 0.9, 0.99)
     for a, b in zip(m1 + v1, m2 + v2):
         assert torch.equal(a, b)
-    d1 = _blocks.adam_direction(m1, v1, [0.5, 0.5], [0.1, 0.1], 1e-6)
-    d2 = [_blocks.adam_direction_one(m, v, 0.5, 0.1, 1e-6) for m, v in zip(m2, v2)]
+    d1 = _blocks.adam_direction(m1, [0.5, 0.5], _blocks.adam_denominators(v1, [0.1, 0.1], 1e-6))
+    d2 = [_blocks.adam_direction_one(m, 0.5, _blocks.adam_denominator_one(v, 0.1, 1e-6))
+          for m, v in zip(m2, v2)]
     for a, b in zip(d1, d2):
         assert torch.equal(a, b)
 

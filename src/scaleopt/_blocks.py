@@ -175,10 +175,13 @@ def step_bias_corrections(
     return [1.0 - beta1**x for x in t], [(1.0 - beta2**x).sqrt() for x in t]
 
 
-def adam_moments_one(m: Tensor, v: Tensor, g: Tensor, beta1: float, beta2: float) -> None:
-    """``m = beta1*m + (1-beta1)*g``; ``v = beta2*v + (1-beta2)*g*g`` in place."""
-    m.lerp_(g, 1.0 - beta1)
-    v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+def adam_moments_one(m: Tensor, v: Tensor, g: Tensor, beta1: float, beta2: float,
+                     one_minus_betas: Optional[Tuple[float, float]] = None) -> None:
+    """``m = beta1*m + (1-beta1)*g``; ``v = beta2*v + (1-beta2)*g*g`` in place
+    (``one_minus_betas`` overrides ``(1-beta1, 1-beta2)``)."""
+    omb1, omb2 = one_minus_betas or (1.0 - beta1, 1.0 - beta2)
+    m.lerp_(g, omb1)
+    v.mul_(beta2).addcmul_(g, g, value=omb2)
 
 
 def adam_moments(ms: TensorList, vs: TensorList, gs: TensorList, beta1: float, beta2: float) -> None:
@@ -187,18 +190,25 @@ def adam_moments(ms: TensorList, vs: TensorList, gs: TensorList, beta1: float, b
     torch._foreach_addcmul_(vs, gs, gs, value=1.0 - beta2)
 
 
-def adam_direction_one(m: Tensor, v: Tensor, bc1: float, bc2_sqrt: float, eps: float) -> Tensor:
-    """``m_hat / (sqrt(v_hat) + eps)`` with ``m_hat = m/bc1``, ``v_hat = v/bc2`` (new tensor)."""
-    denom = v.sqrt().div_(bc2_sqrt).add_(eps)
-    return (m / bc1).div_(denom)
+def adam_denominator_one(v: Tensor, bc2_sqrt: float, eps: float) -> Tensor:
+    """``sqrt(v_hat) + eps`` with ``v_hat = v/bc2`` (new tensor)."""
+    return v.sqrt().div_(bc2_sqrt).add_(eps)
 
 
-def adam_direction(
-    ms: TensorList, vs: TensorList, bc1: List[float], bc2_sqrt: List[float], eps: float
-) -> TensorList:
+def adam_denominators(vs: TensorList, bc2_sqrt: List[float], eps: float) -> TensorList:
     denom = torch._foreach_sqrt(vs)
     torch._foreach_div_(denom, bc2_sqrt)
     torch._foreach_add_(denom, eps)
+    return denom
+
+
+def adam_direction_one(m: Tensor, bc1: float, denom: Tensor) -> Tensor:
+    """``m_hat / denom`` with ``m_hat = m/bc1`` (new tensor); ``denom`` from
+    :func:`adam_denominator_one`."""
+    return (m / bc1).div_(denom)
+
+
+def adam_direction(ms: TensorList, bc1: List[float], denom: TensorList) -> TensorList:
     upd = torch._foreach_div(ms, bc1)
     torch._foreach_div_(upd, denom)
     return upd

@@ -212,7 +212,7 @@ def _single_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lr
         (bc1,), (bc2_sqrt,) = _blocks.step_bias_corrections(
             [state_steps[i]], beta1, beta2, bias_correction
         )
-        u = _blocks.adam_direction_one(m, v, bc1, bc2_sqrt, eps)
+        u = _blocks.adam_direction_one(m, bc1, _blocks.adam_denominator_one(v, bc2_sqrt, eps))
         if weight_decay_mode == "update" and wd != 0:
             u.add_(p, alpha=wd)
         elif weight_decay_mode == "decoupled" and wd != 0:
@@ -240,7 +240,8 @@ def _multi_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs
                 grads[i] = g
     _blocks.adam_moments(exp_avgs, exp_avg_sqs, grads, beta1, beta2)
     bc1, bc2_sqrt = _blocks.step_bias_corrections(state_steps, beta1, beta2, bias_correction)
-    updates = _blocks.adam_direction(exp_avgs, exp_avg_sqs, bc1, bc2_sqrt, eps)
+    updates = _blocks.adam_direction(exp_avgs, bc1,
+                                     _blocks.adam_denominators(exp_avg_sqs, bc2_sqrt, eps))
     if weight_decay_mode == "update":
         for wd, ids in decays:
             _blocks.add_decay_to_update(pick(updates, ids), pick(params, ids), wd)

@@ -198,8 +198,8 @@ def _single_tensor_lans(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lr
         (bc1,), (bc2_sqrt,) = _blocks.step_bias_corrections(
             [state_steps[i]], beta1, beta2, bias_correction
         )
-        denom = v.sqrt().div_(bc2_sqrt).add_(eps)
-        r = (m / bc1).div_(denom)
+        denom = _blocks.adam_denominator_one(v, bc2_sqrt, eps)
+        r = _blocks.adam_direction_one(m, bc1, denom)
         c = g / denom
         w_norm = _blocks.norm_one(p)
         if wd != 0:
@@ -229,11 +229,8 @@ def _multi_tensor_lans(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs
     g = _blocks.clip_by_value(g, clip_grad_value)
     _blocks.adam_moments(exp_avgs, exp_avg_sqs, g, beta1, beta2)
     bc1, bc2_sqrt = _blocks.step_bias_corrections(state_steps, beta1, beta2, bias_correction)
-    denom = torch._foreach_sqrt(exp_avg_sqs)
-    torch._foreach_div_(denom, bc2_sqrt)
-    torch._foreach_add_(denom, eps)
-    r = torch._foreach_div(exp_avgs, bc1)
-    torch._foreach_div_(r, denom)
+    denom = _blocks.adam_denominators(exp_avg_sqs, bc2_sqrt, eps)
+    r = _blocks.adam_direction(exp_avgs, bc1, denom)
     c = torch._foreach_div(g, denom)
     decays = [(wd, ids) for wd, ids in by_value(weight_decays) if wd != 0]
     ada = [i for i, a in enumerate(adapt) if a]

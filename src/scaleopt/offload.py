@@ -282,13 +282,10 @@ def _adam_reference(w: Tensor, g: Tensor, m: Tensor, v: Tensor, vmax: Optional[T
             w.mul_(1 - lr * weight_decay)
         else:
             g = g.add(w, alpha=weight_decay)
-    m.lerp_(g, one_minus_betas[0])
-    v.mul_(beta2).addcmul_(g, g, value=one_minus_betas[1])
+    _blocks.adam_moments_one(m, v, g, beta1, beta2, one_minus_betas)
     if vmax is not None:
         torch.maximum(vmax, v, out=vmax)
-        denom = (vmax.sqrt() / bc2_sqrt).add_(eps)
-    else:
-        denom = (v.sqrt() / bc2_sqrt).add_(eps)
+    denom = _blocks.adam_denominator_one(v if vmax is None else vmax, bc2_sqrt, eps)
     num = m.mul(beta1).add_(g, alpha=one_minus_betas[0]) if nesterov else m
     w.addcdiv_(num, denom, value=-step_size)
 
