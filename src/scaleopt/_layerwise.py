@@ -96,7 +96,7 @@ class LayerwiseAdam(ScaleOptimizer):
     def _adam_state(self, params: List[Tensor], view: MasterView):
         """Step counters and moments (float32 for a master, else the working tensor's dtype)."""
         ms, vs, steps = [], [], []
-        for p, w, split in zip(params, view.work, view.split):
+        for p, w, split in zip(params, view.weights, view.split):
             state = self.state[p]
             dtype = torch.float32 if split else w.dtype
             if "step" not in state:
@@ -134,11 +134,11 @@ class LayerwiseAdam(ScaleOptimizer):
             view = self._master_weights.view(group, params)
             ms, vs, steps = self._adam_state(params, view)
             impl = implementation(group, params, on_host=self.host is not None,
-                                  tensors=(view.work, item.grads, ms, vs, view.low))
+                                  tensors=(view.weights, item.grads, ms, vs, view.kernel_low()))
             layer = self._layer_options(group, item.idx)
             if impl is Impl.NATIVE:  # on the masters as stored, scalars applied as read
-                self._update(group, view.work, item.grads, ms, vs, steps, layer, impl,
-                             low=view.low, scalars=item.scalars)
+                self._update(group, view.weights, item.grads, ms, vs, steps, layer, impl,
+                             low=view.kernel_low(), scalars=item.scalars)
             else:  # on float32 masters (split ones joined, then split again)
                 grads = apply_grad_scalars(item.grads, item.scalars)
                 with self._master_weights.as_float32(view) as full:

@@ -105,15 +105,25 @@ class MasterView:
     params: List[Tensor]
     #: the tensors the update runs on: a float32 master, a split master's upper half, or the
     #: parameter itself
-    work: List[Tensor]
-    #: per tensor, for the fused kernels: a split master's lower halves, where a float32
-    #: master's rounded weights go, or None
-    low: List[Optional[Tensor]]
-    split: List[bool]
+    weights: List[Tensor]
+    #: per tensor: a split master's lower halves (int16), else None
+    lower_halves: List[Optional[Tensor]]
+    #: per tensor: where the fused kernels may write a ``COPY`` master's rounded weights in
+    #: their pass (the parameter, or a staging buffer), else None
+    rounded_into: List[Optional[Tensor]]
+
+    @property
+    def split(self) -> List[bool]:
+        return [lo is not None for lo in self.lower_halves]
+
+    def kernel_low(self) -> List[Optional[Tensor]]:
+        """The kernels' second tensor per weight (``_native``'s ``low``): the lower halves of a
+        split master, or where the rounded weights of a float32 master go."""
+        return [lo if lo is not None else r for lo, r in zip(self.lower_halves, self.rounded_into)]
 
     def subset(self, indices: List[int]) -> "MasterView":
-        return MasterView(*([xs[k] for k in indices]
-                            for xs in (self.params, self.work, self.low, self.split)))
+        return MasterView(*([xs[k] for k in indices] for xs in (
+            self.params, self.weights, self.lower_halves, self.rounded_into)))
 
 
 class MasterWeights:
@@ -141,49 +151,49 @@ class MasterWeights:
     def view(self, group: Dict[str, Any], params: List[Tensor]) -> MasterView:
         """The tensors ``params``' update runs on (masters made equal to the parameters where
         new)."""
-        work, low, split = [], [], []
+        view = MasterView(list(params), [], [], [])
         for p in params:
             kind = self.storage(group, p)
             state = self.optimizer.state[p]
+            lower = rounded = None
             if kind is Storage.SPLIT:
                 if "master_lo" not in state:
                     state["master_lo"] = torch.zeros(p.shape, dtype=torch.int16)
-                work.append(self.placement.upper(p))
-                low.append(state["master_lo"])
+                weight, lower = self.placement.upper(p), state["master_lo"]
             elif kind is Storage.COPY:
                 if "master_param" not in state:
                     state["master_param"] = self.placement.new_copy(p)
-                work.append(state["master_param"])
-                low.append(self.placement.rounded_target(p))
+                weight, rounded = state["master_param"], self.placement.rounded_target(p)
             else:
-                work.append(p)
-                low.append(None)
-            split.append(kind is Storage.SPLIT)
-        return MasterView(list(params), work, low, split)
+                weight = p
+            view.weights.append(weight)
+            view.lower_halves.append(lower)
+            view.rounded_into.append(rounded)
+        return view
 
     @contextlib.contextmanager
     def as_float32(self, view: MasterView) -> Iterator[List[Tensor]]:
         """The view's working tensors with split masters joined into float32 tensors, split
         again when the body is done (the PyTorch paths run on these)."""
-        full = [_native.split_join(w.detach(), lo) if s else w
-                for w, lo, s in zip(view.work, view.low, view.split)]
+        full = [w if lo is None else _native.split_join(w.detach(), lo)
+                for w, lo in zip(view.weights, view.lower_halves)]
         yield full
-        for w, f, lo, s in zip(view.work, full, view.low, view.split):
-            if s:
+        for w, f, lo in zip(view.weights, full, view.lower_halves):
+            if lo is not None:
                 _native.split_(f, w.detach(), lo)
 
     def commit(self, view: MasterView, rounded_written: Union[bool, List[bool]]) -> None:
         """Bring each parameter up to date with its master. ``rounded_written`` (for all
         tensors, or per tensor): the fused kernels wrote a ``COPY`` master's rounded weights
-        into its ``low`` tensor."""
+        into its ``rounded_into`` tensor."""
         if isinstance(rounded_written, bool):
             rounded_written = [rounded_written] * len(view.params)
         pairs = []
-        for p, w, lo, s, written in zip(view.params, view.work, view.low, view.split,
-                                        rounded_written):
+        for p, w, into, written in zip(view.params, view.weights, view.rounded_into,
+                                       rounded_written):
             if p is w:
                 continue
-            source = lo if (written and not s and lo is not None) else w
+            source = into if (written and into is not None) else w
             if source is not p:
                 pairs.append((p, source))
         self.placement.copy_back(pairs)

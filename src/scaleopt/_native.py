@@ -122,14 +122,14 @@ def sums_of_squares(tensors: Sequence[Tensor]) -> Optional[Tensor]:
     return torch.tensor([sum_squares(t, threads) for t in tensors], dtype=torch.float64)
 
 
-def applies(work: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
+def applies(weights: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
             exp_avg_sqs: Sequence[Tensor], low: Sequence[Optional[Tensor]]) -> bool:
     """Whether the LAMB/LANS kernels take these tensors: what :func:`adam_applies` takes, except
     a bfloat16 gradient for a float32 weight that is no master (no ``low``)."""
     return _lib is not None and all(
-        adam_applies(w, g, m, v, lp)
-        and not (lp is None and w.dtype == torch.float32 and g.dtype != torch.float32)
-        for w, g, m, v, lp in zip(work, grads, exp_avgs, exp_avg_sqs, low))
+        adam_applies(w, g, m, v, lo)
+        and not (lo is None and w.dtype == torch.float32 and g.dtype != torch.float32)
+        for w, g, m, v, lo in zip(weights, grads, exp_avgs, exp_avg_sqs, low))
 
 
 def _kind(weight: Tensor, grad: Tensor) -> int:
@@ -142,19 +142,20 @@ def _ptr(t: Optional[Tensor]) -> int:
 
 
 def _layerwise_tensors(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs,
-                       weight_decays, adapt, low=None, gmul=None, grad_sq_sums=None):
-    """The per-tensor array of a ``lamb_multi`` / ``lans_multi`` call. ``gmul`` (per tensor,
-    or None for ones): the scalar each gradient is taken times; ``grad_sq_sums``: the
+                       weight_decays, adapt, low=None, grad_multipliers=None,
+                       grad_sq_sums=None):
+    """The per-tensor array of a ``lamb_multi`` / ``lans_multi`` call. ``grad_multipliers``
+    (per tensor, or None for ones): the scalar each gradient is taken times; ``grad_sq_sums``: the
     gradients' sums of squares where already computed (LANS)."""
     count = len(params)
     low = low or [None] * count
-    gmul = [1.0] * count if gmul is None else gmul
+    mults = [1.0] * count if grad_multipliers is None else grad_multipliers
     gsq = [-1.0] * count if grad_sq_sums is None else grad_sq_sums.tolist()
     return (LayerwiseTensor * count)(*[
         LayerwiseTensor(w.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), _ptr(lo),
                         s.data_ptr(), w.numel(), _kind(w, g), gm, lr, wd, sq, int(bool(a)))
         for w, g, m, v, lo, s, gm, lr, wd, sq, a in zip(
-            params, grads, exp_avgs, exp_avg_sqs, low, state_steps, gmul, lrs, weight_decays,
+            params, grads, exp_avgs, exp_avg_sqs, low, state_steps, mults, lrs, weight_decays,
             gsq, adapt)])
 
 
@@ -169,7 +170,7 @@ def _layerwise_config(*, beta1, beta2, eps, bias_correction, lower_bound, upper_
         moved=int(moved))
 
 
-_LAYERWISE_ARRAYS = ("lrs", "weight_decays", "adapt", "low", "gmul", "grad_sq_sums")
+_LAYERWISE_ARRAYS = ("lrs", "weight_decays", "adapt", "low", "grad_multipliers", "grad_sq_sums")
 
 
 def _run_layerwise(kernel, params, grads, exp_avgs, exp_avg_sqs, state_steps, **options):
@@ -185,11 +186,12 @@ def lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, weight_decay_mode
          clip_grad_value=None, **options) -> None:
     """LAMB on the fused kernels, all tensors in one call: the same update as
     :func:`scaleopt.lamb.lamb` (options: ``lrs``, ``weight_decays``, ``adapt``, ``beta1``,
-    ``beta2``, ``eps``, ``bias_correction``, ``lower_bound``, ``upper_bound``, ``low``, ``gmul``).
+    ``beta2``, ``eps``, ``bias_correction``, ``lower_bound``, ``upper_bound``, ``low``,
+    ``grad_multipliers``).
 
     ``low[i]``, when given, is the bfloat16 parameter whose float32 master is ``params[i]``:
     it receives the rounded weights in the same pass. A bfloat16 ``params[i]`` is a split
-    master, whose lower halves are ``low[i]`` (int16). ``gmul[i]``, when given, is the scalar
+    master, whose lower halves are ``low[i]`` (int16). ``grad_multipliers[i]``, when given, is the scalar
     ``grads[i]`` is taken times (sign, rescaling and clipping factors, see
     ``ScaleOptimizer._intake``): the gradients are read as they are, never copied; with
     ``clip_grad_value`` the product is then clamped (LAMB's element-wise clipping)."""
@@ -201,7 +203,7 @@ def lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, weight_decay_mode
 def lans(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, clip_grad_value,
          decay_moved_weight, grad_sq_sums=None, **options) -> None:
     """LANS on the fused kernels, all tensors in one call: the same update as
-    :func:`scaleopt.lans.lans` (options, ``low`` and ``gmul`` as in :func:`lamb`).
+    :func:`scaleopt.lans.lans` (options, ``low`` and ``grad_multipliers`` as in :func:`lamb`).
     ``grad_sq_sums``: the gradients' sums of squares from :func:`sums_of_squares`, when already
     computed (for clipping): LANS's own pass over the gradients for their norms is skipped."""
     _run_layerwise(_lib.lans_multi, params, grads, exp_avgs, exp_avg_sqs, state_steps,
@@ -209,7 +211,7 @@ def lans(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, clip_grad_value,
                    grad_sq_sums=grad_sq_sums, **options)
 
 
-def adam_applies(work: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
+def adam_applies(weight: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
                  low: Optional[Tensor]) -> bool:
     """Whether :func:`adam` takes this tensor: float32 moments, contiguous on the CPU; a float32
     or bfloat16 gradient; and either a float32 weight with an optional bfloat16 copy ``low``, or
@@ -220,9 +222,9 @@ def adam_applies(work: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor
         return False
     if not grad_applies(grad):
         return False
-    if work.dtype == torch.bfloat16:
-        return _cpu_contiguous(work, _BF16) and low is not None and _cpu_contiguous(low, _INT16)
-    if not _cpu_contiguous(work, _F32):
+    if weight.dtype == torch.bfloat16:
+        return _cpu_contiguous(weight, _BF16) and low is not None and _cpu_contiguous(low, _INT16)
+    if not _cpu_contiguous(weight, _F32):
         return False
     return low is None or _cpu_contiguous(low, _BF16)
 

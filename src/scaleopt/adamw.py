@@ -132,6 +132,36 @@ class AdamW(ScaleOptimizer):
                 f"kernel ({', '.join(_fused_devices())})"
             )
 
+    def _init_group(self, group: Dict[str, Any], idx: List[int], params: List[Tensor],
+                    grads: List[Tensor], fused: bool) -> Dict[bool, Tuple[List[Tensor], ...]]:
+        """The group's tensors for torch's ``adamw``, split by whether they decay: params,
+        grads, moments, max moments (the params without amsgrad) and steps; state made where
+        new, step counters where ``fused`` needs them (on the parameter's device) or not."""
+        no_decay = self._rule_flags(group, "exclude_from_weight_decay")
+        lists: Dict[bool, Tuple[List[Tensor], ...]] = {}
+        for i, p, g in zip(idx, params, grads):
+            state = self.state[p]
+            if len(state) == 0:
+                state["step"] = (
+                    torch.zeros((), dtype=torch.float32, device=p.device)
+                    if fused
+                    else torch.tensor(0.0, dtype=torch.float32)
+                )
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if group["amsgrad"] and "max_exp_avg_sq" not in state:
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if fused and state["step"].device != p.device:
+                state["step"] = state["step"].to(p.device)
+            elif not fused and state["step"].device.type != "cpu":
+                state["step"] = state["step"].cpu()
+            ls = lists.setdefault(not no_decay[i], ([], [], [], [], [], []))
+            for dest, t in zip(ls, (p, g, state["exp_avg"], state["exp_avg_sq"],
+                                    state["max_exp_avg_sq"] if group["amsgrad"] else p,
+                                    state["step"])):
+                dest.append(t)
+        return lists
+
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
         """Perform one optimization step. ``closure`` re-evaluates the model and returns the loss."""
@@ -141,35 +171,7 @@ class AdamW(ScaleOptimizer):
             fused = group["fused"]
             if fused is None:
                 fused = group["foreach"] is not True and fused_supported(params)
-            no_decay = self._rule_flags(group, "exclude_from_weight_decay")
-            lists: Dict[bool, Tuple[List[Tensor], ...]] = {}
-            for i, p, g in zip(idx, params, grads):
-                state = self.state[p]
-                if len(state) == 0:
-                    state["step"] = (
-                        torch.zeros((), dtype=torch.float32, device=p.device)
-                        if fused
-                        else torch.tensor(0.0, dtype=torch.float32)
-                    )
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    if group["amsgrad"]:
-                        state["max_exp_avg_sq"] = torch.zeros_like(
-                            p, memory_format=torch.preserve_format
-                        )
-                if group["amsgrad"] and "max_exp_avg_sq" not in state:
-                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                if fused and state["step"].device != p.device:
-                    state["step"] = state["step"].to(p.device)
-                elif not fused and state["step"].device.type != "cpu":
-                    state["step"] = state["step"].cpu()
-                ls = lists.setdefault(not no_decay[i], ([], [], [], [], [], []))
-                ls[0].append(p)
-                ls[1].append(g)
-                ls[2].append(state["exp_avg"])
-                ls[3].append(state["exp_avg_sq"])
-                ls[4].append(state["max_exp_avg_sq"] if group["amsgrad"] else p)
-                ls[5].append(state["step"])
+            lists = self._init_group(group, idx, params, grads, fused)
             beta1, beta2 = group["betas"]
             for decayed, (ps, gs, ms, vs, maxs, steps) in lists.items():
                 # torch's foreach path needs its tensor-scalar form under torch.compile

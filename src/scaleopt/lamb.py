@@ -191,7 +191,7 @@ def lamb(
                    lower_bound=lower_bound, upper_bound=upper_bound)
     if impl is Impl.NATIVE:
         _native.lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, low=low,
-                     gmul=None if grad_scalars is None else grad_scalars.mults,
+                     grad_multipliers=None if grad_scalars is None else grad_scalars.mults,
                      clip_grad_value=None if grad_scalars is None else grad_scalars.clamp,
                      **options)
         return
@@ -252,8 +252,8 @@ def _multi_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs
         else:
             for (lr, wd), ids in by_value(list(zip(lrs, weight_decays))):
                 _blocks.decoupled_decay_(pick(params, ids), lr, wd)
-    ada = [i for i, a in enumerate(adapt) if a]
+    adapting = [i for i, a in enumerate(adapt) if a]
     _blocks.apply_trust_ratio_(
-        pick(updates, ada), _blocks.norms(pick(params, ada)), lower_bound, upper_bound
+        pick(updates, adapting), _blocks.norms(pick(params, adapting)), lower_bound, upper_bound
     )
     _blocks.add_scaled_(params, updates, [-lr for lr in lrs])

@@ -171,7 +171,7 @@ def lans(
                    decay_moved_weight=decay_moved_weight)
     if impl is Impl.NATIVE:
         _native.lans(params, grads, exp_avgs, exp_avg_sqs, state_steps, low=low,
-                     gmul=None if grad_scalars is None else grad_scalars.mults,
+                     grad_multipliers=None if grad_scalars is None else grad_scalars.mults,
                      grad_sq_sums=None if grad_scalars is None else grad_scalars.sq_sums,
                      **options)
         return
@@ -233,16 +233,16 @@ def _multi_tensor_lans(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs
     r = _blocks.adam_direction(exp_avgs, bc1, denom)
     c = torch._foreach_div(g, denom)
     decays = [(wd, ids) for wd, ids in by_value(weight_decays) if wd != 0]
-    ada = [i for i, a in enumerate(adapt) if a]
-    w_norms = _blocks.norms(pick(params, ada))
+    adapting = [i for i, a in enumerate(adapt) if a]
+    w_norms = _blocks.norms(pick(params, adapting))
     for wd, ids in decays:
         _blocks.add_decay_to_update(pick(r, ids), pick(params, ids), wd)
-    _blocks.apply_trust_ratio_(pick(r, ada), w_norms, lower_bound, upper_bound)
+    _blocks.apply_trust_ratio_(pick(r, adapting), w_norms, lower_bound, upper_bound)
     if decay_moved_weight:
         _blocks.add_scaled_(params, r, [-lr * beta1 for lr in lrs])
     for wd, ids in decays:
         _blocks.add_decay_to_update(pick(c, ids), pick(params, ids), wd)
-    _blocks.apply_trust_ratio_(pick(c, ada), w_norms, lower_bound, upper_bound)
+    _blocks.apply_trust_ratio_(pick(c, adapting), w_norms, lower_bound, upper_bound)
     if not decay_moved_weight:
         _blocks.add_scaled_(params, r, [-lr * beta1 for lr in lrs])
     _blocks.add_scaled_(params, c, [-lr * (1.0 - beta1) for lr in lrs])

@@ -222,15 +222,16 @@ class OffloadAdam(ScaleOptimizer):
         group, idx, params, grads = item.group, item.idx, item.params, item.grads
         mults = [1.0] * len(params) if item.scalars is None else item.scalars.mults
         beta1, beta2 = group["betas"]
-        omb = self._one_minus_betas(group)
+        one_minus_betas = self._one_minus_betas(group)
         no_decay = self._rule_flags(group, "exclude_from_weight_decay")
         view = self._master_weights.view(group, params)
         states = [self._state(p, group["amsgrad"]) for p in params]
         decays = [0.0 if no_decay[i] else group["weight_decay"] for i in idx]
         step_scalars = self._steps_scalars(group, states)
+        low = view.kernel_low()
         fast = [k for k, (g, st) in enumerate(zip(grads, states))
                 if not group["amsgrad"] and _native.adam_applies(
-                    view.work[k], g, st["exp_avg"], st["exp_avg_sq"], view.low[k])]
+                    view.weights[k], g, st["exp_avg"], st["exp_avg_sq"], low[k])]
         slow = [k for k in range(len(params)) if k not in set(fast)]
         with self._master_weights.as_float32(view.subset(slow)) as masters:
             for k, master in zip(slow, masters):
@@ -239,21 +240,21 @@ class OffloadAdam(ScaleOptimizer):
                 g = grads[k].to(torch.float32) if grads[k].dtype != master.dtype else grads[k]
                 _adam_reference(master, g * mults[k] if mults[k] != 1.0 else g, st["exp_avg"],
                                 st["exp_avg_sq"], st.get("max_exp_avg_sq"), lr=group["lr"],
-                                beta1=beta1, beta2=beta2, one_minus_betas=omb,
+                                beta1=beta1, beta2=beta2, one_minus_betas=one_minus_betas,
                                 step_size=step_scalars[k][0], bc2_sqrt=step_scalars[k][1],
                                 eps=group["eps"], weight_decay=decays[k],
                                 decoupled=group["decoupled"], nesterov=group["nesterov"])
         decoupled, lr = group["decoupled"], group["lr"]
         _native.adam(
-            [view.work[k] for k in fast], [grads[k] for k in fast],
+            [view.weights[k] for k in fast], [grads[k] for k in fast],
             [states[k]["exp_avg"] for k in fast], [states[k]["exp_avg_sq"] for k in fast],
-            [view.low[k] for k in fast], [states[k]["step"] for k in fast],
+            [low[k] for k in fast], [states[k]["step"] for k in fast],
             step_sizes=[step_scalars[k][0] for k in fast],
             bias_correction2_sqrts=[step_scalars[k][1] for k in fast],
             weight_decays_l2=[0.0 if decoupled else decays[k] for k in fast],
             decays=[1.0 - lr * decays[k] if decoupled else 1.0 for k in fast],
             beta1=beta1, beta2=beta2, eps=group["eps"], grad_multipliers=[mults[k] for k in fast],
-            nesterov=group["nesterov"], one_minus_betas=omb, threads=threads,
+            nesterov=group["nesterov"], one_minus_betas=one_minus_betas, threads=threads,
         )
         fast_set = set(fast)
         self._master_weights.commit(view, [k in fast_set for k in range(len(params))])

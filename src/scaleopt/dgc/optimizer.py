@@ -267,6 +267,54 @@ def local_gradients(grads: List[Tensor], params: List[Tensor], options: Dict[str
     return [g * (c / max(total, c)) for g in grads]
 
 
+def _dense_and_sparse(grads: List[Tensor], opts: Dict[str, Any], s: Optional[float], world: int,
+                      value_dtype, tel: Dict[str, float]):
+    """Which tensors go dense (positions) and which sparse (``(position, k, index dtype, value
+    dtype, bytes per pair)``) at sparsity ``s`` (None: all dense); counts the dense baseline."""
+    dense, sparse = [], []
+    for j, g in enumerate(grads):
+        numel = g.numel()
+        vdt = value_dtype or g.dtype
+        idt = comm.index_dtype(numel)
+        k = numel if s is None else select.k_of(numel, s)
+        allreduce_bytes = int(2 * (world - 1) / max(world, 1) * numel * g.element_size())
+        tel["dense_bytes"] += allreduce_bytes
+        tel["dense_payload_bytes"] += numel * g.element_size()
+        tel["numel"] += numel
+        if s is None or _is_dense(opts, world, numel, k, vdt.itemsize, idt.itemsize):
+            dense.append(j)
+            tel["bytes_sent"] += allreduce_bytes
+            tel["payload_bytes"] += numel * g.element_size()
+            tel["selected"] += numel
+        else:
+            sparse.append((j, k, idt, vdt, vdt.itemsize + idt.itemsize))
+    return dense, sparse
+
+
+def _momentum_and_selection(grads, states, sparse, opts, generator):
+    """For each sparse tensor: momentum correction into ``u``, accumulation into ``v``, and the
+    ``k`` largest entries of ``v`` (indices and values, in the dtypes to send)."""
+    m, nesterov = opts["momentum"], opts["nesterov"]
+    indices, values = [], []
+    for j, k, idt, vdt, _ in sparse:
+        g, u, v = grads[j], states[j]["u"], states[j]["v"]
+        g = g.view_as(u)
+        if nesterov:
+            u.add_(g).mul_(m)
+            v.add_(u).add_(g)
+        else:
+            u.mul_(m).add_(g)
+            v.add_(u)
+        flat = v.view(-1)
+        if opts["selection"] == "topk":
+            idx = select.topk_exact(flat, k)
+        else:
+            idx = select.topk_sampled(flat, k, generator=generator)
+        indices.append(idx.to(idt))
+        values.append(flat[idx].to(vdt))
+    return indices, values
+
+
 def dgc_updates(grads: List[Tensor], states: List[Dict[str, Tensor]], opts: Dict[str, Any],
                 step: int, world: int, process_group, value_dtype, generator,
                 tel: Dict[str, float]) -> List[Tensor]:
@@ -278,49 +326,15 @@ def dgc_updates(grads: List[Tensor], states: List[Dict[str, Tensor]], opts: Dict
     s = sparsity_at(step, opts["rampup_begin_step"], opts["rampup_step"], opts["sparsity"])
     m, nesterov = opts["momentum"], opts["nesterov"]
     updates: List[Optional[Tensor]] = [None] * len(grads)
-    dense, sparse = [], []
-    for j, (g, st) in enumerate(zip(grads, states)):
-        numel = g.numel()
-        vdt = value_dtype or g.dtype
-        vbytes = vdt.itemsize
-        idt = comm.index_dtype(numel)
-        ibytes = idt.itemsize
-        k = numel if s is None else select.k_of(numel, s)
-        allreduce_bytes = int(2 * (world - 1) / max(world, 1) * numel * g.element_size())
-        tel["dense_bytes"] += allreduce_bytes
-        tel["dense_payload_bytes"] += numel * g.element_size()
-        tel["numel"] += numel
-        if s is None or _is_dense(opts, world, numel, k, vbytes, ibytes):
-            dense.append(j)
-            tel["bytes_sent"] += allreduce_bytes
-            tel["payload_bytes"] += numel * g.element_size()
-            tel["selected"] += numel
-        else:
-            sparse.append((j, k, idt, vdt, vbytes + ibytes))
+    dense, sparse = _dense_and_sparse(grads, opts, s, world, value_dtype, tel)
     # dense tensors: all-reduce, then momentum SGD on the mean gradient
     for j, g in zip(dense, comm.dense_allreduce_mean([grads[j] for j in dense], process_group)):
         u = states[j]["u"]
         u.mul_(m).add_(g.view_as(u))
         updates[j] = g.view_as(u).add(u, alpha=m) if nesterov else u.clone()
     if sparse:
-        indices, values = [], []
         t0 = time.perf_counter()
-        for j, k, idt, vdt, _ in sparse:
-            g, u, v = grads[j], states[j]["u"], states[j]["v"]
-            g = g.view_as(u)
-            if nesterov:
-                u.add_(g).mul_(m)
-                v.add_(u).add_(g)
-            else:
-                u.mul_(m).add_(g)
-                v.add_(u)
-            flat = v.view(-1)
-            if opts["selection"] == "topk":
-                idx = select.topk_exact(flat, k)
-            else:
-                idx = select.topk_sampled(flat, k, generator=generator)
-            indices.append(idx.to(idt))
-            values.append(flat[idx].to(vdt))
+        indices, values = _momentum_and_selection(grads, states, sparse, opts, generator)
         tel["selection_s"] += time.perf_counter() - t0
         means = comm.sparse_allgather_mean(indices, values, [grads[j].numel() for j, *_ in sparse],
                                            process_group)
