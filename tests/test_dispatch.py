@@ -1,0 +1,96 @@
+"""Which code runs a group's update, and where its masters live: one function answers each."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import scaleopt
+from scaleopt import _native
+from scaleopt._dispatch import Impl, implementation
+from scaleopt._masters import Storage
+
+needs_kernels = pytest.mark.skipif(not _native.available(), reason="kernels not built")
+
+
+def group(**options):
+    return {"foreach": None, "master_weights": False, **options}
+
+
+@pytest.mark.parametrize("foreach, want", [(True, Impl.MULTI), (False, Impl.SINGLE)])
+def test_an_explicit_foreach_decides(foreach, want):
+    assert implementation(group(foreach=foreach), [torch.zeros(3)]) is want
+
+
+def test_without_kernels_the_cpu_runs_the_loop(monkeypatch):
+    monkeypatch.setattr(_native, "available", lambda: False)
+    assert implementation(group(), [torch.zeros(3)]) is Impl.SINGLE
+
+
+@needs_kernels
+def test_the_cpu_runs_the_kernels_where_they_take_every_tensor():
+    w, g, m, v = (torch.zeros(4) for _ in range(4))
+    assert implementation(group(), [w]) is Impl.NATIVE
+    assert implementation(group(), [w], tensors=([w], [g], [m], [v], [None])) is Impl.NATIVE
+    strided = torch.zeros(4, 2)[:, 0]  # not contiguous: the kernels do not take it
+    assert implementation(group(), [w], tensors=([strided], [g], [m], [v], [None])) is Impl.SINGLE
+    assert implementation(group(), [w], kernels=False) is Impl.SINGLE  # an optimizer without any
+
+
+@needs_kernels
+def test_each_optimizer_runs_the_implementation_the_function_names(monkeypatch):
+    calls = []
+    real = _native.lamb
+    monkeypatch.setattr(_native, "lamb", lambda *a, **k: (calls.append("native"), real(*a, **k)))
+    for foreach, kernel_calls in ((None, 1), (True, 0), (False, 0)):
+        calls.clear()
+        p = nn.Parameter(torch.randn(5, 3))
+        p.grad = torch.randn(5, 3)
+        scaleopt.LAMB([p], foreach=foreach).step()
+        assert len(calls) == kernel_calls, foreach
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype, master_weights, want", [
+    (torch.float32, True, Storage.OWN),
+    (torch.bfloat16, False, Storage.OWN),
+    (torch.bfloat16, True, Storage.SPLIT),
+    (torch.float16, True, Storage.COPY),
+])
+def test_one_function_says_where_each_master_lives(dtype, master_weights, want):
+    p = nn.Parameter(torch.randn(4, 3).to(dtype))
+    opt = scaleopt.LAMB([p], master_weights=master_weights)
+    assert opt._master_weights.storage(opt.param_groups[0], p) is want
+    p.grad = torch.randn(4, 3).to(dtype)
+    opt.step()
+    state = opt.state[p]
+    assert ("master_lo" in state) == (want is Storage.SPLIT)
+    assert ("master_param" in state) == (want is Storage.COPY)
+
+
+@needs_kernels
+def test_an_offloaded_optimizer_keeps_every_master_on_the_host():
+    ps = [nn.Parameter(torch.randn(4, 3)), nn.Parameter(torch.randn(4, 3).bfloat16()),
+          nn.Parameter(torch.randn(4, 3).half())]
+    opt = scaleopt.offload(scaleopt.LAMB, ps)
+    assert type(opt) is scaleopt.LAMB and opt.host is not None
+    kinds = [opt._master_weights.storage(opt.param_groups[0], p) for p in ps]
+    assert kinds == [Storage.OWN, Storage.SPLIT, Storage.COPY]
+
+
+@needs_kernels
+def test_a_copied_optimizer_still_saves_split_masters_as_float32():
+    p = nn.Parameter(torch.randn(6, 4).bfloat16())
+    opt = scaleopt.LANS([p], lr=1e-2, master_weights=True)
+    for _ in range(2):
+        p.grad = torch.randn(6, 4).bfloat16()
+        opt.step()
+    twin = copy.deepcopy(opt)
+    for o in (opt, twin):
+        (st,) = o.state_dict()["state"].values()
+        assert "master_lo" not in st and st["master_param"].dtype == torch.float32
+    assert torch.equal(opt.state_dict()["state"][0]["master_param"],
+                       twin.state_dict()["state"][0]["master_param"])
