@@ -271,12 +271,32 @@ def trust_ratio(
     return torch.where(ok & torch.isfinite(ratio), ratio, torch.ones_like(ratio))
 
 
-def apply_trust_ratio_(updates: TensorList, w_norms: Tensor, lower, upper) -> None:
-    """Scale each update in place by its layer's trust ratio, given the weights' norms."""
+def apply_trust_ratio_(updates: TensorList, w_norms: Tensor, lower, upper,
+                       u_norms: Optional[Tensor] = None) -> None:
+    """Scale each update in place by its layer's trust ratio, given the weights' norms (and the
+    updates' norms, when already known)."""
     if not updates:
         return
-    ratios = trust_ratio(w_norms, norms(updates), lower, upper)
-    torch._foreach_mul_(updates, [r.to(u.dtype) for u, r in zip(updates, ratios.unbind(0))])
+    ratios = trust_ratio(w_norms, norms(updates) if u_norms is None else u_norms, lower, upper)
+    scale_each_(updates, ratios)
+
+
+def scale_each_(tensors: TensorList, factors: Tensor) -> None:
+    """``tensors[i] *= factors[i]`` in place."""
+    torch._foreach_mul_(tensors, [f.to(t.dtype) for t, f in zip(tensors, factors.unbind(0))])
+
+
+def sq_norms(tensors: Sequence[Tensor]) -> Tensor:
+    """Each tensor's sum of squares (a float32 vector; float64 if all are float64)."""
+    return norms(tensors).square()
+
+
+def dots(xs: Sequence[Tensor], ys: Sequence[Tensor]) -> Tensor:
+    """Each pair's sum of products, as :func:`sq_norms` (float32 or float64 vector)."""
+    if len(xs) == 0:
+        return torch.zeros(0)
+    dtype = torch.float64 if all(x.dtype == torch.float64 for x in xs) else torch.float32
+    return torch.stack([torch.sum(x.to(dtype) * y.to(dtype)) for x, y in zip(xs, ys)])
 
 
 # --------------------------------------------------------------------------------------------

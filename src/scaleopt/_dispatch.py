@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from . import _native
+from ._sharding import any_dtensor
 
 
 class Impl(str, enum.Enum):
@@ -41,13 +42,16 @@ def implementation(group: Dict[str, Any], params: Sequence[Tensor], *, kernels: 
     contiguous float32 weights, or bfloat16 ones with master weights); without ``tensors`` the
     answer says whether the kernels may take the group (before its state exists). Otherwise
     ``MULTI`` on accelerators, where it saves kernel launches, and ``SINGLE`` on the CPU, where
-    torch's foreach ops are a loop themselves. Sparse layouts always take ``SINGLE``.
+    torch's foreach ops are a loop themselves. Sharded (DTensor) parameters take ``MULTI`` on
+    their local shards. Sparse layouts always take ``SINGLE``.
     """
     if not all(p.layout == torch.strided for p in params):
         return Impl.SINGLE
     foreach = group.get("foreach")
     if foreach is not None:
         return Impl.MULTI if foreach else Impl.SINGLE
+    if any_dtensor(params):  # on the local shards, the norms totalled in one reduction
+        return Impl.MULTI
     if (kernels and _native.available()
             and (on_host or all(p.device.type == "cpu" for p in params))
             and (tensors is None or _native.applies(*tensors))):
@@ -64,3 +68,16 @@ def resolve(impl: Optional[str], foreach: bool) -> Impl:
     except ValueError:
         raise ValueError(f"Invalid implementation: {impl!r} (choose one of "
                          f"{[i.value for i in Impl]})") from None
+
+
+def run_torch_path(impl: Impl, multi_tensor, single_tensor, params, grads, *state,
+                   grad_scalars=None, shard_sums=None, **options) -> None:
+    """An update's ``MULTI`` (``multi_tensor``, which takes ``shard_sums``) or ``SINGLE``
+    (``single_tensor``) form, on the gradients with their deferred scalars applied."""
+    from ._base import apply_grad_scalars
+
+    grads = apply_grad_scalars(grads, grad_scalars)
+    if impl is Impl.MULTI:
+        multi_tensor(params, grads, *state, shard_sums=shard_sums, **options)
+    else:
+        single_tensor(params, grads, *state, **options)

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from . import _native
 from ._base import check_bool
-from ._masters import Storage
+from ._masters import Storage, plain
 
 
 def on_host(p: Tensor) -> bool:
@@ -103,7 +103,7 @@ class HostPipeline:
     def storage(self, group: Dict[str, Any], p: Tensor) -> Storage:
         if in_place(p):
             return Storage.OWN
-        if (p.dtype == torch.bfloat16 and _native.available()
+        if (p.dtype == torch.bfloat16 and _native.available() and plain(p)
                 and (not on_host(p) or p.is_contiguous())):
             return Storage.SPLIT
         return Storage.COPY

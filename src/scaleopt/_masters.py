@@ -34,6 +34,12 @@ from . import _native
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
+def plain(p: Tensor) -> bool:
+    """Not a tensor subclass (e.g. a DTensor, whose local shard is not its shape): what a split
+    master's halves can be made for."""
+    return type(p) in (torch.Tensor, torch.nn.Parameter)
+
+
 class Storage(enum.Enum):
     OWN = "own"
     COPY = "copy"
@@ -73,7 +79,7 @@ class LocalPlacement:
     def storage(self, group: Dict[str, Any], p: Tensor) -> Storage:
         if not group["master_weights"] or p.dtype not in LOW_PRECISION:
             return Storage.OWN
-        if (group.get("foreach") is None and p.dtype == torch.bfloat16
+        if (group.get("foreach") is None and p.dtype == torch.bfloat16 and plain(p)
                 and p.device.type == "cpu" and p.is_contiguous() and _native.available()):
             return Storage.SPLIT
         return Storage.COPY

@@ -102,7 +102,14 @@ def available() -> bool:
 
 
 def _cpu_contiguous(t: Tensor, dtypes) -> bool:
-    return t.is_cpu and t.dtype in dtypes and t.is_contiguous()
+    """Whether the kernels may address ``t``'s memory as ``numel()`` elements of its dtype from
+    ``data_ptr()``: a plain tensor (not a subclass such as a DTensor), strided, contiguous, on
+    the CPU, of one of ``dtypes``."""
+    return (type(t) in _PLAIN_TYPES and t.layout == torch.strided and t.is_cpu
+            and t.dtype in dtypes and t.is_contiguous())
+
+
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def sum_squares(t: Tensor, threads: int) -> float:
@@ -291,11 +298,10 @@ def adam(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[T
 def any_nonfinite(t: Tensor, threads: int) -> bool:
     """Whether a tensor holds an inf or NaN (one read pass; kernels for contiguous float32 and
     bfloat16 CPU tensors, torch otherwise)."""
-    if _lib is not None and t.device.type == "cpu" and t.is_contiguous():
+    if _lib is not None and _cpu_contiguous(t, _ADAM_GRADS):
         if t.dtype == torch.float32:
             return bool(_lib.any_nonfinite(t.data_ptr(), t.numel(), threads))
-        if t.dtype == torch.bfloat16:
-            return bool(_lib.any_nonfinite_bf16(t.data_ptr(), t.numel(), threads))
+        return bool(_lib.any_nonfinite_bf16(t.data_ptr(), t.numel(), threads))
     return not bool(torch.isfinite(t).all())
 
 

@@ -31,10 +31,12 @@ def _fused_devices() -> List[str]:
 
 
 def fused_supported(params: List[Tensor]) -> bool:
-    """Whether torch's fused Adam kernel runs on all of ``params``."""
+    """Whether torch's fused Adam kernel runs on all of ``params`` (dense, contiguous: the
+    fused kernel addresses a parameter's memory as one block)."""
     devices = _fused_devices()
     return all(
         p.dtype in _FUSED_DTYPES and p.device.type in devices and p.layout == torch.strided
+        and p.is_contiguous()
         for p in params
     )
 

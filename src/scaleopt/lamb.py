@@ -8,9 +8,9 @@ import torch
 from torch import Tensor
 
 from . import _blocks, _native
-from ._base import GradScalars, NameRule, apply_grad_scalars, check_choice
+from ._base import GradScalars, NameRule, check_choice
 from ._blocks import by_value
-from ._dispatch import Impl, resolve
+from ._dispatch import Impl, resolve, run_torch_path
 from ._layerwise import LayerwiseAdam, pick
 
 __all__ = ["LAMB", "lamb"]
@@ -149,11 +149,12 @@ class LAMB(LayerwiseAdam):
         check_choice(self._arg("weight_decay_mode"), group["weight_decay_mode"], WEIGHT_DECAY_MODES)
 
     def _update(self, group, params, grads, exp_avgs, exp_avg_sqs, steps, layer, impl, low=None,
-                scalars=None) -> None:
+                scalars=None, shard_sums=None) -> None:
         lrs, wds, adapt = layer
         lamb(params, grads, exp_avgs, exp_avg_sqs, steps, lrs=lrs, weight_decays=wds, adapt=adapt,
              weight_decay_mode=group["weight_decay_mode"], implementation=impl,
-             low=low, grad_scalars=scalars, **self._functional_options(group))
+             low=low, grad_scalars=scalars, shard_sums=shard_sums,
+             **self._functional_options(group))
 
 def lamb(
     params: List[Tensor],
@@ -176,6 +177,7 @@ def lamb(
     implementation: Optional[str] = None,
     low: Optional[List[Optional[Tensor]]] = None,
     grad_scalars: Optional[GradScalars] = None,
+    shard_sums: Any = None,
 ) -> None:
     """Functional LAMB over lists of tensors; see :class:`LAMB`.
 
@@ -183,7 +185,9 @@ def lamb(
     ``implementation``: ``"single"`` (the reference loop), ``"multi"`` (multi-tensor ops) or
     ``"native"`` (the fused CPU kernels, see :func:`scaleopt._native.lamb` for ``low``); by
     default ``foreach`` picks multi or single. ``grad_scalars``: per-tensor multipliers (and a
-    clamp) to apply to the gradients as they are read.
+    clamp) to apply to the gradients as they are read. ``shard_sums``: for the local shards of
+    sharded tensors (multi-tensor only), the :class:`scaleopt._sharding.ShardSums` that totals
+    their norms.
     """
     impl = resolve(implementation, foreach)
     options = dict(lrs=lrs, weight_decays=weight_decays, adapt=adapt, beta1=beta1, beta2=beta2,
@@ -195,9 +199,9 @@ def lamb(
                      clip_grad_value=None if grad_scalars is None else grad_scalars.clamp,
                      **options)
         return
-    fn = _multi_tensor_lamb if impl is Impl.MULTI else _single_tensor_lamb
-    fn(params, apply_grad_scalars(grads, grad_scalars), exp_avgs, exp_avg_sqs, state_steps,
-       **options)
+    run_torch_path(impl, _multi_tensor_lamb, _single_tensor_lamb, params, grads, exp_avgs,
+                   exp_avg_sqs, state_steps, grad_scalars=grad_scalars, shard_sums=shard_sums,
+                   **options)
 
 def _single_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs, weight_decays,
                         adapt, beta1, beta2, eps, weight_decay_mode, bias_correction, lower_bound,
@@ -227,8 +231,9 @@ def _single_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lr
 
 def _multi_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs, weight_decays,
                        adapt, beta1, beta2, eps, weight_decay_mode, bias_correction, lower_bound,
-                       upper_bound) -> None:
-    """The fast path: the same algorithm as a few multi-tensor kernels per group."""
+                       upper_bound, shard_sums=None) -> None:
+    """The fast path: the same algorithm as a few multi-tensor kernels per group. On local
+    shards, ``shard_sums`` (:class:`scaleopt._sharding.ShardSums`) totals the norms."""
     if not params:
         return
     torch._foreach_add_(state_steps, 1)
@@ -253,7 +258,12 @@ def _multi_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs
             for (lr, wd), ids in by_value(list(zip(lrs, weight_decays))):
                 _blocks.decoupled_decay_(pick(params, ids), lr, wd)
     adapting = [i for i, a in enumerate(adapt) if a]
-    _blocks.apply_trust_ratio_(
-        pick(updates, adapting), _blocks.norms(pick(params, adapting)), lower_bound, upper_bound
-    )
+    if shard_sums is None:
+        _blocks.apply_trust_ratio_(pick(updates, adapting), _blocks.norms(pick(params, adapting)),
+                                   lower_bound, upper_bound)
+    else:  # ||w||^2 and ||u||^2 over the whole tensors: one vector, reduced once
+        sums = _blocks.sq_norms(pick(params, adapting) + pick(updates, adapting))
+        w_norms, u_norms = shard_sums.reduce(sums, adapting * 2).sqrt().split(len(adapting))
+        _blocks.apply_trust_ratio_(pick(updates, adapting), w_norms, lower_bound, upper_bound,
+                                   u_norms=u_norms)
     _blocks.add_scaled_(params, updates, [-lr for lr in lrs])

@@ -8,9 +8,9 @@ import torch
 from torch import Tensor
 
 from . import _blocks, _native
-from ._base import GradScalars, NameRule, apply_grad_scalars, check_bool
+from ._base import GradScalars, NameRule, check_bool
 from ._blocks import by_value
-from ._dispatch import Impl, resolve
+from ._dispatch import Impl, resolve, run_torch_path
 from ._layerwise import LayerwiseAdam, pick
 
 __all__ = ["LANS", "lans"]
@@ -130,12 +130,13 @@ class LANS(LayerwiseAdam):
         check_bool(self._arg("decay_moved_weight"), group["decay_moved_weight"])
 
     def _update(self, group, params, grads, exp_avgs, exp_avg_sqs, steps, layer, impl, low=None,
-                scalars=None) -> None:
+                scalars=None, shard_sums=None) -> None:
         lrs, wds, adapt = layer
         lans(params, grads, exp_avgs, exp_avg_sqs, steps, lrs=lrs, weight_decays=wds, adapt=adapt,
              clip_grad_value=group["clip_grad_value"],
              decay_moved_weight=group["decay_moved_weight"], implementation=impl,
-             low=low, grad_scalars=scalars, **self._functional_options(group))
+             low=low, grad_scalars=scalars, shard_sums=shard_sums,
+             **self._functional_options(group))
 
 def lans(
     params: List[Tensor],
@@ -159,9 +160,11 @@ def lans(
     implementation: Optional[str] = None,
     low: Optional[List[Optional[Tensor]]] = None,
     grad_scalars: Optional[GradScalars] = None,
+    shard_sums: Any = None,
 ) -> None:
     """Functional LANS over lists of tensors; see :class:`LANS`. ``grads`` are read only.
-    ``implementation``, ``low`` and ``grad_scalars`` as in :func:`scaleopt.lamb.lamb`; the
+    ``implementation``, ``low``, ``grad_scalars`` and ``shard_sums`` as in
+    :func:`scaleopt.lamb.lamb`; the
     scalars' ``sq_sums``, when given, are the gradients' sums of squares, which the native
     implementation then does not compute again."""
     impl = resolve(implementation, foreach)
@@ -175,9 +178,9 @@ def lans(
                      grad_sq_sums=None if grad_scalars is None else grad_scalars.sq_sums,
                      **options)
         return
-    fn = _multi_tensor_lans if impl is Impl.MULTI else _single_tensor_lans
-    fn(params, apply_grad_scalars(grads, grad_scalars), exp_avgs, exp_avg_sqs, state_steps,
-       **options)
+    run_torch_path(impl, _multi_tensor_lans, _single_tensor_lans, params, grads, exp_avgs,
+                   exp_avg_sqs, state_steps, grad_scalars=grad_scalars, shard_sums=shard_sums,
+                   **options)
 
 def _inverse_norms(norms: Tensor) -> Tensor:
     """``1/n``, and 0 where ``n`` is 0 (an all-zero gradient stays zero, not NaN)."""
@@ -219,12 +222,18 @@ def _single_tensor_lans(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lr
 
 def _multi_tensor_lans(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs, weight_decays,
                        adapt, beta1, beta2, eps, bias_correction, lower_bound, upper_bound,
-                       clip_grad_value, decay_moved_weight) -> None:
-    """The fast path: the same algorithm as a few multi-tensor kernels per group."""
+                       clip_grad_value, decay_moved_weight, shard_sums=None) -> None:
+    """The fast path: the same algorithm as a few multi-tensor kernels per group. On local
+    shards, ``shard_sums`` (:class:`scaleopt._sharding.ShardSums`) totals the norms: the
+    gradients' in one reduction, the weights' and both parts' in another."""
     if not params:
         return
     torch._foreach_add_(state_steps, 1)
-    inv = _inverse_norms(_blocks.norms(grads))
+    if shard_sums is None:
+        g_norms = _blocks.norms(grads)
+    else:
+        g_norms = shard_sums.reduce(_blocks.sq_norms(grads), range(len(grads))).sqrt()
+    inv = _inverse_norms(g_norms)
     g = torch._foreach_mul(grads, [s.to(x.dtype) for x, s in zip(grads, inv.unbind(0))])
     g = _blocks.clip_by_value(g, clip_grad_value)
     _blocks.adam_moments(exp_avgs, exp_avg_sqs, g, beta1, beta2)
@@ -234,6 +243,10 @@ def _multi_tensor_lans(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs
     c = torch._foreach_div(g, denom)
     decays = [(wd, ids) for wd, ids in by_value(weight_decays) if wd != 0]
     adapting = [i for i, a in enumerate(adapt) if a]
+    if shard_sums is not None:
+        _sharded_two_parts(params, r, c, lrs, weight_decays, decays, adapting, beta1,
+                           lower_bound, upper_bound, decay_moved_weight, shard_sums)
+        return
     w_norms = _blocks.norms(pick(params, adapting))
     for wd, ids in decays:
         _blocks.add_decay_to_update(pick(r, ids), pick(params, ids), wd)
@@ -245,4 +258,35 @@ def _multi_tensor_lans(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs
     _blocks.apply_trust_ratio_(pick(c, adapting), w_norms, lower_bound, upper_bound)
     if not decay_moved_weight:
         _blocks.add_scaled_(params, r, [-lr * beta1 for lr in lrs])
+    _blocks.add_scaled_(params, c, [-lr * (1.0 - beta1) for lr in lrs])
+
+
+def _sharded_two_parts(params, r, c, lrs, weight_decays, decays, adapting, beta1, lower_bound,
+                       upper_bound, decay_moved_weight, shard_sums) -> None:
+    """LANS's two trust-ratio-scaled parts on local shards, with the four sums the ratios need
+    (||w||^2, ||r||^2, ||c||^2 and, when the second part decays the moved weight, <c, r>) in one
+    reduction. The moved weight's decay is ``c - wd*lr*beta1*ratio_r*r``, whose squared norm
+    follows from those sums."""
+    for wd, ids in decays:  # both parts decay the weight from before the step here
+        _blocks.add_decay_to_update(pick(r, ids), pick(params, ids), wd)
+        _blocks.add_decay_to_update(pick(c, ids), pick(params, ids), wd)
+    ws, rs, cs = (pick(xs, adapting) for xs in (params, r, c))
+    parts = [_blocks.sq_norms(ws), _blocks.sq_norms(rs), _blocks.sq_norms(cs)]
+    if decay_moved_weight:
+        parts.append(_blocks.dots(cs, rs).to(parts[0].dtype))
+    sums = shard_sums.reduce(torch.cat(parts), adapting * len(parts)).split(len(adapting))
+    w_norms, r2, c2 = sums[0].sqrt(), sums[1], sums[2]
+    ratio_r = _blocks.trust_ratio(w_norms, r2.sqrt(), lower_bound, upper_bound)
+    if decay_moved_weight:
+        lr_wd = torch.tensor([lrs[i] * weight_decays[i] for i in adapting], dtype=r2.dtype)
+        k = lr_wd * beta1 * ratio_r
+        c2 = (c2 - 2.0 * k * sums[3] + k * k * r2).clamp(min=0.0)
+    ratio_c = _blocks.trust_ratio(w_norms, c2.sqrt(), lower_bound, upper_bound)
+    _blocks.scale_each_(pick(r, adapting), ratio_r)
+    if decay_moved_weight:  # c = c - wd*lr*beta1*r: the decay of the weight moved by r
+        for i, (lr, wd) in enumerate(zip(lrs, weight_decays)):
+            if wd != 0:
+                c[i].add_(r[i], alpha=-wd * lr * beta1)
+    _blocks.scale_each_(pick(c, adapting), ratio_c)
+    _blocks.add_scaled_(params, r, [-lr * beta1 for lr in lrs])
     _blocks.add_scaled_(params, c, [-lr * (1.0 - beta1) for lr in lrs])

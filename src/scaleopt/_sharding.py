@@ -1,0 +1,77 @@
+"""Sharded parameters (FSDP2 / DTensor): local shards, and sums over whole tensors in one go.
+
+Sharding is a property of the parameters, not of an optimizer. For a group whose parameters are
+DTensors, an optimizer runs its update on the local shards (:func:`local`) and asks
+:class:`ShardSums` for whatever needs a whole tensor: each quantity (a squared norm, a dot
+product) is summed over the local shard, the per-tensor partial sums go into one vector, and
+that vector is all-reduced once per mesh dimension that shards the tensors, not once per
+tensor. A mesh dimension that replicates a tensor (HSDP's ``Replicate()``) holds the whole
+tensor along it and adds nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+try:
+    from torch.distributed.tensor import DTensor, Shard
+except ImportError:  # pragma: no cover
+    try:  # torch 2.4 keeps them private
+        from torch.distributed._tensor import DTensor, Shard  # type: ignore
+    except ImportError:  # torch built without distributed: there are no DTensors
+        DTensor = Shard = type("_NoDTensor", (), {})  # type: ignore
+
+
+def is_dtensor(t: Any) -> bool:
+    return isinstance(t, DTensor)
+
+
+def any_dtensor(tensors: Sequence[Tensor]) -> bool:
+    return any(isinstance(t, DTensor) for t in tensors)
+
+
+def local(tensors: Sequence[Tensor]) -> List[Tensor]:
+    """Each DTensor's local shard (a view of its memory), other tensors as they are."""
+    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+
+
+def _sharding_groups(t: Tensor) -> List[Any]:
+    """The process groups of the mesh dimensions along which ``t`` is split into pieces."""
+    if not isinstance(t, DTensor):
+        return []
+    mesh = t.device_mesh
+    return [mesh.get_group(d) for d, pl in enumerate(t.placements) if isinstance(pl, Shard)]
+
+
+class ShardSums:
+    """Sums over whole tensors from the local shards' partial sums of ``params``'s tensors.
+
+    :meth:`reduce` takes a vector of partial sums and, for each entry, the index of the
+    parameter the summed quantity is shaped like; it returns the total sums, after one
+    all-reduce per ``(mesh, dimension)`` that shards any of those parameters (FSDP2: one).
+    """
+
+    def __init__(self, params: Sequence[Tensor]) -> None:
+        self.dims = [_sharding_groups(p) for p in params]
+
+    def reduce(self, sums: Tensor, owners: Sequence[int]) -> Tensor:
+        groups: Dict[Any, List[int]] = {}  # process group -> entries (meshes may share groups)
+        for entry, owner in enumerate(owners):
+            for group in self.dims[owner]:
+                groups.setdefault(group, []).append(entry)
+        if not groups:
+            return sums
+        sums = sums.clone()
+        for group, entries in groups.items():
+            if len(entries) == len(owners):
+                dist.all_reduce(sums, group=group)
+            else:
+                index = torch.tensor(entries, device=sums.device)
+                part = sums.index_select(0, index)
+                dist.all_reduce(part, group=group)
+                sums.index_copy_(0, index, part)
+        return sums

@@ -1,0 +1,102 @@
+"""Worker functions for the multi-process FSDP2 tests (spawned, gloo on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import scaleopt
+from scaleopt.compat import mxnet, paddle
+
+#: optimizer configurations by name: (make(named_params), takes names)
+OPTIMIZERS = {
+    "LAMB": lambda ps: scaleopt.LAMB(ps, lr=1e-2, weight_decay=0.1,
+                                     exclude_from_weight_decay="bias"),
+    "LAMB(bounds, always_adapt, decoupled)": lambda ps: scaleopt.LAMB(
+        ps, lr=1e-2, weight_decay=0.1, lower_bound=0.5, upper_bound=3.0, always_adapt=True,
+        weight_decay_mode="decoupled"),
+    "LAMB(clipping)": lambda ps: scaleopt.LAMB(
+        ps, lr=1e-2, max_grad_norm=0.05, clip_grad_norm_per_tensor=0.03, clip_grad_value=0.02),
+    "LANS": lambda ps: scaleopt.LANS(ps, lr=1e-2, exclude_from_weight_decay=["bias"]),
+    "LANS(decay_moved_weight, bounds)": lambda ps: scaleopt.LANS(
+        ps, lr=1e-2, weight_decay=0.1, decay_moved_weight=True, lower_bound=0.5,
+        upper_bound=3.0),
+    "LANS(foreach=False)": lambda ps: scaleopt.LANS(ps, lr=1e-2, foreach=False),
+    "AdamW": lambda ps: scaleopt.AdamW(ps, lr=1e-2, exclude_from_weight_decay="bias"),
+    "Momentum": lambda ps: scaleopt.Momentum(ps, lr=1e-2, momentum=0.9),
+    "paddle.Lamb": lambda ps: paddle.Lamb(learning_rate=1e-2, parameters=ps,
+                                          lamb_weight_decay=0.05),
+    "mxnet.LANS": lambda ps: mxnet.LANS(ps, learning_rate=1e-2, wd=0.05),
+}
+
+
+def model_of(seed=0):
+    """63 rows (uneven over 2 and 3 ranks) and a 2-element bias (an empty shard over 3)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 63), nn.Tanh(), nn.LayerNorm(63), nn.Linear(63, 2))
+
+
+def batch(t, n=24):
+    g = torch.Generator().manual_seed(1000 + t)
+    return torch.randn(n, 8, generator=g), torch.randn(n, 2, generator=g)
+
+
+def loss_of(model, x, y):
+    return (model(x) - y).square().mean()
+
+
+def train_reference(name, steps):
+    """The optimizer in one process on the full tensors and the full batch."""
+    model = model_of()
+    opt = OPTIMIZERS[name](list(model.named_parameters()))
+    for t in range(steps):
+        opt.zero_grad()
+        loss_of(model, *batch(t)).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def shard(model):
+    from torch.distributed.fsdp import fully_shard
+
+    for m in model:
+        if any(True for _ in m.parameters()):
+            fully_shard(m)
+    fully_shard(model)
+    return model
+
+
+def train_sharded(rank, world, tmp, names, steps):
+    """Each optimizer of ``names`` on an FSDP2 model, each rank its slice of the batch; the full
+    parameters after ``steps`` steps."""
+    out = {}
+    for name in names:
+        model = shard(model_of())
+        opt = OPTIMIZERS[name](list(model.named_parameters()))
+        for t in range(steps):
+            opt.zero_grad()
+            x, y = batch(t)
+            per = x.shape[0] // world
+            loss_of(model, x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]).backward()
+            opt.step()
+        out[name] = [p.full_tensor().detach().clone() for p in model.parameters()]
+    return out if rank == 0 else None
+
+
+def count_collectives(rank, world, tmp, name):
+    """The collectives of one step (after a first one, which makes the state)."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    model = shard(model_of())
+    opt = OPTIMIZERS[name](list(model.named_parameters()))
+    counts = []
+    for t in range(2):
+        opt.zero_grad()
+        loss_of(model, *batch(t)).backward()
+        mode = CommDebugMode()
+        with mode:
+            opt.step()
+        counts.append({str(k): v for k, v in mode.get_comm_counts().items()})
+    dist.barrier()
+    return counts if rank == 0 else None
