@@ -23,6 +23,12 @@ OPTIMIZERS = {
         ps, lr=1e-2, weight_decay=0.1, decay_moved_weight=True, lower_bound=0.5,
         upper_bound=3.0),
     "LANS(foreach=False)": lambda ps: scaleopt.LANS(ps, lr=1e-2, foreach=False),
+    "OffloadAdam": lambda ps: scaleopt.OffloadAdam(ps, lr=1e-2, weight_decay=0.1,
+                                                   max_grad_norm=0.05),
+    "offload(LAMB)": lambda ps: scaleopt.offload(scaleopt.LAMB, ps, lr=1e-2, max_grad_norm=0.05),
+    "offload(LANS)": lambda ps: scaleopt.offload(scaleopt.LANS, ps, lr=1e-2),
+    "LANS(clipping)": lambda ps: scaleopt.LANS(ps, lr=1e-2, max_grad_norm=0.05,
+                                               clip_grad_norm_per_tensor=0.03),
     "AdamW": lambda ps: scaleopt.AdamW(ps, lr=1e-2, exclude_from_weight_decay="bias"),
     "Momentum": lambda ps: scaleopt.Momentum(ps, lr=1e-2, momentum=0.9),
     "paddle.Lamb": lambda ps: paddle.Lamb(learning_rate=1e-2, parameters=ps,
@@ -100,3 +106,20 @@ def count_collectives(rank, world, tmp, name):
         counts.append({str(k): v for k, v in mode.get_comm_counts().items()})
     dist.barrier()
     return counts if rank == 0 else None
+
+
+def dgc_refuses_sharded(rank, world, tmp):
+    """The error messages of DGCMomentum and the DDP hook state on an FSDP2 model."""
+    from scaleopt.dgc import DGCHookState, DGCMomentum
+
+    model = shard(model_of())
+    messages = []
+    for make in (lambda: DGCMomentum(model.parameters(), lr=0.1),
+                 lambda: DGCHookState(model)):
+        try:
+            make()
+            messages.append(None)
+        except TypeError as exc:
+            messages.append(str(exc))
+    dist.barrier()
+    return messages if rank == 0 else None

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
+import scaleopt
 import dgc_workers as W
 import sharded_workers as S
 
@@ -27,8 +29,62 @@ def test_every_optimizer_on_fsdp2_equals_one_process(world, references, tmp_path
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("name, most", [("LAMB", 1), ("LANS", 2)])
+@pytest.mark.parametrize("name, most", [("LAMB", 1), ("LANS", 2), ("LAMB(clipping)", 2),
+                                        ("LANS(clipping)", 2), ("OffloadAdam", 1)])
 def test_one_reduction_of_all_norms_per_step(name, most, tmp_path):
     counts = W.run_workers(S.count_collectives, 2, tmp_path, name, timeout=60)[0]
     for step in counts:
         assert sum(step.values()) <= most, step
+
+
+def test_dgc_refuses_sharded_parameters_with_a_reason(tmp_path):
+    messages = W.run_workers(S.dgc_refuses_sharded, 2, tmp_path, timeout=60)[0]
+    assert all(m is not None and "DDP" in m and "sharded" in m for m in messages), messages
+
+
+def _views():
+    """Parameters the kernels must not address as one block, each with a contiguous twin."""
+    base = torch.randn(6, 10)
+    cl = torch.randn(2, 3, 4, 5).contiguous(memory_format=torch.channels_last)
+    return {
+        "sliced with gaps": base[:, :4],
+        "transposed": base.t(),
+        "storage offset": base.view(-1)[7:37].view(5, 6),
+        "channels_last": cl,
+        "zero-size": torch.randn(0, 3),
+    }
+
+
+@pytest.mark.parametrize("kind", sorted(_views()))
+@pytest.mark.parametrize("make", [
+    lambda ps, **k: scaleopt.LAMB(ps, lr=1e-2, weight_decay=0.1, **k),
+    lambda ps, **k: scaleopt.LANS(ps, lr=1e-2, **k),
+    lambda ps, **k: scaleopt.AdamW(ps, lr=1e-2, **k),
+    lambda ps, **k: scaleopt.OffloadAdam(ps, lr=1e-2) if not k else torch.optim.AdamW(
+        ps, lr=1e-2, weight_decay=0.0, foreach=False),
+], ids=["LAMB", "LANS", "AdamW", "OffloadAdam"])
+def test_views_the_kernels_cannot_take_get_the_reference_numbers(kind, make):
+    view = _views()[kind]
+    storage = view._base if view._base is not None else view
+    before = storage.clone()
+    p = nn.Parameter(view)  # shares the view's memory: only its own elements may change
+    q = nn.Parameter(view.detach().clone().contiguous())
+    opt, ref = make([p]), make([q], foreach=False)
+    for t in range(3):
+        g = torch.randn(view.shape, generator=torch.Generator().manual_seed(t))
+        p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+    torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
+    outside = torch.ones_like(storage, dtype=torch.bool)
+    if view._base is not None:
+        outside.view(-1)[[i for i in range(storage.numel())
+                          if i in _element_offsets(view, storage)]] = False
+        assert torch.equal(storage[outside], before[outside])  # nothing written outside
+
+
+def _element_offsets(view, storage):
+    idx = torch.arange(storage.numel()).view(storage.shape)
+    return set(torch.as_strided(idx.view(-1), view.shape, view.stride(),
+                                view.storage_offset() - storage.storage_offset()).flatten()
+               .tolist())

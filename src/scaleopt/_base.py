@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from . import _blocks
+from ._sharding import ShardSums, any_dtensor, local
 
 NameRule = Union[None, str, Sequence[str], Callable[[str], bool]]
 
@@ -256,7 +257,14 @@ class GroupGrads:
     #: a deferred group's scalars (None where nothing scales or the group is not deferred)
     scalars: Optional[GradScalars] = None
     deferred: bool = False
+    #: a deferred group's raw gradients' norms, where a clipping needs them
     norms: Optional[Tensor] = None
+    #: for sharded (DTensor) parameters, whose ``grads`` are the local shards: the
+    #: :class:`~scaleopt._sharding.ShardSums` that totals sums over their shards
+    shard_sums: Optional[ShardSums] = None
+    #: a sharded group's gradients' norms (whole tensors) as handed over, where a clipping
+    #: computed them
+    grad_norms: Optional[Tensor] = None
 
 
 class Intake(list):
@@ -479,6 +487,9 @@ class ScaleOptimizer(torch.optim.Optimizer):
             params.append(p)
             grads.append(p.grad if self.host is None else self.host.host_grad(p))
         item = GroupGrads(group, idx, params, grads)
+        if any_dtensor(params):  # from here on the local shards, norms totalled over them
+            item.shard_sums = ShardSums(params)
+            item.grads = grads = local(grads)
         clamp = group.get("clip_grad_value") if value_clip else None
         per_tensor = group.get("clip_grad_norm_per_tensor")
         norm_clip = per_tensor is not None or group.get("max_grad_norm") is not None
@@ -486,13 +497,25 @@ class ScaleOptimizer(torch.optim.Optimizer):
                          and not (clamp is not None and norm_clip))
         unscale = self._unscale(group)
         if item.deferred:
-            item.scalars, item.norms = _deferred_scalars(group, grads, unscale, clamp, defer)
+            item.scalars, item.norms = _deferred_scalars(group, grads, unscale, clamp, defer,
+                                                         item.shard_sums)
         elif grads:
             if group.get("maximize", False):
                 grads = torch._foreach_neg(grads)
             grads = _blocks.scale(grads, unscale)
             grads = _blocks.clip_by_value(grads, clamp)
-            item.grads = _blocks.clip_by_tensor_norm(grads, per_tensor)
+            if item.shard_sums is None:
+                item.grads = _blocks.clip_by_tensor_norm(grads, per_tensor)
+            elif norm_clip:  # whole-tensor norms: one reduction, shared with the global clip
+                norms = item.shard_sums.reduce(_blocks.sq_norms(grads), range(len(grads))).sqrt()
+                if per_tensor is not None:
+                    coefs = _blocks.clip_coef(norms, per_tensor)
+                    grads = torch._foreach_mul(grads, [c.to(g.dtype) for g, c in
+                                                       zip(grads, coefs.unbind(0))])
+                    norms = norms * coefs
+                item.grads, item.grad_norms = grads, norms
+            else:
+                item.grads = grads
         return item
 
     @staticmethod
@@ -508,7 +531,8 @@ class ScaleOptimizer(torch.optim.Optimizer):
 
 
 def _deferred_scalars(group: Dict[str, Any], grads: List[Tensor], unscale: float, clamp: Any,
-                      defer: Deferral) -> Tuple[Optional[GradScalars], Optional[Tensor]]:
+                      defer: Deferral, shard_sums: Optional[ShardSums] = None,
+                      ) -> Tuple[Optional[GradScalars], Optional[Tensor]]:
     """A deferred group's scalars before global clipping (None when all multipliers are 1 and
     nothing clips), and the raw gradients' norms where a clipping needs them."""
     base = (-1.0 if group.get("maximize", False) else 1.0) * unscale
@@ -518,6 +542,9 @@ def _deferred_scalars(group: Dict[str, Any], grads: List[Tensor], unscale: float
     sums = norms = None
     if per_tensor is not None or global_clip is not None:
         sums = defer.sums_of_squares(grads)
+        if shard_sums is not None:  # over the whole tensors
+            local_sums = _blocks.sq_norms(grads).double() if sums is None else sums
+            sums = shard_sums.reduce(local_sums, range(len(grads)))
         norms = _blocks.norms(grads) if sums is None else sums.sqrt().to(torch.float32)
     mults = [base] * len(grads)
     if per_tensor is not None:
@@ -530,9 +557,11 @@ def _clip_by_global_norm(staged: List[GroupGrads]) -> Tensor:
     """``max_grad_norm``: scale the gradients of the groups that set it by ``c / max(||g||,
     c)``, ``||g||`` (returned) over every gradient of every group (deferred ones: into their
     scalars)."""
-    total = _blocks.global_norm([t for s in staged if not s.deferred for t in s.grads])
+    total = _blocks.global_norm([t for s in staged if not s.deferred and s.grad_norms is None
+                                 for t in s.grads])
     scaled = [(s.norms * torch.tensor(s.scalars.mults, dtype=s.norms.dtype).abs()).square().sum()
               for s in staged if s.deferred and s.norms is not None]
+    scaled += [s.grad_norms.square().sum() for s in staged if s.grad_norms is not None]
     if scaled:
         total = (total.square() + torch.stack(scaled).sum().to(total.device)).sqrt()
     for s in staged:
@@ -544,6 +573,8 @@ def _clip_by_global_norm(staged: List[GroupGrads]) -> Tensor:
             s.scalars = s.scalars._replace(mults=[m * c for m in s.scalars.mults])
         else:
             s.grads = _blocks.scale(s.grads, coef)
+            if s.grad_norms is not None:
+                s.grad_norms = s.grad_norms * coef
     return total
 
 

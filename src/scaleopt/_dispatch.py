@@ -35,23 +35,23 @@ def implementation(group: Dict[str, Any], params: Sequence[Tensor], *, kernels: 
                    on_host: bool = False, tensors: Optional[KernelTensors] = None) -> Impl:
     """The implementation of a group's update.
 
-    ``foreach=True``/``False`` (the group's option) asks for ``MULTI``/``SINGLE``. With
+    Sharded (DTensor) parameters take ``MULTI``, on their local shards (whatever ``foreach``
+    says). Otherwise ``foreach=True``/``False`` (the group's option) asks for ``MULTI``/``SINGLE``. With
     ``foreach=None``: ``NATIVE`` for an optimizer with ``kernels`` when they are built, the
     update runs in host memory (CPU parameters, or ``on_host``: an offloaded optimizer) and,
     when ``tensors`` are given, the kernels take every one of them (:func:`_native.applies`:
     contiguous float32 weights, or bfloat16 ones with master weights); without ``tensors`` the
     answer says whether the kernels may take the group (before its state exists). Otherwise
     ``MULTI`` on accelerators, where it saves kernel launches, and ``SINGLE`` on the CPU, where
-    torch's foreach ops are a loop themselves. Sharded (DTensor) parameters take ``MULTI`` on
-    their local shards. Sparse layouts always take ``SINGLE``.
+    torch's foreach ops are a loop themselves. Sparse layouts always take ``SINGLE``.
     """
     if not all(p.layout == torch.strided for p in params):
         return Impl.SINGLE
+    if any_dtensor(params):  # on the local shards, the norms totalled in one reduction
+        return Impl.MULTI
     foreach = group.get("foreach")
     if foreach is not None:
         return Impl.MULTI if foreach else Impl.SINGLE
-    if any_dtensor(params):  # on the local shards, the norms totalled in one reduction
-        return Impl.MULTI
     if (kernels and _native.available()
             and (on_host or all(p.device.type == "cpu" for p in params))
             and (tensors is None or _native.applies(*tensors))):

@@ -38,6 +38,7 @@ from torch import Tensor
 from . import _native
 from ._base import check_bool
 from ._masters import Storage, plain
+from ._sharding import is_dtensor
 
 
 def on_host(p: Tensor) -> bool:
@@ -109,6 +110,8 @@ class HostPipeline:
         return Storage.COPY
 
     def new_copy(self, p: Tensor) -> Tensor:
+        if is_dtensor(p):  # a host shard: its master is a DTensor laid out alike
+            return p.detach().to(torch.float32, copy=True)
         master = host_empty(p, torch.float32)
         master.copy_(p.detach())
         return master
@@ -136,6 +139,8 @@ class HostPipeline:
         return buf
 
     def load_float32(self, p: Tensor, value: Tensor) -> Tensor:
+        if is_dtensor(value):
+            return value.detach().to(torch.float32, copy=True)
         t = host_empty(p, torch.float32)
         t.copy_(value.detach().reshape(p.shape))
         return t
@@ -241,6 +246,12 @@ def attach_host(optimizer: Any, *, overlap: bool = True,
     """Put ``optimizer`` (a scaleopt optimizer with master weights) on a new host pipeline: its
     gradients are read from host copies, its masters live in host memory, and its parameters
     are written from there."""
+    for group in optimizer.param_groups:
+        if any(is_dtensor(p) and not on_host(p) for p in group["params"]):
+            raise NotImplementedError(
+                "offloading sharded (DTensor) parameters that live on an accelerator is not "
+                "supported: with FSDP2, CPUOffloadPolicy keeps the shards, their gradients and "
+                "the optimizer step on the host, where OffloadAdam and offload() run on them")
     pipeline = HostPipeline(optimizer, overlap=overlap, num_threads=num_threads)
     optimizer.host = pipeline
     optimizer._master_weights.placement = pipeline

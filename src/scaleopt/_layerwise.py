@@ -12,7 +12,7 @@ from . import _native
 from ._base import (Deferral, GradScalars, ScaleOptimizer, apply_grad_scalars, check_bool,
                     check_number)
 from ._dispatch import Impl, implementation
-from ._sharding import ShardSums, any_dtensor, local
+from ._sharding import local
 from ._masters import LOW_PRECISION, LocalPlacement, MasterView, MasterWeights
 
 def pick(xs: Sequence[Tensor], idx: Sequence[int]) -> List[Tensor]:
@@ -144,9 +144,10 @@ class LayerwiseAdam(ScaleOptimizer):
                 grads = apply_grad_scalars(item.grads, item.scalars)
                 with self._master_weights.as_float32(view) as full:
                     grads = [g if g.dtype == w.dtype else g.to(w.dtype) for g, w in zip(grads, full)]
-                    if impl is Impl.MULTI and any_dtensor(params):  # on the local shards
-                        self._update(group, local(full), local(grads), local(ms), local(vs),
-                                     steps, layer, impl, shard_sums=ShardSums(params))
+                    if impl is Impl.MULTI and item.shard_sums is not None:  # local shards
+                        self._update(group, local(full), grads, local(ms), local(vs), steps,
+                                     layer, impl, shard_sums=item.shard_sums,
+                                     grad_norms=item.grad_norms)
                     else:
                         self._update(group, full, grads, ms, vs, steps, layer, impl)
             self._master_weights.commit(view, rounded_written=impl is Impl.NATIVE)
@@ -170,10 +171,11 @@ class LayerwiseAdam(ScaleOptimizer):
                 exp_avgs: List[Tensor], exp_avg_sqs: List[Tensor], steps: List[Tensor],
                 layer: Tuple[List[float], List[float], List[bool]], impl: Impl,
                 low: Optional[List[Optional[Tensor]]] = None,
-                scalars: Optional[GradScalars] = None, shard_sums: Any = None) -> None:
+                scalars: Optional[GradScalars] = None, shard_sums: Any = None,
+                grad_norms: Optional[Tensor] = None) -> None:
         """One group's update by ``impl``: ``layer`` holds the per-tensor learning rates, weight
         decays and adaptation flags; for ``NATIVE``, ``low[i]`` is the split master's lower
         half or where the rounded weights of master ``params[i]`` go (or None), and
         ``scalars`` the gradients' deferred scalars; on local shards, ``shard_sums`` totals
-        their norms."""
+        their norms, and ``grad_norms`` are the gradients' (whole) norms where known."""
         raise NotImplementedError

@@ -9,6 +9,7 @@ from torch import Tensor
 from torch.optim.adamw import adamw as _torch_adamw
 
 from . import _blocks
+from ._sharding import local
 from ._base import (
     NameRule,
     ScaleOptimizer,
@@ -174,6 +175,9 @@ class AdamW(ScaleOptimizer):
             if fused is None:
                 fused = group["foreach"] is not True and fused_supported(params)
             lists = self._init_group(group, idx, params, grads, fused)
+            if item.shard_sums is not None:  # sharded: on the local shards (grads already are)
+                lists = {k: (local(ps), gs, *(local(xs) for xs in rest))
+                         for k, (ps, gs, *rest) in lists.items()}
             beta1, beta2 = group["betas"]
             for decayed, (ps, gs, ms, vs, maxs, steps) in lists.items():
                 # torch's foreach path needs its tensor-scalar form under torch.compile

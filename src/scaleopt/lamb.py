@@ -149,7 +149,7 @@ class LAMB(LayerwiseAdam):
         check_choice(self._arg("weight_decay_mode"), group["weight_decay_mode"], WEIGHT_DECAY_MODES)
 
     def _update(self, group, params, grads, exp_avgs, exp_avg_sqs, steps, layer, impl, low=None,
-                scalars=None, shard_sums=None) -> None:
+                scalars=None, shard_sums=None, grad_norms=None) -> None:
         lrs, wds, adapt = layer
         lamb(params, grads, exp_avgs, exp_avg_sqs, steps, lrs=lrs, weight_decays=wds, adapt=adapt,
              weight_decay_mode=group["weight_decay_mode"], implementation=impl,

@@ -130,12 +130,12 @@ class LANS(LayerwiseAdam):
         check_bool(self._arg("decay_moved_weight"), group["decay_moved_weight"])
 
     def _update(self, group, params, grads, exp_avgs, exp_avg_sqs, steps, layer, impl, low=None,
-                scalars=None, shard_sums=None) -> None:
+                scalars=None, shard_sums=None, grad_norms=None) -> None:
         lrs, wds, adapt = layer
         lans(params, grads, exp_avgs, exp_avg_sqs, steps, lrs=lrs, weight_decays=wds, adapt=adapt,
              clip_grad_value=group["clip_grad_value"],
              decay_moved_weight=group["decay_moved_weight"], implementation=impl,
-             low=low, grad_scalars=scalars, shard_sums=shard_sums,
+             low=low, grad_scalars=scalars, shard_sums=shard_sums, grad_norms=grad_norms,
              **self._functional_options(group))
 
 def lans(
@@ -161,10 +161,12 @@ def lans(
     low: Optional[List[Optional[Tensor]]] = None,
     grad_scalars: Optional[GradScalars] = None,
     shard_sums: Any = None,
+    grad_norms: Optional[Tensor] = None,
 ) -> None:
     """Functional LANS over lists of tensors; see :class:`LANS`. ``grads`` are read only.
     ``implementation``, ``low``, ``grad_scalars`` and ``shard_sums`` as in
-    :func:`scaleopt.lamb.lamb`; the
+    :func:`scaleopt.lamb.lamb`; ``grad_norms``, when known (multi-tensor path), are the
+    gradients' norms, not computed again; the
     scalars' ``sq_sums``, when given, are the gradients' sums of squares, which the native
     implementation then does not compute again."""
     impl = resolve(implementation, foreach)
@@ -178,6 +180,8 @@ def lans(
                      grad_sq_sums=None if grad_scalars is None else grad_scalars.sq_sums,
                      **options)
         return
+    if impl is Impl.MULTI:
+        options["grad_norms"] = grad_norms
     run_torch_path(impl, _multi_tensor_lans, _single_tensor_lans, params, grads, exp_avgs,
                    exp_avg_sqs, state_steps, grad_scalars=grad_scalars, shard_sums=shard_sums,
                    **options)
@@ -222,14 +226,17 @@ def _single_tensor_lans(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lr
 
 def _multi_tensor_lans(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs, weight_decays,
                        adapt, beta1, beta2, eps, bias_correction, lower_bound, upper_bound,
-                       clip_grad_value, decay_moved_weight, shard_sums=None) -> None:
+                       clip_grad_value, decay_moved_weight, shard_sums=None,
+                       grad_norms=None) -> None:
     """The fast path: the same algorithm as a few multi-tensor kernels per group. On local
     shards, ``shard_sums`` (:class:`scaleopt._sharding.ShardSums`) totals the norms: the
     gradients' in one reduction, the weights' and both parts' in another."""
     if not params:
         return
     torch._foreach_add_(state_steps, 1)
-    if shard_sums is None:
+    if grad_norms is not None:
+        g_norms = grad_norms
+    elif shard_sums is None:
         g_norms = _blocks.norms(grads)
     else:
         g_norms = shard_sums.reduce(_blocks.sq_norms(grads), range(len(grads))).sqrt()

@@ -7,7 +7,6 @@ from typing import Any, Dict, Optional
 import torch
 
 from . import _blocks
-from ._dispatch import Impl, implementation
 from ._base import (
     NameRule,
     ScaleOptimizer,
@@ -15,6 +14,8 @@ from ._base import (
     check_choice,
     check_number,
 )
+from ._dispatch import Impl, implementation
+from ._sharding import local
 
 __all__ = ["Momentum"]
 
@@ -108,6 +109,9 @@ class Momentum(ScaleOptimizer):
                 bufs.append(state["momentum_buffer"])
             no_decay = self._rule_flags(group, "exclude_from_weight_decay")
             decay = [not no_decay[i] for i in idx]
+            foreach = implementation(group, params, kernels=False) is Impl.MULTI
+            if item.shard_sums is not None:  # sharded: on the local shards (grads already are)
+                params, bufs = local(params), local(bufs)
             momentum_sgd(
                 params,
                 grads,
@@ -118,7 +122,7 @@ class Momentum(ScaleOptimizer):
                 nesterov=group["nesterov"],
                 weight_decay=group["weight_decay"],
                 weight_decay_mode=group["weight_decay_mode"],
-                foreach=implementation(group, params, kernels=False) is Impl.MULTI,
+                foreach=foreach,
             )
         return loss
 

@@ -31,6 +31,7 @@ from ._base import (
 from ._host import HostPipeline, attach_host, check_num_threads
 from ._layerwise import LayerwiseAdam
 from ._masters import LocalPlacement, MasterWeights
+from ._sharding import is_dtensor, local
 
 __all__ = ["OffloadAdam", "HostPipeline", "offload"]
 
@@ -194,11 +195,11 @@ class OffloadAdam(ScaleOptimizer):
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
         elif state["step"].dtype != torch.float32 or state["step"].device.type != "cpu":
             state["step"] = state["step"].to("cpu", torch.float32)  # e.g. from a fused CUDA Adam
-        if "exp_avg" not in state:
-            for key in ("exp_avg", "exp_avg_sq"):
-                state[key] = torch.zeros(p.shape, dtype=dtype)
-        if amsgrad and "max_exp_avg_sq" not in state:
-            state["max_exp_avg_sq"] = torch.zeros(p.shape, dtype=dtype)
+        keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
+        for key in keys:
+            if key not in state:  # a DTensor's (host) state is laid out as the DTensor
+                state[key] = (torch.zeros_like(p, dtype=dtype) if is_dtensor(p)
+                              else torch.zeros(p.shape, dtype=dtype))
         return state
 
     def _step_scalars(self, group: Dict[str, Any], step: float) -> Tuple[float, float]:
@@ -228,26 +229,27 @@ class OffloadAdam(ScaleOptimizer):
         states = [self._state(p, group["amsgrad"]) for p in params]
         decays = [0.0 if no_decay[i] else group["weight_decay"] for i in idx]
         step_scalars = self._steps_scalars(group, states)
-        low = view.kernel_low()
-        fast = [k for k, (g, st) in enumerate(zip(grads, states))
-                if not group["amsgrad"] and _native.adam_applies(
-                    view.weights[k], g, st["exp_avg"], st["exp_avg_sq"], low[k])]
+        # sharded parameters: the local shards (the gradients already are)
+        weights, low = local(view.weights), local(view.kernel_low())
+        ms, vs, vmaxes = (local([st.get(key) for st in states])
+                          for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"))
+        fast = [k for k, g in enumerate(grads) if not group["amsgrad"]
+                and _native.adam_applies(weights[k], g, ms[k], vs[k], low[k])]
         slow = [k for k in range(len(params)) if k not in set(fast)]
         with self._master_weights.as_float32(view.subset(slow)) as masters:
-            for k, master in zip(slow, masters):
-                st = states[k]
-                st["step"] += 1
+            for k, master in zip(slow, local(masters)):
+                states[k]["step"] += 1
                 g = grads[k].to(torch.float32) if grads[k].dtype != master.dtype else grads[k]
-                _adam_reference(master, g * mults[k] if mults[k] != 1.0 else g, st["exp_avg"],
-                                st["exp_avg_sq"], st.get("max_exp_avg_sq"), lr=group["lr"],
+                _adam_reference(master, g * mults[k] if mults[k] != 1.0 else g, ms[k], vs[k],
+                                vmaxes[k], lr=group["lr"],
                                 beta1=beta1, beta2=beta2, one_minus_betas=one_minus_betas,
                                 step_size=step_scalars[k][0], bc2_sqrt=step_scalars[k][1],
                                 eps=group["eps"], weight_decay=decays[k],
                                 decoupled=group["decoupled"], nesterov=group["nesterov"])
         decoupled, lr = group["decoupled"], group["lr"]
         _native.adam(
-            [view.weights[k] for k in fast], [grads[k] for k in fast],
-            [states[k]["exp_avg"] for k in fast], [states[k]["exp_avg_sq"] for k in fast],
+            [weights[k] for k in fast], [grads[k] for k in fast],
+            [ms[k] for k in fast], [vs[k] for k in fast],
             [low[k] for k in fast], [states[k]["step"] for k in fast],
             step_sizes=[step_scalars[k][0] for k in fast],
             bias_correction2_sqrts=[step_scalars[k][1] for k in fast],

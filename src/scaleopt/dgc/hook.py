@@ -19,7 +19,9 @@ import torch.distributed as dist
 from torch import nn
 
 from . import comm
-from .optimizer import dgc_updates, finish_telemetry, local_gradients, new_telemetry
+from .._sharding import any_dtensor
+from .optimizer import (SHARDED_ERROR, dgc_updates, finish_telemetry, local_gradients,
+                        new_telemetry)
 from .schedule import PAPER_SPARSITY
 
 
@@ -35,6 +37,8 @@ class DGCHookState:
                  process_group: Optional[Any] = None) -> None:
         if isinstance(model, nn.parallel.DistributedDataParallel):
             model = model.module
+        if model is not None and any_dtensor(list(model.parameters())):
+            raise TypeError(SHARDED_ERROR)
         self.model: Optional[nn.Module] = model
         self.process_group = process_group
         self.options = dict(momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,

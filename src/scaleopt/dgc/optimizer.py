@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from .._base import ScaleOptimizer, check_bool, check_choice, check_number
+from .._sharding import any_dtensor
 from . import comm, select
 from .schedule import PAPER_SPARSITY, sparsity_at
 
@@ -135,6 +136,8 @@ class DGCMomentum(ScaleOptimizer):
         self._world_at_init = comm.world_of(process_group)
 
     def _validate_group(self, group: Dict[str, Any]) -> None:
+        if any_dtensor(group["params"]):
+            raise TypeError(SHARDED_ERROR)
         check_number("lr", group["lr"])
         check_number("momentum", group["momentum"], low=0.0, high=1.0, high_open=True)
         check_bool("nesterov", group["nesterov"])
@@ -246,7 +249,13 @@ def _is_dense(opts, world: int, numel: int, k: int, vbytes: int, ibytes: int) ->
     return (world - 1) * k * (vbytes + ibytes) >= 2 * (world - 1) / world * numel * vbytes
 
 
-@torch.compiler.disable  # selection and communication: host logic, nothing to trace
+SHARDED_ERROR = (
+    "DGC compresses the gradient exchange of replicated data parallelism (DDP: every rank holds "
+    "every parameter and all-reduces the gradients); it is not for sharded (FSDP2 / DTensor) "
+    "parameters, whose gradients are reduce-scattered. Use DGC with DDP, or LAMB / LANS / AdamW "
+    "with FSDP2.")
+
+
 def local_gradients(grads: List[Tensor], params: List[Tensor], options: Dict[str, Any],
                     world: int, clip_mode: str = "tensor") -> List[Tensor]:
     """Paddle's local gradients: the decay added (``weight_decay * w`` for ``"l2"``,
@@ -315,6 +324,7 @@ def _momentum_and_selection(grads, states, sparse, opts, generator):
     return indices, values
 
 
+@torch.compiler.disable  # selection and communication: host logic, nothing to trace
 def dgc_updates(grads: List[Tensor], states: List[Dict[str, Tensor]], opts: Dict[str, Any],
                 step: int, world: int, process_group, value_dtype, generator,
                 tel: Dict[str, float]) -> List[Tensor]:
