@@ -27,6 +27,8 @@ OPTIMIZERS = {
                                                    max_grad_norm=0.05),
     "offload(LAMB)": lambda ps: scaleopt.offload(scaleopt.LAMB, ps, lr=1e-2, max_grad_norm=0.05),
     "offload(LANS)": lambda ps: scaleopt.offload(scaleopt.LANS, ps, lr=1e-2),
+    "LAMB(bf16, master_weights)": lambda ps: scaleopt.LAMB(ps, lr=1e-2, master_weights=True),
+    "LANS(bf16, master_weights)": lambda ps: scaleopt.LANS(ps, lr=1e-2, master_weights=True),
     "LANS(clipping)": lambda ps: scaleopt.LANS(ps, lr=1e-2, max_grad_norm=0.05,
                                                clip_grad_norm_per_tensor=0.03),
     "AdamW": lambda ps: scaleopt.AdamW(ps, lr=1e-2, exclude_from_weight_decay="bias"),
@@ -37,10 +39,13 @@ OPTIMIZERS = {
 }
 
 
-def model_of(seed=0):
-    """63 rows (uneven over 2 and 3 ranks) and a 2-element bias (an empty shard over 3)."""
+def model_of(name="", seed=0):
+    """63 rows (uneven over 2 and 3 ranks) and a 2-element bias (an empty shard over 3);
+    bfloat16 for a configuration named so."""
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(8, 63), nn.Tanh(), nn.LayerNorm(63), nn.Linear(63, 2))
+    model = nn.Sequential(nn.Linear(8, 63), nn.Tanh(), nn.LayerNorm(63), nn.Linear(63, 2))
+    model.name = name
+    return model.to(torch.bfloat16) if "bf16" in name else model
 
 
 def batch(t, n=24):
@@ -49,18 +54,42 @@ def batch(t, n=24):
 
 
 def loss_of(model, x, y):
-    return (model(x) - y).square().mean()
+    dtype = next(model.parameters()).dtype
+    return (model(x.to(dtype)) - y.to(dtype)).float().square().mean()
+
+
+def given_grads(model, t):
+    """Gradients drawn for step ``t``, the same full tensors everywhere (for bfloat16 models,
+    whose backward in one process and in shards round differently)."""
+    g = torch.Generator().manual_seed(2000 + t)
+    return [torch.randn(p.shape, generator=g).to(p.dtype) for p in model.parameters()]
+
+
+def backward(model, t, rank=0, world=1, sharded=False):
+    """Step ``t``'s gradients: from each rank's slice of the batch (float32 models), or given."""
+    if "bf16" in model.name:
+        for p, g in zip(model.parameters(), given_grads(model, t)):
+            if sharded:
+                from torch.distributed.tensor import distribute_tensor
+
+                g = distribute_tensor(g, p.device_mesh, p.placements)
+            p.grad = g
+        return
+    x, y = batch(t)
+    per = x.shape[0] // world
+    loss_of(model, x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]).backward()
 
 
 def train_reference(name, steps):
     """The optimizer in one process on the full tensors and the full batch."""
-    model = model_of()
+    model = model_of(name)
     opt = OPTIMIZERS[name](list(model.named_parameters()))
     for t in range(steps):
         opt.zero_grad()
-        loss_of(model, *batch(t)).backward()
+        backward(model, t)
         opt.step()
-    return [p.detach().clone() for p in model.parameters()]
+    return [p.detach().clone() for p in model.parameters()], (
+        [opt.master(p).clone() for p in model.parameters()] if hasattr(opt, "master") else [])
 
 
 def shard(model):
@@ -78,15 +107,15 @@ def train_sharded(rank, world, tmp, names, steps):
     parameters after ``steps`` steps."""
     out = {}
     for name in names:
-        model = shard(model_of())
+        model = shard(model_of(name))
         opt = OPTIMIZERS[name](list(model.named_parameters()))
         for t in range(steps):
             opt.zero_grad()
-            x, y = batch(t)
-            per = x.shape[0] // world
-            loss_of(model, x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]).backward()
+            backward(model, t, rank, world, sharded=True)
             opt.step()
         out[name] = [p.full_tensor().detach().clone() for p in model.parameters()]
+        out[name + " masters"] = [opt.master(p).full_tensor().clone()
+                                  for p in model.parameters()] if hasattr(opt, "master") else []
     return out if rank == 0 else None
 
 
@@ -94,7 +123,14 @@ def count_collectives(rank, world, tmp, name):
     """The collectives of one step (after a first one, which makes the state)."""
     from torch.distributed.tensor.debug import CommDebugMode
 
-    model = shard(model_of())
+    from scaleopt import _native
+
+    ran = []
+    real = _native._run_layerwise
+    _native._run_layerwise = lambda name, *a, **k: (ran.append((name, "shard_sums" in k and
+                                                                k["shard_sums"] is not None)),
+                                                    real(name, *a, **k))
+    model = shard(model_of(name))
     opt = OPTIMIZERS[name](list(model.named_parameters()))
     counts = []
     for t in range(2):
@@ -105,7 +141,7 @@ def count_collectives(rank, world, tmp, name):
             opt.step()
         counts.append({str(k): v for k, v in mode.get_comm_counts().items()})
     dist.barrier()
-    return counts if rank == 0 else None
+    return (counts, sorted(set(ran))) if rank == 0 else None
 
 
 def dgc_refuses_sharded(rank, world, tmp):

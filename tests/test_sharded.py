@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import scaleopt
+from scaleopt import _native
 import dgc_workers as W
 import sharded_workers as S
 
@@ -25,16 +26,25 @@ def test_every_optimizer_on_fsdp2_equals_one_process(world, references, tmp_path
     (got,) = [r for r in W.run_workers(S.train_sharded, world, tmp_path, NAMES, 4, timeout=180)
               if r is not None]
     for name in NAMES:
-        for a, b in zip(got[name], references[name]):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+        weights, masters = references[name]
+        # bfloat16 weights (given gradients): the float32 masters agree to round-off, the
+        # weights within one rounding (a master on a rounding boundary may round either way)
+        rtol, atol = (1e-2, 1e-2) if "bf16" in name else (1e-5, 1e-6)
+        for a, b in zip(got[name], weights):
+            torch.testing.assert_close(a.float(), b.float(), rtol=rtol, atol=atol, msg=name)
+        for a, b in zip(got[name + " masters"], masters):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name + " masters")
 
 
 @pytest.mark.parametrize("name, most", [("LAMB", 1), ("LANS", 2), ("LAMB(clipping)", 2),
                                         ("LANS(clipping)", 2), ("OffloadAdam", 1)])
 def test_one_reduction_of_all_norms_per_step(name, most, tmp_path):
-    counts = W.run_workers(S.count_collectives, 2, tmp_path, name, timeout=60)[0]
+    counts, kernels = W.run_workers(S.count_collectives, 2, tmp_path, name, timeout=60)[0]
     for step in counts:
         assert sum(step.values()) <= most, step
+    if _native.available() and name in ("LAMB", "LANS", "LANS(clipping)"):
+        # the fused kernels on the local shards, the sums totalled between their two passes
+        assert kernels == [(name[:4].lower(), True)]
 
 
 def test_dgc_refuses_sharded_parameters_with_a_reason(tmp_path):

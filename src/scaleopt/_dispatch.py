@@ -35,27 +35,30 @@ def implementation(group: Dict[str, Any], params: Sequence[Tensor], *, kernels: 
                    on_host: bool = False, tensors: Optional[KernelTensors] = None) -> Impl:
     """The implementation of a group's update.
 
-    Sharded (DTensor) parameters take ``MULTI``, on their local shards (whatever ``foreach``
-    says). Otherwise ``foreach=True``/``False`` (the group's option) asks for ``MULTI``/``SINGLE``. With
+    ``foreach=True``/``False`` (the group's option) asks for ``MULTI``/``SINGLE``. With
     ``foreach=None``: ``NATIVE`` for an optimizer with ``kernels`` when they are built, the
     update runs in host memory (CPU parameters, or ``on_host``: an offloaded optimizer) and,
     when ``tensors`` are given, the kernels take every one of them (:func:`_native.applies`:
     contiguous float32 weights, or bfloat16 ones with master weights); without ``tensors`` the
     answer says whether the kernels may take the group (before its state exists). Otherwise
     ``MULTI`` on accelerators, where it saves kernel launches, and ``SINGLE`` on the CPU, where
-    torch's foreach ops are a loop themselves. Sparse layouts always take ``SINGLE``.
+    torch's foreach ops are a loop themselves. Sharded (DTensor) parameters run on their local
+    shards (``tensors`` are those), ``NATIVE`` as above or else ``MULTI`` (also for
+    ``foreach=False``: there is no per-tensor loop over shards). Sparse layouts always take
+    ``SINGLE``.
     """
     if not all(p.layout == torch.strided for p in params):
         return Impl.SINGLE
-    if any_dtensor(params):  # on the local shards, the norms totalled in one reduction
-        return Impl.MULTI
+    sharded = any_dtensor(params)
     foreach = group.get("foreach")
-    if foreach is not None:
+    if foreach is not None and not sharded:
         return Impl.MULTI if foreach else Impl.SINGLE
-    if (kernels and _native.available()
+    if (foreach is None and kernels and _native.available()
             and (on_host or all(p.device.type == "cpu" for p in params))
             and (tensors is None or _native.applies(*tensors))):
         return Impl.NATIVE
+    if sharded:  # on the local shards, the norms totalled in one reduction
+        return Impl.MULTI
     return Impl.MULTI if all(p.device.type != "cpu" for p in params) else Impl.SINGLE
 
 

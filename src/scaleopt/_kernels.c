@@ -538,36 +538,63 @@ static double trust_ratio(double w2, double u2, const LayerwiseConfig *cfg) {
 
 /* Per tensor: its step counter (a float32 scalar) is incremented and the bias corrections
  * computed from it in double, as the Python side does (1 - beta^t, (1 - beta2^t) ** 0.5). */
-static void bias_corrections(float *step, const LayerwiseConfig *cfg, double *bc1,
+static void bias_corrections(float *step, int advance, const LayerwiseConfig *cfg, double *bc1,
                              double *bc2_sqrt) {
-    *step += 1.0f;
+    if (advance) *step += 1.0f;
     double t = (double)*step;
     *bc1 = cfg->bias_correction ? 1.0 - pow(cfg->beta1, t) : 1.0;
     *bc2_sqrt = cfg->bias_correction ? pow(1.0 - pow(cfg->beta2, t), 0.5) : 1.0;
 }
 
-void lamb_multi(const LayerwiseTensor *ts, int64_t count, const LayerwiseConfig *cfg) {
-    double sums[2];
-    for (int64_t t = 0; t < count; t++) {
-        const LayerwiseTensor *x = &ts[t];
-        double bc1, bc2_sqrt;
-        bias_corrections(x->step, cfg, &bc1, &bc2_sqrt);
-        const int split = (x->kind & 2) != 0;
-        const float decay = (float)(1.0 - x->lr * x->wd);
-        uint16_t *lo = split ? x->low : NULL;
-#define CALL_LAMB_PHASE1(FN, GT)                                                                    \
+/* Each multi-tensor update runs per tensor as sums (phase 1: the step counter advanced, the
+ * moments updated, the sums the trust ratios need) and apply (phase 2: the weights). The *_multi
+ * functions run both on one tensor after the other (the second pass finds the first one's data
+ * in the caches); *_multi_sums and *_multi_apply run each over all tensors, so that the sums of
+ * sharded tensors' local pieces can be totalled (one all-reduce) in between. */
+
+static void lamb_sums(const LayerwiseTensor *x, const LayerwiseConfig *cfg, double *sums) {
+    double bc1, bc2_sqrt;
+    bias_corrections(x->step, 1, cfg, &bc1, &bc2_sqrt);
+    const float decay = (float)(1.0 - x->lr * x->wd);
+    uint16_t *lo = (x->kind & 2) ? x->low : NULL;
+#define CALL_LAMB_PHASE1(FN, GT)                                                               \
     FN(x->w, lo, (const GT *)x->g, x->gmul, cfg->clip, cfg->clip_lo, cfg->clip_hi, x->m, x->v, \
        x->n, (float)cfg->beta1, (float)cfg->beta2, (float)bc1, (float)bc2_sqrt, cfg->eps,      \
        (float)x->wd, cfg->mode, decay, sums, cfg->nthreads)
-        if (x->kind & 1)
-            CALL_LAMB_PHASE1(lamb_phase1_bf16g, uint16_t);
-        else
-            CALL_LAMB_PHASE1(lamb_phase1, float);
+    if (x->kind & 1)
+        CALL_LAMB_PHASE1(lamb_phase1_bf16g, uint16_t);
+    else
+        CALL_LAMB_PHASE1(lamb_phase1, float);
 #undef CALL_LAMB_PHASE1
-        double ratio = x->adapt ? trust_ratio(sums[0], sums[1], cfg) : 1.0;
-        lamb_phase2(x->w, x->m, x->v, x->n, (float)bc1, (float)bc2_sqrt, cfg->eps, (float)x->wd,
-                    cfg->mode, decay, (float)x->lr, (float)ratio, x->low, split, cfg->nthreads);
+}
+
+static void lamb_apply(const LayerwiseTensor *x, const LayerwiseConfig *cfg, const double *sums) {
+    double bc1, bc2_sqrt;
+    bias_corrections(x->step, 0, cfg, &bc1, &bc2_sqrt);
+    const float decay = (float)(1.0 - x->lr * x->wd);
+    const double ratio = x->adapt ? trust_ratio(sums[0], sums[1], cfg) : 1.0;
+    lamb_phase2(x->w, x->m, x->v, x->n, (float)bc1, (float)bc2_sqrt, cfg->eps, (float)x->wd,
+                cfg->mode, decay, (float)x->lr, (float)ratio, x->low, (x->kind & 2) != 0,
+                cfg->nthreads);
+}
+
+void lamb_multi(const LayerwiseTensor *ts, int64_t count, const LayerwiseConfig *cfg) {
+    double sums[2];
+    for (int64_t t = 0; t < count; t++) {
+        lamb_sums(&ts[t], cfg, sums);
+        lamb_apply(&ts[t], cfg, sums);
     }
+}
+
+/* sums[2t], sums[2t + 1]: ||w||^2 and ||u||^2 of tensor t (of its local piece). */
+void lamb_multi_sums(const LayerwiseTensor *ts, int64_t count, const LayerwiseConfig *cfg,
+                     double *sums) {
+    for (int64_t t = 0; t < count; t++) lamb_sums(&ts[t], cfg, sums + 2 * t);
+}
+
+void lamb_multi_apply(const LayerwiseTensor *ts, int64_t count, const LayerwiseConfig *cfg,
+                      const double *sums) {
+    for (int64_t t = 0; t < count; t++) lamb_apply(&ts[t], cfg, sums + 2 * t);
 }
 
 /* LANS's gradient norm: x->gsq when given (>= 0: already computed by the same sum_squares, for
@@ -578,46 +605,74 @@ static double grad_sum_squares(const LayerwiseTensor *x, int nthreads) {
                          : sum_squares((const float *)x->g, x->n, nthreads);
 }
 
-void lans_multi(const LayerwiseTensor *ts, int64_t count, const LayerwiseConfig *cfg) {
-    double sums[4];
-    for (int64_t t = 0; t < count; t++) {
-        const LayerwiseTensor *x = &ts[t];
-        double bc1, bc2_sqrt;
-        bias_corrections(x->step, cfg, &bc1, &bc2_sqrt);
-        const int split = (x->kind & 2) != 0;
-        uint16_t *lo = split ? x->low : NULL;
-        /* the normalised gradient of g * gm is sign(gm) * g / ||g||: gm goes into ginv */
-        const double gm = (double)x->gmul;
-        const double gnorm = fabs(gm) * sqrt(grad_sum_squares(x, cfg->nthreads));
-        const float ginv = (float)(gnorm > 0.0 ? gm / gnorm : 0.0);
-#define CALL_LANS_PHASE1(FN, GT)                                                                    \
+/* The normalised gradient of g * gm is sign(gm) * g / ||g||: gm goes into this factor. */
+static float lans_ginv(const LayerwiseTensor *x, const LayerwiseConfig *cfg) {
+    const double gm = (double)x->gmul;
+    const double gnorm = fabs(gm) * sqrt(grad_sum_squares(x, cfg->nthreads));
+    return (float)(gnorm > 0.0 ? gm / gnorm : 0.0);
+}
+
+static void lans_sums(const LayerwiseTensor *x, const LayerwiseConfig *cfg, float ginv,
+                      double *sums) {
+    double bc1, bc2_sqrt;
+    bias_corrections(x->step, 1, cfg, &bc1, &bc2_sqrt);
+    uint16_t *lo = (x->kind & 2) ? x->low : NULL;
+#define CALL_LANS_PHASE1(FN, GT)                                                               \
     FN(x->w, lo, (const GT *)x->g, x->m, x->v, x->n, ginv, cfg->clip_lo, cfg->clip_hi,         \
        cfg->clip, (float)cfg->beta1, (float)cfg->beta2, (float)bc1, (float)bc2_sqrt, cfg->eps, \
        (float)x->wd, sums, cfg->nthreads)
-        if (x->kind & 1)
-            CALL_LANS_PHASE1(lans_phase1_bf16g, uint16_t);
-        else
-            CALL_LANS_PHASE1(lans_phase1, float);
+    if (x->kind & 1)
+        CALL_LANS_PHASE1(lans_phase1_bf16g, uint16_t);
+    else
+        CALL_LANS_PHASE1(lans_phase1, float);
 #undef CALL_LANS_PHASE1
-        const double a = x->lr * cfg->beta1, b = x->lr * (1.0 - cfg->beta1);
-        double c2 = sums[2];
-        const double ratio_r = x->adapt ? trust_ratio(sums[0], sums[1], cfg) : 1.0;
-        if (cfg->moved) { /* c' = c - wd*a*ratio_r*r: ||c'||^2 from the sums of phase 1 */
-            const double k = x->wd * a * ratio_r;
-            c2 = c2 - 2.0 * k * sums[3] + k * k * sums[1];
-            if (c2 < 0.0) c2 = 0.0;
-        }
-        const double ratio_c = x->adapt ? trust_ratio(sums[0], c2, cfg) : 1.0;
-#define CALL_LANS_PHASE2(FN, GT)                                                                    \
+}
+
+static void lans_apply(const LayerwiseTensor *x, const LayerwiseConfig *cfg, float ginv,
+                       const double *sums) {
+    double bc1, bc2_sqrt;
+    bias_corrections(x->step, 0, cfg, &bc1, &bc2_sqrt);
+    const double a = x->lr * cfg->beta1, b = x->lr * (1.0 - cfg->beta1);
+    double c2 = sums[2];
+    const double ratio_r = x->adapt ? trust_ratio(sums[0], sums[1], cfg) : 1.0;
+    if (cfg->moved) { /* c' = c - wd*a*ratio_r*r: ||c'||^2 from the sums of phase 1 */
+        const double k = x->wd * a * ratio_r;
+        c2 = c2 - 2.0 * k * sums[3] + k * k * sums[1];
+        if (c2 < 0.0) c2 = 0.0;
+    }
+    const double ratio_c = x->adapt ? trust_ratio(sums[0], c2, cfg) : 1.0;
+#define CALL_LANS_PHASE2(FN, GT)                                                               \
     FN(x->w, (const GT *)x->g, x->m, x->v, x->n, ginv, cfg->clip_lo, cfg->clip_hi, cfg->clip,  \
        (float)bc1, (float)bc2_sqrt, cfg->eps, (float)x->wd, (float)a, (float)b, (float)ratio_r, \
-       (float)ratio_c, cfg->moved, x->low, split, cfg->nthreads)
-        if (x->kind & 1)
-            CALL_LANS_PHASE2(lans_phase2_bf16g, uint16_t);
-        else
-            CALL_LANS_PHASE2(lans_phase2, float);
+       (float)ratio_c, cfg->moved, x->low, (x->kind & 2) != 0, cfg->nthreads)
+    if (x->kind & 1)
+        CALL_LANS_PHASE2(lans_phase2_bf16g, uint16_t);
+    else
+        CALL_LANS_PHASE2(lans_phase2, float);
 #undef CALL_LANS_PHASE2
+}
+
+void lans_multi(const LayerwiseTensor *ts, int64_t count, const LayerwiseConfig *cfg) {
+    double sums[4];
+    for (int64_t t = 0; t < count; t++) {
+        const float ginv = lans_ginv(&ts[t], cfg);
+        lans_sums(&ts[t], cfg, ginv, sums);
+        lans_apply(&ts[t], cfg, ginv, sums);
     }
+}
+
+/* sums[4t .. 4t + 3]: ||w||^2, ||r||^2, ||c||^2 and <c, r> of tensor t (of its local piece);
+ * ts[t].gsq must hold the whole gradient's sum of squares. */
+void lans_multi_sums(const LayerwiseTensor *ts, int64_t count, const LayerwiseConfig *cfg,
+                     double *sums) {
+    for (int64_t t = 0; t < count; t++)
+        lans_sums(&ts[t], cfg, lans_ginv(&ts[t], cfg), sums + 4 * t);
+}
+
+void lans_multi_apply(const LayerwiseTensor *ts, int64_t count, const LayerwiseConfig *cfg,
+                      const double *sums) {
+    for (int64_t t = 0; t < count; t++)
+        lans_apply(&ts[t], cfg, lans_ginv(&ts[t], cfg), sums + 4 * t);
 }
 
 /* 1 when any of x[0..n) is inf or NaN. */

@@ -134,24 +134,25 @@ class LayerwiseAdam(ScaleOptimizer):
             group, params = item.group, item.params
             view = self._master_weights.view(group, params)
             ms, vs, steps = self._adam_state(params, view)
-            impl = implementation(group, params, on_host=self.host is not None,
-                                  tensors=(view.weights, item.grads, ms, vs, view.kernel_low()))
             layer = self._layer_options(group, item.idx)
+            sharded = {} if item.shard_sums is None else dict(
+                shard_sums=item.shard_sums, grad_norms=item.grad_norms)
+            weights, ms_, vs_, low = (local(xs) for xs in (view.weights, ms, vs,
+                                                           view.kernel_low()))
+            impl = implementation(group, params, on_host=self.host is not None,
+                                  tensors=(weights, item.grads, ms_, vs_, low))
             if impl is Impl.NATIVE:  # on the masters as stored, scalars applied as read
-                self._update(group, view.weights, item.grads, ms, vs, steps, layer, impl,
-                             low=view.kernel_low(), scalars=item.scalars)
+                self._update(group, weights, item.grads, ms_, vs_, steps, layer, impl, low=low,
+                             scalars=item.scalars, **sharded)
             else:  # on float32 masters (split ones joined, then split again)
                 grads = apply_grad_scalars(item.grads, item.scalars)
                 with self._master_weights.as_float32(view) as full:
+                    full = local(full)  # sharded: the local shards (the gradients already are)
                     grads = [g if g.dtype == w.dtype else g.to(w.dtype) for g, w in zip(grads, full)]
-                    if impl is Impl.MULTI and item.shard_sums is not None:  # local shards
-                        self._update(group, local(full), grads, local(ms), local(vs), steps,
-                                     layer, impl, shard_sums=item.shard_sums,
-                                     grad_norms=item.grad_norms)
-                    else:
-                        self._update(group, full, grads, ms, vs, steps, layer, impl)
+                    self._update(group, full, grads, ms_, vs_, steps, layer, impl, **sharded)
             self._master_weights.commit(view, rounded_written=impl is Impl.NATIVE)
 
+    #: Keyword arguments of :meth:`_intake` (LANS clips values itself).
     _intake_options: Dict[str, Any] = {}
 
     @staticmethod

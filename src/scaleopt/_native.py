@@ -58,11 +58,16 @@ class AdamConfig(ctypes.Structure):
 STRUCTS = (LayerwiseTensor, LayerwiseConfig, AdamTensor, AdamConfig)
 
 _COUNT_AND_THREADS = [c_void_p, c_int64, c_int32]
+_LAYERWISE = [POINTER(LayerwiseTensor), c_int64, POINTER(LayerwiseConfig)]
 #: Every C function called from Python: name -> (restype, argtypes). ``tests/test_native.py``
 #: checks each against its declaration in ``_kernels.c``.
 SIGNATURES = {
-    "lamb_multi": (None, [POINTER(LayerwiseTensor), c_int64, POINTER(LayerwiseConfig)]),
-    "lans_multi": (None, [POINTER(LayerwiseTensor), c_int64, POINTER(LayerwiseConfig)]),
+    "lamb_multi": (None, _LAYERWISE),
+    "lamb_multi_sums": (None, _LAYERWISE + [c_void_p]),
+    "lamb_multi_apply": (None, _LAYERWISE + [c_void_p]),
+    "lans_multi": (None, _LAYERWISE),
+    "lans_multi_sums": (None, _LAYERWISE + [c_void_p]),
+    "lans_multi_apply": (None, _LAYERWISE + [c_void_p]),
     "adam_multi": (None, [POINTER(AdamTensor), c_int64, POINTER(AdamConfig)]),
     "sum_squares": (c_double, _COUNT_AND_THREADS),
     "sum_squares_bf16": (c_double, _COUNT_AND_THREADS),
@@ -180,12 +185,25 @@ def _layerwise_config(*, beta1, beta2, eps, bias_correction, lower_bound, upper_
 _LAYERWISE_ARRAYS = ("lrs", "weight_decays", "adapt", "low", "grad_multipliers", "grad_sq_sums")
 
 
-def _run_layerwise(kernel, params, grads, exp_avgs, exp_avg_sqs, state_steps, **options):
+def _run_layerwise(name, sums_per_tensor, params, grads, exp_avgs, exp_avg_sqs, state_steps,
+                   shard_sums=None, **options):
+    """``{name}_multi`` on all tensors, or, for the local pieces of sharded tensors (with
+    ``shard_sums``, see ``scaleopt._sharding``), ``{name}_multi_sums`` on all, the sums
+    totalled over the pieces in one reduction, and ``{name}_multi_apply``."""
     if not params:
         return
     arrays = {k: options.pop(k) for k in _LAYERWISE_ARRAYS if k in options}
     tensors = _layerwise_tensors(params, grads, exp_avgs, exp_avg_sqs, state_steps, **arrays)
-    kernel(tensors, len(params), ctypes.byref(_layerwise_config(**options)))
+    config = ctypes.byref(_layerwise_config(**options))
+    count = len(params)
+    if shard_sums is None:
+        getattr(_lib, f"{name}_multi")(tensors, count, config)
+        return
+    sums = torch.zeros(count * sums_per_tensor, dtype=torch.float64)
+    getattr(_lib, f"{name}_multi_sums")(tensors, count, config, sums.data_ptr())
+    owners = [t for t in range(count) for _ in range(sums_per_tensor)]
+    totals = shard_sums.reduce(sums, owners).contiguous()
+    getattr(_lib, f"{name}_multi_apply")(tensors, count, config, totals.data_ptr())
 
 
 @torch.compiler.disable  # host code calling C: nothing for dynamo to trace
@@ -201,8 +219,10 @@ def lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, weight_decay_mode
     master, whose lower halves are ``low[i]`` (int16). ``grad_multipliers[i]``, when given, is the scalar
     ``grads[i]`` is taken times (sign, rescaling and clipping factors, see
     ``ScaleOptimizer._intake``): the gradients are read as they are, never copied; with
-    ``clip_grad_value`` the product is then clamped (LAMB's element-wise clipping)."""
-    _run_layerwise(_lib.lamb_multi, params, grads, exp_avgs, exp_avg_sqs, state_steps,
+    ``clip_grad_value`` the product is then clamped (LAMB's element-wise clipping).
+    ``shard_sums``, for the local pieces of sharded tensors, totals the trust ratios' sums over
+    the pieces (see :func:`_run_layerwise`)."""
+    _run_layerwise("lamb", 2, params, grads, exp_avgs, exp_avg_sqs, state_steps,
                    mode=_MODES[weight_decay_mode], clip_grad_value=clip_grad_value, **options)
 
 
@@ -212,8 +232,13 @@ def lans(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, clip_grad_value,
     """LANS on the fused kernels, all tensors in one call: the same update as
     :func:`scaleopt.lans.lans` (options, ``low`` and ``grad_multipliers`` as in :func:`lamb`).
     ``grad_sq_sums``: the gradients' sums of squares from :func:`sums_of_squares`, when already
-    computed (for clipping): LANS's own pass over the gradients for their norms is skipped."""
-    _run_layerwise(_lib.lans_multi, params, grads, exp_avgs, exp_avg_sqs, state_steps,
+    computed (for clipping): LANS's own pass over the gradients for their norms is skipped.
+    With ``shard_sums``, they are the whole gradients' sums, totalled first if not given."""
+    shard_sums = options.get("shard_sums")
+    if shard_sums is not None and grad_sq_sums is None:  # the whole gradients' sums first
+        local_sums = sums_of_squares(grads)
+        grad_sq_sums = shard_sums.reduce(local_sums, range(len(grads)))
+    _run_layerwise("lans", 4, params, grads, exp_avgs, exp_avg_sqs, state_steps,
                    clip_grad_value=clip_grad_value, moved=decay_moved_weight,
                    grad_sq_sums=grad_sq_sums, **options)
 

@@ -197,7 +197,7 @@ def lamb(
         _native.lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, low=low,
                      grad_multipliers=None if grad_scalars is None else grad_scalars.mults,
                      clip_grad_value=None if grad_scalars is None else grad_scalars.clamp,
-                     **options)
+                     shard_sums=shard_sums, **options)
         return
     run_torch_path(impl, _multi_tensor_lamb, _single_tensor_lamb, params, grads, exp_avgs,
                    exp_avg_sqs, state_steps, grad_scalars=grad_scalars, shard_sums=shard_sums,

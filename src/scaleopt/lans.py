@@ -165,8 +165,8 @@ def lans(
 ) -> None:
     """Functional LANS over lists of tensors; see :class:`LANS`. ``grads`` are read only.
     ``implementation``, ``low``, ``grad_scalars`` and ``shard_sums`` as in
-    :func:`scaleopt.lamb.lamb`; ``grad_norms``, when known (multi-tensor path), are the
-    gradients' norms, not computed again; the
+    :func:`scaleopt.lamb.lamb`; ``grad_norms``, when known, are the gradients' norms, not
+    computed again; the
     scalars' ``sq_sums``, when given, are the gradients' sums of squares, which the native
     implementation then does not compute again."""
     impl = resolve(implementation, foreach)
@@ -175,10 +175,12 @@ def lans(
                    upper_bound=upper_bound, clip_grad_value=clip_grad_value,
                    decay_moved_weight=decay_moved_weight)
     if impl is Impl.NATIVE:
+        sq_sums = None if grad_scalars is None else grad_scalars.sq_sums
+        if sq_sums is None and grad_norms is not None:
+            sq_sums = grad_norms.double().square()
         _native.lans(params, grads, exp_avgs, exp_avg_sqs, state_steps, low=low,
                      grad_multipliers=None if grad_scalars is None else grad_scalars.mults,
-                     grad_sq_sums=None if grad_scalars is None else grad_scalars.sq_sums,
-                     **options)
+                     grad_sq_sums=sq_sums, shard_sums=shard_sums, **options)
         return
     if impl is Impl.MULTI:
         options["grad_norms"] = grad_norms
