@@ -35,3 +35,11 @@ def test_bench_dgc_select_finds_the_same_indices_as_topk():
 @pytest.mark.parametrize("script", ["bench_step.py", "bench_offload.py"])
 def test_bench_scripts_answer_help(script):
     assert "usage" in run(script, "--help")
+
+
+def test_bench_fsdp_times_every_optimizer_on_two_ranks():
+    out = run("bench_fsdp.py", "--size", "small", "--rounds", "1", "--world", "2")
+    rows = {line[:40].strip(): line[40:].split() for line in out.splitlines()[2:] if line.strip()}
+    assert set(rows) >= {"torch.AdamW(fused=True), local shards", "scaleopt.LAMB", "scaleopt.LANS"}
+    assert rows["torch.AdamW(fused=True), local shards"][2] == "0"  # local: no collective
+    assert int(rows["scaleopt.LAMB"][2]) == 1 and int(rows["scaleopt.LANS"][2]) == 2
