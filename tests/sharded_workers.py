@@ -159,3 +159,61 @@ def dgc_refuses_sharded(rank, world, tmp):
             messages.append(str(exc))
     dist.barrier()
     return messages if rank == 0 else None
+
+
+def train_hsdp(rank, world, tmp, names, steps):
+    """HSDP: each optimizer on a 2x2 mesh (replicate x shard); every rank's local shards and
+    its place on the mesh, and rank 0's full parameters."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    out = {"coordinate": mesh.get_coordinate()}
+    for name in names:
+        model = model_of(name)
+        for m in model:
+            if any(True for _ in m.parameters()):
+                fully_shard(m, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = OPTIMIZERS[name](list(model.named_parameters()))
+        for t in range(steps):
+            opt.zero_grad()
+            backward(model, t, rank, world, sharded=True)
+            opt.step()
+        out[name] = [p.to_local().detach().clone() for p in model.parameters()]
+        out[name + " full"] = [p.full_tensor().detach().clone() for p in model.parameters()]
+    return out
+
+
+def train_tensor_parallel(rank, world, tmp, name, steps):
+    """Parameters split by columns (``Shard(1)``), replicated (``Replicate()``) and by rows,
+    mixed with a plain tensor in one group: the full parameters after ``steps`` steps on given
+    gradients."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = [torch.randn(7, 10, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    placements = [Shard(1), Replicate(), Shard(0), None]
+    params = [nn.Parameter(t.clone() if pl is None else distribute_tensor(t.clone(), mesh, [pl]))
+              for t, pl in zip(full, placements)]
+    opt = OPTIMIZERS[name]([(f"w{i}", p) for i, p in enumerate(params)])
+    for t in range(steps):
+        grads = [torch.randn(7, 10, generator=torch.Generator().manual_seed(100 * t + i))
+                 for i in range(4)]
+        for p, g, pl in zip(params, grads, placements):
+            p.grad = g if pl is None else distribute_tensor(g, mesh, [pl])
+        opt.step()
+    out = [p.full_tensor() if pl is not None else p.detach() for p, pl in zip(params, placements)]
+    return out if rank == 0 else None
+
+
+def tensor_parallel_reference(name, steps):
+    full = [torch.randn(7, 10, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    params = [nn.Parameter(t.clone()) for t in full]
+    opt = OPTIMIZERS[name]([(f"w{i}", p) for i, p in enumerate(params)])
+    for t in range(steps):
+        for i, p in enumerate(params):
+            p.grad = torch.randn(7, 10, generator=torch.Generator().manual_seed(100 * t + i))
+        opt.step()
+    return [p.detach() for p in params]

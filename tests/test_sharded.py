@@ -98,3 +98,28 @@ def _element_offsets(view, storage):
     return set(torch.as_strided(idx.view(-1), view.shape, view.stride(),
                                 view.storage_offset() - storage.storage_offset()).flatten()
                .tolist())
+
+
+HSDP = ["LAMB", "LANS(decay_moved_weight, bounds)", "LAMB(clipping)", "OffloadAdam"]
+
+
+def test_hsdp_on_a_2x2_mesh_keeps_replicas_identical_and_equals_one_process(tmp_path):
+    ranks = W.run_workers(S.train_hsdp, 4, tmp_path, HSDP, 3, timeout=240)
+    for name in HSDP:
+        for a, b in zip(ranks[0][name + " full"], S.train_reference(name, 3)[0]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+        by_shard = {}
+        for r in ranks:  # the replicas of one shard hold the same bits
+            (_, shard_index) = r["coordinate"]
+            first = by_shard.setdefault(shard_index, r[name])
+            assert all(torch.equal(a, b) for a, b in zip(first, r[name])), name
+
+
+@pytest.mark.parametrize("name", ["LAMB(bounds, always_adapt, decoupled)",
+                                  "LANS(decay_moved_weight, bounds)", "LAMB(clipping)"])
+def test_tensor_parallel_placements_and_plain_tensors_in_one_group(name, tmp_path):
+    # Shard(1) splits each row's norm over the ranks, Replicate() holds it whole on each
+    (got,) = [r for r in W.run_workers(S.train_tensor_parallel, 2, tmp_path, name, 3, timeout=60)
+              if r is not None]
+    for a, b in zip(got, S.tensor_parallel_reference(name, 3)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -68,10 +68,23 @@ class ShardSums:
         sums = sums.clone()
         for group, entries in groups.items():
             if len(entries) == len(owners):
-                dist.all_reduce(sums, group=group)
+                _all_reduce(sums, group)
             else:
                 index = torch.tensor(entries, device=sums.device)
                 part = sums.index_select(0, index)
-                dist.all_reduce(part, group=group)
+                _all_reduce(part, group)
                 sums.index_copy_(0, index, part)
         return sums
+
+
+def _all_reduce(t: Tensor, group: Any) -> None:
+    try:
+        dist.all_reduce(t, group=group)
+    except RuntimeError as exc:
+        if "No backend type associated with device type" not in str(exc):
+            raise
+        raise RuntimeError(
+            f"the optimizer sums the shards' norms with a collective on {t.device.type} "
+            f"tensors, and the process group has no backend for them: initialise it with one "
+            f"for each device type, e.g. init_process_group(\"cpu:gloo,cuda:nccl\") ({exc})"
+        ) from exc
