@@ -592,9 +592,10 @@ void lamb_multi_sums(const LayerwiseTensor *ts, int64_t count, const LayerwiseCo
     for (int64_t t = 0; t < count; t++) lamb_sums(&ts[t], cfg, sums + 2 * t);
 }
 
+/* The tensors in the order opposite to the sums pass, which left the last ones in the caches. */
 void lamb_multi_apply(const LayerwiseTensor *ts, int64_t count, const LayerwiseConfig *cfg,
                       const double *sums) {
-    for (int64_t t = 0; t < count; t++) lamb_apply(&ts[t], cfg, sums + 2 * t);
+    for (int64_t t = count - 1; t >= 0; t--) lamb_apply(&ts[t], cfg, sums + 2 * t);
 }
 
 /* LANS's gradient norm: x->gsq when given (>= 0: already computed by the same sum_squares, for
@@ -662,10 +663,13 @@ void lans_multi(const LayerwiseTensor *ts, int64_t count, const LayerwiseConfig 
 }
 
 /* sums[4t .. 4t + 3]: ||w||^2, ||r||^2, ||c||^2 and <c, r> of tensor t (of its local piece);
- * ts[t].gsq must hold the whole gradient's sum of squares. */
+ * ts[t].gsq must hold the whole gradient's sum of squares. Each pass over all tensors goes in
+ * the order opposite to the one before (gradients' sums ascending, these descending, apply
+ * ascending), so that it starts on the data the previous one left in the caches. */
 void lans_multi_sums(const LayerwiseTensor *ts, int64_t count, const LayerwiseConfig *cfg,
                      double *sums) {
-    for (int64_t t = 0; t < count; t++)
+    /* the gradients' sums were taken in ascending order: start where they ended */
+    for (int64_t t = count - 1; t >= 0; t--)
         lans_sums(&ts[t], cfg, lans_ginv(&ts[t], cfg), sums + 4 * t);
 }
 
