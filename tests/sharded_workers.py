@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch import nn
 
 import scaleopt
-from scaleopt.compat import mxnet, paddle
+from scaleopt.compat import keras, mindspore, mxnet, paddle, tf1
 
 #: optimizer configurations by name: (make(named_params), takes names)
 OPTIMIZERS = {
@@ -36,6 +36,11 @@ OPTIMIZERS = {
     "paddle.Lamb": lambda ps: paddle.Lamb(learning_rate=1e-2, parameters=ps,
                                           lamb_weight_decay=0.05),
     "mxnet.LANS": lambda ps: mxnet.LANS(ps, learning_rate=1e-2, wd=0.05),
+    "keras.Lamb": lambda ps: keras.Lamb(ps, learning_rate=1e-2, weight_decay=0.01),
+    "tf1.LAMBOptimizer": lambda ps: tf1.LAMBOptimizer(ps, learning_rate=1e-2),
+    "mindspore.AdamOffload": lambda ps: mindspore.AdamOffload([p for _, p in ps],
+                                                              learning_rate=1e-2,
+                                                              weight_decay=0.01),
 }
 
 
