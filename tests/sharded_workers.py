@@ -121,6 +121,8 @@ def train_sharded(rank, world, tmp, names, steps):
         out[name] = [p.full_tensor().detach().clone() for p in model.parameters()]
         out[name + " masters"] = [opt.master(p).full_tensor().clone()
                                   for p in model.parameters()] if hasattr(opt, "master") else []
+        out[name + " split"] = ["master_lo" in opt.state[p] for p in model.parameters()]
+        out[name + " state dict"] = opt.state_dict()["state"]
     return out if rank == 0 else None
 
 

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from . import _native
+from ._sharding import is_dtensor, like, local_piece
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -38,6 +39,14 @@ def plain(p: Tensor) -> bool:
     """Not a tensor subclass (e.g. a DTensor, whose local shard is not its shape): what a split
     master's halves can be made for."""
     return type(p) in (torch.Tensor, torch.nn.Parameter)
+
+
+def _new_lower_halves(p: Tensor) -> Tensor:
+    """Zero lower halves for ``p``'s split master (it starts equal to ``p``), laid out as ``p``
+    (a DTensor's are a DTensor)."""
+    if is_dtensor(p):
+        return torch.zeros_like(p, dtype=torch.int16)
+    return torch.zeros(p.shape, dtype=torch.int16)
 
 
 class Storage(enum.Enum):
@@ -74,13 +83,14 @@ class Placement(Protocol):
 class LocalPlacement:
     """Masters beside their parameters, on the same device. A float16/bfloat16 parameter has a
     master when its group says ``master_weights``; it is split where the fused kernels run (a
-    contiguous bfloat16 CPU parameter and ``foreach=None``), a float32 copy elsewhere."""
+    contiguous bfloat16 CPU parameter, or a DTensor whose local shard is one, and
+    ``foreach=None``), a float32 copy elsewhere."""
 
     def storage(self, group: Dict[str, Any], p: Tensor) -> Storage:
         if not group["master_weights"] or p.dtype not in LOW_PRECISION:
             return Storage.OWN
-        if (group.get("foreach") is None and p.dtype == torch.bfloat16 and plain(p)
-                and p.device.type == "cpu" and p.is_contiguous() and _native.available()):
+        if (group.get("foreach") is None and p.dtype == torch.bfloat16 and p.device.type == "cpu"
+                and local_piece(p).is_contiguous() and _native.available()):
             return Storage.SPLIT
         return Storage.COPY
 
@@ -164,7 +174,7 @@ class MasterWeights:
             lower = rounded = None
             if kind is Storage.SPLIT:
                 if "master_lo" not in state:
-                    state["master_lo"] = torch.zeros(p.shape, dtype=torch.int16)
+                    state["master_lo"] = _new_lower_halves(p)
                 weight, lower = self.placement.upper(p), state["master_lo"]
             elif kind is Storage.COPY:
                 if "master_param" not in state:
@@ -181,12 +191,12 @@ class MasterWeights:
     def as_float32(self, view: MasterView) -> Iterator[List[Tensor]]:
         """The view's working tensors with split masters joined into float32 tensors, split
         again when the body is done (the PyTorch paths run on these)."""
-        full = [w if lo is None else _native.split_join(w.detach(), lo)
+        full = [w if lo is None else _native.split_join(local_piece(w).detach(), local_piece(lo))
                 for w, lo in zip(view.weights, view.lower_halves)]
-        yield full
+        yield full  # a sharded split master: its local shard, joined
         for w, f, lo in zip(view.weights, full, view.lower_halves):
             if lo is not None:
-                _native.split_(f, w.detach(), lo)
+                _native.split_(f, local_piece(w).detach(), local_piece(lo))
 
     def commit(self, view: MasterView, rounded_written: Union[bool, List[bool]]) -> None:
         """Bring each parameter up to date with its master. ``rounded_written`` (for all
@@ -209,7 +219,8 @@ class MasterWeights:
         for a ``COPY`` master, ``p`` itself otherwise."""
         state = self.optimizer.state.get(p, {})
         if "master_lo" in state:
-            return _native.split_join(self.placement.upper(p).detach(), state["master_lo"])
+            upper, lower = self.placement.upper(p).detach(), state["master_lo"]
+            return like(upper, _native.split_join(local_piece(upper), local_piece(lower)))
         return state.get("master_param", p)
 
     # -- checkpoints -----------------------------------------------------------------------------
@@ -254,10 +265,11 @@ class MasterWeights:
                 st.pop("master_param", None)
             elif kind is Storage.SPLIT:
                 master = st.pop("master_param", None)
-                st["master_lo"] = torch.zeros(p.shape, dtype=torch.int16)
+                st["master_lo"] = _new_lower_halves(p)
                 upper = self.placement.upper(p)
                 if master is not None:
-                    _native.split_(master, upper.detach(), st["master_lo"])
+                    _native.split_(local_piece(master), local_piece(upper).detach(),
+                                   local_piece(st["master_lo"]))
                     if upper is not p:
                         p.detach().copy_(upper)
             elif "master_param" not in st:

@@ -34,6 +34,20 @@ def any_dtensor(tensors: Sequence[Tensor]) -> bool:
     return any(isinstance(t, DTensor) for t in tensors)
 
 
+def local_piece(t: Tensor) -> Tensor:
+    """A DTensor's local shard (a view of its memory), another tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def like(template: Tensor, piece: Tensor) -> Tensor:
+    """``piece`` (a local shard's values) as a DTensor laid out as ``template``, when that is
+    one; ``piece`` itself otherwise."""
+    if not isinstance(template, DTensor):
+        return piece
+    return DTensor.from_local(piece, template.device_mesh, template.placements,
+                              shape=template.shape, stride=template.stride())
+
+
 def local(tensors: Sequence[Tensor]) -> List[Tensor]:
     """Each DTensor's local shard (a view of its memory), other tensors as they are."""
     return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]

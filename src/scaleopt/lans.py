@@ -287,7 +287,8 @@ def _sharded_two_parts(params, r, c, lrs, weight_decays, decays, adapting, beta1
     w_norms, r2, c2 = sums[0].sqrt(), sums[1], sums[2]
     ratio_r = _blocks.trust_ratio(w_norms, r2.sqrt(), lower_bound, upper_bound)
     if decay_moved_weight:
-        lr_wd = torch.tensor([lrs[i] * weight_decays[i] for i in adapting], dtype=r2.dtype)
+        lr_wd = torch.tensor([lrs[i] * weight_decays[i] for i in adapting], dtype=r2.dtype,
+                             device=r2.device)
         k = lr_wd * beta1 * ratio_r
         c2 = (c2 - 2.0 * k * sums[3] + k * k * r2).clamp(min=0.0)
     ratio_c = _blocks.trust_ratio(w_norms, c2.sqrt(), lower_bound, upper_bound)
