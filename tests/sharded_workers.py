@@ -224,3 +224,24 @@ def tensor_parallel_reference(name, steps):
             p.grad = torch.randn(7, 10, generator=torch.Generator().manual_seed(100 * t + i))
         opt.step()
     return [p.detach() for p in params]
+
+
+def allocations_of_a_step(rank, world, tmp, name):
+    """Bytes allocated by one step on the shards (after a first, which makes the state) of
+    4 tensors of 512 x 1024, and the parameters' bytes per rank."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(1024, 512, bias=False) for _ in range(4)])
+    fully_shard(model)
+    opt = OPTIMIZERS[name](list(model.named_parameters()))
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3  # a DTensor laid out like the parameter
+    opt.step()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        opt.step()
+    allocated = sum(max(e.cpu_memory_usage, 0) for e in prof.events())
+    dist.barrier()
+    return (allocated, sum(p.to_local().numel() * 4 for p in model.parameters())) \
+        if rank == 0 else None

@@ -127,3 +127,29 @@ def test_tensor_parallel_placements_and_plain_tensors_in_one_group(name, tmp_pat
               if r is not None]
     for a, b in zip(got, S.tensor_parallel_reference(name, 3)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["LAMB", "LANS", "OffloadAdam"])
+def test_the_kernel_step_on_shards_allocates_nothing_the_size_of_the_model(name, tmp_path):
+    allocated, shard_bytes = W.run_workers(S.allocations_of_a_step, 2, tmp_path, name,
+                                           timeout=60)[0]
+    assert shard_bytes == 4 * 512 * 1024 * 4 // 2  # each rank holds half of 2M parameters
+    if _native.available():
+        assert allocated < 4096, allocated
+
+
+def test_an_offloaded_optimizer_refuses_parameters_without_host_or_cuda_memory():
+    p = nn.Parameter(torch.randn(4, 3, device="meta"))
+    with pytest.raises(ValueError, match="meta"):
+        scaleopt.OffloadAdam([p])
+    with pytest.raises(ValueError, match="meta"):
+        scaleopt.offload(scaleopt.LAMB, [p])
+
+
+@pytest.mark.parametrize("cls", [scaleopt.LAMB, scaleopt.LANS, scaleopt.AdamW])
+def test_meta_parameters_step_without_touching_memory(cls):
+    p = nn.Parameter(torch.randn(4, 3, device="meta"))
+    p.grad = torch.randn(4, 3, device="meta")
+    opt = cls([p])
+    opt.step()
+    assert opt.state[p]["exp_avg"].is_meta

@@ -247,6 +247,11 @@ def attach_host(optimizer: Any, *, overlap: bool = True,
     gradients are read from host copies, its masters live in host memory, and its parameters
     are written from there."""
     for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.device.type not in ("cpu", "cuda"):
+                raise ValueError(
+                    f"{type(optimizer).__name__} on the host pipeline takes parameters in host "
+                    f"or CUDA memory, got one on {p.device.type!r}")
         if any(is_dtensor(p) and not on_host(p) for p in group["params"]):
             raise NotImplementedError(
                 "offloading sharded (DTensor) parameters that live on an accelerator is not "
