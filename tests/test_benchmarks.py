@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -32,14 +33,22 @@ def test_bench_dgc_select_finds_the_same_indices_as_topk():
     assert "same indices: True" in out and "scaleopt.dgc.topk_sampled" in out
 
 
-@pytest.mark.parametrize("script", ["bench_step.py", "bench_offload.py"])
+@pytest.mark.parametrize("script", ["bench_step.py", "bench_offload.py", "bench_fsdp.py"])
 def test_bench_scripts_answer_help(script):
     assert "usage" in run(script, "--help")
 
 
-def test_bench_fsdp_times_every_optimizer_on_two_ranks():
-    out = run("bench_fsdp.py", "--size", "small", "--rounds", "1", "--world", "2")
-    rows = {line[:40].strip(): line[40:].split() for line in out.splitlines()[2:] if line.strip()}
+def test_scaleopt_bench_world_times_every_optimizer_on_fsdp2_shards(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-c", "import sys; from scaleopt.cli import console; sys.argv[0] = "
+         "'scaleopt'; console()", "bench", "--world", "2", "--rounds", "1", "--hidden", "64",
+         "--layers", "1", "--vocab", "1000", "--json", str(tmp_path / "b.json")],
+        capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    rows = {line[:40].strip(): line[40:].split() for line in out.stdout.splitlines()[2:]
+            if line.strip()}
     assert set(rows) >= {"torch.AdamW(fused=True), local shards", "scaleopt.LAMB", "scaleopt.LANS"}
     assert rows["torch.AdamW(fused=True), local shards"][2] == "0"  # local: no collective
     assert int(rows["scaleopt.LAMB"][2]) == 1 and int(rows["scaleopt.LANS"][2]) == 2
+    result = json.loads((tmp_path / "b.json").read_text())
+    assert result["world"] == 2 and result["rows"]["scaleopt.LAMB"]["collectives"] == 1

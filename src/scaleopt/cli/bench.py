@@ -168,7 +168,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--vocab", type=int, help="override the vocabulary size of --size")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="parameter dtype of the main rows (default: float32)")
-    ap.add_argument("--threads", type=int, default=2, help="intra-op threads (default: 2)")
+    ap.add_argument("--threads", type=int,
+                    help="intra-op threads (per process with --world; default: 2, 1 with --world)")
+    ap.add_argument("--world", type=int, default=1,
+                    help="shard the set with FSDP2 over this many processes (gloo on 127.0.0.1) "
+                         "and time LAMB, LANS and AdamW on the shards against torch's fused "
+                         "AdamW on the same local shards (default: 1, no sharding)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     ap.add_argument("--rounds", type=int, default=10,
                     help="timed steps per optimizer, interleaved (default: 10)")
@@ -179,12 +184,17 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def check_arguments(args: argparse.Namespace) -> None:
-    for name in ("hidden", "layers", "vocab", "threads", "rounds"):
+    if args.threads is None:
+        args.threads = 2 if args.world == 1 else 1
+    for name in ("hidden", "layers", "vocab", "threads", "rounds", "world"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name} must be at least 1, got {value}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device here")
+    if args.world > 1 and (args.device != "cpu" or args.dtype != "float32" or args.only):
+        raise ValueError("--world times float32 CPU shards of a fixed set of optimizers: "
+                         "--device, --dtype and --only do not apply")
 
 
 def shapes_of(args: argparse.Namespace):
@@ -209,6 +219,15 @@ def main(argv=None) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     """Time the candidates; print the table; return (and write, with --json) the results."""
+    if args.world > 1:
+        from . import bench_fsdp
+
+        result = bench_fsdp.run(shapes_of(args), args.world, args.threads, args.rounds,
+                                repr(args.size))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+        return result
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     shapes = shapes_of(args)

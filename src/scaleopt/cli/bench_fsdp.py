@@ -1,0 +1,178 @@
+"""LAMB and LANS on FSDP2 shards: step time as paired ratios to torch.optim.AdamW(fused=True).
+
+    scaleopt bench --world 2                             # 2 processes x 1 thread, 28.8M set
+    python benchmarks/bench_fsdp.py --world 2 --threads 1 --rounds 15 [--size base]
+
+Every rank holds 1/world of the BERT-like parameter set of ``scaleopt bench`` (``fully_shard``,
+gloo on 127.0.0.1) with gradients on its shards. Each optimizer steps in turn, round after round;
+a step's time is the slowest rank's (the ranks start together after a barrier). The baseline is
+``torch.optim.AdamW(fused=True)`` on the same local shards (plain tensors: no collective at all);
+the table gives the median step time and the median over rounds of the paired ratio, and, per
+step, the collectives and the time spent in them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import scaleopt
+from scaleopt.cli.bench import NO_DECAY, SIZES, bert_shapes, paired_ratio
+
+
+def sharded_params(shapes, world):
+    """The parameter set as one FSDP2 module: DTensors sharded on dim 0, with gradients."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    module = nn.Module()
+    g = torch.Generator().manual_seed(0)
+    names = []
+    for name, shape in shapes:
+        key = name.replace(".", "_")
+        module.register_parameter(key, nn.Parameter(torch.randn(shape, generator=g) * 0.02))
+        names.append(key)
+    fully_shard(module)
+    named = [(n, getattr(module, n)) for n in names]
+    for _, p in named:
+        local = torch.randn(p.to_local().shape, generator=g) * 1e-3
+        p.grad = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape,
+                                    stride=p.stride())
+    return named
+
+
+def candidates():
+    def local_fused_adamw(named):
+        ps = []
+        for _, p in named:
+            q = nn.Parameter(p.to_local().detach().clone())
+            q.grad = p.grad.to_local().clone()
+            ps.append(q)
+        return torch.optim.AdamW(ps, lr=1e-3, fused=True)
+
+    return {
+        "torch.AdamW(fused=True), local shards": local_fused_adamw,
+        "scaleopt.AdamW": lambda n: scaleopt.AdamW(n, lr=1e-3, exclude_from_weight_decay=NO_DECAY),
+        "scaleopt.LAMB": lambda n: scaleopt.LAMB(n, lr=1e-3, exclude_from_weight_decay=NO_DECAY),
+        "scaleopt.LANS": lambda n: scaleopt.LANS(n, lr=1e-3, exclude_from_weight_decay=NO_DECAY),
+        "scaleopt.LAMB(max_grad_norm=1.0)": lambda n: scaleopt.LAMB(
+            n, lr=1e-3, exclude_from_weight_decay=NO_DECAY, max_grad_norm=1.0),
+    }
+
+
+class CollectiveClock:
+    """Counts the all-reduces scaleopt issues and the time spent in them."""
+
+    def __init__(self):
+        from scaleopt import _sharding
+
+        self.module, self.real = _sharding.dist, _sharding.dist.all_reduce
+        self.count, self.seconds = 0, 0.0
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = self.real(*args, **kwargs)
+            self.seconds += time.perf_counter() - t0
+            self.count += 1
+            return out
+
+        self.timed = timed
+
+    def __enter__(self):
+        self.count, self.seconds = 0, 0.0
+        self.module.all_reduce = self.timed
+        return self
+
+    def __exit__(self, *exc):
+        self.module.all_reduce = self.real
+
+
+def slowest(seconds: float) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def worker(rank, world, port, shapes, threads, rounds, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    opts = {name: make(sharded_params(shapes, world)) for name, make in candidates().items()}
+    times = {name: [] for name in opts}
+    comms = {}
+    for r in range(rounds + 1):
+        for name, opt in opts.items():
+            dist.barrier()
+            with CollectiveClock() as clock:
+                t0 = time.perf_counter()
+                opt.step()
+                elapsed = time.perf_counter() - t0
+            elapsed = slowest(elapsed)
+            if r > 0:  # the first round makes the state
+                times[name].append(elapsed)
+                comms[name] = (clock.count, slowest(clock.seconds))
+    if rank == 0:
+        queue.put((times, comms))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run(shapes, world: int, threads: int, rounds: int, label: str) -> dict:
+    """Time the candidates on ``world`` processes; print the table; return the results."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, world, port, shapes, threads, rounds, queue))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        times, comms = queue.get(timeout=1800)
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+    base = times["torch.AdamW(fused=True), local shards"]
+    numel = sum(torch.Size(s).numel() for _, s in shapes)
+    print(f"BERT-like {label} set: {numel / 1e6:.1f}M parameters in {len(shapes)} tensors, "
+          f"FSDP2 over {world} processes x {threads} thread(s) (gloo), "
+          f"torch {torch.__version__}, {rounds} rounds")
+    print(f"{'optimizer':40s} {'median ms':>9s} {'x fused AdamW':>14s} {'collectives':>12s} "
+          f"{'in them ms':>11s}")
+    rows = {}
+    for name, ts in times.items():
+        count, seconds = comms[name]
+        rows[name] = dict(median_ms=statistics.median(ts) * 1e3,
+                          ratio=paired_ratio(ts, base), collectives=count,
+                          collective_ms=seconds * 1e3)
+        print(f"{name:40s} {rows[name]['median_ms']:9.1f} {rows[name]['ratio']:14.2f} "
+              f"{count:12d} {rows[name]['collective_ms']:11.2f}")
+    return dict(parameters=numel, tensors=len(shapes), world=world, threads=threads,
+                rounds=rounds, torch=torch.__version__, rows=rows)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world", type=int, default=2, help="processes")
+    ap.add_argument("--threads", type=int, default=1, help="intra-op threads per process")
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--size", choices=sorted(SIZES), default="small")
+    args = ap.parse_args(argv)
+    run(bert_shapes(*SIZES[args.size]), args.world, args.threads, args.rounds, repr(args.size))
+
+
+if __name__ == "__main__":
+    main()
