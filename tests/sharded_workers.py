@@ -35,6 +35,10 @@ OPTIMIZERS = {
     "Momentum": lambda ps: scaleopt.Momentum(ps, lr=1e-2, momentum=0.9),
     "paddle.Lamb": lambda ps: paddle.Lamb(learning_rate=1e-2, parameters=ps,
                                           lamb_weight_decay=0.05),
+    "paddle.Lamb(ClipGradByGlobalNorm)": lambda ps: paddle.Lamb(
+        learning_rate=1e-2, parameters=ps, grad_clip=paddle.ClipGradByGlobalNorm(0.05)),
+    "paddle.Lamb(ClipGradByNorm)": lambda ps: paddle.Lamb(
+        learning_rate=1e-2, parameters=ps, grad_clip=paddle.ClipGradByNorm(0.03)),
     "mxnet.LANS": lambda ps: mxnet.LANS(ps, learning_rate=1e-2, wd=0.05),
     "keras.Lamb": lambda ps: keras.Lamb(ps, learning_rate=1e-2, weight_decay=0.01),
     "tf1.LAMBOptimizer": lambda ps: tf1.LAMBOptimizer(ps, learning_rate=1e-2),
@@ -245,3 +249,35 @@ def allocations_of_a_step(rank, world, tmp, name):
     dist.barrier()
     return (allocated, sum(p.to_local().numel() * 4 for p in model.parameters())) \
         if rank == 0 else None
+
+
+def train_on_two_meshes(rank, world, tmp, name, steps):
+    """One group with parameters on two different meshes (two mesh objects over the world, one
+    sharding rows, the other columns): the full parameters after ``steps`` steps on given
+    gradients."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    meshes = [DeviceMesh("cpu", list(range(world))), DeviceMesh("cpu", list(range(world)))]
+    full = [torch.randn(9, 5, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    params = [nn.Parameter(distribute_tensor(t.clone(), meshes[i % 2], [Shard(i % 2)]))
+              for i, t in enumerate(full)]
+    opt = OPTIMIZERS[name]([(f"w{i}", p) for i, p in enumerate(params)])
+    for t in range(steps):
+        for i, p in enumerate(params):
+            g = torch.randn(9, 5, generator=torch.Generator().manual_seed(100 * t + i))
+            p.grad = distribute_tensor(g, meshes[i % 2], [Shard(i % 2)])
+        opt.step()
+    out = [p.full_tensor() for p in params]
+    return out if rank == 0 else None
+
+
+def two_meshes_reference(name, steps):
+    params = [nn.Parameter(torch.randn(9, 5, generator=torch.Generator().manual_seed(i)))
+              for i in range(4)]
+    opt = OPTIMIZERS[name]([(f"w{i}", p) for i, p in enumerate(params)])
+    for t in range(steps):
+        for i, p in enumerate(params):
+            p.grad = torch.randn(9, 5, generator=torch.Generator().manual_seed(100 * t + i))
+        opt.step()
+    return [p.detach() for p in params]

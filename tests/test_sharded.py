@@ -153,3 +153,11 @@ def test_meta_parameters_step_without_touching_memory(cls):
     opt = cls([p])
     opt.step()
     assert opt.state[p]["exp_avg"].is_meta
+
+
+@pytest.mark.parametrize("name", ["LAMB(clipping)", "LANS"])
+def test_a_group_on_two_meshes(name, tmp_path):
+    (got,) = [r for r in W.run_workers(S.train_on_two_meshes, 2, tmp_path, name, 3, timeout=60)
+              if r is not None]
+    for a, b in zip(got, S.two_meshes_reference(name, 3)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
