@@ -281,3 +281,37 @@ def two_meshes_reference(name, steps):
             p.grad = torch.randn(9, 5, generator=torch.Generator().manual_seed(100 * t + i))
         opt.step()
     return [p.detach() for p in params]
+
+
+def host_reads_of_a_step(rank, world, tmp, name):
+    """The tensor values a step on the local shards reads back to Python (the path GPU shards
+    take: foreach=True), but the step counters, which live on the CPU as in torch.optim."""
+    model = shard(model_of(name))
+    opt = OPTIMIZERS[name](list(model.named_parameters()))
+    for group in opt.param_groups:
+        group["foreach"] = True
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()  # the state is made
+    steps = {id(s["step"]) for s in opt.state.values() if "step" in s}
+    from test_matrix import HOST_READS
+
+    reads = []
+    originals = {name_: getattr(torch.Tensor, name_) for name_ in HOST_READS}
+
+    def guarded(name_):
+        def read(self, *args, **kwargs):
+            if id(self) not in steps:
+                reads.append(f"Tensor.{name_} on a {tuple(self.shape)} tensor")
+            return originals[name_](self, *args, **kwargs)
+        return read
+
+    for name_ in HOST_READS:
+        setattr(torch.Tensor, name_, guarded(name_))
+    try:
+        opt.step()
+    finally:
+        for name_, fn in originals.items():
+            setattr(torch.Tensor, name_, fn)
+    dist.barrier()
+    return reads if rank == 0 else None

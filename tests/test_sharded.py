@@ -161,3 +161,11 @@ def test_a_group_on_two_meshes(name, tmp_path):
               if r is not None]
     for a, b in zip(got, S.two_meshes_reference(name, 3)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["LAMB(clipping)", "LANS(clipping)",
+                                  "LANS(decay_moved_weight, bounds)", "AdamW"])
+def test_the_path_gpu_shards_take_reads_no_value_back(name, tmp_path):
+    # a proxy on CPU for GPU shards: each read of a tensor value would wait for the device
+    reads = W.run_workers(S.host_reads_of_a_step, 2, tmp_path, name, timeout=60)[0]
+    assert reads == []
