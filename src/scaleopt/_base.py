@@ -6,7 +6,7 @@ import dataclasses
 import functools
 import math
 import re
-from typing import (Any, Callable, Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence,
+from typing import (Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence,
                     Tuple, Union)
 
 import torch

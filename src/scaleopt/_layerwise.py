@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from . import _native
-from ._base import (Deferral, GradScalars, ScaleOptimizer, apply_grad_scalars, check_bool,
-                    check_number)
+from ._base import (Deferral, GradScalars, GroupGrads, ScaleOptimizer, apply_grad_scalars,
+                    check_bool, check_number)
 from ._dispatch import Impl, implementation
+from ._masters import LocalPlacement, MasterView, MasterWeights
 from ._sharding import local
-from ._masters import LOW_PRECISION, LocalPlacement, MasterView, MasterWeights
+
 
 def pick(xs: Sequence[Tensor], idx: Sequence[int]) -> List[Tensor]:
     return [xs[i] for i in idx]
@@ -24,6 +26,22 @@ def check_bounds(lo: Any, hi: Any, lo_name: str = "lower_bound", hi_name: str = 
     check_number(hi_name, hi, low=0.0, low_open=True, allow_none=True)
     if lo is not None and hi is not None and lo > hi:
         raise ValueError(f"Invalid {lo_name}/{hi_name}: {lo!r} > {hi!r}")
+
+
+@dataclasses.dataclass
+class GroupTensors:
+    """What :meth:`LayerwiseAdam._init_group` gathers for one group's update."""
+
+    view: MasterView
+    #: the tensors the update reads (local shards of sharded ones)
+    weights: List[Tensor]
+    exp_avgs: List[Tensor]
+    exp_avg_sqs: List[Tensor]
+    #: per tensor, the kernels' second tensor (see :meth:`MasterView.kernel_low`)
+    low: List[Optional[Tensor]]
+    steps: List[Tensor]
+    #: per-tensor learning rates, weight decays and adaptation flags
+    layer: Tuple[List[float], List[float], List[bool]]
 
 
 class LayerwiseAdam(ScaleOptimizer):
@@ -128,29 +146,36 @@ class LayerwiseAdam(ScaleOptimizer):
         transforms are left to them (``ScaleOptimizer._intake``'s deferral)."""
         return implementation(group, params, on_host=self.host is not None) is Impl.NATIVE
 
+    def _init_group(self, item: GroupGrads) -> "GroupTensors":
+        """A group's tensors for its update (state made where new): the masters' view, the
+        moments and step counters, the per-layer options, and the local shards the update
+        reads (the tensors themselves where nothing is sharded)."""
+        view = self._master_weights.view(item.group, item.params)
+        exp_avgs, exp_avg_sqs, steps = self._adam_state(item.params, view)
+        return GroupTensors(view, *(local(xs) for xs in (view.weights, exp_avgs, exp_avg_sqs,
+                                                          view.kernel_low())),
+                            steps, self._layer_options(item.group, item.idx))
+
     def _step_groups(self) -> None:
         defer = Deferral(self._takes_grad_scalars, _native.sums_of_squares)
         for item in self._intake(defer=defer, **self._intake_options):
-            group, params = item.group, item.params
-            view = self._master_weights.view(group, params)
-            ms, vs, steps = self._adam_state(params, view)
-            layer = self._layer_options(group, item.idx)
+            group, t = item.group, self._init_group(item)
             sharded = {} if item.shard_sums is None else dict(
                 shard_sums=item.shard_sums, grad_norms=item.grad_norms)
-            weights, ms_, vs_, low = (local(xs) for xs in (view.weights, ms, vs,
-                                                           view.kernel_low()))
-            impl = implementation(group, params, on_host=self.host is not None,
-                                  tensors=(weights, item.grads, ms_, vs_, low))
+            impl = implementation(group, item.params, on_host=self.host is not None,
+                                  tensors=(t.weights, item.grads, t.exp_avgs, t.exp_avg_sqs,
+                                           t.low))
             if impl is Impl.NATIVE:  # on the masters as stored, scalars applied as read
-                self._update(group, weights, item.grads, ms_, vs_, steps, layer, impl, low=low,
-                             scalars=item.scalars, **sharded)
+                self._update(group, t.weights, item.grads, t.exp_avgs, t.exp_avg_sqs, t.steps,
+                             t.layer, impl, low=t.low, scalars=item.scalars, **sharded)
             else:  # on float32 masters (split ones joined, then split again)
                 grads = apply_grad_scalars(item.grads, item.scalars)
-                with self._master_weights.as_float32(view) as full:
+                with self._master_weights.as_float32(t.view) as full:
                     full = local(full)  # sharded: the local shards (the gradients already are)
                     grads = [g if g.dtype == w.dtype else g.to(w.dtype) for g, w in zip(grads, full)]
-                    self._update(group, full, grads, ms_, vs_, steps, layer, impl, **sharded)
-            self._master_weights.commit(view, rounded_written=impl is Impl.NATIVE)
+                    self._update(group, full, grads, t.exp_avgs, t.exp_avg_sqs, t.steps, t.layer,
+                                 impl, **sharded)
+            self._master_weights.commit(t.view, rounded_written=impl is Impl.NATIVE)
 
     #: Keyword arguments of :meth:`_intake` (LANS clips values itself).
     _intake_options: Dict[str, Any] = {}

@@ -25,8 +25,6 @@ from ._base import (
     ScaleOptimizer,
     check_bool,
     check_choice,
-    check_name_rule,
-    check_number,
 )
 from ._host import HostPipeline, attach_host, check_num_threads
 from ._layerwise import LayerwiseAdam
