@@ -11,7 +11,7 @@ import sharded_workers as S
 
 NAMES = ["LAMB", "LANS(decay_moved_weight, bounds)", "LAMB(bf16, master_weights)",
          "OffloadAdam", "offload(LAMB)", "AdamW", "Momentum", "paddle.Lamb", "mxnet.LANS",
-         "keras.Lamb"]
+         "keras.Lamb", "mindspore.AdamOffload"]
 EXACT = ["LAMB", "LANS(decay_moved_weight, bounds)", "LAMB(bf16, master_weights)", "OffloadAdam"]
 
 

@@ -350,10 +350,18 @@ class AdamOffload(OffloadAdam):
         return lrs[0] if len(lrs) == 1 else lrs
 
     def state_dict(self) -> Dict[str, Any]:
+        """The state with ``global_step`` at the top and in each param group (which is what
+        ``torch.distributed.checkpoint``'s optimizer state dicts carry)."""
         sd = super().state_dict()
         sd["global_step"] = self.global_step
+        for g in sd["param_groups"]:
+            g["global_step"] = self.global_step
         return sd
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        groups = state_dict.get("param_groups") or [{}]
+        step = state_dict.get("global_step", groups[0].get("global_step", self.global_step))
         super().load_state_dict(state_dict)
-        self.global_step = int(state_dict.get("global_step", self.global_step))
+        for g in self.param_groups:
+            g.pop("global_step", None)
+        self.global_step = int(step)
