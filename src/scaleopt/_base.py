@@ -507,11 +507,10 @@ class ScaleOptimizer(torch.optim.Optimizer):
             if item.shard_sums is None:
                 item.grads = _blocks.clip_by_tensor_norm(grads, per_tensor)
             elif norm_clip:  # whole-tensor norms: one reduction, shared with the global clip
-                norms = item.shard_sums.reduce(_blocks.sq_norms(grads), range(len(grads))).sqrt()
+                norms = item.shard_sums.norms(grads)
                 if per_tensor is not None:
                     coefs = _blocks.clip_coef(norms, per_tensor)
-                    grads = torch._foreach_mul(grads, [c.to(g.dtype) for g, c in
-                                                       zip(grads, coefs.unbind(0))])
+                    grads = _blocks.scale_each(grads, coefs)
                     norms = norms * coefs
                 item.grads, item.grad_norms = grads, norms
             else:

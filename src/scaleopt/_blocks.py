@@ -97,8 +97,7 @@ def clip_by_tensor_norm(grads: TensorList, max_norm: Optional[float]) -> TensorL
     """Scale each tensor so its own L2 norm is at most ``max_norm``."""
     if max_norm is None or not grads:
         return grads
-    coefs = clip_coef(norms(grads), max_norm)
-    return torch._foreach_mul(grads, [c.to(g.dtype) for g, c in zip(grads, coefs.unbind(0))])
+    return scale_each(grads, clip_coef(norms(grads), max_norm))
 
 
 def scale(grads: TensorList, factor: Union[float, Tensor]) -> TensorList:
@@ -282,8 +281,17 @@ def apply_trust_ratio_(updates: TensorList, w_norms: Tensor, lower, upper,
 
 
 def scale_each_(tensors: TensorList, factors: Tensor) -> None:
-    """``tensors[i] *= factors[i]`` in place."""
-    torch._foreach_mul_(tensors, [f.to(t.dtype) for t, f in zip(tensors, factors.unbind(0))])
+    """``tensors[i] *= factors[i]`` in place (``factors``: a vector, one per tensor)."""
+    torch._foreach_mul_(tensors, _per_tensor(tensors, factors))
+
+
+def scale_each(tensors: TensorList, factors: Tensor) -> TensorList:
+    """``tensors[i] * factors[i]`` (new tensors; ``factors``: a vector, one per tensor)."""
+    return torch._foreach_mul(tensors, _per_tensor(tensors, factors))
+
+
+def _per_tensor(tensors: TensorList, factors: Tensor) -> List[Tensor]:
+    return [f.to(t.dtype) for t, f in zip(tensors, factors.unbind(0))]
 
 
 def sq_norms(tensors: Sequence[Tensor]) -> Tensor:

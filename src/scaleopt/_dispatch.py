@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from . import _native
+from ._base import apply_grad_scalars
 from ._sharding import any_dtensor
 
 
@@ -77,8 +78,6 @@ def run_torch_path(impl: Impl, multi_tensor, single_tensor, params, grads, *stat
                    grad_scalars=None, shard_sums=None, **options) -> None:
     """An update's ``MULTI`` (``multi_tensor``, which takes ``shard_sums``) or ``SINGLE``
     (``single_tensor``) form, on the gradients with their deferred scalars applied."""
-    from ._base import apply_grad_scalars
-
     grads = apply_grad_scalars(grads, grad_scalars)
     if impl is Impl.MULTI:
         multi_tensor(params, grads, *state, shard_sums=shard_sums, **options)

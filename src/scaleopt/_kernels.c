@@ -263,10 +263,11 @@ static inline void thread_chunks(int64_t n, int64_t *size, int64_t *first, int64
     BLOCKS_END
 
 #define LAMB_PHASE1(NAME, GTYPE, GLOAD)                                                        \
-    TARGETS static void NAME(const void *pw, const uint16_t *lo, const GTYPE *g, float gmul, int clip, \
-                      float glo, float ghi, float *m, float *v, int64_t n,                     \
-                      float beta1, float beta2, float bc1, float bc2_sqrt, float eps,          \
-                      float wd, int mode, float decay_factor, double *out, int nthreads) {     \
+    TARGETS static void NAME(const void *pw, const uint16_t *lo, const GTYPE *g, float gmul,   \
+                             int clip, float glo, float ghi, float *m, float *v, int64_t n, \
+                             float beta1, float beta2, float bc1, float bc2_sqrt, float eps,   \
+                             float wd, int mode, float decay_factor, double *out,              \
+                             int nthreads) {                                                   \
         double sw = 0.0, su = 0.0;                                                             \
         const float one_m_b1 = 1.0f - beta1, one_m_b2 = 1.0f - beta2;                          \
         const float inv_bc1 = 1.0f / bc1, inv_bc2_sqrt = 1.0f / bc2_sqrt;                      \
@@ -364,10 +365,10 @@ SUM_SQUARES(sum_squares_bf16, uint16_t, bf16_to_f32(x[i]))
     BLOCKS_END
 
 #define LANS_PHASE1(NAME, GTYPE, GLOAD)                                                        \
-    TARGETS static void NAME(const void *pw, const uint16_t *lo, const GTYPE *g, float *m, float *v,  \
-                      int64_t n, float ginv, float glo, float ghi, int clip, float beta1,      \
-                      float beta2, float bc1, float bc2_sqrt, float eps, float wd,             \
-                      double *out, int nthreads) {                                             \
+    TARGETS static void NAME(const void *pw, const uint16_t *lo, const GTYPE *g, float *m,     \
+                             float *v, int64_t n, float ginv, float glo, float ghi, int clip,  \
+                             float beta1, float beta2, float bc1, float bc2_sqrt, float eps,   \
+                             float wd, double *out, int nthreads) {                            \
         double sw = 0.0, sr = 0.0, sc = 0.0, src = 0.0;                                        \
         const float one_m_b1 = 1.0f - beta1, one_m_b2 = 1.0f - beta2;                          \
         const float inv_bc1 = 1.0f / bc1, inv_bc2_sqrt = 1.0f / bc2_sqrt;                      \
@@ -406,10 +407,11 @@ LANS_PHASE1(lans_phase1_bf16g, uint16_t, bf16_to_f32(g[i]))
     }
 
 #define LANS_PHASE2(NAME, GTYPE, GLOAD)                                                        \
-    TARGETS static void NAME(void *pw, const GTYPE *g, const float *m, const float *v, int64_t n,     \
-                      float ginv, float glo, float ghi, int clip, float bc1, float bc2_sqrt,   \
-                      float eps, float wd, float a, float b, float ratio_r, float ratio_c,     \
-                      int moved, uint16_t *low, int split, int nthreads) {                     \
+    TARGETS static void NAME(void *pw, const GTYPE *g, const float *m, const float *v,         \
+                             int64_t n, float ginv, float glo, float ghi, int clip, float bc1, \
+                             float bc2_sqrt, float eps, float wd, float a, float b,            \
+                             float ratio_r, float ratio_c, int moved, uint16_t *low,           \
+                             int split, int nthreads) {                                        \
         uint16_t *const lo = low;                                                              \
         const float inv_bc1 = 1.0f / bc1, inv_bc2_sqrt = 1.0f / bc2_sqrt;                      \
         if (clip && moved) {                                                                   \

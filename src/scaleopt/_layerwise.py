@@ -172,7 +172,8 @@ class LayerwiseAdam(ScaleOptimizer):
                 grads = apply_grad_scalars(item.grads, item.scalars)
                 with self._master_weights.as_float32(t.view) as full:
                     full = local(full)  # sharded: the local shards (the gradients already are)
-                    grads = [g if g.dtype == w.dtype else g.to(w.dtype) for g, w in zip(grads, full)]
+                    grads = [g if g.dtype == w.dtype else g.to(w.dtype)
+                             for g, w in zip(grads, full)]
                     self._update(group, full, grads, t.exp_avgs, t.exp_avg_sqs, t.steps, t.layer,
                                  impl, **sharded)
             self._master_weights.commit(t.view, rounded_written=impl is Impl.NATIVE)

@@ -216,8 +216,8 @@ def lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, weight_decay_mode
 
     ``low[i]``, when given, is the bfloat16 parameter whose float32 master is ``params[i]``:
     it receives the rounded weights in the same pass. A bfloat16 ``params[i]`` is a split
-    master, whose lower halves are ``low[i]`` (int16). ``grad_multipliers[i]``, when given, is the scalar
-    ``grads[i]`` is taken times (sign, rescaling and clipping factors, see
+    master, whose lower halves are ``low[i]`` (int16). ``grad_multipliers[i]``, when given, is
+    the scalar ``grads[i]`` is taken times (sign, rescaling and clipping factors, see
     ``ScaleOptimizer._intake``): the gradients are read as they are, never copied; with
     ``clip_grad_value`` the product is then clamped (LAMB's element-wise clipping).
     ``shard_sums``, for the local pieces of sharded tensors, totals the trust ratios' sums over

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from . import _blocks
+
 try:
     from torch.distributed.tensor import DTensor, Shard
 except ImportError:  # pragma: no cover
@@ -50,7 +52,7 @@ def like(template: Tensor, piece: Tensor) -> Tensor:
 
 def local(tensors: Sequence[Tensor]) -> List[Tensor]:
     """Each DTensor's local shard (a view of its memory), other tensors as they are."""
-    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    return [local_piece(t) for t in tensors]
 
 
 def _sharding_groups(t: Tensor) -> List[Any]:
@@ -71,6 +73,10 @@ class ShardSums:
 
     def __init__(self, params: Sequence[Tensor]) -> None:
         self.dims = [_sharding_groups(p) for p in params]
+
+    def norms(self, pieces: Sequence[Tensor]) -> Tensor:
+        """The whole norm of each tensor whose local piece is ``pieces[i]`` (one reduction)."""
+        return self.reduce(_blocks.sq_norms(pieces), range(len(pieces))).sqrt()
 
     def reduce(self, sums: Tensor, owners: Sequence[int]) -> Tensor:
         groups: Dict[Any, List[int]] = {}  # process group -> entries (meshes may share groups)

@@ -9,7 +9,7 @@ from torch import Tensor
 from torch.optim.adamw import adamw as _torch_adamw
 
 from . import _blocks
-from ._sharding import local
+from ._sharding import local_piece
 from ._base import (
     NameRule,
     ScaleOptimizer,
@@ -139,7 +139,9 @@ class AdamW(ScaleOptimizer):
                     grads: List[Tensor], fused: bool) -> Dict[bool, Tuple[List[Tensor], ...]]:
         """The group's tensors for torch's ``adamw``, split by whether they decay: params,
         grads, moments, max moments (the params without amsgrad) and steps; state made where
-        new, step counters where ``fused`` needs them (on the parameter's device) or not."""
+        new, step counters where ``fused`` needs them (on the parameter's device) or not.
+        Sharded parameters and their state are given as their local shards (as the gradients
+        are)."""
         no_decay = self._rule_flags(group, "exclude_from_weight_decay")
         lists: Dict[bool, Tuple[List[Tensor], ...]] = {}
         for i, p, g in zip(idx, params, grads):
@@ -162,7 +164,7 @@ class AdamW(ScaleOptimizer):
             for dest, t in zip(ls, (p, g, state["exp_avg"], state["exp_avg_sq"],
                                     state["max_exp_avg_sq"] if group["amsgrad"] else p,
                                     state["step"])):
-                dest.append(t)
+                dest.append(local_piece(t))
         return lists
 
     @torch.no_grad()
@@ -175,9 +177,6 @@ class AdamW(ScaleOptimizer):
             if fused is None:
                 fused = group["foreach"] is not True and fused_supported(params)
             lists = self._init_group(group, idx, params, grads, fused)
-            if item.shard_sums is not None:  # sharded: on the local shards (grads already are)
-                lists = {k: (local(ps), gs, *(local(xs) for xs in rest))
-                         for k, (ps, gs, *rest) in lists.items()}
             beta1, beta2 = group["betas"]
             for decayed, (ps, gs, ms, vs, maxs, steps) in lists.items():
                 # torch's foreach path needs its tensor-scalar form under torch.compile

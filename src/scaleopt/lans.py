@@ -165,10 +165,8 @@ def lans(
 ) -> None:
     """Functional LANS over lists of tensors; see :class:`LANS`. ``grads`` are read only.
     ``implementation``, ``low``, ``grad_scalars`` and ``shard_sums`` as in
-    :func:`scaleopt.lamb.lamb`; ``grad_norms``, when known, are the gradients' norms, not
-    computed again; the
-    scalars' ``sq_sums``, when given, are the gradients' sums of squares, which the native
-    implementation then does not compute again."""
+    :func:`scaleopt.lamb.lamb`. ``grad_norms`` (the gradients' norms) and the scalars'
+    ``sq_sums`` (their sums of squares), when given, are not computed again."""
     impl = resolve(implementation, foreach)
     options = dict(lrs=lrs, weight_decays=weight_decays, adapt=adapt, beta1=beta1, beta2=beta2,
                    eps=eps, bias_correction=bias_correction, lower_bound=lower_bound,
@@ -241,9 +239,9 @@ def _multi_tensor_lans(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs
     elif shard_sums is None:
         g_norms = _blocks.norms(grads)
     else:
-        g_norms = shard_sums.reduce(_blocks.sq_norms(grads), range(len(grads))).sqrt()
+        g_norms = shard_sums.norms(grads)
     inv = _inverse_norms(g_norms)
-    g = torch._foreach_mul(grads, [s.to(x.dtype) for x, s in zip(grads, inv.unbind(0))])
+    g = _blocks.scale_each(grads, inv)
     g = _blocks.clip_by_value(g, clip_grad_value)
     _blocks.adam_moments(exp_avgs, exp_avg_sqs, g, beta1, beta2)
     bc1, bc2_sqrt = _blocks.step_bias_corrections(state_steps, beta1, beta2, bias_correction)

@@ -109,20 +109,17 @@ class Momentum(ScaleOptimizer):
                 bufs.append(state["momentum_buffer"])
             no_decay = self._rule_flags(group, "exclude_from_weight_decay")
             decay = [not no_decay[i] for i in idx]
-            foreach = implementation(group, params, kernels=False) is Impl.MULTI
-            if item.shard_sums is not None:  # sharded: on the local shards (grads already are)
-                params, bufs = local(params), local(bufs)
             momentum_sgd(
-                params,
+                local(params),  # sharded: the local shards (the gradients already are)
                 grads,
-                bufs,
+                local(bufs),
                 decay=decay,
                 lr=group["lr"],
                 momentum=group["momentum"],
                 nesterov=group["nesterov"],
                 weight_decay=group["weight_decay"],
                 weight_decay_mode=group["weight_decay_mode"],
-                foreach=foreach,
+                foreach=implementation(group, params, kernels=False) is Impl.MULTI,
             )
         return loss
 

@@ -26,7 +26,7 @@ from ._base import (
     check_bool,
     check_choice,
 )
-from ._host import HostPipeline, attach_host, check_num_threads
+from ._host import HostPipeline, attach_host
 from ._layerwise import LayerwiseAdam
 from ._masters import LocalPlacement, MasterWeights
 from ._sharding import is_dtensor, local
@@ -134,7 +134,6 @@ class OffloadAdam(ScaleOptimizer):
         check_bool("check_finite", check_finite)
         self.check_finite = check_finite
         self.skipped = False
-        check_num_threads(num_threads)
         super().__init__(params, defaults)
         attach_host(self, overlap=overlap, num_threads=num_threads)
 
@@ -233,7 +232,8 @@ class OffloadAdam(ScaleOptimizer):
                           for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"))
         fast = [k for k, g in enumerate(grads) if not group["amsgrad"]
                 and _native.adam_applies(weights[k], g, ms[k], vs[k], low[k])]
-        slow = [k for k in range(len(params)) if k not in set(fast)]
+        fast_set = set(fast)
+        slow = [k for k in range(len(params)) if k not in fast_set]
         with self._master_weights.as_float32(view.subset(slow)) as masters:
             for k, master in zip(slow, local(masters)):
                 states[k]["step"] += 1
@@ -256,7 +256,6 @@ class OffloadAdam(ScaleOptimizer):
             beta1=beta1, beta2=beta2, eps=group["eps"], grad_multipliers=[mults[k] for k in fast],
             nesterov=group["nesterov"], one_minus_betas=one_minus_betas, threads=threads,
         )
-        fast_set = set(fast)
         self._master_weights.commit(view, [k in fast_set for k in range(len(params))])
 
     def _steps_scalars(self, group, states) -> List[Tuple[float, float]]:
@@ -311,7 +310,6 @@ def offload(optimizer_class: Type[LayerwiseAdam], params: Any, *, overlap: bool 
         )
     if "master_weights" in options and not options["master_weights"]:
         raise ValueError("offloaded optimizers always keep float32 master weights (master_weights)")
-    check_num_threads(num_threads)
     opt = optimizer_class(params, **dict(options, master_weights=True))  # as its groups say
     attach_host(opt, overlap=overlap, num_threads=num_threads)
     return opt
