@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import scaleopt
 from scaleopt.compat import keras, mindspore, mxnet, paddle, tf1
@@ -196,38 +197,32 @@ def train_hsdp(rank, world, tmp, names, steps):
     return out
 
 
+def train_given(name, shape, steps, place=lambda i, t: t):
+    """``name`` on four parameters of ``shape`` and given gradients for ``steps`` steps, each
+    tensor laid out by ``place(i, tensor)`` (as it is: in one process); the full parameters."""
+    def drawn(seed):
+        return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+    params = [nn.Parameter(place(i, drawn(i))) for i in range(4)]
+    opt = OPTIMIZERS[name]([(f"w{i}", p) for i, p in enumerate(params)])
+    for t in range(steps):
+        for i, p in enumerate(params):
+            p.grad = place(i, drawn(100 * t + i))
+        opt.step()
+    return [p.full_tensor() if isinstance(p, DTensor) else p.detach() for p in params]
+
+
 def train_tensor_parallel(rank, world, tmp, name, steps):
     """Parameters split by columns (``Shard(1)``), replicated (``Replicate()``) and by rows,
-    mixed with a plain tensor in one group: the full parameters after ``steps`` steps on given
-    gradients."""
+    mixed with a plain tensor in one group (:func:`train_given`)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (world,))
-    full = [torch.randn(7, 10, generator=torch.Generator().manual_seed(i)) for i in range(4)]
     placements = [Shard(1), Replicate(), Shard(0), None]
-    params = [nn.Parameter(t.clone() if pl is None else distribute_tensor(t.clone(), mesh, [pl]))
-              for t, pl in zip(full, placements)]
-    opt = OPTIMIZERS[name]([(f"w{i}", p) for i, p in enumerate(params)])
-    for t in range(steps):
-        grads = [torch.randn(7, 10, generator=torch.Generator().manual_seed(100 * t + i))
-                 for i in range(4)]
-        for p, g, pl in zip(params, grads, placements):
-            p.grad = g if pl is None else distribute_tensor(g, mesh, [pl])
-        opt.step()
-    out = [p.full_tensor() if pl is not None else p.detach() for p, pl in zip(params, placements)]
+    out = train_given(name, (7, 10), steps, lambda i, t: t if placements[i] is None
+                      else distribute_tensor(t, mesh, [placements[i]]))
     return out if rank == 0 else None
-
-
-def tensor_parallel_reference(name, steps):
-    full = [torch.randn(7, 10, generator=torch.Generator().manual_seed(i)) for i in range(4)]
-    params = [nn.Parameter(t.clone()) for t in full]
-    opt = OPTIMIZERS[name]([(f"w{i}", p) for i, p in enumerate(params)])
-    for t in range(steps):
-        for i, p in enumerate(params):
-            p.grad = torch.randn(7, 10, generator=torch.Generator().manual_seed(100 * t + i))
-        opt.step()
-    return [p.detach() for p in params]
 
 
 def allocations_of_a_step(rank, world, tmp, name):
@@ -253,34 +248,14 @@ def allocations_of_a_step(rank, world, tmp, name):
 
 def train_on_two_meshes(rank, world, tmp, name, steps):
     """One group with parameters on two different meshes (two mesh objects over the world, one
-    sharding rows, the other columns): the full parameters after ``steps`` steps on given
-    gradients."""
+    sharding rows, the other columns; :func:`train_given`)."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     meshes = [DeviceMesh("cpu", list(range(world))), DeviceMesh("cpu", list(range(world)))]
-    full = [torch.randn(9, 5, generator=torch.Generator().manual_seed(i)) for i in range(4)]
-    params = [nn.Parameter(distribute_tensor(t.clone(), meshes[i % 2], [Shard(i % 2)]))
-              for i, t in enumerate(full)]
-    opt = OPTIMIZERS[name]([(f"w{i}", p) for i, p in enumerate(params)])
-    for t in range(steps):
-        for i, p in enumerate(params):
-            g = torch.randn(9, 5, generator=torch.Generator().manual_seed(100 * t + i))
-            p.grad = distribute_tensor(g, meshes[i % 2], [Shard(i % 2)])
-        opt.step()
-    out = [p.full_tensor() for p in params]
+    out = train_given(name, (9, 5), steps,
+                      lambda i, t: distribute_tensor(t, meshes[i % 2], [Shard(i % 2)]))
     return out if rank == 0 else None
-
-
-def two_meshes_reference(name, steps):
-    params = [nn.Parameter(torch.randn(9, 5, generator=torch.Generator().manual_seed(i)))
-              for i in range(4)]
-    opt = OPTIMIZERS[name]([(f"w{i}", p) for i, p in enumerate(params)])
-    for t in range(steps):
-        for i, p in enumerate(params):
-            p.grad = torch.randn(9, 5, generator=torch.Generator().manual_seed(100 * t + i))
-        opt.step()
-    return [p.detach() for p in params]
 
 
 def host_reads_of_a_step(rank, world, tmp, name):

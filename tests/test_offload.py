@@ -60,9 +60,9 @@ def clip_(model, max_norm):
         g.mul_(coef)
 
 
-def run(model, opt, steps=20, accumulate=False, clip=None, sched=True):
+def run(model, opt, steps=20, accumulate=False, clip=None, sched=True, first=0):
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5) if sched else None
-    for t in range(steps):
+    for t in range(first, first + steps):
         opt.zero_grad()
         if accumulate:
             loss_of(model, t, 0).backward()
@@ -246,10 +246,7 @@ def test_resume_is_bit_identical(dtype):
     o2 = OffloadAdam(m2.parameters(), lr=1e-2, weight_decay=0.1)
     o2.load_state_dict(_roundtrip(o1.state_dict()))
     for model, opt in ((m1, o1), (m2, o2)):
-        for t in range(3, 6):
-            opt.zero_grad()
-            loss_of(model, t).backward()
-            opt.step()
+        run(model, opt, steps=3, sched=False, first=3)
     for a, b in zip(m1.parameters(), m2.parameters()):
         assert torch.equal(a, b)
     for a, b in zip(m1.parameters(), m2.parameters()):
@@ -557,10 +554,7 @@ def test_a_copied_offloaded_optimizer_keeps_its_pipeline_and_steps_the_same(make
     assert opt2.host is not None and opt2.host.num_threads == 1
     assert opt2.host is not opt.host
     for m, o in ((model, opt), (model2, opt2)):
-        for t in range(2, 4):
-            o.zero_grad()
-            loss_of(m, t).backward()
-            o.step()
+        run(m, o, steps=2, sched=False, first=2)
     for a, b in zip(model.parameters(), model2.parameters()):
         assert torch.equal(a, b)
     for a, b in zip(model.parameters(), model2.parameters()):

@@ -125,7 +125,7 @@ def test_tensor_parallel_placements_and_plain_tensors_in_one_group(name, tmp_pat
     # Shard(1) splits each row's norm over the ranks, Replicate() holds it whole on each
     (got,) = [r for r in W.run_workers(S.train_tensor_parallel, 2, tmp_path, name, 3, timeout=60)
               if r is not None]
-    for a, b in zip(got, S.tensor_parallel_reference(name, 3)):
+    for a, b in zip(got, S.train_given(name, (7, 10), 3)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -159,7 +159,7 @@ def test_meta_parameters_step_without_touching_memory(cls):
 def test_a_group_on_two_meshes(name, tmp_path):
     (got,) = [r for r in W.run_workers(S.train_on_two_meshes, 2, tmp_path, name, 3, timeout=60)
               if r is not None]
-    for a, b in zip(got, S.two_meshes_reference(name, 3)):
+    for a, b in zip(got, S.train_given(name, (9, 5), 3)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
