@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    get_model_state_dict,
     get_optimizer_state_dict,
+    set_model_state_dict,
     set_optimizer_state_dict,
 )
 
@@ -69,3 +72,37 @@ def _result(model, opt):
 
 def _path(path, name):
     return f"{path}/{''.join(c if c.isalnum() else '_' for c in name)}"
+
+
+def _full(model, opt):
+    """The full (unsharded) model and optimizer state dicts, on the CPU."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return (get_model_state_dict(model, options=options),
+            get_optimizer_state_dict(model, opt, options=options))
+
+
+def save_full_after(rank, world, tmp, names, steps):
+    """Train each of ``names`` ``steps`` steps sharded; the full model and optimizer state
+    dicts (``full_state_dict=True``), as rank 0 has them."""
+    out = {}
+    for name in names:
+        model, opt = _fresh(name)
+        _train(model, opt, steps, rank, world)
+        out[name] = _full(model, opt)
+    return out if rank == 0 else None
+
+
+def resume_from_full(rank, world, tmp, names, first, steps, path):
+    """Load each of ``names``' full state dicts (saved by one process with ``torch.save``) into
+    a sharded run and train ``steps`` more steps; as :func:`resume_from`."""
+    full = torch.load(path, weights_only=True)
+    options = StateDictOptions(full_state_dict=True)
+    out = {}
+    for name in names:
+        model, opt = _fresh(name)
+        msd, osd = full[name]
+        set_model_state_dict(model, msd, options=options)
+        set_optimizer_state_dict(model, opt, osd, options=options)
+        _train(model, opt, steps, rank, world, first)
+        out[name] = _result(model, opt)
+    return out if rank == 0 else None

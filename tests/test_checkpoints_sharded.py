@@ -29,10 +29,7 @@ def test_saved_at_two_ranks_resumed_at_three_continues_the_run(tmp_path):
     got = _rank0(W.run_workers(D.resume_from, 3, tmp_path / "load", NAMES, 2, 2,
                                str(tmp_path / "ck"), timeout=240))
     for name in NAMES:
-        want, _ = S.train_reference(name, 4)
-        rtol, atol = (1e-2, 1e-2) if "bf16" in name else (1e-5, 1e-6)
-        for a, b in zip(got[name]["params"], want):
-            torch.testing.assert_close(a.float(), b.float(), rtol=rtol, atol=atol, msg=name)
+        _close(got[name]["params"], name, 4)
 
 
 def test_saved_and_resumed_at_the_same_size_is_bit_identical(tmp_path):
@@ -48,3 +45,55 @@ def test_saved_and_resumed_at_the_same_size_is_bit_identical(tmp_path):
         for key, st in straight[name]["optim"]["state"].items():
             for k, v in st.items():
                 assert torch.equal(resumed[name]["optim"]["state"][key][k], v), (name, key, k)
+
+
+def _close(got, name, steps):
+    want, _ = S.train_reference(name, steps)
+    rtol, atol = (1e-2, 1e-2) if "bf16" in name else (1e-5, 1e-6)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.float(), b.float(), rtol=rtol, atol=atol, msg=name)
+
+
+def _one_process(name, first, steps, full=None):
+    """``name`` in this process (no process group) on the full tensors, from ``full`` (a full
+    model and optimizer state dict) if given: the model, the optimizer."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    model = S.model_of(name)
+    opt = S.OPTIMIZERS[name](list(model.named_parameters()))
+    if full is not None:
+        set_model_state_dict(model, full[0])
+        set_optimizer_state_dict(model, opt, full[1])
+    for t in range(first, first + steps):
+        opt.zero_grad()
+        S.backward(model, t)
+        opt.step()
+    return model, opt
+
+
+def test_a_full_state_dict_of_a_sharded_run_resumes_in_one_process(tmp_path):
+    full = _rank0(W.run_workers(D.save_full_after, 2, tmp_path, NAMES, 2, timeout=240))
+    for name in NAMES:
+        msd, osd = full[name]
+        # full tensors, keyed by parameter name, with the split masters as float32 masters
+        assert set(osd["state"]) == set(msd) == {n for n, _ in S.model_of(name).named_parameters()}
+        for n, st in osd["state"].items():
+            for k, v in st.items():
+                if k != "step":
+                    assert type(v) is torch.Tensor and v.shape == msd[n].shape, (name, n, k)
+        model, _ = _one_process(name, 2, 2, full[name])
+        _close(list(model.parameters()), name, 4)
+
+
+def test_a_one_process_checkpoint_resumes_in_a_sharded_run(tmp_path):
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    full = {}
+    for name in NAMES:
+        model, opt = _one_process(name, 0, 2)
+        full[name] = (get_model_state_dict(model), get_optimizer_state_dict(model, opt))
+    torch.save(full, tmp_path / "full.pt")
+    got = _rank0(W.run_workers(D.resume_from_full, 3, tmp_path / "load", NAMES, 2, 2,
+                               str(tmp_path / "full.pt"), timeout=240))
+    for name in NAMES:
+        _close(got[name]["params"], name, 4)
