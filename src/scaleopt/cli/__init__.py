@@ -60,13 +60,27 @@ def _add_training_options(p: argparse.ArgumentParser, study: bool = False) -> No
     g.add_argument("--device", default=d.device, help="cpu or cuda (default: cpu)")
     g.add_argument("--threads", type=_positive_int, help="intra-op threads (default: torch's)")
     if not study:
-        g.add_argument("--offload", action="store_true",
+        g.add_argument("--offload", action=argparse.BooleanOptionalAction, default=False,
                        help="optimizer state and update on the host: OffloadAdam for adamw, "
                             "scaleopt.offload() for lamb and lans")
         g.add_argument("--workers", type=_positive_int, default=1,
                        help="train in N processes on torch.distributed (gloo on the CPU, NCCL "
                             "on GPUs), started by this command on 127.0.0.1; under torchrun "
                             "the launch decides (default: 1)")
+        g.add_argument("--shard", action=argparse.BooleanOptionalAction, default=False,
+                       help="FSDP2 (fully_shard) instead of DDP: each of the --workers holds "
+                            "1/N of the parameters and of the optimizer state")
+        g = p.add_argument_group("checkpoints (torch.distributed.checkpoint)")
+        g.add_argument("--checkpoint-every", type=_positive_int, metavar="K",
+                       help="write a checkpoint into the run folder every K steps; each rank "
+                            "writes its own shards")
+        g.add_argument("--stop-after", type=_positive_int, metavar="STEP",
+                       help="end after this step with a checkpoint (the LR schedule still spans "
+                            "the whole run); continue with --resume")
+        g.add_argument("--resume", metavar="RUN_DIR",
+                       help="continue the run in RUN_DIR from its last checkpoint, with its "
+                            "options; --workers, --shard, --offload, --threads, --device may "
+                            "differ (resharding as needed), the rest must be the same")
     if not study:
         g = p.add_argument_group("deep gradient compression (with --optimizer momentum)")
         g.add_argument("--dgc", action="store_true",
@@ -99,6 +113,33 @@ def _config(args: argparse.Namespace, **over):
     return Config(**values)
 
 
+def _given(parser: argparse.ArgumentParser, argv: List[str]) -> set:
+    """The destinations of the options written on the command line ``argv`` (not defaults)."""
+    actions = [a for a in parser._actions if a.option_strings]
+    saved = [a.default for a in actions]
+    try:
+        for a in actions:
+            a.default = argparse.SUPPRESS
+        given, _ = parser.parse_known_args(argv)
+    finally:
+        for a, d in zip(actions, saved):
+            a.default = d
+    return set(vars(given))
+
+
+def _resumed(args: argparse.Namespace, given: set):
+    """The configuration of ``train --resume``: the checkpoint's, with the options given."""
+    from .checkpoint import resumed_config
+    from .train import Config
+
+    fields = {f.name for f in dataclasses.fields(Config)}
+    values = {k: v for k, v in vars(args).items() if k in given and k in fields}
+    if "no_progress" in given:
+        values["progress"] = False
+    merged = resumed_config(args.resume, values)
+    return Config(**{k: v for k, v in merged.items() if k in fields})
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="scaleopt",
@@ -107,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Exit codes: 0 success, 2 bad arguments, 3 training diverged, 1 other failure.")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+    ap.commands = sub.choices  # name -> parser
 
     p = sub.add_parser("train", help="train the built-in model (the default run takes seconds)",
                        description="Train a 2-hidden-layer MLP on generated spiral data and "
@@ -144,12 +186,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)  # exits with 2 on a usage error
     from .train import Diverged
 
     try:
         if args.command == "train":
-            return _train(args)
+            given = _given(parser.commands["train"], argv[argv.index("train") + 1:])
+            return _train(args, given)
         if args.command == "study":
             return _study(args)
         from . import bench
@@ -165,19 +209,23 @@ def main(argv: Optional[List[str]] = None) -> int:
         return EXIT_DIVERGED
 
 
-def _train(args: argparse.Namespace) -> int:
+def _train(args: argparse.Namespace, given: set) -> int:
     from . import train
 
-    cfg = _config(args)
+    cfg = _resumed(args, given) if args.resume else _config(args)
     train.check(cfg)
     if cfg.out is None:
         cfg = dataclasses.replace(cfg, out=train.default_out(cfg))
     r = train.train(cfg)
     if not r:  # another rank of a torchrun launch: rank 0 reports
         return EXIT_OK
-    print(f"{cfg.optimizer}{' (offloaded)' if cfg.offload else ''} on {cfg.dataset}: "
+    how = "".join(w for w, on in ((" offloaded", cfg.offload), (" sharded", cfg.shard)) if on)
+    print(f"{cfg.optimizer}{f' ({how.strip()})' if how else ''} on {cfg.dataset}: "
           f"test accuracy {r['test_accuracy']:.4f}, test loss {r['test_loss']:.4f} after "
-          f"{r['steps']} steps ({r['epochs']:.1f} epochs) of batch {cfg.batch_size}, lr {r['lr']:g}")
+          f"{r['steps']} steps ({r['epochs']:.1f} epochs) of batch {cfg.batch_size}, lr {r['lr']:g}"
+          + (f"; resumed at step {r['resumed_at']}" if r["resumed_at"] is not None else "")
+          + ("" if r["complete"] else f"; stopped before step {r['total_steps']}: continue with "
+             f"--resume {cfg.out}"))
     line = (f"{r['time_s']:.1f} s, {r['steps_per_s']:.1f} steps/s, {r['samples_per_s']:,.0f} samples/s, "
             f"{r['parameters']:,} parameters, {r['threads']} threads")
     if "dgc_density" in r:
@@ -192,10 +240,16 @@ def _train(args: argparse.Namespace) -> int:
                  f"last step: {last['dense_bytes'] / max(last['bytes_sent'], 1):.0f}x fewer "
                  f"bytes sent, payload {last['dense_payload_bytes'] / max(last['payload_bytes'], 1):.0f}x "
                  f"smaller")
-    elif "workers" in r:
+    elif "allreduce_bytes_per_step" in r:
         line += (f"; {r['workers']} workers, {r['allreduce_bytes_per_step']:,} gradient bytes "
                  f"all-reduced per step (about {r['bytes_sent_per_rank_per_step']:,} sent per rank)")
     print(line)
+    print(f"per rank: {r['param_bytes_per_rank']:,} bytes of parameters and "
+          f"{r['optimizer_state_bytes_per_rank']:,} of optimizer state"
+          + (f" ({r['workers']} shards; unsharded: {r['unsharded_param_bytes']:,} and "
+             f"{r['unsharded_optimizer_state_bytes']:,})" if r["sharded"] else ""))
+    if r["checkpoints"]:
+        print(f"checkpoints: {len(r['checkpoints'])}, the last {r['checkpoints'][-1]}")
     print(f"results: {cfg.out}/result.json, history.csv, curves.png")
     return EXIT_OK
 

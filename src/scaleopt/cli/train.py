@@ -40,6 +40,10 @@ class Config:
     seed: int = 0
     offload: bool = False
     workers: int = 1
+    shard: bool = False  # FSDP2: each rank holds 1/workers of the parameters and the state
+    checkpoint_every: Optional[int] = None  # DCP checkpoints into out/checkpoints every K steps
+    stop_after: Optional[int] = None  # end after this step, with a checkpoint (see --resume)
+    resume: Optional[str] = None  # a run directory: continue from its last checkpoint
     device: str = "cpu"
     threads: Optional[int] = None
     out: Optional[str] = None
@@ -93,6 +97,16 @@ def check(cfg: Config) -> None:
         raise ValueError(f"unknown schedule {cfg.schedule!r}; choose one of {optimizers.SCHEDULES}")
     if cfg.offload and not optimizers.OPTIMIZERS[cfg.optimizer].offloadable:
         raise ValueError(f"--offload applies to lamb, lans and adamw, not {cfg.optimizer}")
+    if cfg.shard and cfg.dgc:
+        raise ValueError("--shard with --dgc: DGC compresses the gradient exchange of replicated "
+                         "data parallelism (each rank holds every parameter); sharded parameters "
+                         "have no such exchange. Use one or the other")
+    if cfg.shard and cfg.workers < 2 and int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        raise ValueError("--shard splits the parameters and the optimizer state over the "
+                         "processes: use it with --workers 2 or more (or under torchrun)")
+    for name in ("checkpoint_every", "stop_after"):
+        if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
     if cfg.dgc:
         if cfg.optimizer != "momentum":
             raise ValueError("--dgc is DGC momentum SGD: use it with --optimizer momentum")
@@ -111,7 +125,8 @@ def check(cfg: Config) -> None:
 
 
 def default_out(cfg: Config) -> str:
-    tag = f"{cfg.optimizer}{'-offload' if cfg.offload else ''}-b{cfg.batch_size}"
+    tag = (f"{cfg.optimizer}{'-offload' if cfg.offload else ''}{'-shard' if cfg.shard else ''}"
+           f"-b{cfg.batch_size}")
     return str(pathlib.Path("scaleopt-runs") / f"train-{tag}")
 
 
@@ -132,8 +147,31 @@ def _evaluate(model, x, y, batch: int = 8192):
     return loss / len(x), correct / len(x)
 
 
-def run(cfg: Config, rank: int = 0, world: int = 1) -> Dict[str, Any]:
-    """Train; on rank 0 return (and write, if ``cfg.out``) the results. Raises :class:`Diverged`."""
+def _shard(model: torch.nn.Module) -> None:
+    """FSDP2: each layer with parameters, then the whole model, sharded over the world."""
+    from torch.distributed.fsdp import fully_shard
+
+    for m in model:
+        if any(True for _ in m.parameters(recurse=False)):
+            fully_shard(m)
+    fully_shard(model)
+
+
+def _mean_over_ranks(value: torch.Tensor, world: int) -> float:
+    """The batch loss over the global batch (each rank has its slice of it)."""
+    if world > 1:
+        value = value.detach().clone()
+        dist.all_reduce(value)
+        value /= world
+    return value.item()
+
+
+def run(cfg: Config, rank: int = 0, world: int = 1, write: bool = True) -> Dict[str, Any]:
+    """Train; on rank 0 return the results (and write them if ``write`` and ``cfg.out``).
+    Raises :class:`Diverged`, and :class:`checkpoint.CheckpointError` for a checkpoint that
+    cannot be resumed."""
+    from . import checkpoint
+
     check(cfg)
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
@@ -143,6 +181,8 @@ def run(cfg: Config, rank: int = 0, world: int = 1) -> Dict[str, Any]:
     x, y, xt, yt = x.to(device), y.to(device), xt.to(device), yt.to(device)
     vocab = data.TOPICS["vocab"] if cfg.dataset == "topics" else 0
     model = data.make_model(x.shape[1], classes, cfg.width, seed=cfg.seed, vocab=vocab).to(device)
+    if cfg.shard:
+        _shard(model)
     lr = cfg.resolved_lr()
     if cfg.dgc:
         from ..dgc import PAPER_SPARSITY, DGCMomentum
@@ -157,31 +197,42 @@ def run(cfg: Config, rank: int = 0, world: int = 1) -> Dict[str, Any]:
         opt = optimizers.build(cfg.optimizer, model, lr, cfg.weight_decay, cfg.offload)
     total, warmup = cfg.total_steps(), cfg.warmup_steps()
     sched = torch.optim.lr_scheduler.LambdaLR(opt, optimizers.schedule(cfg.schedule, total, warmup))
+    history: List[Dict[str, Any]] = []
+    curve: List[Any] = []  # (step, training loss of the batch)
+    step, before = 0, 0.0  # the first step to run; seconds trained before it
+    if cfg.resume:
+        path = checkpoint.find(cfg.resume)
+        meta = checkpoint.read_meta(path)
+        checkpoint.load(path, meta, model, opt)
+        sched.load_state_dict(meta["scheduler"])
+        step, before = meta["step"], meta["time_s"]
+        history, curve = meta["history"], [tuple(c) for c in meta["train_curve"]]
     net = model
-    if world > 1 and not cfg.dgc:  # DGC communicates in its step
+    if world > 1 and not cfg.dgc and not cfg.shard:  # DGC communicates in its step
         net = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None)
     per_rank = cfg.batch_size // world
     steps_per_epoch = cfg.train_size // cfg.batch_size
     numel = sum(p.numel() for p in model.parameters())
     g = torch.Generator().manual_seed(cfg.seed)  # the same batches on every rank
-    history: List[Dict[str, Any]] = []
     eval_every = max(1, total // cfg.evals)
     log_every = max(1, total // 200)
-    curve: List[Any] = []  # (step, training loss of the batch)
+    end = min(total, cfg.stop_after or total)
     bar = None
     if rank == 0 and cfg.progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=total, desc=f"{cfg.optimizer} b{cfg.batch_size}", unit="step",
-                   dynamic_ncols=True, file=sys.stderr, mininterval=0.5,
+        bar = tqdm(total=total, initial=step, desc=f"{cfg.optimizer} b{cfg.batch_size}",
+                   unit="step", dynamic_ncols=True, file=sys.stderr, mininterval=0.5,
                    disable=None)  # None: a bar on a terminal, none in a log
-    start = time.perf_counter()
-    perm = torch.randperm(cfg.train_size, generator=g)
-    step = 0
+    for _ in range(1 + max(0, step - 1) // steps_per_epoch):  # the epochs' orders so far
+        perm = torch.randperm(cfg.train_size, generator=g)
+    start = time.perf_counter() - before
+    first = step
     loss_value = float("nan")
     dgc_totals: Dict[str, float] = {}
-    while step < total:
+    checkpoints: List[str] = []
+    while step < end:
         k = step % steps_per_epoch
         if k == 0 and step > 0:
             perm = torch.randperm(cfg.train_size, generator=g)
@@ -198,7 +249,7 @@ def run(cfg: Config, rank: int = 0, world: int = 1) -> Dict[str, Any]:
                         "selected", "numel"):
                 dgc_totals[key] = dgc_totals.get(key, 0) + opt.telemetry[key]
         if step % log_every == 0 or step % eval_every == 0 or step == total:
-            loss_value = loss.item()
+            loss_value = _mean_over_ranks(loss, world)
             if rank == 0:
                 curve.append((step, loss_value))
             if not math.isfinite(loss_value):
@@ -210,16 +261,32 @@ def run(cfg: Config, rank: int = 0, world: int = 1) -> Dict[str, Any]:
             if step % log_every == 0 or step == total:
                 elapsed = time.perf_counter() - start
                 bar.set_postfix(loss=f"{loss_value:.4f}",
-                                samples_per_s=f"{step * cfg.batch_size / elapsed:,.0f}")
-        if rank == 0 and (step % eval_every == 0 or step == total):
-            test_loss, test_acc = _evaluate(model, xt, yt)
-            history.append({"step": step, "epoch": step / steps_per_epoch,
-                            "train_loss": loss_value, "lr": sched.get_last_lr()[0],
-                            "test_loss": test_loss, "test_accuracy": test_acc,
-                            "time_s": time.perf_counter() - start})
+                                samples_per_s=f"{(step - first) * cfg.batch_size / (elapsed - before):,.0f}")
+        if step % eval_every == 0 or step == total:
+            if rank == 0 or cfg.shard:  # a sharded model's forward needs every rank
+                test_loss, test_acc = _evaluate(model, xt, yt)
+            if rank == 0:
+                history.append({"step": step, "epoch": step / steps_per_epoch,
+                                "train_loss": loss_value, "lr": sched.get_last_lr()[0],
+                                "test_loss": test_loss, "test_accuracy": test_acc,
+                                "time_s": time.perf_counter() - start})
+        if cfg.out and ((cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
+                        or step == cfg.stop_after):
+            meta = {"config": dataclasses.asdict(cfg), "total_steps": total,
+                    "optimizer_class": type(opt).__name__, "parameters": checkpoint.shapes(model),
+                    "scheduler": sched.state_dict(), "history": history, "train_curve": curve,
+                    "time_s": time.perf_counter() - start, "world": world}
+            checkpoints.append(checkpoint.save(cfg.out, step, model, opt, meta, rank, world))
     elapsed = time.perf_counter() - start
     if bar is not None:
         bar.close()
+    sizes = checkpoint.state_bytes(model, opt)
+    if cfg.shard:  # the largest shard (the first ranks take the remainders)
+        per_rank_bytes = torch.tensor([sizes["param_bytes_per_rank"],
+                                       sizes["optimizer_state_bytes_per_rank"]])
+        dist.all_reduce(per_rank_bytes, op=dist.ReduceOp.MAX)
+        sizes["param_bytes_per_rank"], sizes["optimizer_state_bytes_per_rank"] = map(
+            int, per_rank_bytes.tolist())
     if rank != 0:
         return {}
     last = history[-1]
@@ -227,35 +294,41 @@ def run(cfg: Config, rank: int = 0, world: int = 1) -> Dict[str, Any]:
         "config": dataclasses.asdict(cfg),
         "lr": lr,
         "parameters": numel,
-        "steps": total,
-        "epochs": total / steps_per_epoch,
+        "steps": step,
+        "total_steps": total,
+        "complete": step == total,
+        "resumed_at": first if cfg.resume else None,
+        "epochs": step / steps_per_epoch,
         "train_loss": last["train_loss"],
         "test_loss": last["test_loss"],
         "test_accuracy": last["test_accuracy"],
         "time_s": elapsed,
-        "steps_per_s": total / elapsed,
-        "samples_per_s": total * cfg.batch_size / elapsed,
+        "steps_per_s": (step - first) / (elapsed - before),
+        "samples_per_s": (step - first) * cfg.batch_size / (elapsed - before),
         "history": history,
         "train_curve": curve,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        "workers": world,
+        "sharded": cfg.shard,
+        "checkpoints": checkpoints,
+        **sizes,
     }
     if cfg.dgc:
-        result["workers"] = world
-        result["dgc_bytes_sent_per_rank_per_step"] = dgc_totals["bytes_sent"] / total
-        result["dense_bytes_sent_per_rank_per_step"] = dgc_totals["dense_bytes"] / total
-        result["dgc_payload_bytes_per_rank_per_step"] = dgc_totals["payload_bytes"] / total
-        result["dense_payload_bytes_per_rank_per_step"] = dgc_totals["dense_payload_bytes"] / total
+        result["dgc_bytes_sent_per_rank_per_step"] = dgc_totals["bytes_sent"] / (step - first)
+        result["dense_bytes_sent_per_rank_per_step"] = dgc_totals["dense_bytes"] / (step - first)
+        result["dgc_payload_bytes_per_rank_per_step"] = dgc_totals["payload_bytes"] / (step - first)
+        result["dense_payload_bytes_per_rank_per_step"] = (dgc_totals["dense_payload_bytes"]
+                                                           / (step - first))
         result["dgc_density"] = dgc_totals["selected"] / dgc_totals["numel"]
         result["dgc_final_telemetry"] = dict(opt.telemetry)
-    elif world > 1:
+    elif world > 1 and not cfg.shard:
         # DDP all-reduces every gradient each step (ring all-reduce: each rank sends about
         # 2(N-1)/N of the gradient bytes)
         grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        result["workers"] = world
         result["allreduce_bytes_per_step"] = grad_bytes
         result["bytes_sent_per_rank_per_step"] = int(2 * (world - 1) / world * grad_bytes)
-    if cfg.out:
+    if cfg.out and write:
         from . import report
 
         report.write_run(result, cfg.out)
@@ -282,9 +355,10 @@ def _worker(rank: int, cfg: Config, world: int, port: int, result_file: str) -> 
     try:
         if cfg.threads is None:  # share the cores between the processes
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-        result = run(dataclasses.replace(cfg, out=None), rank, world)
+        result = run(cfg, rank, world, write=False)
         if rank == 0:
             pathlib.Path(result_file).write_text(json.dumps(result))
+        dist.barrier()  # no rank leaves the group while another still uses it
     finally:
         dist.destroy_process_group()
 
@@ -299,8 +373,9 @@ def train(cfg: Config) -> Dict[str, Any]:
         try:
             rank, world = dist.get_rank(), dist.get_world_size()
             check(dataclasses.replace(cfg, workers=world))
-            return run(dataclasses.replace(cfg, workers=world, out=cfg.out if rank == 0 else None),
-                       rank, world)
+            result = run(dataclasses.replace(cfg, workers=world), rank, world)
+            dist.barrier()  # no rank leaves the group while another still uses it
+            return result
         finally:
             dist.destroy_process_group()
     if cfg.workers == 1:
@@ -315,8 +390,13 @@ def train(cfg: Config) -> Dict[str, Any]:
             mp.spawn(_worker, args=(cfg, cfg.workers, _free_port(), result_file),
                      nprocs=cfg.workers, join=True)
         except mp.ProcessRaisedException as exc:
+            last = str(exc).strip().splitlines()[-1]
             if "Diverged" in str(exc):
-                raise Diverged(str(exc).strip().splitlines()[-1]) from None
+                raise Diverged(last) from None
+            if "CheckpointError" in str(exc):
+                from .checkpoint import CheckpointError
+
+                raise CheckpointError(last.split(": ", 1)[-1]) from None
             raise
         result = json.loads(pathlib.Path(result_file).read_text())
     if cfg.out:

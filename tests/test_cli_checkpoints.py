@@ -1,0 +1,183 @@
+"""`scaleopt train --shard`, `--checkpoint-every`, `--stop-after` and `--resume`: sharded runs
+equal to DDP runs, runs resumed at another world size equal to uninterrupted ones, checkpoints
+that survive a run killed while it saves, and the errors of a resume that cannot be done."""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from scaleopt.cli import EXIT_USAGE, main
+
+# 384 = 2 x 192 = 3 x 128: a global batch that 1, 2 and 3 workers split; 8 steps an epoch
+SMALL = ["--train-size", "3072", "--batch-size", "384", "--width", "32", "--no-progress",
+         "--threads", "1", "--steps", "12"]
+
+
+def _train(out, *argv):
+    assert main(["train", *SMALL, *argv, "--out", str(out)]) == 0
+    return json.loads((pathlib.Path(out) / "result.json").read_text())
+
+
+def _same_history(a, b, rel=1e-4):
+    assert [h["step"] for h in a] == [h["step"] for h in b]
+    for x, y in zip(a, b):
+        for key in ("train_loss", "test_loss", "test_accuracy", "lr"):
+            assert x[key] == pytest.approx(y[key], rel=rel, abs=1e-6), (x["step"], key)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The uninterrupted run of SMALL in one process."""
+    return _train(tmp_path_factory.mktemp("one") / "run")
+
+
+@pytest.mark.parametrize("optimizer", [["--optimizer", "lamb"], ["--optimizer", "lans", "--offload"]])
+def test_a_sharded_run_equals_the_ddp_run_and_holds_half_the_state(tmp_path, optimizer):
+    ddp = _train(tmp_path / "ddp", "--workers", "2", *optimizer)
+    fsdp = _train(tmp_path / "fsdp", "--workers", "2", "--shard", *optimizer)
+    assert fsdp["sharded"] and not ddp["sharded"] and fsdp["workers"] == 2
+    _same_history(fsdp["history"], ddp["history"])
+    # each rank holds about half (the first rank the larger part of an odd row count; the
+    # 5-row output layer splits 3 + 2)
+    for kind in ("param_bytes", "optimizer_state_bytes"):
+        full = ddp[f"{kind}_per_rank"]
+        assert fsdp[f"unsharded_{kind}"] == full > 0
+        assert full / 2 <= fsdp[f"{kind}_per_rank"] <= 0.55 * full, kind
+
+
+def test_a_run_stopped_and_resumed_at_another_world_size_continues_the_run(tmp_path, one_process,
+                                                                          capsys):
+    run = tmp_path / "run"
+    first = _train(run, "--workers", "2", "--shard", "--checkpoint-every", "3",
+                   "--stop-after", "6")
+    assert not first["complete"] and first["steps"] == 6
+    assert "continue with --resume" in capsys.readouterr().out
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step-00000006"
+    with open(run / "history.csv") as f:
+        before = list(csv.DictReader(f))
+    # three workers, unsharded (DDP), from the checkpoint two sharded workers wrote
+    assert main(["train", "--resume", str(run), "--workers", "3", "--no-shard",
+                 "--no-progress"]) == 0
+    resumed = json.loads((run / "result.json").read_text())
+    assert resumed["complete"] and resumed["resumed_at"] == 6 and resumed["workers"] == 3
+    assert not resumed["sharded"] and resumed["config"]["checkpoint_every"] == 3
+    _same_history(resumed["history"], one_process["history"])
+    with open(run / "history.csv") as f:
+        after = list(csv.DictReader(f))
+    assert after[:len(before)] == before and len(after) == len(one_process["history"])
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "latest", "step-00000003", "step-00000006", "step-00000009", "step-00000012"]
+
+
+DIE_ON_SECOND_SAVE = """
+import os, sys
+import torch.distributed.checkpoint as dcp
+from scaleopt.cli import main
+
+real, calls = dcp.save, []
+
+
+def save(state, checkpoint_id=None, **kw):
+    calls.append(checkpoint_id)
+    if len(calls) == 2:  # killed while it writes: some files there, the rest never comes
+        real(state, checkpoint_id=checkpoint_id, **kw)
+        os.remove(os.path.join(checkpoint_id, ".metadata"))
+        os._exit(9)
+    return real(state, checkpoint_id=checkpoint_id, **kw)
+
+
+dcp.save = save
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_run_killed_while_it_saves_keeps_the_last_complete_checkpoint(tmp_path, one_process):
+    run = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-c", DIE_ON_SECOND_SAVE, "train", *SMALL, "--checkpoint-every", "4",
+         "--out", str(run)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 9, proc.stderr
+    ckpts = run / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step-00000004"
+    assert sorted(p.name for p in ckpts.iterdir()) == [".step-00000008.partial", "latest",
+                                                       "step-00000004"]
+    assert main(["train", "--resume", str(run), "--no-progress"]) == 0
+    resumed = json.loads((run / "result.json").read_text())
+    assert resumed["resumed_at"] == 4
+    _same_history(resumed["history"], one_process["history"], rel=1e-6)
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step-00000004",
+                                                       "step-00000008", "step-00000012"]
+
+
+def _snapshot(folder):
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(pathlib.Path(folder).rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory):
+    """LAMB and AdamW runs stopped at step 4 of 12 (LAMB's with checkpoints at 2 and 4), one
+    finished with a checkpoint and one without checkpoints."""
+    root = tmp_path_factory.mktemp("stopped")
+    _train(root / "lamb", "--checkpoint-every", "2", "--stop-after", "4")
+    _train(root / "adamw", "--optimizer", "adamw", "--stop-after", "4")
+    _train(root / "done", "--checkpoint-every", "12")
+    _train(root / "none")
+    return root
+
+
+def _half_written(root):
+    run = root / "half"
+    if not run.exists():
+        shutil.copytree(root / "lamb", run)
+        os.remove(run / "checkpoints" / "step-00000004" / ".metadata")
+    return run
+
+
+def _only_partial(root):
+    run = root / "partial"
+    if not run.exists():
+        shutil.copytree(root / "lamb", run)
+        os.remove(run / "checkpoints" / "latest")
+        for p in (run / "checkpoints").iterdir():
+            p.rename(p.with_name(f".{p.name}.partial"))
+    return run
+
+
+@pytest.mark.parametrize("make, argv, message", [
+    (lambda r: r / "lamb", ["--optimizer", "lans"],
+     "--optimizer lans is another optimizer than the checkpoint's (--optimizer lamb)"),
+    (lambda r: r / "lamb", ["--width", "64"], "--width 64 is another model than the checkpoint's"),
+    (lambda r: r / "lamb", ["--dataset", "spirals2"], "another model"),
+    (lambda r: r / "lamb", ["--batch-size", "768"], "--batch-size 768 is another run"),
+    (lambda r: r / "lamb", ["--offload", "--workers", "2", "--shard", "--dgc"], "--dgc"),
+    (lambda r: r / "adamw", ["--offload"], "holds the state of AdamW, not of OffloadAdam"),
+    (lambda r: r / "done", [], "the run is complete (step 12 of 12)"),
+    (lambda r: r / "none", [], "no complete checkpoint"),
+    (lambda r: r / "missing", [], "no such directory"),
+    (_half_written, [], "is incomplete (no .metadata)"),
+    (_only_partial, [], "only the incomplete .step-00000004.partial"),
+    (lambda r: r / "lamb", ["--stop-after", "3"], "at step 4 already"),
+])
+def test_a_resume_that_cannot_be_done_is_a_clear_error(stopped, make, argv, message, capsys):
+    run = make(stopped)
+    before = _snapshot(run) if run.exists() else None
+    assert main(["train", "--resume", str(run), "--no-progress", *argv]) == EXIT_USAGE
+    assert message in capsys.readouterr().err
+    assert (_snapshot(run) if run.exists() else None) == before
+
+
+def test_shard_with_dgc_or_one_worker_is_an_error(capsys):
+    assert main(["train", "--optimizer", "momentum", "--dgc", "--workers", "2", "--shard"]) == EXIT_USAGE
+    assert "--shard with --dgc" in capsys.readouterr().err
+    assert main(["train", "--shard"]) == EXIT_USAGE
+    assert "--workers 2 or more" in capsys.readouterr().err
