@@ -54,6 +54,17 @@ def test_a_sharded_run_equals_the_ddp_run_and_holds_half_the_state(tmp_path, opt
         assert full / 2 <= fsdp[f"{kind}_per_rank"] <= 0.55 * full, kind
 
 
+@pytest.mark.parametrize("name", ["lans", "adamw", "offload-adam", "momentum", "torch-adamw",
+                                  "torch-sgd"])
+def test_every_optimizer_trains_sharded_as_in_one_process(tmp_path, name):
+    short = ["--optimizer", name, "--steps", "4"]
+    fsdp = _train(tmp_path / "fsdp", "--workers", "2", "--shard", *short)
+    one = _train(tmp_path / "one", *short)
+    assert fsdp["sharded"] and fsdp["steps"] == 4
+    _same_history(fsdp["history"], one["history"])
+    assert fsdp["optimizer_state_bytes_per_rank"] < 0.55 * one["optimizer_state_bytes_per_rank"]
+
+
 def test_a_run_stopped_and_resumed_at_another_world_size_continues_the_run(tmp_path, one_process,
                                                                           capsys):
     run = tmp_path / "run"

@@ -219,8 +219,8 @@ def _train(args: argparse.Namespace, given: set) -> int:
     r = train.train(cfg)
     if not r:  # another rank of a torchrun launch: rank 0 reports
         return EXIT_OK
-    how = "".join(w for w, on in ((" offloaded", cfg.offload), (" sharded", cfg.shard)) if on)
-    print(f"{cfg.optimizer}{f' ({how.strip()})' if how else ''} on {cfg.dataset}: "
+    how = ", ".join(w for w, on in (("offloaded", cfg.offload), ("sharded", cfg.shard)) if on)
+    print(f"{cfg.optimizer}{f' ({how})' if how else ''} on {cfg.dataset}: "
           f"test accuracy {r['test_accuracy']:.4f}, test loss {r['test_loss']:.4f} after "
           f"{r['steps']} steps ({r['epochs']:.1f} epochs) of batch {cfg.batch_size}, lr {r['lr']:g}"
           + (f"; resumed at step {r['resumed_at']}" if r["resumed_at"] is not None else "")
