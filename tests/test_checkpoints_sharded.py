@@ -9,9 +9,7 @@ import dcp_workers as D
 import dgc_workers as W
 import sharded_workers as S
 
-NAMES = ["LAMB", "LANS(decay_moved_weight, bounds)", "LAMB(bf16, master_weights)",
-         "OffloadAdam", "offload(LAMB)", "AdamW", "Momentum", "paddle.Lamb", "mxnet.LANS",
-         "keras.Lamb", "mindspore.AdamOffload"]
+NAMES = list(S.OPTIMIZERS)  # every optimizer, option set and front-end of the sharded tests
 EXACT = ["LAMB", "LANS(decay_moved_weight, bounds)", "LAMB(bf16, master_weights)", "OffloadAdam"]
 
 
