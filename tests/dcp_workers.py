@@ -70,8 +70,13 @@ def _result(model, opt):
     return {"params": [p.full_tensor() for p in model.parameters()], "optim": full}
 
 
+def folder(name):
+    """The checkpoint folder of ``name`` under a test's checkpoint path."""
+    return "".join(c if c.isalnum() else "_" for c in name)
+
+
 def _path(path, name):
-    return f"{path}/{''.join(c if c.isalnum() else '_' for c in name)}"
+    return f"{path}/{folder(name)}"
 
 
 def _full(model, opt):
