@@ -55,7 +55,7 @@ def main(argv=None) -> None:
                 opt.step()
                 times[k].append(time.perf_counter() - t)
         base = times["adamw"]
-        print(f"{numel:12,d} {count:8d} {statistics.median(base) * 1e3:9.1f} "
+        print(f"{numel:12,d} {count:8d} {statistics.median(base) * 1e3:9.3g} "
               f"{paired_ratio(times['lamb'], base):6.2f} {paired_ratio(times['lans'], base):6.2f}")
 
 

@@ -22,6 +22,20 @@ class OptimizerInfo:
         return self.name
 
 
+# name rules as module-level functions: a lambda cannot be pickled (nor can an optimizer that
+# holds one, as in torch.optim)
+def _last_layer(name):
+    return name.startswith("2.")
+
+
+def _a_bias(name):
+    return name.endswith("bias")
+
+
+def _a_weight(name):
+    return "weight" in name
+
+
 def _keras_excluding_bias(named):
     opt = keras.Lamb(named, learning_rate=0.01, weight_decay=0.05)
     opt.exclude_from_weight_decay(var_names=["bias"])
@@ -32,7 +46,7 @@ REGISTRY: List[OptimizerInfo] = [
     OptimizerInfo("LAMB", lambda n: scaleopt.LAMB(n, lr=1e-2)),
     OptimizerInfo("LAMB-exclude", lambda n: scaleopt.LAMB(
         n, lr=1e-2, exclude_from_weight_decay=["bias", r"^1\."],
-        exclude_from_layer_adaptation=lambda name: name.startswith("2."))),
+        exclude_from_layer_adaptation=_last_layer)),
     OptimizerInfo("LAMB-decoupled-bounds", lambda n: scaleopt.LAMB(
         n, lr=1e-2, weight_decay=0.1, weight_decay_mode="decoupled", lower_bound=0.5,
         upper_bound=2.0, always_adapt=True)),
@@ -54,9 +68,9 @@ REGISTRY: List[OptimizerInfo] = [
         n, lr=0.1, nesterov=True, weight_decay=1e-3, weight_decay_mode="l1")),
     OptimizerInfo("paddle.Lamb", lambda n: paddle.Lamb(
         learning_rate=0.01, parameters=n, grad_clip=paddle.ClipGradByGlobalNorm(1.0),
-        exclude_from_weight_decay_fn=lambda name: name.endswith("bias"))),
+        exclude_from_weight_decay_fn=_a_bias)),
     OptimizerInfo("paddle.AdamW", lambda n: paddle.AdamW(
-        learning_rate=0.01, parameters=n, apply_decay_param_fun=lambda name: "weight" in name),
+        learning_rate=0.01, parameters=n, apply_decay_param_fun=_a_weight),
         has_foreach=False),
     OptimizerInfo("paddle.Momentum", lambda n: paddle.Momentum(
         learning_rate=0.1, momentum=0.9, parameters=n, weight_decay=paddle.L2Decay(1e-3),

@@ -25,7 +25,9 @@ def test_bench_sizes_gives_a_row_per_size():
     rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
     assert [r[0] for r in rows] == ["1,000", "5,000"]
     assert [r[1] for r in rows] == ["10", "2"]
-    assert all(float(x) > 0 for r in rows for x in r[2:])
+    # times and ratios are numbers; how large depends on the machine, so only their form is held
+    for r in rows:
+        assert float(r[2]) >= 0 and all(float(x) > 0 for x in r[3:]), r
 
 
 def test_bench_dgc_select_finds_the_same_indices_as_topk():

@@ -279,3 +279,25 @@ def test_adamw_exclusion_by_name():
     opt.step()
     torch.testing.assert_close(w.detach(), torch.full((3,), 1 - 0.1 * 0.5))
     torch.testing.assert_close(b.detach(), torch.ones(3))
+
+
+def test_a_lamb_whose_tensors_all_skip_the_trust_ratio_warns_once_that_it_is_adam():
+    """HF Trainer's optimizer_cls_and_kwargs builds the groups with TrainingArguments'
+    weight_decay, 0.0 by default: with always_adapt=False no tensor would take the ratio."""
+    import warnings
+
+    def steps(**kw):
+        torch.manual_seed(0)
+        m = torch.nn.Linear(4, 3)
+        opt = scaleopt.LAMB([{"params": [m.weight], "weight_decay": kw.pop("wd", 0.0)},
+                             {"params": [m.bias], "weight_decay": 0.0}], lr=1e-2, **kw)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                m(torch.randn(2, 4)).sum().backward()
+                opt.step()
+        return [str(w.message) for w in caught if "trust ratio" in str(w.message)]
+
+    (message,) = steps()
+    assert "always_adapt" in message and "weight_decay" in message
+    assert steps(wd=0.01) == [] and steps(always_adapt=True) == []

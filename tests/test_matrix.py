@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+import scaleopt
 from registry import REGISTRY, set_foreach
 
 FAST = [i for i in REGISTRY if i.has_foreach]
@@ -335,3 +336,110 @@ def test_compiled_step_does_not_recompile_as_the_step_and_lr_change(info):
         runs.append(model)
     for a, b in zip(runs[0].parameters(), runs[1].parameters()):
         torch.testing.assert_close(a, b)
+
+
+def _state_equal(a, b) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_state_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_state_equal(x, y) for x, y in zip(a, b))
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
+    return type(a) is type(b) and a == b
+
+
+def _copy(opt, how):
+    import pickle
+
+    return copy.deepcopy(opt) if how == "deepcopy" else pickle.loads(pickle.dumps(opt))
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+@pytest.mark.parametrize("info", REGISTRY, ids=str)
+def test_a_copy_steps_as_the_original(info, how):
+    """``copy.deepcopy`` and pickling: the copy (with copies of the parameters) has the same
+    state dict and steps exactly as the original."""
+    model, opt = fresh(info)
+    train(model, opt, 2)
+    twin = _copy(opt, how)
+    assert _state_equal(twin.state_dict(), opt.state_dict())
+    mine = [p for g in opt.param_groups for p in g["params"]]
+    theirs = [p for g in twin.param_groups for p in g["params"]]
+    assert all(a is not b and torch.equal(a, b) for a, b in zip(mine, theirs))
+    for t in (2, 3):
+        for p, q in zip(mine, theirs):
+            g = torch.randn(p.shape, generator=torch.Generator().manual_seed(t + p.numel()))
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        twin.step()
+    for a, b in zip(mine, theirs):
+        assert torch.equal(a, b)
+    assert _state_equal(twin.state_dict(), opt.state_dict())
+
+
+@pytest.mark.parametrize("info", REGISTRY, ids=str)
+def test_a_state_dict_is_equal_to_itself_after_a_round_trip(info):
+    model, opt = fresh(info)
+    train(model, opt, 2)
+    sd = opt.state_dict()
+    _, other = fresh(info)
+    other.load_state_dict(roundtrip(sd))
+    assert _state_equal(other.state_dict(), sd)
+    assert _state_equal(copy.deepcopy(opt).state_dict(), sd)
+    assert other.param_groups[0].keys() == opt.param_groups[0].keys()
+
+
+@pytest.mark.parametrize("step", [int, float])
+@pytest.mark.parametrize("info", REGISTRY, ids=str)
+def test_a_checkpoint_with_numbers_as_steps_resumes(info, step):
+    """torch.optim before 1.12 and many ports saved ``state["step"]`` as a number."""
+    model, opt = fresh(info)
+    train(model, opt, 2)
+    sd = copy.deepcopy(opt.state_dict())
+    for st in sd["state"].values():
+        if "step" in st:
+            st["step"] = step(st["step"].item() if torch.is_tensor(st["step"]) else st["step"])
+    twin_model, twin = fresh(info)
+    twin_model.load_state_dict(model.state_dict())
+    twin.load_state_dict(sd)
+    train(model, opt, 2, start=2)
+    train(twin_model, twin, 2, start=2)
+    for a, b in zip(model.parameters(), twin_model.parameters()):
+        assert torch.equal(a, b)
+
+
+TENSOR_LR = {
+    "LAMB": lambda ps, lr: scaleopt.LAMB(ps, lr=lr, weight_decay=0.1),
+    "LAMB(foreach=False)": lambda ps, lr: scaleopt.LAMB(ps, lr=lr, foreach=False),
+    "LANS": lambda ps, lr: scaleopt.LANS(ps, lr=lr),
+    "AdamW": lambda ps, lr: scaleopt.AdamW(ps, lr=lr),
+    "AdamW(foreach=True)": lambda ps, lr: scaleopt.AdamW(ps, lr=lr, foreach=True),
+    "AdamW(foreach=False)": lambda ps, lr: scaleopt.AdamW(ps, lr=lr, foreach=False),
+    "Momentum": lambda ps, lr: scaleopt.Momentum(ps, lr=lr, momentum=0.9),
+    "OffloadAdam": lambda ps, lr: scaleopt.OffloadAdam(ps, lr=lr),
+    "offload(LAMB)": lambda ps, lr: scaleopt.offload(scaleopt.LAMB, ps, lr=lr),
+}
+
+
+@pytest.mark.parametrize("name", TENSOR_LR)
+def test_a_tensor_learning_rate_steps_as_the_number(name):
+    """``lr=torch.tensor(...)``, as torch.optim takes it, also under an LR scheduler."""
+    runs = []
+    for lr in (1e-2, torch.tensor(1e-2)):
+        model = make_model()
+        opt = TENSOR_LR[name](list(model.named_parameters()), lr)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        for t in range(3):
+            train(model, opt, 1, start=t)
+            sched.step()
+        assert isinstance(opt.param_groups[0]["lr"], torch.Tensor) == isinstance(lr, torch.Tensor)
+        runs.append(params_of(model))
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_a_tensor_learning_rate_must_hold_one_real_value():
+    with pytest.raises(ValueError, match="one real floating-point value"):
+        scaleopt.LAMB(make_model().parameters(), lr=torch.tensor([1e-2, 1e-3]))
+    with pytest.raises(ValueError, match="Invalid lr"):
+        scaleopt.LAMB(make_model().parameters(), lr=torch.tensor(-1.0))

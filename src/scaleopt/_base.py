@@ -355,7 +355,13 @@ class ScaleOptimizer(torch.optim.Optimizer):
         """Check a group's hyperparameters (defaults filled in): the learning rate, the gradient
         options :meth:`_intake` reads where the optimizer has them, ``maximize``, ``foreach``
         and the name rules. Subclasses extend this."""
-        check_number(self._arg("lr"), group["lr"])
+        lr = group["lr"]
+        if isinstance(lr, Tensor):  # as torch.optim: a tensor keeps compiled steps from recompiling
+            if lr.numel() != 1 or lr.is_complex() or not lr.dtype.is_floating_point:
+                raise ValueError(f"{self._arg('lr')} as a tensor must be one real floating-point "
+                                 f"value, got {lr.dtype} of shape {tuple(lr.shape)}")
+            lr = lr.item()
+        check_number(self._arg("lr"), lr)
         for key in ("rescale_grad", "loss_scale"):
             if key in group:
                 check_number(self._arg(key), group[key], low=0.0, low_open=True)
@@ -378,12 +384,13 @@ class ScaleOptimizer(torch.optim.Optimizer):
         check_number(a("eps"), group["eps"])
         check_number(a("weight_decay"), group["weight_decay"])
 
-    #: Attributes (options that are not group keys) a copy or an unpickled optimizer keeps.
-    _pickled_attributes: Tuple[str, ...] = ()
+    #: Attributes a copy or an unpickled optimizer does not take over: ``_attach`` and the host
+    #: options rebuild them (torch's hooks, ``_optimizer_*``, are not copied either, as in torch).
+    _not_pickled: Tuple[str, ...] = ("host", "_master_weights")
 
     def __getstate__(self) -> Dict[str, Any]:
-        state = super().__getstate__()
-        state.update({k: self.__dict__[k] for k in self._pickled_attributes if k in self.__dict__})
+        state = {k: v for k, v in self.__dict__.items()
+                 if k not in self._not_pickled and not k.startswith("_optimizer_")}
         if self.host is not None:
             state["host_options"] = self.host.options()
         return state
@@ -392,10 +399,16 @@ class ScaleOptimizer(torch.optim.Optimizer):
         state = dict(state)
         host_options = state.pop("host_options", None)
         unpickled = "defaults" in state  # not torch's load_state_dict, which passes no defaults
+        options = set(state["defaults"] if unpickled else self.defaults)
         super().__setstate__(state)
+        if "differentiable" not in options:  # torch adds it; these optimizers have no such option
+            self.defaults.pop("differentiable", None)
         for group in self.param_groups:
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
+        for st in self.state.values():  # checkpoints of torch < 1.12 and of many ports
+            if "step" in st and not torch.is_tensor(st["step"]):
+                st["step"] = torch.tensor(float(st["step"]), dtype=torch.float32)
         if unpickled:
             self._attach()
         if host_options is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -158,8 +159,10 @@ class LayerwiseAdam(ScaleOptimizer):
 
     def _step_groups(self) -> None:
         defer = Deferral(self._takes_grad_scalars, _native.sums_of_squares)
+        adapted = None  # whether any tensor of the step takes the trust ratio
         for item in self._intake(defer=defer, **self._intake_options):
             group, t = item.group, self._init_group(item)
+            adapted = bool(adapted) or any(t.layer[2])
             sharded = {} if item.shard_sums is None else dict(
                 shard_sums=item.shard_sums, grad_norms=item.grad_norms)
             impl = implementation(group, item.params, on_host=self.host is not None,
@@ -177,6 +180,22 @@ class LayerwiseAdam(ScaleOptimizer):
                     self._update(group, full, grads, t.exp_avgs, t.exp_avg_sqs, t.steps, t.layer,
                                  impl, **sharded)
             self._master_weights.commit(t.view, rounded_written=impl is Impl.NATIVE)
+        if adapted is False:
+            self._warn_no_trust_ratio()
+
+    @torch.compiler.disable
+    def _warn_no_trust_ratio(self) -> None:
+        """Once per optimizer: no tensor took the trust ratio, so the step was Adam's (e.g. a
+        trainer that builds the groups with ``weight_decay=0``, the default of HF's
+        ``TrainingArguments``)."""
+        if self.__dict__.get("_warned_no_trust_ratio"):
+            return
+        self._warned_no_trust_ratio = True
+        warnings.warn(
+            f"{type(self).__name__}: no tensor takes the trust ratio, so the step is Adam's: "
+            f"every tensor has weight_decay 0 with always_adapt=False, or is excluded from layer "
+            f"adaptation. Give the tensors that should adapt a weight_decay > 0, or pass "
+            f"always_adapt=True", UserWarning, stacklevel=4)
 
     #: Keyword arguments of :meth:`_intake` (LANS clips values itself).
     _intake_options: Dict[str, Any] = {}

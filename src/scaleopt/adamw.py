@@ -183,6 +183,8 @@ class AdamW(ScaleOptimizer):
                 capturable = _blocks.compiling() and not fused and all(
                     s.device == p.device for s, p in zip(steps, ps))
                 lr = group["lr"]
+                if isinstance(lr, torch.Tensor) and not capturable:
+                    lr = lr.item()  # torch's foreach and fused CPU paths take a number here
                 if capturable:
                     # a 0-d tensor made from the float: an input of the compiled graph, not a
                     # constant that an LR schedule would recompile at every step

@@ -95,7 +95,6 @@ class OffloadAdam(ScaleOptimizer):
 
     _name_rule_keys = ("exclude_from_weight_decay",)
     _step_supports_amp_scaling = True
-    _pickled_attributes = ("check_finite", "skipped")
 
     def __init__(
         self,

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Union
 
-from torch import Tensor
 
 from .._base import normalize_params
 from ..lamb import LAMB as _LAMB
@@ -80,8 +79,9 @@ class _MXNetAPI:
         else:
             idx2name = {}
         names = [n for g in groups for n in g.get("param_names", [None] * len(g["params"]))]
-        self._mx_index = {id(p): i for i, p in enumerate(flat)}
-        self._mx_name = {id(p): idx2name.get(i, names[i]) for i, p in enumerate(flat)}
+        # by position in the parameter list (MXNet's index), not by object, so that copies and
+        # unpickled optimizers find them
+        self._mx_names = [idx2name.get(i, names[i]) for i in range(len(flat))]
         self.idx2name = idx2name
         self.lr_mult: Dict[Key, float] = {}
         self.wd_mult: Dict[Key, float] = {}
@@ -121,15 +121,19 @@ class _MXNetAPI:
                         if not (n.endswith("_weight") or n.endswith("_gamma"))}
         self.wd_mult.update({k: as_float(f"wd_mult[{k!r}]", v) for k, v in dict(args_wd_mult).items()})
 
-    def _mult(self, table: Dict[Key, float], p: Tensor) -> float:
-        i = self._mx_index.get(id(p))
-        if i is not None and i in table:
+    def _mult(self, table: Dict[Key, float], i: int) -> float:
+        """The multiplier of the ``i``-th parameter (MXNet's index) in ``table``."""
+        if i in table:
             return table[i]
-        return table.get(self._mx_name.get(id(p)), 1.0)
+        name = self._mx_names[i] if i < len(self._mx_names) else None  # groups added later
+        return table.get(name, 1.0) if name is not None else 1.0
 
     def _param_multipliers(self, group, idx):
-        ps = [group["params"][i] for i in idx]
-        return [self._mult(self.lr_mult, p) for p in ps], [self._mult(self.wd_mult, p) for p in ps]
+        groups = self.param_groups  # type: ignore[attr-defined]
+        k = next(k for k, g in enumerate(groups) if g is group)
+        first = sum(len(g["params"]) for g in groups[:k])
+        return ([self._mult(self.lr_mult, first + i) for i in idx],
+                [self._mult(self.wd_mult, first + i) for i in idx])
 
     @property
     def learning_rate(self) -> float:

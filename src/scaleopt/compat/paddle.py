@@ -386,13 +386,15 @@ class AdamW(_PaddleAPI, _AdamW):
         _check_multi_precision(self, multi_precision)
 
 
-def _negate(rule: Callable[[str], bool]) -> Callable[[str], bool]:
-    """Paddle's "decay this name" rule as scaleopt's "exclude this name" rule."""
+class _negate:
+    """Paddle's "decay this name" rule as scaleopt's "exclude this name" rule (an object, not a
+    closure, so that the optimizer can be pickled when the rule can)."""
 
-    def exclude(name: str) -> bool:
-        return not rule(name)
+    def __init__(self, rule: Callable[[str], bool]) -> None:
+        self.rule = rule
 
-    return exclude
+    def __call__(self, name: str) -> bool:
+        return not self.rule(name)
 
 
 def _split_by_lr_ratio(groups: List[Dict[str, Any]], lr_ratio: Callable[[str], float]):
