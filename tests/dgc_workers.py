@@ -211,3 +211,35 @@ def die_after_one_step(rank, world, tmp):
         except scaleopt.dgc.comm.PeerFailure as exc:
             return {"error": str(exc), "after_s": time.monotonic() - start}
     return {"error": None}
+
+
+def train_hook_resumed(rank, world, tmp, options, first, then, path):
+    """DDP with the DGC hook and SGD with momentum: ``first`` steps, then every rank saves the
+    model, the optimizer and its own hook state and a new model, optimizer and hook state load
+    them and train ``then`` steps (``first == 0``: no break). Every parameter after the run."""
+    def make():
+        model = model_of()
+        ddp = nn.parallel.DistributedDataParallel(model)
+        state = DGCHookState(ddp, **{k: v for k, v in options.items() if k != "lr"})
+        ddp.register_comm_hook(state, ddp_comm_hook)
+        return model, ddp, state, torch.optim.SGD(ddp.parameters(), lr=options["lr"], momentum=0.5)
+
+    def train(ddp, opt, steps, start):
+        for t in range(start, start + steps):
+            x, y = batch(rank, t)
+            opt.zero_grad()
+            (ddp(x) - y).square().mean().backward()
+            opt.step()
+
+    model, ddp, state, opt = make()
+    train(ddp, opt, first, 0)
+    if first:
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                    "dgc": state.state_dict()}, os.path.join(path, f"rank{rank}.ckpt"))
+        model, ddp, state, opt = make()
+        saved = torch.load(os.path.join(path, f"rank{rank}.ckpt"), weights_only=True)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        state.load_state_dict(saved["dgc"])
+    train(ddp, opt, then, first)
+    return [p.detach().clone() for p in model.parameters()]

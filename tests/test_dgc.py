@@ -12,7 +12,8 @@ from torch import nn
 
 import scaleopt
 from scaleopt.compat import paddle
-from scaleopt.dgc import DGCMomentum, PAPER_SPARSITY, k_of, sparsity_at, topk_exact, topk_sampled
+from scaleopt.dgc import (DGCHookState, DGCMomentum, PAPER_SPARSITY, k_of, sparsity_at, topk_exact,
+                          topk_sampled)
 
 import dgc_workers as W
 from oracle import case_files, load, make_params, replay
@@ -393,3 +394,31 @@ def test_pack_keeps_every_segment_aligned_with_odd_k_and_mixed_dtypes():
     for i, v, d in zip(indices, values, means):
         want = torch.zeros(100, dtype=v.dtype).index_add_(0, i.long(), v)
         assert torch.equal(d, want)
+
+
+def test_the_ddp_hook_state_resumes_from_each_ranks_checkpoint(tmp_path):
+    """Each rank saves its own residuals (they differ from rank to rank); the resumed run is
+    the uninterrupted one, bit for bit."""
+    opts = dict(lr=0.05, momentum=0.9, sparsity=[0.99], min_numel=64)
+    straight = W.run_workers(W.train_hook_resumed, 2, tmp_path / "a", opts, 0, 6, str(tmp_path))
+    resumed = W.run_workers(W.train_hook_resumed, 2, tmp_path / "b", opts, 3, 3, str(tmp_path))
+    for a, b in zip(straight, resumed):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+    saved = [torch.load(tmp_path / f"rank{r}.ckpt", weights_only=True)["dgc"] for r in range(2)]
+    assert [s["rank"] for s in saved] == [0, 1] and saved[0]["step"] == 3
+    name = next(iter(saved[0]["residuals"]))
+    assert not torch.equal(saved[0]["residuals"][name]["v"], saved[1]["residuals"][name]["v"])
+
+
+def test_hook_state_from_another_rank_is_reset_with_a_warning():
+    model = W.model_of()
+    state = DGCHookState(model, sparsity=[0.99])
+    state.residuals = {"0.weight": {"u": torch.ones(2), "v": torch.ones(2)}}
+    sd = dict(state.state_dict(), rank=1, world_size=2)
+    other = DGCHookState(model, sparsity=[0.99])
+    with pytest.warns(UserWarning, match="saved by rank 1 of 2 loaded on rank 0 of 1"):
+        other.load_state_dict(sd)
+    assert other.residuals == {} and other.step == 0
+    other.load_state_dict(state.state_dict())
+    assert torch.equal(other.residuals["0.weight"]["v"], torch.ones(2))

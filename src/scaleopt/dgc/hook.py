@@ -12,6 +12,7 @@ DDP's bucket rebuild after the first iteration does not disturb them; the state 
 its model and process group (set them again after loading), like torch's PowerSGD state.
 """
 
+import warnings
 from typing import Any, Dict, Optional, Sequence
 
 import torch
@@ -69,6 +70,31 @@ class DGCHookState:
         self.model, self.process_group, self._names = None, None, {}
         self._generator = torch.Generator().manual_seed(0)
 
+    def state_dict(self) -> Dict[str, Any]:
+        """This rank's residuals (``u``, ``v`` by parameter name), the step and the sampling
+        generator's state. The residuals differ from rank to rank: every rank saves its own
+        (e.g. ``torch.save(state.state_dict(), f"dgc-rank{rank}.pt")``), not rank 0 alone."""
+        return {"step": self.step, "residuals": self.residuals,
+                "generator": self._generator.get_state(),
+                "world_size": comm.world_of(self.process_group), "rank": _rank(self.process_group)}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict` of the same rank. Saved at another world size or by
+        another rank, the residuals do not belong here: they are dropped (with a warning) and
+        the step and the generator are kept."""
+        world, rank = comm.world_of(self.process_group), _rank(self.process_group)
+        self.step = int(state_dict["step"])
+        self._generator.set_state(state_dict["generator"])
+        saved = (state_dict.get("world_size", world), state_dict.get("rank", rank))
+        if saved != (world, rank):
+            warnings.warn(f"DGCHookState: residuals saved by rank {saved[1]} of {saved[0]} loaded "
+                          f"on rank {rank} of {world}; they belong to the old ranks and are reset",
+                          stacklevel=2)
+            self.residuals = {}
+            return
+        self.residuals = {n: {k: v.clone() for k, v in st.items()}
+                          for n, st in state_dict["residuals"].items()}
+
     def attach(self, model: nn.Module, process_group: Optional[Any] = None) -> "DGCHookState":
         """Set the model (and group) again, e.g. after unpickling."""
         self.model = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
@@ -82,6 +108,10 @@ class DGCHookState:
                 raise RuntimeError("DGCHookState has no model: call state.attach(model)")
             self._names = {id(q): n for n, q in self.model.named_parameters()}
         return self._names[id(p)]
+
+
+def _rank(group: Optional[Any]) -> int:
+    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
 
 
 def ddp_comm_hook(state: "DGCHookState", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -164,11 +164,14 @@ class DGCMomentum(ScaleOptimizer):
         sd = super().state_dict()
         sd["dgc_step"] = self.dgc_step
         sd["world_size"] = comm.world_of(self.process_group)
+        sd["dgc_generator"] = self._generator.get_state()  # the threshold's samples
         return sd
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self.dgc_step = int(state_dict.get("dgc_step", 0))
+        if "dgc_generator" in state_dict:
+            self._generator.set_state(state_dict["dgc_generator"])
         saved, now = state_dict.get("world_size"), comm.world_of(self.process_group)
         if saved is not None and saved != now:
             warnings.warn(
