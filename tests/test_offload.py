@@ -559,3 +559,28 @@ def test_a_copied_offloaded_optimizer_keeps_its_pipeline_and_steps_the_same(make
         assert torch.equal(a, b)
     for a, b in zip(model.parameters(), model2.parameters()):
         assert torch.equal(opt.master(a), opt2.master(b))
+
+
+def test_the_step_sees_exactly_the_documented_gradient_changes():
+    """The rule that decides whether a gradient copied from a backward hook is copied again at
+    step() (GPU parameters; the rule itself is device-independent)."""
+    from scaleopt._host import copy_is_current
+
+    p = torch.nn.Parameter(torch.randn(8))
+    p.grad = torch.randn(8)
+    copied = (p.grad, p.grad._version)
+    assert copy_is_current(copied, p.grad)
+    torch.nn.utils.clip_grad_norm_([p], 1e-3)  # clipping after backward: seen
+    assert not copy_is_current(copied, p.grad)
+    for change in (lambda g: g.mul_(0.5), lambda g: torch._foreach_mul_([g], 0.5),
+                   lambda g: torch.nn.utils.clip_grad_value_([p], 1e-4)):
+        copied = (p.grad, p.grad._version)
+        with torch.no_grad():
+            change(p.grad)
+        assert not copy_is_current(copied, p.grad)
+    copied = (p.grad, p.grad._version)
+    p.grad = p.grad.clone()  # another tensor: seen
+    assert not copy_is_current(copied, p.grad)
+    copied = (p.grad, p.grad._version)
+    p.grad.data.mul_(0.5)  # through .data: not seen, as documented (use overlap=False)
+    assert copy_is_current(copied, p.grad)

@@ -212,7 +212,7 @@ class HostPipeline:
         if on_host(p):
             return g
         pending = self._pending.get(p)
-        if pending is None or pending[0] is not g or pending[1] != g._version:
+        if pending is None or not copy_is_current(pending, g):
             self._start_copy(p)
             pending = self._pending[p]
         pending[2].synchronize()
@@ -261,3 +261,14 @@ def attach_host(optimizer: Any, *, overlap: bool = True,
     optimizer.host = pipeline
     optimizer._master_weights.placement = pipeline
     return pipeline
+
+
+def copy_is_current(pending: Tuple[Any, ...], grad: Tensor) -> bool:
+    """Whether a gradient copy started from a backward hook (``pending``: the gradient tensor
+    and its version counter then) still holds ``grad``. A change is seen when ``p.grad`` is
+    another tensor or was changed in place by an operation that bumps its version counter:
+    ``p.grad.mul_()``, ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_``,
+    ``GradScaler.unscale_``, ``torch._foreach_mul_``, also under ``torch.no_grad()``. A change
+    made through ``p.grad.data`` is not: ``.data`` is a tensor with its own version counter.
+    Loops that change gradients that way use ``overlap=False`` (copies at ``step()``)."""
+    return pending[0] is grad and pending[1] == grad._version

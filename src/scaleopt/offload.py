@@ -79,7 +79,10 @@ class OffloadAdam(ScaleOptimizer):
             gradients) even without a GradScaler or clipping, and skip such steps.
         num_threads (int or None, default None): intra-op threads of the host step (``None``:
             torch's setting).
-        overlap (bool, default True): start the gradient copies from backward hooks.
+        overlap (bool, default True): start the gradient copies from backward hooks. The
+            step copies again a gradient changed after its copy by an operation that bumps
+            its version counter (``clip_grad_norm_``, ``p.grad.mul_()``, ``unscale_``), not one
+            changed through ``p.grad.data``: such loops pass ``overlap=False``.
 
     After a step, ``opt.skipped`` tells whether it was skipped for a non-finite gradient.
 
