@@ -443,3 +443,62 @@ def test_a_tensor_learning_rate_must_hold_one_real_value():
         scaleopt.LAMB(make_model().parameters(), lr=torch.tensor([1e-2, 1e-3]))
     with pytest.raises(ValueError, match="Invalid lr"):
         scaleopt.LAMB(make_model().parameters(), lr=torch.tensor(-1.0))
+
+
+def _views():
+    """(name, the parameter's storage, the parameter): views with gaps, with a storage offset,
+    transposed, and a channels_last tensor."""
+    w = torch.randn(4, 6)
+    yield "gaps", w, nn.Parameter(w[:, :3])
+    w = torch.randn(30)
+    yield "offset", w, nn.Parameter(w[5:17].view(3, 4))
+    w = torch.randn(5, 3)
+    yield "transposed", w, nn.Parameter(w.t())
+    w = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    yield "channels_last", w, nn.Parameter(w)
+
+
+@pytest.mark.parametrize("layout", ["gaps", "offset", "transposed", "channels_last"])
+@pytest.mark.parametrize("info", REGISTRY, ids=str)
+def test_a_view_parameter_updates_exactly_its_elements(info, layout):
+    """The update of a parameter that is a view lands on its elements, as on a contiguous copy,
+    and nothing else of the storage it views changes."""
+    torch.manual_seed(0)
+    _, storage, p = next(v for v in _views() if v[0] == layout)
+    twin = nn.Parameter(p.detach().clone().contiguous())
+    before, outside = p.detach().clone(), storage.detach().clone()
+    viewed = torch.zeros_like(storage, dtype=torch.bool)  # the storage's elements p views
+    if layout == "gaps":
+        viewed[:, :3] = True
+    elif layout == "offset":
+        viewed[5:17] = True
+    else:
+        viewed[...] = True
+    opts = [info.make([("w.weight", q)]) for q in (p, twin)]
+    for t in range(3):
+        g = torch.randn(p.shape, generator=torch.Generator().manual_seed(t))
+        for q, opt in zip((p, twin), opts):
+            q.grad = g.clone()
+            opt.step()
+    assert not torch.equal(p.detach(), before)
+    torch.testing.assert_close(p.detach(), twin.detach(), rtol=1e-5, atol=1e-6)
+    assert torch.equal(storage[~viewed], outside[~viewed])
+
+
+@pytest.mark.parametrize("info", REGISTRY, ids=str)
+def test_a_step_without_gradients_changes_nothing(info):
+    model, opt = fresh(info)
+    before = params_of(model)
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(len(opt.state[p]) == 0 for p in model.parameters())
+
+
+@pytest.mark.parametrize("info", REGISTRY, ids=str)
+def test_printing_shows_the_class_and_every_group(info):
+    model, opt = fresh(info)
+    text = repr(opt)
+    assert text.startswith(type(opt).__name__) and "Parameter Group 0" in text
+    for key in opt.param_groups[0]:
+        if key not in ("params", "param_names"):
+            assert f"    {key}: " in text, key
