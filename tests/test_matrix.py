@@ -502,3 +502,19 @@ def test_printing_shows_the_class_and_every_group(info):
     for key in opt.param_groups[0]:
         if key not in ("params", "param_names"):
             assert f"    {key}: " in text, key
+
+
+@pytest.mark.parametrize("info", REGISTRY, ids=str)
+def test_a_tensor_learning_rate_in_the_groups_steps_as_the_number(info):
+    """Every optimizer and front-end: a group's ``lr`` set to a tensor (as a scheduler or a
+    compiled loop may) steps as the number."""
+    runs = []
+    for as_tensor in (False, True):
+        model, opt = fresh(info)
+        if as_tensor:
+            for g in opt.param_groups:
+                g["lr"] = torch.tensor(float(g["lr"]))
+        train(model, opt, 3)
+        runs.append(params_of(model))
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
