@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pathlib
 import re
+import subprocess
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -29,3 +31,14 @@ def test_constraints_pin_torch():
 def test_the_main_job_is_the_scaleopt_command():
     cmds = readme_commands()
     assert cmds[0].endswith("&& scaleopt train")
+
+
+def test_importing_scaleopt_imports_no_compiler_and_no_command_dependencies():
+    """``import scaleopt`` costs little over ``import torch``: torch._dynamo (about a second)
+    is imported at the first compiled-or-disabled call, as by torch.optim, and the command's
+    plotting and progress bars only by the command."""
+    code = ("import sys, scaleopt, scaleopt.compat.paddle, scaleopt.compat.mxnet, scaleopt.dgc; "
+            "print(sorted(m for m in ('torch._dynamo', 'matplotlib') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from . import _blocks
+from ._compile import eager
 from ._sharding import ShardSums, any_dtensor, local
 
 NameRule = Union[None, str, Sequence[str], Callable[[str], bool]]
@@ -418,7 +419,7 @@ class ScaleOptimizer(torch.optim.Optimizer):
 
     # -- names --------------------------------------------------------------------------------
 
-    @torch.compiler.disable
+    @eager
     def _rule_flags(self, group: Dict[str, Any], key: str) -> Tuple[bool, ...]:
         """Per parameter of ``group``: whether the name rule ``group[key]`` selects it."""
         rule = group.get(key)

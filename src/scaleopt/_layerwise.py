@@ -13,6 +13,7 @@ from torch import Tensor
 from . import _native
 from ._base import (Deferral, GradScalars, GroupGrads, ScaleOptimizer, apply_grad_scalars,
                     check_bool, check_number)
+from ._compile import eager
 from ._dispatch import Impl, implementation
 from ._masters import LocalPlacement, MasterView, MasterWeights
 from ._sharding import local
@@ -183,7 +184,7 @@ class LayerwiseAdam(ScaleOptimizer):
         if adapted is False:
             self._warn_no_trust_ratio()
 
-    @torch.compiler.disable
+    @eager
     def _warn_no_trust_ratio(self) -> None:
         """Once per optimizer: no tensor took the trust ratio, so the step was Adam's (e.g. a
         trainer that builds the groups with ``weight_decay=0``, the default of HF's

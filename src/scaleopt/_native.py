@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import ctypes
 import os
+from ctypes import POINTER, c_double, c_float, c_int32, c_int64, c_void_p
 from typing import Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from . import _blocks
-
-from ctypes import POINTER, c_double, c_float, c_int32, c_int64, c_void_p
+from ._compile import eager
 
 _TENSOR_FIELDS = [("w", c_void_p), ("g", c_void_p), ("m", c_void_p), ("v", c_void_p),
                   ("low", c_void_p), ("step", c_void_p), ("n", c_int64), ("kind", c_int32),
@@ -206,7 +206,7 @@ def _run_layerwise(name, sums_per_tensor, params, grads, exp_avgs, exp_avg_sqs, 
     getattr(_lib, f"{name}_multi_apply")(tensors, count, config, totals.data_ptr())
 
 
-@torch.compiler.disable  # host code calling C: nothing for dynamo to trace
+@eager  # host code calling C: nothing for dynamo to trace
 def lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, weight_decay_mode,
          clip_grad_value=None, **options) -> None:
     """LAMB on the fused kernels, all tensors in one call: the same update as
@@ -226,7 +226,7 @@ def lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, weight_decay_mode
                    mode=_MODES[weight_decay_mode], clip_grad_value=clip_grad_value, **options)
 
 
-@torch.compiler.disable
+@eager
 def lans(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, clip_grad_value,
          decay_moved_weight, grad_sq_sums=None, **options) -> None:
     """LANS on the fused kernels, all tensors in one call: the same update as
@@ -290,7 +290,7 @@ def split_(master: Tensor, hi: Tensor, lo: Tensor) -> None:
     lo.copy_((low - (low >= 2 ** 15).to(torch.int64) * 2 ** 16).to(torch.int16))
 
 
-@torch.compiler.disable
+@eager
 def adam(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
          exp_avg_sqs: Sequence[Tensor], low: Sequence[Optional[Tensor]],
          state_steps: Sequence[Tensor], *,

@@ -26,6 +26,7 @@ from ._base import (
     check_bool,
     check_choice,
 )
+from ._compile import eager
 from ._host import HostPipeline, attach_host
 from ._layerwise import LayerwiseAdam
 from ._masters import LocalPlacement, MasterWeights
@@ -217,7 +218,7 @@ class OffloadAdam(ScaleOptimizer):
         beta1, beta2 = group["betas"]
         return 1.0 - beta1, 1.0 - beta2
 
-    @torch.compiler.disable
+    @eager
     def _update_group(self, item: GroupGrads, threads: int) -> None:
         group, idx, params, grads = item.group, item.idx, item.params, item.grads
         mults = [1.0] * len(params) if item.scalars is None else item.scalars.mults

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from .._base import ScaleOptimizer, check_bool, check_choice, check_number
+from .._compile import eager
 from .._sharding import any_dtensor
 from . import comm, select
 from .schedule import PAPER_SPARSITY, sparsity_at
@@ -327,7 +328,7 @@ def _momentum_and_selection(grads, states, sparse, opts, generator):
     return indices, values
 
 
-@torch.compiler.disable  # selection and communication: host logic, nothing to trace
+@eager  # selection and communication: host logic, nothing to trace
 def dgc_updates(grads: List[Tensor], states: List[Dict[str, Tensor]], opts: Dict[str, Any],
                 step: int, world: int, process_group, value_dtype, generator,
                 tel: Dict[str, float]) -> List[Tensor]:
