@@ -11,6 +11,7 @@ tensor along it and adds nothing.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Dict, List, Sequence
 
 import torch
@@ -19,31 +20,47 @@ from torch import Tensor
 
 from . import _blocks
 
-try:
-    from torch.distributed.tensor import DTensor, Shard
-except ImportError:  # pragma: no cover
-    try:  # torch 2.4 keeps them private
-        from torch.distributed._tensor import DTensor, Shard  # type: ignore
-    except ImportError:  # torch built without distributed: there are no DTensors
-        DTensor = Shard = type("_NoDTensor", (), {})  # type: ignore
+
+class _NoDTensor:
+    """Stands for the DTensor class while no DTensor can exist."""
+
+
+_DTENSOR_MODULES = ("torch.distributed.tensor._api", "torch.distributed._tensor.api")  # 2.4
+_dtensor_class: Any = None
+
+
+def _dtensor() -> Any:
+    """The DTensor class, without importing it (half a second): until its module has been
+    imported by someone, no tensor is a DTensor."""
+    global _dtensor_class
+    if _dtensor_class is None:
+        for name in _DTENSOR_MODULES:
+            module = sys.modules.get(name)
+            if module is not None and hasattr(module, "DTensor"):
+                _dtensor_class = module.DTensor
+                return _dtensor_class
+        return _NoDTensor
+    return _dtensor_class
 
 
 def is_dtensor(t: Any) -> bool:
-    return isinstance(t, DTensor)
+    return isinstance(t, _dtensor())
 
 
 def any_dtensor(tensors: Sequence[Tensor]) -> bool:
-    return any(isinstance(t, DTensor) for t in tensors)
+    cls = _dtensor()
+    return any(isinstance(t, cls) for t in tensors)
 
 
 def local_piece(t: Tensor) -> Tensor:
     """A DTensor's local shard (a view of its memory), another tensor itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if isinstance(t, _dtensor()) else t
 
 
 def like(template: Tensor, piece: Tensor) -> Tensor:
     """``piece`` (a local shard's values) as a DTensor laid out as ``template``, when that is
     one; ``piece`` itself otherwise."""
+    DTensor = _dtensor()
     if not isinstance(template, DTensor):
         return piece
     return DTensor.from_local(piece, template.device_mesh, template.placements,
@@ -57,10 +74,10 @@ def local(tensors: Sequence[Tensor]) -> List[Tensor]:
 
 def _sharding_groups(t: Tensor) -> List[Any]:
     """The process groups of the mesh dimensions along which ``t`` is split into pieces."""
-    if not isinstance(t, DTensor):
+    if not isinstance(t, _dtensor()):
         return []
     mesh = t.device_mesh
-    return [mesh.get_group(d) for d, pl in enumerate(t.placements) if isinstance(pl, Shard)]
+    return [mesh.get_group(d) for d, pl in enumerate(t.placements) if pl.is_shard()]
 
 
 class ShardSums:
