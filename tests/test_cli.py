@@ -230,3 +230,15 @@ def test_a_torchrun_launch_trains_as_one_job(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads((out / "result.json").read_text())
     assert result["workers"] == 2 and result["steps"] == 6
+
+
+def test_without_the_cli_extra_the_command_trains_without_bar_and_plots(tmp_path, capsys,
+                                                                       monkeypatch):
+    """`pip install scaleopt` brings only torch: without matplotlib and tqdm (the `cli` extra)
+    the command still trains and writes its tables, and says how to get the plots."""
+    for name in ("matplotlib", "matplotlib.pyplot", "tqdm"):
+        monkeypatch.setitem(sys.modules, name, None)  # import raises ImportError
+    with_bar = [a for a in TINY if a != "--no-progress"]
+    assert main(["train", *with_bar, "--steps", "4", "--out", str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["history.csv", "result.json"]
+    assert "pip install 'scaleopt[cli]'" in capsys.readouterr().out

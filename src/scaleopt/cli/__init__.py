@@ -250,7 +250,11 @@ def _train(args: argparse.Namespace, given: set) -> int:
              f"{r['unsharded_optimizer_state_bytes']:,})" if r["sharded"] else ""))
     if r["checkpoints"]:
         print(f"checkpoints: {len(r['checkpoints'])}, the last {r['checkpoints'][-1]}")
-    print(f"results: {cfg.out}/result.json, history.csv, curves.png")
+    from .report import NO_PLOTS, _plt
+
+    plots = _plt() is not None
+    print(f"results: {cfg.out}/result.json, history.csv{', curves.png' if plots else ''}"
+          + ("" if plots else f" ({NO_PLOTS})"))
     return EXIT_OK
 
 
@@ -267,7 +271,11 @@ def _study(args: argparse.Namespace) -> int:
     rows = study.large_batch(args.batch_sizes, args.optimizers, base, args.base_batch,
                              args.scaling, out=out)
     print(open(f"{out}/study.md").read())
-    print(f"results: {out}/study.json, study.csv, study.md, study.png")
+    from .report import NO_PLOTS, _plt
+
+    plots = _plt() is not None
+    print(f"results: {out}/study.json, study.csv, study.md{', study.png' if plots else ''}"
+          + ("" if plots else f" ({NO_PLOTS})"))
     return EXIT_OK if rows else EXIT_FAILED
 
 

@@ -8,9 +8,16 @@ import pathlib
 from typing import Any, Dict, List
 
 
-def _plt():
-    import matplotlib
+NO_PLOTS = "no plots: matplotlib is not installed (pip install 'scaleopt[cli]')"
 
+
+def _plt():
+    """matplotlib's pyplot without a display, or None where matplotlib is not installed (the
+    ``cli`` extra brings it); the tables and JSON are written either way."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -30,6 +37,9 @@ def write_run(result: Dict[str, Any], out: str) -> Dict[str, str]:
         w.writeheader()
         w.writerows(history)
     plt = _plt()
+    if plt is None:
+        del files["png"]
+        return {k: str(v) for k, v in files.items()}
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     steps = [h["step"] for h in history]
     curve = result.get("train_curve") or [(h["step"], h["train_loss"]) for h in history]
@@ -79,6 +89,9 @@ def write_study(rows: List[Dict[str, Any]], out: str, title: str) -> Dict[str, s
         lines.append(f"| {b} | {steps} | " + " | ".join(cells) + " |")
     files["md"].write_text(f"{title}\n\ntest accuracy (learning rate)\n\n" + "\n".join(lines) + "\n")
     plt = _plt()
+    if plt is None:
+        del files["png"]
+        return {k: str(v) for k, v in files.items()}
     fig, ax = plt.subplots(figsize=(6, 4))
     for n in names:
         pts = [(b, acc[(n, b)]["test_accuracy"]) for b in sizes

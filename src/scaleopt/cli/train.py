@@ -157,6 +157,15 @@ def _shard(model: torch.nn.Module) -> None:
     fully_shard(model)
 
 
+def _tqdm():
+    """tqdm's progress bar class, or None where tqdm is not installed (the cli extra)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm
+
+
 def _mean_over_ranks(value: torch.Tensor, world: int) -> float:
     """The batch loss over the global batch (each rank has its slice of it)."""
     if world > 1:
@@ -219,9 +228,8 @@ def run(cfg: Config, rank: int = 0, world: int = 1, write: bool = True) -> Dict[
     log_every = max(1, total // 200)
     end = min(total, cfg.stop_after or total)
     bar = None
-    if rank == 0 and cfg.progress:
-        from tqdm import tqdm
-
+    tqdm = _tqdm() if rank == 0 and cfg.progress else None
+    if tqdm is not None:
         bar = tqdm(total=total, initial=step, desc=f"{cfg.optimizer} b{cfg.batch_size}",
                    unit="step", dynamic_ncols=True, file=sys.stderr, mininterval=0.5,
                    disable=None)  # None: a bar on a terminal, none in a log
