@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -14,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run(script, *args):
     done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *args],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, cwd=tempfile.mkdtemp())
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -45,7 +46,7 @@ def test_scaleopt_bench_world_times_every_optimizer_on_fsdp2_shards(tmp_path):
         [sys.executable, "-c", "import sys; from scaleopt.cli import console; sys.argv[0] = "
          "'scaleopt'; console()", "bench", "--world", "2", "--rounds", "1", "--hidden", "64",
          "--layers", "1", "--vocab", "1000", "--json", str(tmp_path / "b.json")],
-        capture_output=True, text=True, timeout=300)
+        capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     rows = {line[:40].strip(): line[40:].split() for line in out.stdout.splitlines()[2:]
             if line.strip()}

@@ -106,8 +106,11 @@ def test_study_large_batch_writes_a_table_and_a_plot(tmp_path, capsys):
 def test_bench_times_the_optimizers(tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert main(["bench", "--hidden", "32", "--layers", "1", "--vocab", "500", "--rounds", "2",
-                 "--only", "LAMB", "OffloadAdam", "--json", str(out)]) == 0
+                 "--only", "LAMB", "OffloadAdam", "--json", str(out),
+                 "--out", str(tmp_path / "run")]) == 0
     result = json.loads(out.read_text())
+    assert json.loads((tmp_path / "run" / "bench.json").read_text()) == result
+    assert result["memory_estimate_bytes"] > 0
     rows = {r["optimizer"]: r for r in result["rows"]}
     names = list(rows)
     assert names[0] == "torch.AdamW(fused=True)" and result["rows"][0]["ratio"] == 1.0
@@ -149,7 +152,9 @@ def test_dgc_on_two_workers_reports_its_traffic(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["train", "--dgc"], "--optimizer momentum"),
-    (["train", "--optimizer", "momentum", "--dgc", "--dgc-sparsity", "1.0"], "--dgc-sparsity"),
+    (["train", "--optimizer", "momentum", "--dgc", "--dgc-sparsity", "1.0", "--workers", "2"],
+     "--dgc-sparsity"),
+    (["train", "--optimizer", "momentum", "--dgc"], "--workers 2 or more"),
     (["train", "--batch-size", "4096", "--train-size", "1024"], "larger than the training set"),
     (["train", "--optimizer", "torch-sgd", "--offload"], "--offload applies"),
     (["train", "--lr", "-1"], "--lr must be a positive"),
@@ -158,6 +163,9 @@ def test_dgc_on_two_workers_reports_its_traffic(tmp_path, capsys):
     (["train", "--device", "tpu"], "--device"),
     (["study", "large-batch", "--optimizers", "lamb", "sgd9"], "unknown optimizer"),
     (["bench", "--rounds", "0"], "--rounds"),
+    (["bench", "--only", "LAMB", "Lamb2000"], "--only Lamb2000: no optimizer's name contains it"),
+    # far more than any machine has: refused before anything is allocated
+    (["bench", "--hidden", "65536", "--layers", "64"], "choose a smaller --size"),
 ])
 def test_bad_values_are_clear_errors_with_exit_code_2(argv, message, capsys):
     assert main(argv) == EXIT_USAGE
@@ -203,7 +211,11 @@ def test_help_explains_every_option(capsys):
         with pytest.raises(SystemExit) as exc:
             main(argv)
         assert exc.value.code == 0
-        assert "default" in capsys.readouterr().out
+        text = capsys.readouterr().out
+        assert "default" in text and "``" not in text  # no raw reStructuredText
+    train = next(s for s in subs if s.prog == "scaleopt train")
+    groups = {a.dest: g.title for g in train._action_groups for a in g._group_actions}
+    assert groups["out"] == groups["no_progress"] == groups["overwrite"] == "output"
 
 
 def test_the_console_script_is_installed():
@@ -242,3 +254,43 @@ def test_without_the_cli_extra_the_command_trains_without_bar_and_plots(tmp_path
     assert main(["train", *with_bar, "--steps", "4", "--out", str(tmp_path)]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["history.csv", "result.json"]
     assert "pip install 'scaleopt[cli]'" in capsys.readouterr().out
+
+
+def test_output_folders_are_checked_before_training_and_never_overwritten(tmp_path, capsys,
+                                                                         monkeypatch):
+    afile = tmp_path / "a-file"
+    afile.write_text("x")
+    assert main(["train", *TINY, "--out", str(afile)]) == EXIT_USAGE
+    assert "is a file, not a folder" in capsys.readouterr().err
+    assert main(["train", *TINY, "--out", str(afile / "below")]) == EXIT_USAGE
+    assert "cannot create the folder" in capsys.readouterr().err
+    done = tmp_path / "done"
+    assert main(["train", *TINY, "--steps", "2", "--out", str(done)]) == 0
+    before = (done / "result.json").read_bytes()
+    assert main(["train", *TINY, "--steps", "3", "--out", str(done)]) == EXIT_USAGE
+    assert "holds an earlier run" in capsys.readouterr().err
+    assert (done / "result.json").read_bytes() == before
+    assert main(["train", *TINY, "--steps", "3", "--out", str(done), "--overwrite"]) == 0
+    assert json.loads((done / "result.json").read_text())["steps"] == 3
+    # default folders: named by the run, numbered rather than overwritten
+    monkeypatch.chdir(tmp_path)
+    for _ in range(2):
+        assert main(["train", *TINY, "--steps", "2", "--optimizer", "LANS"]) == 0
+    runs = sorted(p.name for p in (tmp_path / "scaleopt-runs").iterdir())
+    assert runs == ["train-lans-spirals-b256", "train-lans-spirals-b256-2"]
+
+
+def test_version(capsys):
+    from scaleopt import __version__
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out.strip() == f"scaleopt {__version__}"
+
+
+def test_summaries_and_plot_titles_say_how_the_run_trained():
+    from scaleopt.cli.report import describe
+
+    assert describe({"dgc": True}, 4) == "DGC, 4 workers"
+    assert describe({"offload": True, "shard": True}, 2) == "offloaded, sharded, 2 workers"
+    assert describe({}, 1) == ""

@@ -192,3 +192,43 @@ def test_shard_with_dgc_or_one_worker_is_an_error(capsys):
     assert "--shard with --dgc" in capsys.readouterr().err
     assert main(["train", "--shard"]) == EXIT_USAGE
     assert "--workers 2 or more" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_ctrl_c_stops_cleanly_writes_the_results_so_far_and_leaves_no_process(tmp_path, workers):
+    """SIGINT to the command's process group, as Ctrl-C in a terminal sends it, once the run
+    has written its first checkpoint: it stops after its current step, writes the history and a
+    result marked interrupted (and a checkpoint to resume from), exits 130, and no worker
+    process is left."""
+    import signal
+    import time
+
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from scaleopt.cli import main; sys.exit(main())",
+         "train", *SMALL, "--steps", "1000000", "--workers", workers, "--checkpoint-every", "5",
+         "--out", str(run)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180  # a safety net, not a timing assumption
+        while not (run / "checkpoints" / "latest").exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no checkpoint written"
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert "interrupted at step" in out and "--resume" in out
+    result = json.loads((run / "result.json").read_text())
+    assert result["interrupted"] and not result["complete"] and 5 <= result["steps"] < 1000000
+    with open(run / "history.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert int(rows[-1]["step"]) == result["steps"]
+    assert (run / "checkpoints" / "latest").read_text().strip() == f"step-{result['steps']:08d}"
+    with pytest.raises(ProcessLookupError):  # nothing left in the command's process group
+        for _ in range(50):  # exiting processes may take a moment to be reaped
+            os.killpg(proc.pid, 0)
+            time.sleep(0.1)

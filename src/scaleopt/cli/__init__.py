@@ -1,17 +1,19 @@
 """The ``scaleopt`` command: ``train``, ``study large-batch`` and ``bench``.
 
 Exit codes: 0 success; 2 bad arguments or values (with a message naming the option);
-3 the training diverged (the loss became inf or NaN); 1 any other failure.
+3 the training diverged (the loss became inf or NaN); 130 interrupted by Ctrl-C (the run stops
+after its current step and writes its results so far); 1 any other failure.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import pathlib
 import sys
 from typing import List, Optional
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_DIVERGED = 0, 1, 2, 3
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_DIVERGED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
 def _positive_int(text: str) -> int:
@@ -22,6 +24,11 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def _plain(doc: str) -> str:
+    """A docstring as help text: without reStructuredText's double backticks."""
+    return doc.replace("``", "")
 
 
 def _add_training_options(p: argparse.ArgumentParser, study: bool = False) -> None:
@@ -38,6 +45,7 @@ def _add_training_options(p: argparse.ArgumentParser, study: bool = False) -> No
     g = p.add_argument_group("training")
     if not study:
         g.add_argument("--optimizer", default=d.optimizer, choices=list(optimizers.OPTIMIZERS),
+                       type=str.lower,
                        metavar="NAME", help="; ".join(f"{k}: {c.help} (default lr {c.lr:g})"
                                                       for k, c in optimizers.OPTIMIZERS.items())
                        + f" (default: {d.optimizer})")
@@ -91,15 +99,20 @@ def _add_training_options(p: argparse.ArgumentParser, study: bool = False) -> No
                             "0.75 0.9375 0.984375 0.996 0.999)")
         g.add_argument("--dgc-rampup-begin-step", type=int, default=0,
                        help="dense momentum SGD before this step (default: 0)")
-        g.add_argument("--dgc-rampup-steps", type=_positive_int, default=1,
-                       help="steps over which the sparsity list is walked (default: 1)")
+        g.add_argument("--dgc-rampup-steps", type=_positive_int,
+                       help="steps over which the sparsity list is walked, after "
+                            "--dgc-rampup-begin-step (default: the first quarter of the run)")
         g.add_argument("--dgc-min-numel", type=int, default=16384,
                        help="smaller tensors are sent dense (default: 16384, as Paddle)")
         g.add_argument("--dgc-value-dtype", choices=("float32", "float16", "bfloat16"),
                        default="float32",
                        help="dtype of the gradient values sent; their rounding error stays in "
                             "the local residual (default: float32)")
-    g.add_argument("--out", help="folder for the results (default: scaleopt-runs/<run>)")
+    g = p.add_argument_group("output")
+    g.add_argument("--out", help="folder for the results (default: scaleopt-runs/<run>, a new "
+                                 "folder for each run)")
+    g.add_argument("--overwrite", action="store_true",
+                   help="write into --out even if it holds an earlier run's results")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -145,7 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="scaleopt",
         description="Train, compare and benchmark the scaleopt optimizers on built-in data "
                     "(generated, nothing is downloaded).",
-        epilog="Exit codes: 0 success, 2 bad arguments, 3 training diverged, 1 other failure.")
+        epilog="Exit codes: 0 success, 2 bad arguments, 3 training diverged, 130 interrupted "
+               "(Ctrl-C: the results so far are written), 1 other failure.")
+    from .. import __version__
+
+    ap.add_argument("--version", action="version", version=f"scaleopt {__version__}")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     ap.commands = sub.choices  # name -> parser
@@ -162,12 +179,13 @@ def build_parser() -> argparse.ArgumentParser:
     studies.required = True
     s = studies.add_parser(
         "large-batch", help="final accuracy against batch size for LAMB, LANS and AdamW",
-        description=__import__("scaleopt.cli.study", fromlist=["x"]).__doc__,
+        description=_plain(__import__("scaleopt.cli.study", fromlist=["x"]).__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("--batch-sizes", type=_positive_int, nargs="+",
                    default=[64, 256, 1024, 4096, 8192], metavar="B",
                    help="batch sizes (default: 64 256 1024 4096 8192)")
     s.add_argument("--optimizers", nargs="+", default=["lamb", "lans", "adamw"], metavar="NAME",
+                   type=str.lower,
                    help="optimizers to compare (default: lamb lans adamw)")
     s.add_argument("--base-batch", type=_positive_int, default=1024,
                    help="batch size at which each optimizer uses its default learning rate (default: 1024)")
@@ -176,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_training_options(s, study=True)
 
     p = sub.add_parser("bench", help="optimizer step time as ratios to torch's fused AdamW",
-                       description=__import__("scaleopt.cli.bench", fromlist=["x"]).__doc__,
+                       description=_plain(__import__("scaleopt.cli.bench", fromlist=["x"]).__doc__),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     from .bench import add_arguments
 
@@ -207,19 +225,25 @@ def main(argv: Optional[List[str]] = None) -> int:
     except Diverged as exc:
         print(f"scaleopt {args.command}: training diverged: {exc}", file=sys.stderr)
         return EXIT_DIVERGED
+    except KeyboardInterrupt:  # a second Ctrl-C
+        print(f"scaleopt {args.command}: aborted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 def _train(args: argparse.Namespace, given: set) -> int:
     from . import train
+    from .report import describe
 
     cfg = _resumed(args, given) if args.resume else _config(args)
     train.check(cfg)
     if cfg.out is None:
         cfg = dataclasses.replace(cfg, out=train.default_out(cfg))
+    if not args.resume or "out" in given:  # a resumed run continues in its own folder
+        train.check_out(cfg.out, overwrite=args.overwrite)
     r = train.train(cfg)
     if not r:  # another rank of a torchrun launch: rank 0 reports
         return EXIT_OK
-    how = ", ".join(w for w, on in (("offloaded", cfg.offload), ("sharded", cfg.shard)) if on)
+    how = describe(r["config"], r["workers"])
     print(f"{cfg.optimizer}{f' ({how})' if how else ''} on {cfg.dataset}: "
           f"test accuracy {r['test_accuracy']:.4f}, test loss {r['test_loss']:.4f} after "
           f"{r['steps']} steps ({r['epochs']:.1f} epochs) of batch {cfg.batch_size}, lr {r['lr']:g}"
@@ -255,6 +279,10 @@ def _train(args: argparse.Namespace, given: set) -> int:
     plots = _plt() is not None
     print(f"results: {cfg.out}/result.json, history.csv{', curves.png' if plots else ''}"
           + ("" if plots else f" ({NO_PLOTS})"))
+    if r["interrupted"]:
+        print(f"interrupted at step {r['steps']} of {r['total_steps']}; the results so far are "
+              f"written" + (f"; continue with --resume {cfg.out}" if r["checkpoints"] else ""))
+        return EXIT_INTERRUPTED
     return EXIT_OK
 
 
@@ -267,7 +295,8 @@ def _study(args: argparse.Namespace) -> int:
     base = _config(args, optimizer=args.optimizers[0], batch_size=min(args.batch_sizes))
     for b in args.batch_sizes:
         train.check(dataclasses.replace(base, batch_size=b))
-    out = args.out or "scaleopt-runs/study-large-batch"
+    out = args.out or train.new_folder(pathlib.Path("scaleopt-runs") / "study-large-batch")
+    train.check_out(out, overwrite=args.overwrite)
     rows = study.large_batch(args.batch_sizes, args.optimizers, base, args.base_batch,
                              args.scaling, out=out)
     print(open(f"{out}/study.md").read())

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import platform
 import statistics
 import time
@@ -161,8 +162,10 @@ def bandwidth_reference(named) -> float:
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--size", choices=sorted(SIZES), default="small",
-                    help="BERT-like shapes: small = hidden 512, 4 layers (28.8M parameters); "
-                         "base = BERT-base (109.5M) (default: small)")
+                    help="BERT-like shapes: small = hidden 512, 4 layers (28.8M parameters, about "
+                         "6 GiB with every optimizer); base = BERT-base (109.5M, about 22 GiB; "
+                         "checked against the memory available before anything runs) "
+                         "(default: small)")
     ap.add_argument("--hidden", type=int, help="override the hidden size of --size")
     ap.add_argument("--layers", type=int, help="override the number of layers of --size")
     ap.add_argument("--vocab", type=int, help="override the vocabulary size of --size")
@@ -180,7 +183,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--only", nargs="*", metavar="NAME",
                     help="time only optimizers whose name contains one of these (the fused "
                          "AdamW baseline always runs)")
-    ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    ap.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
+    ap.add_argument("--out", help="folder for bench.json (default: scaleopt-runs/bench-<size>, a "
+                                  "new folder for each run)")
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -195,6 +200,57 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.world > 1 and (args.device != "cpu" or args.dtype != "float32" or args.only):
         raise ValueError("--world times float32 CPU shards of a fixed set of optimizers: "
                          "--device, --dtype and --only do not apply")
+    if args.only:
+        names = list(candidates()[0]) + list(candidates()[1])
+        unknown = [o for o in args.only if not any(o in n for n in names)]
+        if unknown:
+            raise ValueError(f"--only {' '.join(unknown)}: no optimizer's name contains "
+                             f"{'it' if len(unknown) == 1 else 'them'}; the names: "
+                             f"{', '.join(names)}")
+    need, have = memory_need(args), available_memory()
+    if have is not None and need > have:
+        raise ValueError(f"this benchmark holds about {need / 2**30:.1f} GiB (every optimizer "
+                         f"keeps its own parameters, gradients and state for the interleaved "
+                         f"rounds) and {have / 2**30:.1f} GiB are available: choose a smaller "
+                         f"--size or fewer optimizers with --only")
+    from .train import check_out, new_folder
+
+    if args.out is None:
+        tag = args.size if args.hidden is None and args.layers is None else "custom"
+        args.out = new_folder(pathlib.Path("scaleopt-runs") / f"bench-{tag}"
+                              f"{f'-world{args.world}' if args.world > 1 else ''}")
+    check_out(args.out)
+
+
+#: bytes held per parameter by one timed optimizer: a float32 parameter, its gradient and two
+#: moments (a bfloat16 row holds 14 with its split master)
+BYTES_PER_PARAMETER = 16
+
+
+def memory_need(args: argparse.Namespace) -> int:
+    """Bytes the run holds at once: each timed optimizer keeps its own parameters, gradients
+    and state (upper bound: float32 everything plus a master)."""
+    nparams = sum(torch.Size(s).numel() for _, s in shapes_of(args))
+    if args.world > 1:
+        count = 5  # the rows of bench_fsdp, over all processes together
+    else:
+        same, low = candidates()
+        every = list(same) + list(low)
+        count = len([k for k in every if not args.only or k.startswith("torch.AdamW(fused")
+                     or any(o in k for o in args.only)])
+    return BYTES_PER_PARAMETER * nparams * count
+
+
+def available_memory():
+    """Bytes of memory available now (Linux's MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def shapes_of(args: argparse.Namespace):
@@ -224,9 +280,7 @@ def run(args: argparse.Namespace) -> dict:
 
         result = bench_fsdp.run(shapes_of(args), args.world, args.threads, args.rounds,
                                 repr(args.size))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=2)
+        _write(result, args)
         return result
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -260,6 +314,8 @@ def run(args: argparse.Namespace) -> dict:
     print(f"BERT-like '{args.size}' set: {nparams / 1e6:.1f}M parameters in {len(shapes)} tensors, "
           f"{args.dtype}; torch {torch.__version__}, {args.threads} threads, {args.rounds} rounds, "
           f"{torch.cuda.get_device_name() if args.device.startswith('cuda') else platform.machine()}")
+    print(f"memory: about {memory_need(args) / 2**30:.1f} GiB for {len(opts)} optimizers, each "
+          f"with its own parameters, gradients and state")
     print(f"in-place p += g over all tensors: {ref * 1e3:.1f} ms "
           f"({12 * nparams / ref / 1e9:.1f} GB/s at 12 bytes per parameter)")
     print(f"{'optimizer':44s} {'median ms':>10s} {'x fused AdamW':>14s} {'x fp32 row':>11s}")
@@ -276,11 +332,18 @@ def run(args: argparse.Namespace) -> dict:
         print(f"{name:44s} {med * 1e3:10.1f} {paired:14.2f} {vs_fp32}".rstrip())
     result = {"size": args.size, "params": nparams, "tensors": len(shapes), "dtype": args.dtype,
               "threads": args.threads, "device": args.device, "torch": torch.__version__,
-              "rounds": args.rounds, "bandwidth_reference_s": ref, "rows": rows}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+              "rounds": args.rounds, "bandwidth_reference_s": ref, "rows": rows,
+              "memory_estimate_bytes": memory_need(args)}
+    _write(result, args)
     return result
+
+
+def _write(result: dict, args: argparse.Namespace) -> None:
+    """``bench.json`` in the run folder (and ``--json FILE`` if given)."""
+    paths = [pathlib.Path(args.out) / "bench.json"] + ([pathlib.Path(args.json)] if args.json else [])
+    for path in paths:
+        path.write_text(json.dumps(result, indent=2))
+    print(f"results: {', '.join(map(str, paths))}")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,16 @@ def _plt():
     return plt
 
 
+def describe(config: Dict[str, Any], workers: int) -> str:
+    """How a run trained, for titles and summaries: e.g. "DGC, 4 workers" or "offloaded,
+    sharded, 2 workers" ("" for one plain process)."""
+    parts = [w for w, on in (("offloaded", config.get("offload")), ("sharded", config.get("shard")),
+                             ("DGC", config.get("dgc"))) if on]
+    if workers > 1:
+        parts.append(f"{workers} workers")
+    return ", ".join(parts)
+
+
 def write_run(result: Dict[str, Any], out: str) -> Dict[str, str]:
     """``result.json``, ``history.csv`` and ``curves.png`` (loss and accuracy against steps)."""
     folder = pathlib.Path(out)
@@ -53,7 +63,9 @@ def write_run(result: Dict[str, Any], out: str) -> Dict[str, str]:
     b.set_xlabel("step")
     b.set_ylabel("test accuracy")
     cfg = result["config"]
-    fig.suptitle(f"{cfg['optimizer']} on {cfg['dataset']}, batch {cfg['batch_size']}, "
+    how = describe(cfg, result.get("workers", 1))
+    fig.suptitle(f"{cfg['optimizer']}{f' ({how})' if how else ''} on {cfg['dataset']}, "
+                 f"batch {cfg['batch_size']}, "
                  f"lr {result['lr']:g}: test accuracy {result['test_accuracy']:.3f}")
     fig.tight_layout()
     fig.savefig(files["png"], dpi=100)

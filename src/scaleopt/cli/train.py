@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
 import math
 import os
 import pathlib
+import signal
 import socket
 import sys
+import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -52,7 +55,7 @@ class Config:
     dgc: bool = False  # Deep Gradient Compression momentum (with --optimizer momentum)
     dgc_sparsity: Optional[List[float]] = None  # None: the paper's warm-up list
     dgc_rampup_begin_step: int = 0
-    dgc_rampup_steps: int = 1
+    dgc_rampup_steps: Optional[int] = None  # None: the first quarter of the run
     dgc_min_numel: int = 16384
     dgc_value_dtype: str = "float32"  # dtype of the values sent (the indices are int32)
 
@@ -63,6 +66,13 @@ class Config:
         if self.steps is not None:
             return self.steps
         return self.epochs * (self.train_size // self.batch_size)
+
+    def dgc_rampup(self) -> int:
+        """Steps over which DGC walks its sparsity list: the first quarter of the run unless
+        given (the paper warms up over the first epochs)."""
+        if self.dgc_rampup_steps is not None:
+            return self.dgc_rampup_steps
+        return max(1, (self.total_steps() - self.dgc_rampup_begin_step) // 4)
 
     def warmup_steps(self) -> int:
         total = self.total_steps()
@@ -110,10 +120,13 @@ def check(cfg: Config) -> None:
     if cfg.dgc:
         if cfg.optimizer != "momentum":
             raise ValueError("--dgc is DGC momentum SGD: use it with --optimizer momentum")
+        if cfg.workers < 2 and int(os.environ.get("WORLD_SIZE", "1")) < 2:
+            raise ValueError("--dgc compresses the gradients the workers exchange: use it with "
+                             "--workers 2 or more (one process exchanges nothing)")
         for sp in cfg.dgc_sparsity or ():
             if not 0 <= sp < 1:
                 raise ValueError(f"--dgc-sparsity values must be in [0, 1), got {sp}")
-        if cfg.dgc_rampup_begin_step < 0 or cfg.dgc_rampup_steps < 1 or cfg.dgc_min_numel < 0:
+        if cfg.dgc_rampup_begin_step < 0 or cfg.dgc_rampup() < 1 or cfg.dgc_min_numel < 0:
             raise ValueError("--dgc-rampup-begin-step and --dgc-min-numel must be >= 0, "
                              "--dgc-rampup-steps >= 1")
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
@@ -124,10 +137,45 @@ def check(cfg: Config) -> None:
         raise ValueError(f"--threads must be at least 1, got {cfg.threads}")
 
 
-def default_out(cfg: Config) -> str:
-    tag = (f"{cfg.optimizer}{'-offload' if cfg.offload else ''}{'-shard' if cfg.shard else ''}"
-           f"-b{cfg.batch_size}")
-    return str(pathlib.Path("scaleopt-runs") / f"train-{tag}")
+def default_out(cfg: Config, root: str = "scaleopt-runs") -> str:
+    """A new folder for the run: named by what it trains and how, with a number added when a
+    folder of that name already holds a run."""
+    tag = "-".join([cfg.optimizer] + [w for w, on in (("offload", cfg.offload),
+                                                      ("shard", cfg.shard), ("dgc", cfg.dgc)) if on]
+                   + [cfg.dataset, f"b{cfg.batch_size}"]
+                   + ([f"w{cfg.workers}"] if cfg.workers > 1 else []))
+    return new_folder(pathlib.Path(root) / f"train-{tag}")
+
+
+def new_folder(base: pathlib.Path) -> str:
+    """``base``, or ``base-2``, ``base-3``, ... : the first that holds no run."""
+    path, n = base, 1
+    while holds_a_run(path):
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return str(path)
+
+
+def holds_a_run(path: pathlib.Path) -> bool:
+    """Whether ``path`` holds a run's or a study's results (or checkpoints)."""
+    return any((path / name).exists() for name in ("result.json", "checkpoints", "study.json"))
+
+
+def check_out(out: str, overwrite: bool = False) -> None:
+    """Before any training: ``out`` must be a folder this process can write, and must not hold
+    an earlier run unless ``overwrite``. Creates it."""
+    path = pathlib.Path(out)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--out {out} is a file, not a folder")
+    if holds_a_run(path) and not overwrite:
+        raise ValueError(f"--out {out} holds an earlier run's results: choose another folder, "
+                         f"pass --overwrite, or continue it with --resume {out}")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--out {out}: cannot create the folder ({exc.strerror})") from None
+    if not os.access(path, os.W_OK):
+        raise ValueError(f"--out {out}: this process cannot write there")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -166,13 +214,42 @@ def _tqdm():
     return tqdm
 
 
-def _mean_over_ranks(value: torch.Tensor, world: int) -> float:
-    """The batch loss over the global batch (each rank has its slice of it)."""
+def _mean_over_ranks(value: torch.Tensor, world: int, stop: bool) -> Tuple[float, bool]:
+    """The batch loss over the global batch (each rank has its slice of it), and whether any
+    rank was asked to stop (in the same all-reduce, so that every rank stops at this step)."""
+    both = torch.stack([value.detach().float().reshape(()), torch.tensor(float(stop))])
     if world > 1:
-        value = value.detach().clone()
-        dist.all_reduce(value)
-        value /= world
-    return value.item()
+        dist.all_reduce(both)
+    return both[0].item() / world, bool(both[1].item() > 0)
+
+
+#: steps between the checks of several workers for a stop request (one tiny all-reduce)
+STOP_CHECK_EVERY = 10
+
+#: set when the run is asked to stop (Ctrl-C): the loop ends cleanly at a step boundary
+_stop_request: Any = threading.Event()
+
+
+@contextlib.contextmanager
+def interruptible(event: Any) -> Iterator[None]:
+    """The first Ctrl-C (SIGINT) sets ``event``: the run ends after its current step, writes its
+    results so far (and a checkpoint with --checkpoint-every) and the command exits 130. A
+    second Ctrl-C raises KeyboardInterrupt at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        if event.is_set():
+            raise KeyboardInterrupt
+        event.set()
+        print("\nstopping after this step (Ctrl-C again to abort) ...", file=sys.stderr)
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def run(cfg: Config, rank: int = 0, world: int = 1, write: bool = True) -> Dict[str, Any]:
@@ -200,7 +277,7 @@ def run(cfg: Config, rank: int = 0, world: int = 1, write: bool = True) -> Dict[
         opt = DGCMomentum(param_groups(model, weight_decay=cfg.weight_decay), lr=lr, momentum=0.9,
                           sparsity=cfg.dgc_sparsity or list(PAPER_SPARSITY),
                           rampup_begin_step=cfg.dgc_rampup_begin_step,
-                          rampup_step=cfg.dgc_rampup_steps, min_numel=cfg.dgc_min_numel,
+                          rampup_step=cfg.dgc_rampup(), min_numel=cfg.dgc_min_numel,
                           value_dtype=getattr(torch, cfg.dgc_value_dtype))
     else:
         opt = optimizers.build(cfg.optimizer, model, lr, cfg.weight_decay, cfg.offload)
@@ -227,6 +304,7 @@ def run(cfg: Config, rank: int = 0, world: int = 1, write: bool = True) -> Dict[
     eval_every = max(1, total // cfg.evals)
     log_every = max(1, total // 200)
     end = min(total, cfg.stop_after or total)
+    interrupted = False
     bar = None
     tqdm = _tqdm() if rank == 0 and cfg.progress else None
     if tqdm is not None:
@@ -256,8 +334,11 @@ def run(cfg: Config, rank: int = 0, world: int = 1, write: bool = True) -> Dict[
             for key in ("bytes_sent", "dense_bytes", "payload_bytes", "dense_payload_bytes",
                         "selected", "numel"):
                 dgc_totals[key] = dgc_totals.get(key, 0) + opt.telemetry[key]
+        stop = world == 1 and _stop_request.is_set()  # one process: every step
+        if world > 1 and step % STOP_CHECK_EVERY == 0 and step % log_every != 0:
+            stop = _mean_over_ranks(loss, world, _stop_request.is_set())[1]
         if step % log_every == 0 or step % eval_every == 0 or step == total:
-            loss_value = _mean_over_ranks(loss, world)
+            loss_value, stop = _mean_over_ranks(loss, world, _stop_request.is_set())
             if rank == 0:
                 curve.append((step, loss_value))
             if not math.isfinite(loss_value):
@@ -270,7 +351,8 @@ def run(cfg: Config, rank: int = 0, world: int = 1, write: bool = True) -> Dict[
                 elapsed = time.perf_counter() - start
                 bar.set_postfix(loss=f"{loss_value:.4f}",
                                 samples_per_s=f"{(step - first) * cfg.batch_size / (elapsed - before):,.0f}")
-        if step % eval_every == 0 or step == total:
+        interrupted = stop and step < end
+        if step % eval_every == 0 or step == total or interrupted:
             if rank == 0 or cfg.shard:  # a sharded model's forward needs every rank
                 test_loss, test_acc = _evaluate(model, xt, yt)
             if rank == 0:
@@ -278,13 +360,16 @@ def run(cfg: Config, rank: int = 0, world: int = 1, write: bool = True) -> Dict[
                                 "train_loss": loss_value, "lr": sched.get_last_lr()[0],
                                 "test_loss": test_loss, "test_accuracy": test_acc,
                                 "time_s": time.perf_counter() - start})
-        if cfg.out and ((cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
+        if cfg.out and ((cfg.checkpoint_every and (step % cfg.checkpoint_every == 0
+                                                   or interrupted))
                         or step == cfg.stop_after):
             meta = {"config": dataclasses.asdict(cfg), "total_steps": total,
                     "optimizer_class": type(opt).__name__, "parameters": checkpoint.shapes(model),
                     "scheduler": sched.state_dict(), "history": history, "train_curve": curve,
                     "time_s": time.perf_counter() - start, "world": world}
             checkpoints.append(checkpoint.save(cfg.out, step, model, opt, meta, rank, world))
+        if interrupted:
+            break
     elapsed = time.perf_counter() - start
     if bar is not None:
         bar.close()
@@ -305,6 +390,7 @@ def run(cfg: Config, rank: int = 0, world: int = 1, write: bool = True) -> Dict[
         "steps": step,
         "total_steps": total,
         "complete": step == total,
+        "interrupted": interrupted,
         "resumed_at": first if cfg.resume else None,
         "epochs": step / steps_per_epoch,
         "train_loss": last["train_loss"],
@@ -354,7 +440,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, cfg: Config, world: int, port: int, result_file: str) -> None:
+def _worker(rank: int, cfg: Config, world: int, port: int, result_file: str, stop: Any) -> None:
+    global _stop_request
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it sets ``stop``
+    _stop_request = stop
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
     backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
@@ -381,22 +470,35 @@ def train(cfg: Config) -> Dict[str, Any]:
         try:
             rank, world = dist.get_rank(), dist.get_world_size()
             check(dataclasses.replace(cfg, workers=world))
-            result = run(dataclasses.replace(cfg, workers=world), rank, world)
+            with interruptible(_stop_request):
+                result = run(dataclasses.replace(cfg, workers=world), rank, world)
             dist.barrier()  # no rank leaves the group while another still uses it
             return result
         finally:
             dist.destroy_process_group()
     if cfg.workers == 1:
-        return run(cfg)
+        _stop_request.clear()
+        with interruptible(_stop_request):
+            return run(cfg)
     import tempfile
 
     import torch.multiprocessing as mp
 
+    stop = mp.get_context("spawn").Event()
     with tempfile.TemporaryDirectory() as tmp:
         result_file = os.path.join(tmp, "result.json")
+        context = None
         try:
-            mp.spawn(_worker, args=(cfg, cfg.workers, _free_port(), result_file),
-                     nprocs=cfg.workers, join=True)
+            with interruptible(stop):
+                context = mp.start_processes(
+                    _worker, args=(cfg, cfg.workers, _free_port(), result_file, stop),
+                    nprocs=cfg.workers, join=False, start_method="spawn")
+                while not context.join(timeout=1.0):
+                    pass
+        except KeyboardInterrupt:  # a second Ctrl-C: no worker is left behind
+            for p in context.processes if context is not None else ():
+                p.terminate()
+            raise
         except mp.ProcessRaisedException as exc:
             last = str(exc).strip().splitlines()[-1]
             if "Diverged" in str(exc):
