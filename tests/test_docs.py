@@ -44,3 +44,39 @@ def test_docstrings_name_every_argument(name):
     for arg in inspect.signature(cls.__init__).parameters:
         if arg not in ("self",):
             assert arg in doc, f"{name} docstring does not describe {arg}"
+
+
+def _snippets():
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    for page in sorted((root / "docs").glob("*.md")) + [root / "README.md"]:
+        blocks = re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
+        for i, code in enumerate(blocks):
+            yield pytest.param(code, id=f"{page.name}-{i}")
+
+
+OPTIONAL = ("transformers", "lightning", "accelerate")
+
+
+@pytest.mark.parametrize("code", _snippets())
+def test_every_code_block_of_the_docs_runs(code, tmp_path):
+    """Each Python block of docs/*.md and README.md, as written, in a fresh process (a
+    one-process torch.distributed group where a block asks for one, as torchrun would set up)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
+           "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=tmp_path)
+    missing = [m for m in OPTIONAL if f"No module named '{m}'" in done.stderr]
+    if missing:
+        pytest.skip(f"needs the frameworks extra ({missing[0]})")
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -190,7 +190,7 @@ def test_installing_without_a_compiler_gives_the_same_numbers(tmp_path):
     compute what they compute here (with the kernels, when built)."""
     src = tmp_path / "src"
     src.mkdir()
-    for name in ("pyproject.toml", "setup.py", "README.md"):
+    for name in ("pyproject.toml", "setup.py", "README.md", "LICENSE"):
         shutil.copy(os.path.join(ROOT, name), src / name)
     shutil.copytree(os.path.join(ROOT, "src"), src / "src",
                     ignore=shutil.ignore_patterns("*.so", "*.egg-info", "__pycache__"))

@@ -41,9 +41,10 @@ class Momentum(ScaleOptimizer):
         nesterov (bool, default False): Nesterov momentum.
         weight_decay (float, default 0.0): :math:`\lambda`.
         weight_decay_mode (str, default ``"l2"``): ``"l2"`` or ``"l1"``.
-        exclude_from_weight_decay (regex, list of regexes, callable(name) or None).
-        max_grad_norm, clip_grad_value, clip_grad_norm_per_tensor, rescale_grad, maximize,
-        foreach: as in :class:`scaleopt.LAMB`.
+        exclude_from_weight_decay (regex, list of regexes, callable(name) or None): no decay
+            for the matching names.
+        max_grad_norm, clip_grad_value, clip_grad_norm_per_tensor, rescale_grad, maximize, foreach:
+            as in :class:`scaleopt.LAMB`.
 
     Example:
         >>> model = torch.nn.Linear(4, 2)

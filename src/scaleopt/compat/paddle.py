@@ -276,12 +276,17 @@ class Lamb(_PaddleAPI, _LAMB):
     or excluded by ``exclude_from_weight_decay_fn``) unless ``always_adapt=True``.
 
     Args:
-        learning_rate (float or LRScheduler, default 0.001), lamb_weight_decay (float, default
-        0.01), beta1 (0.9), beta2 (0.999), epsilon (1e-6), parameters (required), grad_clip
-        (``ClipGradByGlobalNorm``/``ClipGradByNorm``/``ClipGradByValue`` or None),
-        exclude_from_weight_decay_fn (callable(name) -> bool or None), multi_precision (False:
-        True keeps float32 master weights and moments for float16/bfloat16 parameters),
-        always_adapt (False), name (None).
+        learning_rate (float or LRScheduler, default 0.001): the learning rate.
+        lamb_weight_decay (float, default 0.01): the decay inside the trust ratio.
+        beta1 (float, default 0.9), beta2 (float, default 0.999), epsilon (float, default 1e-6):
+            the moments' rates and the denominator's epsilon.
+        parameters: the parameters (required), as tensors or ``model.named_parameters()``.
+        grad_clip: ``ClipGradByGlobalNorm``, ``ClipGradByNorm``, ``ClipGradByValue`` or None.
+        exclude_from_weight_decay_fn (callable(name) -> bool or None): no decay where True.
+        multi_precision (bool, default False): float32 master weights and moments for
+            float16/bfloat16 parameters.
+        always_adapt (bool, default False): the trust ratio also for tensors without decay.
+        name (str or None): kept for Paddle's signature.
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
