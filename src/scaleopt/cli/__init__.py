@@ -305,6 +305,10 @@ def _study(args: argparse.Namespace) -> int:
     plots = _plt() is not None
     print(f"results: {out}/study.json, study.csv, study.md{', study.png' if plots else ''}"
           + ("" if plots else f" ({NO_PLOTS})"))
+    if train._stop_request.is_set():
+        print(f"interrupted after {len(rows)} of {len(args.optimizers) * len(args.batch_sizes)} "
+              f"runs; the finished ones are written")
+        return EXIT_INTERRUPTED
     return EXIT_OK if rows else EXIT_FAILED
 
 

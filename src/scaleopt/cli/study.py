@@ -13,7 +13,7 @@ import dataclasses
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
-from . import optimizers, report
+from . import optimizers, report, train
 from .train import Config, Diverged, run
 
 
@@ -25,7 +25,18 @@ def scaled_lr(base_lr: float, batch: int, base_batch: int, rule: str) -> float:
 def large_batch(batch_sizes: Sequence[int], names: Sequence[str], base: Config, base_batch: int,
                 rule: str, base_lrs: Optional[Dict[str, float]] = None,
                 out: Optional[str] = None) -> List[Dict[str, Any]]:
-    rows = []
+    rows: List[Dict[str, Any]] = []
+    train._stop_request.clear()
+    with train.interruptible(train._stop_request):  # Ctrl-C: the runs so far are written
+        _runs(rows, batch_sizes, names, base, base_batch, rule, base_lrs)
+    if out:
+        title = (f"{base.dataset}, {base.epochs} epochs, {rule} LR scaling from batch {base_batch}, "
+                 f"warm-up {base.warmup:g}, {base.schedule} decay")
+        report.write_study(rows, out, title)
+    return rows
+
+
+def _runs(rows, batch_sizes, names, base, base_batch, rule, base_lrs) -> None:
     for name in names:
         for b in batch_sizes:
             base_lr = (base_lrs or {}).get(name, optimizers.OPTIMIZERS[name].lr)
@@ -35,14 +46,11 @@ def large_batch(batch_sizes: Sequence[int], names: Sequence[str], base: Config, 
                   file=sys.stderr, flush=True)
             try:
                 r = run(cfg)
+                if r["interrupted"]:
+                    return  # the interrupted run's partial result is not a study point
                 row = {k: r[k] for k in ("lr", "steps", "test_accuracy", "test_loss", "time_s")}
             except Diverged:
                 row = {"lr": cfg.lr, "steps": cfg.total_steps(), "test_accuracy": float("nan"),
                        "test_loss": float("nan"), "time_s": float("nan"), "diverged": True}
             rows.append({"optimizer": name, "batch_size": b, **row})
             print(f"        test accuracy {row['test_accuracy']:.4f}", file=sys.stderr, flush=True)
-    if out:
-        title = (f"{base.dataset}, {base.epochs} epochs, {rule} LR scaling from batch {base_batch}, "
-                 f"warm-up {base.warmup:g}, {base.schedule} decay")
-        report.write_study(rows, out, title)
-    return rows
