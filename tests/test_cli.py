@@ -123,6 +123,10 @@ def test_bench_times_the_optimizers(tmp_path, capsys):
     assert "ratio_to_fp32" not in rows["scaleopt.LAMB"]
     printed = capsys.readouterr().out
     assert "x fused AdamW" in printed and "x fp32 row" in printed and "in-place p += g" in printed
+    # a second benchmark into the same folder is refused, not written over the first
+    assert main(["bench", "--hidden", "32", "--layers", "1", "--vocab", "500", "--rounds", "1",
+                 "--out", str(tmp_path / "run")]) == EXIT_USAGE
+    assert "holds an earlier run" in capsys.readouterr().err
 
 
 def test_dgc_on_two_workers_reports_its_traffic(tmp_path, capsys):

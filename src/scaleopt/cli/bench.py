@@ -186,6 +186,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
     ap.add_argument("--out", help="folder for bench.json (default: scaleopt-runs/bench-<size>, a "
                                   "new folder for each run)")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="write into --out even if it holds an earlier run's results")
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -219,7 +221,7 @@ def check_arguments(args: argparse.Namespace) -> None:
         tag = args.size if args.hidden is None and args.layers is None else "custom"
         args.out = new_folder(pathlib.Path("scaleopt-runs") / f"bench-{tag}"
                               f"{f'-world{args.world}' if args.world > 1 else ''}")
-    check_out(args.out)
+    check_out(args.out, overwrite=args.overwrite)
 
 
 #: bytes held per parameter by one timed optimizer: a float32 parameter, its gradient and two
