@@ -53,6 +53,14 @@ class DGCCallback(L.Callback):
     def on_load_checkpoint(self, trainer, pl_module, checkpoint):
         self._saved = checkpoint.get("dgc_hook_states")
 
+    def teardown(self, trainer, pl_module, stage):
+        # Lightning leaves the process group to an atexit handler in each process, so a rank
+        # may tear gloo down while another still works (rank 0 saves the weights for
+        # ddp_spawn), which can abort it; the ranks end the group together instead
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
 
 def fit(out, max_steps=8, ckpt_path=None, dgc=True, workers=2, **dgc_options):
     """Momentum SGD under Lightning DDP on ``workers`` CPU processes (``ddp_spawn``), with the DGC
