@@ -60,7 +60,7 @@ def _snippets():
 OPTIONAL = ("transformers", "lightning", "accelerate")
 
 
-@pytest.mark.parametrize("code", _snippets())
+@pytest.mark.parametrize("code", list(_snippets()))
 def test_every_code_block_of_the_docs_runs(code, tmp_path):
     """Each Python block of docs/*.md and README.md, as written, in a fresh process (a
     one-process torch.distributed group where a block asks for one, as torchrun would set up)."""
