@@ -55,14 +55,20 @@ def resume_from(rank, world, tmp, names, first, steps, path):
     return out if rank == 0 else None
 
 
-def straight(rank, world, tmp, names, steps):
-    """Train each of ``names`` ``steps`` steps without a checkpoint; as :func:`resume_from`."""
+def _trained(names, steps, rank, world, result):
+    """Each of ``names`` trained ``steps`` steps sharded from the start: ``result(model, opt)``
+    by name, on rank 0."""
     out = {}
     for name in names:
         model, opt = _fresh(name)
         _train(model, opt, steps, rank, world)
-        out[name] = _result(model, opt)
+        out[name] = result(model, opt)
     return out if rank == 0 else None
+
+
+def straight(rank, world, tmp, names, steps):
+    """Train each of ``names`` ``steps`` steps without a checkpoint; as :func:`resume_from`."""
+    return _trained(names, steps, rank, world, _result)
 
 
 def _result(model, opt):
@@ -89,12 +95,7 @@ def _full(model, opt):
 def save_full_after(rank, world, tmp, names, steps):
     """Train each of ``names`` ``steps`` steps sharded; the full model and optimizer state
     dicts (``full_state_dict=True``), as rank 0 has them."""
-    out = {}
-    for name in names:
-        model, opt = _fresh(name)
-        _train(model, opt, steps, rank, world)
-        out[name] = _full(model, opt)
-    return out if rank == 0 else None
+    return _trained(names, steps, rank, world, _full)
 
 
 def resume_from_full(rank, world, tmp, names, first, steps, path):
