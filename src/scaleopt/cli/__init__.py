@@ -274,11 +274,9 @@ def _train(args: argparse.Namespace, given: set) -> int:
              f"{r['unsharded_optimizer_state_bytes']:,})" if r["sharded"] else ""))
     if r["checkpoints"]:
         print(f"checkpoints: {len(r['checkpoints'])}, the last {r['checkpoints'][-1]}")
-    from .report import NO_PLOTS, _plt
+    from .report import results_line
 
-    plots = _plt() is not None
-    print(f"results: {cfg.out}/result.json, history.csv{', curves.png' if plots else ''}"
-          + ("" if plots else f" ({NO_PLOTS})"))
+    print(results_line(cfg.out, ["result.json", "history.csv"], "curves.png"))
     if r["interrupted"]:
         print(f"interrupted at step {r['steps']} of {r['total_steps']}; the results so far are "
               f"written" + (f"; continue with --resume {cfg.out}" if r["checkpoints"] else ""))
@@ -300,11 +298,9 @@ def _study(args: argparse.Namespace) -> int:
     rows = study.large_batch(args.batch_sizes, args.optimizers, base, args.base_batch,
                              args.scaling, out=out)
     print(open(f"{out}/study.md").read())
-    from .report import NO_PLOTS, _plt
+    from .report import results_line
 
-    plots = _plt() is not None
-    print(f"results: {out}/study.json, study.csv, study.md{', study.png' if plots else ''}"
-          + ("" if plots else f" ({NO_PLOTS})"))
+    print(results_line(out, ["study.json", "study.csv", "study.md"], "study.png"))
     if train._stop_request.is_set():
         print(f"interrupted after {len(rows)} of {len(args.optimizers) * len(args.batch_sizes)} "
               f"runs; the finished ones are written")

@@ -203,7 +203,8 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError("--world times float32 CPU shards of a fixed set of optimizers: "
                          "--device, --dtype and --only do not apply")
     if args.only:
-        names = list(candidates()[0]) + list(candidates()[1])
+        same, low = candidates()
+        names = list(same) + list(low)
         unknown = [o for o in args.only if not any(o in n for n in names)]
         if unknown:
             raise ValueError(f"--only {' '.join(unknown)}: no optimizer's name contains "
@@ -234,13 +235,20 @@ def memory_need(args: argparse.Namespace) -> int:
     and state (upper bound: float32 everything plus a master)."""
     nparams = sum(torch.Size(s).numel() for _, s in shapes_of(args))
     if args.world > 1:
-        count = 5  # the rows of bench_fsdp, over all processes together
+        from . import bench_fsdp
+
+        count = len(bench_fsdp.candidates())  # its rows, over all processes together
     else:
         same, low = candidates()
-        every = list(same) + list(low)
-        count = len([k for k in every if not args.only or k.startswith("torch.AdamW(fused")
-                     or any(o in k for o in args.only)])
+        count = len(selected(list(same) + list(low), args.only))
     return BYTES_PER_PARAMETER * nparams * count
+
+
+def selected(names, only):
+    """The optimizers ``--only`` selects (all of them without it); the fused AdamW baseline
+    always runs."""
+    return [k for k in names
+            if not only or k.startswith("torch.AdamW(fused") or any(o in k for o in only)]
 
 
 def available_memory():
@@ -294,8 +302,7 @@ def run(args: argparse.Namespace) -> dict:
     # DeepSpeed's CPU Adam leaves its threads busy for a while after a step: time it last in
     # each round, so the in-place reference (not an optimizer) comes right after it
     every = dict(sorted(every.items(), key=lambda kv: "deepspeed" in kv[0]))
-    chosen = {k: v for k, v in every.items()
-              if not args.only or k.startswith("torch.AdamW(fused") or any(o in k for o in args.only)}
+    chosen = {k: every[k] for k in selected(list(every), args.only)}
     opts = {}
     for name, (make, pdtype) in chosen.items():
         named = make_params(shapes, pdtype, args.device)

@@ -166,14 +166,14 @@ def load(path: pathlib.Path, meta: Dict[str, Any], model, opt) -> None:
 def state_bytes(model, opt) -> Dict[str, int]:
     """Bytes of parameters and of optimizer state held by this rank, and what an unsharded
     replica holds."""
-    from .._sharding import is_dtensor
+    from .._sharding import local_piece
 
     def sizes(tensors):
         here = full = 0
         for t in tensors:
             if not isinstance(t, torch.Tensor):
                 continue
-            here += (t.to_local() if is_dtensor(t) else t).numel() * t.element_size()
+            here += local_piece(t).numel() * t.element_size()
             full += t.numel() * t.element_size()
         return here, full
 

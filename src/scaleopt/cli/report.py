@@ -24,6 +24,14 @@ def _plt():
     return plt
 
 
+def results_line(folder: str, names: List[str], plot: str) -> str:
+    """The summary's last line: the files written into ``folder``, the plot among them where
+    matplotlib is installed."""
+    if _plt() is None:
+        return f"results: {folder}/{', '.join(names)} ({NO_PLOTS})"
+    return f"results: {folder}/{', '.join(names + [plot])}"
+
+
 def describe(config: Dict[str, Any], workers: int) -> str:
     """How a run trained, for titles and summaries: e.g. "DGC, 4 workers" or "offloaded,
     sharded, 2 workers" ("" for one plain process)."""

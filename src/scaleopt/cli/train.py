@@ -158,8 +158,10 @@ def new_folder(base: pathlib.Path) -> str:
 
 def holds_a_run(path: pathlib.Path) -> bool:
     """Whether ``path`` holds a run's or a study's results (or checkpoints)."""
+    from .checkpoint import CHECKPOINTS
+
     return any((path / name).exists()
-               for name in ("result.json", "checkpoints", "study.json", "bench.json"))
+               for name in ("result.json", CHECKPOINTS, "study.json", "bench.json"))
 
 
 def check_out(out: str, overwrite: bool = False) -> None:
@@ -336,8 +338,6 @@ def run(cfg: Config, rank: int = 0, world: int = 1, write: bool = True) -> Dict[
                         "selected", "numel"):
                 dgc_totals[key] = dgc_totals.get(key, 0) + opt.telemetry[key]
         stop = world == 1 and _stop_request.is_set()  # one process: every step
-        if world > 1 and step % STOP_CHECK_EVERY == 0 and step % log_every != 0:
-            stop = _mean_over_ranks(loss, world, _stop_request.is_set())[1]
         if step % log_every == 0 or step % eval_every == 0 or step == total:
             loss_value, stop = _mean_over_ranks(loss, world, _stop_request.is_set())
             if rank == 0:
@@ -346,6 +346,8 @@ def run(cfg: Config, rank: int = 0, world: int = 1, write: bool = True) -> Dict[
                 if bar is not None:
                     bar.close()
                 raise Diverged(f"the training loss is {loss_value} at step {step}: lower --lr")
+        elif world > 1 and step % STOP_CHECK_EVERY == 0:
+            stop = _mean_over_ranks(loss, world, _stop_request.is_set())[1]
         if bar is not None:
             bar.update(1)
             if step % log_every == 0 or step == total:
