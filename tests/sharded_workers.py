@@ -10,6 +10,13 @@ from torch.distributed.tensor import DTensor
 import scaleopt
 from scaleopt.compat import keras, mindspore, mxnet, paddle, tf1
 
+def two_groups(ps):
+    """HF Trainer's groups: decayed weights, and undecayed biases at another learning rate."""
+    return [{"params": [p for n, p in ps if not n.endswith("bias")], "weight_decay": 0.1},
+            {"params": [p for n, p in ps if n.endswith("bias")], "weight_decay": 0.0,
+             "lr": 5e-3}]
+
+
 #: optimizer configurations by name: (make(named_params), takes names)
 OPTIMIZERS = {
     "LAMB": lambda ps: scaleopt.LAMB(ps, lr=1e-2, weight_decay=0.1,
@@ -19,7 +26,10 @@ OPTIMIZERS = {
         weight_decay_mode="decoupled"),
     "LAMB(clipping)": lambda ps: scaleopt.LAMB(
         ps, lr=1e-2, max_grad_norm=0.05, clip_grad_norm_per_tensor=0.03, clip_grad_value=0.02),
+    "LAMB(two groups)": lambda ps: scaleopt.LAMB(two_groups(ps), lr=1e-2),
     "LANS": lambda ps: scaleopt.LANS(ps, lr=1e-2, exclude_from_weight_decay=["bias"]),
+    "LANS(two groups, clipping)": lambda ps: scaleopt.LANS(two_groups(ps), lr=1e-2,
+                                                           max_grad_norm=0.05),
     "LANS(decay_moved_weight, bounds)": lambda ps: scaleopt.LANS(
         ps, lr=1e-2, weight_decay=0.1, decay_moved_weight=True, lower_bound=0.5,
         upper_bound=3.0),
@@ -138,10 +148,13 @@ def count_collectives(rank, world, tmp, name):
     from scaleopt import _native
 
     ran = []
-    real = _native._run_layerwise
-    _native._run_layerwise = lambda name, *a, **k: (ran.append((name, "shard_sums" in k and
-                                                                k["shard_sums"] is not None)),
-                                                    real(name, *a, **k))
+    real = _native._layerwise_steps
+
+    def recorded(name, *a, **k):
+        ran.append((name, k.get("shard_sums") is not None))
+        return (yield from real(name, *a, **k))
+
+    _native._layerwise_steps = recorded
     model = shard(model_of(name))
     opt = OPTIMIZERS[name](list(model.named_parameters()))
     counts = []

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from . import _blocks
 from ._compile import eager
-from ._sharding import ShardSums, any_dtensor, local
+from ._sharding import ShardSums, Steps, any_dtensor, local, settle_together
 
 NameRule = Union[None, str, Sequence[str], Callable[[str], bool]]
 
@@ -464,7 +464,8 @@ class ScaleOptimizer(torch.optim.Optimizer):
         self._refresh_hyperparameters()
         if skip_nonfinite and _found_inf(self):
             return _skipped()
-        staged = [self._collect(group, value_clip, defer) for group in self.param_groups]
+        staged = settle_together([self._collect(group, value_clip, defer)
+                                  for group in self.param_groups])
         finite = True
         if any(s.group.get("max_grad_norm") is not None for s in staged):
             total = _clip_by_global_norm(staged)
@@ -487,9 +488,10 @@ class ScaleOptimizer(torch.optim.Optimizer):
         return factor / group.get("loss_scale", 1.0)
 
     def _collect(self, group: Dict[str, Any], value_clip: bool,
-                 defer: Optional[Deferral]) -> GroupGrads:
+                 defer: Optional[Deferral]) -> Steps:
         """One group's gradients, transformed (or, deferred, their scalars) but for the global
-        clipping."""
+        clipping (a :class:`GroupGrads`), as steps: for sharded parameters, they yield the
+        gradients' sums to total over the shards (see ``scaleopt._sharding``)."""
         idx, params, grads = [], [], []
         for i, p in enumerate(group["params"]):
             if p.grad is None:
@@ -511,8 +513,8 @@ class ScaleOptimizer(torch.optim.Optimizer):
                          and not (clamp is not None and norm_clip))
         unscale = self._unscale(group)
         if item.deferred:
-            item.scalars, item.norms = _deferred_scalars(group, grads, unscale, clamp, defer,
-                                                         item.shard_sums)
+            item.scalars, item.norms = yield from _deferred_scalars(
+                group, grads, unscale, clamp, defer, item.shard_sums)
         elif grads:
             if group.get("maximize", False):
                 grads = torch._foreach_neg(grads)
@@ -521,7 +523,7 @@ class ScaleOptimizer(torch.optim.Optimizer):
             if item.shard_sums is None:
                 item.grads = _blocks.clip_by_tensor_norm(grads, per_tensor)
             elif norm_clip:  # whole-tensor norms: one reduction, shared with the global clip
-                norms = item.shard_sums.norms(grads)
+                norms = yield item.shard_sums.norms_request(grads)
                 if per_tensor is not None:
                     coefs = _blocks.clip_coef(norms, per_tensor)
                     grads = _blocks.scale_each(grads, coefs)
@@ -544,10 +546,10 @@ class ScaleOptimizer(torch.optim.Optimizer):
 
 
 def _deferred_scalars(group: Dict[str, Any], grads: List[Tensor], unscale: float, clamp: Any,
-                      defer: Deferral, shard_sums: Optional[ShardSums] = None,
-                      ) -> Tuple[Optional[GradScalars], Optional[Tensor]]:
+                      defer: Deferral, shard_sums: Optional[ShardSums] = None) -> Steps:
     """A deferred group's scalars before global clipping (None when all multipliers are 1 and
-    nothing clips), and the raw gradients' norms where a clipping needs them."""
+    nothing clips), and the raw gradients' norms where a clipping needs them, as steps (which
+    return them)."""
     base = (-1.0 if group.get("maximize", False) else 1.0) * unscale
     per_tensor, global_clip = group.get("clip_grad_norm_per_tensor"), group.get("max_grad_norm")
     if base == 1.0 and per_tensor is None and global_clip is None and clamp is None:
@@ -557,7 +559,7 @@ def _deferred_scalars(group: Dict[str, Any], grads: List[Tensor], unscale: float
         sums = defer.sums_of_squares(grads)
         if shard_sums is not None:  # over the whole tensors
             local_sums = _blocks.sq_norms(grads).double() if sums is None else sums
-            sums = shard_sums.reduce(local_sums, range(len(grads)))
+            sums = yield shard_sums.request(local_sums, range(len(grads)))
         norms = _blocks.norms(grads) if sums is None else sums.sqrt().to(torch.float32)
     mults = [base] * len(grads)
     if per_tensor is not None:

@@ -74,12 +74,13 @@ def resolve(impl: Optional[str], foreach: bool) -> Impl:
                          f"{[i.value for i in Impl]})") from None
 
 
-def run_torch_path(impl: Impl, multi_tensor, single_tensor, params, grads, *state,
-                   grad_scalars=None, shard_sums=None, **options) -> None:
-    """An update's ``MULTI`` (``multi_tensor``, which takes ``shard_sums``) or ``SINGLE``
-    (``single_tensor``) form, on the gradients with their deferred scalars applied."""
+def torch_path_steps(impl: Impl, multi_tensor, single_tensor, params, grads, *state,
+                     grad_scalars=None, shard_sums=None, **options):
+    """An update's ``MULTI`` (``multi_tensor``, steps that take ``shard_sums``: see
+    ``scaleopt._sharding``) or ``SINGLE`` (``single_tensor``) form, on the gradients with their
+    deferred scalars applied, as steps."""
     grads = apply_grad_scalars(grads, grad_scalars)
     if impl is Impl.MULTI:
-        multi_tensor(params, grads, *state, shard_sums=shard_sums, **options)
+        yield from multi_tensor(params, grads, *state, shard_sums=shard_sums, **options)
     else:
         single_tensor(params, grads, *state, **options)

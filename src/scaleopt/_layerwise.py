@@ -16,7 +16,7 @@ from ._base import (Deferral, GradScalars, GroupGrads, ScaleOptimizer, apply_gra
 from ._compile import eager
 from ._dispatch import Impl, implementation
 from ._masters import LocalPlacement, MasterView, MasterWeights
-from ._sharding import local
+from ._sharding import Steps, local, settle_together
 
 
 def pick(xs: Sequence[Tensor], idx: Sequence[int]) -> List[Tensor]:
@@ -160,29 +160,33 @@ class LayerwiseAdam(ScaleOptimizer):
 
     def _step_groups(self) -> None:
         defer = Deferral(self._takes_grad_scalars, _native.sums_of_squares)
-        adapted = None  # whether any tensor of the step takes the trust ratio
-        for item in self._intake(defer=defer, **self._intake_options):
-            group, t = item.group, self._init_group(item)
-            adapted = bool(adapted) or any(t.layer[2])
-            sharded = {} if item.shard_sums is None else dict(
-                shard_sums=item.shard_sums, grad_norms=item.grad_norms)
-            impl = implementation(group, item.params, on_host=self.host is not None,
-                                  tensors=(t.weights, item.grads, t.exp_avgs, t.exp_avg_sqs,
-                                           t.low))
-            if impl is Impl.NATIVE:  # on the masters as stored, scalars applied as read
-                self._update(group, t.weights, item.grads, t.exp_avgs, t.exp_avg_sqs, t.steps,
-                             t.layer, impl, low=t.low, scalars=item.scalars, **sharded)
-            else:  # on float32 masters (split ones joined, then split again)
-                grads = apply_grad_scalars(item.grads, item.scalars)
-                with self._master_weights.as_float32(t.view) as full:
-                    full = local(full)  # sharded: the local shards (the gradients already are)
-                    grads = [g if g.dtype == w.dtype else g.to(w.dtype)
-                             for g, w in zip(grads, full)]
-                    self._update(group, full, grads, t.exp_avgs, t.exp_avg_sqs, t.steps, t.layer,
-                                 impl, **sharded)
-            self._master_weights.commit(t.view, rounded_written=impl is Impl.NATIVE)
-        if adapted is False:
+        intake = self._intake(defer=defer, **self._intake_options)
+        # the groups in lockstep: the sums each asks to total travel in one reduction
+        adapted = settle_together([self._group_steps(item) for item in intake])
+        if adapted and not any(adapted):
             self._warn_no_trust_ratio()
+
+    def _group_steps(self, item: GroupGrads) -> Steps:
+        """One group's update, as steps (see ``scaleopt._sharding``); returns whether any of
+        its tensors took the trust ratio."""
+        group, t = item.group, self._init_group(item)
+        sharded = {} if item.shard_sums is None else dict(
+            shard_sums=item.shard_sums, grad_norms=item.grad_norms)
+        impl = implementation(group, item.params, on_host=self.host is not None,
+                              tensors=(t.weights, item.grads, t.exp_avgs, t.exp_avg_sqs, t.low))
+        if impl is Impl.NATIVE:  # on the masters as stored, scalars applied as read
+            yield from self._update(group, t.weights, item.grads, t.exp_avgs, t.exp_avg_sqs,
+                                    t.steps, t.layer, impl, low=t.low, scalars=item.scalars,
+                                    **sharded)
+        else:  # on float32 masters (split ones joined, then split again)
+            grads = apply_grad_scalars(item.grads, item.scalars)
+            with self._master_weights.as_float32(t.view) as full:
+                full = local(full)  # sharded: the local shards (the gradients already are)
+                grads = [g if g.dtype == w.dtype else g.to(w.dtype) for g, w in zip(grads, full)]
+                yield from self._update(group, full, grads, t.exp_avgs, t.exp_avg_sqs, t.steps,
+                                        t.layer, impl, **sharded)
+        self._master_weights.commit(t.view, rounded_written=impl is Impl.NATIVE)
+        return any(t.layer[2])
 
     @eager
     def _warn_no_trust_ratio(self) -> None:
@@ -219,10 +223,11 @@ class LayerwiseAdam(ScaleOptimizer):
                 layer: Tuple[List[float], List[float], List[bool]], impl: Impl,
                 low: Optional[List[Optional[Tensor]]] = None,
                 scalars: Optional[GradScalars] = None, shard_sums: Any = None,
-                grad_norms: Optional[Tensor] = None) -> None:
+                grad_norms: Optional[Tensor] = None) -> Steps:
         """One group's update by ``impl``: ``layer`` holds the per-tensor learning rates, weight
         decays and adaptation flags; for ``NATIVE``, ``low[i]`` is the split master's lower
         half or where the rounded weights of master ``params[i]`` go (or None), and
         ``scalars`` the gradients' deferred scalars; on local shards, ``shard_sums`` totals
-        their norms, and ``grad_norms`` are the gradients' (whole) norms where known."""
+        their norms, and ``grad_norms`` are the gradients' (whole) norms where known. Returns the
+        update as steps, which yield the sums to total over the shards."""
         raise NotImplementedError

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from . import _blocks
 from ._compile import eager
+from ._sharding import Steps, settled
 
 _TENSOR_FIELDS = [("w", c_void_p), ("g", c_void_p), ("m", c_void_p), ("v", c_void_p),
                   ("low", c_void_p), ("step", c_void_p), ("n", c_int64), ("kind", c_int32),
@@ -185,34 +186,61 @@ def _layerwise_config(*, beta1, beta2, eps, bias_correction, lower_bound, upper_
 _LAYERWISE_ARRAYS = ("lrs", "weight_decays", "adapt", "low", "grad_multipliers", "grad_sq_sums")
 
 
-def _run_layerwise(name, sums_per_tensor, params, grads, exp_avgs, exp_avg_sqs, state_steps,
-                   shard_sums=None, **options):
+class _LayerwiseCall:
+    """The arguments of a ``lamb_*`` / ``lans_*`` kernel call over a group's tensors."""
+
+    @eager
+    def __init__(self, name, params, grads, exp_avgs, exp_avg_sqs, state_steps, **options):
+        arrays = {k: options.pop(k) for k in _LAYERWISE_ARRAYS if k in options}
+        self.name, self.count = name, len(params)
+        self.tensors = _layerwise_tensors(params, grads, exp_avgs, exp_avg_sqs, state_steps,
+                                          **arrays)
+        self.config = ctypes.byref(_layerwise_config(**options))
+
+    @eager  # host code calling C: nothing for dynamo to trace
+    def whole(self) -> None:
+        """``{name}_multi``: both passes, one tensor after the other."""
+        getattr(_lib, f"{self.name}_multi")(self.tensors, self.count, self.config)
+
+    @eager
+    def sums(self, per_tensor: int) -> Tensor:
+        """``{name}_multi_sums``: the first pass over all tensors; ``per_tensor`` sums each."""
+        out = torch.zeros(self.count * per_tensor, dtype=torch.float64)
+        getattr(_lib, f"{self.name}_multi_sums")(self.tensors, self.count, self.config,
+                                                 out.data_ptr())
+        return out
+
+    @eager
+    def apply(self, totals: Tensor) -> None:
+        """``{name}_multi_apply``: the second pass, on the sums totalled over the shards."""
+        totals = totals.contiguous()
+        getattr(_lib, f"{self.name}_multi_apply")(self.tensors, self.count, self.config,
+                                                  totals.data_ptr())
+
+
+def _layerwise_steps(name, sums_per_tensor, params, grads, exp_avgs, exp_avg_sqs, state_steps,
+                     shard_sums=None, **options) -> Steps:
     """``{name}_multi`` on all tensors, or, for the local pieces of sharded tensors (with
     ``shard_sums``, see ``scaleopt._sharding``), ``{name}_multi_sums`` on all, the sums
-    totalled over the pieces in one reduction, and ``{name}_multi_apply``."""
+    totalled over the pieces (the one :class:`~scaleopt._sharding.Reduction` this yields), and
+    ``{name}_multi_apply``."""
     if not params:
         return
-    arrays = {k: options.pop(k) for k in _LAYERWISE_ARRAYS if k in options}
-    tensors = _layerwise_tensors(params, grads, exp_avgs, exp_avg_sqs, state_steps, **arrays)
-    config = ctypes.byref(_layerwise_config(**options))
-    count = len(params)
+    call = _LayerwiseCall(name, params, grads, exp_avgs, exp_avg_sqs, state_steps, **options)
     if shard_sums is None:
-        getattr(_lib, f"{name}_multi")(tensors, count, config)
+        call.whole()
         return
-    sums = torch.zeros(count * sums_per_tensor, dtype=torch.float64)
-    getattr(_lib, f"{name}_multi_sums")(tensors, count, config, sums.data_ptr())
-    owners = [t for t in range(count) for _ in range(sums_per_tensor)]
-    totals = shard_sums.reduce(sums, owners).contiguous()
-    getattr(_lib, f"{name}_multi_apply")(tensors, count, config, totals.data_ptr())
+    owners = [t for t in range(call.count) for _ in range(sums_per_tensor)]
+    call.apply((yield shard_sums.request(call.sums(sums_per_tensor), owners)))
 
 
-@eager  # host code calling C: nothing for dynamo to trace
-def lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, weight_decay_mode,
-         clip_grad_value=None, **options) -> None:
+def lamb_steps(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, weight_decay_mode,
+               clip_grad_value=None, **options) -> Steps:
     """LAMB on the fused kernels, all tensors in one call: the same update as
     :func:`scaleopt.lamb.lamb` (options: ``lrs``, ``weight_decays``, ``adapt``, ``beta1``,
     ``beta2``, ``eps``, ``bias_correction``, ``lower_bound``, ``upper_bound``, ``low``,
-    ``grad_multipliers``).
+    ``grad_multipliers``), as steps for :func:`scaleopt._sharding.settle`: :func:`lamb` runs
+    them to the end.
 
     ``low[i]``, when given, is the bfloat16 parameter whose float32 master is ``params[i]``:
     it receives the rounded weights in the same pass. A bfloat16 ``params[i]`` is a split
@@ -221,26 +249,30 @@ def lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, weight_decay_mode
     ``ScaleOptimizer._intake``): the gradients are read as they are, never copied; with
     ``clip_grad_value`` the product is then clamped (LAMB's element-wise clipping).
     ``shard_sums``, for the local pieces of sharded tensors, totals the trust ratios' sums over
-    the pieces (see :func:`_run_layerwise`)."""
-    _run_layerwise("lamb", 2, params, grads, exp_avgs, exp_avg_sqs, state_steps,
-                   mode=_MODES[weight_decay_mode], clip_grad_value=clip_grad_value, **options)
+    the pieces (see :func:`_layerwise_steps`)."""
+    return _layerwise_steps("lamb", 2, params, grads, exp_avgs, exp_avg_sqs, state_steps,
+                            mode=_MODES[weight_decay_mode], clip_grad_value=clip_grad_value,
+                            **options)
 
 
-@eager
-def lans(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, clip_grad_value,
-         decay_moved_weight, grad_sq_sums=None, **options) -> None:
+def lans_steps(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, clip_grad_value,
+               decay_moved_weight, grad_sq_sums=None, **options) -> Steps:
     """LANS on the fused kernels, all tensors in one call: the same update as
-    :func:`scaleopt.lans.lans` (options, ``low`` and ``grad_multipliers`` as in :func:`lamb`).
-    ``grad_sq_sums``: the gradients' sums of squares from :func:`sums_of_squares`, when already
-    computed (for clipping): LANS's own pass over the gradients for their norms is skipped.
-    With ``shard_sums``, they are the whole gradients' sums, totalled first if not given."""
+    :func:`scaleopt.lans.lans` (options, ``low`` and ``grad_multipliers`` as in
+    :func:`lamb_steps`). ``grad_sq_sums``: the gradients' sums of squares from
+    :func:`sums_of_squares`, when already computed (for clipping): LANS's own pass over the
+    gradients for their norms is skipped. With ``shard_sums``, they are the whole gradients'
+    sums, totalled first (a reduction of their own) if not given."""
     shard_sums = options.get("shard_sums")
     if shard_sums is not None and grad_sq_sums is None:  # the whole gradients' sums first
-        local_sums = sums_of_squares(grads)
-        grad_sq_sums = shard_sums.reduce(local_sums, range(len(grads)))
-    _run_layerwise("lans", 4, params, grads, exp_avgs, exp_avg_sqs, state_steps,
-                   clip_grad_value=clip_grad_value, moved=decay_moved_weight,
-                   grad_sq_sums=grad_sq_sums, **options)
+        grad_sq_sums = yield shard_sums.request(sums_of_squares(grads), range(len(grads)))
+    yield from _layerwise_steps("lans", 4, params, grads, exp_avgs, exp_avg_sqs, state_steps,
+                                clip_grad_value=clip_grad_value, moved=decay_moved_weight,
+                                grad_sq_sums=grad_sq_sums, **options)
+
+
+lamb = eager(settled(lamb_steps, "lamb"))
+lans = eager(settled(lans_steps, "lans"))
 
 
 def adam_applies(weight: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,

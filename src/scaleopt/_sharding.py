@@ -7,12 +7,19 @@ product) is summed over the local shard, the per-tensor partial sums go into one
 that vector is all-reduced once per mesh dimension that shards the tensors, not once per
 tensor. A mesh dimension that replicates a tensor (HSDP's ``Replicate()``) holds the whole
 tensor along it and adds nothing.
+
+An update that needs totals is written as a generator that yields each :class:`Reduction` it
+needs and receives the totals back. :func:`settle` runs one such generator, each reduction on its
+own; :func:`settle_together` runs those of all parameter groups in lockstep, so that the
+reductions they ask for at the same point of the step travel in one all-reduce per process
+group: a step's collectives do not grow with the number of groups.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
-from typing import Any, Dict, List, Sequence
+from typing import Any, Callable, Dict, Generator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -86,32 +93,107 @@ class ShardSums:
     :meth:`reduce` takes a vector of partial sums and, for each entry, the index of the
     parameter the summed quantity is shaped like; it returns the total sums, after one
     all-reduce per ``(mesh, dimension)`` that shards any of those parameters (FSDP2: one).
+    :meth:`request` and :meth:`norms_request` make the same as a :class:`Reduction` for a
+    generator to yield.
     """
 
     def __init__(self, params: Sequence[Tensor]) -> None:
         self.dims = [_sharding_groups(p) for p in params]
 
+    def request(self, sums: Tensor, owners: Sequence[int]) -> "Reduction":
+        return Reduction(self, sums, owners)
+
+    def norms_request(self, pieces: Sequence[Tensor]) -> "Reduction":
+        """The whole norm of each tensor whose local piece is ``pieces[i]``."""
+        return Reduction(self, _blocks.sq_norms(pieces), range(len(pieces)), root=True)
+
     def norms(self, pieces: Sequence[Tensor]) -> Tensor:
         """The whole norm of each tensor whose local piece is ``pieces[i]`` (one reduction)."""
-        return self.reduce(_blocks.sq_norms(pieces), range(len(pieces))).sqrt()
+        return _total([self.norms_request(pieces)])[0]
 
     def reduce(self, sums: Tensor, owners: Sequence[int]) -> Tensor:
-        groups: Dict[Any, List[int]] = {}  # process group -> entries (meshes may share groups)
-        for entry, owner in enumerate(owners):
-            for group in self.dims[owner]:
-                groups.setdefault(group, []).append(entry)
-        if not groups:
-            return sums
-        sums = sums.clone()
-        for group, entries in groups.items():
-            if len(entries) == len(owners):
-                _all_reduce(sums, group)
+        return _total([self.request(sums, owners)])[0]
+
+
+class Reduction(NamedTuple):
+    """Partial sums to total over the shards: ``sums[e]`` is a quantity shaped like parameter
+    ``owners[e]`` of ``shard_sums``; with ``root``, the answer is the totals' square roots."""
+
+    shard_sums: ShardSums
+    sums: Tensor
+    owners: Sequence[int]
+    root: bool = False
+
+
+#: A step (or part of one) that yields :class:`Reduction` s and receives their totals.
+Steps = Generator[Reduction, Tensor, Any]
+
+
+def settle(steps: Steps) -> Any:
+    """Run ``steps`` to its end, totalling each reduction it asks for; its return value."""
+    return settle_together([steps])[0]
+
+
+def settled(steps: Callable[..., Steps], name: str) -> Callable[..., Any]:
+    """The function ``name`` that runs ``steps``'s generator to its end (:func:`settle`)."""
+
+    @functools.wraps(steps)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return settle(steps(*args, **kwargs))
+
+    run.__name__ = run.__qualname__ = name
+    return run
+
+
+def settle_together(steps: Sequence[Steps]) -> List[Any]:
+    """Run the generators in lockstep: each time all those not yet done have asked for a
+    reduction, all the reductions are totalled together (one all-reduce per process group);
+    their return values."""
+    results: List[Any] = [None] * len(steps)
+    waiting: Dict[int, Reduction] = {}
+
+    def advance(i: int, totals: Optional[Tensor]) -> None:
+        try:
+            waiting[i] = steps[i].send(totals)  # type: ignore[arg-type]
+        except StopIteration as stop:
+            waiting.pop(i, None)
+            results[i] = stop.value
+
+    for i in range(len(steps)):
+        advance(i, None)
+    while waiting:
+        asked = list(waiting)
+        for i, totals in zip(asked, _total([waiting[i] for i in asked])):
+            advance(i, totals)
+    return results
+
+
+def _total(reductions: Sequence[Reduction]) -> List[Tensor]:
+    """Each reduction's totals, after one all-reduce per process group (and dtype and device)
+    that shards any of their entries: the entries of all reductions in one vector."""
+    by_group: Dict[Tuple[Any, Any, Any], List[Tuple[int, List[int]]]] = {}
+    for r, red in enumerate(reductions):
+        entries: Dict[Any, List[int]] = {}  # process group -> entries (meshes may share groups)
+        for entry, owner in enumerate(red.owners):
+            for group in red.shard_sums.dims[owner]:
+                entries.setdefault(group, []).append(entry)
+        for group, idx in entries.items():
+            key = (group, red.sums.dtype, red.sums.device)
+            by_group.setdefault(key, []).append((r, idx))
+    reduced = {r for parts in by_group.values() for r, _ in parts}
+    totals = [red.sums.clone() if r in reduced else red.sums for r, red in enumerate(reductions)]
+    for (group, _, _), parts in by_group.items():
+        pieces = [totals[r] if len(idx) == totals[r].numel()
+                  else totals[r].index_select(0, torch.tensor(idx, device=totals[r].device))
+                  for r, idx in parts]
+        flat = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        _all_reduce(flat, group)
+        for (r, idx), part in zip(parts, flat.split([len(i) for _, i in parts])):
+            if len(idx) == totals[r].numel():
+                totals[r].copy_(part)
             else:
-                index = torch.tensor(entries, device=sums.device)
-                part = sums.index_select(0, index)
-                _all_reduce(part, group)
-                sums.index_copy_(0, index, part)
-        return sums
+                totals[r].index_copy_(0, torch.tensor(idx, device=totals[r].device), part)
+    return [t.sqrt() if red.root else t for t, red in zip(totals, reductions)]
 
 
 def _all_reduce(t: Tensor, group: Any) -> None:

@@ -10,8 +10,9 @@ from torch import Tensor
 from . import _blocks, _native
 from ._base import GradScalars, NameRule, check_choice
 from ._blocks import by_value
-from ._dispatch import Impl, resolve, run_torch_path
+from ._dispatch import Impl, resolve, torch_path_steps
 from ._layerwise import LayerwiseAdam, pick
+from ._sharding import Steps, settled
 
 __all__ = ["LAMB", "lamb"]
 
@@ -149,14 +150,15 @@ class LAMB(LayerwiseAdam):
         check_choice(self._arg("weight_decay_mode"), group["weight_decay_mode"], WEIGHT_DECAY_MODES)
 
     def _update(self, group, params, grads, exp_avgs, exp_avg_sqs, steps, layer, impl, low=None,
-                scalars=None, shard_sums=None, grad_norms=None) -> None:
+                scalars=None, shard_sums=None, grad_norms=None) -> Steps:
         lrs, wds, adapt = layer
-        lamb(params, grads, exp_avgs, exp_avg_sqs, steps, lrs=lrs, weight_decays=wds, adapt=adapt,
-             weight_decay_mode=group["weight_decay_mode"], implementation=impl,
-             low=low, grad_scalars=scalars, shard_sums=shard_sums,
-             **self._functional_options(group))
+        return lamb_steps(params, grads, exp_avgs, exp_avg_sqs, steps, lrs=lrs, weight_decays=wds,
+                          adapt=adapt, weight_decay_mode=group["weight_decay_mode"],
+                          implementation=impl, low=low, grad_scalars=scalars,
+                          shard_sums=shard_sums, **self._functional_options(group))
 
-def lamb(
+
+def lamb_steps(
     params: List[Tensor],
     grads: List[Tensor],
     exp_avgs: List[Tensor],
@@ -178,8 +180,10 @@ def lamb(
     low: Optional[List[Optional[Tensor]]] = None,
     grad_scalars: Optional[GradScalars] = None,
     shard_sums: Any = None,
-) -> None:
-    """Functional LAMB over lists of tensors; see :class:`LAMB`.
+) -> Steps:
+    """Functional LAMB over lists of tensors; see :class:`LAMB`. :func:`lamb` runs it; this
+    form is its steps (see ``scaleopt._sharding``), which yield the sums to total when the
+    tensors are local shards.
 
     ``lrs``, ``weight_decays`` and ``adapt`` are per tensor. ``grads`` are read, never written.
     ``implementation``: ``"single"`` (the reference loop), ``"multi"`` (multi-tensor ops) or
@@ -194,14 +198,18 @@ def lamb(
                    eps=eps, weight_decay_mode=weight_decay_mode, bias_correction=bias_correction,
                    lower_bound=lower_bound, upper_bound=upper_bound)
     if impl is Impl.NATIVE:
-        _native.lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, low=low,
-                     grad_multipliers=None if grad_scalars is None else grad_scalars.mults,
-                     clip_grad_value=None if grad_scalars is None else grad_scalars.clamp,
-                     shard_sums=shard_sums, **options)
+        yield from _native.lamb_steps(
+            params, grads, exp_avgs, exp_avg_sqs, state_steps, low=low,
+            grad_multipliers=None if grad_scalars is None else grad_scalars.mults,
+            clip_grad_value=None if grad_scalars is None else grad_scalars.clamp,
+            shard_sums=shard_sums, **options)
         return
-    run_torch_path(impl, _multi_tensor_lamb, _single_tensor_lamb, params, grads, exp_avgs,
-                   exp_avg_sqs, state_steps, grad_scalars=grad_scalars, shard_sums=shard_sums,
-                   **options)
+    yield from torch_path_steps(impl, _multi_tensor_lamb, _single_tensor_lamb, params, grads,
+                                exp_avgs, exp_avg_sqs, state_steps, grad_scalars=grad_scalars,
+                                shard_sums=shard_sums, **options)
+
+
+lamb = settled(lamb_steps, "lamb")
 
 def _single_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs, weight_decays,
                         adapt, beta1, beta2, eps, weight_decay_mode, bias_correction, lower_bound,
@@ -231,9 +239,10 @@ def _single_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lr
 
 def _multi_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs, weight_decays,
                        adapt, beta1, beta2, eps, weight_decay_mode, bias_correction, lower_bound,
-                       upper_bound, shard_sums=None) -> None:
+                       upper_bound, shard_sums=None) -> Steps:
     """The fast path: the same algorithm as a few multi-tensor kernels per group. On local
-    shards, ``shard_sums`` (:class:`scaleopt._sharding.ShardSums`) totals the norms."""
+    shards, ``shard_sums`` (:class:`scaleopt._sharding.ShardSums`) totals the norms (the
+    reduction these steps yield)."""
     if not params:
         return
     torch._foreach_add_(state_steps, 1)
@@ -263,7 +272,8 @@ def _multi_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs
                                    lower_bound, upper_bound)
     else:  # ||w||^2 and ||u||^2 over the whole tensors: one vector, reduced once
         sums = _blocks.sq_norms(pick(params, adapting) + pick(updates, adapting))
-        w_norms, u_norms = shard_sums.reduce(sums, adapting * 2).sqrt().split(len(adapting))
+        totals = yield shard_sums.request(sums, adapting * 2)
+        w_norms, u_norms = totals.sqrt().split(len(adapting))
         _blocks.apply_trust_ratio_(pick(updates, adapting), w_norms, lower_bound, upper_bound,
                                    u_norms=u_norms)
     _blocks.add_scaled_(params, updates, [-lr for lr in lrs])

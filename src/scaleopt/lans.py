@@ -10,8 +10,9 @@ from torch import Tensor
 from . import _blocks, _native
 from ._base import GradScalars, NameRule, check_bool
 from ._blocks import by_value
-from ._dispatch import Impl, resolve, run_torch_path
+from ._dispatch import Impl, resolve, torch_path_steps
 from ._layerwise import LayerwiseAdam, pick
+from ._sharding import Steps, settled
 
 __all__ = ["LANS", "lans"]
 
@@ -130,15 +131,16 @@ class LANS(LayerwiseAdam):
         check_bool(self._arg("decay_moved_weight"), group["decay_moved_weight"])
 
     def _update(self, group, params, grads, exp_avgs, exp_avg_sqs, steps, layer, impl, low=None,
-                scalars=None, shard_sums=None, grad_norms=None) -> None:
+                scalars=None, shard_sums=None, grad_norms=None) -> Steps:
         lrs, wds, adapt = layer
-        lans(params, grads, exp_avgs, exp_avg_sqs, steps, lrs=lrs, weight_decays=wds, adapt=adapt,
-             clip_grad_value=group["clip_grad_value"],
-             decay_moved_weight=group["decay_moved_weight"], implementation=impl,
-             low=low, grad_scalars=scalars, shard_sums=shard_sums, grad_norms=grad_norms,
-             **self._functional_options(group))
+        return lans_steps(params, grads, exp_avgs, exp_avg_sqs, steps, lrs=lrs, weight_decays=wds,
+                          adapt=adapt, clip_grad_value=group["clip_grad_value"],
+                          decay_moved_weight=group["decay_moved_weight"], implementation=impl,
+                          low=low, grad_scalars=scalars, shard_sums=shard_sums,
+                          grad_norms=grad_norms, **self._functional_options(group))
 
-def lans(
+
+def lans_steps(
     params: List[Tensor],
     grads: List[Tensor],
     exp_avgs: List[Tensor],
@@ -162,8 +164,9 @@ def lans(
     grad_scalars: Optional[GradScalars] = None,
     shard_sums: Any = None,
     grad_norms: Optional[Tensor] = None,
-) -> None:
+) -> Steps:
     """Functional LANS over lists of tensors; see :class:`LANS`. ``grads`` are read only.
+    :func:`lans` runs it; this form is its steps, as :func:`scaleopt.lamb.lamb_steps`.
     ``implementation``, ``low``, ``grad_scalars`` and ``shard_sums`` as in
     :func:`scaleopt.lamb.lamb`. ``grad_norms`` (the gradients' norms) and the scalars'
     ``sq_sums`` (their sums of squares), when given, are not computed again."""
@@ -176,15 +179,19 @@ def lans(
         sq_sums = None if grad_scalars is None else grad_scalars.sq_sums
         if sq_sums is None and grad_norms is not None:
             sq_sums = grad_norms.double().square()
-        _native.lans(params, grads, exp_avgs, exp_avg_sqs, state_steps, low=low,
-                     grad_multipliers=None if grad_scalars is None else grad_scalars.mults,
-                     grad_sq_sums=sq_sums, shard_sums=shard_sums, **options)
+        yield from _native.lans_steps(
+            params, grads, exp_avgs, exp_avg_sqs, state_steps, low=low,
+            grad_multipliers=None if grad_scalars is None else grad_scalars.mults,
+            grad_sq_sums=sq_sums, shard_sums=shard_sums, **options)
         return
     if impl is Impl.MULTI:
         options["grad_norms"] = grad_norms
-    run_torch_path(impl, _multi_tensor_lans, _single_tensor_lans, params, grads, exp_avgs,
-                   exp_avg_sqs, state_steps, grad_scalars=grad_scalars, shard_sums=shard_sums,
-                   **options)
+    yield from torch_path_steps(impl, _multi_tensor_lans, _single_tensor_lans, params, grads,
+                                exp_avgs, exp_avg_sqs, state_steps, grad_scalars=grad_scalars,
+                                shard_sums=shard_sums, **options)
+
+
+lans = settled(lans_steps, "lans")
 
 def _inverse_norms(norms: Tensor) -> Tensor:
     """``1/n``, and 0 where ``n`` is 0 (an all-zero gradient stays zero, not NaN)."""
@@ -227,10 +234,11 @@ def _single_tensor_lans(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lr
 def _multi_tensor_lans(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs, weight_decays,
                        adapt, beta1, beta2, eps, bias_correction, lower_bound, upper_bound,
                        clip_grad_value, decay_moved_weight, shard_sums=None,
-                       grad_norms=None) -> None:
+                       grad_norms=None) -> Steps:
     """The fast path: the same algorithm as a few multi-tensor kernels per group. On local
     shards, ``shard_sums`` (:class:`scaleopt._sharding.ShardSums`) totals the norms: the
-    gradients' in one reduction, the weights' and both parts' in another."""
+    gradients' in one reduction, the weights' and both parts' in another (the reductions these
+    steps yield)."""
     if not params:
         return
     torch._foreach_add_(state_steps, 1)
@@ -239,7 +247,7 @@ def _multi_tensor_lans(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs
     elif shard_sums is None:
         g_norms = _blocks.norms(grads)
     else:
-        g_norms = shard_sums.norms(grads)
+        g_norms = yield shard_sums.norms_request(grads)
     inv = _inverse_norms(g_norms)
     g = _blocks.scale_each(grads, inv)
     g = _blocks.clip_by_value(g, clip_grad_value)
@@ -251,8 +259,8 @@ def _multi_tensor_lans(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs
     decays = [(wd, ids) for wd, ids in by_value(weight_decays) if wd != 0]
     adapting = [i for i, a in enumerate(adapt) if a]
     if shard_sums is not None:
-        _sharded_two_parts(params, r, c, lrs, weight_decays, decays, adapting, beta1,
-                           lower_bound, upper_bound, decay_moved_weight, shard_sums)
+        yield from _sharded_two_parts(params, r, c, lrs, weight_decays, decays, adapting, beta1,
+                                      lower_bound, upper_bound, decay_moved_weight, shard_sums)
         return
     w_norms = _blocks.norms(pick(params, adapting))
     for wd, ids in decays:
@@ -269,7 +277,7 @@ def _multi_tensor_lans(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs
 
 
 def _sharded_two_parts(params, r, c, lrs, weight_decays, decays, adapting, beta1, lower_bound,
-                       upper_bound, decay_moved_weight, shard_sums) -> None:
+                       upper_bound, decay_moved_weight, shard_sums) -> Steps:
     """LANS's two trust-ratio-scaled parts on local shards, with the four sums the ratios need
     (||w||^2, ||r||^2, ||c||^2 and, when the second part decays the moved weight, <c, r>) in one
     reduction. The moved weight's decay is ``c - wd*lr*beta1*ratio_r*r``, whose squared norm
@@ -281,7 +289,8 @@ def _sharded_two_parts(params, r, c, lrs, weight_decays, decays, adapting, beta1
     parts = [_blocks.sq_norms(ws), _blocks.sq_norms(rs), _blocks.sq_norms(cs)]
     if decay_moved_weight:
         parts.append(_blocks.dots(cs, rs).to(parts[0].dtype))
-    sums = shard_sums.reduce(torch.cat(parts), adapting * len(parts)).split(len(adapting))
+    totals = yield shard_sums.request(torch.cat(parts), adapting * len(parts))
+    sums = totals.split(len(adapting))
     w_norms, r2, c2 = sums[0].sqrt(), sums[1], sums[2]
     ratio_r = _blocks.trust_ratio(w_norms, r2.sqrt(), lower_bound, upper_bound)
     if decay_moved_weight:
