@@ -159,40 +159,47 @@ def settle_together(steps: Sequence[Steps]) -> List[Any]:
             waiting.pop(i, None)
             results[i] = stop.value
 
-    for i in range(len(steps)):
-        advance(i, None)
-    while waiting:
-        asked = list(waiting)
-        for i, totals in zip(asked, _total([waiting[i] for i in asked])):
-            advance(i, totals)
+    try:
+        for i in range(len(steps)):
+            advance(i, None)
+        while waiting:
+            asked = list(waiting)
+            for i, totals in zip(asked, _total([waiting[i] for i in asked])):
+                advance(i, totals)
+    finally:  # after an error, the others end here (their context managers exit), not in gc
+        for i in list(waiting):
+            steps[i].close()
     return results
 
 
 def _total(reductions: Sequence[Reduction]) -> List[Tensor]:
-    """Each reduction's totals, after one all-reduce per process group (and dtype and device)
-    that shards any of their entries: the entries of all reductions in one vector."""
-    by_group: Dict[Tuple[Any, Any, Any], List[Tuple[int, List[int]]]] = {}
+    """Each reduction's totals, after one all-reduce per process group (and device) that
+    shards any of their entries: the entries of all reductions in one vector, in the widest of
+    their dtypes."""
+    by_group: Dict[Tuple[Any, Any], List[Tuple[int, List[int]]]] = {}
     for r, red in enumerate(reductions):
         entries: Dict[Any, List[int]] = {}  # process group -> entries (meshes may share groups)
         for entry, owner in enumerate(red.owners):
             for group in red.shard_sums.dims[owner]:
                 entries.setdefault(group, []).append(entry)
         for group, idx in entries.items():
-            key = (group, red.sums.dtype, red.sums.device)
-            by_group.setdefault(key, []).append((r, idx))
+            by_group.setdefault((group, red.sums.device), []).append((r, idx))
     reduced = {r for parts in by_group.values() for r, _ in parts}
     totals = [red.sums.clone() if r in reduced else red.sums for r, red in enumerate(reductions)]
-    for (group, _, _), parts in by_group.items():
-        pieces = [totals[r] if len(idx) == totals[r].numel()
-                  else totals[r].index_select(0, torch.tensor(idx, device=totals[r].device))
-                  for r, idx in parts]
-        flat = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    for (group, device), parts in by_group.items():
+        index = {r: torch.tensor(idx, device=device) for r, idx in parts
+                 if len(idx) < totals[r].numel()}
+        pieces = [totals[r].index_select(0, index[r]) if r in index else totals[r]
+                  for r, _ in parts]
+        dtype = functools.reduce(torch.promote_types, [p.dtype for p in pieces])
+        flat = torch.cat([p.to(dtype) for p in pieces])
         _all_reduce(flat, group)
-        for (r, idx), part in zip(parts, flat.split([len(i) for _, i in parts])):
-            if len(idx) == totals[r].numel():
-                totals[r].copy_(part)
+        for (r, _), part in zip(parts, flat.split([p.numel() for p in pieces])):
+            part = part.to(totals[r].dtype)
+            if r in index:
+                totals[r].index_copy_(0, index[r], part)
             else:
-                totals[r].index_copy_(0, torch.tensor(idx, device=totals[r].device), part)
+                totals[r].copy_(part)
     return [t.sqrt() if red.root else t for t, red in zip(totals, reductions)]
 
 
