@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import weakref
 from typing import Any, Callable, Dict, Generator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -76,15 +77,30 @@ def like(template: Tensor, piece: Tensor) -> Tensor:
 
 def local(tensors: Sequence[Tensor]) -> List[Tensor]:
     """Each DTensor's local shard (a view of its memory), other tensors as they are."""
-    return [local_piece(t) for t in tensors]
+    cls = _dtensor()
+    return [t.to_local() if isinstance(t, cls) else t for t in tensors]
+
+
+#: id(mesh) -> {placements: the process groups that split a tensor so placed}, while the mesh
+#: lives (looking the groups up by name costs more than the rest of a step's bookkeeping)
+_SHARDING_GROUPS: Dict[int, Dict[Any, List[Any]]] = {}
 
 
 def _sharding_groups(t: Tensor) -> List[Any]:
-    """The process groups of the mesh dimensions along which ``t`` is split into pieces."""
+    """The process groups of the mesh dimensions along which ``t`` is split into pieces (a
+    list not to be changed)."""
     if not isinstance(t, _dtensor()):
         return []
-    mesh = t.device_mesh
-    return [mesh.get_group(d) for d, pl in enumerate(t.placements) if pl.is_shard()]
+    mesh, placements = t.device_mesh, t.placements
+    known = _SHARDING_GROUPS.get(id(mesh))
+    if known is None:
+        known = _SHARDING_GROUPS[id(mesh)] = {}
+        weakref.finalize(mesh, _SHARDING_GROUPS.pop, id(mesh), None)
+    groups = known.get(placements)
+    if groups is None:
+        groups = known[placements] = [mesh.get_group(d) for d, pl in enumerate(placements)
+                                      if pl.is_shard()]
+    return groups
 
 
 class ShardSums:
