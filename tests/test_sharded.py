@@ -172,3 +172,27 @@ def test_the_path_gpu_shards_take_reads_no_value_back(name, tmp_path):
     # a proxy on CPU for GPU shards: each read of a tensor value would wait for the device
     reads = W.run_workers(S.host_reads_of_a_step, 2, tmp_path, name, timeout=60)[0]
     assert reads == []
+
+
+def test_the_readme_sharded_example_runs_under_torchrun_on_two_processes(tmp_path):
+    """The README's FSDP2 example, as written, under ``torchrun --nproc-per-node 2``: it trains,
+    each rank holds half of the parameters, and it prints what the README says it prints."""
+    import pathlib
+    import re
+    import subprocess
+    import sys
+
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Sharded training (FSDP2)", 1)[1].split("\n## ", 1)[0]
+    (code,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    (tmp_path / "sharded.py").write_text(code)
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "sharded.py"], capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    first, last = (float(v) for v in re.findall(r"step \d+: loss ([\d.]+)", done.stdout))
+    assert last < first / 2
+    held, total = (int(v) for v in re.search(r"holds (\d+) of (\d+)", done.stdout).groups())
+    assert total == 32 * 128 + 128 + 128 * 4 + 4 and held == total // 2
+    told = section.split("```", 2)[2]  # the text after the example
+    assert f"{first:.3f}" in told and f"{last:.3f}" in told and f"{held:,} of" in told, done.stdout

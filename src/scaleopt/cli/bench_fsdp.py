@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import os
 import socket
 import statistics
@@ -124,6 +125,8 @@ def worker(rank, world, port, shapes, threads, rounds, queue):
     if rank == 0:
         queue.put((times, comms))
     dist.barrier()
+    del opts  # what holds the group goes first (gloo can abort at exit otherwise)
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import gc
 import json
 import math
 import os
@@ -443,6 +444,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _end_group() -> None:
+    """Destroy the process group once what held it is gone: the run's FSDP2 model and
+    optimizer, freed on return but kept by reference cycles until a collection, would otherwise
+    take the group's gloo threads down at interpreter exit, which can abort the process."""
+    gc.collect()
+    dist.destroy_process_group()
+
+
 def _worker(rank: int, cfg: Config, world: int, port: int, result_file: str, stop: Any) -> None:
     global _stop_request
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it sets ``stop``
@@ -460,7 +469,7 @@ def _worker(rank: int, cfg: Config, world: int, port: int, result_file: str, sto
             pathlib.Path(result_file).write_text(json.dumps(result))
         dist.barrier()  # no rank leaves the group while another still uses it
     finally:
-        dist.destroy_process_group()
+        _end_group()
 
 
 def train(cfg: Config) -> Dict[str, Any]:
@@ -478,7 +487,7 @@ def train(cfg: Config) -> Dict[str, Any]:
             dist.barrier()  # no rank leaves the group while another still uses it
             return result
         finally:
-            dist.destroy_process_group()
+            _end_group()
     if cfg.workers == 1:
         _stop_request.clear()
         with interruptible(_stop_request):
