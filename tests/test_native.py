@@ -165,9 +165,9 @@ def test_kernel_rounding_to_bf16_matches_torch_on_every_kind_of_value():
     low = torch.zeros_like(master, dtype=torch.bfloat16)
     grad, m, v = (torch.zeros_like(master) for _ in range(3))
     # lr = 0 and a zero gradient: the master stays as it is, and its rounding goes into low
-    _native.lamb([master], [grad], [m], [v], [torch.tensor(0.0)], lrs=[0.0], weight_decays=[0.0],
-                 adapt=[False], low=[low], weight_decay_mode="update", beta1=0.9, beta2=0.999,
-                 eps=1e-8, bias_correction=True, lower_bound=None, upper_bound=None)
+    scaleopt.lamb.lamb([master], [grad], [m], [v], [torch.tensor(0.0)], lrs=[0.0],
+                       weight_decays=[0.0], adapt=[False], low=[low], weight_decay_mode="update",
+                       beta1=0.9, beta2=0.999, eps=1e-8, implementation="native")
     expected = values.to(torch.bfloat16)
     same = (low == expected) | (low.isnan() & expected.isnan())
     assert same.all(), values[~same][:5]

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from . import _blocks
 from ._compile import eager
-from ._sharding import Steps, settled
+from ._sharding import Steps
 
 _TENSOR_FIELDS = [("w", c_void_p), ("g", c_void_p), ("m", c_void_p), ("v", c_void_p),
                   ("low", c_void_p), ("step", c_void_p), ("n", c_int64), ("kind", c_int32),
@@ -239,8 +239,7 @@ def lamb_steps(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, weight_deca
     """LAMB on the fused kernels, all tensors in one call: the same update as
     :func:`scaleopt.lamb.lamb` (options: ``lrs``, ``weight_decays``, ``adapt``, ``beta1``,
     ``beta2``, ``eps``, ``bias_correction``, ``lower_bound``, ``upper_bound``, ``low``,
-    ``grad_multipliers``), as steps for :func:`scaleopt._sharding.settle`: :func:`lamb` runs
-    them to the end.
+    ``grad_multipliers``), as steps (see ``scaleopt._sharding``).
 
     ``low[i]``, when given, is the bfloat16 parameter whose float32 master is ``params[i]``:
     it receives the rounded weights in the same pass. A bfloat16 ``params[i]`` is a split
@@ -269,10 +268,6 @@ def lans_steps(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, clip_grad_v
     yield from _layerwise_steps("lans", 4, params, grads, exp_avgs, exp_avg_sqs, state_steps,
                                 clip_grad_value=clip_grad_value, moved=decay_moved_weight,
                                 grad_sq_sums=grad_sq_sums, **options)
-
-
-lamb = eager(settled(lamb_steps, "lamb"))
-lans = eager(settled(lans_steps, "lans"))
 
 
 def adam_applies(weight: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,

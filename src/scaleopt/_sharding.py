@@ -77,8 +77,7 @@ def like(template: Tensor, piece: Tensor) -> Tensor:
 
 def local(tensors: Sequence[Tensor]) -> List[Tensor]:
     """Each DTensor's local shard (a view of its memory), other tensors as they are."""
-    cls = _dtensor()
-    return [t.to_local() if isinstance(t, cls) else t for t in tensors]
+    return [local_piece(t) for t in tensors]
 
 
 #: id(mesh) -> {placements: the process groups that split a tensor so placed}, while the mesh
@@ -106,11 +105,10 @@ def _sharding_groups(t: Tensor) -> List[Any]:
 class ShardSums:
     """Sums over whole tensors from the local shards' partial sums of ``params``'s tensors.
 
-    :meth:`reduce` takes a vector of partial sums and, for each entry, the index of the
-    parameter the summed quantity is shaped like; it returns the total sums, after one
-    all-reduce per ``(mesh, dimension)`` that shards any of those parameters (FSDP2: one).
-    :meth:`request` and :meth:`norms_request` make the same as a :class:`Reduction` for a
-    generator to yield.
+    :meth:`request` takes a vector of partial sums and, for each entry, the index of the
+    parameter the summed quantity is shaped like, as a :class:`Reduction` for steps to yield;
+    its totals come back after one all-reduce per ``(mesh, dimension)`` that shards any of
+    those parameters (FSDP2: one).
     """
 
     def __init__(self, params: Sequence[Tensor]) -> None:
@@ -122,13 +120,6 @@ class ShardSums:
     def norms_request(self, pieces: Sequence[Tensor]) -> "Reduction":
         """The whole norm of each tensor whose local piece is ``pieces[i]``."""
         return Reduction(self, _blocks.sq_norms(pieces), range(len(pieces)), root=True)
-
-    def norms(self, pieces: Sequence[Tensor]) -> Tensor:
-        """The whole norm of each tensor whose local piece is ``pieces[i]`` (one reduction)."""
-        return _total([self.norms_request(pieces)])[0]
-
-    def reduce(self, sums: Tensor, owners: Sequence[int]) -> Tensor:
-        return _total([self.request(sums, owners)])[0]
 
 
 class Reduction(NamedTuple):

@@ -187,7 +187,7 @@ def lamb_steps(
 
     ``lrs``, ``weight_decays`` and ``adapt`` are per tensor. ``grads`` are read, never written.
     ``implementation``: ``"single"`` (the reference loop), ``"multi"`` (multi-tensor ops) or
-    ``"native"`` (the fused CPU kernels, see :func:`scaleopt._native.lamb` for ``low``); by
+    ``"native"`` (the fused CPU kernels, see :func:`scaleopt._native.lamb_steps` for ``low``); by
     default ``foreach`` picks multi or single. ``grad_scalars``: per-tensor multipliers (and a
     clamp) to apply to the gradients as they are read. ``shard_sums``: for the local shards of
     sharded tensors (multi-tensor only), the :class:`scaleopt._sharding.ShardSums` that totals
@@ -210,6 +210,7 @@ def lamb_steps(
 
 
 lamb = settled(lamb_steps, "lamb")
+
 
 def _single_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs, weight_decays,
                         adapt, beta1, beta2, eps, weight_decay_mode, bias_correction, lower_bound,

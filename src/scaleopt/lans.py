@@ -193,6 +193,7 @@ def lans_steps(
 
 lans = settled(lans_steps, "lans")
 
+
 def _inverse_norms(norms: Tensor) -> Tensor:
     """``1/n``, and 0 where ``n`` is 0 (an all-zero gradient stays zero, not NaN)."""
     return torch.where(norms > 0, 1.0 / torch.where(norms > 0, norms, torch.ones_like(norms)),

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import os
 import socket
 import statistics
@@ -28,6 +27,7 @@ from torch import nn
 
 import scaleopt
 from scaleopt.cli.bench import NO_DECAY, SIZES, bert_shapes, paired_ratio
+from scaleopt.cli.train import _end_group
 
 
 def sharded_params(shapes, world):
@@ -125,9 +125,8 @@ def worker(rank, world, port, shapes, threads, rounds, queue):
     if rank == 0:
         queue.put((times, comms))
     dist.barrier()
-    del opts  # what holds the group goes first (gloo can abort at exit otherwise)
-    gc.collect()
-    dist.destroy_process_group()
+    del opts  # what holds the group goes first
+    _end_group()
 
 
 def run(shapes, world: int, threads: int, rounds: int, label: str) -> dict:
