@@ -148,13 +148,13 @@ def count_collectives(rank, world, tmp, name):
     from scaleopt import _native
 
     ran = []
-    real = _native._layerwise_steps
+    real = _native._kernel_phases
 
-    def recorded(name, *a, **k):
-        ran.append((name, k.get("shard_sums") is not None))
-        return (yield from real(name, *a, **k))
+    def recorded(name, per_tensor, t, call):
+        ran.append((name, t.shard_sums is not None))
+        return (yield from real(name, per_tensor, t, call))
 
-    _native._layerwise_steps = recorded
+    _native._kernel_phases = recorded
     model = shard(model_of(name))
     opt = OPTIMIZERS[name](list(model.named_parameters()))
     counts = []

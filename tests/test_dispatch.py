@@ -11,6 +11,7 @@ from torch import nn
 import scaleopt
 from scaleopt import _native
 from scaleopt._dispatch import Impl, implementation
+from scaleopt._group import GroupTensors
 from scaleopt._masters import Storage
 
 needs_kernels = pytest.mark.skipif(not _native.available(), reason="kernels not built")
@@ -33,18 +34,21 @@ def test_without_kernels_the_cpu_runs_the_loop(monkeypatch):
 @needs_kernels
 def test_the_cpu_runs_the_kernels_where_they_take_every_tensor():
     w, g, m, v = (torch.zeros(4) for _ in range(4))
+    step = [torch.tensor(0.0)]
     assert implementation(group(), [w]) is Impl.NATIVE
-    assert implementation(group(), [w], tensors=([w], [g], [m], [v], [None])) is Impl.NATIVE
+    tensors = GroupTensors([w], [g], [m], [v], step, [None])
+    assert implementation(group(), [w], tensors=tensors) is Impl.NATIVE
     strided = torch.zeros(4, 2)[:, 0]  # not contiguous: the kernels do not take it
-    assert implementation(group(), [w], tensors=([strided], [g], [m], [v], [None])) is Impl.SINGLE
+    tensors = GroupTensors([strided], [g], [m], [v], step, [None])
+    assert implementation(group(), [w], tensors=tensors) is Impl.SINGLE
     assert implementation(group(), [w], kernels=False) is Impl.SINGLE  # an optimizer without any
 
 
 @needs_kernels
 def test_each_optimizer_runs_the_implementation_the_function_names(monkeypatch):
     calls = []
-    real = _native.lamb_steps
-    monkeypatch.setattr(_native, "lamb_steps",
+    real = scaleopt.lamb._IMPLEMENTATIONS[Impl.NATIVE]
+    monkeypatch.setitem(scaleopt.lamb._IMPLEMENTATIONS, Impl.NATIVE,
                         lambda *a, **k: (calls.append("native"), real(*a, **k))[1])
     for foreach, kernel_calls in ((None, 1), (True, 0), (False, 0)):
         calls.clear()

@@ -17,6 +17,7 @@ from torch import nn
 
 import scaleopt
 from scaleopt import _native
+from scaleopt._dispatch import Impl
 
 needs_kernels = pytest.mark.skipif(not _native.available(), reason="kernels not built")
 
@@ -108,9 +109,9 @@ def test_kernels_cover_every_element_of_large_tensors(cls, threads):
                          + [(scaleopt.LANS, c) for c in LANS_CONFIGS])
 def test_kernels_equal_the_reference_path(cls, config, monkeypatch):
     calls = []
-    real = getattr(_native, cls.__name__.lower() + "_steps")  # the update's kernel steps
-    monkeypatch.setattr(_native, cls.__name__.lower() + "_steps",
-                        lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    table = sys.modules[cls.__module__]._IMPLEMENTATIONS  # the update by implementation
+    real = table[Impl.NATIVE]
+    monkeypatch.setitem(table, Impl.NATIVE, lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     a, b = named(), named()
     native = cls(a, lr=1e-2, **config)
     ref = cls(b, lr=1e-2, foreach=False, **config)

@@ -1,4 +1,4 @@
-"""Steps in lockstep (scaleopt._sharding.settle_together): the reductions the param groups ask
+"""Phased updates in lockstep (scaleopt._sharding.run_lockstep): the reductions the param groups ask
 for at the same point of a step travel in one all-reduce, and each asker gets its own totals
 back. On a real one-rank gloo group, where a total is its partial sum, so that any mix-up of
 entries shows; the counts on several ranks are in test_sharded.py."""
@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 
-from scaleopt._sharding import ShardSums, settle, settle_together
+from scaleopt._sharding import ShardSums, run_lockstep, run_phases
 
 
 @pytest.fixture
@@ -29,7 +29,7 @@ def one_rank_mesh():
 
 
 def _asking(shard_sums, asks, log):
-    """Steps that ask for each of ``asks`` (sums, owners, root) in turn; returns the answers."""
+    """A phased update that asks for each of ``asks`` (sums, owners, root) in turn; returns the answers."""
     answers = []
     for sums, owners, root in asks:
         ask = (shard_sums.norms_request if root else shard_sums.request)
@@ -55,7 +55,7 @@ def test_each_round_of_reductions_is_one_all_reduce_and_each_asker_gets_its_tota
     log = []
     mode = CommDebugMode()
     with mode:
-        got = settle_together([_asking(first, asks["first"], log),
+        got = run_lockstep([_asking(first, asks["first"], log),
                                _asking(second, asks["second"], log),
                                _asking(first, asks["none"], log)])
     # three rounds (the longest asker): one all-reduce each, the first carrying both groups' sums
@@ -68,12 +68,12 @@ def test_each_round_of_reductions_is_one_all_reduce_and_each_asker_gets_its_tota
     assert log == [0, 0, 1, 1, 2]  # in lockstep: every asker answered before the next round
 
 
-def test_settle_runs_one_asker_to_its_end(one_rank_mesh):
+def test_run_phases_runs_one_asker_to_its_end(one_rank_mesh):
     shard_sums = ShardSums([distribute_tensor(torch.randn(4), one_rank_mesh, [Shard(0)])])
     sums = torch.tensor([3.0], dtype=torch.float64)
     mode = CommDebugMode()
     with mode:
-        answers = settle(_asking(shard_sums, [(sums, [0], False)] * 2, []))
+        answers = run_phases(_asking(shard_sums, [(sums, [0], False)] * 2, []))
     assert sum(mode.get_comm_counts().values()) == 2
     assert [a.item() for a in answers] == [3.0, 3.0]
 
@@ -93,5 +93,5 @@ def test_an_error_in_one_group_ends_the_others_there():
         raise ValueError("bad group")
 
     with pytest.raises(ValueError, match="bad group"):
-        settle_together([waits(), fails()])
-    assert ended == ["waiting"]  # closed by settle_together, not left to the garbage collector
+        run_lockstep([waits(), fails()])
+    assert ended == ["waiting"]  # closed by run_lockstep, not left to the garbage collector

@@ -5,19 +5,21 @@
 * ``NATIVE``: the fused C kernels (``_native``), all tensors of a group in one call, two passes
   over memory per tensor (the CPU).
 
-All three compute the same numbers up to float round-off.
+All three compute the same numbers up to float round-off. The functional forms pick theirs
+from a table (``lamb._IMPLEMENTATIONS``, ``lans._IMPLEMENTATIONS``): adding one is an enum
+member here, a line in :func:`implementation`, and one function per optimizer.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from . import _native
-from ._base import apply_grad_scalars
+from ._group import GroupTensors
 from ._sharding import any_dtensor
 
 
@@ -26,14 +28,17 @@ class Impl(str, enum.Enum):
     MULTI = "multi"
     NATIVE = "native"
 
-
-#: What the kernels read of a group: working tensors, gradients, moments, ``low`` tensors.
-KernelTensors = Tuple[Sequence[Tensor], Sequence[Tensor], Sequence[Tensor], Sequence[Tensor],
-                      Sequence[Optional[Tensor]]]
+    @property
+    def reads_stored(self) -> bool:
+        """Whether it takes a group as stored: split masters in their two halves, the
+        gradients' deferred scalars applied as it reads them, a float32 master's rounded
+        weights written in its pass. The others run on float32 masters and gradients with
+        their scalars applied (:meth:`GroupTensors.for_torch`)."""
+        return self is Impl.NATIVE
 
 
 def implementation(group: Dict[str, Any], params: Sequence[Tensor], *, kernels: bool = True,
-                   on_host: bool = False, tensors: Optional[KernelTensors] = None) -> Impl:
+                   on_host: bool = False, tensors: Optional[GroupTensors] = None) -> Impl:
     """The implementation of a group's update.
 
     ``foreach=True``/``False`` (the group's option) asks for ``MULTI``/``SINGLE``. With
@@ -56,7 +61,7 @@ def implementation(group: Dict[str, Any], params: Sequence[Tensor], *, kernels: 
         return Impl.MULTI if foreach else Impl.SINGLE
     if (foreach is None and kernels and _native.available()
             and (on_host or all(p.device.type == "cpu" for p in params))
-            and (tensors is None or _native.applies(*tensors))):
+            and (tensors is None or _native.applies(tensors))):
         return Impl.NATIVE
     if sharded:  # on the local shards, the norms totalled in one reduction
         return Impl.MULTI
@@ -73,14 +78,3 @@ def resolve(impl: Optional[str], foreach: bool) -> Impl:
         raise ValueError(f"Invalid implementation: {impl!r} (choose one of "
                          f"{[i.value for i in Impl]})") from None
 
-
-def torch_path_steps(impl: Impl, multi_tensor, single_tensor, params, grads, *state,
-                     grad_scalars=None, shard_sums=None, **options):
-    """An update's ``MULTI`` (``multi_tensor``, steps that take ``shard_sums``: see
-    ``scaleopt._sharding``) or ``SINGLE`` (``single_tensor``) form, on the gradients with their
-    deferred scalars applied, as steps."""
-    grads = apply_grad_scalars(grads, grad_scalars)
-    if impl is Impl.MULTI:
-        yield from multi_tensor(params, grads, *state, shard_sums=shard_sums, **options)
-    else:
-        single_tensor(params, grads, *state, **options)

@@ -1,10 +1,11 @@
 """The host pipeline of the offloaded optimizers: host masters, gradients in, weights out.
 
 A :class:`HostPipeline` is attached to one optimizer (:class:`scaleopt.OffloadAdam`, or LAMB /
-LANS through :func:`scaleopt.offload`), which consults it at four points of its step: the
-gradients it reads (:meth:`HostPipeline.host_grads`), where masters live (it is the optimizer's
-:class:`~scaleopt._masters.Placement`), the step's surroundings (:meth:`HostPipeline.stepping`:
-the previous step's copies, host threads) and the copies back (:meth:`HostPipeline.copy_back`).
+LANS through :func:`scaleopt.offload`) as two things: its gradient source (the seam of
+``scaleopt._base``: the gradients it reads, :meth:`HostPipeline.grad`, and the step's
+surroundings, :meth:`HostPipeline.stepping`: the previous step's copies, host threads), and the
+:class:`~scaleopt._masters.Placement` of its masters (where they live, and the copies back,
+:meth:`HostPipeline.copy_back`).
 
 Per parameter ``p`` (state keyed by ``p``, as in torch):
 
@@ -36,7 +37,7 @@ import torch
 from torch import Tensor
 
 from . import _native
-from ._base import check_bool
+from ._checks import check_bool, check_num_threads
 from ._masters import Storage, plain
 from ._sharding import is_dtensor
 
@@ -70,17 +71,13 @@ def threads(n: Optional[int]) -> Iterator[int]:
         torch.set_num_threads(before)
 
 
-def check_num_threads(num_threads: Any) -> None:
-    if num_threads is not None and (isinstance(num_threads, bool)
-                                    or not isinstance(num_threads, int) or num_threads < 1):
-        raise ValueError(f"Invalid num_threads: {num_threads!r} (a positive int or None)")
-
-
 class HostPipeline:
     """The host side of one offloaded optimizer (see the module doc)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, overlap: bool = True,
-                 num_threads: Optional[int] = None) -> None:
+    #: the update runs in host memory (see ``scaleopt._base.InPlace``)
+    on_host = True
+
+    def __init__(self, *, overlap: bool = True, num_threads: Optional[int] = None) -> None:
         check_num_threads(num_threads)
         check_bool("overlap", overlap)
         self.overlap = overlap
@@ -92,12 +89,24 @@ class HostPipeline:
         self._streams: Dict[torch.device, Any] = {}
         self._copies_back: List[Any] = []
         self.hooks: List[Any] = []
+
+    def attach(self, optimizer: Any) -> None:
+        """Become ``optimizer``'s gradient source and the placement of its masters, and start
+        the gradient copies of its parameters."""
+        optimizer._grad_source = self
+        optimizer._master_weights.placement = self
         for group in optimizer.param_groups:
             self.track(group["params"])
 
     def options(self) -> Dict[str, Any]:
         """What a copy of the optimizer needs to build its own pipeline."""
         return {"overlap": self.overlap, "num_threads": self.num_threads}
+
+    def __getstate__(self) -> Dict[str, Any]:  # a copy is a new pipeline with these options
+        return self.options()
+
+    def __setstate__(self, options: Dict[str, Any]) -> None:
+        self.__init__(**options)
 
     # -- masters (the Placement of scaleopt._masters) --------------------------------------------
 
@@ -206,7 +215,7 @@ class HostPipeline:
         g.record_stream(stream)
         self._pending[p] = (g, g._version, event)
 
-    def host_grad(self, p: Tensor) -> Tensor:
+    def grad(self, p: Tensor) -> Tensor:
         """``p``'s gradient in host memory, complete (waits for its copy)."""
         g = p.grad
         if on_host(p):
@@ -257,9 +266,8 @@ def attach_host(optimizer: Any, *, overlap: bool = True,
                 "offloading sharded (DTensor) parameters that live on an accelerator is not "
                 "supported: with FSDP2, CPUOffloadPolicy keeps the shards, their gradients and "
                 "the optimizer step on the host, where OffloadAdam and offload() run on them")
-    pipeline = HostPipeline(optimizer, overlap=overlap, num_threads=num_threads)
-    optimizer.host = pipeline
-    optimizer._master_weights.placement = pipeline
+    pipeline = HostPipeline(overlap=overlap, num_threads=num_threads)
+    pipeline.attach(optimizer)
     return pipeline
 
 

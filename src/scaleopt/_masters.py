@@ -49,6 +49,26 @@ def _new_lower_halves(p: Tensor) -> Tensor:
     return torch.zeros(p.shape, dtype=torch.int16)
 
 
+def split_join(hi: Tensor, lo: Tensor) -> Tensor:
+    """The float32 master held as a bfloat16 ``hi`` (the master rounded to nearest, ties away
+    from zero) and int16 ``lo`` (its low 16 bits), as the kernels store it (see ``_kernels.c``)."""
+    h = hi.view(torch.int16).to(torch.int32) & 0xFFFF
+    low = lo.to(torch.int32) & 0xFFFF
+    top = (h - (low >> 15)) & 0xFFFF
+    bits = (top.to(torch.int64) << 16) | low.to(torch.int64)
+    bits = bits - (bits >= 2 ** 31).to(torch.int64) * 2 ** 32
+    return bits.to(torch.int32).view(torch.float32)
+
+
+def split_(master: Tensor, hi: Tensor, lo: Tensor) -> None:
+    """Store a float32 ``master`` exactly as ``hi`` and ``lo`` (the inverse of :func:`split_join`)."""
+    bits = master.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    top = ((bits + 0x8000) >> 16) & 0xFFFF
+    low = bits & 0xFFFF
+    hi.copy_((top - (top >= 2 ** 15).to(torch.int64) * 2 ** 16).to(torch.int16).view(torch.bfloat16))
+    lo.copy_((low - (low >= 2 ** 15).to(torch.int64) * 2 ** 16).to(torch.int16))
+
+
 class Storage(enum.Enum):
     OWN = "own"
     COPY = "copy"
@@ -191,12 +211,12 @@ class MasterWeights:
     def as_float32(self, view: MasterView) -> Iterator[List[Tensor]]:
         """The view's working tensors with split masters joined into float32 tensors, split
         again when the body is done (the PyTorch paths run on these)."""
-        full = [w if lo is None else _native.split_join(local_piece(w).detach(), local_piece(lo))
+        full = [w if lo is None else split_join(local_piece(w).detach(), local_piece(lo))
                 for w, lo in zip(view.weights, view.lower_halves)]
         yield full  # a sharded split master: its local shard, joined
         for w, f, lo in zip(view.weights, full, view.lower_halves):
             if lo is not None:
-                _native.split_(f, local_piece(w).detach(), local_piece(lo))
+                split_(f, local_piece(w).detach(), local_piece(lo))
 
     def commit(self, view: MasterView, rounded_written: Union[bool, List[bool]]) -> None:
         """Bring each parameter up to date with its master. ``rounded_written`` (for all
@@ -220,7 +240,7 @@ class MasterWeights:
         state = self.optimizer.state.get(p, {})
         if "master_lo" in state:
             upper, lower = self.placement.upper(p).detach(), state["master_lo"]
-            return like(upper, _native.split_join(local_piece(upper), local_piece(lower)))
+            return like(upper, split_join(local_piece(upper), local_piece(lower)))
         return state.get("master_param", p)
 
     # -- checkpoints -----------------------------------------------------------------------------
@@ -268,7 +288,7 @@ class MasterWeights:
                 st["master_lo"] = _new_lower_halves(p)
                 upper = self.placement.upper(p)
                 if master is not None:
-                    _native.split_(local_piece(master), local_piece(upper).detach(),
+                    split_(local_piece(master), local_piece(upper).detach(),
                                    local_piece(st["master_lo"]))
                     if upper is not p:
                         p.detach().copy_(upper)

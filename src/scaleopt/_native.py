@@ -10,14 +10,14 @@ from __future__ import annotations
 import ctypes
 import os
 from ctypes import POINTER, c_double, c_float, c_int32, c_int64, c_void_p
-from typing import Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from . import _blocks
 from ._compile import eager
-from ._sharding import Steps
+from ._sharding import Phased
 
 _TENSOR_FIELDS = [("w", c_void_p), ("g", c_void_p), ("m", c_void_p), ("v", c_void_p),
                   ("low", c_void_p), ("step", c_void_p), ("n", c_int64), ("kind", c_int32),
@@ -135,14 +135,15 @@ def sums_of_squares(tensors: Sequence[Tensor]) -> Optional[Tensor]:
     return torch.tensor([sum_squares(t, threads) for t in tensors], dtype=torch.float64)
 
 
-def applies(weights: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
-            exp_avg_sqs: Sequence[Tensor], low: Sequence[Optional[Tensor]]) -> bool:
-    """Whether the LAMB/LANS kernels take these tensors: what :func:`adam_applies` takes, except
-    a bfloat16 gradient for a float32 weight that is no master (no ``low``)."""
+def applies(t: Any) -> bool:
+    """Whether the LAMB/LANS kernels take a group's tensors (a ``GroupTensors``): what
+    :func:`adam_applies` takes, except a bfloat16 gradient for a float32 weight that is no
+    master (no ``low``)."""
+    low = t.low or [None] * len(t.weights)
     return _lib is not None and all(
         adam_applies(w, g, m, v, lo)
         and not (lo is None and w.dtype == torch.float32 and g.dtype != torch.float32)
-        for w, g, m, v, lo in zip(weights, grads, exp_avgs, exp_avg_sqs, low))
+        for w, g, m, v, lo in zip(t.weights, t.grads, t.exp_avgs, t.exp_avg_sqs, low))
 
 
 def _kind(weight: Tensor, grad: Tensor) -> int:
@@ -154,48 +155,43 @@ def _ptr(t: Optional[Tensor]) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-def _layerwise_tensors(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs,
-                       weight_decays, adapt, low=None, grad_multipliers=None,
-                       grad_sq_sums=None):
-    """The per-tensor array of a ``lamb_multi`` / ``lans_multi`` call. ``grad_multipliers``
-    (per tensor, or None for ones): the scalar each gradient is taken times; ``grad_sq_sums``: the
-    gradients' sums of squares where already computed (LANS)."""
-    count = len(params)
-    low = low or [None] * count
-    mults = [1.0] * count if grad_multipliers is None else grad_multipliers
+def _layerwise_tensors(t: Any, layer: Any, grad_sq_sums: Optional[Tensor]):
+    """The per-tensor array of a ``lamb_*`` / ``lans_*`` call: a ``GroupTensors`` and its
+    ``LayerOptions``. Each gradient is taken times its deferred multiplier (1 without);
+    ``grad_sq_sums``: the gradients' sums of squares where already computed (LANS)."""
+    count = len(t.weights)
+    low = t.low or [None] * count
+    mults = [1.0] * count if t.grad_scalars is None else t.grad_scalars.mults
     gsq = [-1.0] * count if grad_sq_sums is None else grad_sq_sums.tolist()
     return (LayerwiseTensor * count)(*[
         LayerwiseTensor(w.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), _ptr(lo),
                         s.data_ptr(), w.numel(), _kind(w, g), gm, lr, wd, sq, int(bool(a)))
         for w, g, m, v, lo, s, gm, lr, wd, sq, a in zip(
-            params, grads, exp_avgs, exp_avg_sqs, low, state_steps, mults, lrs, weight_decays,
-            gsq, adapt)])
+            t.weights, t.grads, t.exp_avgs, t.exp_avg_sqs, low, t.steps, mults, layer.lrs,
+            layer.weight_decays, gsq, layer.adapt)])
 
 
-def _layerwise_config(*, beta1, beta2, eps, bias_correction, lower_bound, upper_bound,
-                      clip_grad_value, mode=0, moved=False) -> LayerwiseConfig:
+def _layerwise_config(o: Any, clip_grad_value: Any, mode: int = 0,
+                      moved: bool = False) -> LayerwiseConfig:
+    """A call's group options from an ``AdamOptions``."""
     lo, hi = _blocks.clip_bounds(clip_grad_value)
     return LayerwiseConfig(
-        beta1=beta1, beta2=beta2, lower=lower_bound or 0.0, upper=upper_bound or 0.0, eps=eps,
-        clip_lo=lo, clip_hi=hi, bias_correction=int(bias_correction),
-        has_lower=int(lower_bound is not None), has_upper=int(upper_bound is not None),
+        beta1=o.beta1, beta2=o.beta2, lower=o.lower_bound or 0.0, upper=o.upper_bound or 0.0,
+        eps=o.eps, clip_lo=lo, clip_hi=hi, bias_correction=int(o.bias_correction),
+        has_lower=int(o.lower_bound is not None), has_upper=int(o.upper_bound is not None),
         clip=int(clip_grad_value is not None), nthreads=torch.get_num_threads(), mode=mode,
         moved=int(moved))
-
-
-_LAYERWISE_ARRAYS = ("lrs", "weight_decays", "adapt", "low", "grad_multipliers", "grad_sq_sums")
 
 
 class _LayerwiseCall:
     """The arguments of a ``lamb_*`` / ``lans_*`` kernel call over a group's tensors."""
 
     @eager
-    def __init__(self, name, params, grads, exp_avgs, exp_avg_sqs, state_steps, **options):
-        arrays = {k: options.pop(k) for k in _LAYERWISE_ARRAYS if k in options}
-        self.name, self.count = name, len(params)
-        self.tensors = _layerwise_tensors(params, grads, exp_avgs, exp_avg_sqs, state_steps,
-                                          **arrays)
-        self.config = ctypes.byref(_layerwise_config(**options))
+    def __init__(self, name: str, t: Any, layer: Any, config: LayerwiseConfig,
+                 grad_sq_sums: Optional[Tensor] = None) -> None:
+        self.name, self.count = name, len(t.weights)
+        self.tensors = _layerwise_tensors(t, layer, grad_sq_sums)
+        self.config = ctypes.byref(config)
 
     @eager  # host code calling C: nothing for dynamo to trace
     def whole(self) -> None:
@@ -218,56 +214,52 @@ class _LayerwiseCall:
                                                   totals.data_ptr())
 
 
-def _layerwise_steps(name, sums_per_tensor, params, grads, exp_avgs, exp_avg_sqs, state_steps,
-                     shard_sums=None, **options) -> Steps:
+def _kernel_phases(name: str, sums_per_tensor: int, t: Any, call: _LayerwiseCall) -> Phased:
     """``{name}_multi`` on all tensors, or, for the local pieces of sharded tensors (with
-    ``shard_sums``, see ``scaleopt._sharding``), ``{name}_multi_sums`` on all, the sums
-    totalled over the pieces (the one :class:`~scaleopt._sharding.Reduction` this yields), and
+    ``t.shard_sums``, see ``scaleopt._sharding``), two phases: ``{name}_multi_sums`` on all,
+    the sums totalled over the pieces (the one reduction this yields), and
     ``{name}_multi_apply``."""
-    if not params:
-        return
-    call = _LayerwiseCall(name, params, grads, exp_avgs, exp_avg_sqs, state_steps, **options)
-    if shard_sums is None:
+    if t.shard_sums is None:
         call.whole()
         return
-    owners = [t for t in range(call.count) for _ in range(sums_per_tensor)]
-    call.apply((yield shard_sums.request(call.sums(sums_per_tensor), owners)))
+    owners = [i for i in range(call.count) for _ in range(sums_per_tensor)]
+    call.apply((yield t.shard_sums.request(call.sums(sums_per_tensor), owners)))
 
 
-def lamb_steps(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, weight_decay_mode,
-               clip_grad_value=None, **options) -> Steps:
-    """LAMB on the fused kernels, all tensors in one call: the same update as
-    :func:`scaleopt.lamb.lamb` (options: ``lrs``, ``weight_decays``, ``adapt``, ``beta1``,
-    ``beta2``, ``eps``, ``bias_correction``, ``lower_bound``, ``upper_bound``, ``low``,
-    ``grad_multipliers``), as steps (see ``scaleopt._sharding``).
+def lamb_kernel(t: Any, layer: Any, o: Any) -> Phased:
+    """LAMB on the fused kernels, all tensors of a group in one call: the same update as
+    :func:`scaleopt.lamb.lamb` (``t`` a ``GroupTensors``, ``layer`` its ``LayerOptions``, ``o``
+    the ``LambOptions``).
 
-    ``low[i]``, when given, is the bfloat16 parameter whose float32 master is ``params[i]``:
-    it receives the rounded weights in the same pass. A bfloat16 ``params[i]`` is a split
-    master, whose lower halves are ``low[i]`` (int16). ``grad_multipliers[i]``, when given, is
-    the scalar ``grads[i]`` is taken times (sign, rescaling and clipping factors, see
-    ``ScaleOptimizer._intake``): the gradients are read as they are, never copied; with
-    ``clip_grad_value`` the product is then clamped (LAMB's element-wise clipping).
-    ``shard_sums``, for the local pieces of sharded tensors, totals the trust ratios' sums over
-    the pieces (see :func:`_layerwise_steps`)."""
-    return _layerwise_steps("lamb", 2, params, grads, exp_avgs, exp_avg_sqs, state_steps,
-                            mode=_MODES[weight_decay_mode], clip_grad_value=clip_grad_value,
-                            **options)
+    ``t.low[i]``, when given, is the bfloat16 parameter whose float32 master is
+    ``t.weights[i]``: it receives the rounded weights in the same pass. A bfloat16 weight is a
+    split master, whose lower halves are ``t.low[i]`` (int16). The gradients are read as they
+    are, never copied, each taken times its deferred multiplier (sign, rescaling and clipping
+    factors, see ``scaleopt._intake``), then clamped where the scalars say (LAMB's element-wise
+    clipping). Local pieces of sharded tensors run in two phases (see :func:`_kernel_phases`)."""
+    if not t.weights:
+        return
+    clamp = None if t.grad_scalars is None else t.grad_scalars.clamp
+    config = _layerwise_config(o, clamp, mode=_MODES[o.weight_decay_mode])
+    yield from _kernel_phases("lamb", 2, t, _LayerwiseCall("lamb", t, layer, config))
 
 
-def lans_steps(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, clip_grad_value,
-               decay_moved_weight, grad_sq_sums=None, **options) -> Steps:
-    """LANS on the fused kernels, all tensors in one call: the same update as
-    :func:`scaleopt.lans.lans` (options, ``low`` and ``grad_multipliers`` as in
-    :func:`lamb_steps`). ``grad_sq_sums``: the gradients' sums of squares from
-    :func:`sums_of_squares`, when already computed (for clipping): LANS's own pass over the
-    gradients for their norms is skipped. With ``shard_sums``, they are the whole gradients'
-    sums, totalled first (a reduction of their own) if not given."""
-    shard_sums = options.get("shard_sums")
-    if shard_sums is not None and grad_sq_sums is None:  # the whole gradients' sums first
-        grad_sq_sums = yield shard_sums.request(sums_of_squares(grads), range(len(grads)))
-    yield from _layerwise_steps("lans", 4, params, grads, exp_avgs, exp_avg_sqs, state_steps,
-                                clip_grad_value=clip_grad_value, moved=decay_moved_weight,
-                                grad_sq_sums=grad_sq_sums, **options)
+def lans_kernel(t: Any, layer: Any, o: Any) -> Phased:
+    """LANS on the fused kernels, all tensors of a group in one call: the same update as
+    :func:`scaleopt.lans.lans` (``t``, ``layer`` as in :func:`lamb_kernel`, ``o`` the
+    ``LansOptions``). The gradients' sums of squares, where the intake computed them (for
+    clipping: the scalars' ``sq_sums``, or ``t.grad_norms``), are not computed again. For the
+    local pieces of sharded tensors, the whole gradients' sums are totalled first (a reduction
+    of their own) where not given."""
+    if not t.weights:
+        return
+    sq_sums = None if t.grad_scalars is None else t.grad_scalars.sq_sums
+    if sq_sums is None and t.grad_norms is not None:
+        sq_sums = t.grad_norms.double().square()
+    if t.shard_sums is not None and sq_sums is None:  # the whole gradients' sums first
+        sq_sums = yield t.shard_sums.request(sums_of_squares(t.grads), range(len(t.grads)))
+    config = _layerwise_config(o, o.clip_grad_value, moved=o.decay_moved_weight)
+    yield from _kernel_phases("lans", 4, t, _LayerwiseCall("lans", t, layer, config, sq_sums))
 
 
 def adam_applies(weight: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
@@ -295,26 +287,6 @@ def grad_applies(grad: Tensor) -> bool:
 
 _F32, _BF16, _INT16 = (torch.float32,), (torch.bfloat16,), (torch.int16,)
 _ADAM_GRADS = (torch.float32, torch.bfloat16)
-
-
-def split_join(hi: Tensor, lo: Tensor) -> Tensor:
-    """The float32 master held as a bfloat16 ``hi`` (the master rounded to nearest, ties away
-    from zero) and int16 ``lo`` (its low 16 bits), as the kernels store it (see ``_kernels.c``)."""
-    h = hi.view(torch.int16).to(torch.int32) & 0xFFFF
-    low = lo.to(torch.int32) & 0xFFFF
-    top = (h - (low >> 15)) & 0xFFFF
-    bits = (top.to(torch.int64) << 16) | low.to(torch.int64)
-    bits = bits - (bits >= 2 ** 31).to(torch.int64) * 2 ** 32
-    return bits.to(torch.int32).view(torch.float32)
-
-
-def split_(master: Tensor, hi: Tensor, lo: Tensor) -> None:
-    """Store a float32 ``master`` exactly as ``hi`` and ``lo`` (the inverse of :func:`split_join`)."""
-    bits = master.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    top = ((bits + 0x8000) >> 16) & 0xFFFF
-    low = bits & 0xFFFF
-    hi.copy_((top - (top >= 2 ** 15).to(torch.int64) * 2 ** 16).to(torch.int16).view(torch.bfloat16))
-    lo.copy_((low - (low >= 2 ** 15).to(torch.int64) * 2 ** 16).to(torch.int16))
 
 
 @eager

@@ -8,11 +8,25 @@ that vector is all-reduced once per mesh dimension that shards the tensors, not 
 tensor. A mesh dimension that replicates a tensor (HSDP's ``Replicate()``) holds the whole
 tensor along it and adds nothing.
 
-An update that needs totals is written as a generator that yields each :class:`Reduction` it
-needs and receives the totals back. :func:`settle` runs one such generator, each reduction on its
-own; :func:`settle_together` runs those of all parameter groups in lockstep, so that the
-reductions they ask for at the same point of the step travel in one all-reduce per process
-group: a step's collectives do not grow with the number of groups.
+An update that needs such totals runs in phases (:data:`Phased`): a generator whose phases
+are separated by the :class:`Reduction` s it yields, each answered with its totals. The C
+kernels are cut the same way (a sums pass, then an apply pass). :func:`run_phases` runs one
+phased update, each reduction on its own; :func:`run_lockstep` runs those of all parameter
+groups in lockstep, so that the reductions they ask for at the same point of the step travel in
+one all-reduce per process group: a step's collectives do not grow with the number of groups.
+
+Every place that yields a reduction:
+
+* ``_intake._collect`` and ``_intake._deferred_scalars``: the gradients' norms for
+  ``clip_grad_norm_per_tensor`` and ``max_grad_norm`` (one reduction, before the update);
+* ``lamb._multi_tensor_lamb``: ||w||^2 and ||u||^2 of the tensors that take the trust ratio;
+* ``lans._multi_tensor_lans``: the gradients' norms (unless the intake's clipping gave them),
+  then, in ``lans._sharded_two_parts``, ||w||^2, ||r||^2, ||c||^2 (and <c, r>);
+* ``_native._kernel_phases``: the sums pass's per-tensor sums (LAMB 2, LANS 4 per tensor),
+  and ``_native.lans_kernel``: the gradients' sums of squares first, unless given.
+
+The drivers are :func:`run_lockstep` (the optimizers' ``step``, the intake) and
+:func:`run_phases` (the functional ``lamb()`` / ``lans()``).
 """
 
 from __future__ import annotations
@@ -106,7 +120,7 @@ class ShardSums:
     """Sums over whole tensors from the local shards' partial sums of ``params``'s tensors.
 
     :meth:`request` takes a vector of partial sums and, for each entry, the index of the
-    parameter the summed quantity is shaped like, as a :class:`Reduction` for steps to yield;
+    parameter the summed quantity is shaped like, as a :class:`Reduction` for a phased update to yield;
     its totals come back after one all-reduce per ``(mesh, dimension)`` that shards any of
     those parameters (FSDP2: one).
     """
@@ -132,42 +146,43 @@ class Reduction(NamedTuple):
     root: bool = False
 
 
-#: A step (or part of one) that yields :class:`Reduction` s and receives their totals.
-Steps = Generator[Reduction, Tensor, Any]
+#: An update (or part of one) in phases: it yields a :class:`Reduction` between two phases and
+#: receives its totals; its return value is the update's.
+Phased = Generator[Reduction, Tensor, Any]
 
 
-def settle(steps: Steps) -> Any:
-    """Run ``steps`` to its end, totalling each reduction it asks for; its return value."""
-    return settle_together([steps])[0]
+def in_one_phase(update: Callable[..., None]) -> Callable[..., Phased]:
+    """A phased form of an update that needs no totals (it yields nothing)."""
+
+    @functools.wraps(update)
+    def phased(*args: Any, **kwargs: Any) -> Phased:
+        yield from ()
+        update(*args, **kwargs)
+
+    return phased
 
 
-def settled(steps: Callable[..., Steps], name: str) -> Callable[..., Any]:
-    """The function ``name`` that runs ``steps``'s generator to its end (:func:`settle`)."""
-
-    @functools.wraps(steps)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        return settle(steps(*args, **kwargs))
-
-    run.__name__ = run.__qualname__ = name
-    return run
+def run_phases(phased: Phased) -> Any:
+    """Run a phased update to its end, totalling each reduction it asks for; its return value."""
+    return run_lockstep([phased])[0]
 
 
-def settle_together(steps: Sequence[Steps]) -> List[Any]:
-    """Run the generators in lockstep: each time all those not yet done have asked for a
+def run_lockstep(updates: Sequence[Phased]) -> List[Any]:
+    """Run phased updates in lockstep: each time all those not yet done have asked for a
     reduction, all the reductions are totalled together (one all-reduce per process group);
     their return values."""
-    results: List[Any] = [None] * len(steps)
+    results: List[Any] = [None] * len(updates)
     waiting: Dict[int, Reduction] = {}
 
     def advance(i: int, totals: Optional[Tensor]) -> None:
         try:
-            waiting[i] = steps[i].send(totals)  # type: ignore[arg-type]
+            waiting[i] = updates[i].send(totals)  # type: ignore[arg-type]
         except StopIteration as stop:
             waiting.pop(i, None)
             results[i] = stop.value
 
     try:
-        for i in range(len(steps)):
+        for i in range(len(updates)):
             advance(i, None)
         while waiting:
             asked = list(waiting)
@@ -175,7 +190,7 @@ def settle_together(steps: Sequence[Steps]) -> List[Any]:
                 advance(i, totals)
     finally:  # after an error, the others end here (their context managers exit), not in gc
         for i in list(waiting):
-            steps[i].close()
+            updates[i].close()
     return results
 
 

@@ -10,12 +10,9 @@ from torch.optim.adamw import adamw as _torch_adamw
 
 from . import _blocks
 from ._sharding import local_piece
-from ._base import (
-    NameRule,
-    ScaleOptimizer,
-    check_bool,
-    check_optional_bool,
-)
+from ._base import ScaleOptimizer
+from ._checks import check_bool, check_optional_bool
+from ._params import NameRule
 
 __all__ = ["AdamW"]
 

@@ -6,7 +6,8 @@ from typing import Any, Dict, List
 
 from torch import nn
 
-from ._base import NameRule, check_name_rule, check_number, match_names
+from ._checks import check_name_rule, check_number
+from ._params import NameRule, match_names
 
 __all__ = ["param_groups", "is_norm_module"]
 

@@ -8,11 +8,14 @@ import torch
 from torch import Tensor
 
 from . import _blocks, _native
-from ._base import GradScalars, NameRule, check_choice
 from ._blocks import by_value
-from ._dispatch import Impl, resolve, torch_path_steps
-from ._layerwise import LayerwiseAdam, pick
-from ._sharding import Steps, settled
+from ._checks import check_choice
+from ._dispatch import Impl, resolve
+from ._group import GroupTensors, LayerwiseOptions, LayerOptions, pick
+from ._intake import GradScalars
+from ._layerwise import LayerwiseAdam
+from ._params import NameRule
+from ._sharding import Phased, in_one_phase, run_phases
 
 __all__ = ["LAMB", "lamb"]
 
@@ -149,16 +152,26 @@ class LAMB(LayerwiseAdam):
         super()._validate_group(group)
         check_choice(self._arg("weight_decay_mode"), group["weight_decay_mode"], WEIGHT_DECAY_MODES)
 
-    def _update(self, group, params, grads, exp_avgs, exp_avg_sqs, steps, layer, impl, low=None,
-                scalars=None, shard_sums=None, grad_norms=None) -> Steps:
-        lrs, wds, adapt = layer
-        return lamb_steps(params, grads, exp_avgs, exp_avg_sqs, steps, lrs=lrs, weight_decays=wds,
-                          adapt=adapt, weight_decay_mode=group["weight_decay_mode"],
-                          implementation=impl, low=low, grad_scalars=scalars,
-                          shard_sums=shard_sums, **self._functional_options(group))
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        """Perform one optimization step. ``closure`` re-evaluates the model and returns the loss."""
+        return self._step_in_lockstep(closure, lambda group, t, layer, impl: lamb_phases(
+            t, layer, LayerwiseOptions.of(group, weight_decay_mode=group["weight_decay_mode"]),
+            impl))
 
 
-def lamb_steps(
+def lamb_phases(t: GroupTensors, layer: LayerOptions, o: LayerwiseOptions,
+                implementation: Impl) -> Phased:
+    """LAMB on one group's tensors by ``implementation``, in phases (see
+    ``scaleopt._sharding``): on the local shards of sharded tensors (``t.shard_sums``), the
+    trust ratios' sums are totalled between them. The PyTorch implementations take the
+    tensors as :meth:`GroupTensors.for_torch` gives them."""
+    if not implementation.reads_stored:
+        t = t.for_torch()
+    yield from _IMPLEMENTATIONS[implementation](t, layer, o)
+
+
+def lamb(
     params: List[Tensor],
     grads: List[Tensor],
     exp_avgs: List[Tensor],
@@ -180,101 +193,100 @@ def lamb_steps(
     low: Optional[List[Optional[Tensor]]] = None,
     grad_scalars: Optional[GradScalars] = None,
     shard_sums: Any = None,
-) -> Steps:
-    """Functional LAMB over lists of tensors; see :class:`LAMB`. :func:`lamb` runs it; this
-    form is its steps (see ``scaleopt._sharding``), which yield the sums to total when the
-    tensors are local shards.
+) -> None:
+    """Functional LAMB over lists of tensors; see :class:`LAMB`.
 
     ``lrs``, ``weight_decays`` and ``adapt`` are per tensor. ``grads`` are read, never written.
     ``implementation``: ``"single"`` (the reference loop), ``"multi"`` (multi-tensor ops) or
-    ``"native"`` (the fused CPU kernels, see :func:`scaleopt._native.lamb_steps` for ``low``); by
+    ``"native"`` (the fused CPU kernels, see :func:`scaleopt._native.lamb_kernel` for ``low``); by
     default ``foreach`` picks multi or single. ``grad_scalars``: per-tensor multipliers (and a
     clamp) to apply to the gradients as they are read. ``shard_sums``: for the local shards of
-    sharded tensors (multi-tensor only), the :class:`scaleopt._sharding.ShardSums` that totals
-    their norms.
+    sharded tensors (multi-tensor and kernels), the :class:`scaleopt._sharding.ShardSums` that
+    totals their norms.
     """
-    impl = resolve(implementation, foreach)
-    options = dict(lrs=lrs, weight_decays=weight_decays, adapt=adapt, beta1=beta1, beta2=beta2,
-                   eps=eps, weight_decay_mode=weight_decay_mode, bias_correction=bias_correction,
-                   lower_bound=lower_bound, upper_bound=upper_bound)
-    if impl is Impl.NATIVE:
-        yield from _native.lamb_steps(
-            params, grads, exp_avgs, exp_avg_sqs, state_steps, low=low,
-            grad_multipliers=None if grad_scalars is None else grad_scalars.mults,
-            clip_grad_value=None if grad_scalars is None else grad_scalars.clamp,
-            shard_sums=shard_sums, **options)
-        return
-    yield from torch_path_steps(impl, _multi_tensor_lamb, _single_tensor_lamb, params, grads,
-                                exp_avgs, exp_avg_sqs, state_steps, grad_scalars=grad_scalars,
-                                shard_sums=shard_sums, **options)
+    t = GroupTensors(params, grads, exp_avgs, exp_avg_sqs, state_steps, low, grad_scalars,
+                     shard_sums)
+    o = LayerwiseOptions(beta1, beta2, eps, bias_correction, lower_bound, upper_bound,
+                         weight_decay_mode)
+    run_phases(lamb_phases(t, LayerOptions(lrs, weight_decays, adapt), o,
+                           resolve(implementation, foreach)))
 
 
-lamb = settled(lamb_steps, "lamb")
-
-
-def _single_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs, weight_decays,
-                        adapt, beta1, beta2, eps, weight_decay_mode, bias_correction, lower_bound,
-                        upper_bound) -> None:
+def _single_tensor_lamb(t: GroupTensors, layer: LayerOptions, o: LayerwiseOptions) -> None:
     """The reference path: one tensor at a time, the algorithm as written in the docstring."""
-    for i, p in enumerate(params):
-        g, m, v, lr, wd = grads[i], exp_avgs[i], exp_avg_sqs[i], lrs[i], weight_decays[i]
-        state_steps[i] += 1
-        if weight_decay_mode == "l2" and wd != 0:
+    mode = o.weight_decay_mode
+    for i, p in enumerate(t.weights):
+        g, m, v, lr, wd = t.grads[i], t.exp_avgs[i], t.exp_avg_sqs[i], layer.lrs[i], layer.weight_decays[i]
+        t.steps[i] += 1
+        if mode == "l2" and wd != 0:
             g = g.add(p, alpha=wd)
-        _blocks.adam_moments_one(m, v, g, beta1, beta2)
+        _blocks.adam_moments_one(m, v, g, o.beta1, o.beta2)
         (bc1,), (bc2_sqrt,) = _blocks.step_bias_corrections(
-            [state_steps[i]], beta1, beta2, bias_correction
+            [t.steps[i]], o.beta1, o.beta2, o.bias_correction
         )
-        u = _blocks.adam_direction_one(m, bc1, _blocks.adam_denominator_one(v, bc2_sqrt, eps))
-        if weight_decay_mode == "update" and wd != 0:
+        u = _blocks.adam_direction_one(m, bc1, _blocks.adam_denominator_one(v, bc2_sqrt, o.eps))
+        if mode == "update" and wd != 0:
             u.add_(p, alpha=wd)
-        elif weight_decay_mode == "decoupled" and wd != 0:
+        elif mode == "decoupled" and wd != 0:
             p.mul_(1.0 - lr * wd)
-        if adapt[i]:
+        if layer.adapt[i]:
             ratio = _blocks.trust_ratio(
-                _blocks.norm_one(p), _blocks.norm_one(u), lower_bound, upper_bound
+                _blocks.norm_one(p), _blocks.norm_one(u), o.lower_bound, o.upper_bound
             )
             u.mul_(ratio.to(u.dtype))
         _blocks.add_scaled_one_(p, u, -lr)
 
 
-def _multi_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs, weight_decays,
-                       adapt, beta1, beta2, eps, weight_decay_mode, bias_correction, lower_bound,
-                       upper_bound, shard_sums=None) -> Steps:
+def _multi_tensor_lamb(t: GroupTensors, layer: LayerOptions, o: LayerwiseOptions) -> Phased:
     """The fast path: the same algorithm as a few multi-tensor kernels per group. On local
-    shards, ``shard_sums`` (:class:`scaleopt._sharding.ShardSums`) totals the norms (the
-    reduction these steps yield)."""
+    shards, ``t.shard_sums`` totals the norms (the reduction this yields)."""
+    params, lrs, weight_decays = t.weights, layer.lrs, layer.weight_decays
     if not params:
         return
-    torch._foreach_add_(state_steps, 1)
+    torch._foreach_add_(t.steps, 1)
     decays = [(wd, ids) for wd, ids in by_value(weight_decays) if wd != 0]
-    if weight_decay_mode == "l2" and decays:
+    grads = t.grads
+    if o.weight_decay_mode == "l2" and decays:
         grads = list(grads)
         for wd, ids in decays:
             for i, g in zip(ids, _blocks.add_l2_to_grad(pick(grads, ids), pick(params, ids), wd)):
                 grads[i] = g
-    _blocks.adam_moments(exp_avgs, exp_avg_sqs, grads, beta1, beta2)
-    bc1, bc2_sqrt = _blocks.step_bias_corrections(state_steps, beta1, beta2, bias_correction)
-    updates = _blocks.adam_direction(exp_avgs, bc1,
-                                     _blocks.adam_denominators(exp_avg_sqs, bc2_sqrt, eps))
-    if weight_decay_mode == "update":
+    _blocks.adam_moments(t.exp_avgs, t.exp_avg_sqs, grads, o.beta1, o.beta2)
+    bc1, bc2_sqrt = _blocks.step_bias_corrections(t.steps, o.beta1, o.beta2, o.bias_correction)
+    updates = _blocks.adam_direction(t.exp_avgs, bc1,
+                                     _blocks.adam_denominators(t.exp_avg_sqs, bc2_sqrt, o.eps))
+    if o.weight_decay_mode == "update":
         for wd, ids in decays:
             _blocks.add_decay_to_update(pick(updates, ids), pick(params, ids), wd)
-    elif weight_decay_mode == "decoupled" and decays:
-        if _blocks.compiling():  # per tensor: the rates are inputs, not constants (add_scaled_)
-            for p, lr, wd in zip(params, lrs, weight_decays):
-                p.mul_(1.0 - lr * wd)
-        else:
-            for (lr, wd), ids in by_value(list(zip(lrs, weight_decays))):
-                _blocks.decoupled_decay_(pick(params, ids), lr, wd)
-    adapting = [i for i, a in enumerate(adapt) if a]
-    if shard_sums is None:
+    elif o.weight_decay_mode == "decoupled" and decays:
+        _decoupled_decay(params, lrs, weight_decays)
+    adapting = [i for i, a in enumerate(layer.adapt) if a]
+    if t.shard_sums is None:
         _blocks.apply_trust_ratio_(pick(updates, adapting), _blocks.norms(pick(params, adapting)),
-                                   lower_bound, upper_bound)
+                                   o.lower_bound, o.upper_bound)
     else:  # ||w||^2 and ||u||^2 over the whole tensors: one vector, reduced once
         sums = _blocks.sq_norms(pick(params, adapting) + pick(updates, adapting))
-        totals = yield shard_sums.request(sums, adapting * 2)
+        totals = yield t.shard_sums.request(sums, adapting * 2)
         w_norms, u_norms = totals.sqrt().split(len(adapting))
-        _blocks.apply_trust_ratio_(pick(updates, adapting), w_norms, lower_bound, upper_bound,
-                                   u_norms=u_norms)
+        _blocks.apply_trust_ratio_(pick(updates, adapting), w_norms, o.lower_bound,
+                                   o.upper_bound, u_norms=u_norms)
     _blocks.add_scaled_(params, updates, [-lr for lr in lrs])
+
+
+def _decoupled_decay(params: List[Tensor], lrs: Sequence[float],
+                     weight_decays: Sequence[float]) -> None:
+    """``w *= 1 - lr*wd`` (Keras' decay, before the step)."""
+    if _blocks.compiling():  # per tensor: the rates are inputs, not constants (add_scaled_)
+        for p, lr, wd in zip(params, lrs, weight_decays):
+            p.mul_(1.0 - lr * wd)
+    else:
+        for (lr, wd), ids in by_value(list(zip(lrs, weight_decays))):
+            _blocks.decoupled_decay_(pick(params, ids), lr, wd)
+
+
+#: LAMB by implementation (see ``scaleopt._dispatch``).
+_IMPLEMENTATIONS = {
+    Impl.SINGLE: in_one_phase(_single_tensor_lamb),
+    Impl.MULTI: _multi_tensor_lamb,
+    Impl.NATIVE: _native.lamb_kernel,
+}

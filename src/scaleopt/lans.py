@@ -8,11 +8,14 @@ import torch
 from torch import Tensor
 
 from . import _blocks, _native
-from ._base import GradScalars, NameRule, check_bool
 from ._blocks import by_value
-from ._dispatch import Impl, resolve, torch_path_steps
-from ._layerwise import LayerwiseAdam, pick
-from ._sharding import Steps, settled
+from ._checks import check_bool
+from ._dispatch import Impl, resolve
+from ._group import GroupTensors, LayerwiseOptions, LayerOptions, pick
+from ._intake import GradScalars
+from ._layerwise import LayerwiseAdam
+from ._params import NameRule
+from ._sharding import Phased, in_one_phase, run_phases
 
 __all__ = ["LANS", "lans"]
 
@@ -130,17 +133,27 @@ class LANS(LayerwiseAdam):
         super()._validate_group(group)
         check_bool(self._arg("decay_moved_weight"), group["decay_moved_weight"])
 
-    def _update(self, group, params, grads, exp_avgs, exp_avg_sqs, steps, layer, impl, low=None,
-                scalars=None, shard_sums=None, grad_norms=None) -> Steps:
-        lrs, wds, adapt = layer
-        return lans_steps(params, grads, exp_avgs, exp_avg_sqs, steps, lrs=lrs, weight_decays=wds,
-                          adapt=adapt, clip_grad_value=group["clip_grad_value"],
-                          decay_moved_weight=group["decay_moved_weight"], implementation=impl,
-                          low=low, grad_scalars=scalars, shard_sums=shard_sums,
-                          grad_norms=grad_norms, **self._functional_options(group))
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        """Perform one optimization step. ``closure`` re-evaluates the model and returns the loss."""
+        return self._step_in_lockstep(closure, lambda group, t, layer, impl: lans_phases(
+            t, layer, LayerwiseOptions.of(group, clip_grad_value=group["clip_grad_value"],
+                                          decay_moved_weight=group["decay_moved_weight"]),
+            impl))
 
 
-def lans_steps(
+def lans_phases(t: GroupTensors, layer: LayerOptions, o: LayerwiseOptions,
+                implementation: Impl) -> Phased:
+    """LANS on one group's tensors by ``implementation``, in phases, as
+    :func:`scaleopt.lamb.lamb_phases`: on local shards, the gradients' norms are totalled
+    first (unless ``t.grad_norms`` or the scalars' ``sq_sums`` give them), then the sums of
+    both trust ratios."""
+    if not implementation.reads_stored:
+        t = t.for_torch()
+    yield from _IMPLEMENTATIONS[implementation](t, layer, o)
+
+
+def lans(
     params: List[Tensor],
     grads: List[Tensor],
     exp_avgs: List[Tensor],
@@ -164,34 +177,17 @@ def lans_steps(
     grad_scalars: Optional[GradScalars] = None,
     shard_sums: Any = None,
     grad_norms: Optional[Tensor] = None,
-) -> Steps:
+) -> None:
     """Functional LANS over lists of tensors; see :class:`LANS`. ``grads`` are read only.
-    :func:`lans` runs it; this form is its steps, as :func:`scaleopt.lamb.lamb_steps`.
     ``implementation``, ``low``, ``grad_scalars`` and ``shard_sums`` as in
     :func:`scaleopt.lamb.lamb`. ``grad_norms`` (the gradients' norms) and the scalars'
     ``sq_sums`` (their sums of squares), when given, are not computed again."""
-    impl = resolve(implementation, foreach)
-    options = dict(lrs=lrs, weight_decays=weight_decays, adapt=adapt, beta1=beta1, beta2=beta2,
-                   eps=eps, bias_correction=bias_correction, lower_bound=lower_bound,
-                   upper_bound=upper_bound, clip_grad_value=clip_grad_value,
-                   decay_moved_weight=decay_moved_weight)
-    if impl is Impl.NATIVE:
-        sq_sums = None if grad_scalars is None else grad_scalars.sq_sums
-        if sq_sums is None and grad_norms is not None:
-            sq_sums = grad_norms.double().square()
-        yield from _native.lans_steps(
-            params, grads, exp_avgs, exp_avg_sqs, state_steps, low=low,
-            grad_multipliers=None if grad_scalars is None else grad_scalars.mults,
-            grad_sq_sums=sq_sums, shard_sums=shard_sums, **options)
-        return
-    if impl is Impl.MULTI:
-        options["grad_norms"] = grad_norms
-    yield from torch_path_steps(impl, _multi_tensor_lans, _single_tensor_lans, params, grads,
-                                exp_avgs, exp_avg_sqs, state_steps, grad_scalars=grad_scalars,
-                                shard_sums=shard_sums, **options)
-
-
-lans = settled(lans_steps, "lans")
+    t = GroupTensors(params, grads, exp_avgs, exp_avg_sqs, state_steps, low, grad_scalars,
+                     shard_sums, grad_norms)
+    o = LayerwiseOptions(beta1, beta2, eps, bias_correction, lower_bound, upper_bound,
+                         clip_grad_value=clip_grad_value, decay_moved_weight=decay_moved_weight)
+    run_phases(lans_phases(t, LayerOptions(lrs, weight_decays, adapt), o,
+                           resolve(implementation, foreach)))
 
 
 def _inverse_norms(norms: Tensor) -> Tensor:
@@ -200,111 +196,115 @@ def _inverse_norms(norms: Tensor) -> Tensor:
                        torch.zeros_like(norms))
 
 
-def _single_tensor_lans(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs, weight_decays,
-                        adapt, beta1, beta2, eps, bias_correction, lower_bound, upper_bound,
-                        clip_grad_value, decay_moved_weight) -> None:
+def _single_tensor_lans(t: GroupTensors, layer: LayerOptions, o: LayerwiseOptions) -> None:
     """The reference path: one tensor at a time, the algorithm as written in the docstring."""
-    for i, p in enumerate(params):
-        m, v, lr, wd = exp_avgs[i], exp_avg_sqs[i], lrs[i], weight_decays[i]
-        state_steps[i] += 1
-        g = grads[i] * _inverse_norms(_blocks.norm_one(grads[i])).to(grads[i].dtype)
-        (g,) = _blocks.clip_by_value([g], clip_grad_value)
-        _blocks.adam_moments_one(m, v, g, beta1, beta2)
+    lower, upper, beta1 = o.lower_bound, o.upper_bound, o.beta1
+    for i, p in enumerate(t.weights):
+        m, v, lr, wd = t.exp_avgs[i], t.exp_avg_sqs[i], layer.lrs[i], layer.weight_decays[i]
+        t.steps[i] += 1
+        g = t.grads[i] * _inverse_norms(_blocks.norm_one(t.grads[i])).to(t.grads[i].dtype)
+        (g,) = _blocks.clip_by_value([g], o.clip_grad_value)
+        _blocks.adam_moments_one(m, v, g, beta1, o.beta2)
         (bc1,), (bc2_sqrt,) = _blocks.step_bias_corrections(
-            [state_steps[i]], beta1, beta2, bias_correction
+            [t.steps[i]], beta1, o.beta2, o.bias_correction
         )
-        denom = _blocks.adam_denominator_one(v, bc2_sqrt, eps)
+        denom = _blocks.adam_denominator_one(v, bc2_sqrt, o.eps)
         r = _blocks.adam_direction_one(m, bc1, denom)
         c = g / denom
         w_norm = _blocks.norm_one(p)
         if wd != 0:
             r.add_(p, alpha=wd)
-        if adapt[i]:
-            r.mul_(_blocks.trust_ratio(w_norm, _blocks.norm_one(r), lower_bound, upper_bound).to(r.dtype))
-        if decay_moved_weight:
+        if layer.adapt[i]:
+            r.mul_(_blocks.trust_ratio(w_norm, _blocks.norm_one(r), lower, upper).to(r.dtype))
+        if o.decay_moved_weight:
             _blocks.add_scaled_one_(p, r, -lr * beta1)
         if wd != 0:
             c.add_(p, alpha=wd)
-        if adapt[i]:
-            c.mul_(_blocks.trust_ratio(w_norm, _blocks.norm_one(c), lower_bound, upper_bound).to(c.dtype))
-        if not decay_moved_weight:
+        if layer.adapt[i]:
+            c.mul_(_blocks.trust_ratio(w_norm, _blocks.norm_one(c), lower, upper).to(c.dtype))
+        if not o.decay_moved_weight:
             _blocks.add_scaled_one_(p, r, -lr * beta1)
         _blocks.add_scaled_one_(p, c, -lr * (1.0 - beta1))
 
 
-def _multi_tensor_lans(params, grads, exp_avgs, exp_avg_sqs, state_steps, *, lrs, weight_decays,
-                       adapt, beta1, beta2, eps, bias_correction, lower_bound, upper_bound,
-                       clip_grad_value, decay_moved_weight, shard_sums=None,
-                       grad_norms=None) -> Steps:
+def _multi_tensor_lans(t: GroupTensors, layer: LayerOptions, o: LayerwiseOptions) -> Phased:
     """The fast path: the same algorithm as a few multi-tensor kernels per group. On local
-    shards, ``shard_sums`` (:class:`scaleopt._sharding.ShardSums`) totals the norms: the
-    gradients' in one reduction, the weights' and both parts' in another (the reductions these
-    steps yield)."""
+    shards, ``t.shard_sums`` totals the norms: the gradients' in one reduction, the weights'
+    and both parts' in another (the reductions this yields)."""
+    params, grads, lrs, beta1 = t.weights, t.grads, layer.lrs, o.beta1
     if not params:
         return
-    torch._foreach_add_(state_steps, 1)
-    if grad_norms is not None:
-        g_norms = grad_norms
-    elif shard_sums is None:
+    torch._foreach_add_(t.steps, 1)
+    if t.grad_norms is not None:
+        g_norms = t.grad_norms
+    elif t.shard_sums is None:
         g_norms = _blocks.norms(grads)
     else:
-        g_norms = yield shard_sums.norms_request(grads)
-    inv = _inverse_norms(g_norms)
-    g = _blocks.scale_each(grads, inv)
-    g = _blocks.clip_by_value(g, clip_grad_value)
-    _blocks.adam_moments(exp_avgs, exp_avg_sqs, g, beta1, beta2)
-    bc1, bc2_sqrt = _blocks.step_bias_corrections(state_steps, beta1, beta2, bias_correction)
-    denom = _blocks.adam_denominators(exp_avg_sqs, bc2_sqrt, eps)
-    r = _blocks.adam_direction(exp_avgs, bc1, denom)
+        g_norms = yield t.shard_sums.norms_request(grads)
+    g = _blocks.clip_by_value(_blocks.scale_each(grads, _inverse_norms(g_norms)),
+                              o.clip_grad_value)
+    _blocks.adam_moments(t.exp_avgs, t.exp_avg_sqs, g, beta1, o.beta2)
+    bc1, bc2_sqrt = _blocks.step_bias_corrections(t.steps, beta1, o.beta2, o.bias_correction)
+    denom = _blocks.adam_denominators(t.exp_avg_sqs, bc2_sqrt, o.eps)
+    r = _blocks.adam_direction(t.exp_avgs, bc1, denom)
     c = torch._foreach_div(g, denom)
-    decays = [(wd, ids) for wd, ids in by_value(weight_decays) if wd != 0]
-    adapting = [i for i, a in enumerate(adapt) if a]
-    if shard_sums is not None:
-        yield from _sharded_two_parts(params, r, c, lrs, weight_decays, decays, adapting, beta1,
-                                      lower_bound, upper_bound, decay_moved_weight, shard_sums)
+    decays = [(wd, ids) for wd, ids in by_value(layer.weight_decays) if wd != 0]
+    adapting = [i for i, a in enumerate(layer.adapt) if a]
+    if t.shard_sums is not None:
+        yield from _sharded_two_parts(t, layer, o, r, c, decays, adapting)
         return
     w_norms = _blocks.norms(pick(params, adapting))
+    bounds = (o.lower_bound, o.upper_bound)
     for wd, ids in decays:
         _blocks.add_decay_to_update(pick(r, ids), pick(params, ids), wd)
-    _blocks.apply_trust_ratio_(pick(r, adapting), w_norms, lower_bound, upper_bound)
-    if decay_moved_weight:
+    _blocks.apply_trust_ratio_(pick(r, adapting), w_norms, *bounds)
+    if o.decay_moved_weight:
         _blocks.add_scaled_(params, r, [-lr * beta1 for lr in lrs])
     for wd, ids in decays:
         _blocks.add_decay_to_update(pick(c, ids), pick(params, ids), wd)
-    _blocks.apply_trust_ratio_(pick(c, adapting), w_norms, lower_bound, upper_bound)
-    if not decay_moved_weight:
+    _blocks.apply_trust_ratio_(pick(c, adapting), w_norms, *bounds)
+    if not o.decay_moved_weight:
         _blocks.add_scaled_(params, r, [-lr * beta1 for lr in lrs])
     _blocks.add_scaled_(params, c, [-lr * (1.0 - beta1) for lr in lrs])
 
 
-def _sharded_two_parts(params, r, c, lrs, weight_decays, decays, adapting, beta1, lower_bound,
-                       upper_bound, decay_moved_weight, shard_sums) -> Steps:
+def _sharded_two_parts(t: GroupTensors, layer: LayerOptions, o: LayerwiseOptions, r, c, decays,
+                       adapting) -> Phased:
     """LANS's two trust-ratio-scaled parts on local shards, with the four sums the ratios need
     (||w||^2, ||r||^2, ||c||^2 and, when the second part decays the moved weight, <c, r>) in one
     reduction. The moved weight's decay is ``c - wd*lr*beta1*ratio_r*r``, whose squared norm
     follows from those sums."""
+    params, lrs, weight_decays, beta1 = t.weights, layer.lrs, layer.weight_decays, o.beta1
     for wd, ids in decays:  # both parts decay the weight from before the step here
         _blocks.add_decay_to_update(pick(r, ids), pick(params, ids), wd)
         _blocks.add_decay_to_update(pick(c, ids), pick(params, ids), wd)
     ws, rs, cs = (pick(xs, adapting) for xs in (params, r, c))
     parts = [_blocks.sq_norms(ws), _blocks.sq_norms(rs), _blocks.sq_norms(cs)]
-    if decay_moved_weight:
+    if o.decay_moved_weight:
         parts.append(_blocks.dots(cs, rs).to(parts[0].dtype))
-    totals = yield shard_sums.request(torch.cat(parts), adapting * len(parts))
+    totals = yield t.shard_sums.request(torch.cat(parts), adapting * len(parts))
     sums = totals.split(len(adapting))
     w_norms, r2, c2 = sums[0].sqrt(), sums[1], sums[2]
-    ratio_r = _blocks.trust_ratio(w_norms, r2.sqrt(), lower_bound, upper_bound)
-    if decay_moved_weight:
+    ratio_r = _blocks.trust_ratio(w_norms, r2.sqrt(), o.lower_bound, o.upper_bound)
+    if o.decay_moved_weight:
         lr_wd = torch.tensor([lrs[i] * weight_decays[i] for i in adapting], dtype=r2.dtype,
                              device=r2.device)
         k = lr_wd * beta1 * ratio_r
         c2 = (c2 - 2.0 * k * sums[3] + k * k * r2).clamp(min=0.0)
-    ratio_c = _blocks.trust_ratio(w_norms, c2.sqrt(), lower_bound, upper_bound)
+    ratio_c = _blocks.trust_ratio(w_norms, c2.sqrt(), o.lower_bound, o.upper_bound)
     _blocks.scale_each_(pick(r, adapting), ratio_r)
-    if decay_moved_weight:  # c = c - wd*lr*beta1*r: the decay of the weight moved by r
+    if o.decay_moved_weight:  # c = c - wd*lr*beta1*r: the decay of the weight moved by r
         for i, (lr, wd) in enumerate(zip(lrs, weight_decays)):
             if wd != 0:
                 c[i].add_(r[i], alpha=-wd * lr * beta1)
     _blocks.scale_each_(pick(c, adapting), ratio_c)
     _blocks.add_scaled_(params, r, [-lr * beta1 for lr in lrs])
     _blocks.add_scaled_(params, c, [-lr * (1.0 - beta1) for lr in lrs])
+
+
+#: LANS by implementation (see ``scaleopt._dispatch``).
+_IMPLEMENTATIONS = {
+    Impl.SINGLE: in_one_phase(_single_tensor_lans),
+    Impl.MULTI: _multi_tensor_lans,
+    Impl.NATIVE: _native.lans_kernel,
+}

@@ -7,13 +7,9 @@ from typing import Any, Dict, Optional
 import torch
 
 from . import _blocks
-from ._base import (
-    NameRule,
-    ScaleOptimizer,
-    check_bool,
-    check_choice,
-    check_number,
-)
+from ._base import ScaleOptimizer
+from ._checks import check_bool, check_choice, check_number
+from ._params import NameRule
 from ._dispatch import Impl, implementation
 from ._sharding import local
 

@@ -18,24 +18,19 @@ import torch
 from torch import Tensor
 
 from . import _blocks, _native
-from ._base import (
-    Deferral,
-    GroupGrads,
-    NameRule,
-    ScaleOptimizer,
-    check_bool,
-    check_choice,
-)
+from ._adam import AdamFamily
+from ._checks import check_bool, check_choice
 from ._compile import eager
 from ._host import HostPipeline, attach_host
+from ._intake import Deferral, GroupGrads
 from ._layerwise import LayerwiseAdam
-from ._masters import LocalPlacement, MasterWeights
-from ._sharding import is_dtensor, local
+from ._params import NameRule
+from ._sharding import local
 
 __all__ = ["OffloadAdam", "HostPipeline", "offload"]
 
 
-class OffloadAdam(ScaleOptimizer):
+class OffloadAdam(AdamFamily):
     r"""Adam / AdamW with float32 master weights and state in host memory.
 
     The parameters stay on their device in any float dtype; the update runs on the host (see
@@ -140,15 +135,6 @@ class OffloadAdam(ScaleOptimizer):
         super().__init__(params, defaults)
         attach_host(self, overlap=overlap, num_threads=num_threads)
 
-    def _attach(self) -> None:
-        super()._attach()
-        self._master_weights = MasterWeights(self, LocalPlacement())  # then the host's
-
-    def master(self, p: Tensor) -> Tensor:
-        """The float32 master weights of ``p`` (a new tensor for a split master; ``p`` itself
-        for a float32 host parameter)."""
-        return self._master_weights.master(p)
-
     def remove_hooks(self) -> None:
         """Remove the gradient hooks (they are also inert once the optimizer is deleted)."""
         self.host.remove_hooks()
@@ -187,21 +173,6 @@ class OffloadAdam(ScaleOptimizer):
     def _after_step(self) -> None:
         """Called at the end of every step, skipped or not. Front-ends override it."""
 
-    def _state(self, p: Tensor, amsgrad: bool) -> Dict[str, Any]:
-        """``p``'s step and moments: host tensors, float32 (float64 for a float64 parameter)."""
-        state = self.state[p]
-        dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
-        if "step" not in state:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        elif state["step"].dtype != torch.float32 or state["step"].device.type != "cpu":
-            state["step"] = state["step"].to("cpu", torch.float32)  # e.g. from a fused CUDA Adam
-        keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
-        for key in keys:
-            if key not in state:  # a DTensor's (host) state is laid out as the DTensor
-                state[key] = (torch.zeros_like(p, dtype=dtype) if is_dtensor(p)
-                              else torch.zeros(p.shape, dtype=dtype))
-        return state
-
     def _step_scalars(self, group: Dict[str, Any], step: float) -> Tuple[float, float]:
         """``(step_size, d)`` of the update ``w -= step_size * m / (sqrt(v)/d + eps)`` at step
         ``step``: ``(lr/(1-b1^t), sqrt(1-b2^t))``, or ``(lr*sqrt(1-b2^t)/(1-b1^t), 1)`` in the
@@ -220,53 +191,63 @@ class OffloadAdam(ScaleOptimizer):
 
     @eager
     def _update_group(self, item: GroupGrads, threads: int) -> None:
-        group, idx, params, grads = item.group, item.idx, item.params, item.grads
-        mults = [1.0] * len(params) if item.scalars is None else item.scalars.mults
-        beta1, beta2 = group["betas"]
-        one_minus_betas = self._one_minus_betas(group)
+        """One group's Adam step: the kernel for the tensors it takes, the reference for the
+        others (on float32 masters: split ones joined, then split again)."""
+        group, params = item.group, item.params
+        state = self._adam_state(group, params, amsgrad=group["amsgrad"])
         no_decay = self._rule_flags(group, "exclude_from_weight_decay")
-        view = self._master_weights.view(group, params)
-        states = [self._state(p, group["amsgrad"]) for p in params]
-        decays = [0.0 if no_decay[i] else group["weight_decay"] for i in idx]
-        step_scalars = self._steps_scalars(group, states)
+        decays = [0.0 if no_decay[i] else group["weight_decay"] for i in item.idx]
+        mults = [1.0] * len(params) if item.scalars is None else item.scalars.mults
         # sharded parameters: the local shards (the gradients already are)
-        weights, low = local(view.weights), local(view.kernel_low())
-        ms, vs, vmaxes = (local([st.get(key) for st in states])
-                          for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"))
-        fast = [k for k, g in enumerate(grads) if not group["amsgrad"]
-                and _native.adam_applies(weights[k], g, ms[k], vs[k], low[k])]
-        fast_set = set(fast)
-        slow = [k for k in range(len(params)) if k not in fast_set]
-        with self._master_weights.as_float32(view.subset(slow)) as masters:
+        ws, low, ms, vs = (local(xs) for xs in (state.view.weights, state.view.kernel_low(),
+                                                state.exp_avgs, state.exp_avg_sqs))
+        vmaxes = local(state.max_exp_avg_sqs or [None] * len(params))
+        fast = [_native.adam_applies(w, g, m, v, lo) and not group["amsgrad"]
+                for w, g, m, v, lo in zip(ws, item.grads, ms, vs, low)]
+        rows = list(zip(ws, item.grads, ms, vs, low, state.steps, mults, decays,
+                        self._steps_scalars(group, state.steps)))
+        slow = [k for k, f in enumerate(fast) if not f]
+        with self._master_weights.as_float32(state.view.subset(slow)) as masters:
             for k, master in zip(slow, local(masters)):
-                states[k]["step"] += 1
-                g = grads[k].to(torch.float32) if grads[k].dtype != master.dtype else grads[k]
-                _adam_reference(master, g * mults[k] if mults[k] != 1.0 else g, ms[k], vs[k],
-                                vmaxes[k], lr=group["lr"],
-                                beta1=beta1, beta2=beta2, one_minus_betas=one_minus_betas,
-                                step_size=step_scalars[k][0], bc2_sqrt=step_scalars[k][1],
-                                eps=group["eps"], weight_decay=decays[k],
-                                decoupled=group["decoupled"], nesterov=group["nesterov"])
-        decoupled, lr = group["decoupled"], group["lr"]
-        _native.adam(
-            [weights[k] for k in fast], [grads[k] for k in fast],
-            [ms[k] for k in fast], [vs[k] for k in fast],
-            [low[k] for k in fast], [states[k]["step"] for k in fast],
-            step_sizes=[step_scalars[k][0] for k in fast],
-            bias_correction2_sqrts=[step_scalars[k][1] for k in fast],
-            weight_decays_l2=[0.0 if decoupled else decays[k] for k in fast],
-            decays=[1.0 - lr * decays[k] if decoupled else 1.0 for k in fast],
-            beta1=beta1, beta2=beta2, eps=group["eps"], grad_multipliers=[mults[k] for k in fast],
-            nesterov=group["nesterov"], one_minus_betas=one_minus_betas, threads=threads,
-        )
-        self._master_weights.commit(view, [k in fast_set for k in range(len(params))])
+                self._reference_step(group, master, vmaxes[k], *rows[k][1:4], *rows[k][5:])
+        self._kernel_step(group, [row for row, f in zip(rows, fast) if f], threads)
+        self._master_weights.commit(state.view, fast)
 
-    def _steps_scalars(self, group, states) -> List[Tuple[float, float]]:
+    def _reference_step(self, group: Dict[str, Any], master: Tensor, vmax: Optional[Tensor],
+                        g: Tensor, m: Tensor, v: Tensor, step: Tensor, mult: float, decay: float,
+                        scalars: Tuple[float, float]) -> None:
+        """One tensor's step by :func:`_adam_reference`."""
+        step += 1
+        g = g.to(torch.float32) if g.dtype != master.dtype else g
+        beta1, beta2 = group["betas"]
+        _adam_reference(master, g * mult if mult != 1.0 else g, m, v, vmax, lr=group["lr"],
+                        beta1=beta1, beta2=beta2, one_minus_betas=self._one_minus_betas(group),
+                        step_size=scalars[0], bc2_sqrt=scalars[1], eps=group["eps"],
+                        weight_decay=decay, decoupled=group["decoupled"],
+                        nesterov=group["nesterov"])
+
+    def _kernel_step(self, group: Dict[str, Any], rows: List[tuple], threads: int) -> None:
+        """The tensors of ``rows`` (weight, gradient, moments, low, step, multiplier, decay,
+        step scalars) in one call of the host kernel."""
+        ws, gs, ms, vs, low, steps, mults, decays, scalars = (list(c) for c in zip(*rows)) \
+            if rows else ([],) * 9
+        decoupled, lr = group["decoupled"], group["lr"]
+        beta1, beta2 = group["betas"]
+        _native.adam(
+            ws, gs, ms, vs, low, steps,
+            step_sizes=[s[0] for s in scalars], bias_correction2_sqrts=[s[1] for s in scalars],
+            weight_decays_l2=[0.0 if decoupled else d for d in decays],
+            decays=[1.0 - lr * d if decoupled else 1.0 for d in decays],
+            beta1=beta1, beta2=beta2, eps=group["eps"], grad_multipliers=mults,
+            nesterov=group["nesterov"], one_minus_betas=self._one_minus_betas(group),
+            threads=threads)
+
+    def _steps_scalars(self, group, steps: List[Tensor]) -> List[Tuple[float, float]]:
         """Per tensor, :meth:`_step_scalars` at the step about to be taken."""
         cache: Dict[float, Tuple[float, float]] = {}
         out = []
-        for st in states:
-            step = st["step"].item() + 1.0
+        for st in steps:
+            step = st.item() + 1.0
             if step not in cache:
                 cache[step] = self._step_scalars(group, step)
             out.append(cache[step])

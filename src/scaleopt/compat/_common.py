@@ -6,7 +6,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 from torch import Tensor
 
-from .._base import check_number, normalize_params
+from .._checks import check_number
+from .._params import normalize_params
 
 LearningRate = Union[float, Callable[..., float]]
 

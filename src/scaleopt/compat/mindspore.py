@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 from torch import Tensor
 
-from .._base import normalize_group
+from .._params import normalize_group
 from ..offload import OffloadAdam
 
 __all__ = ["AdamOffload"]
@@ -128,6 +128,25 @@ def _wd_source(value: Any, name: str = "weight_decay") -> Union[float, Callable[
     return value
 
 
+def _check_ms_args(beta1: Any, beta2: Any, eps: Any, loss_scale: Any, use_locking: Any,
+                   use_nesterov: Any) -> None:
+    """MindSpore's checks of ``AdamOffload``'s arguments, with its messages."""
+    for name, b in (("beta1", beta1), ("beta2", beta2)):
+        _float_arg(name, b)
+        if not 0.0 < b < 1.0:
+            raise ValueError(f"For 'AdamOffload', '{name}' must be in range (0.0, 1.0), got {b!r}")
+    _float_arg("eps", eps)
+    if not eps > 0:
+        raise ValueError(f"For 'AdamOffload', 'eps' must be greater than 0, got {eps!r}")
+    _float_arg("loss_scale", loss_scale)
+    if not (loss_scale > 0 and math.isfinite(loss_scale)):
+        raise ValueError(f"For 'AdamOffload', 'loss_scale' must be greater than 0, got {loss_scale!r}")
+    for name, flag in (("use_locking", use_locking), ("use_nesterov", use_nesterov)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"For 'AdamOffload', the type of '{name}' must be bool, "
+                            f"but got {type(flag).__name__}")
+
+
 class AdamOffload(OffloadAdam):
     r"""``mindspore.nn.AdamOffload``: Adam whose state and update live on the host.
 
@@ -182,20 +201,7 @@ class AdamOffload(OffloadAdam):
         weight_decay: Any = 0.0,
         loss_scale: float = 1.0,
     ) -> None:
-        for name, b in (("beta1", beta1), ("beta2", beta2)):
-            _float_arg(name, b)
-            if not 0.0 < b < 1.0:
-                raise ValueError(f"For 'AdamOffload', '{name}' must be in range (0.0, 1.0), got {b!r}")
-        _float_arg("eps", eps)
-        if not eps > 0:
-            raise ValueError(f"For 'AdamOffload', 'eps' must be greater than 0, got {eps!r}")
-        _float_arg("loss_scale", loss_scale)
-        if not (loss_scale > 0 and math.isfinite(loss_scale)):
-            raise ValueError(f"For 'AdamOffload', 'loss_scale' must be greater than 0, got {loss_scale!r}")
-        for name, flag in (("use_locking", use_locking), ("use_nesterov", use_nesterov)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"For 'AdamOffload', the type of '{name}' must be bool, "
-                                f"but got {type(flag).__name__}")
+        _check_ms_args(beta1, beta2, eps, loss_scale, use_locking, use_nesterov)
         self._lr_default = _lr_source(learning_rate)
         self._wd_default = _wd_source(weight_decay)
         self.global_step = 0

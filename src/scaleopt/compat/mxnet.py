@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Union
 
-from .._base import normalize_params
+from .._params import normalize_params
 from ..lamb import LAMB as _LAMB
 from ..lans import LANS as _LANS
 from ._common import as_float

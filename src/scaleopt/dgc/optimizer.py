@@ -10,7 +10,8 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 from torch import Tensor
 
-from .._base import ScaleOptimizer, check_bool, check_choice, check_number
+from .._base import ScaleOptimizer
+from .._checks import check_bool, check_choice, check_number
 from .._compile import eager
 from .._sharding import any_dtensor
 from . import comm, select

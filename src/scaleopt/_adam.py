@@ -1,0 +1,71 @@
+"""The Adam family (LAMB, LANS, OffloadAdam): master weights and Adam state, made in one place."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from ._base import ScaleOptimizer
+from ._masters import LocalPlacement, MasterView, MasterWeights
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+class AdamState(NamedTuple):
+    """A group's tensors as the update reaches them: the masters' view, and per tensor its step
+    counter and moments (``max_exp_avg_sqs`` with amsgrad, else None)."""
+
+    view: MasterView
+    steps: List[Tensor]
+    exp_avgs: List[Tensor]
+    exp_avg_sqs: List[Tensor]
+    max_exp_avg_sqs: Optional[List[Tensor]] = None
+
+
+class AdamFamily(ScaleOptimizer):
+    """Base of the optimizers with Adam moments and float32 master weights.
+
+    Per parameter, the state holds ``step`` (a float32 CPU scalar, as in :mod:`torch.optim`),
+    ``exp_avg`` and ``exp_avg_sq`` (and ``max_exp_avg_sq`` with amsgrad), shaped and laid out as
+    the tensor the update runs on, in its dtype (float32 for a split master), and where the
+    parameter has one, its master (``scaleopt._masters``).
+    """
+
+    def _attach(self) -> None:
+        super()._attach()
+        self._master_weights = MasterWeights(self, LocalPlacement())  # an offload's: the host's
+
+    def master(self, p: Tensor) -> Tensor:
+        """The float32 master weights of ``p``: a new tensor for a split master, the stored copy
+        for another low-precision parameter with master weights, ``p`` itself otherwise."""
+        return self._master_weights.master(p)
+
+    def _adam_state(self, group: Dict[str, Any], params: List[Tensor],
+                    amsgrad: bool = False) -> AdamState:
+        """The masters' view of ``params`` and their Adam state, made where new (masters equal
+        to the parameters, moments zero); a step counter moved to the CPU as float32 (e.g. from
+        a fused CUDA Adam's checkpoint) and moments cast to the working dtype (e.g. from a
+        checkpoint saved without master weights)."""
+        view = self._master_weights.view(group, params)
+        keys = _MOMENTS + (("max_exp_avg_sq",) if amsgrad else ())
+        out: Dict[str, List[Tensor]] = {key: [] for key in keys + ("step",)}
+        for p, w, split in zip(params, view.weights, view.split):
+            state = self.state[p]
+            dtype = torch.float32 if split else w.dtype
+            step = state.get("step")
+            if step is None:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            elif step.dtype != torch.float32 or step.device.type != "cpu":
+                state["step"] = step.to("cpu", torch.float32)
+            for key in keys:
+                if key not in state:
+                    state[key] = torch.zeros_like(w, dtype=dtype,
+                                                  memory_format=torch.preserve_format)
+                elif state[key].dtype != dtype:
+                    state[key] = state[key].to(dtype)
+            for key in out:
+                out[key].append(state[key])
+        return AdamState(view, out["step"], out["exp_avg"], out["exp_avg_sq"],
+                         out.get("max_exp_avg_sq"))

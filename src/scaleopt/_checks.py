@@ -1,0 +1,105 @@
+"""Argument checks: each raises ``TypeError`` / ``ValueError`` naming the argument and its value."""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Optional, Sequence, Tuple
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def check_number(
+    name: str,
+    value: Any,
+    *,
+    low: Optional[float] = 0.0,
+    low_open: bool = False,
+    high: Optional[float] = None,
+    high_open: bool = True,
+    allow_none: bool = False,
+) -> None:
+    """Raise ``TypeError``/``ValueError`` naming ``name`` unless ``value`` is a finite number in range."""
+    if value is None and allow_none:
+        return
+    if not _is_number(value):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} ({value!r})")
+    bad = math.isnan(value) or math.isinf(value)
+    if low is not None:
+        bad = bad or value < low or (low_open and value == low)
+    if high is not None:
+        bad = bad or value > high or (high_open and value == high)
+    if bad:
+        lo = "(" if low_open else "["
+        hi = ")" if high_open else "]"
+        rng = f"{lo}{'-inf' if low is None else low}, {'inf' if high is None else high}{hi}"
+        raise ValueError(f"Invalid {name}: {value!r} (must be a finite number in {rng})")
+
+
+def check_betas(value: Any, names: Tuple[str, str] = ("betas[0]", "betas[1]")) -> None:
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise TypeError(f"betas must be a pair (beta1, beta2), got {value!r}")
+    for name, b in zip(names, value):
+        check_number(name, b, low=0.0, high=1.0, high_open=True)
+
+
+def check_choice(name: str, value: Any, choices: Sequence[Any]) -> None:
+    if value not in choices:
+        raise ValueError(f"Invalid {name}: {value!r} (choose one of {list(choices)})")
+
+
+def check_optional_bool(name: str, value: Any) -> None:
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"{name} must be True, False or None, got {value!r}")
+
+
+def check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
+def check_name_rule(name: str, rule: Any) -> None:
+    if rule is None or callable(rule) or isinstance(rule, str):
+        rules = [] if rule is None or callable(rule) else [rule]
+    elif isinstance(rule, (list, tuple)) and all(isinstance(r, str) for r in rule):
+        rules = list(rule)
+    else:
+        raise TypeError(
+            f"{name} must be None, a regex, a list of regexes or a callable(name) -> bool, "
+            f"got {rule!r}"
+        )
+    for r in rules:
+        try:
+            re.compile(r)
+        except re.error as exc:
+            raise ValueError(f"Invalid {name}: {r!r} is not a valid regular expression ({exc})")
+
+
+def checked_value_clip(cv: Any) -> Any:
+    """``clip_grad_value`` checked: None, a positive number, or a ``(min, max)`` pair (as
+    floats)."""
+    if not isinstance(cv, (tuple, list)):
+        check_number("clip_grad_value", cv, low=0.0, low_open=True, allow_none=True)
+        return cv
+    if len(cv) != 2:
+        raise TypeError(f"clip_grad_value must be a number or a (min, max) pair, got {cv!r}")
+    check_number("clip_grad_value[0]", cv[0], low=None)
+    check_number("clip_grad_value[1]", cv[1], low=None)
+    if not cv[0] < cv[1]:
+        raise ValueError(f"Invalid clip_grad_value: {cv!r} (needs min < max)")
+    return (float(cv[0]), float(cv[1]))
+
+
+def check_bounds(lo: Any, hi: Any, lo_name: str = "lower_bound", hi_name: str = "upper_bound") -> None:
+    check_number(lo_name, lo, low=0.0, low_open=True, allow_none=True)
+    check_number(hi_name, hi, low=0.0, low_open=True, allow_none=True)
+    if lo is not None and hi is not None and lo > hi:
+        raise ValueError(f"Invalid {lo_name}/{hi_name}: {lo!r} > {hi!r}")
+
+
+def check_num_threads(num_threads: Any) -> None:
+    if num_threads is not None and (isinstance(num_threads, bool)
+                                    or not isinstance(num_threads, int) or num_threads < 1):
+        raise ValueError(f"Invalid num_threads: {num_threads!r} (a positive int or None)")

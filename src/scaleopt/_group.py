@@ -1,0 +1,86 @@
+"""What one param group's update works on, by name: its tensors (:class:`GroupTensors`), the
+per-tensor options of the layer-wise optimizers (:class:`LayerOptions`) and their group options
+(:class:`LayerwiseOptions`). Named tuples and a plain dataclass: ``torch.compile`` traces them.
+
+Every implementation of LAMB and LANS (``lamb._IMPLEMENTATIONS``, ``lans._IMPLEMENTATIONS``) is
+one function of these three.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence
+
+from torch import Tensor
+
+from ._intake import GradScalars, apply_grad_scalars
+from ._sharding import ShardSums
+
+
+def pick(xs: Sequence[Any], idx: Sequence[int]) -> List[Any]:
+    return [xs[i] for i in idx]
+
+
+@dataclasses.dataclass
+class GroupTensors:
+    """One group's tensors for its update (the local shards of sharded ones)."""
+
+    #: the tensors the update writes: float32 masters, split masters' upper halves (bfloat16),
+    #: or the parameters themselves
+    weights: List[Tensor]
+    #: read, never written
+    grads: List[Tensor]
+    exp_avgs: List[Tensor]
+    exp_avg_sqs: List[Tensor]
+    #: the step counters (float32 CPU scalars), incremented by the update
+    steps: List[Tensor]
+    #: per tensor, the kernels' second tensor, or None: a split master's lower halves (int16,
+    #: with a bfloat16 weight), or where the rounded weights of a float32 master go (bfloat16)
+    low: Optional[List[Optional[Tensor]]] = None
+    #: the gradients' deferred scalars (``scaleopt._intake``), to apply as they are read
+    grad_scalars: Optional[GradScalars] = None
+    #: for local shards: what totals their sums over the shards (``scaleopt._sharding``)
+    shard_sums: Optional[ShardSums] = None
+    #: the gradients' whole norms, where the intake's clipping computed them
+    grad_norms: Optional[Tensor] = None
+
+    def for_torch(self) -> "GroupTensors":
+        """The tensors as the PyTorch implementations take them: the gradients with their
+        deferred scalars applied and in the weights' dtypes, and no kernel ``low`` tensors."""
+        grads = apply_grad_scalars(self.grads, self.grad_scalars)
+        grads = [g if g.dtype == w.dtype else g.to(w.dtype) for g, w in zip(grads, self.weights)]
+        return dataclasses.replace(self, grads=grads, low=None, grad_scalars=None)
+
+
+class LayerOptions(NamedTuple):
+    """Per tensor of a group: learning rate, weight decay, and whether it takes the trust ratio."""
+
+    lrs: Sequence[float]
+    weight_decays: Sequence[float]
+    adapt: Sequence[bool]
+
+
+class LayerwiseOptions(NamedTuple):
+    """A LAMB or LANS group's options. Each optimizer reads its own of the last three:
+    ``weight_decay_mode`` is LAMB's; ``clip_grad_value`` (of the normalised gradient) and
+    ``decay_moved_weight`` are LANS's."""
+
+    beta1: float
+    beta2: float
+    eps: float
+    bias_correction: bool = True
+    lower_bound: Optional[float] = None
+    upper_bound: Optional[float] = None
+    #: where the decay enters: "update", "decoupled" or "l2"
+    weight_decay_mode: str = "update"
+    #: element-wise clipping of the normalised gradient: None, a bound or a (min, max) pair
+    clip_grad_value: Any = None
+    #: the second part decays the weight moved by the first (MXNet's ``LANS.step()``)
+    decay_moved_weight: bool = False
+
+    @classmethod
+    def of(cls, group: Dict[str, Any], **own: Any) -> "LayerwiseOptions":
+        """The options a param group holds, with the optimizer's ``own`` ones."""
+        beta1, beta2 = group["betas"]
+        return cls(beta1, beta2, group["eps"], group["bias_correction"], group["lower_bound"],
+                   group["upper_bound"], **own)

@@ -1,0 +1,244 @@
+"""The gradient intake every optimizer shares: each group's gradients after sign, unscaling and
+clipping, or, for a consumer that applies them as it reads the gradients (the fused kernels),
+those transforms as per-tensor scalars (see :func:`take`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Dict, List, NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from . import _blocks
+from ._sharding import Phased, ShardSums, any_dtensor, local, run_lockstep
+
+
+class GradScalars(NamedTuple):
+    """A deferred group's gradient scalars (see :func:`take`)."""
+
+    #: per tensor, the float its raw gradient is to be taken times
+    mults: List[float]
+    #: per tensor, the raw gradient's sum of squares (float64) where the clipping computed it
+    #: with the consumer's sum of squares; else None
+    sq_sums: Optional[Tensor]
+    #: ``clip_grad_value`` to clamp the product to (element-wise clipping, when no norm
+    #: clipping follows it), or None
+    clamp: Any = None
+
+
+def apply_grad_scalars(grads: List[Tensor], scalars: Optional[GradScalars]) -> List[Tensor]:
+    """The gradients with their deferred scalars applied (new tensors), for the implementations
+    that do not take them as they read the gradients."""
+    if scalars is None:
+        return grads
+    return _blocks.clip_by_value(torch._foreach_mul(grads, scalars.mults), scalars.clamp)
+
+
+class Deferral(NamedTuple):
+    """A consumer that applies the gradients' scalar transforms itself as it reads them."""
+
+    #: ``(group, params) -> bool``: whether it does for this group
+    accepts: Callable[[Dict[str, Any], List[Tensor]], bool]
+    #: ``grads -> float64 vector or None``: its sum of squares, for the norms the clippings
+    #: need (None where it does not take these tensors; the norms then come from torch)
+    sums_of_squares: Callable[[List[Tensor]], Optional[Tensor]]
+    #: ``grad -> bool``: its test for inf/NaN (for ``check_finite``), or None for torch's
+    any_nonfinite: Optional[Callable[[Tensor], bool]] = None
+
+
+@dataclasses.dataclass
+class GroupGrads:
+    """One group's gradients as :func:`take` hands them over."""
+
+    group: Dict[str, Any]
+    #: the positions in ``group["params"]`` of the parameters that have a gradient
+    idx: List[int]
+    params: List[Tensor]
+    #: transformed gradients, or for a deferred group the raw ones (see ``scalars``)
+    grads: List[Tensor]
+    #: a deferred group's scalars (None where nothing scales or the group is not deferred)
+    scalars: Optional[GradScalars] = None
+    deferred: bool = False
+    #: a deferred group's raw gradients' norms, where a clipping needs them
+    norms: Optional[Tensor] = None
+    #: for sharded (DTensor) parameters, whose ``grads`` are the local shards: the
+    #: :class:`~scaleopt._sharding.ShardSums` that totals sums over their shards
+    shard_sums: Optional[ShardSums] = None
+    #: a sharded group's gradients' norms (whole tensors) as handed over, where a clipping
+    #: computed them
+    grad_norms: Optional[Tensor] = None
+
+
+class Intake(list):
+    """The :class:`GroupGrads` of a step (empty when ``skipped``)."""
+
+    #: the step is to be skipped: an inf/NaN gradient (see :func:`take`)
+    skipped: bool = False
+
+
+def take(opt: Any, value_clip: bool = True, defer: Optional[Deferral] = None, *,
+         skip_nonfinite: bool = False, check_finite: bool = False) -> Intake:
+    """Each group's parameters that have a gradient, and their gradients.
+
+    The gradients are after ``maximize`` (negation), unscaling (``rescale_grad``, a
+    group's ``loss_scale``, and a :class:`torch.amp.GradScaler`'s scale when the optimizer
+    says ``_step_supports_amp_scaling``), ``clip_grad_value`` (unless ``value_clip=False``:
+    the optimizer applies it itself), ``clip_grad_norm_per_tensor`` and, last, global
+    ``max_grad_norm`` clipping, whose norm is taken over every gradient of every group.
+    New tensors are made only for the transforms in use; ``p.grad`` itself is never
+    written. They come from the optimizer's gradient source
+    (``opt._grad_source``: host copies for an offloaded optimizer).
+
+    With ``defer``, a group it accepts (unless element-wise clipping comes before a norm
+    clipping) keeps its raw gradients, and the scalar transforms (sign, unscaling, both
+    norm clippings) come in ``scalars`` as one float per tensor that the consumer
+    multiplies the gradient by (then clamps, for element-wise clipping) as it reads it (the
+    fused CPU kernels do, which saves a pass over the gradients and a copy of them); the
+    norms the clippings need are those of the scaled gradients, from one read of the raw
+    ones.
+
+    With ``skip_nonfinite``, the result is empty and ``skipped`` when the GradScaler found
+    an inf/NaN, when the global clipping norm is not finite, or (``check_finite``, without
+    global clipping) when a gradient holds an inf/NaN.
+    """
+    opt._refresh_hyperparameters()
+    if skip_nonfinite and _found_inf(opt):
+        return _skipped()
+    staged = run_lockstep([_collect(opt, group, value_clip, defer)
+                           for group in opt.param_groups])
+    finite = True
+    if any(s.group.get("max_grad_norm") is not None for s in staged):
+        total = _clip_by_global_norm(staged)
+        finite = not skip_nonfinite or bool(torch.isfinite(total))  # a host read: opt-in
+    elif check_finite:
+        test = _torch_any_nonfinite if defer is None or defer.any_nonfinite is None \
+            else defer.any_nonfinite
+        finite = not any(test(g) for s in staged for g in s.grads)
+    if skip_nonfinite and not finite:
+        return _skipped()
+    return Intake([s for s in staged if s.params])
+
+def _unscale(opt: Any, group: Dict[str, Any]) -> float:
+    """The factor a group's raw gradients are unscaled by: ``rescale_grad``, divided by the
+    group's ``loss_scale`` and by a GradScaler's scale (when the optimizer takes it)."""
+    amp = getattr(opt, "grad_scale", None) if opt._step_supports_amp_scaling else None
+    factor = group.get("rescale_grad", 1.0)
+    if amp is not None:
+        factor = factor * (1.0 / float(amp))
+    return factor / group.get("loss_scale", 1.0)
+
+def _collect(opt: Any, group: Dict[str, Any], value_clip: bool,
+             defer: Optional[Deferral]) -> Phased:
+    """One group's gradients, transformed (or, deferred, their scalars) but for the global
+    clipping (a :class:`GroupGrads`), in phases: for sharded parameters, the gradients' sums
+    are totalled over the shards between them (see ``scaleopt._sharding``)."""
+    idx, params, grads = [], [], []
+    for i, p in enumerate(group["params"]):
+        if p.grad is None:
+            continue
+        if p.grad.is_sparse:
+            raise RuntimeError(f"{type(opt).__name__} does not support sparse gradients "
+                               f"(parameter {_param_label(group, i)})")
+        idx.append(i)
+        params.append(p)
+        grads.append(opt._grad_source.grad(p))
+    item = GroupGrads(group, idx, params, grads)
+    if any_dtensor(params):  # from here on the local shards, norms totalled over them
+        item.shard_sums = ShardSums(params)
+        item.grads = grads = local(grads)
+    clamp = group.get("clip_grad_value") if value_clip else None
+    per_tensor = group.get("clip_grad_norm_per_tensor")
+    norm_clip = per_tensor is not None or group.get("max_grad_norm") is not None
+    item.deferred = (bool(grads) and defer is not None and defer.accepts(group, params)
+                     and not (clamp is not None and norm_clip))
+    unscale = _unscale(opt, group)
+    if item.deferred:
+        item.scalars, item.norms = yield from _deferred_scalars(
+            group, grads, unscale, clamp, defer, item.shard_sums)
+    elif grads:
+        if group.get("maximize", False):
+            grads = torch._foreach_neg(grads)
+        grads = _blocks.scale(grads, unscale)
+        grads = _blocks.clip_by_value(grads, clamp)
+        if item.shard_sums is None:
+            item.grads = _blocks.clip_by_tensor_norm(grads, per_tensor)
+        elif norm_clip:  # whole-tensor norms: one reduction, shared with the global clip
+            norms = yield item.shard_sums.norms_request(grads)
+            if per_tensor is not None:
+                coefs = _blocks.clip_coef(norms, per_tensor)
+                grads = _blocks.scale_each(grads, coefs)
+                norms = norms * coefs
+            item.grads, item.grad_norms = grads, norms
+        else:
+            item.grads = grads
+    return item
+
+
+def _param_label(group: Dict[str, Any], i: int) -> str:
+    names = group.get("param_names")
+    return repr(names[i]) if names else f"#{i}"
+
+
+def _deferred_scalars(group: Dict[str, Any], grads: List[Tensor], unscale: float, clamp: Any,
+                      defer: Deferral, shard_sums: Optional[ShardSums] = None) -> Phased:
+    """A deferred group's scalars before global clipping (None when all multipliers are 1 and
+    nothing clips), and the raw gradients' norms where a clipping needs them, in phases (which
+    return them)."""
+    base = (-1.0 if group.get("maximize", False) else 1.0) * unscale
+    per_tensor, global_clip = group.get("clip_grad_norm_per_tensor"), group.get("max_grad_norm")
+    if base == 1.0 and per_tensor is None and global_clip is None and clamp is None:
+        return None, None
+    sums = norms = None
+    if per_tensor is not None or global_clip is not None:
+        sums = defer.sums_of_squares(grads)
+        if shard_sums is not None:  # over the whole tensors
+            local_sums = _blocks.sq_norms(grads).double() if sums is None else sums
+            sums = yield shard_sums.request(local_sums, range(len(grads)))
+        norms = _blocks.norms(grads) if sums is None else sums.sqrt().to(torch.float32)
+    mults = [base] * len(grads)
+    if per_tensor is not None:
+        coefs = _blocks.clip_coef(norms * unscale, per_tensor).tolist()
+        mults = [base * c for c in coefs]
+    return GradScalars(mults, sums, clamp), norms
+
+
+def _clip_by_global_norm(staged: List[GroupGrads]) -> Tensor:
+    """``max_grad_norm``: scale the gradients of the groups that set it by ``c / max(||g||,
+    c)``, ``||g||`` (returned) over every gradient of every group (deferred ones: into their
+    scalars)."""
+    total = _blocks.global_norm([t for s in staged if not s.deferred and s.grad_norms is None
+                                 for t in s.grads])
+    scaled = [(s.norms * torch.tensor(s.scalars.mults, dtype=s.norms.dtype).abs()).square().sum()
+              for s in staged if s.deferred and s.norms is not None]
+    scaled += [s.grad_norms.square().sum() for s in staged if s.grad_norms is not None]
+    if scaled:
+        total = (total.square() + torch.stack(scaled).sum().to(total.device)).sqrt()
+    for s in staged:
+        if s.group.get("max_grad_norm") is None or not s.grads:
+            continue
+        coef = _blocks.clip_coef(total, s.group["max_grad_norm"])
+        if s.deferred:
+            c = float(coef)  # a CPU scalar: deferred groups are host ones
+            s.scalars = s.scalars._replace(mults=[m * c for m in s.scalars.mults])
+        else:
+            s.grads = _blocks.scale(s.grads, coef)
+            if s.grad_norms is not None:
+                s.grad_norms = s.grad_norms * coef
+    return total
+
+
+def _found_inf(opt: Any) -> bool:
+    """Whether a GradScaler handed the optimizer an inf/NaN found in the gradients."""
+    found = getattr(opt, "found_inf", None) if opt._step_supports_amp_scaling else None
+    return found is not None and float(found) != 0.0
+
+
+def _skipped() -> Intake:
+    out = Intake()
+    out.skipped = True
+    return out
+
+
+def _torch_any_nonfinite(t: Tensor) -> bool:
+    return not bool(torch.isfinite(t).all())
