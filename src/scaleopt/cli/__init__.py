@@ -11,7 +11,11 @@ import argparse
 import dataclasses
 import pathlib
 import sys
-from typing import List, Optional
+from typing import Any, List, Optional
+
+from .. import __version__
+from . import bench, checkpoint, data, launch, optimizers, report, study, train
+from .train import Config, Diverged
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_DIVERGED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
@@ -31,10 +35,7 @@ def _plain(doc: str) -> str:
     return doc.replace("``", "")
 
 
-def _add_training_options(p: argparse.ArgumentParser, study: bool = False) -> None:
-    from . import data, optimizers
-
-    d = __import__("scaleopt.cli.train", fromlist=["Config"]).Config()
+def _add_model_options(p: argparse.ArgumentParser, d: Config) -> None:
     g = p.add_argument_group("data and model")
     g.add_argument("--dataset", default=d.dataset, choices=sorted(data.DATASETS),
                    help="; ".join(f"{k}: {v}" for k, v in data.DATASETS.items()))
@@ -42,20 +43,12 @@ def _add_training_options(p: argparse.ArgumentParser, study: bool = False) -> No
                    help=f"training examples, generated (default: {d.train_size}; the test set has 16384)")
     g.add_argument("--width", type=_positive_int, default=d.width,
                    help=f"hidden width of the 2-hidden-layer MLP (default: {d.width})")
-    g = p.add_argument_group("training")
-    if not study:
-        g.add_argument("--optimizer", default=d.optimizer, choices=list(optimizers.OPTIMIZERS),
-                       type=str.lower,
-                       metavar="NAME", help="; ".join(f"{k}: {c.help} (default lr {c.lr:g})"
-                                                      for k, c in optimizers.OPTIMIZERS.items())
-                       + f" (default: {d.optimizer})")
-        g.add_argument("--lr", type=float, help="peak learning rate (default: the optimizer's, above)")
-        g.add_argument("--batch-size", type=_positive_int, default=d.batch_size,
-                       help=f"global batch size, split over --workers (default: {d.batch_size})")
-    g.add_argument("--epochs", type=_positive_int, default=d.epochs if not study else 4,
-                   help=f"passes over the training set (default: {d.epochs if not study else 4})")
-    if not study:
-        g.add_argument("--steps", type=_positive_int, help="train this many steps instead of --epochs")
+
+
+def _add_schedule_options(g: Any, d: Config, epochs: int) -> None:
+    """What every run is trained with: epochs, decay, the LR schedule, the seed."""
+    g.add_argument("--epochs", type=_positive_int, default=epochs,
+                   help=f"passes over the training set (default: {epochs})")
     g.add_argument("--weight-decay", type=float, default=d.weight_decay,
                    help=f"decay of weight matrices; biases and norms get none (default: {d.weight_decay})")
     g.add_argument("--warmup", type=float, default=d.warmup,
@@ -64,50 +57,16 @@ def _add_training_options(p: argparse.ArgumentParser, study: bool = False) -> No
     g.add_argument("--schedule", choices=optimizers.SCHEDULES, default=d.schedule,
                    help=f"learning-rate decay after warm-up (default: {d.schedule})")
     g.add_argument("--seed", type=int, default=d.seed, help=f"model and batch order seed (default: {d.seed})")
+
+
+def _add_system_options(p: argparse.ArgumentParser) -> Any:
     g = p.add_argument_group("system")
-    g.add_argument("--device", default=d.device, help="cpu or cuda (default: cpu)")
+    g.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     g.add_argument("--threads", type=_positive_int, help="intra-op threads (default: torch's)")
-    if not study:
-        g.add_argument("--offload", action=argparse.BooleanOptionalAction, default=False,
-                       help="optimizer state and update on the host: OffloadAdam for adamw, "
-                            "scaleopt.offload() for lamb and lans")
-        g.add_argument("--workers", type=_positive_int, default=1,
-                       help="train in N processes on torch.distributed (gloo on the CPU, NCCL "
-                            "on GPUs), started by this command on 127.0.0.1; under torchrun "
-                            "the launch decides (default: 1)")
-        g.add_argument("--shard", action=argparse.BooleanOptionalAction, default=False,
-                       help="FSDP2 (fully_shard) instead of DDP: each of the --workers holds "
-                            "1/N of the parameters and of the optimizer state")
-        g = p.add_argument_group("checkpoints (torch.distributed.checkpoint)")
-        g.add_argument("--checkpoint-every", type=_positive_int, metavar="K",
-                       help="write a checkpoint into the run folder every K steps; each rank "
-                            "writes its own shards")
-        g.add_argument("--stop-after", type=_positive_int, metavar="STEP",
-                       help="end after this step with a checkpoint (the LR schedule still spans "
-                            "the whole run); continue with --resume")
-        g.add_argument("--resume", metavar="RUN_DIR",
-                       help="continue the run in RUN_DIR from its last checkpoint, with its "
-                            "options; --workers, --shard, --offload, --threads, --device may "
-                            "differ (resharding as needed), the rest must be the same")
-    if not study:
-        g = p.add_argument_group("deep gradient compression (with --optimizer momentum)")
-        g.add_argument("--dgc", action="store_true",
-                       help="scaleopt.DGCMomentum: send only the largest accumulated gradients "
-                            "(exactly k per tensor, one all-gather); the rest stays local")
-        g.add_argument("--dgc-sparsity", type=float, nargs="+", metavar="S",
-                       help="sparsity warm-up list; the last value holds (default: the paper's "
-                            "0.75 0.9375 0.984375 0.996 0.999)")
-        g.add_argument("--dgc-rampup-begin-step", type=int, default=0,
-                       help="dense momentum SGD before this step (default: 0)")
-        g.add_argument("--dgc-rampup-steps", type=_positive_int,
-                       help="steps over which the sparsity list is walked, after "
-                            "--dgc-rampup-begin-step (default: the first quarter of the run)")
-        g.add_argument("--dgc-min-numel", type=int, default=16384,
-                       help="smaller tensors are sent dense (default: 16384, as Paddle)")
-        g.add_argument("--dgc-value-dtype", choices=("float32", "float16", "bfloat16"),
-                       default="float32",
-                       help="dtype of the gradient values sent; their rounding error stays in "
-                            "the local residual (default: float32)")
+    return g
+
+
+def _add_output_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("output")
     g.add_argument("--out", help="folder for the results (default: scaleopt-runs/<run>, a new "
                                  "folder for each run)")
@@ -116,9 +75,92 @@ def _add_training_options(p: argparse.ArgumentParser, study: bool = False) -> No
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def _config(args: argparse.Namespace, **over):
-    from .train import Config
+def _add_train_options(p: argparse.ArgumentParser) -> None:
+    """``train``'s options: one run, in one process or several."""
+    d = Config()
+    _add_model_options(p, d)
+    g = p.add_argument_group("training")
+    g.add_argument("--optimizer", default=d.optimizer, choices=list(optimizers.OPTIMIZERS),
+                   type=str.lower, metavar="NAME",
+                   help="; ".join(f"{k}: {c.help} (default lr {c.lr:g})"
+                                  for k, c in optimizers.OPTIMIZERS.items())
+                   + f" (default: {d.optimizer})")
+    g.add_argument("--lr", type=float, help="peak learning rate (default: the optimizer's, above)")
+    g.add_argument("--batch-size", type=_positive_int, default=d.batch_size,
+                   help=f"global batch size, split over --workers (default: {d.batch_size})")
+    g.add_argument("--steps", type=_positive_int, help="train this many steps instead of --epochs")
+    _add_schedule_options(g, d, d.epochs)
+    g = _add_system_options(p)
+    g.add_argument("--offload", action=argparse.BooleanOptionalAction, default=False,
+                   help="optimizer state and update on the host: OffloadAdam for adamw, "
+                        "scaleopt.offload() for lamb and lans")
+    g.add_argument("--workers", type=_positive_int, default=1,
+                   help="train in N processes on torch.distributed (gloo on the CPU, NCCL "
+                        "on GPUs), started by this command on 127.0.0.1; under torchrun "
+                        "the launch decides (default: 1)")
+    g.add_argument("--shard", action=argparse.BooleanOptionalAction, default=False,
+                   help="FSDP2 (fully_shard) instead of DDP: each of the --workers holds "
+                        "1/N of the parameters and of the optimizer state")
+    _add_checkpoint_options(p)
+    _add_dgc_options(p)
+    _add_output_options(p)
 
+
+def _add_checkpoint_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("checkpoints (torch.distributed.checkpoint)")
+    g.add_argument("--checkpoint-every", type=_positive_int, metavar="K",
+                   help="write a checkpoint into the run folder every K steps; each rank "
+                        "writes its own shards")
+    g.add_argument("--stop-after", type=_positive_int, metavar="STEP",
+                   help="end after this step with a checkpoint (the LR schedule still spans "
+                        "the whole run); continue with --resume")
+    g.add_argument("--resume", metavar="RUN_DIR",
+                   help="continue the run in RUN_DIR from its last checkpoint, with its "
+                        "options; --workers, --shard, --offload, --threads, --device may "
+                        "differ (resharding as needed), the rest must be the same")
+
+
+def _add_dgc_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("deep gradient compression (with --optimizer momentum)")
+    g.add_argument("--dgc", action="store_true",
+                   help="scaleopt.DGCMomentum: send only the largest accumulated gradients "
+                        "(exactly k per tensor, one all-gather); the rest stays local")
+    g.add_argument("--dgc-sparsity", type=float, nargs="+", metavar="S",
+                   help="sparsity warm-up list; the last value holds (default: the paper's "
+                        "0.75 0.9375 0.984375 0.996 0.999)")
+    g.add_argument("--dgc-rampup-begin-step", type=int, default=0,
+                   help="dense momentum SGD before this step (default: 0)")
+    g.add_argument("--dgc-rampup-steps", type=_positive_int,
+                   help="steps over which the sparsity list is walked, after "
+                        "--dgc-rampup-begin-step (default: the first quarter of the run)")
+    g.add_argument("--dgc-min-numel", type=int, default=16384,
+                   help="smaller tensors are sent dense (default: 16384, as Paddle)")
+    g.add_argument("--dgc-value-dtype", choices=("float32", "float16", "bfloat16"),
+                   default="float32",
+                   help="dtype of the gradient values sent; their rounding error stays in "
+                        "the local residual (default: float32)")
+
+
+def _add_study_options(s: argparse.ArgumentParser) -> None:
+    """``study large-batch``'s options: the runs it compares, and what each is trained with."""
+    s.add_argument("--batch-sizes", type=_positive_int, nargs="+",
+                   default=[64, 256, 1024, 4096, 8192], metavar="B",
+                   help="batch sizes (default: 64 256 1024 4096 8192)")
+    s.add_argument("--optimizers", nargs="+", default=["lamb", "lans", "adamw"], metavar="NAME",
+                   type=str.lower,
+                   help="optimizers to compare (default: lamb lans adamw)")
+    s.add_argument("--base-batch", type=_positive_int, default=1024,
+                   help="batch size at which each optimizer uses its default learning rate (default: 1024)")
+    s.add_argument("--scaling", choices=["sqrt", "linear"], default="sqrt",
+                   help="learning rate against batch size (default: sqrt)")
+    d = Config()
+    _add_model_options(s, d)
+    _add_schedule_options(s.add_argument_group("training"), d, epochs=4)
+    _add_system_options(s)
+    _add_output_options(s)
+
+
+def _config(args: argparse.Namespace, **over):
     fields = {f.name for f in dataclasses.fields(Config)}
     values = {k: v for k, v in vars(args).items() if k in fields and v is not None}
     values["progress"] = not args.no_progress
@@ -142,14 +184,11 @@ def _given(parser: argparse.ArgumentParser, argv: List[str]) -> set:
 
 def _resumed(args: argparse.Namespace, given: set):
     """The configuration of ``train --resume``: the checkpoint's, with the options given."""
-    from .checkpoint import resumed_config
-    from .train import Config
-
     fields = {f.name for f in dataclasses.fields(Config)}
     values = {k: v for k, v in vars(args).items() if k in given and k in fields}
     if "no_progress" in given:
         values["progress"] = False
-    merged = resumed_config(args.resume, values)
+    merged = checkpoint.resumed_config(args.resume, values)
     return Config(**{k: v for k, v in merged.items() if k in fields})
 
 
@@ -160,8 +199,6 @@ def build_parser() -> argparse.ArgumentParser:
                     "(generated, nothing is downloaded).",
         epilog="Exit codes: 0 success, 2 bad arguments, 3 training diverged, 130 interrupted "
                "(Ctrl-C: the results so far are written), 1 other failure.")
-    from .. import __version__
-
     ap.add_argument("--version", action="version", version=f"scaleopt {__version__}")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
@@ -171,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Train a 2-hidden-layer MLP on generated spiral data and "
                                    "report the test accuracy; writes result.json, history.csv "
                                    "and curves.png.")
-    _add_training_options(p)
+    _add_train_options(p)
 
     p = sub.add_parser("study", help="studies: large-batch",
                        description="Run a study and write a table and a plot.")
@@ -179,26 +216,13 @@ def build_parser() -> argparse.ArgumentParser:
     studies.required = True
     s = studies.add_parser(
         "large-batch", help="final accuracy against batch size for LAMB, LANS and AdamW",
-        description=_plain(__import__("scaleopt.cli.study", fromlist=["x"]).__doc__),
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    s.add_argument("--batch-sizes", type=_positive_int, nargs="+",
-                   default=[64, 256, 1024, 4096, 8192], metavar="B",
-                   help="batch sizes (default: 64 256 1024 4096 8192)")
-    s.add_argument("--optimizers", nargs="+", default=["lamb", "lans", "adamw"], metavar="NAME",
-                   type=str.lower,
-                   help="optimizers to compare (default: lamb lans adamw)")
-    s.add_argument("--base-batch", type=_positive_int, default=1024,
-                   help="batch size at which each optimizer uses its default learning rate (default: 1024)")
-    s.add_argument("--scaling", choices=["sqrt", "linear"], default="sqrt",
-                   help="learning rate against batch size (default: sqrt)")
-    _add_training_options(s, study=True)
+        description=_plain(study.__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_study_options(s)
 
     p = sub.add_parser("bench", help="optimizer step time as ratios to torch's fused AdamW",
-                       description=_plain(__import__("scaleopt.cli.bench", fromlist=["x"]).__doc__),
+                       description=_plain(bench.__doc__),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    from .bench import add_arguments
-
-    add_arguments(p)
+    bench.add_arguments(p)
     return ap
 
 
@@ -206,16 +230,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)  # exits with 2 on a usage error
-    from .train import Diverged
-
     try:
         if args.command == "train":
             given = _given(parser.commands["train"], argv[argv.index("train") + 1:])
             return _train(args, given)
         if args.command == "study":
             return _study(args)
-        from . import bench
-
         bench.check_arguments(args)
         bench.run(args)
         return EXIT_OK
@@ -231,9 +251,6 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _train(args: argparse.Namespace, given: set) -> int:
-    from . import train
-    from .report import describe
-
     cfg = _resumed(args, given) if args.resume else _config(args)
     train.check(cfg)
     if cfg.out is None:
@@ -243,7 +260,7 @@ def _train(args: argparse.Namespace, given: set) -> int:
     r = train.train(cfg)
     if not r:  # another rank of a torchrun launch: rank 0 reports
         return EXIT_OK
-    how = describe(r["config"], r["workers"])
+    how = report.describe(r["config"], r["workers"])
     print(f"{cfg.optimizer}{f' ({how})' if how else ''} on {cfg.dataset}: "
           f"test accuracy {r['test_accuracy']:.4f}, test loss {r['test_loss']:.4f} after "
           f"{r['steps']} steps ({r['epochs']:.1f} epochs) of batch {cfg.batch_size}, lr {r['lr']:g}"
@@ -274,9 +291,7 @@ def _train(args: argparse.Namespace, given: set) -> int:
              f"{r['unsharded_optimizer_state_bytes']:,})" if r["sharded"] else ""))
     if r["checkpoints"]:
         print(f"checkpoints: {len(r['checkpoints'])}, the last {r['checkpoints'][-1]}")
-    from .report import results_line
-
-    print(results_line(cfg.out, ["result.json", "history.csv"], "curves.png"))
+    print(report.results_line(cfg.out, ["result.json", "history.csv"], "curves.png"))
     if r["interrupted"]:
         print(f"interrupted at step {r['steps']} of {r['total_steps']}; the results so far are "
               f"written" + (f"; continue with --resume {cfg.out}" if r["checkpoints"] else ""))
@@ -285,8 +300,6 @@ def _train(args: argparse.Namespace, given: set) -> int:
 
 
 def _study(args: argparse.Namespace) -> int:
-    from . import optimizers, study, train
-
     unknown = [n for n in args.optimizers if n not in optimizers.OPTIMIZERS]
     if unknown:
         raise ValueError(f"unknown optimizer(s) {unknown}; choose from {', '.join(optimizers.OPTIMIZERS)}")
@@ -298,10 +311,8 @@ def _study(args: argparse.Namespace) -> int:
     rows = study.large_batch(args.batch_sizes, args.optimizers, base, args.base_batch,
                              args.scaling, out=out)
     print(open(f"{out}/study.md").read())
-    from .report import results_line
-
-    print(results_line(out, ["study.json", "study.csv", "study.md"], "study.png"))
-    if train._stop_request.is_set():
+    print(report.results_line(out, ["study.json", "study.csv", "study.md"], "study.png"))
+    if launch.STOP.is_set():
         print(f"interrupted after {len(rows)} of {len(args.optimizers) * len(args.batch_sizes)} "
               f"runs; the finished ones are written")
         return EXIT_INTERRUPTED

@@ -25,58 +25,9 @@ import torch
 
 import scaleopt
 
-SIZES = {
-    # name: (hidden, layers, vocab, intermediate)
-    "small": (512, 4, 30522, 2048),
-    "base": (768, 12, 30522, 3072),
-}
-
-
-def bert_shapes(hidden: int, layers: int, vocab: int, inter: int) -> List[Tuple[str, Tuple[int, ...]]]:
-    shapes = [
-        ("embeddings.word_embeddings.weight", (vocab, hidden)),
-        ("embeddings.position_embeddings.weight", (512, hidden)),
-        ("embeddings.token_type_embeddings.weight", (2, hidden)),
-        ("embeddings.LayerNorm.weight", (hidden,)),
-        ("embeddings.LayerNorm.bias", (hidden,)),
-    ]
-    for i in range(layers):
-        p = f"encoder.layer.{i}."
-        for n in ("query", "key", "value"):
-            shapes += [(p + f"attention.self.{n}.weight", (hidden, hidden)),
-                       (p + f"attention.self.{n}.bias", (hidden,))]
-        shapes += [
-            (p + "attention.output.dense.weight", (hidden, hidden)),
-            (p + "attention.output.dense.bias", (hidden,)),
-            (p + "attention.output.LayerNorm.weight", (hidden,)),
-            (p + "attention.output.LayerNorm.bias", (hidden,)),
-            (p + "intermediate.dense.weight", (inter, hidden)),
-            (p + "intermediate.dense.bias", (inter,)),
-            (p + "output.dense.weight", (hidden, inter)),
-            (p + "output.dense.bias", (hidden,)),
-            (p + "output.LayerNorm.weight", (hidden,)),
-            (p + "output.LayerNorm.bias", (hidden,)),
-        ]
-    shapes += [("pooler.dense.weight", (hidden, hidden)), ("pooler.dense.bias", (hidden,))]
-    return shapes
-
-
-def make_params(shapes, dtype, device="cpu", seed=0):
-    g = torch.Generator().manual_seed(seed)
-    named = []
-    for name, shape in shapes:
-        p = torch.nn.Parameter((torch.randn(shape, generator=g) * 0.02).to(device, dtype))
-        p.grad = (torch.randn(shape, generator=g) * 1e-3).to(device, dtype)
-        named.append((name, p))
-    return named
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-NO_DECAY = [r"bias$", r"LayerNorm"]
+from . import bench_fsdp
+from .paramsets import NO_DECAY, SIZES, bert_shapes, make_params, paired_ratio, sync
+from .train import check_out, new_folder
 
 # the float32-parameter row each bfloat16 row is set against ("no slower than the fp32 step")
 FP32_ROW = {
@@ -140,11 +91,6 @@ def candidates() -> Tuple[Dict[str, Callable], Dict[str, Callable]]:
     except Exception:
         pass
     return c, low
-
-
-def paired_ratio(times: List[float], baseline: List[float]) -> float:
-    """The median over rounds of ``times[r] / baseline[r]``: both were timed in the same round."""
-    return statistics.median(t / b for t, b in zip(times, baseline))
 
 
 def bandwidth_reference(named) -> float:
@@ -216,8 +162,6 @@ def check_arguments(args: argparse.Namespace) -> None:
                          f"keeps its own parameters, gradients and state for the interleaved "
                          f"rounds) and {have / 2**30:.1f} GiB are available: choose a smaller "
                          f"--size or fewer optimizers with --only")
-    from .train import check_out, new_folder
-
     if args.out is None:
         tag = args.size if args.hidden is None and args.layers is None else "custom"
         args.out = new_folder(pathlib.Path("scaleopt-runs") / f"bench-{tag}"
@@ -235,8 +179,6 @@ def memory_need(args: argparse.Namespace) -> int:
     and state (upper bound: float32 everything plus a master)."""
     nparams = sum(torch.Size(s).numel() for _, s in shapes_of(args))
     if args.world > 1:
-        from . import bench_fsdp
-
         count = len(bench_fsdp.candidates())  # its rows, over all processes together
     else:
         same, low = candidates()
@@ -286,8 +228,6 @@ def main(argv=None) -> None:
 def run(args: argparse.Namespace) -> dict:
     """Time the candidates; print the table; return (and write, with --json) the results."""
     if args.world > 1:
-        from . import bench_fsdp
-
         result = bench_fsdp.run(shapes_of(args), args.world, args.threads, args.rounds,
                                 repr(args.size))
         _write(result, args)

@@ -14,9 +14,7 @@ step, the collectives and the time spent in them.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import socket
 import statistics
 import time
 
@@ -26,8 +24,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import scaleopt
-from scaleopt.cli.bench import NO_DECAY, SIZES, bert_shapes, paired_ratio
-from scaleopt.cli.train import _end_group
+from scaleopt.cli.launch import TIMEOUT, end_group, free_port
+from scaleopt.cli.paramsets import NO_DECAY, SIZES, bert_shapes, paired_ratio
 
 
 def sharded_params(shapes, world):
@@ -106,8 +104,7 @@ def slowest(seconds: float) -> float:
 def worker(rank, world, port, shapes, threads, rounds, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=TIMEOUT)
     opts = {name: make(sharded_params(shapes, world)) for name, make in candidates().items()}
     times = {name: [] for name in opts}
     comms = {}
@@ -126,14 +123,12 @@ def worker(rank, world, port, shapes, threads, rounds, queue):
         queue.put((times, comms))
     dist.barrier()
     del opts  # what holds the group goes first
-    _end_group()
+    end_group()
 
 
 def run(shapes, world: int, threads: int, rounds: int, label: str) -> dict:
     """Time the candidates on ``world`` processes; print the table; return the results."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=worker, args=(r, world, port, shapes, threads, rounds, queue))

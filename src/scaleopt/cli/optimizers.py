@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, NamedTuple
+from typing import Any, Callable, Dict, NamedTuple
 
 import torch
 from torch import nn
@@ -14,54 +14,53 @@ import scaleopt
 class Choice(NamedTuple):
     help: str
     lr: float  # a learning rate that trains the default model at batch 1024
-    make: Callable[[nn.Module, float, float, bool], torch.optim.Optimizer]
+    #: ``(model, cfg) -> optimizer``, for a run's configuration (``cli.train.Config``)
+    make: Callable[[nn.Module, Any], torch.optim.Optimizer]
     offloadable: bool = False
 
 
-def _groups(model: nn.Module, weight_decay: float):
-    return scaleopt.param_groups(model, weight_decay=weight_decay)
+def _groups(model: nn.Module, cfg: Any):
+    return scaleopt.param_groups(model, weight_decay=cfg.weight_decay)
 
 
-def _lamb(model, lr, wd, offload):
-    if offload:
-        return scaleopt.offload(scaleopt.LAMB, _groups(model, wd), lr=lr)
-    return scaleopt.LAMB(_groups(model, wd), lr=lr)
+def _layerwise(cls: type) -> Callable[[nn.Module, Any], torch.optim.Optimizer]:
+    def make(model, cfg):
+        if cfg.offload:
+            return scaleopt.offload(cls, _groups(model, cfg), lr=cfg.resolved_lr())
+        return cls(_groups(model, cfg), lr=cfg.resolved_lr())
+    return make
 
 
-def _lans(model, lr, wd, offload):
-    if offload:
-        return scaleopt.offload(scaleopt.LANS, _groups(model, wd), lr=lr)
-    return scaleopt.LANS(_groups(model, wd), lr=lr)
-
-
-def _adamw(model, lr, wd, offload):
-    if offload:
-        return scaleopt.OffloadAdam(_groups(model, wd), lr=lr)
-    return scaleopt.AdamW(_groups(model, wd), lr=lr)
+def _adamw(model, cfg):
+    cls = scaleopt.OffloadAdam if cfg.offload else scaleopt.AdamW
+    return cls(_groups(model, cfg), lr=cfg.resolved_lr())
 
 
 OPTIMIZERS: Dict[str, Choice] = {
-    "lamb": Choice("scaleopt.LAMB (layer-wise trust ratio)", 1e-2, _lamb, True),
-    "lans": Choice("scaleopt.LANS (normalised gradients, two trust-ratio parts)", 1e-2, _lans, True),
+    "lamb": Choice("scaleopt.LAMB (layer-wise trust ratio)", 1e-2, _layerwise(scaleopt.LAMB), True),
+    "lans": Choice("scaleopt.LANS (normalised gradients, two trust-ratio parts)", 1e-2,
+                   _layerwise(scaleopt.LANS), True),
     "adamw": Choice("scaleopt.AdamW", 3e-3, _adamw, True),
     "offload-adam": Choice("scaleopt.OffloadAdam (state and update on the host)", 3e-3,
-                           lambda m, lr, wd, off: scaleopt.OffloadAdam(_groups(m, wd), lr=lr)),
+                           lambda m, cfg: scaleopt.OffloadAdam(_groups(m, cfg), lr=cfg.resolved_lr())),
     "momentum": Choice("scaleopt.Momentum (heavy ball, coupled L2)", 0.1,
-                       lambda m, lr, wd, off: scaleopt.Momentum(_groups(m, wd), lr=lr, momentum=0.9)),
+                       lambda m, cfg: scaleopt.Momentum(_groups(m, cfg), lr=cfg.resolved_lr(),
+                                                        momentum=0.9)),
     "torch-adamw": Choice("torch.optim.AdamW, the baseline", 3e-3,
-                          lambda m, lr, wd, off: torch.optim.AdamW(
-                              _groups(m, wd), lr=lr, weight_decay=wd)),
+                          lambda m, cfg: torch.optim.AdamW(_groups(m, cfg), lr=cfg.resolved_lr(),
+                                                           weight_decay=cfg.weight_decay)),
     "torch-sgd": Choice("torch.optim.SGD with momentum 0.9, the baseline", 0.1,
-                        lambda m, lr, wd, off: torch.optim.SGD(_groups(m, wd), lr=lr, momentum=0.9)),
+                        lambda m, cfg: torch.optim.SGD(_groups(m, cfg), lr=cfg.resolved_lr(),
+                                                       momentum=0.9)),
 }
 
 
-def build(name: str, model: nn.Module, lr: float, weight_decay: float,
-          offload: bool = False) -> torch.optim.Optimizer:
-    choice = OPTIMIZERS[name]
-    if offload and not choice.offloadable:
-        raise ValueError(f"--offload applies to lamb, lans and adamw, not {name}")
-    return choice.make(model, lr, weight_decay, offload)
+def build(model: nn.Module, cfg: Any) -> torch.optim.Optimizer:
+    """The optimizer ``cfg`` names (with its options: learning rate, weight decay, offload)."""
+    choice = OPTIMIZERS[cfg.optimizer]
+    if cfg.offload and not choice.offloadable:
+        raise ValueError(f"--offload applies to lamb, lans and adamw, not {cfg.optimizer}")
+    return choice.make(model, cfg)
 
 
 SCHEDULES = ("cosine", "linear", "constant")

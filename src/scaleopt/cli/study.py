@@ -13,7 +13,7 @@ import dataclasses
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
-from . import optimizers, report, train
+from . import launch, optimizers, report
 from .train import Config, Diverged, run
 
 
@@ -26,8 +26,8 @@ def large_batch(batch_sizes: Sequence[int], names: Sequence[str], base: Config, 
                 rule: str, base_lrs: Optional[Dict[str, float]] = None,
                 out: Optional[str] = None) -> List[Dict[str, Any]]:
     rows: List[Dict[str, Any]] = []
-    train._stop_request.clear()
-    with train.interruptible(train._stop_request):  # Ctrl-C: the runs so far are written
+    launch.STOP.clear()
+    with launch.interruptible(launch.STOP):  # Ctrl-C: the runs so far are written
         _runs(rows, batch_sizes, names, base, base_batch, rule, base_lrs)
     if out:
         title = (f"{base.dataset}, {base.epochs} epochs, {rule} LR scaling from batch {base_batch}, "

@@ -2,26 +2,24 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import datetime
-import gc
 import json
 import math
 import os
 import pathlib
-import signal
-import socket
 import sys
-import threading
+import tempfile
 import time
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from . import data, optimizers
+from ..dgc import PAPER_SPARSITY, DGCMomentum
+from ..groups import param_groups
+from . import checkpoint, data, launch, optimizers, report
 
 
 class Diverged(RuntimeError):
@@ -63,10 +61,13 @@ class Config:
     def resolved_lr(self) -> float:
         return self.lr if self.lr is not None else optimizers.OPTIMIZERS[self.optimizer].lr
 
+    def steps_per_epoch(self) -> int:
+        return self.train_size // self.batch_size
+
     def total_steps(self) -> int:
         if self.steps is not None:
             return self.steps
-        return self.epochs * (self.train_size // self.batch_size)
+        return self.epochs * self.steps_per_epoch()
 
     def dgc_rampup(self) -> int:
         """Steps over which DGC walks its sparsity list: the first quarter of the run unless
@@ -112,7 +113,7 @@ def check(cfg: Config) -> None:
         raise ValueError("--shard with --dgc: DGC compresses the gradient exchange of replicated "
                          "data parallelism (each rank holds every parameter); sharded parameters "
                          "have no such exchange. Use one or the other")
-    if cfg.shard and cfg.workers < 2 and int(os.environ.get("WORLD_SIZE", "1")) < 2:
+    if cfg.shard and cfg.workers < 2 and not launch.under_torchrun():
         raise ValueError("--shard splits the parameters and the optimizer state over the "
                          "processes: use it with --workers 2 or more (or under torchrun)")
     for name in ("checkpoint_every", "stop_after"):
@@ -121,7 +122,7 @@ def check(cfg: Config) -> None:
     if cfg.dgc:
         if cfg.optimizer != "momentum":
             raise ValueError("--dgc is DGC momentum SGD: use it with --optimizer momentum")
-        if cfg.workers < 2 and int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        if cfg.workers < 2 and not launch.under_torchrun():
             raise ValueError("--dgc compresses the gradients the workers exchange: use it with "
                              "--workers 2 or more (one process exchanges nothing)")
         for sp in cfg.dgc_sparsity or ():
@@ -159,10 +160,8 @@ def new_folder(base: pathlib.Path) -> str:
 
 def holds_a_run(path: pathlib.Path) -> bool:
     """Whether ``path`` holds a run's or a study's results (or checkpoints)."""
-    from .checkpoint import CHECKPOINTS
-
     return any((path / name).exists()
-               for name in ("result.json", CHECKPOINTS, "study.json", "bench.json"))
+               for name in ("result.json", checkpoint.CHECKPOINTS, "study.json", "bench.json"))
 
 
 def check_out(out: str, overwrite: bool = False) -> None:
@@ -230,207 +229,236 @@ def _mean_over_ranks(value: torch.Tensor, world: int, stop: bool) -> Tuple[float
 #: steps between the checks of several workers for a stop request (one tiny all-reduce)
 STOP_CHECK_EVERY = 10
 
-#: set when the run is asked to stop (Ctrl-C): the loop ends cleanly at a step boundary
-_stop_request: Any = threading.Event()
+
+@dataclasses.dataclass
+class Trainer:
+    """One run's parts (made by :func:`build`) and where it stands (moved on by :func:`loop`)."""
+
+    cfg: Config
+    rank: int
+    world: int
+    #: training and test data on the run's device: x, y, test x, test y
+    data: Tuple[torch.Tensor, ...]
+    model: torch.nn.Module
+    #: the model as trained: DDP-wrapped over several workers (not with DGC or sharding)
+    net: torch.nn.Module
+    opt: torch.optim.Optimizer
+    sched: Any
+    #: the next step to run; the step the run started at; seconds trained before it
+    step: int = 0
+    first: int = 0
+    before: float = 0.0
+    history: List[Dict[str, Any]] = dataclasses.field(default_factory=list)
+    #: (step, training loss of the batch)
+    curve: List[Any] = dataclasses.field(default_factory=list)
+    checkpoints: List[str] = dataclasses.field(default_factory=list)
+    dgc_totals: Dict[str, float] = dataclasses.field(default_factory=dict)
+    interrupted: bool = False
+    elapsed: float = 0.0
 
 
-@contextlib.contextmanager
-def interruptible(event: Any) -> Iterator[None]:
-    """The first Ctrl-C (SIGINT) sets ``event``: the run ends after its current step, writes its
-    results so far (and a checkpoint with --checkpoint-every) and the command exits 130. A
-    second Ctrl-C raises KeyboardInterrupt at once."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum, frame):
-        if event.is_set():
-            raise KeyboardInterrupt
-        event.set()
-        print("\nstopping after this step (Ctrl-C again to abort) ...", file=sys.stderr)
-
-    previous = signal.signal(signal.SIGINT, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-def run(cfg: Config, rank: int = 0, world: int = 1, write: bool = True) -> Dict[str, Any]:
+def run(cfg: Config, rank: int = 0, world: int = 1, write: bool = True,
+        stop: Any = launch.STOP) -> Dict[str, Any]:
     """Train; on rank 0 return the results (and write them if ``write`` and ``cfg.out``).
-    Raises :class:`Diverged`, and :class:`checkpoint.CheckpointError` for a checkpoint that
-    cannot be resumed."""
-    from . import checkpoint
-
+    ``stop``: an event that ends the run after the current step. Raises :class:`Diverged`, and
+    :class:`checkpoint.CheckpointError` for a checkpoint that cannot be resumed."""
     check(cfg)
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
+    trainer = build(cfg, rank, world)
+    loop(trainer, stop)
+    result = results(trainer)
+    if result and cfg.out and write:
+        report.write_run(result, cfg.out)
+    return result
+
+
+def _optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
+    if not cfg.dgc:
+        return optimizers.build(model, cfg)
+    return DGCMomentum(param_groups(model, weight_decay=cfg.weight_decay), lr=cfg.resolved_lr(),
+                       momentum=0.9, sparsity=cfg.dgc_sparsity or list(PAPER_SPARSITY),
+                       rampup_begin_step=cfg.dgc_rampup_begin_step, rampup_step=cfg.dgc_rampup(),
+                       min_numel=cfg.dgc_min_numel, value_dtype=getattr(torch, cfg.dgc_value_dtype))
+
+
+def build(cfg: Config, rank: int, world: int) -> Trainer:
+    """The data, model, optimizer and schedule of a run (at its last checkpoint with
+    ``cfg.resume``), on this rank's device."""
     device = torch.device(cfg.device if not cfg.device.startswith("cuda") or world == 1
                           else f"cuda:{rank % torch.cuda.device_count()}")
     x, y, xt, yt, classes = data.load(cfg.dataset, cfg.train_size)
-    x, y, xt, yt = x.to(device), y.to(device), xt.to(device), yt.to(device)
     vocab = data.TOPICS["vocab"] if cfg.dataset == "topics" else 0
     model = data.make_model(x.shape[1], classes, cfg.width, seed=cfg.seed, vocab=vocab).to(device)
     if cfg.shard:
         _shard(model)
-    lr = cfg.resolved_lr()
-    if cfg.dgc:
-        from ..dgc import PAPER_SPARSITY, DGCMomentum
-        from ..groups import param_groups
-
-        opt = DGCMomentum(param_groups(model, weight_decay=cfg.weight_decay), lr=lr, momentum=0.9,
-                          sparsity=cfg.dgc_sparsity or list(PAPER_SPARSITY),
-                          rampup_begin_step=cfg.dgc_rampup_begin_step,
-                          rampup_step=cfg.dgc_rampup(), min_numel=cfg.dgc_min_numel,
-                          value_dtype=getattr(torch, cfg.dgc_value_dtype))
-    else:
-        opt = optimizers.build(cfg.optimizer, model, lr, cfg.weight_decay, cfg.offload)
-    total, warmup = cfg.total_steps(), cfg.warmup_steps()
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, optimizers.schedule(cfg.schedule, total, warmup))
-    history: List[Dict[str, Any]] = []
-    curve: List[Any] = []  # (step, training loss of the batch)
-    step, before = 0, 0.0  # the first step to run; seconds trained before it
-    if cfg.resume:
-        path = checkpoint.find(cfg.resume)
-        meta = checkpoint.read_meta(path)
-        checkpoint.load(path, meta, model, opt)
-        sched.load_state_dict(meta["scheduler"])
-        step, before = meta["step"], meta["time_s"]
-        history, curve = meta["history"], [tuple(c) for c in meta["train_curve"]]
+    opt = _optimizer(cfg, model)
+    schedule = optimizers.schedule(cfg.schedule, cfg.total_steps(), cfg.warmup_steps())
     net = model
     if world > 1 and not cfg.dgc and not cfg.shard:  # DGC communicates in its step
         net = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None)
-    per_rank = cfg.batch_size // world
-    steps_per_epoch = cfg.train_size // cfg.batch_size
-    numel = sum(p.numel() for p in model.parameters())
+    trainer = Trainer(cfg, rank, world, tuple(t.to(device) for t in (x, y, xt, yt)), model, net,
+                      opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule))
+    if cfg.resume:
+        path = checkpoint.find(cfg.resume)
+        meta = checkpoint.read_meta(path)
+        checkpoint.load(path, meta, model, opt)
+        trainer.sched.load_state_dict(meta["scheduler"])
+        trainer.step = trainer.first = meta["step"]
+        trainer.before, trainer.history = meta["time_s"], meta["history"]
+        trainer.curve = [tuple(c) for c in meta["train_curve"]]
+    return trainer
+
+
+def _progress_bar(t: Trainer, total: int) -> Any:
+    """A progress bar on rank 0 (on a terminal; none in a log, or without tqdm)."""
+    tqdm = _tqdm() if t.rank == 0 and t.cfg.progress else None
+    if tqdm is None:
+        return None
+    return tqdm(total=total, initial=t.step, desc=f"{t.cfg.optimizer} b{t.cfg.batch_size}",
+                unit="step", dynamic_ncols=True, file=sys.stderr, mininterval=0.5, disable=None)
+
+
+def _train_step(t: Trainer, idx: torch.Tensor) -> torch.Tensor:
+    """One optimizer step on the batch ``idx``; its loss."""
+    x, y = t.data[0], t.data[1]
+    loss = F.cross_entropy(t.net(x[idx]), y[idx])
+    t.opt.zero_grad(set_to_none=True)
+    loss.backward()
+    t.opt.step()
+    t.sched.step()
+    t.step += 1
+    if t.cfg.dgc:
+        for key in ("bytes_sent", "dense_bytes", "payload_bytes", "dense_payload_bytes",
+                    "selected", "numel"):
+            t.dgc_totals[key] = t.dgc_totals.get(key, 0) + t.opt.telemetry[key]
+    return loss
+
+
+def _evaluated(t: Trainer, loss_value: float, start: float) -> None:
+    """The test loss and accuracy now, in the history (every rank of a sharded model evaluates:
+    its forward needs them all)."""
+    if t.rank == 0 or t.cfg.shard:
+        test_loss, test_acc = _evaluate(t.model, t.data[2], t.data[3])
+    if t.rank == 0:
+        t.history.append({"step": t.step, "epoch": t.step / t.cfg.steps_per_epoch(),
+                          "train_loss": loss_value, "lr": t.sched.get_last_lr()[0],
+                          "test_loss": test_loss, "test_accuracy": test_acc,
+                          "time_s": time.perf_counter() - start})
+
+
+def _save(t: Trainer, start: float) -> None:
+    cfg = t.cfg
+    meta = {"config": dataclasses.asdict(cfg), "total_steps": cfg.total_steps(),
+            "optimizer_class": type(t.opt).__name__, "parameters": checkpoint.shapes(t.model),
+            "scheduler": t.sched.state_dict(), "history": t.history, "train_curve": t.curve,
+            "time_s": time.perf_counter() - start, "world": t.world}
+    t.checkpoints.append(checkpoint.save(cfg.out, t.step, t.model, t.opt, meta, t.rank, t.world))
+
+
+def loop(t: Trainer, stop: Any) -> None:
+    """Train from ``t.step`` to the end of the run (or ``cfg.stop_after``, or a stop request,
+    seen by every rank at the same step), evaluating, logging and checkpointing on the way."""
+    cfg, total = t.cfg, t.cfg.total_steps()
+    per_rank, steps_per_epoch = cfg.batch_size // t.world, cfg.steps_per_epoch()
     g = torch.Generator().manual_seed(cfg.seed)  # the same batches on every rank
-    eval_every = max(1, total // cfg.evals)
-    log_every = max(1, total // 200)
+    eval_every, log_every = max(1, total // cfg.evals), max(1, total // 200)
     end = min(total, cfg.stop_after or total)
-    interrupted = False
-    bar = None
-    tqdm = _tqdm() if rank == 0 and cfg.progress else None
-    if tqdm is not None:
-        bar = tqdm(total=total, initial=step, desc=f"{cfg.optimizer} b{cfg.batch_size}",
-                   unit="step", dynamic_ncols=True, file=sys.stderr, mininterval=0.5,
-                   disable=None)  # None: a bar on a terminal, none in a log
-    for _ in range(1 + max(0, step - 1) // steps_per_epoch):  # the epochs' orders so far
+    bar = _progress_bar(t, total)
+    for _ in range(1 + max(0, t.step - 1) // steps_per_epoch):  # the epochs' orders so far
         perm = torch.randperm(cfg.train_size, generator=g)
-    start = time.perf_counter() - before
-    first = step
+    start = time.perf_counter() - t.before
     loss_value = float("nan")
-    dgc_totals: Dict[str, float] = {}
-    checkpoints: List[str] = []
-    while step < end:
-        k = step % steps_per_epoch
-        if k == 0 and step > 0:
+    while t.step < end:
+        k = t.step % steps_per_epoch
+        if k == 0 and t.step > 0:
             perm = torch.randperm(cfg.train_size, generator=g)
-        idx = perm[k * cfg.batch_size:(k + 1) * cfg.batch_size][rank * per_rank:(rank + 1) * per_rank]
-        idx = idx.to(device)
-        loss = F.cross_entropy(net(x[idx]), y[idx])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        sched.step()
-        step += 1
-        if cfg.dgc:
-            for key in ("bytes_sent", "dense_bytes", "payload_bytes", "dense_payload_bytes",
-                        "selected", "numel"):
-                dgc_totals[key] = dgc_totals.get(key, 0) + opt.telemetry[key]
-        stop = world == 1 and _stop_request.is_set()  # one process: every step
+        batch = perm[k * cfg.batch_size:(k + 1) * cfg.batch_size]
+        loss = _train_step(t, batch[t.rank * per_rank:(t.rank + 1) * per_rank].to(t.data[0].device))
+        step = t.step
+        stopping = t.world == 1 and stop.is_set()  # one process: every step
         if step % log_every == 0 or step % eval_every == 0 or step == total:
-            loss_value, stop = _mean_over_ranks(loss, world, _stop_request.is_set())
-            if rank == 0:
-                curve.append((step, loss_value))
+            loss_value, stopping = _mean_over_ranks(loss, t.world, stop.is_set())
+            if t.rank == 0:
+                t.curve.append((step, loss_value))
             if not math.isfinite(loss_value):
                 if bar is not None:
                     bar.close()
                 raise Diverged(f"the training loss is {loss_value} at step {step}: lower --lr")
-        elif world > 1 and step % STOP_CHECK_EVERY == 0:
-            stop = _mean_over_ranks(loss, world, _stop_request.is_set())[1]
+        elif t.world > 1 and step % STOP_CHECK_EVERY == 0:
+            stopping = _mean_over_ranks(loss, t.world, stop.is_set())[1]
         if bar is not None:
             bar.update(1)
             if step % log_every == 0 or step == total:
-                elapsed = time.perf_counter() - start
-                bar.set_postfix(loss=f"{loss_value:.4f}",
-                                samples_per_s=f"{(step - first) * cfg.batch_size / (elapsed - before):,.0f}")
-        interrupted = stop and step < end
-        if step % eval_every == 0 or step == total or interrupted:
-            if rank == 0 or cfg.shard:  # a sharded model's forward needs every rank
-                test_loss, test_acc = _evaluate(model, xt, yt)
-            if rank == 0:
-                history.append({"step": step, "epoch": step / steps_per_epoch,
-                                "train_loss": loss_value, "lr": sched.get_last_lr()[0],
-                                "test_loss": test_loss, "test_accuracy": test_acc,
-                                "time_s": time.perf_counter() - start})
+                rate = (step - t.first) * cfg.batch_size / (time.perf_counter() - start - t.before)
+                bar.set_postfix(loss=f"{loss_value:.4f}", samples_per_s=f"{rate:,.0f}")
+        t.interrupted = stopping and step < end
+        if step % eval_every == 0 or step == total or t.interrupted:
+            _evaluated(t, loss_value, start)
         if cfg.out and ((cfg.checkpoint_every and (step % cfg.checkpoint_every == 0
-                                                   or interrupted))
+                                                   or t.interrupted))
                         or step == cfg.stop_after):
-            meta = {"config": dataclasses.asdict(cfg), "total_steps": total,
-                    "optimizer_class": type(opt).__name__, "parameters": checkpoint.shapes(model),
-                    "scheduler": sched.state_dict(), "history": history, "train_curve": curve,
-                    "time_s": time.perf_counter() - start, "world": world}
-            checkpoints.append(checkpoint.save(cfg.out, step, model, opt, meta, rank, world))
-        if interrupted:
+            _save(t, start)
+        if t.interrupted:
             break
-    elapsed = time.perf_counter() - start
+    t.elapsed = time.perf_counter() - start
     if bar is not None:
         bar.close()
-    sizes = checkpoint.state_bytes(model, opt)
-    if cfg.shard:  # the largest shard (the first ranks take the remainders)
+
+
+def _traffic(t: Trainer) -> Dict[str, Any]:
+    """What the workers sent per step: DGC's telemetry, or DDP's all-reduced gradient bytes."""
+    steps = t.step - t.first
+    if t.cfg.dgc:
+        d = t.dgc_totals
+        return {"dgc_bytes_sent_per_rank_per_step": d["bytes_sent"] / steps,
+                "dense_bytes_sent_per_rank_per_step": d["dense_bytes"] / steps,
+                "dgc_payload_bytes_per_rank_per_step": d["payload_bytes"] / steps,
+                "dense_payload_bytes_per_rank_per_step": d["dense_payload_bytes"] / steps,
+                "dgc_density": d["selected"] / d["numel"],
+                "dgc_final_telemetry": dict(t.opt.telemetry)}
+    if t.world > 1 and not t.cfg.shard:
+        # DDP all-reduces every gradient each step (ring all-reduce: each rank sends about
+        # 2(N-1)/N of the gradient bytes)
+        grad_bytes = sum(p.numel() * p.element_size() for p in t.model.parameters())
+        return {"allreduce_bytes_per_step": grad_bytes,
+                "bytes_sent_per_rank_per_step": int(2 * (t.world - 1) / t.world * grad_bytes)}
+    return {}
+
+
+def _sizes(t: Trainer) -> Dict[str, int]:
+    """Parameter and optimizer-state bytes per rank (sharded: the largest shard's, as the first
+    ranks take the remainders)."""
+    sizes = checkpoint.state_bytes(t.model, t.opt)
+    if t.cfg.shard:
         per_rank_bytes = torch.tensor([sizes["param_bytes_per_rank"],
                                        sizes["optimizer_state_bytes_per_rank"]])
         dist.all_reduce(per_rank_bytes, op=dist.ReduceOp.MAX)
         sizes["param_bytes_per_rank"], sizes["optimizer_state_bytes_per_rank"] = map(
             int, per_rank_bytes.tolist())
-    if rank != 0:
-        return {}
-    last = history[-1]
-    result = {
-        "config": dataclasses.asdict(cfg),
-        "lr": lr,
-        "parameters": numel,
-        "steps": step,
-        "total_steps": total,
-        "complete": step == total,
-        "interrupted": interrupted,
-        "resumed_at": first if cfg.resume else None,
-        "epochs": step / steps_per_epoch,
-        "train_loss": last["train_loss"],
-        "test_loss": last["test_loss"],
-        "test_accuracy": last["test_accuracy"],
-        "time_s": elapsed,
-        "steps_per_s": (step - first) / (elapsed - before),
-        "samples_per_s": (step - first) * cfg.batch_size / (elapsed - before),
-        "history": history,
-        "train_curve": curve,
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "workers": world,
-        "sharded": cfg.shard,
-        "checkpoints": checkpoints,
-        **sizes,
-    }
-    if cfg.dgc:
-        result["dgc_bytes_sent_per_rank_per_step"] = dgc_totals["bytes_sent"] / (step - first)
-        result["dense_bytes_sent_per_rank_per_step"] = dgc_totals["dense_bytes"] / (step - first)
-        result["dgc_payload_bytes_per_rank_per_step"] = dgc_totals["payload_bytes"] / (step - first)
-        result["dense_payload_bytes_per_rank_per_step"] = (dgc_totals["dense_payload_bytes"]
-                                                           / (step - first))
-        result["dgc_density"] = dgc_totals["selected"] / dgc_totals["numel"]
-        result["dgc_final_telemetry"] = dict(opt.telemetry)
-    elif world > 1 and not cfg.shard:
-        # DDP all-reduces every gradient each step (ring all-reduce: each rank sends about
-        # 2(N-1)/N of the gradient bytes)
-        grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        result["allreduce_bytes_per_step"] = grad_bytes
-        result["bytes_sent_per_rank_per_step"] = int(2 * (world - 1) / world * grad_bytes)
-    if cfg.out and write:
-        from . import report
+    return sizes
 
-        report.write_run(result, cfg.out)
-    return result
+
+def results(t: Trainer) -> Dict[str, Any]:
+    """The run's results on rank 0 (an empty dict on the others)."""
+    cfg, sizes = t.cfg, _sizes(t)
+    if t.rank != 0:
+        return {}
+    last, steps, seconds = t.history[-1], t.step - t.first, t.elapsed - t.before
+    return {
+        "config": dataclasses.asdict(cfg), "lr": cfg.resolved_lr(),
+        "parameters": sum(p.numel() for p in t.model.parameters()),
+        "steps": t.step, "total_steps": cfg.total_steps(),
+        "complete": t.step == cfg.total_steps(), "interrupted": t.interrupted,
+        "resumed_at": t.first if cfg.resume else None, "epochs": t.step / cfg.steps_per_epoch(),
+        "train_loss": last["train_loss"], "test_loss": last["test_loss"],
+        "test_accuracy": last["test_accuracy"], "time_s": t.elapsed,
+        "steps_per_s": steps / seconds, "samples_per_s": steps * cfg.batch_size / seconds,
+        "history": t.history, "train_curve": t.curve, "torch": torch.__version__,
+        "threads": torch.get_num_threads(), "workers": t.world, "sharded": cfg.shard,
+        "checkpoints": t.checkpoints, **sizes, **_traffic(t),
+    }
 
 
 # ------------------------------------------------------------------------------------------------
@@ -438,91 +466,57 @@ def run(cfg: Config, rank: int = 0, world: int = 1, write: bool = True) -> Dict[
 # ------------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rank(rank: int, world: int, stop: Any, cfg: Config, result_file: str) -> None:
+    """One of the command's workers (see :func:`launch.spawn`)."""
+    if cfg.threads is None:  # share the cores between the processes
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    result = run(cfg, rank, world, write=False, stop=stop)
+    if rank == 0:
+        pathlib.Path(result_file).write_text(json.dumps(result))
 
 
-def _end_group() -> None:
-    """Destroy the process group once what held it is gone: the run's FSDP2 model and
-    optimizer, freed on return but kept by reference cycles until a collection, would otherwise
-    take the group's gloo threads down at interpreter exit, which can abort the process."""
-    gc.collect()
-    dist.destroy_process_group()
-
-
-def _worker(rank: int, cfg: Config, world: int, port: int, result_file: str, stop: Any) -> None:
-    global _stop_request
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it sets ``stop``
-    _stop_request = stop
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(port)
-    backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+def _torchrun(cfg: Config) -> Dict[str, Any]:
+    """``cfg`` as one rank of a ``torchrun`` launch."""
+    dist.init_process_group(launch.backend(cfg.device), timeout=launch.TIMEOUT)
     try:
-        if cfg.threads is None:  # share the cores between the processes
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-        result = run(cfg, rank, world, write=False)
-        if rank == 0:
-            pathlib.Path(result_file).write_text(json.dumps(result))
+        rank, world = dist.get_rank(), dist.get_world_size()
+        cfg = dataclasses.replace(cfg, workers=world)
+        check(cfg)
+        with launch.interruptible(launch.STOP):
+            result = run(cfg, rank, world)
         dist.barrier()  # no rank leaves the group while another still uses it
+        return result
     finally:
-        _end_group()
+        launch.end_group()
+
+
+def _workers(cfg: Config) -> Dict[str, Any]:
+    """``cfg`` in ``cfg.workers`` processes started here; rank 0's results."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result_file = os.path.join(tmp, "result.json")
+        try:
+            launch.spawn(_rank, cfg.workers, cfg.device, cfg, result_file)
+        except mp.ProcessRaisedException as exc:
+            last = str(exc).strip().splitlines()[-1]
+            if "Diverged" in str(exc):
+                raise Diverged(last) from None
+            if "CheckpointError" in str(exc):
+                raise checkpoint.CheckpointError(last.split(": ", 1)[-1]) from None
+            raise
+        return json.loads(pathlib.Path(result_file).read_text())
 
 
 def train(cfg: Config) -> Dict[str, Any]:
     """Run ``cfg``: in this process, in ``cfg.workers`` processes started here, or as one rank
     of a ``torchrun`` launch (``WORLD_SIZE`` set in the environment)."""
     check(cfg)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun
-        backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
-        try:
-            rank, world = dist.get_rank(), dist.get_world_size()
-            check(dataclasses.replace(cfg, workers=world))
-            with interruptible(_stop_request):
-                result = run(dataclasses.replace(cfg, workers=world), rank, world)
-            dist.barrier()  # no rank leaves the group while another still uses it
-            return result
-        finally:
-            _end_group()
+    if launch.under_torchrun():
+        return _torchrun(cfg)
     if cfg.workers == 1:
-        _stop_request.clear()
-        with interruptible(_stop_request):
+        launch.STOP.clear()
+        with launch.interruptible(launch.STOP):
             return run(cfg)
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    stop = mp.get_context("spawn").Event()
-    with tempfile.TemporaryDirectory() as tmp:
-        result_file = os.path.join(tmp, "result.json")
-        context = None
-        try:
-            with interruptible(stop):
-                context = mp.start_processes(
-                    _worker, args=(cfg, cfg.workers, _free_port(), result_file, stop),
-                    nprocs=cfg.workers, join=False, start_method="spawn")
-                while not context.join(timeout=1.0):
-                    pass
-        except KeyboardInterrupt:  # a second Ctrl-C: no worker is left behind
-            for p in context.processes if context is not None else ():
-                p.terminate()
-            raise
-        except mp.ProcessRaisedException as exc:
-            last = str(exc).strip().splitlines()[-1]
-            if "Diverged" in str(exc):
-                raise Diverged(last) from None
-            if "CheckpointError" in str(exc):
-                from .checkpoint import CheckpointError
-
-                raise CheckpointError(last.split(": ", 1)[-1]) from None
-            raise
-        result = json.loads(pathlib.Path(result_file).read_text())
+    result = _workers(cfg)
     if cfg.out:
-        from . import report
-
         report.write_run(result, cfg.out)
     return result

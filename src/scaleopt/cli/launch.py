@@ -1,0 +1,101 @@
+"""Launching a run's workers: a port on 127.0.0.1, the spawned processes, the stop flag that
+Ctrl-C sets, and the end of a process group."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import gc
+import os
+import signal
+import socket
+import sys
+import threading
+from typing import Any, Callable, Iterator
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+#: set when a run in this process is asked to stop (Ctrl-C): its loop ends at a step boundary
+STOP = threading.Event()
+
+#: how long a collective may wait for the other ranks
+TIMEOUT = datetime.timedelta(seconds=120)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def backend(device: str) -> str:
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def under_torchrun() -> bool:
+    """Whether this process is one rank of a ``torchrun`` launch."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def end_group() -> None:
+    """Destroy the process group once what held it is gone: an FSDP2 model and optimizer, freed
+    on return but kept by reference cycles until a collection, would otherwise take the group's
+    gloo threads down at interpreter exit, which can abort the process."""
+    gc.collect()
+    dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def interruptible(event: Any) -> Iterator[None]:
+    """The first Ctrl-C (SIGINT) sets ``event``: the run ends after its current step, writes its
+    results so far (and a checkpoint with --checkpoint-every) and the command exits 130. A
+    second Ctrl-C raises KeyboardInterrupt at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        if event.is_set():
+            raise KeyboardInterrupt
+        event.set()
+        print("\nstopping after this step (Ctrl-C again to abort) ...", file=sys.stderr)
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _worker(rank: int, target: Callable[..., None], world: int, port: int, device: str,
+            stop: Any, args: tuple) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it sets ``stop``
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group(backend(device), rank=rank, world_size=world, timeout=TIMEOUT)
+    try:
+        target(rank, world, stop, *args)
+        dist.barrier()  # no rank leaves the group while another still uses it
+    finally:
+        end_group()
+
+
+def spawn(target: Callable[..., None], world: int, device: str, *args: Any) -> None:
+    """Run ``target(rank, world, stop, *args)`` in ``world`` new processes, each one rank of a
+    process group on 127.0.0.1 (gloo, or NCCL on ``cuda``). ``stop`` is an event that the first
+    Ctrl-C here sets; a second one ends the workers and raises KeyboardInterrupt. A worker's
+    error comes back as ``torch.multiprocessing.ProcessRaisedException``."""
+    stop = mp.get_context("spawn").Event()
+    context = None
+    try:
+        with interruptible(stop):
+            context = mp.start_processes(
+                _worker, args=(target, world, free_port(), device, stop, args), nprocs=world,
+                join=False, start_method="spawn")
+            while not context.join(timeout=1.0):
+                pass
+    except KeyboardInterrupt:  # a second Ctrl-C: no worker is left behind
+        for p in context.processes if context is not None else ():
+            p.terminate()
+        raise

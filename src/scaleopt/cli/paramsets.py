@@ -1,0 +1,67 @@
+"""The parameter sets both benchmarks time (``bench`` in one process, ``bench_fsdp`` on FSDP2
+shards): BERT-like shapes by size, their parameters with gradients, and the paired ratio."""
+
+from __future__ import annotations
+
+import statistics
+from typing import List, Tuple
+
+import torch
+
+SIZES = {
+    # name: (hidden, layers, vocab, intermediate)
+    "small": (512, 4, 30522, 2048),
+    "base": (768, 12, 30522, 3072),
+}
+
+
+def bert_shapes(hidden: int, layers: int, vocab: int, inter: int) -> List[Tuple[str, Tuple[int, ...]]]:
+    shapes = [
+        ("embeddings.word_embeddings.weight", (vocab, hidden)),
+        ("embeddings.position_embeddings.weight", (512, hidden)),
+        ("embeddings.token_type_embeddings.weight", (2, hidden)),
+        ("embeddings.LayerNorm.weight", (hidden,)),
+        ("embeddings.LayerNorm.bias", (hidden,)),
+    ]
+    for i in range(layers):
+        p = f"encoder.layer.{i}."
+        for n in ("query", "key", "value"):
+            shapes += [(p + f"attention.self.{n}.weight", (hidden, hidden)),
+                       (p + f"attention.self.{n}.bias", (hidden,))]
+        shapes += [
+            (p + "attention.output.dense.weight", (hidden, hidden)),
+            (p + "attention.output.dense.bias", (hidden,)),
+            (p + "attention.output.LayerNorm.weight", (hidden,)),
+            (p + "attention.output.LayerNorm.bias", (hidden,)),
+            (p + "intermediate.dense.weight", (inter, hidden)),
+            (p + "intermediate.dense.bias", (inter,)),
+            (p + "output.dense.weight", (hidden, inter)),
+            (p + "output.dense.bias", (hidden,)),
+            (p + "output.LayerNorm.weight", (hidden,)),
+            (p + "output.LayerNorm.bias", (hidden,)),
+        ]
+    shapes += [("pooler.dense.weight", (hidden, hidden)), ("pooler.dense.bias", (hidden,))]
+    return shapes
+
+
+def make_params(shapes, dtype, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    named = []
+    for name, shape in shapes:
+        p = torch.nn.Parameter((torch.randn(shape, generator=g) * 0.02).to(device, dtype))
+        p.grad = (torch.randn(shape, generator=g) * 1e-3).to(device, dtype)
+        named.append((name, p))
+    return named
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+NO_DECAY = [r"bias$", r"LayerNorm"]
+
+
+def paired_ratio(times: List[float], baseline: List[float]) -> float:
+    """The median over rounds of ``times[r] / baseline[r]``: both were timed in the same round."""
+    return statistics.median(t / b for t, b in zip(times, baseline))
