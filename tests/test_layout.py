@@ -1,0 +1,98 @@
+"""The source's layout holds what docs/development.md promises: no import cycle among the
+modules of ``src/scaleopt`` (imports inside functions included), and functions short enough to
+read (50 lines, 80 in the command)."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+from typing import Dict, List, Set
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent / "src"
+PACKAGE = ROOT / "scaleopt"
+
+
+def _modules() -> Dict[str, pathlib.Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def import_graph() -> Dict[str, Set[str]]:
+    """Module -> the modules of the package it imports, anywhere in its code."""
+    modules = _modules()
+    graph: Dict[str, Set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        deps: Set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(parts + ([node.module] if node.module else []))
+                for alias in node.names:  # a submodule, or a name of ``base``
+                    sub = f"{base}.{alias.name}"
+                    deps.add(sub if sub in modules or not node.module else base)
+            elif isinstance(node, ast.Import):
+                deps.update(alias.name for alias in node.names)
+        graph[name] = {d for d in deps if d in modules and d != name}
+    return graph
+
+
+def cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    found: List[List[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_cycle_finder_sees_imports_and_cycles():
+    graph = import_graph()
+    assert "scaleopt._layerwise" in graph["scaleopt.lamb"]  # from ._layerwise import ...
+    assert "scaleopt._native" in graph["scaleopt.lamb"]  # from . import _native
+    assert "scaleopt.cli.train" in graph["scaleopt.cli"]  # from . import ..., train
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_cycle_in_the_package():
+    assert cycles(import_graph()) == []
+
+
+def test_no_function_is_too_long_to_read():
+    long = []
+    for name, path in _modules().items():
+        limit = 80 if name.startswith("scaleopt.cli") else 50
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > limit:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines})")
+    assert long == []
