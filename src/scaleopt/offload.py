@@ -12,7 +12,7 @@ master: the step updates it in place and nothing is copied.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Tuple, Type
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Type
 
 import torch
 from torch import Tensor
@@ -196,49 +196,49 @@ class OffloadAdam(AdamFamily):
         group, params = item.group, item.params
         state = self._adam_state(group, params, amsgrad=group["amsgrad"])
         no_decay = self._rule_flags(group, "exclude_from_weight_decay")
-        decays = [0.0 if no_decay[i] else group["weight_decay"] for i in item.idx]
-        mults = [1.0] * len(params) if item.scalars is None else item.scalars.mults
         # sharded parameters: the local shards (the gradients already are)
-        ws, low, ms, vs = (local(xs) for xs in (state.view.weights, state.view.kernel_low(),
-                                                state.exp_avgs, state.exp_avg_sqs))
-        vmaxes = local(state.max_exp_avg_sqs or [None] * len(params))
-        fast = [_native.adam_applies(w, g, m, v, lo) and not group["amsgrad"]
-                for w, g, m, v, lo in zip(ws, item.grads, ms, vs, low)]
-        rows = list(zip(ws, item.grads, ms, vs, low, state.steps, mults, decays,
-                        self._steps_scalars(group, state.steps)))
+        rows = [_Row(*row) for row in zip(
+            *(local(xs) for xs in (state.view.weights, state.view.kernel_low(),
+                                   state.exp_avgs, state.exp_avg_sqs)),
+            item.grads, state.steps,
+            [1.0] * len(params) if item.scalars is None else item.scalars.mults,
+            [0.0 if no_decay[i] else group["weight_decay"] for i in item.idx],
+            self._steps_scalars(group, state.steps))]
+        fast = [not group["amsgrad"] and _native.adam_applies(r.weight, r.grad, r.exp_avg,
+                                                             r.exp_avg_sq, r.low) for r in rows]
         slow = [k for k, f in enumerate(fast) if not f]
+        vmaxes = local(state.max_exp_avg_sqs or [None] * len(params))
         with self._master_weights.as_float32(state.view.subset(slow)) as masters:
             for k, master in zip(slow, local(masters)):
-                self._reference_step(group, master, vmaxes[k], *rows[k][1:4], *rows[k][5:])
+                self._reference_step(group, rows[k], master, vmaxes[k])
         self._kernel_step(group, [row for row, f in zip(rows, fast) if f], threads)
         self._master_weights.commit(state.view, fast)
 
-    def _reference_step(self, group: Dict[str, Any], master: Tensor, vmax: Optional[Tensor],
-                        g: Tensor, m: Tensor, v: Tensor, step: Tensor, mult: float, decay: float,
-                        scalars: Tuple[float, float]) -> None:
-        """One tensor's step by :func:`_adam_reference`."""
-        step += 1
-        g = g.to(torch.float32) if g.dtype != master.dtype else g
+    def _reference_step(self, group: Dict[str, Any], row: "_Row", master: Tensor,
+                        vmax: Optional[Tensor]) -> None:
+        """One tensor's step by :func:`_adam_reference` on its float32 ``master``."""
+        row.step.add_(1)
+        g = row.grad.to(torch.float32) if row.grad.dtype != master.dtype else row.grad
         beta1, beta2 = group["betas"]
-        _adam_reference(master, g * mult if mult != 1.0 else g, m, v, vmax, lr=group["lr"],
-                        beta1=beta1, beta2=beta2, one_minus_betas=self._one_minus_betas(group),
-                        step_size=scalars[0], bc2_sqrt=scalars[1], eps=group["eps"],
-                        weight_decay=decay, decoupled=group["decoupled"],
+        _adam_reference(master, g * row.mult if row.mult != 1.0 else g, row.exp_avg,
+                        row.exp_avg_sq, vmax, lr=group["lr"], beta1=beta1, beta2=beta2,
+                        one_minus_betas=self._one_minus_betas(group),
+                        step_size=row.scalars[0], bc2_sqrt=row.scalars[1], eps=group["eps"],
+                        weight_decay=row.decay, decoupled=group["decoupled"],
                         nesterov=group["nesterov"])
 
-    def _kernel_step(self, group: Dict[str, Any], rows: List[tuple], threads: int) -> None:
-        """The tensors of ``rows`` (weight, gradient, moments, low, step, multiplier, decay,
-        step scalars) in one call of the host kernel."""
-        ws, gs, ms, vs, low, steps, mults, decays, scalars = (list(c) for c in zip(*rows)) \
-            if rows else ([],) * 9
+    def _kernel_step(self, group: Dict[str, Any], rows: List["_Row"], threads: int) -> None:
+        """The tensors of ``rows`` in one call of the host kernel."""
         decoupled, lr = group["decoupled"], group["lr"]
         beta1, beta2 = group["betas"]
         _native.adam(
-            ws, gs, ms, vs, low, steps,
-            step_sizes=[s[0] for s in scalars], bias_correction2_sqrts=[s[1] for s in scalars],
-            weight_decays_l2=[0.0 if decoupled else d for d in decays],
-            decays=[1.0 - lr * d if decoupled else 1.0 for d in decays],
-            beta1=beta1, beta2=beta2, eps=group["eps"], grad_multipliers=mults,
+            [r.weight for r in rows], [r.grad for r in rows], [r.exp_avg for r in rows],
+            [r.exp_avg_sq for r in rows], [r.low for r in rows], [r.step for r in rows],
+            step_sizes=[r.scalars[0] for r in rows],
+            bias_correction2_sqrts=[r.scalars[1] for r in rows],
+            weight_decays_l2=[0.0 if decoupled else r.decay for r in rows],
+            decays=[1.0 - lr * r.decay if decoupled else 1.0 for r in rows],
+            beta1=beta1, beta2=beta2, eps=group["eps"], grad_multipliers=[r.mult for r in rows],
             nesterov=group["nesterov"], one_minus_betas=self._one_minus_betas(group),
             threads=threads)
 
@@ -252,6 +252,23 @@ class OffloadAdam(AdamFamily):
                 cache[step] = self._step_scalars(group, step)
             out.append(cache[step])
         return out
+
+
+class _Row(NamedTuple):
+    """One tensor of an OffloadAdam step (local shards of sharded ones)."""
+
+    weight: Tensor
+    #: the kernel's second tensor (see ``MasterView.kernel_low``)
+    low: Optional[Tensor]
+    exp_avg: Tensor
+    exp_avg_sq: Tensor
+    grad: Tensor
+    step: Tensor
+    #: the gradient's deferred multiplier, and the tensor's weight decay
+    mult: float
+    decay: float
+    #: (step size, sqrt of the second bias correction) at the step about to be taken
+    scalars: Tuple[float, float]
 
 
 def _adam_reference(w: Tensor, g: Tensor, m: Tensor, v: Tensor, vmax: Optional[Tensor], *,
