@@ -303,3 +303,35 @@ def host_reads_of_a_step(rank, world, tmp, name):
             setattr(torch.Tensor, name_, fn)
     dist.barrier()
     return reads if rank == 0 else None
+
+
+def train_sharded_triton(rank, world, tmp, names, steps):
+    """As :func:`train_sharded`, each optimizer asked for the Triton kernels (run by Triton's
+    interpreter on the CPU shards); also the kernel launches and the collectives of the last
+    step."""
+    import os
+
+    os.environ["TRITON_INTERPRET"] = "1"
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from scaleopt import _triton
+
+    out = {}
+    for name in names:
+        model = shard(model_of(name))
+        opt = OPTIMIZERS[name](list(model.named_parameters()))
+        for group in opt.param_groups:
+            group["implementation"] = "triton"
+        for t in range(steps):
+            opt.zero_grad()
+            backward(model, t, rank, world, sharded=True)
+            before = dict(_triton.LAUNCHES)
+            mode = CommDebugMode()
+            with mode:
+                opt.step()
+        out[name] = [p.full_tensor().detach().clone() for p in model.parameters()]
+        out[name + " masters"] = [opt.master(p).full_tensor().clone() for p in model.parameters()]
+        out[name + " launches"] = {k: v - before.get(k, 0) for k, v in _triton.LAUNCHES.items()
+                                   if v != before.get(k, 0)}
+        out[name + " collectives"] = sum(mode.get_comm_counts().values())
+    return out if rank == 0 else None

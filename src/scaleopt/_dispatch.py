@@ -3,7 +3,9 @@
 * ``SINGLE``: the reference loop, one tensor at a time, the algorithm as written in the docs;
 * ``MULTI``: torch's multi-tensor (foreach) ops, a few kernels per group (accelerators);
 * ``NATIVE``: the fused C kernels (``_native``), all tensors of a group in one call, two passes
-  over memory per tensor (the CPU).
+  over memory per tensor (the CPU);
+* ``TRITON``: Triton multi-tensor kernels (``_triton``), one launch per phase for all tensors of
+  a group (CUDA; CPU tensors under ``TRITON_INTERPRET=1``).
 
 All three compute the same numbers up to float round-off. The functional forms pick theirs
 from a table (``lamb._IMPLEMENTATIONS``, ``lans._IMPLEMENTATIONS``): adding one is an enum
@@ -18,7 +20,7 @@ from typing import Any, Dict, Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import _native
+from . import _native, _triton
 from ._group import GroupTensors
 from ._sharding import any_dtensor
 
@@ -27,6 +29,7 @@ class Impl(str, enum.Enum):
     SINGLE = "single"
     MULTI = "multi"
     NATIVE = "native"
+    TRITON = "triton"
 
     @property
     def reads_stored(self) -> bool:
@@ -34,7 +37,7 @@ class Impl(str, enum.Enum):
         gradients' deferred scalars applied as it reads them, a float32 master's rounded
         weights written in its pass. The others run on float32 masters and gradients with
         their scalars applied (:meth:`GroupTensors.for_torch`)."""
-        return self is Impl.NATIVE
+        return self in (Impl.NATIVE, Impl.TRITON)
 
 
 def implementation(group: Dict[str, Any], params: Sequence[Tensor], *, kernels: bool = True,
@@ -51,8 +54,14 @@ def implementation(group: Dict[str, Any], params: Sequence[Tensor], *, kernels: 
     torch's foreach ops are a loop themselves. Sharded (DTensor) parameters run on their local
     shards (``tensors`` are those), ``NATIVE`` as above or else ``MULTI`` (also for
     ``foreach=False``: there is no per-tensor loop over shards). Sparse layouts always take
-    ``SINGLE``.
+    ``SINGLE``. With ``kernels``, ``TRITON`` where the parameters are CUDA tensors, Triton
+    imports and it takes every tensor (:func:`_triton.applies`).
+
+    A group's ``implementation`` option, when set, decides instead (the Triton kernels on CPU
+    tensors under ``TRITON_INTERPRET=1``, say): ``ValueError`` where it cannot take the tensors.
     """
+    if group.get("implementation") is not None:
+        return _explicit(Impl(group["implementation"]), params, tensors)
     if not all(p.layout == torch.strided for p in params):
         return Impl.SINGLE
     sharded = any_dtensor(params)
@@ -63,9 +72,30 @@ def implementation(group: Dict[str, Any], params: Sequence[Tensor], *, kernels: 
             and (on_host or all(p.device.type == "cpu" for p in params))
             and (tensors is None or _native.applies(tensors))):
         return Impl.NATIVE
+    if (foreach is None and kernels and not on_host and _triton.available()
+            and all(p.device.type == "cuda" for p in params)
+            and (tensors is None or _triton.applies(tensors))):
+        return Impl.TRITON
     if sharded:  # on the local shards, the norms totalled in one reduction
         return Impl.MULTI
     return Impl.MULTI if all(p.device.type != "cpu" for p in params) else Impl.SINGLE
+
+
+def check_implementation(group: Dict[str, Any]) -> None:
+    """A group's ``implementation`` option: None, or an implementation this install has, not
+    together with ``foreach``."""
+    name = group.get("implementation")
+    if name is None:
+        return
+    impl = resolve(name, True)
+    if group.get("foreach") is not None:
+        raise ValueError(f"implementation={name!r} and foreach={group['foreach']!r} cannot be "
+                         f"set together: implementation names the path itself")
+    if impl is Impl.NATIVE and not _native.available():
+        raise ValueError("implementation='native': the C kernels are not built in this install "
+                         "(no C compiler at install time, or SCALEOPT_NATIVE=0)")
+    if impl is Impl.TRITON and not _triton.available():
+        raise ValueError("implementation='triton': Triton is not installed (pip install triton)")
 
 
 def resolve(impl: Optional[str], foreach: bool) -> Impl:
@@ -78,3 +108,24 @@ def resolve(impl: Optional[str], foreach: bool) -> Impl:
         raise ValueError(f"Invalid implementation: {impl!r} (choose one of "
                          f"{[i.value for i in Impl]})") from None
 
+
+
+#: What an implementation asked for by name needs of the tensors: (test, what it takes).
+_TAKES = {
+    Impl.NATIVE: (_native.applies, "contiguous float32 CPU weights, moments and gradients, or "
+                                   "bfloat16 ones with master weights, and the C kernels built"),
+    Impl.TRITON: (_triton.applies, "plain contiguous tensors on one device: float32 or split "
+                                   "bfloat16 weights, float32 moments; and Triton installed"),
+}
+
+
+def _explicit(impl: Impl, params: Sequence[Tensor], tensors: Optional[GroupTensors]) -> Impl:
+    """``impl``, asked for by a group's ``implementation`` option, where it takes the tensors."""
+    if impl is Impl.SINGLE and any_dtensor(params):
+        raise ValueError("implementation='single' cannot run on sharded (DTensor) parameters: "
+                         "there is no per-tensor loop over shards; use 'multi'")
+    test = _TAKES.get(impl)
+    if test is not None and tensors is not None and not test[0](tensors):
+        raise ValueError(f"implementation={impl.value!r} cannot take this group's tensors: it "
+                         f"takes {test[1]}")
+    return impl

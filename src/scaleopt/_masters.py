@@ -29,7 +29,7 @@ from typing import Any, Dict, Iterator, List, Optional, Protocol, Union
 import torch
 from torch import Tensor
 
-from . import _native
+from . import _native, _triton
 from ._sharding import is_dtensor, like, local_piece
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -100,17 +100,30 @@ class Placement(Protocol):
         """Give each parameter of ``(parameter, source)`` the source's values."""
 
 
+def _kernels_take_split(group: Dict[str, Any], p: Tensor) -> bool:
+    """Whether kernels that read split masters in place run ``p``'s group: the C kernels on the
+    CPU, the Triton kernels on CUDA, or either asked for by the group's ``implementation``."""
+    asked = group.get("implementation")
+    if asked is not None:
+        return asked == "triton" or (asked == "native" and p.device.type == "cpu")
+    if group.get("foreach") is not None:
+        return False
+    if p.device.type == "cpu":
+        return _native.available()
+    return p.device.type == "cuda" and _triton.available()
+
+
 class LocalPlacement:
     """Masters beside their parameters, on the same device. A float16/bfloat16 parameter has a
-    master when its group says ``master_weights``; it is split where the fused kernels run (a
-    contiguous bfloat16 CPU parameter, or a DTensor whose local shard is one, and
-    ``foreach=None``), a float32 copy elsewhere."""
+    master when its group says ``master_weights``; it is split where kernels that read split
+    masters run (a contiguous bfloat16 parameter, or a DTensor whose local shard is one: the C
+    kernels on the CPU, the Triton kernels on CUDA), a float32 copy elsewhere."""
 
     def storage(self, group: Dict[str, Any], p: Tensor) -> Storage:
         if not group["master_weights"] or p.dtype not in LOW_PRECISION:
             return Storage.OWN
-        if (group.get("foreach") is None and p.dtype == torch.bfloat16 and p.device.type == "cpu"
-                and local_piece(p).is_contiguous() and _native.available()):
+        if (p.dtype == torch.bfloat16 and local_piece(p).is_contiguous()
+                and _kernels_take_split(group, p)):
             return Storage.SPLIT
         return Storage.COPY
 

@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from . import _blocks, _native
+from . import _blocks, _native, _triton
 from ._blocks import by_value
 from ._checks import check_choice
 from ._dispatch import Impl, resolve
@@ -83,9 +83,14 @@ class LAMB(LayerwiseAdam):
             as float32 ``master_param``.
         maximize (bool, default False): maximize the objective.
         foreach (bool or None, default None): ``True`` runs the multi-tensor path, ``False``
-            the reference single-tensor loop; ``None`` picks the multi-tensor path on
-            accelerators and, on the CPU, the fused C kernels for contiguous float32 tensors
-            and bfloat16 ones with master weights (the loop otherwise). All give the same numbers up to float round-off.
+            the reference single-tensor loop; ``None`` picks, on CUDA, the Triton kernels
+            where Triton is installed (the multi-tensor path otherwise) and, on the CPU, the
+            fused C kernels for contiguous float32 tensors and bfloat16 ones with master
+            weights (the loop otherwise). All give the same numbers up to float round-off.
+        implementation (str or None, default None): the path by name, instead of ``foreach``:
+            ``"single"``, ``"multi"``, ``"native"`` (the C kernels) or ``"triton"`` (the
+            Triton kernels, also on CPU tensors under ``TRITON_INTERPRET=1``); an error where
+            it cannot take the tensors.
 
     Gradients go through ``rescale_grad``, ``clip_grad_value``, ``clip_grad_norm_per_tensor``
     and ``max_grad_norm`` in that order; ``p.grad`` is never modified.
@@ -125,6 +130,7 @@ class LAMB(LayerwiseAdam):
         master_weights: bool = False,
         maximize: bool = False,
         foreach: Optional[bool] = None,
+        implementation: Optional[str] = None,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -145,6 +151,7 @@ class LAMB(LayerwiseAdam):
             master_weights=master_weights,
             maximize=maximize,
             foreach=foreach,
+            implementation=implementation,
         )
         super().__init__(params, defaults)
 
@@ -289,4 +296,5 @@ _IMPLEMENTATIONS = {
     Impl.SINGLE: in_one_phase(_single_tensor_lamb),
     Impl.MULTI: _multi_tensor_lamb,
     Impl.NATIVE: _native.lamb_kernel,
+    Impl.TRITON: _triton.lamb_triton,
 }

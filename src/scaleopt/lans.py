@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from . import _blocks, _native
+from . import _blocks, _native, _triton
 from ._blocks import by_value
 from ._checks import check_bool
 from ._dispatch import Impl, resolve
@@ -68,9 +68,14 @@ class LANS(LayerwiseAdam):
             params, as in :class:`~scaleopt.LAMB` (split for bfloat16 where the kernels run).
         maximize (bool, default False): maximize the objective.
         foreach (bool or None, default None): ``True`` runs the multi-tensor path, ``False``
-            the reference single-tensor loop; ``None`` picks the multi-tensor path on
-            accelerators and, on the CPU, the fused C kernels for contiguous float32 tensors
-            (the loop otherwise). All give the same numbers up to float round-off.
+            the reference single-tensor loop; ``None`` picks, on CUDA, the Triton kernels
+            where Triton is installed (the multi-tensor path otherwise) and, on the CPU, the
+            fused C kernels for contiguous float32 tensors and bfloat16 ones with master
+            weights (the loop otherwise). All give the same numbers up to float round-off.
+        implementation (str or None, default None): the path by name, instead of ``foreach``:
+            ``"single"``, ``"multi"``, ``"native"`` (the C kernels) or ``"triton"`` (the
+            Triton kernels, also on CPU tensors under ``TRITON_INTERPRET=1``); an error where
+            it cannot take the tensors.
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
@@ -106,6 +111,7 @@ class LANS(LayerwiseAdam):
         master_weights: bool = False,
         maximize: bool = False,
         foreach: Optional[bool] = None,
+        implementation: Optional[str] = None,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -126,6 +132,7 @@ class LANS(LayerwiseAdam):
             master_weights=master_weights,
             maximize=maximize,
             foreach=foreach,
+            implementation=implementation,
         )
         super().__init__(params, defaults)
 
@@ -307,4 +314,5 @@ _IMPLEMENTATIONS = {
     Impl.SINGLE: in_one_phase(_single_tensor_lans),
     Impl.MULTI: _multi_tensor_lans,
     Impl.NATIVE: _native.lans_kernel,
+    Impl.TRITON: _triton.lans_triton,
 }

@@ -1,0 +1,272 @@
+"""LAMB and LANS as Triton multi-tensor kernels: the GPU fast path (``Impl.TRITON``).
+
+A group's update is a fixed number of launches, whatever its number of tensors (per set of
+tensors with the same dtypes):
+
+* LANS only, ``sum_squares``: each gradient's sum of squares, into one float32 vector (not
+  run where the intake's clipping computed them);
+* ``sums``: the moments updated in place and each tensor's partial sums, atomically added into
+  one float32 vector: LAMB ||w||^2 and ||u||^2, LANS ||w||^2, ||r||^2, ||c||^2 and <c, r>;
+* between the two, for the local shards of sharded tensors, ``scaleopt._sharding`` totals that
+  vector over the shards (the one reduction these phases yield);
+* ``apply``: each tensor's trust ratios from the totals, on the device, and the new weights
+  (and a float32 master's rounded weights, or a split master's two halves).
+
+The phases are the C kernels' (``_kernels.c``), and so is the arithmetic. Bytes moved per
+float32 parameter: LAMB 24 (sums: read w, g, m, v; write m, v) + 16 (apply: read w, m, v;
+write w) = 40, against 28 for a fused AdamW; LANS 4 + 24 + 20 = 48 (its apply reads the
+gradient again).
+
+Each launch runs one program per (tensor, chunk of ``BLOCK * ITERS`` elements) pair. A program
+reads its tensor's addresses and size from int64 tables (``tl.load(table).to(pointer)``), built
+once per set of storages (keyed by ``data_ptr()``, not by tensor identity: a DTensor's
+``to_local()`` is a new tensor each step) and rebuilt only when a storage changes. The
+per-tensor numbers of a step (learning rate, decay, the bias corrections of its step counter,
+the gradient's multiplier) go to the device in one table, from pinned memory without a wait.
+Loop bounds are compile-time constants, so that the kernels run under the interpreters of Triton
+3.6 and later alike: ``TRITON_INTERPRET=1`` runs them on CPU tensors (the suite does, to hold
+them to the reference).
+
+Triton is imported at the first launch, not with scaleopt.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import importlib.util
+import math
+import os
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from ._sharding import Phased
+
+#: elements per block of a program, and blocks per program (a program's chunk: their product)
+BLOCK = 1024
+ITERS = 4
+
+#: launches per kernel name since the start (the tests count a step's)
+LAUNCHES: collections.Counter = collections.Counter()
+
+_MODES = {"update": 0, "decoupled": 1, "l2": 2}
+_G_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_LOW_KINDS = {None: 0, torch.bfloat16: 1, torch.float16: 2, torch.int16: 3}
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_TABLES: "collections.OrderedDict[tuple, Tuple[Tensor, Tensor, Tensor]]" = collections.OrderedDict()
+
+
+def available() -> bool:
+    """Whether Triton can be imported (the kernels then run on CUDA tensors, and on CPU tensors
+    under ``TRITON_INTERPRET=1``)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def runs_on(device: torch.device) -> bool:
+    """Whether the kernels run on tensors of ``device``: CUDA, or the CPU under Triton's
+    interpreter (``TRITON_INTERPRET=1``)."""
+    if device.type == "cpu":
+        return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return device.type == "cuda"
+
+
+def _plain(t: Optional[Tensor], dtypes: Sequence[Any]) -> bool:
+    return (t is not None and type(t) in _PLAIN and t.layout == torch.strided
+            and t.is_contiguous() and t.dtype in dtypes)
+
+
+def applies(t: Any) -> bool:
+    """Whether the kernels take a group's tensors (a ``GroupTensors``): on one device where they
+    run (:func:`runs_on`), plain and
+    contiguous; float32 moments; a float32 weight (with, optionally, where its rounded bfloat16
+    or float16 values go) or a split master (a bfloat16 weight and its int16 lower halves); a
+    float32, bfloat16 or float16 gradient."""
+    if not available() or not t.weights:
+        return False
+    device = t.weights[0].device
+    if not runs_on(device):
+        return False
+    low = t.low or [None] * len(t.weights)
+    for w, g, m, v, lo in zip(t.weights, t.grads, t.exp_avgs, t.exp_avg_sqs, low):
+        split = w.dtype == torch.bfloat16
+        if not (_plain(w, (torch.float32, torch.bfloat16)) and _plain(g, tuple(_G_KINDS))
+                and _plain(m, (torch.float32,)) and _plain(v, (torch.float32,))):
+            return False
+        if split and not _plain(lo, (torch.int16,)):
+            return False
+        if not split and lo is not None and not _plain(lo, (torch.bfloat16, torch.float16)):
+            return False
+        if any(x.device != device for x in (w, g, m, v) + (() if lo is None else (lo,))):
+            return False
+    return True
+
+
+# --------------------------------------------------------------------------------------------
+# tables
+# --------------------------------------------------------------------------------------------
+
+
+def _kind(t: Any, i: int) -> Tuple[int, int, int]:
+    """(weight: 0 float32 / 1 split master, gradient dtype, low dtype) of tensor ``i``."""
+    lo = t.low[i] if t.low else None
+    return (int(t.weights[i].dtype == torch.bfloat16), _G_KINDS[t.grads[i].dtype],
+            _LOW_KINDS[None if lo is None else lo.dtype])
+
+
+def _address_tables(t: Any, idx: List[int]) -> Tuple[Tensor, Tensor, Tensor]:
+    """The int64 tables of the tensors ``idx``: addresses (w, g, m, v, low, and the tensor's
+    place in the group), sizes, and the (tensor, first element) of each program's chunk."""
+    low = t.low or [None] * len(t.weights)
+    rows = [(t.weights[i].data_ptr(), t.grads[i].data_ptr(), t.exp_avgs[i].data_ptr(),
+             t.exp_avg_sqs[i].data_ptr(), 0 if low[i] is None else low[i].data_ptr(), i)
+            for i in idx]
+    sizes = [t.weights[i].numel() for i in idx]
+    chunk = BLOCK * ITERS
+    key = (tuple(rows), tuple(sizes), chunk, t.weights[idx[0]].device)
+    tables = _TABLES.get(key)
+    if tables is None:
+        device = key[-1]
+        chunks = [(k, s) for k, n in enumerate(sizes) for s in range(0, n, chunk)]
+        tables = _TABLES[key] = (
+            torch.tensor(rows, dtype=torch.int64, device=device),
+            torch.tensor(sizes, dtype=torch.int64, device=device),
+            torch.tensor(chunks or [(0, 0)], dtype=torch.int64, device=device)[:len(chunks)])
+        while len(_TABLES) > 256:
+            _TABLES.popitem(last=False)
+    else:
+        _TABLES.move_to_end(key)
+    return tables
+
+
+@functools.lru_cache(maxsize=4096)
+def _bias_corrections(step: float, beta1: float, beta2: float, on: bool) -> Tuple[float, float]:
+    """(1 - beta1^t, sqrt(1 - beta2^t)) in double, as the C kernels (1 without correction)."""
+    if not on:
+        return 1.0, 1.0
+    return 1.0 - beta1 ** step, math.sqrt(1.0 - beta2 ** step)
+
+
+def _step_table(t: Any, layer: Any, o: Any, device: torch.device) -> Tensor:
+    """Per tensor: lr, weight decay, adapt, gradient multiplier, bias corrections (float32, on
+    ``device``). The step counters (float32 CPU scalars, as in torch.optim) are incremented."""
+    torch._foreach_add_(t.steps, 1)
+    mults = [1.0] * len(t.weights) if t.grad_scalars is None else t.grad_scalars.mults
+    rows = [(lr, wd, float(bool(a)), gm,
+             *_bias_corrections(float(s), o.beta1, o.beta2, o.bias_correction))
+            for lr, wd, a, gm, s in zip(layer.lrs, layer.weight_decays, layer.adapt, mults,
+                                         t.steps)]
+    pinned = device.type == "cuda"
+    table = torch.tensor(rows, dtype=torch.float32, pin_memory=pinned)
+    return table.to(device, non_blocking=True) if pinned else table
+
+
+def _groups(t: Any) -> List[List[int]]:
+    """The group's tensors in sets of the same dtypes (one launch per phase each)."""
+    sets: Dict[Tuple[int, int, int], List[int]] = {}
+    for i in range(len(t.weights)):
+        sets.setdefault(_kind(t, i), []).append(i)
+    return list(sets.values())
+
+
+def _clip_bounds(clip: Any) -> Tuple[float, float, bool]:
+    if clip is None:
+        return -math.inf, math.inf, False
+    if isinstance(clip, (tuple, list)):
+        return float(clip[0]), float(clip[1]), True
+    return -float(clip), float(clip), True
+
+
+# --------------------------------------------------------------------------------------------
+# launches
+# --------------------------------------------------------------------------------------------
+
+
+def _launch(name: str, t: Any, idx: List[int], **args: Any) -> None:
+    """Kernel ``name`` over the tensors ``idx`` (one launch)."""
+    ptrs, sizes, chunks = _address_tables(t, idx)
+    if chunks.shape[0] == 0:
+        return
+    w_kind, g_kind, low_kind = _kind(t, idx[0])
+    kernel = getattr(_kernels(), name)
+    kernel[(chunks.shape[0],)](ptrs, sizes, chunks, W_SPLIT=w_kind, G_KIND=g_kind,
+                               LOW_KIND=low_kind, BLOCK=BLOCK, ITERS=ITERS, **args)
+    LAUNCHES[name] += 1
+
+
+def _options(o: Any, clip: Any) -> Dict[str, Any]:
+    lo, hi, on = _clip_bounds(clip)
+    return dict(beta1=o.beta1, beta2=o.beta2, eps=o.eps, clip_lo=lo, clip_hi=hi, CLIP=on,
+                lower=o.lower_bound or 0.0, upper=o.upper_bound or 0.0,
+                HAS_LOWER=o.lower_bound is not None, HAS_UPPER=o.upper_bound is not None)
+
+
+def lamb_triton(t: Any, layer: Any, o: Any) -> Phased:
+    """LAMB on the Triton kernels: the same update as :func:`scaleopt.lamb.lamb` (``t`` a
+    ``GroupTensors``, ``layer`` its ``LayerOptions``, ``o`` the ``LayerwiseOptions``), in two
+    launches per set of tensors of the same dtypes. ``t.low`` and the gradients' deferred
+    scalars as in :func:`scaleopt._native.lamb_kernel`."""
+    if not t.weights:
+        return
+    device = t.weights[0].device
+    scal = _step_table(t, layer, o, device)
+    sums = torch.zeros(2 * len(t.weights), dtype=torch.float32, device=device)
+    opts = _options(o, None if t.grad_scalars is None else t.grad_scalars.clamp)
+    sets = _groups(t)
+    for idx in sets:
+        _launch("lamb_sums", t, idx, scal=scal, sums=sums, MODE=_MODES[o.weight_decay_mode],
+                **opts)
+    if t.shard_sums is not None:
+        owners = [i for i in range(len(t.weights)) for _ in range(2)]
+        sums = yield t.shard_sums.request(sums, owners)
+    for idx in sets:
+        _launch("lamb_apply", t, idx, scal=scal, sums=sums, MODE=_MODES[o.weight_decay_mode],
+                **opts)
+
+
+def _grad_sums(t: Any, device: torch.device) -> Phased:
+    """Each whole gradient's sum of squares (float32, on ``device``): the intake's, where its
+    clipping computed them, else one launch per set of tensors (totalled over the shards for
+    local pieces: a reduction of its own)."""
+    sq = None if t.grad_scalars is None else t.grad_scalars.sq_sums
+    if sq is not None:
+        return sq.to(device, torch.float32)
+    if t.grad_norms is not None:
+        return t.grad_norms.to(device, torch.float32).square()
+    out = torch.zeros(len(t.weights), dtype=torch.float32, device=device)
+    for idx in _groups(t):
+        _launch("sum_squares", t, idx, sums=out)
+    if t.shard_sums is not None:
+        out = yield t.shard_sums.request(out, range(len(t.weights)))
+    return out
+
+
+def lans_triton(t: Any, layer: Any, o: Any) -> Phased:
+    """LANS on the Triton kernels: the same update as :func:`scaleopt.lans.lans` (arguments as
+    in :func:`lamb_triton`), in three launches per set of tensors (two where the gradients'
+    norms are known)."""
+    if not t.weights:
+        return
+    device = t.weights[0].device
+    gsq = yield from _grad_sums(t, device)
+    scal = _step_table(t, layer, o, device)
+    sums = torch.zeros(4 * len(t.weights), dtype=torch.float32, device=device)
+    opts = _options(o, o.clip_grad_value)
+    sets = _groups(t)
+    for idx in sets:
+        _launch("lans_sums", t, idx, scal=scal, sums=sums, gsq=gsq, **opts)
+    if t.shard_sums is not None:
+        owners = [i for i in range(len(t.weights)) for _ in range(4)]
+        sums = yield t.shard_sums.request(sums, owners)
+    for idx in sets:
+        _launch("lans_apply", t, idx, scal=scal, sums=sums, gsq=gsq,
+                MOVED=bool(o.decay_moved_weight), **opts)
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels() -> Any:
+    """The jitted kernels (Triton imported, and ``TRITON_INTERPRET`` read, at the first use)."""
+    from . import _triton_kernels
+
+    return _triton_kernels
