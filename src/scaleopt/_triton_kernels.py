@@ -80,6 +80,27 @@ def _load_g(gp, offs, mask, mult, clip_lo, clip_hi, CLIP: tl.constexpr):
 
 
 @triton.jit
+def _load_wgmv(wp, gp, mp, vp, lp, offs, mask, mult, clip_lo, clip_hi, W_SPLIT: tl.constexpr,
+               CLIP: tl.constexpr):
+    """A block's float32 weights, gradients (times ``mult``, clamped with CLIP) and moments."""
+    w = _load_w(wp, lp, offs, mask, W_SPLIT)
+    g = _load_g(gp, offs, mask, mult, clip_lo, clip_hi, CLIP)
+    m = tl.load(mp + offs, mask=mask, other=0.0)
+    v = tl.load(vp + offs, mask=mask, other=0.0)
+    return w, g, m, v
+
+
+@triton.jit
+def _moments_(mp, vp, offs, mask, m, v, g, beta1, beta2):
+    """Adam's moments updated with ``g``, stored, and returned."""
+    m = m + (1.0 - beta1) * (g - m)
+    v = v * beta2 + (1.0 - beta2) * g * g
+    tl.store(mp + offs, m, mask=mask)
+    tl.store(vp + offs, v, mask=mask)
+    return m, v
+
+
+@triton.jit
 def _trust_ratio(w2, u2, lower, upper, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr):
     """phi(||w||) / ||u|| from squared norms; 1 where either is 0 or the ratio not finite."""
     w = tl.sqrt(w2)
@@ -149,16 +170,12 @@ def lamb_sums(ptrs, sizes, chunks, scal, sums, beta1, beta2, eps, clip_lo, clip_
     for it in tl.static_range(ITERS):
         offs = start + it * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
-        w = _load_w(wp, lp, offs, mask, W_SPLIT) * f
-        g = _load_g(gp, offs, mask, mult, clip_lo, clip_hi, CLIP)
+        w, g, m, v = _load_wgmv(wp, gp, mp, vp, lp, offs, mask, mult, clip_lo, clip_hi,
+                                W_SPLIT, CLIP)
+        w = w * f
         if MODE == 2:
             g = g + wd * w
-        m = tl.load(mp + offs, mask=mask, other=0.0)
-        v = tl.load(vp + offs, mask=mask, other=0.0)
-        m = m + (1.0 - beta1) * (g - m)
-        v = v * beta2 + (1.0 - beta2) * g * g
-        tl.store(mp + offs, m, mask=mask)
-        tl.store(vp + offs, v, mask=mask)
+        m, v = _moments_(mp, vp, offs, mask, m, v, g, beta1, beta2)
         u = (m / bc1) / (tl.sqrt(v) / bc2 + eps)
         if MODE == 0:
             u = u + wd * w
@@ -217,14 +234,9 @@ def lans_sums(ptrs, sizes, chunks, scal, sums, gsq, beta1, beta2, eps, clip_lo, 
     for it in tl.static_range(ITERS):
         offs = start + it * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
-        w = _load_w(wp, lp, offs, mask, W_SPLIT)
-        g = _load_g(gp, offs, mask, ginv, clip_lo, clip_hi, CLIP)
-        m = tl.load(mp + offs, mask=mask, other=0.0)
-        v = tl.load(vp + offs, mask=mask, other=0.0)
-        m = m + (1.0 - beta1) * (g - m)
-        v = v * beta2 + (1.0 - beta2) * g * g
-        tl.store(mp + offs, m, mask=mask)
-        tl.store(vp + offs, v, mask=mask)
+        w, g, m, v = _load_wgmv(wp, gp, mp, vp, lp, offs, mask, ginv, clip_lo, clip_hi,
+                                W_SPLIT, CLIP)
+        m, v = _moments_(mp, vp, offs, mask, m, v, g, beta1, beta2)
         dinv = 1.0 / (tl.sqrt(v) / bc2 + eps)
         r = (m / bc1) * dinv + wd * w
         c = g * dinv + wd * w
@@ -261,10 +273,8 @@ def lans_apply(ptrs, sizes, chunks, scal, sums, gsq, beta1, beta2, eps, clip_lo,
     for it in tl.static_range(ITERS):
         offs = start + it * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
-        w = _load_w(wp, lp, offs, mask, W_SPLIT)
-        g = _load_g(gp, offs, mask, ginv, clip_lo, clip_hi, CLIP)
-        m = tl.load(mp + offs, mask=mask, other=0.0)
-        v = tl.load(vp + offs, mask=mask, other=0.0)
+        w, g, m, v = _load_wgmv(wp, gp, mp, vp, lp, offs, mask, ginv, clip_lo, clip_hi,
+                                W_SPLIT, CLIP)
         dinv = 1.0 / (tl.sqrt(v) / bc2 + eps)
         r = (m / bc1) * dinv + wd * w
         w1 = w - a * (ratio_r * r)

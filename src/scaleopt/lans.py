@@ -67,15 +67,10 @@ class LANS(LayerwiseAdam):
         master_weights (bool, default False): float32 master weights for float16/bfloat16
             params, as in :class:`~scaleopt.LAMB` (split for bfloat16 where the kernels run).
         maximize (bool, default False): maximize the objective.
-        foreach (bool or None, default None): ``True`` runs the multi-tensor path, ``False``
-            the reference single-tensor loop; ``None`` picks, on CUDA, the Triton kernels
-            where Triton is installed (the multi-tensor path otherwise) and, on the CPU, the
-            fused C kernels for contiguous float32 tensors and bfloat16 ones with master
-            weights (the loop otherwise). All give the same numbers up to float round-off.
-        implementation (str or None, default None): the path by name, instead of ``foreach``:
-            ``"single"``, ``"multi"``, ``"native"`` (the C kernels) or ``"triton"`` (the
-            Triton kernels, also on CPU tensors under ``TRITON_INTERPRET=1``); an error where
-            it cannot take the tensors.
+        foreach (bool or None, default None), implementation (str or None, default None):
+            which path runs the update, as in :class:`~scaleopt.LAMB` (on CUDA the Triton
+            kernels, on the CPU the C kernels, by default). All give the same numbers up to
+            float round-off.
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
