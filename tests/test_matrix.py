@@ -14,6 +14,10 @@ from registry import REGISTRY, set_foreach
 
 FAST = [i for i in REGISTRY if i.has_foreach]
 
+#: whether torch.compile takes a changed float (a learning rate) as an input of the graph: from
+#: torch 2.13 on; torch 2.11's compiler makes it a constant, and recompiles (same numbers)
+RATES_ARE_INPUTS = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 13)
+
 
 def make_model(seed: int = 0, dtype=torch.float32) -> nn.Module:
     torch.manual_seed(seed)
@@ -313,7 +317,8 @@ def test_compiled_step_does_not_recompile_as_the_step_and_lr_change(info):
     allocation, the learning rate turning from a constant into an input), no step recompiles:
     neither the step counters nor the changing rates are constants of the graph; and the
     compiled steps compute what the eager ones do. Multi-tensor paths run as on a GPU
-    (``foreach=True``; on the CPU the kernels are outside the graph)."""
+    (``foreach=True``; on the CPU the kernels are outside the graph). On torch before 2.13 the
+    compiler recompiles for a new rate (``RATES_ARE_INPUTS``): only the numbers are held."""
     torch._dynamo.reset()
     runs = []
     for compiled in (False, True):
@@ -331,7 +336,7 @@ def test_compiled_step_does_not_recompile_as_the_step_and_lr_change(info):
                 sched.step()
 
         steps(0, 3)
-        with torch._dynamo.config.patch(error_on_recompile=compiled):
+        with torch._dynamo.config.patch(error_on_recompile=compiled and RATES_ARE_INPUTS):
             steps(3, 4)
         runs.append(model)
     for a, b in zip(runs[0].parameters(), runs[1].parameters()):

@@ -208,3 +208,29 @@ def test_on_fsdp2_shards_the_kernels_equal_one_process(tmp_path):
         launched = got[name + " launches"]
         assert launched[f"{kind}_sums"] == launched[f"{kind}_apply"] == groups, (name, launched)
         assert got[name + " collectives"] == (2 if kind == "lans" else 1), name
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_gpu_benchmark_times_each_candidate_against_fused_adamw(dtype, capsys,
+                                                                   monkeypatch):
+    """``scaleopt bench --device cuda``'s code, here on CPU tensors (the Triton rows under the
+    interpreter) and a tiny set: a row per candidate with its ratio, host time, bandwidth at
+    the algorithm's bytes per parameter, and the table printed."""
+    from scaleopt.cli import bench_gpu, paramsets
+
+    monkeypatch.setattr(_triton, "BLOCK", 2048)  # few programs: the interpreter is slow
+    monkeypatch.setattr(_triton, "ITERS", 4)
+
+    shapes = paramsets.bert_shapes(16, 1, 64, 32)
+    result = bench_gpu.run(shapes, "'tiny'", dtype, "cpu", rounds=1, only=["triton"])
+    rows = {r["optimizer"]: r for r in result["rows"]}
+    assert set(rows) == {"torch.AdamW(fused=True)", "scaleopt.LAMB(triton)",
+                         "scaleopt.LANS(triton)"}
+    floors = {"float32": (28, 40, 48), "bfloat16": (14, 38, 42)}[dtype]
+    assert [rows[k]["bytes_per_param"] for k in sorted(rows)] == [floors[1], floors[2],
+                                                                   floors[0]]
+    for r in rows.values():
+        assert r["ratio"] > 0 and r["host_s"] > 0 and r["gb_per_s"] > 0
+    assert result["params"] == sum(torch.Size(s).numel() for _, s in shapes)
+    out = capsys.readouterr().out
+    assert "x fused AdamW" in out and "scaleopt.LANS(triton)" in out

@@ -25,7 +25,7 @@ import torch
 
 import scaleopt
 
-from . import bench_fsdp
+from . import bench_fsdp, bench_gpu
 from .paramsets import NO_DECAY, SIZES, bert_shapes, make_params, paired_ratio, sync
 from .train import check_out, new_folder
 
@@ -107,11 +107,12 @@ def bandwidth_reference(named) -> float:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--size", choices=sorted(SIZES), default="small",
+    ap.add_argument("--size", choices=sorted(SIZES),
                     help="BERT-like shapes: small = hidden 512, 4 layers (28.8M parameters, about "
                          "6 GiB with every optimizer); base = BERT-base (109.5M, about 22 GiB; "
-                         "checked against the memory available before anything runs) "
-                         "(default: small)")
+                         "checked against the memory available before anything runs); 1b = "
+                         "hidden 2048, 19 layers (1.02B; with --device cuda) (default: small, "
+                         "base with --device cuda)")
     ap.add_argument("--hidden", type=int, help="override the hidden size of --size")
     ap.add_argument("--layers", type=int, help="override the number of layers of --size")
     ap.add_argument("--vocab", type=int, help="override the vocabulary size of --size")
@@ -123,7 +124,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="shard the set with FSDP2 over this many processes (gloo on 127.0.0.1) "
                          "and time LAMB, LANS and AdamW on the shards against torch's fused "
                          "AdamW on the same local shards (default: 1, no sharding)")
-    ap.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    ap.add_argument("--device", default="cpu",
+                    help="cpu or cuda: on cuda, LAMB and LANS by the Triton kernels, torch's "
+                         "multi-tensor ops and those compiled, one at a time against the fused "
+                         "AdamW, with host time, bandwidth against a copy and peak memory "
+                         "(default: cpu)")
     ap.add_argument("--rounds", type=int, default=10,
                     help="timed steps per optimizer, interleaved (default: 10)")
     ap.add_argument("--only", nargs="*", metavar="NAME",
@@ -139,6 +144,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def check_arguments(args: argparse.Namespace) -> None:
     if args.threads is None:
         args.threads = 2 if args.world == 1 else 1
+    if args.size is None:
+        args.size = "base" if args.device.startswith("cuda") else "small"
     for name in ("hidden", "layers", "vocab", "threads", "rounds", "world"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -149,14 +156,13 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError("--world times float32 CPU shards of a fixed set of optimizers: "
                          "--device, --dtype and --only do not apply")
     if args.only:
-        same, low = candidates()
-        names = list(same) + list(low)
+        names = _names(args)
         unknown = [o for o in args.only if not any(o in n for n in names)]
         if unknown:
             raise ValueError(f"--only {' '.join(unknown)}: no optimizer's name contains "
                              f"{'it' if len(unknown) == 1 else 'them'}; the names: "
                              f"{', '.join(names)}")
-    need, have = memory_need(args), available_memory()
+    need, have = memory_need(args), available_memory(args.device)
     if have is not None and need > have:
         raise ValueError(f"this benchmark holds about {need / 2**30:.1f} GiB (every optimizer "
                          f"keeps its own parameters, gradients and state for the interleaved "
@@ -176,14 +182,24 @@ BYTES_PER_PARAMETER = 16
 
 def memory_need(args: argparse.Namespace) -> int:
     """Bytes the run holds at once: each timed optimizer keeps its own parameters, gradients
-    and state (upper bound: float32 everything plus a master)."""
+    and state (upper bound: float32 everything plus a master); on cuda, two at a time."""
     nparams = sum(torch.Size(s).numel() for _, s in shapes_of(args))
     if args.world > 1:
         count = len(bench_fsdp.candidates())  # its rows, over all processes together
+    elif args.device.startswith("cuda"):
+        count = 2
     else:
         same, low = candidates()
         count = len(selected(list(same) + list(low), args.only))
     return BYTES_PER_PARAMETER * nparams * count
+
+
+def _names(args: argparse.Namespace) -> List[str]:
+    """The optimizers ``--only`` chooses from on ``args.device``."""
+    if args.device.startswith("cuda"):
+        return list(bench_gpu.candidates(getattr(torch, args.dtype)))
+    same, low = candidates()
+    return list(same) + list(low)
 
 
 def selected(names, only):
@@ -193,8 +209,11 @@ def selected(names, only):
             if not only or k.startswith("torch.AdamW(fused") or any(o in k for o in only)]
 
 
-def available_memory():
-    """Bytes of memory available now (Linux's MemAvailable), or None where unknown."""
+def available_memory(device: str = "cpu"):
+    """Bytes of memory available now on ``device`` (the host: Linux's MemAvailable), or None
+    where unknown."""
+    if device.startswith("cuda"):
+        return torch.cuda.mem_get_info()[0]
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -227,9 +246,11 @@ def main(argv=None) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     """Time the candidates; print the table; return (and write, with --json) the results."""
-    if args.world > 1:
-        result = bench_fsdp.run(shapes_of(args), args.world, args.threads, args.rounds,
-                                repr(args.size))
+    if args.world > 1 or args.device.startswith("cuda"):
+        result = (bench_fsdp.run(shapes_of(args), args.world, args.threads, args.rounds,
+                                 repr(args.size)) if args.world > 1 else
+                  bench_gpu.run(shapes_of(args), repr(args.size), args.dtype, args.device,
+                                args.rounds, args.only or ()))
         _write(result, args)
         return result
     torch.set_num_threads(args.threads)

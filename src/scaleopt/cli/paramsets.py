@@ -12,6 +12,7 @@ SIZES = {
     # name: (hidden, layers, vocab, intermediate)
     "small": (512, 4, 30522, 2048),
     "base": (768, 12, 30522, 3072),
+    "1b": (2048, 19, 30522, 8192),
 }
 
 
