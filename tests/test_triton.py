@@ -26,7 +26,7 @@ from scaleopt._layerwise import LayerwiseAdam  # noqa: E402
 import dgc_workers as W  # noqa: E402
 import sharded_workers as S  # noqa: E402
 from registry import REGISTRY  # noqa: E402
-from test_matrix import fresh, loss_of  # noqa: E402
+from test_matrix import HOST_READS, fresh, loss_of, train  # noqa: E402
 
 LAYERWISE = [i for i in REGISTRY if not i.host_step
              and isinstance(fresh(i)[1], LayerwiseAdam)]
@@ -234,3 +234,34 @@ def test_the_gpu_benchmark_times_each_candidate_against_fused_adamw(dtype, capsy
     assert result["params"] == sum(torch.Size(s).numel() for _, s in shapes)
     out = capsys.readouterr().out
     assert "x fused AdamW" in out and "scaleopt.LANS(triton)" in out
+
+
+@pytest.mark.parametrize("info", LAYERWISE, ids=str)
+def test_the_triton_path_reads_no_tensor_value_on_the_host(info, monkeypatch):
+    """Around its launches, the Triton path reads nothing back from the device but the step
+    counters (CPU scalars, as in torch.optim), clipping included: the kernels' launches are
+    recorded instead of run (under the interpreter they read their tensors on the host)."""
+    model, opt = fresh(info)
+    use(opt, "triton")
+    train(model, opt, 1)  # state allocated
+    steps = {id(s["step"]) for s in opt.state.values() if "step" in s}
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    reads, launched = [], []
+
+    def guarded(name):
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            if id(self) not in steps:
+                reads.append(f"Tensor.{name} on a {tuple(self.shape)} tensor")
+            return original(self, *args, **kwargs)
+
+        return read
+
+    monkeypatch.setattr(_triton, "_launch", lambda name, *a, **k: launched.append(name))
+    for name in HOST_READS:
+        monkeypatch.setattr(torch.Tensor, name, guarded(name))
+    opt.step()
+    monkeypatch.undo()
+    assert reads == [] and launched
