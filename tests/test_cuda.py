@@ -189,3 +189,45 @@ def test_cuda_offload_checkpoint_from_a_cpu_run_stays_on_the_host():
     run(mg, og, 3, start=3)
     for a, b in zip(mc.parameters(), mg.parameters()):
         torch.testing.assert_close(b.cpu(), a, rtol=1e-4, atol=1e-5)
+
+
+def _layerwise():
+    from scaleopt._layerwise import LayerwiseAdam
+
+    return [i for i in REGISTRY if not i.host_step
+            and isinstance(i.make(list(model("cpu").named_parameters())), LayerwiseAdam)]
+
+
+@pytest.mark.parametrize("info", _layerwise(), ids=str)
+def test_cuda_triton_kernels_equal_the_reference_with_a_launch_per_phase(info):
+    pytest.importorskip("triton")
+    from scaleopt import _triton
+
+    m1, m2 = model(), model()
+    o1, o2 = info.make(list(m1.named_parameters())), info.make(list(m2.named_parameters()))
+    for g in o1.param_groups:
+        g["foreach"] = None  # the default: Triton on CUDA
+    set_foreach(o2, False)
+    run(m1, o1, 2)
+    before = dict(_triton.LAUNCHES)
+    run(m1, o1, 1, start=2)
+    launched = {k: v - before.get(k, 0) for k, v in _triton.LAUNCHES.items()}
+    kind = "lans" if isinstance(o1, scaleopt.LANS) else "lamb"
+    assert launched[f"{kind}_sums"] == launched[f"{kind}_apply"] == len(o1.param_groups)
+    run(m1, o1, 2, start=3)
+    run(m2, o2, 5)
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("cls", [scaleopt.LAMB, scaleopt.LANS])
+def test_cuda_triton_split_masters_of_bf16_parameters(cls):
+    pytest.importorskip("triton")
+    m1, m2 = model(dtype=torch.bfloat16), model(dtype=torch.bfloat16)
+    o1 = cls(m1.parameters(), lr=1e-2, master_weights=True)
+    o2 = cls(m2.parameters(), lr=1e-2, master_weights=True, foreach=False)
+    run(m1, o1, 4)
+    run(m2, o2, 4)
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        assert "master_lo" in o1.state[a] and "master_param" in o2.state[b]
+        torch.testing.assert_close(o1.master(a), o2.master(b), rtol=1e-5, atol=1e-6)
