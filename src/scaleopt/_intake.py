@@ -17,8 +17,9 @@ from ._sharding import Phased, ShardSums, any_dtensor, local, run_lockstep
 class GradScalars(NamedTuple):
     """A deferred group's gradient scalars (see :func:`take`)."""
 
-    #: per tensor, the float its raw gradient is to be taken times
-    mults: List[float]
+    #: per tensor, the number its raw gradient is to be taken times: a float64 vector where the
+    #: gradients are (on an accelerator, nothing is read back to the host to make it)
+    mults: Tensor
     #: per tensor, the raw gradient's sum of squares (float64) where the clipping computed it
     #: with the consumer's sum of squares; else None
     sq_sums: Optional[Tensor]
@@ -32,7 +33,10 @@ def apply_grad_scalars(grads: List[Tensor], scalars: Optional[GradScalars]) -> L
     that do not take them as they read the gradients."""
     if scalars is None:
         return grads
-    return _blocks.clip_by_value(torch._foreach_mul(grads, scalars.mults), scalars.clamp)
+    mults = scalars.mults
+    scaled = (torch._foreach_mul(grads, mults.tolist()) if mults.device.type == "cpu"
+              else _blocks.scale_each(grads, mults))
+    return _blocks.clip_by_value(scaled, scalars.clamp)
 
 
 class Deferral(NamedTuple):
@@ -196,10 +200,9 @@ def _deferred_scalars(group: Dict[str, Any], grads: List[Tensor], unscale: float
             local_sums = _blocks.sq_norms(grads).double() if sums is None else sums
             sums = yield shard_sums.request(local_sums, range(len(grads)))
         norms = _blocks.norms(grads) if sums is None else sums.sqrt().to(torch.float32)
-    mults = [base] * len(grads)
+    mults = torch.full((len(grads),), base, dtype=torch.float64, device=grads[0].device)
     if per_tensor is not None:
-        coefs = _blocks.clip_coef(norms * unscale, per_tensor).tolist()
-        mults = [base * c for c in coefs]
+        mults = mults * _blocks.clip_coef(norms * unscale, per_tensor).to(mults)
     return GradScalars(mults, sums, clamp), norms
 
 
@@ -209,18 +212,21 @@ def _clip_by_global_norm(staged: List[GroupGrads]) -> Tensor:
     scalars)."""
     total = _blocks.global_norm([t for s in staged if not s.deferred and s.grad_norms is None
                                  for t in s.grads])
-    scaled = [(s.norms * torch.tensor(s.scalars.mults, dtype=s.norms.dtype).abs()).square().sum()
+    scaled = [(s.norms * s.scalars.mults.to(s.norms).abs()).square().sum()
               for s in staged if s.deferred and s.norms is not None]
     scaled += [s.grad_norms.square().sum() for s in staged if s.grad_norms is not None]
     if scaled:
-        total = (total.square() + torch.stack(scaled).sum().to(total.device)).sqrt()
+        extra = torch.stack([x.to(scaled[0].device) for x in scaled]).sum()
+        if not any(not s.deferred and s.grad_norms is None and s.grads for s in staged):
+            total = extra.sqrt()  # on the deferred gradients' device, nothing moved to the host
+        else:
+            total = (total.square() + extra.to(total.device)).sqrt()
     for s in staged:
         if s.group.get("max_grad_norm") is None or not s.grads:
             continue
         coef = _blocks.clip_coef(total, s.group["max_grad_norm"])
-        if s.deferred:
-            c = float(coef)  # a CPU scalar: deferred groups are host ones
-            s.scalars = s.scalars._replace(mults=[m * c for m in s.scalars.mults])
+        if s.deferred:  # float64, as the C kernels' multipliers always were
+            s.scalars = s.scalars._replace(mults=s.scalars.mults * coef.to(s.scalars.mults))
         else:
             s.grads = _blocks.scale(s.grads, coef)
             if s.grad_norms is not None:

@@ -13,7 +13,7 @@ from . import _native
 from ._adam import AdamFamily
 from ._checks import check_bool, check_bounds
 from ._compile import eager
-from ._dispatch import Impl, check_implementation, implementation
+from ._dispatch import check_implementation, implementation
 from ._group import GroupTensors, LayerOptions
 from ._intake import Deferral, GroupGrads
 from ._sharding import Phased, local, run_lockstep
@@ -95,11 +95,10 @@ class LayerwiseAdam(AdamFamily):
         return loss
 
     def _kernels_may_take(self, group: Dict[str, Any], params: List[Tensor]) -> bool:
-        """Whether the C kernels may take the group's step, so that the gradients' scalar
-        transforms are left to them (the intake's deferral: host numbers, fine on the host).
-        The Triton kernels take the gradients transformed on the device, so that clipping reads
-        nothing back to the host."""
-        return implementation(group, params, on_host=self._grad_source.on_host) is Impl.NATIVE
+        """Whether kernels that apply the gradients' scalar transforms as they read them (the C
+        or Triton kernels) may take the group's step, so that those transforms are left to them
+        (the intake's deferral: per-tensor multipliers made where the gradients are)."""
+        return implementation(group, params, on_host=self._grad_source.on_host).reads_stored
 
     def _group_update(self, item: GroupGrads, update: Callable[..., Phased]) -> Phased:
         """One group's update, in phases: its tensors (state made where new), the

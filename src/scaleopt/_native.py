@@ -161,7 +161,7 @@ def _layerwise_tensors(t: Any, layer: Any, grad_sq_sums: Optional[Tensor]):
     ``grad_sq_sums``: the gradients' sums of squares where already computed (LANS)."""
     count = len(t.weights)
     low = t.low or [None] * count
-    mults = [1.0] * count if t.grad_scalars is None else t.grad_scalars.mults
+    mults = [1.0] * count if t.grad_scalars is None else t.grad_scalars.mults.tolist()
     gsq = [-1.0] * count if grad_sq_sums is None else grad_sq_sums.tolist()
     return (LayerwiseTensor * count)(*[
         LayerwiseTensor(w.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), _ptr(lo),

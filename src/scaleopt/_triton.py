@@ -149,17 +149,19 @@ def _bias_corrections(step: float, beta1: float, beta2: float, on: bool) -> Tupl
 
 
 def _step_table(t: Any, layer: Any, o: Any, device: torch.device) -> Tensor:
-    """Per tensor: lr, weight decay, adapt, gradient multiplier, bias corrections (float32, on
-    ``device``). The step counters (float32 CPU scalars, as in torch.optim) are incremented."""
+    """Per tensor: lr, weight decay, adapt, gradient multiplier (the deferred scalars', on the
+    device), bias corrections (float32, on ``device``). The step counters (float32 CPU scalars,
+    as in torch.optim) are incremented."""
     torch._foreach_add_(t.steps, 1)
-    mults = [1.0] * len(t.weights) if t.grad_scalars is None else t.grad_scalars.mults
-    rows = [(lr, wd, float(bool(a)), gm,
+    rows = [(lr, wd, float(bool(a)), 1.0,
              *_bias_corrections(float(s), o.beta1, o.beta2, o.bias_correction))
-            for lr, wd, a, gm, s in zip(layer.lrs, layer.weight_decays, layer.adapt, mults,
-                                         t.steps)]
+            for lr, wd, a, s in zip(layer.lrs, layer.weight_decays, layer.adapt, t.steps)]
     pinned = device.type == "cuda"
     table = torch.tensor(rows, dtype=torch.float32, pin_memory=pinned)
-    return table.to(device, non_blocking=True) if pinned else table
+    table = table.to(device, non_blocking=True) if pinned else table
+    if t.grad_scalars is not None:  # the gradients' multipliers, where they are (the device)
+        table[:, 3] = t.grad_scalars.mults.to(device, torch.float32)
+    return table
 
 
 def _groups(t: Any) -> List[List[int]]:

@@ -201,7 +201,7 @@ class OffloadAdam(AdamFamily):
             *(local(xs) for xs in (state.view.weights, state.view.kernel_low(),
                                    state.exp_avgs, state.exp_avg_sqs)),
             item.grads, state.steps,
-            [1.0] * len(params) if item.scalars is None else item.scalars.mults,
+            [1.0] * len(params) if item.scalars is None else item.scalars.mults.tolist(),
             [0.0 if no_decay[i] else group["weight_decay"] for i in item.idx],
             self._steps_scalars(group, state.steps))]
         fast = [not group["amsgrad"] and _native.adam_applies(r.weight, r.grad, r.exp_avg,
