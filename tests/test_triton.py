@@ -265,3 +265,46 @@ def test_the_triton_path_reads_no_tensor_value_on_the_host(info, monkeypatch):
     opt.step()
     monkeypatch.undo()
     assert reads == [] and launched
+
+
+@pytest.mark.parametrize("cls", [scaleopt.LAMB, scaleopt.LANS])
+def test_capturable_reads_the_steps_and_a_tensor_lr_where_they_are(cls, monkeypatch):
+    """capturable=True: the step counters stay with the parameters and the learning rate may
+    be a tensor that a scheduler changes in place; the numbers are the reference loop's with a
+    float rate, and the step's host code reads no tensor value at all (step counters
+    included): what a CUDA graph needs."""
+    (a, b) = (two_layers(torch.float32), two_layers(torch.float32))
+    oa = cls(a.parameters(), lr=torch.tensor(0.02), implementation="triton", capturable=True)
+    ob = cls(b.parameters(), lr=0.02, foreach=False)
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda t: 1.0 / (1.0 + t)) for o in (oa, ob)]
+    g = torch.Generator().manual_seed(6)
+    for t in range(4):
+        grads = [torch.randn(p.shape, generator=g) for p in a.parameters()]
+        for model, opt, sched in ((a, oa, scheds[0]), (b, ob, scheds[1])):
+            for p, gr in zip(model.parameters(), grads):
+                p.grad = gr.clone()
+            opt.step()
+            sched.step()
+    assert torch.is_tensor(oa.param_groups[0]["lr"])
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        assert oa.state[p]["step"].device == p.device and float(oa.state[p]["step"]) == 4
+    reads = []
+    for name in HOST_READS:
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *x, _n=name, _o=original, **k: (
+            reads.append(_n), _o(self, *x, **k))[1])
+    monkeypatch.setattr(_triton, "_launch", lambda *x, **k: None)
+    oa.step()
+    monkeypatch.undo()
+    assert reads == []
+
+
+def test_capturable_needs_the_triton_kernels():
+    p = nn.Parameter(torch.randn(3))
+    with pytest.raises(ValueError, match="Triton"):
+        scaleopt.LAMB([p], capturable=True, implementation="native")
+    opt = scaleopt.LAMB([p], capturable=True)  # on the CPU the C kernels would run
+    p.grad = torch.randn(3)
+    with pytest.raises(ValueError, match="capturable=True needs the Triton kernels"):
+        opt.step()

@@ -27,7 +27,8 @@ class AdamState(NamedTuple):
 class AdamFamily(ScaleOptimizer):
     """Base of the optimizers with Adam moments and float32 master weights.
 
-    Per parameter, the state holds ``step`` (a float32 CPU scalar, as in :mod:`torch.optim`),
+    Per parameter, the state holds ``step`` (a float32 CPU scalar, as in :mod:`torch.optim`; on
+    the parameter's device where the group says ``capturable``),
     ``exp_avg`` and ``exp_avg_sq`` (and ``max_exp_avg_sq`` with amsgrad), shaped and laid out as
     the tensor the update runs on, in its dtype (float32 for a split master), and where the
     parameter has one, its master (``scaleopt._masters``).
@@ -45,20 +46,22 @@ class AdamFamily(ScaleOptimizer):
     def _adam_state(self, group: Dict[str, Any], params: List[Tensor],
                     amsgrad: bool = False) -> AdamState:
         """The masters' view of ``params`` and their Adam state, made where new (masters equal
-        to the parameters, moments zero); a step counter moved to the CPU as float32 (e.g. from
-        a fused CUDA Adam's checkpoint) and moments cast to the working dtype (e.g. from a
-        checkpoint saved without master weights)."""
+        to the parameters, moments zero); a step counter moved to where it belongs as float32
+        (e.g. from a fused CUDA Adam's checkpoint) and moments cast to the working dtype (e.g.
+        from a checkpoint saved without master weights)."""
         view = self._master_weights.view(group, params)
         keys = _MOMENTS + (("max_exp_avg_sq",) if amsgrad else ())
         out: Dict[str, List[Tensor]] = {key: [] for key in keys + ("step",)}
+        on_device = group.get("capturable", False)  # the step counters where the weights are
         for p, w, split in zip(params, view.weights, view.split):
             state = self.state[p]
             dtype = torch.float32 if split else w.dtype
             step = state.get("step")
+            device = w.device if on_device else torch.device("cpu")
             if step is None:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            elif step.dtype != torch.float32 or step.device.type != "cpu":
-                state["step"] = step.to("cpu", torch.float32)
+                state["step"] = torch.zeros((), dtype=torch.float32, device=device)
+            elif step.dtype != torch.float32 or step.device != device:
+                state["step"] = step.to(device, torch.float32)
             for key in keys:
                 if key not in state:
                     state[key] = torch.zeros_like(w, dtype=dtype,

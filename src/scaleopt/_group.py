@@ -77,10 +77,13 @@ class LayerwiseOptions(NamedTuple):
     clip_grad_value: Any = None
     #: the second part decays the weight moved by the first (MXNet's ``LANS.step()``)
     decay_moved_weight: bool = False
+    #: the step counters are on the device and the learning rates may be device tensors: the
+    #: step reads both there (the Triton kernels), so that it can be captured in a CUDA graph
+    capturable: bool = False
 
     @classmethod
     def of(cls, group: Dict[str, Any], **own: Any) -> "LayerwiseOptions":
         """The options a param group holds, with the optimizer's ``own`` ones."""
         beta1, beta2 = group["betas"]
         return cls(beta1, beta2, group["eps"], group["bias_correction"], group["lower_bound"],
-                   group["upper_bound"], **own)
+                   group["upper_bound"], capturable=group.get("capturable", False), **own)

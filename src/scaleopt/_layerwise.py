@@ -13,7 +13,7 @@ from . import _native
 from ._adam import AdamFamily
 from ._checks import check_bool, check_bounds
 from ._compile import eager
-from ._dispatch import check_implementation, implementation
+from ._dispatch import Impl, check_implementation, implementation
 from ._group import GroupTensors, LayerOptions
 from ._intake import Deferral, GroupGrads
 from ._sharding import Phased, local, run_lockstep
@@ -53,6 +53,10 @@ class LayerwiseAdam(AdamFamily):
         check_bool(a("master_weights"), group["master_weights"])
         check_bounds(group["lower_bound"], group["upper_bound"], a("lower_bound"), a("upper_bound"))
         check_implementation(group)
+        check_bool(a("capturable"), group["capturable"])
+        if group["capturable"] and group["implementation"] not in (None, "triton"):
+            raise ValueError(f"capturable=True runs on the Triton kernels, not "
+                             f"implementation={group['implementation']!r}")
 
     # -- per-parameter options ------------------------------------------------------------------
 
@@ -113,6 +117,9 @@ class LayerwiseAdam(AdamFamily):
                          item.scalars, item.shard_sums, item.grad_norms)
         layer = self._layer_options(group, item.idx)
         impl = implementation(group, item.params, on_host=self._grad_source.on_host, tensors=t)
+        if group.get("capturable") and impl is not Impl.TRITON:
+            raise ValueError(f"capturable=True needs the Triton kernels (CUDA tensors and Triton "
+                             f"installed), and this group's step runs on {impl.value!r}")
         if impl.reads_stored:
             yield from update(group, t, layer, impl)
         else:

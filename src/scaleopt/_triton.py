@@ -56,6 +56,7 @@ _G_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _LOW_KINDS = {None: 0, torch.bfloat16: 1, torch.float16: 2, torch.int16: 3}
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _TABLES: "collections.OrderedDict[tuple, Tuple[Tensor, Tensor, Tensor]]" = collections.OrderedDict()
+_STATIC: Dict[tuple, Tensor] = {}
 
 
 def available() -> bool:
@@ -149,18 +150,55 @@ def _bias_corrections(step: float, beta1: float, beta2: float, on: bool) -> Tupl
 
 
 def _step_table(t: Any, layer: Any, o: Any, device: torch.device) -> Tensor:
-    """Per tensor: lr, weight decay, adapt, gradient multiplier (the deferred scalars', on the
-    device), bias corrections (float32, on ``device``). The step counters (float32 CPU scalars,
-    as in torch.optim) are incremented."""
+    """Per tensor: lr, weight decay, adapt, gradient multiplier, the bias corrections of its
+    step (float32, on ``device``). The step counters are incremented. With float learning rates
+    and the counters on the CPU (float32 scalars, as in torch.optim), the table is made on the
+    host and copied from pinned memory without waiting; with ``o.capturable`` or learning rates
+    that are device tensors, it is made on the device (:func:`_device_table`)."""
     torch._foreach_add_(t.steps, 1)
-    rows = [(lr, wd, float(bool(a)), 1.0,
-             *_bias_corrections(float(s), o.beta1, o.beta2, o.bias_correction))
-            for lr, wd, a, s in zip(layer.lrs, layer.weight_decays, layer.adapt, t.steps)]
-    pinned = device.type == "cuda"
-    table = torch.tensor(rows, dtype=torch.float32, pin_memory=pinned)
-    table = table.to(device, non_blocking=True) if pinned else table
+    on_device = o.capturable or any(torch.is_tensor(lr) and lr.device.type != "cpu"
+                                    for lr in layer.lrs)
+    if on_device:
+        table = _device_table(t, layer, o, device)
+    else:
+        rows = [(float(lr), wd, float(bool(a)), 1.0,
+                 *_bias_corrections(float(s), o.beta1, o.beta2, o.bias_correction))
+                for lr, wd, a, s in zip(layer.lrs, layer.weight_decays, layer.adapt, t.steps)]
+        pinned = device.type == "cuda"
+        table = torch.tensor(rows, dtype=torch.float32, pin_memory=pinned)
+        table = table.to(device, non_blocking=True) if pinned else table
     if t.grad_scalars is not None:  # the gradients' multipliers, where they are (the device)
         table[:, 3] = t.grad_scalars.mults.to(device, torch.float32)
+    return table
+
+
+def _device_table(t: Any, layer: Any, o: Any, device: torch.device) -> Tensor:
+    """The step table made by device operations alone, so that a CUDA graph replays them: its
+    constant columns from a table kept per set of values (made at the first step, before any
+    capture), the learning rates read from their tensors, the bias corrections (in float64, as
+    on the host) from the step counters."""
+    floats = tuple(0.0 if torch.is_tensor(lr) else float(lr) for lr in layer.lrs)
+    key = (floats, tuple(layer.weight_decays), tuple(map(bool, layer.adapt)), device)
+    static = _STATIC.get(key)
+    if static is None:
+        rows = [(lr, wd, float(a), 1.0, 1.0, 1.0) for lr, wd, a in zip(*key[:3])]
+        static = _STATIC[key] = torch.tensor(rows, dtype=torch.float32, device=device)
+        while len(_STATIC) > 256:
+            _STATIC.pop(next(iter(_STATIC)))
+    table = static.clone()
+    lrs = list(layer.lrs)
+    if lrs and all(lr is lrs[0] for lr in lrs) and torch.is_tensor(lrs[0]):  # a group's lr
+        table[:, 0] = lrs[0].reshape(())
+    elif all(torch.is_tensor(lr) for lr in lrs):  # per-tensor multiples of it
+        table[:, 0] = torch.stack([lr.reshape(()) for lr in lrs]).to(device, torch.float32)
+    else:
+        for i, lr in enumerate(lrs):
+            if torch.is_tensor(lr):
+                table[i, 0].copy_(lr.reshape(()))
+    if o.bias_correction:
+        steps = torch.stack([s.reshape(()) for s in t.steps]).to(device, torch.float64)
+        table[:, 4] = 1.0 - torch.pow(o.beta1, steps)
+        table[:, 5] = (1.0 - torch.pow(o.beta2, steps)).sqrt()
     return table
 
 

@@ -91,6 +91,10 @@ class LAMB(LayerwiseAdam):
             ``"single"``, ``"multi"``, ``"native"`` (the C kernels) or ``"triton"`` (the
             Triton kernels, also on CPU tensors under ``TRITON_INTERPRET=1``); an error where
             it cannot take the tensors.
+        capturable (bool, default False): keep the step counters on the parameters' device and
+            read them, and the learning rate when it is a tensor on that device, there: the
+            step reads nothing on the host and can be captured in a CUDA graph (change ``lr``
+            between replays in place, ``group["lr"].fill_(...)``). The Triton kernels only.
 
     Gradients go through ``rescale_grad``, ``clip_grad_value``, ``clip_grad_norm_per_tensor``
     and ``max_grad_norm`` in that order; ``p.grad`` is never modified.
@@ -131,6 +135,7 @@ class LAMB(LayerwiseAdam):
         maximize: bool = False,
         foreach: Optional[bool] = None,
         implementation: Optional[str] = None,
+        capturable: bool = False,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -152,6 +157,7 @@ class LAMB(LayerwiseAdam):
             maximize=maximize,
             foreach=foreach,
             implementation=implementation,
+            capturable=capturable,
         )
         super().__init__(params, defaults)
 

@@ -71,6 +71,8 @@ class LANS(LayerwiseAdam):
             which path runs the update, as in :class:`~scaleopt.LAMB` (on CUDA the Triton
             kernels, on the CPU the C kernels, by default). All give the same numbers up to
             float round-off.
+        capturable (bool, default False): step counters and a tensor learning rate read on
+            the device, for CUDA graphs, as in :class:`~scaleopt.LAMB`.
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
@@ -107,6 +109,7 @@ class LANS(LayerwiseAdam):
         maximize: bool = False,
         foreach: Optional[bool] = None,
         implementation: Optional[str] = None,
+        capturable: bool = False,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -128,6 +131,7 @@ class LANS(LayerwiseAdam):
             maximize=maximize,
             foreach=foreach,
             implementation=implementation,
+            capturable=capturable,
         )
         super().__init__(params, defaults)
 
