@@ -231,3 +231,35 @@ def test_cuda_triton_split_masters_of_bf16_parameters(cls):
     for a, b in zip(m1.parameters(), m2.parameters()):
         assert "master_lo" in o1.state[a] and "master_param" in o2.state[b]
         torch.testing.assert_close(o1.master(a), o2.master(b), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("cls", [scaleopt.LAMB, scaleopt.LANS])
+def test_cuda_graph_replays_the_triton_step_with_a_changed_lr(cls):
+    """capturable=True: a step captured once and replayed with a new learning rate written into
+    its tensor gives the reference loop's numbers."""
+    pytest.importorskip("triton")
+    m1, m2 = model(), model()
+    lr = torch.tensor(0.01, device="cuda")
+    o1 = cls(m1.parameters(), lr=lr, capturable=True)
+    o2 = cls(m2.parameters(), lr=0.01, foreach=False)
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(p.shape, generator=g).cuda() for p in m1.parameters()]
+    for p, q, gr in zip(m1.parameters(), m2.parameters(), grads):
+        p.grad, q.grad = gr.clone(), gr.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # state made and tables built before the capture
+        o1.step()
+    torch.cuda.current_stream().wait_stream(side)
+    o2.step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o1.step()
+    for rate in (0.01, 0.005, 0.002):
+        lr.fill_(rate)
+        o2.param_groups[0]["lr"] = rate
+        graph.replay()
+        o2.step()
+    torch.cuda.synchronize()
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
