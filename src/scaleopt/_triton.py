@@ -202,12 +202,13 @@ def _device_table(t: Any, layer: Any, o: Any, device: torch.device) -> Tensor:
     return table
 
 
-def _groups(t: Any) -> List[List[int]]:
-    """The group's tensors in sets of the same dtypes (one launch per phase each)."""
+def _groups(t: Any) -> List[Tuple[Tuple[int, int, int], Tuple[Tensor, Tensor, Tensor]]]:
+    """The group's tensors in sets of the same dtypes (one launch per phase each): each set's
+    kinds and address tables."""
     sets: Dict[Tuple[int, int, int], List[int]] = {}
     for i in range(len(t.weights)):
         sets.setdefault(_kind(t, i), []).append(i)
-    return list(sets.values())
+    return [(kind, _address_tables(t, idx)) for kind, idx in sets.items()]
 
 
 def _clip_bounds(clip: Any) -> Tuple[float, float, bool]:
@@ -223,12 +224,13 @@ def _clip_bounds(clip: Any) -> Tuple[float, float, bool]:
 # --------------------------------------------------------------------------------------------
 
 
-def _launch(name: str, t: Any, idx: List[int], **args: Any) -> None:
-    """Kernel ``name`` over the tensors ``idx`` (one launch)."""
-    ptrs, sizes, chunks = _address_tables(t, idx)
+def _launch(name: str, kinds: Tuple[int, int, int], tables: Tuple[Tensor, Tensor, Tensor],
+            **args: Any) -> None:
+    """Kernel ``name`` over a set of tensors (one launch): their kinds and address tables."""
+    ptrs, sizes, chunks = tables
     if chunks.shape[0] == 0:
         return
-    w_kind, g_kind, low_kind = _kind(t, idx[0])
+    w_kind, g_kind, low_kind = kinds
     kernel = getattr(_kernels(), name)
     kernel[(chunks.shape[0],)](ptrs, sizes, chunks, W_SPLIT=w_kind, G_KIND=g_kind,
                                LOW_KIND=low_kind, BLOCK=BLOCK, ITERS=ITERS, **args)
@@ -254,18 +256,18 @@ def lamb_triton(t: Any, layer: Any, o: Any) -> Phased:
     sums = torch.zeros(2 * len(t.weights), dtype=torch.float32, device=device)
     opts = _options(o, None if t.grad_scalars is None else t.grad_scalars.clamp)
     sets = _groups(t)
-    for idx in sets:
-        _launch("lamb_sums", t, idx, scal=scal, sums=sums, MODE=_MODES[o.weight_decay_mode],
-                **opts)
+    for kinds, tables in sets:
+        _launch("lamb_sums", kinds, tables, scal=scal, sums=sums,
+                MODE=_MODES[o.weight_decay_mode], **opts)
     if t.shard_sums is not None:
         owners = [i for i in range(len(t.weights)) for _ in range(2)]
         sums = yield t.shard_sums.request(sums, owners)
-    for idx in sets:
-        _launch("lamb_apply", t, idx, scal=scal, sums=sums, MODE=_MODES[o.weight_decay_mode],
-                **opts)
+    for kinds, tables in sets:
+        _launch("lamb_apply", kinds, tables, scal=scal, sums=sums,
+                MODE=_MODES[o.weight_decay_mode], **opts)
 
 
-def _grad_sums(t: Any, device: torch.device) -> Phased:
+def _grad_sums(t: Any, device: torch.device, sets: List[Any]) -> Phased:
     """Each whole gradient's sum of squares (float32, on ``device``): the intake's, where its
     clipping computed them, else one launch per set of tensors (totalled over the shards for
     local pieces: a reduction of its own)."""
@@ -275,8 +277,8 @@ def _grad_sums(t: Any, device: torch.device) -> Phased:
     if t.grad_norms is not None:
         return t.grad_norms.to(device, torch.float32).square()
     out = torch.zeros(len(t.weights), dtype=torch.float32, device=device)
-    for idx in _groups(t):
-        _launch("sum_squares", t, idx, sums=out)
+    for kinds, tables in sets:
+        _launch("sum_squares", kinds, tables, sums=out)
     if t.shard_sums is not None:
         out = yield t.shard_sums.request(out, range(len(t.weights)))
     return out
@@ -289,18 +291,18 @@ def lans_triton(t: Any, layer: Any, o: Any) -> Phased:
     if not t.weights:
         return
     device = t.weights[0].device
-    gsq = yield from _grad_sums(t, device)
+    sets = _groups(t)
+    gsq = yield from _grad_sums(t, device, sets)
     scal = _step_table(t, layer, o, device)
     sums = torch.zeros(4 * len(t.weights), dtype=torch.float32, device=device)
     opts = _options(o, o.clip_grad_value)
-    sets = _groups(t)
-    for idx in sets:
-        _launch("lans_sums", t, idx, scal=scal, sums=sums, gsq=gsq, **opts)
+    for kinds, tables in sets:
+        _launch("lans_sums", kinds, tables, scal=scal, sums=sums, gsq=gsq, **opts)
     if t.shard_sums is not None:
         owners = [i for i in range(len(t.weights)) for _ in range(4)]
         sums = yield t.shard_sums.request(sums, owners)
-    for idx in sets:
-        _launch("lans_apply", t, idx, scal=scal, sums=sums, gsq=gsq,
+    for kinds, tables in sets:
+        _launch("lans_apply", kinds, tables, scal=scal, sums=sums, gsq=gsq,
                 MOVED=bool(o.decay_moved_weight), **opts)
 
 
