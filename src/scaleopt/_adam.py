@@ -51,24 +51,27 @@ class AdamFamily(ScaleOptimizer):
         from a checkpoint saved without master weights)."""
         view = self._master_weights.view(group, params)
         keys = _MOMENTS + (("max_exp_avg_sq",) if amsgrad else ())
-        out: Dict[str, List[Tensor]] = {key: [] for key in keys + ("step",)}
         on_device = group.get("capturable", False)  # the step counters where the weights are
+        cpu, f32 = torch.device("cpu"), torch.float32
+        steps: List[Tensor] = []
+        moments: List[List[Tensor]] = [[] for _ in keys]
         for p, w, split in zip(params, view.weights, view.split):
             state = self.state[p]
-            dtype = torch.float32 if split else w.dtype
             step = state.get("step")
-            device = w.device if on_device else torch.device("cpu")
-            if step is None:
-                state["step"] = torch.zeros((), dtype=torch.float32, device=device)
-            elif step.dtype != torch.float32 or step.device != device:
-                state["step"] = step.to(device, torch.float32)
-            for key in keys:
-                if key not in state:
-                    state[key] = torch.zeros_like(w, dtype=dtype,
-                                                  memory_format=torch.preserve_format)
-                elif state[key].dtype != dtype:
-                    state[key] = state[key].to(dtype)
-            for key in out:
-                out[key].append(state[key])
-        return AdamState(view, out["step"], out["exp_avg"], out["exp_avg_sq"],
-                         out.get("max_exp_avg_sq"))
+            device = w.device if on_device else cpu
+            if step is None or step.dtype != f32 or (step.device != device if on_device
+                                                     else not step.is_cpu):
+                step = state["step"] = (torch.zeros((), dtype=f32, device=device) if step is None
+                                        else step.to(device, f32))
+            steps.append(step)
+            dtype = f32 if split else w.dtype
+            for key, out in zip(keys, moments):
+                x = state.get(key)
+                if x is None:
+                    x = state[key] = torch.zeros_like(w, dtype=dtype,
+                                                      memory_format=torch.preserve_format)
+                elif x.dtype != dtype:  # e.g. a checkpoint saved without master weights
+                    x = state[key] = x.to(dtype)
+                out.append(x)
+        return AdamState(view, steps, moments[0], moments[1],
+                         moments[2] if amsgrad else None)

@@ -91,7 +91,10 @@ def like(template: Tensor, piece: Tensor) -> Tensor:
 
 def local(tensors: Sequence[Tensor]) -> List[Tensor]:
     """Each DTensor's local shard (a view of its memory), other tensors as they are."""
-    return [local_piece(t) for t in tensors]
+    cls = _dtensor()  # looked up once: this runs over every tensor of every step
+    if cls is _NoDTensor:
+        return list(tensors)
+    return [t.to_local() if isinstance(t, cls) else t for t in tensors]
 
 
 #: id(mesh) -> {placements: the process groups that split a tensor so placed}, while the mesh

@@ -73,33 +73,29 @@ def runs_on(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def _plain(t: Optional[Tensor], dtypes: Sequence[Any]) -> bool:
-    return (t is not None and type(t) in _PLAIN and t.layout == torch.strided
-            and t.is_contiguous() and t.dtype in dtypes)
-
-
 def applies(t: Any) -> bool:
     """Whether the kernels take a group's tensors (a ``GroupTensors``): on one device where they
-    run (:func:`runs_on`), plain and
-    contiguous; float32 moments; a float32 weight (with, optionally, where its rounded bfloat16
-    or float16 values go) or a split master (a bfloat16 weight and its int16 lower halves); a
-    float32, bfloat16 or float16 gradient."""
+    run (:func:`runs_on`), plain (not a tensor subclass) and contiguous; float32 moments; a
+    float32 weight (with, optionally, where its rounded bfloat16 or float16 values go) or a
+    split master (a bfloat16 weight and its int16 lower halves); a float32, bfloat16 or
+    float16 gradient on the weight's device."""
     if not available() or not t.weights:
         return False
     device = t.weights[0].device
     if not runs_on(device):
         return False
-    low = t.low or [None] * len(t.weights)
-    for w, g, m, v, lo in zip(t.weights, t.grads, t.exp_avgs, t.exp_avg_sqs, low):
-        split = w.dtype == torch.bfloat16
-        if not (_plain(w, (torch.float32, torch.bfloat16)) and _plain(g, tuple(_G_KINDS))
-                and _plain(m, (torch.float32,)) and _plain(v, (torch.float32,))):
+    f32, bf16 = torch.float32, torch.bfloat16
+    for w, g, m, v, lo in zip(t.weights, t.grads, t.exp_avgs, t.exp_avg_sqs,
+                              t.low or [None] * len(t.weights)):
+        plain = (type(w) in _PLAIN and type(g) in _PLAIN and type(m) in _PLAIN
+                 and type(v) in _PLAIN and w.layout == torch.strided)
+        if not (plain and m.dtype == f32 and v.dtype == f32 and g.dtype in _G_KINDS
+                and w.dtype in (f32, bf16) and w.is_contiguous() and g.is_contiguous()
+                and m.is_contiguous() and v.is_contiguous() and g.device == device):
             return False
-        if split and not _plain(lo, (torch.int16,)):
-            return False
-        if not split and lo is not None and not _plain(lo, (torch.bfloat16, torch.float16)):
-            return False
-        if any(x.device != device for x in (w, g, m, v) + (() if lo is None else (lo,))):
+        wanted = (torch.int16,) if w.dtype == bf16 else (None, bf16, torch.float16)
+        if (None if lo is None else lo.dtype) not in wanted or not (
+                lo is None or (type(lo) in _PLAIN and lo.is_contiguous())):
             return False
     return True
 
