@@ -8,6 +8,7 @@ interpreter tests skip."""
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -308,3 +309,58 @@ def test_capturable_needs_the_triton_kernels():
     p.grad = torch.randn(3)
     with pytest.raises(ValueError, match="capturable=True needs the Triton kernels"):
         opt.step()
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy, in
+@pytest.mark.parametrize("capturable", [False, True])  # the interpreter's masked-off lanes
+@pytest.mark.parametrize("cls", [scaleopt.LAMB, scaleopt.LANS])
+def test_a_gradscaler_hands_the_kernels_its_scale_and_inf_flag(cls, capturable):
+    """With a GradScaler, the kernels unscale the gradients as they read them (the scale stays
+    a tensor) and a step with an inf changes nothing, its step counters included (decided on
+    the device with capturable=True); the numbers are those of unscaled gradients."""
+    (a, b) = (two_layers(torch.float32), two_layers(torch.float32))
+    oa = cls(a.parameters(), lr=1e-2, implementation="triton", capturable=capturable,
+             max_grad_norm=0.5)
+    ob = cls(b.parameters(), lr=1e-2, foreach=False, max_grad_norm=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    x = torch.randn(8, 9)
+    for t in range(3):
+        for model, opt in ((a, oa), (b, ob)):
+            opt.zero_grad()
+        scaler.scale(a(x + t).square().mean()).backward()
+        b(x + t).square().mean().backward()
+        scaler.step(oa)
+        scaler.update()
+        ob.step()
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    before = [p.detach().clone() for p in a.parameters()]
+    state = copy.deepcopy(oa.state_dict()["state"])
+    oa.zero_grad()
+    scaler.scale(a(x).square().mean()).backward()
+    a[0].weight.grad[0, 0] = float("inf")
+    scaler.step(oa)
+    scaler.update()
+    assert scaler.get_scale() < 2.0 ** 8
+    for p, q in zip(before, a.parameters()):
+        assert torch.equal(p, q)
+    for k, st in oa.state_dict()["state"].items():
+        for key, value in st.items():
+            assert torch.equal(value, state[k][key]), key
+
+
+def test_a_capturable_step_takes_the_scale_and_skips_without_host_reads(monkeypatch):
+    p = nn.Parameter(torch.randn(6, 5))
+    opt = scaleopt.LAMB([p], implementation="triton", capturable=True, max_grad_norm=1.0)
+    p.grad = torch.randn(6, 5)
+    opt.step()
+    reads = []
+    for name in HOST_READS:
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *x, _n=name, _o=original, **k: (
+            reads.append(_n), _o(self, *x, **k))[1])
+    opt.grad_scale, opt.found_inf = torch.tensor(128.0), torch.tensor([1.0])  # as GradScaler
+    monkeypatch.setattr(_triton, "_launch", lambda *x, **k: None)
+    opt.step()
+    monkeypatch.undo()
+    assert reads == []

@@ -43,6 +43,9 @@ class GroupTensors:
     shard_sums: Optional[ShardSums] = None
     #: the gradients' whole norms, where the intake's clipping computed them
     grad_norms: Optional[Tensor] = None
+    #: a flag on the device (a GradScaler's ``found_inf``): when nonzero, the update changes
+    #: nothing and the step counters go back (the Triton kernels, with ``capturable``)
+    skip_if: Optional[Tensor] = None
 
     def for_torch(self) -> "GroupTensors":
         """The tensors as the PyTorch implementations take them: the gradients with their

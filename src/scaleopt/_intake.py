@@ -5,7 +5,7 @@ those transforms as per-tensor scalars (see :func:`take`)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, List, NamedTuple, Optional
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor
@@ -123,14 +123,18 @@ def take(opt: Any, value_clip: bool = True, defer: Optional[Deferral] = None, *,
         return _skipped()
     return Intake([s for s in staged if s.params])
 
-def _unscale(opt: Any, group: Dict[str, Any]) -> float:
+def _unscale(opt: Any, group: Dict[str, Any]) -> Union[float, Tensor]:
     """The factor a group's raw gradients are unscaled by: ``rescale_grad``, divided by the
-    group's ``loss_scale`` and by a GradScaler's scale (when the optimizer takes it)."""
+    group's ``loss_scale`` and by a GradScaler's scale (when the optimizer takes it). An update
+    on the host reads the scale there; elsewhere the factor is a tensor where the scale is
+    (its float32 inverse, as the scaler's own unscaling uses), read by no host code."""
     amp = getattr(opt, "grad_scale", None) if opt._step_supports_amp_scaling else None
-    factor = group.get("rescale_grad", 1.0)
-    if amp is not None:
-        factor = factor * (1.0 / float(amp))
-    return factor / group.get("loss_scale", 1.0)
+    factor = group.get("rescale_grad", 1.0) / group.get("loss_scale", 1.0)
+    if amp is None:
+        return factor
+    if opt._grad_source.on_host:
+        return factor * (1.0 / float(amp))
+    return amp.double().reciprocal().float().reshape(()) * factor
 
 def _collect(opt: Any, group: Dict[str, Any], value_clip: bool,
              defer: Optional[Deferral]) -> Phased:
@@ -184,14 +188,15 @@ def _param_label(group: Dict[str, Any], i: int) -> str:
     return repr(names[i]) if names else f"#{i}"
 
 
-def _deferred_scalars(group: Dict[str, Any], grads: List[Tensor], unscale: float, clamp: Any,
+def _deferred_scalars(group: Dict[str, Any], grads: List[Tensor], unscale: Any, clamp: Any,
                       defer: Deferral, shard_sums: Optional[ShardSums] = None) -> Phased:
     """A deferred group's scalars before global clipping (None when all multipliers are 1 and
     nothing clips), and the raw gradients' norms where a clipping needs them, in phases (which
     return them)."""
     base = (-1.0 if group.get("maximize", False) else 1.0) * unscale
     per_tensor, global_clip = group.get("clip_grad_norm_per_tensor"), group.get("max_grad_norm")
-    if base == 1.0 and per_tensor is None and global_clip is None and clamp is None:
+    if (not torch.is_tensor(base) and base == 1.0 and per_tensor is None and global_clip is None
+            and clamp is None):
         return None, None
     sums = norms = None
     if per_tensor is not None or global_clip is not None:
@@ -200,7 +205,9 @@ def _deferred_scalars(group: Dict[str, Any], grads: List[Tensor], unscale: float
             local_sums = _blocks.sq_norms(grads).double() if sums is None else sums
             sums = yield shard_sums.request(local_sums, range(len(grads)))
         norms = _blocks.norms(grads) if sums is None else sums.sqrt().to(torch.float32)
-    mults = torch.full((len(grads),), base, dtype=torch.float64, device=grads[0].device)
+    mults = (base.to(grads[0].device, torch.float64).expand(len(grads)).clone()
+             if torch.is_tensor(base) else
+             torch.full((len(grads),), base, dtype=torch.float64, device=grads[0].device))
     if per_tensor is not None:
         mults = mults * _blocks.clip_coef(norms * unscale, per_tensor).to(mults)
     return GradScalars(mults, sums, clamp), norms

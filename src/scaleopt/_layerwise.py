@@ -43,6 +43,10 @@ class LayerwiseAdam(AdamFamily):
 
     #: Keyword arguments of :meth:`_intake` (LANS clips values itself).
     _intake_options: Dict[str, Any] = {}
+    #: A GradScaler hands the step its scale and inf flag: the scale goes into the gradients'
+    #: multipliers (on the device for the Triton kernels); an inf skips the step (decided on
+    #: the device where every group is ``capturable``)
+    _step_supports_amp_scaling = True
 
     def _validate_group(self, group: Dict[str, Any]) -> None:
         super()._validate_group(group)
@@ -90,10 +94,16 @@ class LayerwiseAdam(AdamFamily):
         implementation)`` (the optimizer's functional form), the groups in lockstep, so that the
         sums they ask to total over the shards travel in one reduction."""
         loss = self._closure_loss(closure)
+        found = getattr(self, "found_inf", None)  # a GradScaler's, during its step
+        on_device = all(group.get("capturable") for group in self.param_groups)
+        if found is not None and not on_device and float(found) != 0.0:
+            return loss  # skipped, as a GradScaler skips any optimizer's step
+        skip_if = found.reshape(()) if found is not None else None
         with self._grad_source.stepping():
             defer = Deferral(self._kernels_may_take, _native.sums_of_squares)
             intake = self._intake(defer=defer, **self._intake_options)
-            adapted = run_lockstep([self._group_update(item, update) for item in intake])
+            adapted = run_lockstep([self._group_update(item, update, skip_if)
+                                    for item in intake])
         if adapted and not any(adapted):
             self._warn_no_trust_ratio()
         return loss
@@ -104,7 +114,8 @@ class LayerwiseAdam(AdamFamily):
         (the intake's deferral: per-tensor multipliers made where the gradients are)."""
         return implementation(group, params, on_host=self._grad_source.on_host).reads_stored
 
-    def _group_update(self, item: GroupGrads, update: Callable[..., Phased]) -> Phased:
+    def _group_update(self, item: GroupGrads, update: Callable[..., Phased],
+                      skip_if: Optional[Tensor] = None) -> Phased:
         """One group's update, in phases: its tensors (state made where new), the
         implementation picked for them, the update on the masters as that implementation takes
         them (split ones joined into float32 for the PyTorch paths, split again after), and
@@ -114,7 +125,8 @@ class LayerwiseAdam(AdamFamily):
         view = state.view
         t = GroupTensors(local(view.weights), item.grads, local(state.exp_avgs),
                          local(state.exp_avg_sqs), state.steps, local(view.kernel_low()),
-                         item.scalars, item.shard_sums, item.grad_norms)
+                         item.scalars, item.shard_sums, item.grad_norms,
+                         skip_if if group.get("capturable") else None)
         layer = self._layer_options(group, item.idx)
         impl = implementation(group, item.params, on_host=self._grad_source.on_host, tensors=t)
         if group.get("capturable") and impl is not Impl.TRITON:

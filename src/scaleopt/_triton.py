@@ -57,6 +57,7 @@ _LOW_KINDS = {None: 0, torch.bfloat16: 1, torch.float16: 2, torch.int16: 3}
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _TABLES: "collections.OrderedDict[tuple, Tuple[Tensor, Tensor, Tensor]]" = collections.OrderedDict()
 _STATIC: Dict[tuple, Tensor] = {}
+_ZERO: Dict[torch.device, Tensor] = {}
 
 
 def available() -> bool:
@@ -152,6 +153,8 @@ def _step_table(t: Any, layer: Any, o: Any, device: torch.device) -> Tensor:
     host and copied from pinned memory without waiting; with ``o.capturable`` or learning rates
     that are device tensors, it is made on the device (:func:`_device_table`)."""
     torch._foreach_add_(t.steps, 1)
+    if t.skip_if is not None:  # a skipped step leaves its counters as they were
+        torch._foreach_sub_(t.steps, [t.skip_if.to(torch.float32)] * len(t.steps))
     on_device = o.capturable or any(torch.is_tensor(lr) and lr.device.type != "cpu"
                                     for lr in layer.lrs)
     if on_device:
@@ -233,6 +236,17 @@ def _launch(name: str, kinds: Tuple[int, int, int], tables: Tuple[Tensor, Tensor
     LAUNCHES[name] += 1
 
 
+def _skip_flag(t: Any, device: torch.device) -> Tensor:
+    """The kernels' skip flag: the group's (a GradScaler's found_inf), else a zero kept per
+    device."""
+    if t.skip_if is not None:
+        return t.skip_if.reshape(1).to(device, torch.float32)
+    flag = _ZERO.get(device)
+    if flag is None:
+        flag = _ZERO[device] = torch.zeros(1, dtype=torch.float32, device=device)
+    return flag
+
+
 def _options(o: Any, clip: Any) -> Dict[str, Any]:
     lo, hi, on = _clip_bounds(clip)
     return dict(beta1=o.beta1, beta2=o.beta2, eps=o.eps, clip_lo=lo, clip_hi=hi, CLIP=on,
@@ -251,15 +265,15 @@ def lamb_triton(t: Any, layer: Any, o: Any) -> Phased:
     scal = _step_table(t, layer, o, device)
     sums = torch.zeros(2 * len(t.weights), dtype=torch.float32, device=device)
     opts = _options(o, None if t.grad_scalars is None else t.grad_scalars.clamp)
-    sets = _groups(t)
+    sets, skip = _groups(t), _skip_flag(t, device)
     for kinds, tables in sets:
-        _launch("lamb_sums", kinds, tables, scal=scal, sums=sums,
+        _launch("lamb_sums", kinds, tables, scal=scal, skip=skip, sums=sums,
                 MODE=_MODES[o.weight_decay_mode], **opts)
     if t.shard_sums is not None:
         owners = [i for i in range(len(t.weights)) for _ in range(2)]
         sums = yield t.shard_sums.request(sums, owners)
     for kinds, tables in sets:
-        _launch("lamb_apply", kinds, tables, scal=scal, sums=sums,
+        _launch("lamb_apply", kinds, tables, scal=scal, skip=skip, sums=sums,
                 MODE=_MODES[o.weight_decay_mode], **opts)
 
 
@@ -291,14 +305,14 @@ def lans_triton(t: Any, layer: Any, o: Any) -> Phased:
     gsq = yield from _grad_sums(t, device, sets)
     scal = _step_table(t, layer, o, device)
     sums = torch.zeros(4 * len(t.weights), dtype=torch.float32, device=device)
-    opts = _options(o, o.clip_grad_value)
+    opts, skip = _options(o, o.clip_grad_value), _skip_flag(t, device)
     for kinds, tables in sets:
-        _launch("lans_sums", kinds, tables, scal=scal, sums=sums, gsq=gsq, **opts)
+        _launch("lans_sums", kinds, tables, scal=scal, skip=skip, sums=sums, gsq=gsq, **opts)
     if t.shard_sums is not None:
         owners = [i for i in range(len(t.weights)) for _ in range(4)]
         sums = yield t.shard_sums.request(sums, owners)
     for kinds, tables in sets:
-        _launch("lans_apply", kinds, tables, scal=scal, sums=sums, gsq=gsq,
+        _launch("lans_apply", kinds, tables, scal=scal, skip=skip, sums=sums, gsq=gsq,
                 MOVED=bool(o.decay_moved_weight), **opts)
 
 

@@ -115,16 +115,18 @@ def _trust_ratio(w2, u2, lower, upper, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.co
 
 
 @triton.jit
-def _program(ptrs, sizes, chunks, scal):
-    """This program's chunk: the tensor's row of ``ptrs``, its size, its first element, its
-    place in the group, and its step's numbers."""
+def _program(ptrs, sizes, chunks, scal, skip):
+    """This program's chunk: the tensor's row of ``ptrs``, its size (0 when ``skip[0]`` is set:
+    a GradScaler found an inf, and nothing is read or written), its first element, its place
+    in the group, and its step's numbers."""
     pid = tl.program_id(0)
     k = tl.load(chunks + 2 * pid)
     start = tl.load(chunks + 2 * pid + 1)
     row = ptrs + _ROW * k
     i = tl.load(row + 5)
     s = scal + _SCAL * i
-    return (row, tl.load(sizes + k), start, i, tl.load(s), tl.load(s + 1), tl.load(s + 2),
+    n = tl.where(tl.load(skip) == 0.0, tl.load(sizes + k), 0)
+    return (row, n, start, i, tl.load(s), tl.load(s + 1), tl.load(s + 2),
             tl.load(s + 3), tl.load(s + 4), tl.load(s + 5))
 
 
@@ -156,13 +158,14 @@ def sum_squares(ptrs, sizes, chunks, sums, W_SPLIT: tl.constexpr, G_KIND: tl.con
 
 
 @triton.jit
-def lamb_sums(ptrs, sizes, chunks, scal, sums, beta1, beta2, eps, clip_lo, clip_hi, lower, upper,
+def lamb_sums(ptrs, sizes, chunks, scal, skip, sums, beta1, beta2, eps, clip_lo, clip_hi, lower,
+              upper,
               MODE: tl.constexpr, CLIP: tl.constexpr, HAS_LOWER: tl.constexpr,
               HAS_UPPER: tl.constexpr, W_SPLIT: tl.constexpr, G_KIND: tl.constexpr,
               LOW_KIND: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
     """LAMB's first phase: m, v updated; sums[2i] += sum w^2, sums[2i+1] += sum u^2 (u the full
     update, decay included; w decayed first in the decoupled mode, 1)."""
-    row, n, start, i, lr, wd, _, mult, bc1, bc2 = _program(ptrs, sizes, chunks, scal)
+    row, n, start, i, lr, wd, _, mult, bc1, bc2 = _program(ptrs, sizes, chunks, scal, skip)
     wp, gp, mp, vp, lp = _pointers(row, W_SPLIT, G_KIND, LOW_KIND)
     f = _decay_factor(lr, wd, MODE)
     acc_w = tl.zeros([BLOCK], dtype=tl.float32)
@@ -186,12 +189,12 @@ def lamb_sums(ptrs, sizes, chunks, scal, sums, beta1, beta2, eps, clip_lo, clip_
 
 
 @triton.jit
-def lamb_apply(ptrs, sizes, chunks, scal, sums, beta1, beta2, eps, clip_lo, clip_hi, lower,
+def lamb_apply(ptrs, sizes, chunks, scal, skip, sums, beta1, beta2, eps, clip_lo, clip_hi, lower,
                upper, MODE: tl.constexpr, CLIP: tl.constexpr, HAS_LOWER: tl.constexpr,
                HAS_UPPER: tl.constexpr, W_SPLIT: tl.constexpr, G_KIND: tl.constexpr,
                LOW_KIND: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
     """LAMB's second phase: w - lr * ratio * u, the ratio from the (totalled) sums."""
-    row, n, start, i, lr, wd, adapt, _, bc1, bc2 = _program(ptrs, sizes, chunks, scal)
+    row, n, start, i, lr, wd, adapt, _, bc1, bc2 = _program(ptrs, sizes, chunks, scal, skip)
     wp, gp, mp, vp, lp = _pointers(row, W_SPLIT, G_KIND, LOW_KIND)
     ratio = _trust_ratio(tl.load(sums + 2 * i), tl.load(sums + 2 * i + 1), lower, upper,
                          HAS_LOWER, HAS_UPPER)
@@ -218,13 +221,14 @@ def _normalising_factor(gsq, i, mult):
 
 
 @triton.jit
-def lans_sums(ptrs, sizes, chunks, scal, sums, gsq, beta1, beta2, eps, clip_lo, clip_hi, lower,
+def lans_sums(ptrs, sizes, chunks, scal, skip, sums, gsq, beta1, beta2, eps, clip_lo, clip_hi,
+              lower,
               upper, CLIP: tl.constexpr, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
               W_SPLIT: tl.constexpr, G_KIND: tl.constexpr, LOW_KIND: tl.constexpr,
               BLOCK: tl.constexpr, ITERS: tl.constexpr):
     """LANS's first phase: m, v updated from the normalised gradient; sums[4i..4i+3] +=
     sum w^2, r^2, c^2, r*c."""
-    row, n, start, i, lr, wd, _, mult, bc1, bc2 = _program(ptrs, sizes, chunks, scal)
+    row, n, start, i, lr, wd, _, mult, bc1, bc2 = _program(ptrs, sizes, chunks, scal, skip)
     wp, gp, mp, vp, lp = _pointers(row, W_SPLIT, G_KIND, LOW_KIND)
     ginv = _normalising_factor(gsq, i, mult)
     acc_w = tl.zeros([BLOCK], dtype=tl.float32)
@@ -251,13 +255,14 @@ def lans_sums(ptrs, sizes, chunks, scal, sums, gsq, beta1, beta2, eps, clip_lo, 
 
 
 @triton.jit
-def lans_apply(ptrs, sizes, chunks, scal, sums, gsq, beta1, beta2, eps, clip_lo, clip_hi, lower,
+def lans_apply(ptrs, sizes, chunks, scal, skip, sums, gsq, beta1, beta2, eps, clip_lo, clip_hi,
+               lower,
                upper, MOVED: tl.constexpr, CLIP: tl.constexpr, HAS_LOWER: tl.constexpr,
                HAS_UPPER: tl.constexpr, W_SPLIT: tl.constexpr, G_KIND: tl.constexpr,
                LOW_KIND: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
     """LANS's second phase: w1 = w - a * ratio_r * r, then w1 - b * ratio_c * c, where c
     decays w1 when MOVED and w otherwise (a = lr * beta1, b = lr * (1 - beta1))."""
-    row, n, start, i, lr, wd, adapt, mult, bc1, bc2 = _program(ptrs, sizes, chunks, scal)
+    row, n, start, i, lr, wd, adapt, mult, bc1, bc2 = _program(ptrs, sizes, chunks, scal, skip)
     wp, gp, mp, vp, lp = _pointers(row, W_SPLIT, G_KIND, LOW_KIND)
     ginv = _normalising_factor(gsq, i, mult)
     a = lr * beta1
