@@ -276,6 +276,27 @@ def test_non_contiguous_parameters_are_updated(info):
 HOST_READS = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__")
 
 
+def record_host_reads(monkeypatch, allowed=()):
+    """Until ``monkeypatch.undo()``, every host read of a tensor value (``HOST_READS``) but of
+    the tensors in ``allowed`` goes into the list returned."""
+    allowed_ids = {id(t) for t in allowed}
+    reads = []
+
+    def guarded(name):
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            if id(self) not in allowed_ids:
+                reads.append(f"Tensor.{name} on a {tuple(self.shape)} tensor")
+            return original(self, *args, **kwargs)
+
+        return read
+
+    for name in HOST_READS:
+        monkeypatch.setattr(torch.Tensor, name, guarded(name))
+    return reads
+
+
 @pytest.mark.parametrize("info", [i for i in FAST if not i.host_step], ids=str)
 def test_device_path_reads_no_tensor_value_on_the_host(info, monkeypatch):
     """The path GPUs take (foreach) reads no value back but the step counters, which live on
@@ -284,23 +305,10 @@ def test_device_path_reads_no_tensor_value_on_the_host(info, monkeypatch):
     model, opt = fresh(info)
     set_foreach(opt, True)
     train(model, opt, 1)  # state allocated
-    steps = {id(s["step"]) for s in opt.state.values() if "step" in s}
+    steps = [s["step"] for s in opt.state.values() if "step" in s]
     for p in model.parameters():
         p.grad = torch.randn_like(p)
-    reads = []
-
-    def guarded(name):
-        original = getattr(torch.Tensor, name)
-
-        def read(self, *args, **kwargs):
-            if id(self) not in steps:
-                reads.append(f"Tensor.{name} on a {tuple(self.shape)} tensor")
-            return original(self, *args, **kwargs)
-
-        return read
-
-    for name in HOST_READS:
-        monkeypatch.setattr(torch.Tensor, name, guarded(name))
+    reads = record_host_reads(monkeypatch, allowed=steps)
     for name in ("nonzero", "masked_select", "argwhere", "unique"):
         monkeypatch.setattr(torch, name, lambda *a, _n=name, **k: reads.append(f"torch.{_n}"))
     before = params_of(model)

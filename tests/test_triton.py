@@ -27,7 +27,7 @@ from scaleopt._layerwise import LayerwiseAdam  # noqa: E402
 import dgc_workers as W  # noqa: E402
 import sharded_workers as S  # noqa: E402
 from registry import REGISTRY  # noqa: E402
-from test_matrix import HOST_READS, fresh, loss_of, train  # noqa: E402
+from test_matrix import fresh, loss_of, record_host_reads, train  # noqa: E402
 
 LAYERWISE = [i for i in REGISTRY if not i.host_step
              and isinstance(fresh(i)[1], LayerwiseAdam)]
@@ -245,24 +245,12 @@ def test_the_triton_path_reads_no_tensor_value_on_the_host(info, monkeypatch):
     model, opt = fresh(info)
     use(opt, "triton")
     train(model, opt, 1)  # state allocated
-    steps = {id(s["step"]) for s in opt.state.values() if "step" in s}
+    steps = [s["step"] for s in opt.state.values() if "step" in s]
     for p in model.parameters():
         p.grad = torch.randn_like(p)
-    reads, launched = [], []
-
-    def guarded(name):
-        original = getattr(torch.Tensor, name)
-
-        def read(self, *args, **kwargs):
-            if id(self) not in steps:
-                reads.append(f"Tensor.{name} on a {tuple(self.shape)} tensor")
-            return original(self, *args, **kwargs)
-
-        return read
-
+    launched = []
     monkeypatch.setattr(_triton, "_launch", lambda name, *a, **k: launched.append(name))
-    for name in HOST_READS:
-        monkeypatch.setattr(torch.Tensor, name, guarded(name))
+    reads = record_host_reads(monkeypatch, allowed=steps)
     opt.step()
     monkeypatch.undo()
     assert reads == [] and launched
@@ -290,12 +278,8 @@ def test_capturable_reads_the_steps_and_a_tensor_lr_where_they_are(cls, monkeypa
     for p, q in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
         assert oa.state[p]["step"].device == p.device and float(oa.state[p]["step"]) == 4
-    reads = []
-    for name in HOST_READS:
-        original = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name, lambda self, *x, _n=name, _o=original, **k: (
-            reads.append(_n), _o(self, *x, **k))[1])
     monkeypatch.setattr(_triton, "_launch", lambda *x, **k: None)
+    reads = record_host_reads(monkeypatch)  # the step counters included
     oa.step()
     monkeypatch.undo()
     assert reads == []
@@ -354,13 +338,9 @@ def test_a_capturable_step_takes_the_scale_and_skips_without_host_reads(monkeypa
     opt = scaleopt.LAMB([p], implementation="triton", capturable=True, max_grad_norm=1.0)
     p.grad = torch.randn(6, 5)
     opt.step()
-    reads = []
-    for name in HOST_READS:
-        original = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name, lambda self, *x, _n=name, _o=original, **k: (
-            reads.append(_n), _o(self, *x, **k))[1])
     opt.grad_scale, opt.found_inf = torch.tensor(128.0), torch.tensor([1.0])  # as GradScaler
     monkeypatch.setattr(_triton, "_launch", lambda *x, **k: None)
+    reads = record_host_reads(monkeypatch)
     opt.step()
     monkeypatch.undo()
     assert reads == []
