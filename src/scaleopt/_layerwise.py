@@ -6,7 +6,6 @@ import dataclasses
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-import torch
 from torch import Tensor
 
 from . import _native

@@ -37,11 +37,12 @@ import functools
 import importlib.util
 import math
 import os
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 from torch import Tensor
 
+from . import _blocks
 from ._sharding import Phased
 
 #: elements per block of a program, and blocks per program (a program's chunk: their product)
@@ -138,14 +139,6 @@ def _address_tables(t: Any, idx: List[int]) -> Tuple[Tensor, Tensor, Tensor]:
     return tables
 
 
-@functools.lru_cache(maxsize=4096)
-def _bias_corrections(step: float, beta1: float, beta2: float, on: bool) -> Tuple[float, float]:
-    """(1 - beta1^t, sqrt(1 - beta2^t)) in double, as the C kernels (1 without correction)."""
-    if not on:
-        return 1.0, 1.0
-    return 1.0 - beta1 ** step, math.sqrt(1.0 - beta2 ** step)
-
-
 def _step_table(t: Any, layer: Any, o: Any, device: torch.device) -> Tensor:
     """Per tensor: lr, weight decay, adapt, gradient multiplier, the bias corrections of its
     step (float32, on ``device``). The step counters are incremented. With float learning rates
@@ -160,9 +153,10 @@ def _step_table(t: Any, layer: Any, o: Any, device: torch.device) -> Tensor:
     if on_device:
         table = _device_table(t, layer, o, device)
     else:
-        rows = [(float(lr), wd, float(bool(a)), 1.0,
-                 *_bias_corrections(float(s), o.beta1, o.beta2, o.bias_correction))
-                for lr, wd, a, s in zip(layer.lrs, layer.weight_decays, layer.adapt, t.steps)]
+        bc1, bc2 = _blocks.bias_corrections([float(s) for s in t.steps], o.beta1, o.beta2,
+                                            o.bias_correction)
+        rows = [(float(lr), wd, float(bool(a)), 1.0, c1, c2) for lr, wd, a, c1, c2 in zip(
+            layer.lrs, layer.weight_decays, layer.adapt, bc1, bc2)]
         pinned = device.type == "cuda"
         table = torch.tensor(rows, dtype=torch.float32, pin_memory=pinned)
         table = table.to(device, non_blocking=True) if pinned else table
