@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from ._base import ScaleOptimizer
+from ._loading import ADAM_STATE
 from ._masters import LocalPlacement, MasterView, MasterWeights
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -33,6 +34,8 @@ class AdamFamily(ScaleOptimizer):
     the tensor the update runs on, in its dtype (float32 for a split master), and where the
     parameter has one, its master (``scaleopt._masters``).
     """
+
+    _state_spec = ADAM_STATE
 
     def _attach(self) -> None:
         super()._attach()

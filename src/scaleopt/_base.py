@@ -16,6 +16,7 @@ from ._checks import (check_betas, check_bool, check_name_rule, check_number, ch
                       checked_value_clip)
 from ._compile import eager
 from ._intake import Deferral, Intake, take
+from ._loading import TAG, StateSpec, check_state_dict, tag
 from ._params import BOOKKEEPING_KEYS, freeze_rule, match_names, normalize_group, normalize_params, rule_is_set
 
 
@@ -45,6 +46,27 @@ class InPlace:
 
 
 IN_PLACE = InPlace()
+
+
+def lr_of(group: Dict[str, Any]) -> Any:
+    """A group's learning rate: the number, or a tensor learning rate of any one-element shape
+    as a 0-d tensor (the form torch's foreach scalars take)."""
+    lr = group["lr"]
+    return lr.reshape(()) if isinstance(lr, Tensor) else lr
+
+
+def lr_number(group: Dict[str, Any]) -> float:
+    """A group's learning rate as a Python number (for updates computed on the host)."""
+    return float(lr_of(group))
+
+
+def _named(group: Dict[str, Any], p: Tensor) -> str:
+    """`` 'name'`` of ``p`` in ``group`` where the parameters are named, else ``""``."""
+    names = group.get("param_names")
+    for i, q in enumerate(group["params"]):
+        if q is p and names is not None:
+            return f" {names[i]!r}"
+    return ""
 
 
 class ScaleOptimizer(torch.optim.Optimizer):
@@ -80,6 +102,8 @@ class ScaleOptimizer(torch.optim.Optimizer):
     #: Whether a GradScaler hands the step its scale and inf flag (``grad_scale``,
     #: ``found_inf``) instead of unscaling the gradients itself (see :meth:`_intake`).
     _step_supports_amp_scaling = False
+    #: What a parameter's state holds, checked by :meth:`load_state_dict` (``scaleopt._loading``).
+    _state_spec = StateSpec("none", (), ())
 
     def _arg(self, key: str) -> str:
         return self._arg_names.get(key, key)
@@ -124,6 +148,9 @@ class ScaleOptimizer(torch.optim.Optimizer):
                 )
             if p.is_complex():
                 raise ValueError(f"{type(self).__name__} does not support complex parameters")
+            if not p.is_floating_point():
+                raise TypeError(f"{type(self).__name__} optimizes floating-point tensors only, got "
+                                f"a {p.dtype} parameter{_named(filled, p)}")
         self._validate_group(filled)
         for key in self._name_rule_keys:
             if rule_is_set(filled.get(key)) and "param_names" not in filled:
@@ -173,8 +200,12 @@ class ScaleOptimizer(torch.optim.Optimizer):
     _not_pickled: Tuple[str, ...] = ("_master_weights",)
 
     def __getstate__(self) -> Dict[str, Any]:
+        # An instance attribute shadowing a method is a wrapper put there by someone else (an LR
+        # scheduler wraps ``step``): it is bound to this optimizer, so a copy leaves it behind
+        # and steps itself, as torch's optimizers do.
         return {k: v for k, v in self.__dict__.items()
-                if k not in self._not_pickled and not k.startswith("_optimizer_")}
+                if k not in self._not_pickled and not k.startswith("_optimizer_")
+                and not (callable(v) and callable(getattr(type(self), k, None)))}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         unpickled = "defaults" in state  # not torch's load_state_dict, which passes no defaults
@@ -203,12 +234,24 @@ class ScaleOptimizer(torch.optim.Optimizer):
         return match_names(rule, group["param_names"])
 
     def state_dict(self) -> Dict[str, Any]:
+        """torch's state dict, with name rules written as lists of names and a ``"scaleopt"``
+        entry saying which class saved it and the kind of state it holds."""
         sd = super().state_dict()
+        sd[TAG] = tag(self)
         for g in sd["param_groups"]:
             for key in self._name_rule_keys:
                 if callable(g.get(key)):
                     g[key] = freeze_rule(g[key], g["param_names"])
         return sd
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """torch's ``load_state_dict``, after checking that ``state_dict`` fits this optimizer:
+        every state tensor shaped as its parameter and floating-point, the keys this optimizer
+        needs, the kind of state (where the state dict says which class saved it) and finite,
+        non-negative step counters. A misfit raises ``ValueError`` naming the parameter and the
+        key, and nothing is loaded."""
+        check_state_dict(self, state_dict)
+        super().load_state_dict(state_dict)
 
     # -- gradients ----------------------------------------------------------------------------
 

@@ -99,6 +99,19 @@ def check_bounds(lo: Any, hi: Any, lo_name: str = "lower_bound", hi_name: str = 
         raise ValueError(f"Invalid {lo_name}/{hi_name}: {lo!r} > {hi!r}")
 
 
+def check_same_sizes(kernel: str, weights: Sequence[Any], *others: Sequence[Any]) -> None:
+    """Raise ``ValueError`` unless each tensor of ``others`` (lists beside ``weights``; None
+    entries skipped) has as many elements as the weight at its place: a kernel addresses
+    ``numel()`` elements of each tensor it is given, so a state tensor of another size would be
+    read and written out of bounds."""
+    for tensors in others:
+        for i, (w, x) in enumerate(zip(weights, tensors)):
+            if x is not None and x.numel() != w.numel():
+                raise ValueError(f"{kernel}: tensor {i} has {w.numel()} elements but a "
+                                 f"{tuple(x.shape)} companion ({x.numel()}); state that does "
+                                 f"not fit its parameter never reaches a kernel")
+
+
 def check_num_threads(num_threads: Any) -> None:
     if num_threads is not None and (isinstance(num_threads, bool)
                                     or not isinstance(num_threads, int) or num_threads < 1):

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from . import _blocks
+from ._checks import check_same_sizes
 from ._compile import eager
 from ._sharding import Phased
 
@@ -161,6 +162,8 @@ def _layerwise_tensors(t: Any, layer: Any, grad_sq_sums: Optional[Tensor]):
     ``grad_sq_sums``: the gradients' sums of squares where already computed (LANS)."""
     count = len(t.weights)
     low = t.low or [None] * count
+    check_same_sizes("the LAMB/LANS C kernel", t.weights, t.grads, t.exp_avgs, t.exp_avg_sqs,
+                     low)
     mults = [1.0] * count if t.grad_scalars is None else t.grad_scalars.mults.tolist()
     gsq = [-1.0] * count if grad_sq_sums is None else grad_sq_sums.tolist()
     return (LayerwiseTensor * count)(*[
@@ -307,6 +310,7 @@ def adam(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[T
     count = len(params)
     if count == 0:
         return
+    check_same_sizes("the Adam C kernel", params, grads, exp_avgs, exp_avg_sqs, low)
     tensors = (AdamTensor * count)(*[
         AdamTensor(w.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), _ptr(lo),
                    s.data_ptr(), w.numel(), _kind(w, g), gm, ss, bc, l2, dc)

@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from . import _blocks
+from ._checks import check_same_sizes
 from ._sharding import Phased
 
 #: elements per block of a program, and blocks per program (a program's chunk: their product)
@@ -126,6 +127,8 @@ def _address_tables(t: Any, idx: List[int]) -> Tuple[Tensor, Tensor, Tensor]:
     key = (tuple(rows), tuple(sizes), chunk, t.weights[idx[0]].device)
     tables = _TABLES.get(key)
     if tables is None:
+        check_same_sizes("the Triton kernels", *([xs[i] for i in idx] for xs in (
+            t.weights, t.grads, t.exp_avgs, t.exp_avg_sqs, low)))
         device = key[-1]
         chunks = [(k, s) for k, n in enumerate(sizes) for s in range(0, n, chunk)]
         tables = _TABLES[key] = (

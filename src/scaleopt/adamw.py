@@ -12,6 +12,7 @@ from . import _blocks
 from ._sharding import local_piece
 from ._base import ScaleOptimizer
 from ._checks import check_bool, check_optional_bool
+from ._loading import ADAM_STATE
 from ._params import NameRule
 
 __all__ = ["AdamW"]
@@ -80,6 +81,7 @@ class AdamW(ScaleOptimizer):
     """
 
     _name_rule_keys = ("exclude_from_weight_decay",)
+    _state_spec = ADAM_STATE
 
     def __init__(
         self,

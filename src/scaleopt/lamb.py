@@ -14,6 +14,7 @@ from ._dispatch import Impl, resolve
 from ._group import GroupTensors, LayerwiseOptions, LayerOptions, pick
 from ._intake import GradScalars
 from ._layerwise import LayerwiseAdam
+from ._loading import ADAM_STATE
 from ._params import NameRule
 from ._sharding import Phased, in_one_phase, run_phases
 
@@ -111,6 +112,7 @@ class LAMB(LayerwiseAdam):
     """
 
     _name_rule_keys = ("exclude_from_weight_decay", "exclude_from_layer_adaptation")
+    _state_spec = ADAM_STATE._replace(kind="lamb")
 
     def __init__(
         self,

@@ -14,6 +14,7 @@ from ._dispatch import Impl, resolve
 from ._group import GroupTensors, LayerwiseOptions, LayerOptions, pick
 from ._intake import GradScalars
 from ._layerwise import LayerwiseAdam
+from ._loading import ADAM_STATE
 from ._params import NameRule
 from ._sharding import Phased, in_one_phase, run_phases
 
@@ -85,6 +86,7 @@ class LANS(LayerwiseAdam):
     """
 
     _intake_options = {"value_clip": False}
+    _state_spec = ADAM_STATE._replace(kind="lans")
 
     def __init__(
         self,

@@ -7,8 +7,9 @@ from typing import Any, Dict, Optional
 import torch
 
 from . import _blocks
-from ._base import ScaleOptimizer
+from ._base import ScaleOptimizer, lr_of
 from ._checks import check_bool, check_choice, check_number
+from ._loading import StateSpec
 from ._params import NameRule
 from ._dispatch import Impl, implementation
 from ._sharding import local
@@ -50,6 +51,8 @@ class Momentum(ScaleOptimizer):
     """
 
     _name_rule_keys = ("exclude_from_weight_decay",)
+    _state_spec = StateSpec("momentum", ("momentum_buffer",), ("momentum_buffer",),
+                            may_be_none=("momentum_buffer",))
 
     def __init__(
         self,
@@ -111,7 +114,7 @@ class Momentum(ScaleOptimizer):
                 grads,
                 local(bufs),
                 decay=decay,
-                lr=group["lr"],
+                lr=lr_of(group),
                 momentum=group["momentum"],
                 nesterov=group["nesterov"],
                 weight_decay=group["weight_decay"],

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from . import _blocks, _native
 from ._adam import AdamFamily
+from ._base import lr_number
 from ._checks import check_bool, check_choice
 from ._compile import eager
 from ._host import HostPipeline, attach_host
@@ -181,8 +182,8 @@ class OffloadAdam(AdamFamily):
         bc1 = 1 - beta1 ** step
         bc2_sqrt = math.sqrt(1 - beta2 ** step)
         if group["eps_mode"] == "hat":
-            return group["lr"] * bc2_sqrt / bc1, 1.0
-        return group["lr"] / bc1, bc2_sqrt
+            return lr_number(group) * bc2_sqrt / bc1, 1.0
+        return lr_number(group) / bc1, bc2_sqrt
 
     def _one_minus_betas(self, group: Dict[str, Any]) -> Tuple[float, float]:
         """``(1-beta1, 1-beta2)`` as the update uses them (in double, as torch)."""
@@ -221,7 +222,7 @@ class OffloadAdam(AdamFamily):
         g = row.grad.to(torch.float32) if row.grad.dtype != master.dtype else row.grad
         beta1, beta2 = group["betas"]
         _adam_reference(master, g * row.mult if row.mult != 1.0 else g, row.exp_avg,
-                        row.exp_avg_sq, vmax, lr=group["lr"], beta1=beta1, beta2=beta2,
+                        row.exp_avg_sq, vmax, lr=lr_number(group), beta1=beta1, beta2=beta2,
                         one_minus_betas=self._one_minus_betas(group),
                         step_size=row.scalars[0], bc2_sqrt=row.scalars[1], eps=group["eps"],
                         weight_decay=row.decay, decoupled=group["decoupled"],
@@ -229,7 +230,7 @@ class OffloadAdam(AdamFamily):
 
     def _kernel_step(self, group: Dict[str, Any], rows: List["_Row"], threads: int) -> None:
         """The tensors of ``rows`` in one call of the host kernel."""
-        decoupled, lr = group["decoupled"], group["lr"]
+        decoupled, lr = group["decoupled"], lr_number(group)
         beta1, beta2 = group["betas"]
         _native.adam(
             [r.weight for r in rows], [r.grad for r in rows], [r.exp_avg for r in rows],

@@ -10,9 +10,10 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 from torch import Tensor
 
-from .._base import ScaleOptimizer
+from .._base import ScaleOptimizer, lr_number
 from .._checks import check_bool, check_choice, check_number
 from .._compile import eager
+from .._loading import StateSpec
 from .._sharding import any_dtensor
 from . import comm, select
 from .schedule import PAPER_SPARSITY, sparsity_at
@@ -92,6 +93,8 @@ class DGCMomentum(ScaleOptimizer):
         0.01
     """
 
+    _state_spec = StateSpec("dgc", ("step", "u", "v"), ("u", "v"))
+
     def __init__(
         self,
         params: Any,
@@ -140,7 +143,7 @@ class DGCMomentum(ScaleOptimizer):
     def _validate_group(self, group: Dict[str, Any]) -> None:
         if any_dtensor(group["params"]):
             raise TypeError(SHARDED_ERROR)
-        check_number("lr", group["lr"])
+        super()._validate_group(group)
         check_number("momentum", group["momentum"], low=0.0, high=1.0, high_open=True)
         check_bool("nesterov", group["nesterov"])
         check_number("weight_decay", group["weight_decay"])
@@ -229,7 +232,7 @@ class DGCMomentum(ScaleOptimizer):
             updates = dgc_updates(grads, states, group, self.dgc_step, world, self.process_group,
                                   self.value_dtype, self._generator, tel)
             for p, upd in zip(params, updates):
-                p.add_(upd.view_as(p).to(p.dtype), alpha=-group["lr"])
+                p.add_(upd.view_as(p).to(p.dtype), alpha=-lr_number(group))
         self.dgc_step += 1
         finish_telemetry(tel)
         self.telemetry = tel
