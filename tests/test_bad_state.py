@@ -107,6 +107,16 @@ def test_bad_state_dict_is_refused_by_name_and_changes_nothing(info, bad):
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+@pytest.mark.parametrize("info", [i for i in REGISTRY if "exp_avg_sq" in str(
+    i.make([("w", torch.zeros(2))]).__class__._state_spec.shaped)], ids=str)
+def test_a_negative_second_moment_is_refused(info):
+    model, opt = _stepped(info)
+    sd = copy.deepcopy(opt.state_dict())
+    _first_state(sd)["exp_avg_sq"][0] = -1.0
+    with pytest.raises(ValueError, match="'exp_avg_sq' of parameter '0.weight' has negative"):
+        opt.load_state_dict(sd)
+
+
 def test_unnamed_parameters_are_named_by_place():
     model = _model()
     opt = scaleopt.LAMB(model.parameters(), lr=1e-2)
@@ -144,7 +154,8 @@ def test_another_kind_of_state_is_refused_where_the_state_dict_says(source, targ
 
 def test_state_dict_says_who_saved_it():
     opt = scaleopt.offload(scaleopt.LAMB, _model().parameters(), lr=1e-2)
-    assert opt.state_dict()["scaleopt"] == {"optimizer": "scaleopt.LAMB", "state": "lamb"}
+    assert opt.state_dict()["scaleopt"] == {"optimizer": "scaleopt.LAMB", "state": "lamb",
+                                            "skipped_steps": 0}
 
 
 def test_amsgrad_state_needs_its_maximum():

@@ -321,6 +321,30 @@ def test_grad_scaler_unscales_on_the_host():
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("make", [
+    lambda ps: OffloadAdam(ps, lr=1e-2),
+    lambda ps: scaleopt.LAMB(ps, lr=1e-2, weight_decay=0.01),
+], ids=["OffloadAdam", "LAMB"])
+def test_a_trainer_that_unscales_before_clipping_gets_the_same_step(make):
+    """Only the GradScaler is told the step takes its scale; a trainer asking (to clip) is told
+    it does not, unscales through the scaler first, and the step then reads no scale."""
+    m1, m2 = model_of(), model_of()
+    direct, via_unscale = make(m1.parameters()), make(m2.parameters())
+    assert not via_unscale._step_supports_amp_scaling  # what Lightning reads before clipping
+    s1, s2 = _grad_scaler(), _grad_scaler()
+    for t in range(4):
+        for m, o, s in ((m1, direct, s1), (m2, via_unscale, s2)):
+            o.zero_grad()
+            s.scale(loss_of(m, t)).backward()
+        s2.unscale_(via_unscale)
+        s1.step(direct)
+        s2.step(via_unscale)
+        s1.update()
+        s2.update()
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
 def _snapshot(model, opt):
     return ([p.detach().clone() for p in model.parameters()],
             {id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()})
@@ -353,7 +377,8 @@ def test_grad_scaler_inf_skips_the_step_without_state_change():
     assert scaler.get_scale() < scale
 
 
-@pytest.mark.parametrize("options", [dict(max_grad_norm=1.0), dict(check_finite=True)])
+@pytest.mark.parametrize("options", [dict(max_grad_norm=1.0, nonfinite="skip"),
+                                     dict(check_finite=True)])
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")])
 def test_non_finite_gradients_skip_the_step(options, bad):
     model = model_of()

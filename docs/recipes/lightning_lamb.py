@@ -2,10 +2,9 @@
 
 * ``configure_optimizers`` returns a scaleopt optimizer (and a scheduler) like any other.
 * Mixed precision: ``precision="bf16-mixed"`` needs nothing more. With ``"16-mixed"`` Lightning
-  scales the loss; ``OffloadAdam`` and ``offload(...)`` unscale the gradients inside their step
-  (``_step_supports_amp_scaling``), and Lightning then refuses ``gradient_clip_val`` for them.
-  Clip with the optimizer's own ``max_grad_norm`` instead: it clips the unscaled gradients
-  inside the step, as ``gradient_clip_val`` would have.
+  scales the loss; ``gradient_clip_val`` works with every scaleopt optimizer (Lightning
+  unscales through its GradScaler before it clips). The optimizer's own ``max_grad_norm``
+  clips the unscaled gradients inside the step instead, with one pass less.
 * Clipping in general: ``gradient_clip_val`` (Lightning clips before ``step()``) and the
   optimizers' ``max_grad_norm`` (inside ``step()``; with LAMB/LANS also the fused CPU kernels)
   compute the same; use one of them, not both.

@@ -7,13 +7,14 @@ The rooms beside it: ``_checks`` (argument checks), ``_params`` (parameters in, 
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from ._checks import (check_betas, check_bool, check_name_rule, check_number, check_optional_bool,
-                      checked_value_clip)
+from ._checks import (check_betas, check_bool, check_choice, check_name_rule, check_number,
+                      check_optional_bool, checked_value_clip)
 from ._compile import eager
 from ._intake import Deferral, Intake, take
 from ._loading import TAG, StateSpec, check_state_dict, tag
@@ -48,6 +49,10 @@ class InPlace:
 IN_PLACE = InPlace()
 
 
+#: The policies for non-finite gradients (:attr:`ScaleOptimizer.nonfinite`).
+NONFINITE = ("propagate", "skip")
+
+
 def lr_of(group: Dict[str, Any]) -> Any:
     """A group's learning rate: the number, or a tensor learning rate of any one-element shape
     as a 0-d tensor (the form torch's foreach scalars take)."""
@@ -58,6 +63,12 @@ def lr_of(group: Dict[str, Any]) -> Any:
 def lr_number(group: Dict[str, Any]) -> float:
     """A group's learning rate as a Python number (for updates computed on the host)."""
     return float(lr_of(group))
+
+
+def _read_by_grad_scaler(frame: Any) -> bool:
+    """Whether ``frame`` is a :class:`torch.amp.GradScaler`'s ``step`` (or a subclass's)."""
+    return (frame is not None and frame.f_code.co_name == "step"
+            and isinstance(frame.f_locals.get("self"), torch.amp.GradScaler))
 
 
 def _named(group: Dict[str, Any], p: Tensor) -> str:
@@ -99,9 +110,20 @@ class ScaleOptimizer(torch.optim.Optimizer):
     _extra_defaults: Dict[str, Any] = {}
     #: Option -> the argument name users of a subclass know it by (front-ends), for errors.
     _arg_names: Dict[str, str] = {}
-    #: Whether a GradScaler hands the step its scale and inf flag (``grad_scale``,
-    #: ``found_inf``) instead of unscaling the gradients itself (see :meth:`_intake`).
-    _step_supports_amp_scaling = False
+    #: Whether the step takes a GradScaler's scale and inf flag (``grad_scale``, ``found_inf``)
+    #: instead of gradients the scaler unscaled in place (see :meth:`_intake`).
+    _takes_amp_scale = False
+
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """torch's :class:`~torch.amp.GradScaler` reads this in its ``step`` to hand the step its
+        scale and inf flag rather than unscale ``p.grad`` in place first: it is True for that
+        reader where the optimizer takes them. Trainers also read the attribute, to ask whether
+        the gradients are still scaled when they clip (Lightning refuses ``gradient_clip_val``
+        for such optimizers, even under bfloat16 where nothing is scaled); they are told False,
+        and unscale through the GradScaler before clipping, after which the scaler hands the
+        step no scale. Both ways the step sees each gradient unscaled once."""
+        return type(self)._takes_amp_scale and _read_by_grad_scaler(sys._getframe(1))
     #: What a parameter's state holds, checked by :meth:`load_state_dict` (``scaleopt._loading``).
     _state_spec = StateSpec("none", (), ())
 
@@ -117,10 +139,27 @@ class ScaleOptimizer(torch.optim.Optimizer):
         masters and weights go through host memory), else None."""
         return self._grad_source if self._grad_source.on_host else None
 
-    def __init__(self, params: Any, defaults: Dict[str, Any]) -> None:
+    def __init__(self, params: Any, defaults: Dict[str, Any], *,
+                 nonfinite: str = "propagate") -> None:
         groups = normalize_params(params)
+        self.nonfinite = nonfinite
+        #: steps skipped for an inf/NaN gradient under ``nonfinite="skip"``
+        self.skipped_steps = 0
         super().__init__(groups, {**defaults, **self._extra_defaults})
         self._attach()
+
+    @property
+    def nonfinite(self) -> str:
+        """What a step does with an inf/NaN gradient: ``"propagate"`` (the default, as torch's
+        optimizers: nothing is checked and the values flow into the update) or ``"skip"``
+        (the step changes nothing and is counted in ``skipped_steps``). See
+        :doc:`/robustness`."""
+        return self._nonfinite
+
+    @nonfinite.setter
+    def nonfinite(self, value: str) -> None:
+        check_choice("nonfinite", value, NONFINITE)
+        self._nonfinite = value
 
     def _attach(self) -> None:
         """Set up what is not part of the pickled state (called by ``__init__`` and after
@@ -210,6 +249,9 @@ class ScaleOptimizer(torch.optim.Optimizer):
     def __setstate__(self, state: Dict[str, Any]) -> None:
         unpickled = "defaults" in state  # not torch's load_state_dict, which passes no defaults
         options = set(state["defaults"] if unpickled else self.defaults)
+        if unpickled:  # pickles of earlier releases
+            state.setdefault("_nonfinite", "propagate")
+            state.setdefault("skipped_steps", 0)
         super().__setstate__(state)
         if "differentiable" not in options:  # torch adds it; these optimizers have no such option
             self.defaults.pop("differentiable", None)
@@ -237,7 +279,7 @@ class ScaleOptimizer(torch.optim.Optimizer):
         """torch's state dict, with name rules written as lists of names and a ``"scaleopt"``
         entry saying which class saved it and the kind of state it holds."""
         sd = super().state_dict()
-        sd[TAG] = tag(self)
+        sd[TAG] = dict(tag(self), skipped_steps=self.skipped_steps)
         for g in sd["param_groups"]:
             for key in self._name_rule_keys:
                 if callable(g.get(key)):
@@ -252,15 +294,17 @@ class ScaleOptimizer(torch.optim.Optimizer):
         key, and nothing is loaded."""
         check_state_dict(self, state_dict)
         super().load_state_dict(state_dict)
+        saved = state_dict.get(TAG)
+        if isinstance(saved, dict) and isinstance(saved.get("skipped_steps"), int):
+            self.skipped_steps = saved["skipped_steps"]
 
     # -- gradients ----------------------------------------------------------------------------
 
     def _intake(self, value_clip: bool = True, defer: Optional[Deferral] = None, *,
-                skip_nonfinite: bool = False, check_finite: bool = False) -> Intake:
+                amp_skip: bool = False) -> Intake:
         """Each group's parameters that have a gradient, and their gradients, transformed (see
         :func:`scaleopt._intake.take`)."""
-        return take(self, value_clip, defer, skip_nonfinite=skip_nonfinite,
-                    check_finite=check_finite)
+        return take(self, value_clip, defer, amp_skip=amp_skip)
 
     def _closure_loss(self, closure: Optional[Callable[[], Any]]) -> Any:
         if closure is None:

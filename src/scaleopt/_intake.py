@@ -47,7 +47,7 @@ class Deferral(NamedTuple):
     #: ``grads -> float64 vector or None``: its sum of squares, for the norms the clippings
     #: need (None where it does not take these tensors; the norms then come from torch)
     sums_of_squares: Callable[[List[Tensor]], Optional[Tensor]]
-    #: ``grad -> bool``: its test for inf/NaN (for ``check_finite``), or None for torch's
+    #: ``grad -> bool``: its test for inf/NaN (for ``nonfinite="skip"``), or None for torch's
     any_nonfinite: Optional[Callable[[Tensor], bool]] = None
 
 
@@ -82,12 +82,12 @@ class Intake(list):
 
 
 def take(opt: Any, value_clip: bool = True, defer: Optional[Deferral] = None, *,
-         skip_nonfinite: bool = False, check_finite: bool = False) -> Intake:
+         amp_skip: bool = False) -> Intake:
     """Each group's parameters that have a gradient, and their gradients.
 
     The gradients are after ``maximize`` (negation), unscaling (``rescale_grad``, a
     group's ``loss_scale``, and a :class:`torch.amp.GradScaler`'s scale when the optimizer
-    says ``_step_supports_amp_scaling``), ``clip_grad_value`` (unless ``value_clip=False``:
+    says ``_takes_amp_scale``), ``clip_grad_value`` (unless ``value_clip=False``:
     the optimizer applies it itself), ``clip_grad_norm_per_tensor`` and, last, global
     ``max_grad_norm`` clipping, whose norm is taken over every gradient of every group.
     New tensors are made only for the transforms in use; ``p.grad`` itself is never
@@ -102,33 +102,55 @@ def take(opt: Any, value_clip: bool = True, defer: Optional[Deferral] = None, *,
     norms the clippings need are those of the scaled gradients, from one read of the raw
     ones.
 
-    With ``skip_nonfinite``, the result is empty and ``skipped`` when the GradScaler found
-    an inf/NaN, when the global clipping norm is not finite, or (``check_finite``, without
-    global clipping) when a gradient holds an inf/NaN.
+    The result is empty and ``skipped`` when (``amp_skip``) a GradScaler handed the step an
+    inf/NaN, and, under the optimizer's ``nonfinite="skip"`` policy, when a gradient holds an
+    inf/NaN (found by the global clipping norm where there is one, else by a read of the
+    gradients, agreed over the ranks for sharded ones); such a skip is counted in
+    ``opt.skipped_steps``. Under ``"propagate"`` nothing is checked.
     """
     opt._refresh_hyperparameters()
-    if skip_nonfinite and _found_inf(opt):
+    if amp_skip and _found_inf(opt):
         return _skipped()
     staged = run_lockstep([_collect(opt, group, value_clip, defer)
                            for group in opt.param_groups])
+    skip = opt.nonfinite == "skip"
     finite = True
     if any(s.group.get("max_grad_norm") is not None for s in staged):
         total = _clip_by_global_norm(staged)
-        finite = not skip_nonfinite or bool(torch.isfinite(total))  # a host read: opt-in
-    elif check_finite:
-        test = _torch_any_nonfinite if defer is None or defer.any_nonfinite is None \
-            else defer.any_nonfinite
-        finite = not any(test(g) for s in staged for g in s.grads)
-    if skip_nonfinite and not finite:
+        if skip and not any(s.group.get("clip_grad_value") is not None for s in staged):
+            finite = bool(torch.isfinite(total))  # a host read: opted into
+            skip = False  # decided: the norm is finite exactly where every gradient is
+    if skip:
+        finite = not _any_nonfinite(opt, staged, defer)
+    if not finite:
+        opt.skipped_steps += 1
         return _skipped()
     return Intake([s for s in staged if s.params])
+
+
+def _any_nonfinite(opt: Any, staged: List[GroupGrads], defer: Optional[Deferral]) -> bool:
+    """Whether any gradient of the step holds an inf/NaN as it came (before value clipping
+    could hide it); for sharded gradients (local shards) OR-ed over the ranks of the default
+    process group, so that every rank skips or none."""
+    test = _torch_any_nonfinite if defer is None or defer.any_nonfinite is None \
+        else defer.any_nonfinite
+    found = any(test(g) for s in staged
+                for g in (s.grads if s.deferred else
+                          local([opt._grad_source.grad(p) for p in s.params])))
+    if any(s.shard_sums is not None for s in staged) and torch.distributed.is_initialized():
+        flag = torch.tensor([float(found)])
+        if torch.distributed.get_backend() == "nccl":
+            flag = flag.cuda()
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        found = bool(flag.item())
+    return found
 
 def _unscale(opt: Any, group: Dict[str, Any]) -> Union[float, Tensor]:
     """The factor a group's raw gradients are unscaled by: ``rescale_grad``, divided by the
     group's ``loss_scale`` and by a GradScaler's scale (when the optimizer takes it). An update
     on the host reads the scale there; elsewhere the factor is a tensor where the scale is
     (its float32 inverse, as the scaler's own unscaling uses), read by no host code."""
-    amp = getattr(opt, "grad_scale", None) if opt._step_supports_amp_scaling else None
+    amp = getattr(opt, "grad_scale", None) if opt._takes_amp_scale else None
     factor = group.get("rescale_grad", 1.0) / group.get("loss_scale", 1.0)
     if amp is None:
         return factor
@@ -243,7 +265,7 @@ def _clip_by_global_norm(staged: List[GroupGrads]) -> Tensor:
 
 def _found_inf(opt: Any) -> bool:
     """Whether a GradScaler handed the optimizer an inf/NaN found in the gradients."""
-    found = getattr(opt, "found_inf", None) if opt._step_supports_amp_scaling else None
+    found = getattr(opt, "found_inf", None) if opt._takes_amp_scale else None
     return found is not None and float(found) != 0.0
 
 
@@ -254,4 +276,4 @@ def _skipped() -> Intake:
 
 
 def _torch_any_nonfinite(t: Tensor) -> bool:
-    return not bool(torch.isfinite(t).all())
+    return t.numel() > 0 and not bool(torch.isfinite(t).all())

@@ -608,11 +608,12 @@ static double grad_sum_squares(const LayerwiseTensor *x, int nthreads) {
                          : sum_squares((const float *)x->g, x->n, nthreads);
 }
 
-/* The normalised gradient of g * gm is sign(gm) * g / ||g||: gm goes into this factor. */
+/* The normalised gradient of g * gm is sign(gm) * g / ||g||: gm goes into this factor (0 for a
+   zero gradient; NaN for a non-finite one, which then propagates). */
 static float lans_ginv(const LayerwiseTensor *x, const LayerwiseConfig *cfg) {
     const double gm = (double)x->gmul;
     const double gnorm = fabs(gm) * sqrt(grad_sum_squares(x, cfg->nthreads));
-    return (float)(gnorm > 0.0 ? gm / gnorm : 0.0);
+    return (float)(gnorm == 0.0 ? 0.0 : gm / gnorm);
 }
 
 static void lans_sums(const LayerwiseTensor *x, const LayerwiseConfig *cfg, float ginv,

@@ -45,7 +45,7 @@ class LayerwiseAdam(AdamFamily):
     #: A GradScaler hands the step its scale and inf flag: the scale goes into the gradients'
     #: multipliers (on the device for the Triton kernels); an inf skips the step (decided on
     #: the device where every group is ``capturable``)
-    _step_supports_amp_scaling = True
+    _takes_amp_scale = True
 
     def _validate_group(self, group: Dict[str, Any]) -> None:
         super()._validate_group(group)

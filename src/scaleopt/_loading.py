@@ -15,6 +15,8 @@ from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ._sharding import local_piece
+
 #: The top-level key of a state dict saved by a scaleopt optimizer: which class saved it and
 #: the kind of state it holds (``torch.distributed.checkpoint`` keeps only ``state`` and
 #: ``param_groups``, so state dicts that went through it load unchecked for the kind).
@@ -38,6 +40,9 @@ class StateSpec(NamedTuple):
 
 #: Adam's state (torch.optim.AdamW's, scaleopt's AdamW and OffloadAdam); LAMB and LANS hold the
 #: same keys as other kinds.
+#: state that is a running mean (or maximum) of squares
+NON_NEGATIVE = ("exp_avg_sq", "max_exp_avg_sq")
+
 ADAM_STATE = StateSpec("adam", ("step", "exp_avg", "exp_avg_sq"),
                        ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"),
                        optional=(("amsgrad", "max_exp_avg_sq"),))
@@ -112,6 +117,9 @@ def _check_param_state(st: Dict[str, Any], p: Tensor, spec: StateSpec, group: Di
         if tuple(x.shape) != tuple(p.shape):
             raise ValueError(f"state {key!r} of {where} has shape {tuple(x.shape)}, the "
                              f"parameter {tuple(p.shape)}: the checkpoint is of another model")
+        if key in NON_NEGATIVE and bool((local_piece(x.detach()) < 0).any()):
+            raise ValueError(f"state {key!r} of {where} has negative values: a running mean of "
+                             f"squares never does, so the checkpoint was altered or corrupted")
 
 
 def _check_step(step: Any, where: str) -> None:

@@ -215,9 +215,9 @@ def lamb_apply(ptrs, sizes, chunks, scal, skip, sums, beta1, beta2, eps, clip_lo
 @triton.jit
 def _normalising_factor(gsq, i, mult):
     """The normalised gradient of g * mult is sign(mult) * g / ||g||: its factor (0 for a zero
-    gradient)."""
+    gradient, NaN for a non-finite one)."""
     gnorm = tl.abs(mult) * tl.sqrt(tl.load(gsq + i))
-    return tl.where(gnorm > 0.0, mult / tl.where(gnorm > 0.0, gnorm, 1.0), 0.0)
+    return tl.where(gnorm == 0.0, 0.0, mult / tl.where(gnorm == 0.0, 1.0, gnorm))
 
 
 @triton.jit

@@ -69,6 +69,9 @@ class AdamW(ScaleOptimizer):
         maximize (bool, default False): maximize the objective.
         foreach (bool or None, default None), fused (bool or None, default None): the kernel;
             ``None`` picks the fused kernel when supported.
+        nonfinite (``"propagate"`` or ``"skip"``, default ``"propagate"``): what a step does
+            with an inf/NaN gradient (see :doc:`/robustness`): let it flow into the update, as
+            torch's optimizers do, or skip the whole step, counted in ``skipped_steps``.
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
@@ -100,6 +103,7 @@ class AdamW(ScaleOptimizer):
         maximize: bool = False,
         foreach: Optional[bool] = None,
         fused: Optional[bool] = None,
+        nonfinite: str = "propagate",
     ) -> None:
         if fused and foreach:
             raise ValueError("fused=True and foreach=True cannot be set together")
@@ -118,7 +122,7 @@ class AdamW(ScaleOptimizer):
             foreach=foreach,
             fused=fused,
         )
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, nonfinite=nonfinite)
 
     def _validate_group(self, group: Dict[str, Any]) -> None:
         super()._validate_group(group)

@@ -96,6 +96,9 @@ class LAMB(LayerwiseAdam):
             read them, and the learning rate when it is a tensor on that device, there: the
             step reads nothing on the host and can be captured in a CUDA graph (change ``lr``
             between replays in place, ``group["lr"].fill_(...)``). The Triton kernels only.
+        nonfinite (``"propagate"`` or ``"skip"``, default ``"propagate"``): what a step does
+            with an inf/NaN gradient (see :doc:`/robustness`): let it flow into the update, as
+            torch's optimizers do, or skip the whole step, counted in ``skipped_steps``.
 
     Gradients go through ``rescale_grad``, ``clip_grad_value``, ``clip_grad_norm_per_tensor``
     and ``max_grad_norm`` in that order; ``p.grad`` is never modified.
@@ -138,6 +141,7 @@ class LAMB(LayerwiseAdam):
         foreach: Optional[bool] = None,
         implementation: Optional[str] = None,
         capturable: bool = False,
+        nonfinite: str = "propagate",
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -161,7 +165,7 @@ class LAMB(LayerwiseAdam):
             implementation=implementation,
             capturable=capturable,
         )
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, nonfinite=nonfinite)
 
     def _validate_group(self, group: Dict[str, Any]) -> None:
         super()._validate_group(group)

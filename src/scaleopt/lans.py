@@ -74,6 +74,9 @@ class LANS(LayerwiseAdam):
             float round-off.
         capturable (bool, default False): step counters and a tensor learning rate read on
             the device, for CUDA graphs, as in :class:`~scaleopt.LAMB`.
+        nonfinite (``"propagate"`` or ``"skip"``, default ``"propagate"``): what a step does
+            with an inf/NaN gradient (see :doc:`/robustness`): let it flow into the update, as
+            torch's optimizers do, or skip the whole step, counted in ``skipped_steps``.
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
@@ -112,6 +115,7 @@ class LANS(LayerwiseAdam):
         foreach: Optional[bool] = None,
         implementation: Optional[str] = None,
         capturable: bool = False,
+        nonfinite: str = "propagate",
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -135,7 +139,7 @@ class LANS(LayerwiseAdam):
             implementation=implementation,
             capturable=capturable,
         )
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, nonfinite=nonfinite)
 
     def _validate_group(self, group: Dict[str, Any]) -> None:
         super()._validate_group(group)
@@ -199,9 +203,11 @@ def lans(
 
 
 def _inverse_norms(norms: Tensor) -> Tensor:
-    """``1/n``, and 0 where ``n`` is 0 (an all-zero gradient stays zero, not NaN)."""
-    return torch.where(norms > 0, 1.0 / torch.where(norms > 0, norms, torch.ones_like(norms)),
-                       torch.zeros_like(norms))
+    """``1/n``, and 0 where ``n`` is 0 (an all-zero gradient stays zero, not NaN); NaN where
+    ``n`` is (a non-finite gradient propagates)."""
+    zero = norms == 0
+    return torch.where(zero, torch.zeros_like(norms),
+                       1.0 / torch.where(zero, torch.ones_like(norms), norms))
 
 
 def _single_tensor_lans(t: GroupTensors, layer: LayerOptions, o: LayerwiseOptions) -> None:

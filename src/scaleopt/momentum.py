@@ -42,6 +42,9 @@ class Momentum(ScaleOptimizer):
             for the matching names.
         max_grad_norm, clip_grad_value, clip_grad_norm_per_tensor, rescale_grad, maximize, foreach:
             as in :class:`scaleopt.LAMB`.
+        nonfinite (``"propagate"`` or ``"skip"``, default ``"propagate"``): what a step does
+            with an inf/NaN gradient (see :doc:`/robustness`): let it flow into the update, as
+            torch's optimizers do, or skip the whole step, counted in ``skipped_steps``.
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
@@ -70,6 +73,7 @@ class Momentum(ScaleOptimizer):
         rescale_grad: float = 1.0,
         maximize: bool = False,
         foreach: Optional[bool] = None,
+        nonfinite: str = "propagate",
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -85,7 +89,7 @@ class Momentum(ScaleOptimizer):
             maximize=maximize,
             foreach=foreach,
         )
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, nonfinite=nonfinite)
 
     def _validate_group(self, group: Dict[str, Any]) -> None:
         super()._validate_group(group)

@@ -48,9 +48,9 @@ class OffloadAdam(AdamFamily):
 
     where :math:`s` is the loss scale (``loss_scale`` times a :class:`torch.amp.GradScaler`'s
     scale) and :math:`c` the global-norm clipping factor, folded into one scalar that the host
-    kernel applies while it reads the gradient: ``p.grad`` is never written. An inf/NaN gradient
-    (reported by a GradScaler, or found by the clipping norm or by ``check_finite``) skips the
-    step with no change of state, as torch's fused Adam does under a GradScaler.
+    kernel applies while it reads the gradient: ``p.grad`` is never written. An inf/NaN
+    reported by a GradScaler skips the step with no change of state, as torch's fused Adam
+    does; other inf/NaN gradients are handled as ``nonfinite`` says.
 
     The state holds ``step``, ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq`` with amsgrad),
     as :class:`torch.optim.AdamW`, plus ``master_param`` for parameters that are not float32 host
@@ -72,8 +72,11 @@ class OffloadAdam(AdamFamily):
         exclude_from_weight_decay (name rule, default None): names that get no decay.
         max_grad_norm (float or None, default None): clip by the global norm of all gradients.
         loss_scale (float, default 1): the gradients are divided by it.
-        check_finite (bool, default False): look for inf/NaN gradients (one extra read of the
-            gradients) even without a GradScaler or clipping, and skip such steps.
+        nonfinite (``"propagate"`` or ``"skip"``, default ``"propagate"``): what a step does
+            with an inf/NaN gradient (see :doc:`/robustness`): let it flow into the update, as
+            torch's optimizers do, or skip the whole step, counted in ``skipped_steps``.
+        check_finite (bool, default False): ``True`` is ``nonfinite="skip"`` (the name of
+            earlier releases).
         num_threads (int or None, default None): intra-op threads of the host step (``None``:
             torch's setting).
         overlap (bool, default True): start the gradient copies from backward hooks. The
@@ -94,7 +97,7 @@ class OffloadAdam(AdamFamily):
     """
 
     _name_rule_keys = ("exclude_from_weight_decay",)
-    _step_supports_amp_scaling = True
+    _takes_amp_scale = True
 
     def __init__(
         self,
@@ -113,6 +116,7 @@ class OffloadAdam(AdamFamily):
         max_grad_norm: Optional[float] = None,
         loss_scale: float = 1.0,
         check_finite: bool = False,
+        nonfinite: str = "propagate",
         num_threads: Optional[int] = None,
         overlap: bool = True,
     ) -> None:
@@ -131,9 +135,8 @@ class OffloadAdam(AdamFamily):
             loss_scale=loss_scale,
         )
         check_bool("check_finite", check_finite)
-        self.check_finite = check_finite
         self.skipped = False
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, nonfinite="skip" if check_finite else nonfinite)
         attach_host(self, overlap=overlap, num_threads=num_threads)
 
     def remove_hooks(self) -> None:
@@ -163,16 +166,17 @@ class OffloadAdam(AdamFamily):
         with self.host.stepping() as threads:
             host_kernels = Deferral(lambda group, params: True, _native.sums_of_squares,
                                     lambda g: _native.any_nonfinite(g, threads))
-            intake = self._intake(defer=host_kernels, skip_nonfinite=True,
-                                  check_finite=self.check_finite)
+            intake = self._intake(defer=host_kernels, amp_skip=True)
             self.skipped = intake.skipped
             for item in intake:
                 self._update_group(item, threads)
-        self._after_step()
+        if not self.skipped:
+            self._after_step()
         return loss
 
     def _after_step(self) -> None:
-        """Called at the end of every step, skipped or not. Front-ends override it."""
+        """Called at the end of every step taken (not a skipped one: a framework's step
+        counter does not count it either). Front-ends override it."""
 
     def _step_scalars(self, group: Dict[str, Any], step: float) -> Tuple[float, float]:
         """``(step_size, d)`` of the update ``w -= step_size * m / (sqrt(v)/d + eps)`` at step

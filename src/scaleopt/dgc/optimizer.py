@@ -75,6 +75,9 @@ class DGCMomentum(ScaleOptimizer):
             (default: the process group's size; Paddle's ``num_trainers``).
         clip_grad_norm_per_tensor (float or None, default None): also clip each local gradient
             by its own norm, unscaled (Paddle's ``grad_clip=ClipGradByNorm(c)``).
+        nonfinite (``"propagate"`` or ``"skip"``, default ``"propagate"``): what a step does
+            with an inf/NaN gradient (see :doc:`/robustness`): let it flow into the update, as
+            torch's optimizers do, or skip the whole step, counted in ``skipped_steps``.
 
     ``opt.telemetry`` holds, for the last step, host-side counts (no device sync):
     ``bytes_sent``, the bytes this rank puts on the wire (``(N-1) * k * (index + value bytes)``
@@ -116,6 +119,7 @@ class DGCMomentum(ScaleOptimizer):
         process_group: Optional[Any] = None,
         num_workers: Optional[int] = None,
         clip_grad_norm_per_tensor: Optional[float] = None,
+        nonfinite: str = "propagate",
     ) -> None:
         if num_workers is not None and (isinstance(num_workers, bool) or not isinstance(
                 num_workers, int) or num_workers < 1):
@@ -137,7 +141,7 @@ class DGCMomentum(ScaleOptimizer):
         self.dgc_step = 0
         self.telemetry: Dict[str, float] = {}
         self._generator = torch.Generator().manual_seed(0)
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, nonfinite=nonfinite)
         self._world_at_init = comm.world_of(process_group)
 
     def _validate_group(self, group: Dict[str, Any]) -> None:
@@ -213,8 +217,13 @@ class DGCMomentum(ScaleOptimizer):
         # so that every rank sends the same tensors; one unused everywhere is skipped (the flags
         # of all groups in one all-reduce)
         every = [p for group in self.param_groups for p in group["params"]]
+        device = every[0].device if every else torch.device("cpu")
+        if self.nonfinite == "skip" and comm.any_rank([_any_nonfinite(every)], self.process_group,
+                                                      device)[0]:
+            self.skipped_steps += 1  # on every rank: nothing moves, residuals included
+            return loss
         used = iter(comm.any_rank([p.grad is not None for p in every], self.process_group,
-                                  every[0].device if every else torch.device("cpu")))
+                                  device))
         for group in self.param_groups:
             params = [p for p in group["params"] if next(used)]
             if not params:
@@ -237,6 +246,11 @@ class DGCMomentum(ScaleOptimizer):
         finish_telemetry(tel)
         self.telemetry = tel
         return loss
+
+
+def _any_nonfinite(params: List[Tensor]) -> bool:
+    return any(p.grad is not None and p.grad.numel() > 0 and not bool(torch.isfinite(p.grad).all())
+               for p in params)
 
 
 def new_telemetry() -> Dict[str, float]:
