@@ -114,10 +114,13 @@ def _add_checkpoint_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop-after", type=_positive_int, metavar="STEP",
                    help="end after this step with a checkpoint (the LR schedule still spans "
                         "the whole run); continue with --resume")
+    g.add_argument("--keep-checkpoints", type=_positive_int, default=3, metavar="N",
+                   help="keep the newest N checkpoints, removing older ones (default: 3)")
     g.add_argument("--resume", metavar="RUN_DIR",
-                   help="continue the run in RUN_DIR from its last checkpoint, with its "
-                        "options; --workers, --shard, --offload, --threads, --device may "
-                        "differ (resharding as needed), the rest must be the same")
+                   help="continue the run in RUN_DIR from its newest checkpoint that verifies "
+                        "(or from the checkpoint folder given), with its options; --workers, "
+                        "--shard, --offload, --threads, --device may differ (resharding as "
+                        "needed), the rest must be the same")
 
 
 def _add_dgc_options(p: argparse.ArgumentParser) -> None:
@@ -188,8 +191,16 @@ def _resumed(args: argparse.Namespace, given: set):
     values = {k: v for k, v in vars(args).items() if k in given and k in fields}
     if "no_progress" in given:
         values["progress"] = False
-    merged = checkpoint.resumed_config(args.resume, values)
+    merged = checkpoint.resumed_config(args.resume, values, _effective)
     return Config(**{k: v for k, v in merged.items() if k in fields})
+
+
+def _effective(saved: dict) -> dict:
+    """The values a run's options left at None took (compared with values given at resume)."""
+    fields = {f.name for f in dataclasses.fields(Config)}
+    cfg = Config(**{k: v for k, v in saved.items() if k in fields})
+    return {"lr": cfg.resolved_lr(), "steps": cfg.total_steps(),
+            "dgc_rampup_steps": cfg.dgc_rampup(), "dgc_sparsity": list(train.PAPER_SPARSITY)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -257,18 +268,44 @@ def _train(args: argparse.Namespace, given: set) -> int:
         cfg = dataclasses.replace(cfg, out=train.default_out(cfg))
     if not args.resume or "out" in given:  # a resumed run continues in its own folder
         train.check_out(cfg.out, overwrite=args.overwrite)
+    checkpoint.check_writable(cfg.out)
+    hint = launch.busy_cores_hint(cfg.threads, cfg.workers)
+    if hint:
+        print(f"scaleopt train: note: {hint}", file=sys.stderr)
     r = train.train(cfg)
     if not r:  # another rank of a torchrun launch: rank 0 reports
         return EXIT_OK
+    _summary(cfg, r)
+    failure = r.get("checkpoint_error") or r.get("write_error")
+    if failure:
+        print(f"scaleopt train: error: {failure}"
+              + (f"; the run ended at step {r['steps']}, its results so far are written"
+                 if not r.get("write_error") else ""), file=sys.stderr)
+        return EXIT_FAILED
+    if r["interrupted"]:
+        print(f"interrupted at step {r['steps']} of {r['total_steps']}; the results so far are "
+              f"written; " + _how_to_continue(cfg.out))
+        return EXIT_INTERRUPTED
+    return EXIT_OK
+
+
+def _how_to_continue(out: str) -> str:
+    if (pathlib.Path(out) / checkpoint.CHECKPOINTS / checkpoint.LATEST).is_file():
+        return f"continue with --resume {out}"
+    return "no checkpoint was written, so it cannot be resumed (pass --checkpoint-every K)"
+
+
+def _summary(cfg: Config, r: dict) -> None:
+    """The lines a finished (or stopped) run prints."""
     how = report.describe(r["config"], r["workers"])
     print(f"{cfg.optimizer}{f' ({how})' if how else ''} on {cfg.dataset}: "
           f"test accuracy {r['test_accuracy']:.4f}, test loss {r['test_loss']:.4f} after "
           f"{r['steps']} steps ({r['epochs']:.1f} epochs) of batch {cfg.batch_size}, lr {r['lr']:g}"
           + (f"; resumed at step {r['resumed_at']}" if r["resumed_at"] is not None else "")
-          + ("" if r["complete"] else f"; stopped before step {r['total_steps']}: continue with "
-             f"--resume {cfg.out}"))
+          + ("" if r["complete"] else f"; stopped before step {r['total_steps']}: "
+             + _how_to_continue(cfg.out)))
     line = (f"{r['time_s']:.1f} s, {r['steps_per_s']:.1f} steps/s, {r['samples_per_s']:,.0f} samples/s, "
-            f"{r['parameters']:,} parameters, {r['threads']} threads")
+            f"{r['parameters']:,} parameters, {r['threads']} thread{'s' if r['threads'] != 1 else ''}")
     if "dgc_density" in r:
         dense, sent = r["dense_bytes_sent_per_rank_per_step"], r["dgc_bytes_sent_per_rank_per_step"]
         grad, msg = (r["dense_payload_bytes_per_rank_per_step"],
@@ -291,12 +328,8 @@ def _train(args: argparse.Namespace, given: set) -> int:
              f"{r['unsharded_optimizer_state_bytes']:,})" if r["sharded"] else ""))
     if r["checkpoints"]:
         print(f"checkpoints: {len(r['checkpoints'])}, the last {r['checkpoints'][-1]}")
-    print(report.results_line(cfg.out, ["result.json", "history.csv"], "curves.png"))
-    if r["interrupted"]:
-        print(f"interrupted at step {r['steps']} of {r['total_steps']}; the results so far are "
-              f"written" + (f"; continue with --resume {cfg.out}" if r["checkpoints"] else ""))
-        return EXIT_INTERRUPTED
-    return EXIT_OK
+    if not r.get("write_error"):
+        print(report.results_line(cfg.out, ["result.json", "history.csv"], "curves.png"))
 
 
 def _study(args: argparse.Namespace) -> int:

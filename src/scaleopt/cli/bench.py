@@ -157,7 +157,7 @@ def check_arguments(args: argparse.Namespace) -> None:
                          "--device, --dtype and --only do not apply")
     if args.only:
         names = _names(args)
-        unknown = [o for o in args.only if not any(o in n for n in names)]
+        unknown = [o for o in args.only if not any(_contains(n, o) for n in names)]
         if unknown:
             raise ValueError(f"--only {' '.join(unknown)}: no optimizer's name contains "
                              f"{'it' if len(unknown) == 1 else 'them'}; the names: "
@@ -203,10 +203,14 @@ def _names(args: argparse.Namespace) -> List[str]:
 
 
 def selected(names, only):
-    """The optimizers ``--only`` selects (all of them without it); the fused AdamW baseline
-    always runs."""
+    """The optimizers ``--only`` selects (all of them without it; a name matches whatever its
+    case, as ``--optimizer`` does); the fused AdamW baseline always runs."""
     return [k for k in names
-            if not only or k.startswith("torch.AdamW(fused") or any(o in k for o in only)]
+            if not only or k.startswith("torch.AdamW(fused") or any(_contains(k, o) for o in only)]
+
+
+def _contains(name: str, part: str) -> bool:
+    return part.casefold() in name.casefold()
 
 
 def available_memory(device: str = "cpu"):

@@ -11,7 +11,7 @@ import signal
 import socket
 import sys
 import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -21,6 +21,27 @@ STOP = threading.Event()
 
 #: how long a collective may wait for the other ranks
 TIMEOUT = datetime.timedelta(seconds=120)
+
+
+def busy_cores_hint(threads: Optional[int], workers: int, load: Optional[float] = None,
+                    cores: Optional[int] = None) -> Optional[str]:
+    """A hint when the run's threads outnumber the cores other work leaves free (by the
+    one-minute load average), where a run can be several times slower than with fewer threads;
+    None otherwise."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if load is None:
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    cores = cores or 1
+    per_worker = threads if threads is not None else max(1, cores // workers)
+    used, free = per_worker * workers, max(0.0, cores - load)
+    fit = max(1, int(free) // workers)
+    if load < 1.0 or used <= free + 0.5 or fit >= per_worker:  # or fewer threads cannot help
+        return None
+    return (f"the load average is {load:.1f} on {cores} core{'s' if cores != 1 else ''}, so about "
+            f"{free:.0f} {'is' if round(free) == 1 else 'are'} free for this run's {used} "
+            f"thread{'s' if used != 1 else ''}; threads that wait for cores can make it several "
+            f"times slower: if it is, try --threads {fit}")
 
 
 def free_port() -> int:

@@ -44,6 +44,7 @@ class Config:
     workers: int = 1
     shard: bool = False  # FSDP2: each rank holds 1/workers of the parameters and the state
     checkpoint_every: Optional[int] = None  # DCP checkpoints into out/checkpoints every K steps
+    keep_checkpoints: int = 3  # the newest N checkpoints are kept
     stop_after: Optional[int] = None  # end after this step, with a checkpoint (see --resume)
     resume: Optional[str] = None  # a run directory: continue from its last checkpoint
     device: str = "cpu"
@@ -116,7 +117,7 @@ def check(cfg: Config) -> None:
     if cfg.shard and cfg.workers < 2 and not launch.under_torchrun():
         raise ValueError("--shard splits the parameters and the optimizer state over the "
                          "processes: use it with --workers 2 or more (or under torchrun)")
-    for name in ("checkpoint_every", "stop_after"):
+    for name in ("checkpoint_every", "stop_after", "keep_checkpoints"):
         if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
     if cfg.dgc:
@@ -254,6 +255,10 @@ class Trainer:
     checkpoints: List[str] = dataclasses.field(default_factory=list)
     dgc_totals: Dict[str, float] = dataclasses.field(default_factory=dict)
     interrupted: bool = False
+    #: the step of the last evaluation (on every rank)
+    evaluated_at: int = -1
+    #: why a checkpoint could not be written (the run ended there), or None
+    checkpoint_error: Optional[str] = None
     elapsed: float = 0.0
 
 
@@ -266,11 +271,21 @@ def run(cfg: Config, rank: int = 0, world: int = 1, write: bool = True,
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     trainer = build(cfg, rank, world)
+    if cfg.out and (cfg.checkpoint_every or cfg.stop_after):
+        checkpoint.check_space(cfg.out, 2 * checkpoint.estimated_bytes(trainer.model))
     loop(trainer, stop)
     result = results(trainer)
     if result and cfg.out and write:
-        report.write_run(result, cfg.out)
+        write_results(result, cfg.out)
     return result
+
+
+def write_results(result: Dict[str, Any], out: str) -> None:
+    """The run's files; a failure to write them (a full disk) is put in ``result``."""
+    try:
+        report.write_run(result, out)
+    except OSError as exc:
+        result["write_error"] = f"cannot write the results into {out}: {exc}"
 
 
 def _optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -339,6 +354,7 @@ def _train_step(t: Trainer, idx: torch.Tensor) -> torch.Tensor:
 def _evaluated(t: Trainer, loss_value: float, start: float) -> None:
     """The test loss and accuracy now, in the history (every rank of a sharded model evaluates:
     its forward needs them all)."""
+    t.evaluated_at = t.step
     if t.rank == 0 or t.cfg.shard:
         test_loss, test_acc = _evaluate(t.model, t.data[2], t.data[3])
     if t.rank == 0:
@@ -354,7 +370,8 @@ def _save(t: Trainer, start: float) -> None:
             "optimizer_class": type(t.opt).__name__, "parameters": checkpoint.shapes(t.model),
             "scheduler": t.sched.state_dict(), "history": t.history, "train_curve": t.curve,
             "time_s": time.perf_counter() - start, "world": t.world}
-    t.checkpoints.append(checkpoint.save(cfg.out, t.step, t.model, t.opt, meta, t.rank, t.world))
+    t.checkpoints.append(checkpoint.save(cfg.out, t.step, t.model, t.opt, meta, t.rank, t.world,
+                                         keep=cfg.keep_checkpoints))
 
 
 def loop(t: Trainer, stop: Any) -> None:
@@ -399,9 +416,14 @@ def loop(t: Trainer, stop: Any) -> None:
         if cfg.out and ((cfg.checkpoint_every and (step % cfg.checkpoint_every == 0
                                                    or t.interrupted))
                         or step == cfg.stop_after):
-            _save(t, start)
+            try:
+                _save(t, start)
+            except checkpoint.CheckpointWriteError as exc:  # on every rank: the run ends here
+                t.checkpoint_error, t.interrupted = str(exc), step < total
         if t.interrupted:
             break
+    if t.evaluated_at != t.step:  # stopped between evaluations
+        _evaluated(t, loss_value, start)
     t.elapsed = time.perf_counter() - start
     if bar is not None:
         bar.close()
@@ -457,7 +479,8 @@ def results(t: Trainer) -> Dict[str, Any]:
         "steps_per_s": steps / seconds, "samples_per_s": steps * cfg.batch_size / seconds,
         "history": t.history, "train_curve": t.curve, "torch": torch.__version__,
         "threads": torch.get_num_threads(), "workers": t.world, "sharded": cfg.shard,
-        "checkpoints": t.checkpoints, **sizes, **_traffic(t),
+        "checkpoints": t.checkpoints, "checkpoint_error": t.checkpoint_error,
+        **sizes, **_traffic(t),
     }
 
 
