@@ -243,3 +243,30 @@ def train_hook_resumed(rank, world, tmp, options, first, then, path):
         state.load_state_dict(saved["dgc"])
     train(ddp, opt, then, first)
     return [p.detach().clone() for p in model.parameters()]
+
+
+def skip_on_one_rank(rank, world, tmp):
+    """DGC under ``nonfinite="skip"`` with a NaN in one rank's gradient at step 2 of 4: per
+    rank, the skips counted, whether that step left weights and residuals alone, and the
+    parameters at the end (equal on every rank)."""
+    from scaleopt.dgc import DGCMomentum
+
+    model = model_of()
+    opt = DGCMomentum(model.parameters(), nonfinite="skip", **OPTIONS)
+    kept = None
+    for t in range(4):
+        x, y = batch(rank, t)
+        opt.zero_grad()
+        (model(x) - y).square().mean().backward()
+        if t == 2 and rank == world - 1:
+            next(model.parameters()).grad[0, 0] = float("nan")
+        before = [p.detach().clone() for p in model.parameters()]
+        state = [{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()]
+        opt.step()
+        if t == 2:
+            kept = (all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+                    and all(torch.equal(st[k], opt.state[p][k])
+                            for st, p in zip(state, model.parameters()) for k in st))
+    flat = every_rank(model.parameters(), world)
+    same = all(torch.equal(flat[0], f) for f in flat)
+    return (opt.skipped_steps, kept, same, bool(torch.isfinite(flat[0]).all()))

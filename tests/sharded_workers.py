@@ -335,3 +335,29 @@ def train_sharded_triton(rank, world, tmp, names, steps):
                                    if v != before.get(k, 0)}
         out[name + " collectives"] = sum(mode.get_comm_counts().values())
     return out if rank == 0 else None
+
+
+def skip_on_one_rank(rank, world, tmp, names):
+    """Under ``nonfinite="skip"``, a NaN in the local shard of one rank's gradient: for each
+    optimizer of ``names``, whether every rank kept its shards and counted the skip, and the
+    full parameters after a good step that follows."""
+    out = {}
+    for name in names:
+        model = shard(model_of(name))
+        opt = OPTIMIZERS[name](list(model.named_parameters()))
+        opt.nonfinite = "skip"
+        opt.zero_grad()
+        backward(model, 0, rank, world, sharded=True)
+        opt.step()
+        opt.zero_grad()
+        backward(model, 1, rank, world, sharded=True)
+        if rank == world - 1:  # the bad value on the last rank's shard only
+            g = next(p for p in model.parameters() if p.grad.to_local().numel()).grad
+            g.to_local().view(-1)[0] = float("nan")
+        before = [p.to_local().detach().clone() for p in model.parameters()]
+        opt.step()
+        kept = all(torch.equal(a, p.to_local()) for a, p in zip(before, model.parameters()))
+        out[name] = (kept, opt.skipped_steps)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, out)
+    return everyone if rank == 0 else None

@@ -134,6 +134,13 @@ def test_parameters_without_gradients_and_k_at_least_numel():
         assert opt.state[p]["v"].abs().max() == 0
 
 
+def test_skip_is_agreed_over_the_workers(tmp_path):
+    """A NaN in one worker's gradient under nonfinite="skip": every worker skips the step
+    (residuals and weights untouched), and the replicas stay equal and finite."""
+    for result in W.run_workers(W.skip_on_one_rank, 2, tmp_path, timeout=120):
+        assert result == (1, True, True, True)
+
+
 def test_resume_is_bit_identical_and_a_new_world_size_resets_the_residuals():
     def make(m):
         return DGCMomentum(m.parameters(), lr=0.05, sparsity=[0.9, 0.99], rampup_begin_step=1,

@@ -54,6 +54,19 @@ def test_one_reduction_of_all_norms_per_step(name, most, tmp_path):
         assert kernels == [(name[:4].lower(), True)]
 
 
+SKIPPING = ["LAMB", "LANS(two groups, clipping)", "AdamW", "Momentum", "offload(LAMB)",
+            "OffloadAdam"]
+
+
+def test_skip_is_agreed_over_the_ranks_when_one_shard_holds_a_nan(tmp_path):
+    """A NaN that only the last rank sees: under nonfinite="skip" every rank skips (a rank that
+    stepped alone would leave the model half updated)."""
+    (ranks,) = [r for r in W.run_workers(S.skip_on_one_rank, 2, tmp_path, SKIPPING, timeout=120)
+                if r is not None]
+    for rank in ranks:
+        assert rank == {name: (True, 1) for name in SKIPPING}
+
+
 def test_dgc_refuses_sharded_parameters_with_a_reason(tmp_path):
     messages = W.run_workers(S.dgc_refuses_sharded, 2, tmp_path, timeout=60)[0]
     assert all(m is not None and "DDP" in m and "sharded" in m for m in messages), messages
