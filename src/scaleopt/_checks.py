@@ -6,6 +6,8 @@ import math
 import re
 from typing import Any, Optional, Sequence, Tuple
 
+import torch
+
 
 def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
@@ -104,12 +106,21 @@ def check_same_sizes(kernel: str, weights: Sequence[Any], *others: Sequence[Any]
     entries skipped) has as many elements as the weight at its place: a kernel addresses
     ``numel()`` elements of each tensor it is given, so a state tensor of another size would be
     read and written out of bounds."""
+    numel = torch.Tensor.numel
+    sizes = list(map(numel, weights))
     for tensors in others:
+        try:
+            got = list(map(numel, tensors))  # the common case, at C speed
+        except TypeError:  # None entries: tensors the kernel does without
+            got = [n if x is None else x.numel() for x, n in zip(tensors, sizes)]
+        if got == sizes:
+            continue
         for i, (w, x) in enumerate(zip(weights, tensors)):
             if x is not None and x.numel() != w.numel():
                 raise ValueError(f"{kernel}: tensor {i} has {w.numel()} elements but a "
                                  f"{tuple(x.shape)} companion ({x.numel()}); state that does "
                                  f"not fit its parameter never reaches a kernel")
+
 
 
 def check_num_threads(num_threads: Any) -> None:
