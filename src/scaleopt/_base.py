@@ -18,7 +18,8 @@ from ._checks import (check_betas, check_bool, check_choice, check_name_rule, ch
 from ._compile import eager
 from ._intake import Deferral, Intake, take
 from ._loading import TAG, StateSpec, check_state_dict, tag
-from ._params import BOOKKEEPING_KEYS, freeze_rule, match_names, normalize_group, normalize_params, rule_is_set
+from ._params import (BOOKKEEPING_KEYS, freeze_rule, match_names, normalize_group,
+                      normalize_params, param_label, rule_is_set)
 
 
 class InPlace:
@@ -69,15 +70,6 @@ def _read_by_grad_scaler(frame: Any) -> bool:
     """Whether ``frame`` is a :class:`torch.amp.GradScaler`'s ``step`` (or a subclass's)."""
     return (frame is not None and frame.f_code.co_name == "step"
             and isinstance(frame.f_locals.get("self"), torch.amp.GradScaler))
-
-
-def _named(group: Dict[str, Any], p: Tensor) -> str:
-    """`` 'name'`` of ``p`` in ``group`` where the parameters are named, else ``""``."""
-    names = group.get("param_names")
-    for i, q in enumerate(group["params"]):
-        if q is p and names is not None:
-            return f" {names[i]!r}"
-    return ""
 
 
 class ScaleOptimizer(torch.optim.Optimizer):
@@ -180,7 +172,7 @@ class ScaleOptimizer(torch.optim.Optimizer):
             )
         filled = dict(self.defaults)
         filled.update(group)
-        for p in filled["params"]:
+        for i, p in enumerate(filled["params"]):
             if not isinstance(p, Tensor):
                 raise TypeError(
                     f"{type(self).__name__} can only optimize Tensors, got {type(p).__name__}"
@@ -189,7 +181,7 @@ class ScaleOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"{type(self).__name__} does not support complex parameters")
             if not p.is_floating_point():
                 raise TypeError(f"{type(self).__name__} optimizes floating-point tensors only, got "
-                                f"a {p.dtype} parameter{_named(filled, p)}")
+                                f"a {p.dtype} parameter, {param_label(filled, i)}")
         self._validate_group(filled)
         for key in self._name_rule_keys:
             if rule_is_set(filled.get(key)) and "param_names" not in filled:

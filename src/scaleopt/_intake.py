@@ -11,7 +11,8 @@ import torch
 from torch import Tensor
 
 from . import _blocks
-from ._sharding import Phased, ShardSums, any_dtensor, local, run_lockstep
+from ._params import param_label
+from ._sharding import Phased, ShardSums, any_dtensor, local, on_any_rank, run_lockstep
 
 
 class GradScalars(NamedTuple):
@@ -121,28 +122,24 @@ def take(opt: Any, value_clip: bool = True, defer: Optional[Deferral] = None, *,
             finite = bool(torch.isfinite(total))  # a host read: opted into
             skip = False  # decided: the norm is finite exactly where every gradient is
     if skip:
-        finite = not _any_nonfinite(opt, staged, defer)
+        finite = not _step_has_nonfinite(opt, staged, defer)
     if not finite:
         opt.skipped_steps += 1
         return _skipped()
     return Intake([s for s in staged if s.params])
 
 
-def _any_nonfinite(opt: Any, staged: List[GroupGrads], defer: Optional[Deferral]) -> bool:
+def _step_has_nonfinite(opt: Any, staged: List[GroupGrads], defer: Optional[Deferral]) -> bool:
     """Whether any gradient of the step holds an inf/NaN as it came (before value clipping
     could hide it); for sharded gradients (local shards) OR-ed over the ranks of the default
     process group, so that every rank skips or none."""
-    test = _torch_any_nonfinite if defer is None or defer.any_nonfinite is None \
+    test = any_nonfinite if defer is None or defer.any_nonfinite is None \
         else defer.any_nonfinite
     found = any(test(g) for s in staged
                 for g in (s.grads if s.deferred else
                           local([opt._grad_source.grad(p) for p in s.params])))
-    if any(s.shard_sums is not None for s in staged) and torch.distributed.is_initialized():
-        flag = torch.tensor([float(found)])
-        if torch.distributed.get_backend() == "nccl":
-            flag = flag.cuda()
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        found = bool(flag.item())
+    if any(s.shard_sums is not None for s in staged):
+        found = on_any_rank(found)
     return found
 
 def _unscale(opt: Any, group: Dict[str, Any]) -> Union[float, Tensor]:
@@ -169,7 +166,7 @@ def _collect(opt: Any, group: Dict[str, Any], value_clip: bool,
             continue
         if p.grad.is_sparse:
             raise RuntimeError(f"{type(opt).__name__} does not support sparse gradients "
-                               f"(parameter {_param_label(group, i)})")
+                               f"(parameter {param_label(group, i)})")
         idx.append(i)
         params.append(p)
         grads.append(opt._grad_source.grad(p))
@@ -203,11 +200,6 @@ def _collect(opt: Any, group: Dict[str, Any], value_clip: bool,
         else:
             item.grads = grads
     return item
-
-
-def _param_label(group: Dict[str, Any], i: int) -> str:
-    names = group.get("param_names")
-    return repr(names[i]) if names else f"#{i}"
 
 
 def _deferred_scalars(group: Dict[str, Any], grads: List[Tensor], unscale: Any, clamp: Any,
@@ -275,5 +267,5 @@ def _skipped() -> Intake:
     return out
 
 
-def _torch_any_nonfinite(t: Tensor) -> bool:
+def any_nonfinite(t: Tensor) -> bool:
     return t.numel() > 0 and not bool(torch.isfinite(t).all())

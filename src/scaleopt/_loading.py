@@ -15,6 +15,7 @@ from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ._params import param_label
 from ._sharding import local_piece
 
 #: The top-level key of a state dict saved by a scaleopt optimizer: which class saved it and
@@ -138,9 +139,8 @@ def _check_step(step: Any, where: str) -> None:
 
 
 def _name(group: Dict[str, Any], i: int, p: Tensor, optimizer: Any) -> str:
-    names = group.get("param_names")
-    if names is not None:
-        return f"parameter {names[i]!r}"
+    if group.get("param_names") is not None:
+        return f"parameter {param_label(group, i)}"
     gi = next(k for k, g in enumerate(optimizer.param_groups) if g is group)
     return f"parameter {i} of param group {gi} (shape {tuple(p.shape)})"
 

@@ -75,6 +75,13 @@ def normalize_params(params: Any) -> List[Dict[str, Any]]:
     return [normalize_group({"params": items})]
 
 
+def param_label(group: Dict[str, Any], i: int) -> str:
+    """Parameter ``i`` of ``group`` in a message: its name, quoted, where the group has names,
+    else ``#i``."""
+    names = group.get("param_names")
+    return repr(names[i]) if names else f"#{i}"
+
+
 def rule_is_set(rule: NameRule) -> bool:
     return rule is not None and not (isinstance(rule, (list, tuple)) and len(rule) == 0)
 

@@ -102,6 +102,18 @@ def local(tensors: Sequence[Tensor]) -> List[Tensor]:
 _SHARDING_GROUPS: Dict[int, Dict[Any, List[Any]]] = {}
 
 
+def on_any_rank(flag: bool) -> bool:
+    """``flag`` OR-ed over the ranks of the default process group (every rank calls this; one
+    small all-reduce, none without a process group)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flag
+    t = torch.tensor([int(flag)])
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
 def _sharding_groups(t: Tensor) -> List[Any]:
     """The process groups of the mesh dimensions along which ``t`` is split into pieces (a
     list not to be changed)."""

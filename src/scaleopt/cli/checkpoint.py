@@ -276,13 +276,9 @@ def prune(root: pathlib.Path, keep: int) -> List[str]:
 
 def _failed_anywhere(error: Optional[BaseException], world: int) -> bool:
     """Whether any rank has an ``error`` (every rank calls this)."""
-    if world <= 1:
-        return error is not None
-    flag = torch.tensor([int(error is not None)])
-    if dist.get_backend() == "nccl":
-        flag = flag.cuda()
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+    from .._sharding import on_any_rank
+
+    return on_any_rank(error is not None) if world > 1 else error is not None
 
 
 def _first_line(error: BaseException) -> str:

@@ -13,6 +13,7 @@ from torch import Tensor
 from .._base import ScaleOptimizer, lr_number
 from .._checks import check_bool, check_choice, check_number
 from .._compile import eager
+from .._intake import any_nonfinite
 from .._loading import StateSpec
 from .._sharding import any_dtensor
 from . import comm, select
@@ -218,8 +219,9 @@ class DGCMomentum(ScaleOptimizer):
         # of all groups in one all-reduce)
         every = [p for group in self.param_groups for p in group["params"]]
         device = every[0].device if every else torch.device("cpu")
-        if self.nonfinite == "skip" and comm.any_rank([_any_nonfinite(every)], self.process_group,
-                                                      device)[0]:
+        if self.nonfinite == "skip" and comm.any_rank(
+                [any(p.grad is not None and any_nonfinite(p.grad) for p in every)],
+                self.process_group, device)[0]:
             self.skipped_steps += 1  # on every rank: nothing moves, residuals included
             return loss
         used = iter(comm.any_rank([p.grad is not None for p in every], self.process_group,
@@ -246,11 +248,6 @@ class DGCMomentum(ScaleOptimizer):
         finish_telemetry(tel)
         self.telemetry = tel
         return loss
-
-
-def _any_nonfinite(params: List[Tensor]) -> bool:
-    return any(p.grad is not None and p.grad.numel() > 0 and not bool(torch.isfinite(p.grad).all())
-               for p in params)
 
 
 def new_telemetry() -> Dict[str, float]:
