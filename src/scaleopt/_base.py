@@ -116,6 +116,7 @@ class ScaleOptimizer(torch.optim.Optimizer):
         and unscale through the GradScaler before clipping, after which the scaler hands the
         step no scale. Both ways the step sees each gradient unscaled once."""
         return type(self)._takes_amp_scale and _read_by_grad_scaler(sys._getframe(1))
+
     #: What a parameter's state holds, checked by :meth:`load_state_dict` (``scaleopt._loading``).
     _state_spec = StateSpec("none", (), ())
 
@@ -281,8 +282,8 @@ class ScaleOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """torch's ``load_state_dict``, after checking that ``state_dict`` fits this optimizer:
         every state tensor shaped as its parameter and floating-point, the keys this optimizer
-        needs, the kind of state (where the state dict says which class saved it) and finite,
-        non-negative step counters. A misfit raises ``ValueError`` naming the parameter and the
+        needs, the kind of state (where the state dict says which class saved it), finite,
+        non-negative step counters and non-negative second moments. A misfit raises ``ValueError`` naming the parameter and the
         key, and nothing is loaded."""
         check_state_dict(self, state_dict)
         super().load_state_dict(state_dict)
