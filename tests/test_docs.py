@@ -20,6 +20,7 @@ MODULES = [
     "scaleopt.offload",
     "scaleopt.compat.mindspore",
     "scaleopt.dgc.optimizer",
+    "scaleopt._info",
 ]
 
 

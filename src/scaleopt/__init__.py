@@ -1,5 +1,6 @@
 """scaleopt: PyTorch optimizers for training at scale."""
 
+from ._info import info
 from .adamw import AdamW
 from .dgc import DGCMomentum
 from .groups import param_groups
@@ -11,5 +12,6 @@ from .offload import OffloadAdam, offload
 __version__ = "0.1.0"
 
 __all__ = [
-    "LAMB", "LANS", "AdamW", "Momentum", "OffloadAdam", "DGCMomentum", "offload", "param_groups", "__version__",
+    "LAMB", "LANS", "AdamW", "Momentum", "OffloadAdam", "DGCMomentum", "offload", "param_groups",
+    "info", "__version__",
 ]

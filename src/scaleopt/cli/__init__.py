@@ -14,6 +14,7 @@ import sys
 from typing import Any, List, Optional
 
 from .. import __version__
+from .. import info as scaleopt_info
 from . import bench, checkpoint, data, launch, optimizers, report, study, train
 from .train import Config, Diverged
 
@@ -234,7 +235,42 @@ def build_parser() -> argparse.ArgumentParser:
                        description=_plain(bench.__doc__),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     bench.add_arguments(p)
+
+    p = sub.add_parser("info", help="what runs here: versions, C kernels, Triton, CUDA, threads",
+                       description="Versions, whether the C kernels are built and used, "
+                                   "Triton and the CUDA devices, threads, and which "
+                                   "implementation each param group of an optimizer takes on "
+                                   "the built-in model.")
+    p.add_argument("--optimizer", default="lamb", choices=list(optimizers.OPTIMIZERS),
+                   type=str.lower, metavar="NAME", help="the optimizer whose groups are shown "
+                   f"({', '.join(optimizers.OPTIMIZERS)}; default: lamb)")
+    p.add_argument("--offload", action="store_true", help="its offloaded form")
+    p.add_argument("--device", default="cpu", help="where the model lives (cpu or cuda)")
     return ap
+
+
+def _info(args: argparse.Namespace) -> int:
+    """``scaleopt info``: what runs here, and the groups of ``--optimizer`` on the built-in
+    model."""
+    cfg = Config(optimizer=args.optimizer, offload=args.offload, device=args.device)
+    train.check(cfg)
+    model = data.make_model(2, 5, cfg.width).to(cfg.device)
+    r = scaleopt_info(optimizers.build(model, cfg))
+    kernels = r["c_kernels"]
+    cuda = ", ".join(f"{i}: {n}" for i, n in enumerate(r["cuda_devices"])) or "none"
+    print(f"scaleopt {r['scaleopt']}, torch {r['torch']}, Python {r['python']}, "
+          f"Triton {r['triton'] or 'not installed'}")
+    print("C kernels: " + ("built and used" if kernels["used"] else kernels["why_not"]))
+    print("Triton kernels: " + ("run on the CUDA devices" if r["triton_kernels_on_cuda"] else
+                                "not here (no CUDA device)" if r["triton"] else
+                                "not installed (pip install scaleopt[gpu])"))
+    print(f"CUDA devices: {cuda}")
+    print(f"threads: {r['threads']} (torch's intra-op), {r['cores']} "
+          f"core{'s' if r['cores'] != 1 else ''} for this process")
+    print(f"{args.optimizer}{' (offloaded)' if args.offload else ''} on the built-in model "
+          f"({cfg.device}): " + "; ".join(f"group {i}: {impl}"
+                                          for i, impl in enumerate(r["groups"])))
+    return EXIT_OK
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -247,6 +283,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             return _train(args, given)
         if args.command == "study":
             return _study(args)
+        if args.command == "info":
+            return _info(args)
         bench.check_arguments(args)
         bench.run(args)
         return EXIT_OK
