@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -47,6 +49,16 @@ def test_importing_scaleopt_imports_no_compiler_and_no_command_dependencies():
     assert out.stdout.strip() == "[]"
 
 
+def test_the_kernels_use_the_stable_abi_so_one_wheel_serves_every_python():
+    from scaleopt import _native
+
+    if not _native.available():
+        pytest.skip("the C kernels are not built here (no C compiler at install)")
+    import scaleopt._kernels
+
+    assert scaleopt._kernels.__file__.endswith(".abi3.so")
+
+
 def test_the_sdist_carries_its_tests_and_they_run(tmp_path):
     """The source distribution holds the license, the tests with their helpers and golden
     cases, and the recipes they run; a test file runs from the unpacked sdist."""
@@ -59,6 +71,10 @@ def test_the_sdist_carries_its_tests_and_they_run(tmp_path):
         if (ROOT / name).is_file():
             (tree / name).parent.mkdir(parents=True, exist_ok=True)
             (tree / name).write_bytes((ROOT / name).read_bytes())
+    for built in ("docs/_build/html/index.html", "docs/_build/_images/curves.png",
+                  "src/scaleopt/_kernels.abi3.so", "src/scaleopt/__pycache__/lamb.cpython-311.pyc"):
+        (tree / built).parent.mkdir(parents=True, exist_ok=True)  # as a work tree has them
+        (tree / built).write_bytes(b"built")
     out = subprocess.run([sys.executable, "-m", "build", "--sdist", "--no-isolation", "--outdir",
                           str(tmp_path / "dist"), str(tree)], capture_output=True, text=True,
                          timeout=300)
@@ -72,6 +88,8 @@ def test_the_sdist_carries_its_tests_and_they_run(tmp_path):
                    "tests/sharded_workers.py", "docs/recipes/hf_trainer.py"):
         assert needed in names, needed
     assert any(n.startswith("tests/data/oracle/") for n in names)
+    assert not [n for n in names if n.startswith("docs/_build") or n.endswith((".so", ".pyc"))]
+    assert "tools/build_wheel.py" in names
     (root,) = (tmp_path / "unpacked").iterdir()
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           "tests/test_oracle_lamb.py"], cwd=root, capture_output=True, text=True,

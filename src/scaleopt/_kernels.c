@@ -18,8 +18,10 @@
  * (see split_join), 4 bytes per weight instead of 4 + 2: LAMB then moves about 38 bytes per
  * parameter, LANS about 42.
  *
- * The module is also a (empty) Python extension so that setuptools builds it like one.
+ * The module is also a (empty) Python extension so that setuptools builds it like one; it uses
+ * only the stable ABI of Python 3.10, so one build serves every CPython from 3.10 on.
  */
+#define Py_LIMITED_API 0x030A0000
 #include <Python.h>
 #include <math.h>
 #include <stddef.h>
