@@ -15,7 +15,7 @@ from . import _native, _triton
 from ._base import ScaleOptimizer
 from ._dispatch import implementation
 from ._layerwise import LayerwiseAdam
-from .adamw import AdamW, fused_supported
+from .adamw import AdamW, takes_fused
 from .offload import OffloadAdam
 
 
@@ -55,10 +55,7 @@ def group_implementations(optimizer: torch.optim.Optimizer) -> List[str]:
         elif isinstance(optimizer, OffloadAdam):
             out.append("native (host)" if _native.available() else "single (host)")
         elif isinstance(optimizer, AdamW):
-            fused = group["fused"]
-            if fused is None:
-                fused = group["foreach"] is not True and fused_supported(params)
-            out.append("fused (torch)" if fused else
+            out.append("fused (torch)" if takes_fused(group, params) else
                        "multi (torch foreach)" if group["foreach"] else "torch's choice")
         else:
             on_host = getattr(optimizer, "host", None) is not None

@@ -40,6 +40,16 @@ def fused_supported(params: List[Tensor]) -> bool:
     )
 
 
+def takes_fused(group: Dict[str, Any], params: List[Tensor]) -> bool:
+    """Whether a group's step runs torch's fused kernel: as its ``fused`` option says, or by
+    default where ``foreach`` does not ask for the multi-tensor path and the kernel takes every
+    parameter."""
+    fused = group["fused"]
+    if fused is None:
+        fused = group["foreach"] is not True and fused_supported(params)
+    return fused
+
+
 class AdamW(ScaleOptimizer):
     r"""AdamW (Loshchilov & Hutter, 2019) with decay exclusion by parameter name.
 
@@ -176,9 +186,7 @@ class AdamW(ScaleOptimizer):
         loss = self._closure_loss(closure)
         for item in self._intake():
             group, idx, params, grads = item.group, item.idx, item.params, item.grads
-            fused = group["fused"]
-            if fused is None:
-                fused = group["foreach"] is not True and fused_supported(params)
+            fused = takes_fused(group, params)
             lists = self._init_group(group, idx, params, grads, fused)
             beta1, beta2 = group["betas"]
             for decayed, (ps, gs, ms, vs, maxs, steps) in lists.items():

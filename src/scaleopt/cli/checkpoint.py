@@ -171,10 +171,18 @@ def _meta_mismatch(path: pathlib.Path, meta: Any) -> Optional[str]:
 # -- finding the checkpoint to resume ------------------------------------------------------------
 
 
+def _complete(root: pathlib.Path) -> List[pathlib.Path]:
+    """The checkpoint folders of ``root`` (renamed from partial, so written to the end),
+    oldest first."""
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if p.is_dir() and _STEP_NAME.match(p.name)),
+                  key=lambda p: p.name)
+
+
 def _candidates(root: pathlib.Path) -> List[pathlib.Path]:
     """The checkpoints of ``root``, the one ``latest`` names first, then newest first."""
-    named = sorted((p for p in root.iterdir() if p.is_dir() and _STEP_NAME.match(p.name)),
-                   key=lambda p: p.name, reverse=True) if root.is_dir() else []
+    named = _complete(root)[::-1]
     latest = root / LATEST
     if latest.is_file():
         target = latest.read_text().strip()
@@ -266,8 +274,7 @@ def save(run_dir: str, step: int, model, opt, meta: Dict[str, Any], rank: int, w
 
 def prune(root: pathlib.Path, keep: int) -> List[str]:
     """Remove all but the newest ``keep`` complete checkpoints of ``root``; their names."""
-    done = sorted((p for p in root.iterdir() if p.is_dir() and _STEP_NAME.match(p.name)),
-                  key=lambda p: p.name)
+    done = _complete(root)
     old = done[:-keep] if keep > 0 else []
     for p in old:
         shutil.rmtree(p, ignore_errors=True)
@@ -319,6 +326,14 @@ def find(resume: str) -> pathlib.Path:
     hint = (f" (only the incomplete {partial[-1]}, from a run stopped while it saved)"
             if partial else "; write them with --checkpoint-every K")
     raise CheckpointError(f"--resume {resume}: no complete checkpoint in {root}{hint}")
+
+
+def chosen(resume: str) -> pathlib.Path:
+    """The checkpoint a resumed run loads: the checkpoint folder :func:`resumed_config` chose
+    and verified (``resume`` is then that folder), else the one :func:`find` chooses. Each rank
+    calls this; the files are digested once, where the configuration was made."""
+    path = pathlib.Path(resume)
+    return path if _is_checkpoint(path) and path.is_dir() else find(resume)
 
 
 def _as_reason(why: str) -> str:

@@ -316,7 +316,7 @@ def build(cfg: Config, rank: int, world: int) -> Trainer:
     trainer = Trainer(cfg, rank, world, tuple(t.to(device) for t in (x, y, xt, yt)), model, net,
                       opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule))
     if cfg.resume:
-        path = checkpoint.find(cfg.resume)
+        path = checkpoint.chosen(cfg.resume)
         meta = checkpoint.read_meta(path)
         checkpoint.load(path, meta, model, opt)
         trainer.sched.load_state_dict(meta["scheduler"])
