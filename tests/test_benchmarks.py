@@ -55,3 +55,5 @@ def test_scaleopt_bench_world_times_every_optimizer_on_fsdp2_shards(tmp_path):
     assert int(rows["scaleopt.LAMB"][2]) == 1 and int(rows["scaleopt.LANS"][2]) == 2
     result = json.loads((tmp_path / "b.json").read_text())
     assert result["world"] == 2 and result["rows"]["scaleopt.LAMB"]["collectives"] == 1
+    plot = tmp_path / "scaleopt-runs" / "bench-custom-world2" / "bench.png"
+    assert plot.read_bytes().startswith(b"\x89PNG")

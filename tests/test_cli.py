@@ -121,8 +121,19 @@ def test_bench_times_the_optimizers(tmp_path, capsys):
     assert bf16["fp32_row"] == "scaleopt.LAMB" and bf16["ratio_to_fp32"] > 0
     assert rows["scaleopt.OffloadAdam(bf16 params)"]["fp32_row"] == "scaleopt.OffloadAdam"
     assert "ratio_to_fp32" not in rows["scaleopt.LAMB"]
+    # bytes per parameter held between steps: a float32 weight and gradient (8) or bfloat16 (4);
+    # two float32 moments (8, and the per-tensor step counters), and a bfloat16 row's split
+    # master its low 16 bits (2)
+    steps = result["tensors"] * 8 / result["params"]  # at most 8 bytes of step per tensor
+    for name, model, state in [("torch.AdamW(fused=True)", 8, 8), ("scaleopt.LAMB", 8, 8),
+                               ("scaleopt.LAMB(bf16 params, master_weights)", 4, 10),
+                               ("scaleopt.OffloadAdam(bf16 params)", 4, 10)]:
+        assert rows[name]["model_bytes_per_param"] == model, name
+        assert state <= rows[name]["state_bytes_per_param"] <= state + steps, name
+    assert (tmp_path / "run" / "bench.png").read_bytes().startswith(PNG)
     printed = capsys.readouterr().out
     assert "x fused AdamW" in printed and "x fp32 row" in printed and "in-place p += g" in printed
+    assert "state B/param" in printed and "bench.png" in printed
     # a second benchmark into the same folder is refused, not written over the first
     assert main(["bench", "--hidden", "32", "--layers", "1", "--vocab", "500", "--rounds", "1",
                  "--out", str(tmp_path / "run")]) == EXIT_USAGE

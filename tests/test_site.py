@@ -7,6 +7,7 @@ folder; it needs the ``docs`` extra (Sphinx and the theme), which ``.ci/run`` in
 
 from __future__ import annotations
 
+import json
 import pathlib
 import re
 import subprocess
@@ -73,3 +74,28 @@ def test_pages_have_contents_copy_buttons_and_a_footer(site):
     assert "copybutton" in page  # the copy button's script
     assert 'class="toc-tree"' in page or "toc-drawer" in page  # "on this page"
     assert "the scaleopt authors" in page and "Apache-2.0" in page
+
+
+def _png_size(path) -> tuple:
+    head = pathlib.Path(path).read_bytes()[:24]
+    assert head.startswith(b"\x89PNG\r\n\x1a\n")
+    return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+
+
+def test_the_benchmarks_page_shows_one_bench_run_its_plot_and_its_table(site, tmp_path):
+    pytest.importorskip("matplotlib", reason="needs matplotlib (the cli or test extra)")
+    from scaleopt.cli.report import write_bench_plot
+
+    page = (site / "benchmarks.html").read_text()
+    shown = re.findall(r"<img\b[^>]*\bsrc=\"([^\"]*cpu-small\.png)\"", page)
+    assert shown and (site / shown[0]).is_file()
+    result = json.loads((DOCS / "bench" / "cpu-small.json").read_text())
+    # the plot is the one `scaleopt bench` draws from the run's bench.json
+    assert _png_size(site / shown[0]) == _png_size(
+        write_bench_plot(result, str(tmp_path / "bench.png")))
+    # and the table gives that run's numbers, row by row
+    table = (DOCS / "benchmarks.md").read_text()
+    for row in result["rows"]:
+        cells = (f"| {row['median_s'] * 1e3:.1f} ms | {row['ratio']:.2f} | "
+                 f"{row['state_bytes_per_param']:.0f} |")
+        assert cells in table, row["optimizer"]

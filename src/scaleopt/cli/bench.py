@@ -26,7 +26,8 @@ import torch
 import scaleopt
 
 from . import bench_fsdp, bench_gpu
-from .paramsets import NO_DECAY, SIZES, bert_shapes, make_params, paired_ratio, sync
+from .paramsets import NO_DECAY, SIZES, bert_shapes, held_bytes, make_params, paired_ratio, sync
+from .report import NO_PLOTS, write_bench_plot
 from .train import check_out, new_folder
 
 # the float32-parameter row each bfloat16 row is set against ("no slower than the fp32 step")
@@ -268,11 +269,12 @@ def run(args: argparse.Namespace) -> dict:
     # each round, so the in-place reference (not an optimizer) comes right after it
     every = dict(sorted(every.items(), key=lambda kv: "deepspeed" in kv[0]))
     chosen = {k: every[k] for k in selected(list(every), args.only)}
-    opts = {}
+    opts, held = {}, {}
     for name, (make, pdtype) in chosen.items():
         named = make_params(shapes, pdtype, args.device)
         opts[name] = (make(named), named)
         opts[name][0].step()  # warm-up: allocate state
+        held[name] = held_bytes(*opts[name])
     times: Dict[str, List[float]] = {k: [] for k in opts}
     ref_times = []
     for _ in range(args.rounds):
@@ -292,20 +294,25 @@ def run(args: argparse.Namespace) -> dict:
           f"with its own parameters, gradients and state")
     print(f"in-place p += g over all tensors: {ref * 1e3:.1f} ms "
           f"({12 * nparams / ref / 1e9:.1f} GB/s at 12 bytes per parameter)")
-    print(f"{'optimizer':44s} {'median ms':>10s} {'x fused AdamW':>14s} {'x fp32 row':>11s}")
+    print(f"{'optimizer':44s} {'median ms':>10s} {'x fused AdamW':>14s} {'state B/param':>13s} "
+          f"{'x fp32 row':>11s}")
     rows = []
     for name, ts in times.items():
         med = statistics.median(ts)
         paired = paired_ratio(ts, times["torch.AdamW(fused=True)"])
-        row = {"optimizer": name, "median_s": med, "ratio": paired, "ratio_of_medians": med / base}
+        row = {"optimizer": name, "median_s": med, "ratio": paired, "ratio_of_medians": med / base,
+               "model_bytes_per_param": held[name][0] / nparams,
+               "state_bytes_per_param": held[name][1] / nparams}
         fp32 = FP32_ROW.get(name) if args.dtype == "float32" else None
         if fp32 in times:
             row["fp32_row"], row["ratio_to_fp32"] = fp32, paired_ratio(ts, times[fp32])
         rows.append(row)
         vs_fp32 = f"{row['ratio_to_fp32']:11.2f}" if "ratio_to_fp32" in row else ""
-        print(f"{name:44s} {med * 1e3:10.1f} {paired:14.2f} {vs_fp32}".rstrip())
+        print(f"{name:44s} {med * 1e3:10.1f} {paired:14.2f} {row['state_bytes_per_param']:13.1f} "
+              f"{vs_fp32}".rstrip())
     result = {"size": args.size, "params": nparams, "tensors": len(shapes), "dtype": args.dtype,
-              "threads": args.threads, "device": args.device, "torch": torch.__version__,
+              "threads": args.threads, "device": args.device, "machine": platform.machine(),
+              "torch": torch.__version__,
               "rounds": args.rounds, "bandwidth_reference_s": ref, "rows": rows,
               "memory_estimate_bytes": memory_need(args)}
     _write(result, args)
@@ -313,11 +320,14 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _write(result: dict, args: argparse.Namespace) -> None:
-    """``bench.json`` in the run folder (and ``--json FILE`` if given)."""
+    """``bench.json`` and ``bench.png`` (the ratios and bytes per parameter; where matplotlib is
+    installed) in the run folder, and ``--json FILE`` if given."""
     paths = [pathlib.Path(args.out) / "bench.json"] + ([pathlib.Path(args.json)] if args.json else [])
     for path in paths:
         path.write_text(json.dumps(result, indent=2))
-    print(f"results: {', '.join(map(str, paths))}")
+    plot = write_bench_plot(result, str(pathlib.Path(args.out) / "bench.png"))
+    print(f"results: {', '.join(map(str, paths + ([plot] if plot else [])))}"
+          f"{'' if plot else f' ({NO_PLOTS})'}")
 
 
 if __name__ == "__main__":

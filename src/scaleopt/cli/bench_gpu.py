@@ -25,7 +25,7 @@ import torch
 
 import scaleopt
 
-from .paramsets import NO_DECAY, make_params, paired_ratio, sync
+from .paramsets import NO_DECAY, held_bytes, make_params, paired_ratio, sync
 
 #: the bytes each algorithm must move per parameter in one step: float32 (parameters,
 #: gradients, moments), and bfloat16 parameters and gradients with split float32 masters
@@ -117,9 +117,12 @@ def time_pair(shapes, name: str, row: Tuple[Callable, bool, str], dtype: torch.d
         seconds, host = _timed(step, device)
         times.append(seconds)
         hosts.append(host)
+    model, state = held_bytes(opt, named)
+    numel = sum(p.numel() for _, p in named)
     return {"optimizer": name, "median_s": statistics.median(times),
             "ratio": paired_ratio(times, base_times), "host_s": statistics.median(hosts),
-            "algorithm": kind, "peak_bytes_added": _peak() - before}
+            "algorithm": kind, "peak_bytes_added": _peak() - before,
+            "model_bytes_per_param": model / numel, "state_bytes_per_param": state / numel}
 
 
 def run(shapes, label: str, dtype_name: str, device: str, rounds: int,

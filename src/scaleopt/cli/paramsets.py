@@ -66,3 +66,24 @@ NO_DECAY = [r"bias$", r"LayerNorm"]
 def paired_ratio(times: List[float], baseline: List[float]) -> float:
     """The median over rounds of ``times[r] / baseline[r]``: both were timed in the same round."""
     return statistics.median(t / b for t, b in zip(times, baseline))
+
+
+def held_bytes(opt: torch.optim.Optimizer, named) -> Tuple[int, int]:
+    """(bytes of the parameters and their gradients, bytes the optimizer holds between steps
+    besides them): every tensor reachable from its state and its own attributes, each storage
+    counted once, the parameters' and gradients' own storages left out."""
+    model = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+             for _, p in named for p in (p, p.grad) if p is not None}
+    held: dict = {}
+    todo = [dict(opt.state), {k: v for k, v in vars(opt).items() if k != "param_groups"}]
+    while todo:
+        obj = todo.pop()
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            if storage.data_ptr() not in model:
+                held[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(obj, dict):
+            todo.extend(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            todo.extend(obj)
+    return sum(model.values()), sum(held.values())

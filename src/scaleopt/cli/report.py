@@ -127,3 +127,76 @@ def write_study(rows: List[Dict[str, Any]], out: str, title: str) -> Dict[str, s
     fig.savefig(files["png"], dpi=100)
     plt.close(fig)
     return {k: str(v) for k, v in files.items()}
+
+
+def _bench_rows(result: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The rows of any ``scaleopt bench`` result as a list (the sharded run keys them by name)."""
+    rows = result["rows"]
+    return [dict(r, optimizer=k) for k, r in rows.items()] if isinstance(rows, dict) else rows
+
+
+def _bench_colour(name: str) -> str:
+    return "C0" if name.startswith("scaleopt") else "0.6" if name.startswith("torch.") else "C1"
+
+
+def bench_title(result: Dict[str, Any]) -> str:
+    """What was timed, where: parameters, tensors, dtype, threads or processes, machine, torch."""
+    params = result.get("params", result.get("parameters", 0))
+    how = [f"{params / 1e6:.1f}M parameters in {result['tensors']} tensors",
+           result.get("dtype", "float32")]
+    if "world" in result:
+        how.append(f"FSDP2 over {result['world']} processes x {result['threads']} thread(s)")
+    elif "threads" in result:
+        how.append(f"{result['threads']} threads")
+    how += [str(result.get("machine") or result.get("device", "")), f"torch {result['torch']}",
+            f"{result['rounds']} rounds"]
+    return ", ".join(h for h in how if h)
+
+
+def write_bench_plot(result: Dict[str, Any], path: str):
+    """``bench.png``: each optimizer's step time as the paired ratio to fused AdamW's and, where
+    measured, the bytes per parameter held (weights and gradients; optimizer state). Returns
+    the path, or None where matplotlib is not installed."""
+    plt = _plt()
+    if plt is None:
+        return None
+    rows = _bench_rows(result)
+    memory = all("state_bytes_per_param" in r for r in rows)
+    fig, axes = plt.subplots(1, 2 if memory else 1, squeeze=False,
+                             figsize=(12 if memory else 7, 1.4 + 0.38 * len(rows)),
+                             gridspec_kw={"width_ratios": [3, 2]} if memory else None)
+    names = [r["optimizer"] for r in rows]
+    y = list(range(len(rows)))[::-1]
+    a = axes[0][0]
+    ratios = [r["ratio"] for r in rows]
+    a.barh(y, ratios, color=[_bench_colour(n) for n in names])
+    a.axvline(1.0, color="k", lw=0.8)
+    for yi, v in zip(y, ratios):
+        a.text(v, yi, f" {v:.2f}x", va="center", fontsize=8)
+    a.set_yticks(y, names, fontsize=8)
+    a.set_xlim(0, max(ratios) * 1.15)
+    a.set_xlabel("step time / torch.optim.AdamW(fused=True)'s, same round (median)")
+    from matplotlib.patches import Patch
+
+    families = [("scaleopt", "C0"), ("torch", "0.6"), ("other libraries", "C1")]
+    a.legend(handles=[Patch(color=c, label=f) for f, c in families
+                      if any(_bench_colour(n) == c for n in names)],
+             fontsize=8, ncol=3, loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
+    if memory:
+        b = axes[0][1]
+        model = [r["model_bytes_per_param"] for r in rows]
+        state = [r["state_bytes_per_param"] for r in rows]
+        b.barh(y, model, color="0.85")
+        b.barh(y, state, left=model, color=[_bench_colour(n) for n in names])
+        for yi, m, s in zip(y, model, state):
+            b.text(m / 2, yi, f"{m:.0f}", va="center", ha="center", fontsize=8)
+            b.text(m + s, yi, f" {m + s:.0f} B", va="center", fontsize=8)
+        b.set_yticks(y, [""] * len(y))
+        b.set_xlim(0, max(m + s for m, s in zip(model, state)) * 1.15)
+        b.set_xlabel("bytes per parameter held between steps")
+        b.set_title("light: weights + gradients; coloured: optimizer state", fontsize=8)
+    fig.suptitle(bench_title(result), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
