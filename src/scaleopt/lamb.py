@@ -33,12 +33,12 @@ class LAMB(LayerwiseAdam):
         m_t &= \beta_1 m_{t-1} + (1-\beta_1) g_t, \qquad
         v_t = \beta_2 v_{t-1} + (1-\beta_2) g_t^2 \\
         \hat m_t &= m_t / (1-\beta_1^t), \qquad \hat v_t = v_t / (1-\beta_2^t)
-            \quad\text{(identity when bias\_correction=False)}\\
+            \quad\text{(identity when bias_correction=False)}\\
         u_t &= \frac{\hat m_t}{\sqrt{\hat v_t} + \epsilon} + \lambda w_{t-1}
-            \quad\text{(weight\_decay\_mode="update")}\\
+            \quad\text{(weight_decay_mode="update")}\\
         r_t &= \frac{\phi(\lVert w_{t-1}\rVert)}{\lVert u_t \rVert},
-            \quad \phi(x) = \min(\max(x, \text{lower\_bound}), \text{upper\_bound}),
-            \quad r_t = 1 \text{ if } \phi(\lVert w\rVert) = 0 \text{ or } \lVert u_t\rVert = 0\\
+            \quad \phi(x) = \min(\max(x, \text{lower_bound}), \text{upper_bound})\\
+        r_t &= 1 \text{ if } \phi(\lVert w_{t-1}\rVert) = 0 \text{ or } \lVert u_t\rVert = 0\\
         w_t &= w_{t-1} - \eta\, r_t\, u_t
         \end{aligned}
 

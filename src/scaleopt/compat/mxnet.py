@@ -153,7 +153,7 @@ class LAMB(_MXNetAPI, _LAMB):
     r"""``mxnet.optimizer.LAMB`` on :class:`scaleopt.LAMB`.
 
     .. math::
-        g \leftarrow \mathrm{clip}(g\cdot\text{rescale\_grad}),\quad
+        g \leftarrow \mathrm{clip}(g\cdot\text{rescale_grad}),\quad
         u = \frac{m_t/(1-\beta_1^t)}{\sqrt{v_t/(1-\beta_2^t)}+\epsilon} + \text{wd}\,w,\quad
         w \leftarrow w - \eta\,\frac{\phi(\lVert w\rVert)}{\lVert u\rVert}\,u
 
