@@ -120,6 +120,11 @@ class ScaleOptimizer(torch.optim.Optimizer):
     #: What a parameter's state holds, checked by :meth:`load_state_dict` (``scaleopt._loading``).
     _state_spec = StateSpec("none", (), ())
 
+    def _state_shape(self, p: Tensor) -> Tuple[int, ...]:
+        """The shape of ``p``'s shaped state tensors in a state dict (a DTensor's: its global
+        shape, as its state is a DTensor too)."""
+        return tuple(p.shape)
+
     def _arg(self, key: str) -> str:
         return self._arg_names.get(key, key)
 

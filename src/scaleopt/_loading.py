@@ -75,7 +75,7 @@ def check_state_dict(optimizer: Any, state_dict: Dict[str, Any]) -> None:
         where = _name(group, i, p, optimizer)
         if not isinstance(st, dict):
             raise ValueError(f"state of {where}: a dict of tensors expected, got {_describe(st)}")
-        _check_param_state(st, p, spec, group, where)
+        _check_param_state(st, optimizer._state_shape(p), spec, group, where)
 
 
 def _pairs(groups: List[Dict[str, Any]], saved_groups: List[Dict[str, Any]]
@@ -99,8 +99,8 @@ def _check_kind(optimizer: Any, saved_tag: Optional[Dict[str, Any]], spec: State
         f"state dict's {TAG!r} entry first")
 
 
-def _check_param_state(st: Dict[str, Any], p: Tensor, spec: StateSpec, group: Dict[str, Any],
-                       where: str) -> None:
+def _check_param_state(st: Dict[str, Any], shape: Tuple[int, ...], spec: StateSpec,
+                       group: Dict[str, Any], where: str) -> None:
     needed = spec.required + tuple(key for option, key in spec.optional if group.get(option))
     missing = [k for k in needed if k not in st]
     if missing:
@@ -115,9 +115,10 @@ def _check_param_state(st: Dict[str, Any], p: Tensor, spec: StateSpec, group: Di
         if not isinstance(x, Tensor) or not (x.is_floating_point() and not x.is_complex()):
             raise ValueError(f"state {key!r} of {where}: a floating-point tensor expected, got "
                              f"{_describe(x)}")
-        if tuple(x.shape) != tuple(p.shape):
+        if tuple(x.shape) != tuple(shape):
             raise ValueError(f"state {key!r} of {where} has shape {tuple(x.shape)}, the "
-                             f"parameter {tuple(p.shape)}: the checkpoint is of another model")
+                             f"parameter's state {tuple(shape)}: the checkpoint is of another "
+                             f"model or layout")
         if key in NON_NEGATIVE and bool((local_piece(x.detach()) < 0).any()):
             raise ValueError(f"state {key!r} of {where} has negative values: a running mean of "
                              f"squares never does, so the checkpoint was altered or corrupted")

@@ -21,7 +21,8 @@ from torch import nn
 
 from . import comm
 from .._sharding import any_dtensor
-from .optimizer import (SHARDED_ERROR, dgc_updates, finish_telemetry, local_gradients,
+from .replicas import SHARDED_ERROR
+from .optimizer import (dgc_updates, finish_telemetry, local_gradients,
                         new_telemetry)
 from .schedule import PAPER_SPARSITY
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -15,8 +15,8 @@ from .._checks import check_bool, check_choice, check_number
 from .._compile import eager
 from .._intake import any_nonfinite
 from .._loading import StateSpec
-from .._sharding import any_dtensor
-from . import comm, select
+from .._sharding import any_dtensor, local_piece
+from . import comm, replicas, select
 from .schedule import PAPER_SPARSITY, sparsity_at
 
 
@@ -72,6 +72,12 @@ class DGCMomentum(ScaleOptimizer):
             bfloat16 or float32; None: the gradient's).
         process_group (default None: the default group, or no communication when
             ``torch.distributed`` is not initialized).
+        mesh (DeviceMesh or None, default None): for sharded parameters, a 2-D
+            ``(replicate, shard)`` mesh on whose shard dimension the model is
+            ``fully_shard``-ed: DGC then compresses the exchange between the replicas, over the
+            replicate dimension, each rank sending the top-k of its local shard (HSDP with a
+            sparse replica exchange; see :doc:`/dgc`). Parameters sharded with no replicas are
+            refused: there is nothing to compress.
         num_workers (int or None, default None): the :math:`N` of the clipping threshold
             (default: the process group's size; Paddle's ``num_trainers``).
         clip_grad_norm_per_tensor (float or None, default None): also clip each local gradient
@@ -121,7 +127,11 @@ class DGCMomentum(ScaleOptimizer):
         num_workers: Optional[int] = None,
         clip_grad_norm_per_tensor: Optional[float] = None,
         nonfinite: str = "propagate",
+        mesh: Optional[Any] = None,
     ) -> None:
+        self.mesh = replicas.check_mesh(mesh, process_group)
+        if self.mesh is not None:
+            process_group = self.mesh.get_group(0)
         if num_workers is not None and (isinstance(num_workers, bool) or not isinstance(
                 num_workers, int) or num_workers < 1):
             raise ValueError(f"Invalid num_workers: {num_workers!r} (a positive int or None)")
@@ -146,8 +156,10 @@ class DGCMomentum(ScaleOptimizer):
         self._world_at_init = comm.world_of(process_group)
 
     def _validate_group(self, group: Dict[str, Any]) -> None:
-        if any_dtensor(group["params"]):
-            raise TypeError(SHARDED_ERROR)
+        if self.mesh is not None:
+            replicas.check_params(group["params"], self.mesh)
+        elif any_dtensor(group["params"]):
+            raise TypeError(replicas.SHARDED_ERROR)
         super()._validate_group(group)
         check_number("momentum", group["momentum"], low=0.0, high=1.0, high_open=True)
         check_bool("nesterov", group["nesterov"])
@@ -174,37 +186,73 @@ class DGCMomentum(ScaleOptimizer):
         sd = super().state_dict()
         sd["dgc_step"] = self.dgc_step
         sd["world_size"] = comm.world_of(self.process_group)
+        if self.mesh is not None:
+            sd["mesh_shape"] = replicas.layout(self.mesh)
         sd["dgc_generator"] = self._generator.get_state()  # the threshold's samples
         return sd
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load a state dict of this rank; one saved by another number of workers or on another
+        mesh loads with its residuals (u, v: they belong to the old workers' data and shards)
+        reset to zero, with a warning."""
+        moved = self._layout_change(state_dict) if isinstance(state_dict, dict) else None
+        if moved:
+            state_dict = self._residuals_reset(state_dict)
         super().load_state_dict(state_dict)
         self.dgc_step = int(state_dict.get("dgc_step", 0))
         if "dgc_generator" in state_dict:
             self._generator.set_state(state_dict["dgc_generator"])
+        if moved:
+            warnings.warn(f"{moved}: the residuals (u, v) belong to the old workers and are "
+                          f"reset", stacklevel=2)
+
+    def _residuals_reset(self, state_dict: Dict[str, Any]) -> Dict[str, Any]:
+        """``state_dict`` with each parameter's u and v zeros shaped like its state here."""
+        ids = [i for g in state_dict.get("param_groups", []) for i in g.get("params", [])]
+        params = [p for g in self.param_groups for p in g["params"]]
+        state = dict(state_dict["state"])
+        for i, p in zip(ids, params):
+            st = state.get(i)
+            if isinstance(st, dict) and ("u" in st or "v" in st):
+                zeros = torch.zeros(self._state_shape(p), dtype=p.dtype)
+                state[i] = dict(st, u=zeros, v=zeros.clone())
+        return dict(state_dict, state=state)
+
+    def _layout_change(self, state_dict: Dict[str, Any]) -> Optional[str]:
+        """How the workers of ``state_dict`` differ from this optimizer's (None: they do not)."""
         saved, now = state_dict.get("world_size"), comm.world_of(self.process_group)
         if saved is not None and saved != now:
-            warnings.warn(
-                f"DGCMomentum checkpoint from {saved} workers loaded with {now}: the residuals "
-                f"(u, v) belong to the old workers and are reset", stacklevel=2)
-            for st in self.state.values():
-                for key in ("u", "v"):
-                    if key in st:
-                        st[key].zero_()
+            return f"DGCMomentum checkpoint from {saved} workers loaded with {now}"
+        layout, here = state_dict.get("mesh_shape"), replicas.layout(self.mesh)
+        if layout is not None and list(layout) != here:
+            return (f"DGCMomentum checkpoint from a {tuple(layout)} (replicate, shard) mesh "
+                    f"loaded on {'a ' + str(tuple(here)) + ' one' if here else 'no mesh'}")
+        return None
+
+    def _state_shape(self, p: Tensor):
+        """DGC's state is each rank's own: shaped like the local shard of a sharded parameter."""
+        return tuple(local_piece(p).shape)
+
+
 
     # -- the step ------------------------------------------------------------------------------
 
     def _local_grads(self, group, params) -> List[Tensor]:
+        """Each parameter's local gradient (its shard's, for sharded parameters) after decay
+        and clipping; the norms of clipping are those of whole tensors."""
         world = self.num_workers or comm.world_of(self.process_group)
         grads = []
         for p in params:
             if p.grad is not None and p.grad.is_sparse:
                 raise RuntimeError("DGCMomentum does not support sparse gradients")
-            grads.append(p.grad if p.grad is not None else torch.zeros_like(p))  # unused here only
-        grads = local_gradients(grads, params, group, world, group["clip_mode"])
+            grads.append(local_piece(p.grad) if p.grad is not None  # unused here only: zero
+                         else torch.zeros_like(local_piece(p)))
+        norms = replicas.whole_norms(self.mesh)
+        grads = local_gradients(grads, [local_piece(p) for p in params], group, world,
+                                group["clip_mode"], norms)
         c = group["clip_grad_norm_per_tensor"]
         if c is not None:
-            grads = [g * (c / max(float(torch.linalg.vector_norm(g.float())), c)) for g in grads]
+            grads = [g * (c / max(n, c)) for g, n in zip(grads, norms(grads))]
         return grads
 
     @torch.no_grad()
@@ -219,9 +267,9 @@ class DGCMomentum(ScaleOptimizer):
         # of all groups in one all-reduce)
         every = [p for group in self.param_groups for p in group["params"]]
         device = every[0].device if every else torch.device("cpu")
-        if self.nonfinite == "skip" and comm.any_rank(
+        if self.nonfinite == "skip" and comm.any_rank(  # with a mesh: over all its ranks
                 [any(p.grad is not None and any_nonfinite(p.grad) for p in every)],
-                self.process_group, device)[0]:
+                None if self.mesh is not None else self.process_group, device)[0]:
             self.skipped_steps += 1  # on every rank: nothing moves, residuals included
             return loss
         used = iter(comm.any_rank([p.grad is not None for p in every], self.process_group,
@@ -235,15 +283,18 @@ class DGCMomentum(ScaleOptimizer):
             for p in params:
                 st = self.state[p]
                 if "u" not in st:
-                    st["u"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                    st["v"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                    st["step"] = torch.tensor(0.0)
+                    piece = local_piece(p.detach())
+                    st["u"] = torch.zeros_like(piece, memory_format=torch.contiguous_format)
+                    st["v"] = torch.zeros_like(piece, memory_format=torch.contiguous_format)
+                    st.setdefault("step", torch.tensor(0.0))
                 st["step"] += 1
                 states.append(st)
             updates = dgc_updates(grads, states, group, self.dgc_step, world, self.process_group,
-                                  self.value_dtype, self._generator, tel)
+                                  self.value_dtype, self._generator, tel,
+                                  [p.numel() for p in params])
             for p, upd in zip(params, updates):
-                p.add_(upd.view_as(p).to(p.dtype), alpha=-lr_number(group))
+                piece = local_piece(p)
+                piece.add_(upd.view_as(piece).to(p.dtype), alpha=-lr_number(group))
         self.dgc_step += 1
         finish_telemetry(tel)
         self.telemetry = tel
@@ -259,8 +310,11 @@ def finish_telemetry(tel: Dict[str, float]) -> None:
     tel["density"] = tel["selected"] / max(tel["numel"], 1)
 
 
-def _is_dense(opts, world: int, numel: int, k: int, vbytes: int, ibytes: int) -> bool:
-    if numel < opts["min_numel"]:
+def _is_dense(opts, world: int, numel: int, k: int, vbytes: int, ibytes: int,
+              whole: int) -> bool:
+    """Whether a tensor of ``numel`` local elements (``whole`` in the whole parameter: the
+    size threshold never depends on the sharding) goes dense."""
+    if whole < opts["min_numel"]:
         return True
     if world <= 1:
         return False
@@ -268,18 +322,14 @@ def _is_dense(opts, world: int, numel: int, k: int, vbytes: int, ibytes: int) ->
     return (world - 1) * k * (vbytes + ibytes) >= 2 * (world - 1) / world * numel * vbytes
 
 
-SHARDED_ERROR = (
-    "DGC compresses the gradient exchange of replicated data parallelism (DDP: every rank holds "
-    "every parameter and all-reduces the gradients); it is not for sharded (FSDP2 / DTensor) "
-    "parameters, whose gradients are reduce-scattered. Use DGC with DDP, or LAMB / LANS / AdamW "
-    "with FSDP2.")
-
-
 def local_gradients(grads: List[Tensor], params: List[Tensor], options: Dict[str, Any],
-                    world: int, clip_mode: str = "tensor") -> List[Tensor]:
+                    world: int, clip_mode: str = "tensor",
+                    norms: Optional[Callable[[List[Tensor]], List[float]]] = None) -> List[Tensor]:
     """Paddle's local gradients: the decay added (``weight_decay * w`` for ``"l2"``,
     ``weight_decay * sign(w)`` for ``"l1"``), then ``local_grad_clip_norm`` scaled by
-    ``world ** -0.5``, per tensor (``clip_mode="tensor"``) or over all of them (``"global"``)."""
+    ``world ** -0.5``, per tensor (``clip_mode="tensor"``) or over all of them (``"global"``).
+    ``norms`` gives the tensors' norms (default: of the tensors given; for shards, of the
+    whole tensors)."""
     wd = options["weight_decay"]
     if wd:
         l2 = options["weight_decay_mode"] == "l2"
@@ -289,14 +339,15 @@ def local_gradients(grads: List[Tensor], params: List[Tensor], options: Dict[str
     if clip is None or not grads:
         return grads
     c = clip * world ** -0.5
+    each = (norms or replicas.whole_norms(None))(grads)
     if clip_mode == "tensor":
-        return [g * (c / max(float(torch.linalg.vector_norm(g.float())), c)) for g in grads]
-    total = math.sqrt(sum(float(torch.linalg.vector_norm(g.float())) ** 2 for g in grads))
+        return [g * (c / max(n, c)) for g, n in zip(grads, each)]
+    total = math.sqrt(sum(n ** 2 for n in each))
     return [g * (c / max(total, c)) for g in grads]
 
 
 def _dense_and_sparse(grads: List[Tensor], opts: Dict[str, Any], s: Optional[float], world: int,
-                      value_dtype, tel: Dict[str, float]):
+                      value_dtype, tel: Dict[str, float], wholes: Sequence[int]):
     """Which tensors go dense (positions) and which sparse (``(position, k, index dtype, value
     dtype, bytes per pair)``) at sparsity ``s`` (None: all dense); counts the dense baseline."""
     dense, sparse = [], []
@@ -309,7 +360,7 @@ def _dense_and_sparse(grads: List[Tensor], opts: Dict[str, Any], s: Optional[flo
         tel["dense_bytes"] += allreduce_bytes
         tel["dense_payload_bytes"] += numel * g.element_size()
         tel["numel"] += numel
-        if s is None or _is_dense(opts, world, numel, k, vdt.itemsize, idt.itemsize):
+        if s is None or _is_dense(opts, world, numel, k, vdt.itemsize, idt.itemsize, wholes[j]):
             dense.append(j)
             tel["bytes_sent"] += allreduce_bytes
             tel["payload_bytes"] += numel * g.element_size()
@@ -346,16 +397,18 @@ def _momentum_and_selection(grads, states, sparse, opts, generator):
 @eager  # selection and communication: host logic, nothing to trace
 def dgc_updates(grads: List[Tensor], states: List[Dict[str, Tensor]], opts: Dict[str, Any],
                 step: int, world: int, process_group, value_dtype, generator,
-                tel: Dict[str, float]) -> List[Tensor]:
+                tel: Dict[str, float], wholes: Optional[Sequence[int]] = None) -> List[Tensor]:
     """DGC for one set of tensors at step ``step``: momentum correction, selection, one
     all-gather for the sparse tensors and one all-reduce for the dense ones. Updates each
     state's ``u``/``v`` and returns, per tensor, the update ``U`` of ``w -= lr * U``: the mean of
     the gathered values for a sparse tensor, the momentum step for a dense one. ``opts`` holds
-    the group's options (momentum, nesterov, sparsity schedule, min_numel, masking, selection)."""
+    the group's options (momentum, nesterov, sparsity schedule, min_numel, masking, selection);
+    ``wholes``, the whole parameters' sizes where ``grads`` are shards (for ``min_numel``)."""
     s = sparsity_at(step, opts["rampup_begin_step"], opts["rampup_step"], opts["sparsity"])
     m, nesterov = opts["momentum"], opts["nesterov"]
     updates: List[Optional[Tensor]] = [None] * len(grads)
-    dense, sparse = _dense_and_sparse(grads, opts, s, world, value_dtype, tel)
+    dense, sparse = _dense_and_sparse(grads, opts, s, world, value_dtype, tel,
+                                      wholes or [g.numel() for g in grads])
     # dense tensors: all-reduce, then momentum SGD on the mean gradient
     for j, g in zip(dense, comm.dense_allreduce_mean([grads[j] for j in dense], process_group)):
         u = states[j]["u"]
