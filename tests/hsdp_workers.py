@@ -88,21 +88,38 @@ def _resumed(model, opt, mesh, options, path):
     return fresh, new
 
 
-def train_dense_hsdp(rank, world, tmp, shape, steps, lr, momentum):
-    """Plain HSDP (fully_shard on the 2-D mesh) with torch's momentum SGD: the full parameters
-    after ``steps``."""
+def dense_three_ways(rank, world, tmp, shape, steps, lr, momentum, min_numel):
+    """The full parameters after ``steps`` of DGC at density 1.0, of DGC before its warm-up
+    ends, and of plain HSDP (fully_shard on the 2-D mesh) with torch's momentum SGD."""
     mesh = mesh_of(shape)
+    out = {}
+    for name, extra in (("density 1.0", dict(sparsity=[0.0])),
+                        ("before the warm-up", dict(rampup_begin_step=100))):
+        out[name] = train_on(mesh, steps, dict(lr=lr, momentum=momentum, min_numel=min_numel,
+                                               **extra), rank)
     model = sharded(model_of(), mesh)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     for t in range(steps):
         opt.zero_grad()
         loss_of(model, rank, t).backward()
         opt.step()
-    return {"full": [p.full_tensor().detach() for p in model.parameters()]}
+    out["plain HSDP"] = [p.full_tensor().detach() for p in model.parameters()]
+    return out
 
 
-def refusals(rank, world, tmp):
-    """The errors of DGCMomentum on layouts it cannot compress."""
+def train_on(mesh, steps, options, rank):
+    model = sharded(model_of(), mesh["shard"])
+    opt = scaleopt.DGCMomentum(model.parameters(), mesh=mesh, **options)
+    for t in range(steps):
+        opt.zero_grad()
+        loss_of(model, rank, t).backward()
+        opt.step()
+    return [p.full_tensor().detach() for p in model.parameters()]
+
+
+def refusals(rank, world, tmp, options):
+    """The errors of DGCMomentum on layouts it cannot compress; then a state dict of one mesh
+    loaded on another (:func:`resumed_on_another_mesh`)."""
     out = {}
     mesh = mesh_of((2, 2))
     flat = mesh_of((1, world))
@@ -126,7 +143,8 @@ def refusals(rank, world, tmp):
         except (TypeError, ValueError) as exc:
             out[name] = f"{type(exc).__name__}: {exc}"
     dist.barrier()
-    return out if rank == 0 else None
+    out["another mesh"] = resumed_on_another_mesh(rank, world, tmp, options)
+    return out
 
 
 def resumed_on_another_mesh(rank, world, tmp, options):

@@ -102,6 +102,11 @@ def _add_train_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shard", action=argparse.BooleanOptionalAction, default=False,
                    help="FSDP2 (fully_shard) instead of DDP: each of the --workers holds "
                         "1/N of the parameters and of the optimizer state")
+    g.add_argument("--replicas", type=_positive_int, default=1, metavar="R",
+                   help="with --shard: HSDP, the workers split into R replicas that each shard "
+                        "the model over workers/R processes and all-reduce the gradients "
+                        "between them, or with --dgc exchange DGC's top-k instead; under "
+                        "torchrun, one replica per node (--nnodes R) (default: 1)")
     _add_checkpoint_options(p)
     _add_dgc_options(p)
     _add_output_options(p)
@@ -349,8 +354,11 @@ def _summary(cfg: Config, r: dict) -> None:
         grad, msg = (r["dense_payload_bytes_per_rank_per_step"],
                      r["dgc_payload_bytes_per_rank_per_step"])
         last = r["dgc_final_telemetry"]
-        line += (f"; DGC on {r['workers']} workers: density {r['dgc_density']:.4f}, "
-                 f"{sent:,.0f} bytes sent per rank per step vs {dense:,.0f} dense "
+        sent = r.get("dgc_bytes_sent_measured_per_rank_per_step", sent)
+        line += (f"; DGC between {r.get('dgc_between', str(r['workers']) + ' workers')}: "
+                 f"density {r['dgc_density']:.4f}, {sent:,.0f} bytes sent per rank per step "
+                 f"(counted from the buffers sent) vs {dense:,.0f} for a dense all-reduce "
+                 f"of the same tensors "
                  f"({dense / max(sent, 1):.0f}x fewer); payload {msg:,.0f} bytes per rank per "
                  f"step vs a {grad:,.0f}-byte gradient ({grad / max(msg, 1):.0f}x smaller); "
                  f"last step: {last['dense_bytes'] / max(last['bytes_sent'], 1):.0f}x fewer "

@@ -37,8 +37,9 @@ MANIFEST = "manifest.json"
 _STEP_NAME = re.compile(r"^step-(\d{8})$")
 
 #: options that a resumed run may change: where and how it runs, not what it trains
-CHANGEABLE = frozenset({"workers", "shard", "offload", "threads", "device", "out", "progress",
-                        "checkpoint_every", "stop_after", "resume", "keep_checkpoints"})
+CHANGEABLE = frozenset({"workers", "shard", "replicas", "offload", "threads", "device", "out",
+                        "progress", "checkpoint_every", "stop_after", "resume",
+                        "keep_checkpoints"})
 
 
 class CheckpointError(ValueError):
@@ -233,7 +234,6 @@ def save(run_dir: str, step: int, model, opt, meta: Dict[str, Any], rank: int, w
     not write its part (the partial checkpoint removed, the complete ones kept)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     root = pathlib.Path(run_dir) / CHECKPOINTS
     final, partial = root / _name(step), root / f".{_name(step)}.partial"
@@ -246,10 +246,9 @@ def save(run_dir: str, step: int, model, opt, meta: Dict[str, Any], rank: int, w
     except OSError as exc:
         error = exc
     if not _failed_anywhere(error, world):
-        model_sd, optim_sd = get_state_dict(model, opt)
         try:
             with _one_process_is_fine():
-                dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial))
+                dcp.save(_dcp_state(model, opt, partial, rank), checkpoint_id=str(partial))
             if rank == 0:
                 _write_atomically(partial / META, json.dumps(dict(meta, step=step), indent=1))
                 write_manifest(partial)
@@ -270,6 +269,39 @@ def save(run_dir: str, step: int, model, opt, meta: Dict[str, Any], rank: int, w
             prune(root, keep)
     _barrier(world)
     return str(final)
+
+
+def _per_rank(opt) -> bool:
+    """Whether ``opt``'s state is each rank's own (DGC's residuals: they differ between the
+    ranks that hold the same parameters, which DCP would save once)."""
+    from ..dgc import DGCMomentum
+
+    return isinstance(opt, DGCMomentum)
+
+
+def _rank_file(folder: pathlib.Path, rank: int) -> pathlib.Path:
+    return folder / f"optimizer-rank{rank}.pt"
+
+
+def _dcp_state(model, opt, folder: pathlib.Path, rank: int) -> Dict[str, Any]:
+    """What DCP saves: the model, and the optimizer unless its state is per rank, which each
+    rank then writes into its own file in ``folder``."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if _per_rank(opt):
+        torch.save(opt.state_dict(), _rank_file(folder, rank))
+        return {"model": get_model_state_dict(model)}
+    model_sd, optim_sd = get_state_dict(model, opt)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def _load_per_rank(path: pathlib.Path, opt) -> None:
+    """This rank's optimizer file (rank 0's where this rank had none: another number of
+    workers, whose residuals the optimizer resets with a warning)."""
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    own = _rank_file(path, rank)
+    opt.load_state_dict(torch.load(own if own.exists() else _rank_file(path, 0),
+                                   weights_only=True))
 
 
 def prune(root: pathlib.Path, keep: int) -> List[str]:
@@ -387,7 +419,8 @@ def load(path: pathlib.Path, meta: Dict[str, Any], model, opt) -> None:
     """Load the model and optimizer state of the checkpoint at ``path`` (every rank calls this),
     whatever the world size and layout it was saved at."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
+                                                         set_model_state_dict, set_state_dict)
 
     if type(opt).__name__ != meta["optimizer_class"]:
         raise CheckpointError(f"the checkpoint {path} holds the state of "
@@ -396,8 +429,10 @@ def load(path: pathlib.Path, meta: Dict[str, Any], model, opt) -> None:
     if shapes(model) != meta["parameters"]:
         raise CheckpointError(f"the checkpoint {path} holds another model (its parameters: "
                               f"{meta['parameters']})")
-    model_sd, optim_sd = get_state_dict(model, opt)
-    state = {"model": model_sd, "optim": optim_sd}
+    per_rank = _per_rank(opt)
+    model_sd, optim_sd = (get_model_state_dict(model), None) if per_rank else get_state_dict(
+        model, opt)
+    state = {"model": model_sd} if per_rank else {"model": model_sd, "optim": optim_sd}
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
     try:
@@ -407,8 +442,12 @@ def load(path: pathlib.Path, meta: Dict[str, Any], model, opt) -> None:
         raise CheckpointError(f"the checkpoint {path} cannot be read: {_first_line(exc)}") \
             from None
     try:
-        set_state_dict(model, opt, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+        if per_rank:
+            set_model_state_dict(model, state["model"])
+            _load_per_rank(path, opt)
+        else:
+            set_state_dict(model, opt, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"])
     except ValueError as exc:  # the optimizer's checks of its state (scaleopt._loading)
         raise CheckpointError(f"the checkpoint {path} holds optimizer state that does not fit: "
                               f"{exc}") from None
@@ -425,7 +464,7 @@ def load(path: pathlib.Path, meta: Dict[str, Any], model, opt) -> None:
 def state_bytes(model, opt) -> Dict[str, int]:
     """Bytes of parameters and of optimizer state held by this rank, and what an unsharded
     replica holds."""
-    from .._sharding import local_piece
+    from .._sharding import is_dtensor, local_piece
 
     def sizes(tensors):
         here = full = 0
@@ -437,7 +476,15 @@ def state_bytes(model, opt) -> Dict[str, int]:
         return here, full
 
     params = sizes(model.parameters())
-    state = sizes(v for st in opt.state.values() for v in st.values())
+    state = [0, 0]
+    for p, st in opt.state.items():
+        piece = tuple(local_piece(p).shape)
+        for v in st.values():
+            here, full = sizes([v])
+            if piece != tuple(p.shape) and not is_dtensor(v) and tuple(v.shape) == piece:
+                full = p.numel() * v.element_size()  # a shard's own state (DGC's), unsharded
+            state[0] += here
+            state[1] += full
     return {"param_bytes_per_rank": params[0], "unsharded_param_bytes": params[1],
             "optimizer_state_bytes_per_rank": state[0], "unsharded_optimizer_state_bytes": state[1]}
 

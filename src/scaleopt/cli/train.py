@@ -43,6 +43,7 @@ class Config:
     offload: bool = False
     workers: int = 1
     shard: bool = False  # FSDP2: each rank holds 1/workers of the parameters and the state
+    replicas: int = 1  # with shard: HSDP, the workers split into this many replicas
     checkpoint_every: Optional[int] = None  # DCP checkpoints into out/checkpoints every K steps
     keep_checkpoints: int = 3  # the newest N checkpoints are kept
     stop_after: Optional[int] = None  # end after this step, with a checkpoint (see --resume)
@@ -110,10 +111,7 @@ def check(cfg: Config) -> None:
         raise ValueError(f"unknown schedule {cfg.schedule!r}; choose one of {optimizers.SCHEDULES}")
     if cfg.offload and not optimizers.OPTIMIZERS[cfg.optimizer].offloadable:
         raise ValueError(f"--offload applies to lamb, lans and adamw, not {cfg.optimizer}")
-    if cfg.shard and cfg.dgc:
-        raise ValueError("--shard with --dgc: DGC compresses the gradient exchange of replicated "
-                         "data parallelism (each rank holds every parameter); sharded parameters "
-                         "have no such exchange. Use one or the other")
+    _check_replicas(cfg)
     if cfg.shard and cfg.workers < 2 and not launch.under_torchrun():
         raise ValueError("--shard splits the parameters and the optimizer state over the "
                          "processes: use it with --workers 2 or more (or under torchrun)")
@@ -140,13 +138,33 @@ def check(cfg: Config) -> None:
         raise ValueError(f"--threads must be at least 1, got {cfg.threads}")
 
 
+def _check_replicas(cfg: Config) -> None:
+    """--replicas: HSDP's replicas of a sharded model, a divisor of the workers; --dgc on a
+    sharded model compresses the exchange between them, so it needs two or more."""
+    world = int(os.environ["WORLD_SIZE"]) if launch.under_torchrun() else cfg.workers
+    if cfg.replicas < 1:
+        raise ValueError(f"--replicas must be at least 1, got {cfg.replicas}")
+    if cfg.replicas > 1 and not cfg.shard:
+        raise ValueError("--replicas splits sharded workers into replicas (HSDP): use it with "
+                         "--shard")
+    if world % cfg.replicas:
+        raise ValueError(f"--replicas {cfg.replicas} must divide the {world} workers: each "
+                         f"replica shards the model over the same number of them")
+    if cfg.shard and cfg.dgc and cfg.replicas < 2:
+        raise ValueError("--shard with --dgc: DGC compresses the gradient exchange between "
+                         "replicas, and a model sharded over every worker has none: give "
+                         "--replicas 2 or more (HSDP: each replica shards the model, DGC "
+                         "between the replicas), or train DGC without --shard (DDP)")
+
+
 def default_out(cfg: Config, root: str = "scaleopt-runs") -> str:
     """A new folder for the run: named by what it trains and how, with a number added when a
     folder of that name already holds a run."""
     tag = "-".join([cfg.optimizer] + [w for w, on in (("offload", cfg.offload),
                                                       ("shard", cfg.shard), ("dgc", cfg.dgc)) if on]
                    + [cfg.dataset, f"b{cfg.batch_size}"]
-                   + ([f"w{cfg.workers}"] if cfg.workers > 1 else []))
+                   + ([f"w{cfg.workers}"] if cfg.workers > 1 else [])
+                   + ([f"r{cfg.replicas}"] if cfg.replicas > 1 else []))
     return new_folder(pathlib.Path(root) / f"train-{tag}")
 
 
@@ -199,14 +217,26 @@ def _evaluate(model, x, y, batch: int = 8192):
     return loss / len(x), correct / len(x)
 
 
-def _shard(model: torch.nn.Module) -> None:
-    """FSDP2: each layer with parameters, then the whole model, sharded over the world."""
+def _shard(model: torch.nn.Module, mesh: Any = None) -> None:
+    """FSDP2: each layer with parameters, then the whole model, sharded over the world (or on
+    ``mesh``: the 2-D mesh of HSDP, or its shard dimension)."""
     from torch.distributed.fsdp import fully_shard
 
     for m in model:
         if any(True for _ in m.parameters(recurse=False)):
-            fully_shard(m)
-    fully_shard(model)
+            fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def hsdp_mesh(cfg: Config, world: int, device: torch.device) -> Any:
+    """The (replicate, shard) mesh of ``--replicas`` (None for one replica). Ranks of a replica
+    are consecutive: under torchrun, the processes of one node."""
+    if cfg.replicas < 2:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (cfg.replicas, world // cfg.replicas),
+                            mesh_dim_names=("replicate", "shard"))
 
 
 def _tqdm():
@@ -288,13 +318,14 @@ def write_results(result: Dict[str, Any], out: str) -> None:
         result["write_error"] = f"cannot write the results into {out}: {exc}"
 
 
-def _optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
+def _optimizer(cfg: Config, model: torch.nn.Module, mesh: Any) -> torch.optim.Optimizer:
     if not cfg.dgc:
         return optimizers.build(model, cfg)
     return DGCMomentum(param_groups(model, weight_decay=cfg.weight_decay), lr=cfg.resolved_lr(),
                        momentum=0.9, sparsity=cfg.dgc_sparsity or list(PAPER_SPARSITY),
                        rampup_begin_step=cfg.dgc_rampup_begin_step, rampup_step=cfg.dgc_rampup(),
-                       min_numel=cfg.dgc_min_numel, value_dtype=getattr(torch, cfg.dgc_value_dtype))
+                       min_numel=cfg.dgc_min_numel, value_dtype=getattr(torch, cfg.dgc_value_dtype),
+                       mesh=mesh)
 
 
 def build(cfg: Config, rank: int, world: int) -> Trainer:
@@ -305,9 +336,10 @@ def build(cfg: Config, rank: int, world: int) -> Trainer:
     x, y, xt, yt, classes = data.load(cfg.dataset, cfg.train_size)
     vocab = data.TOPICS["vocab"] if cfg.dataset == "topics" else 0
     model = data.make_model(x.shape[1], classes, cfg.width, seed=cfg.seed, vocab=vocab).to(device)
-    if cfg.shard:
-        _shard(model)
-    opt = _optimizer(cfg, model)
+    mesh = hsdp_mesh(cfg, world, device) if cfg.shard else None
+    if cfg.shard:  # with DGC, FSDP2 inside each replica and DGC between them
+        _shard(model, mesh["shard"] if mesh is not None and cfg.dgc else mesh)
+    opt = _optimizer(cfg, model, mesh)
     schedule = optimizers.schedule(cfg.schedule, cfg.total_steps(), cfg.warmup_steps())
     net = model
     if world > 1 and not cfg.dgc and not cfg.shard:  # DGC communicates in its step
@@ -345,7 +377,8 @@ def _train_step(t: Trainer, idx: torch.Tensor) -> torch.Tensor:
     t.sched.step()
     t.step += 1
     if t.cfg.dgc:
-        for key in ("bytes_sent", "dense_bytes", "payload_bytes", "dense_payload_bytes",
+        for key in ("bytes_sent", "bytes_sent_measured", "dense_bytes", "payload_bytes",
+                    "dense_payload_bytes",
                     "selected", "numel"):
             t.dgc_totals[key] = t.dgc_totals.get(key, 0) + t.opt.telemetry[key]
     return loss
@@ -435,6 +468,9 @@ def _traffic(t: Trainer) -> Dict[str, Any]:
     if t.cfg.dgc:
         d = t.dgc_totals
         return {"dgc_bytes_sent_per_rank_per_step": d["bytes_sent"] / steps,
+                "dgc_bytes_sent_measured_per_rank_per_step": d["bytes_sent_measured"] / steps,
+                "dgc_between": (f"{t.cfg.replicas} replicas of {t.world // t.cfg.replicas} shards"
+                                if t.cfg.shard else f"{t.world} workers"),
                 "dense_bytes_sent_per_rank_per_step": d["dense_bytes"] / steps,
                 "dgc_payload_bytes_per_rank_per_step": d["payload_bytes"] / steps,
                 "dense_payload_bytes_per_rank_per_step": d["dense_payload_bytes"] / steps,

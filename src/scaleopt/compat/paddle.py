@@ -482,7 +482,9 @@ class DGCMomentumOptimizer(_PaddleAPI, _DGCMomentum):
         learning_rate (float or LRScheduler), momentum (float), rampup_begin_step (int),
         rampup_step (int, default 1), sparsity (list, default [0.999]), use_nesterov (False),
         local_grad_clip_norm (None), num_trainers (None), regularization (None),
-        grad_clip (None), parameters (required), name (None).
+        grad_clip (None), parameters (required), name (None); ``mesh`` (keyword, a scaleopt
+        addition): the 2-D (replicate, shard) mesh of HSDP, for sharded parameters, as in
+        :class:`scaleopt.DGCMomentum`.
     """
 
     _arg_names = {"lr": "learning_rate"}
@@ -501,6 +503,8 @@ class DGCMomentumOptimizer(_PaddleAPI, _DGCMomentum):
         grad_clip: Any = None,
         parameters: Any = None,
         name: Optional[str] = None,
+        *,
+        mesh: Any = None,
     ) -> None:
         if grad_clip is not None and not isinstance(grad_clip, ClipGradByNorm):
             raise TypeError(
@@ -524,5 +528,6 @@ class DGCMomentumOptimizer(_PaddleAPI, _DGCMomentum):
                 "local_grad_clip_norm", local_grad_clip_norm),
             num_workers=num_trainers,
             clip_grad_norm_per_tensor=None if grad_clip is None else grad_clip.clip_norm,
+            mesh=mesh,
         )
         self._after_init()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -75,13 +75,24 @@ def unpack(buf: Tensor, layout: Sequence[Tuple[int, torch.dtype, torch.dtype]]):
     return [(views[2 * t], views[2 * t + 1]) for t in range(len(layout))]
 
 
+def _count(sent: Optional[Dict[str, float]], buf: Tensor, wire: float) -> None:
+    """Add a buffer handed to a collective to ``sent``: its bytes, and the bytes this rank puts
+    on the wire for it (``wire`` times them)."""
+    if sent is not None:
+        sent["buffer_bytes"] += buf.numel() * buf.element_size()
+        sent["bytes_sent_measured"] += wire * buf.numel() * buf.element_size()
+
+
 def sparse_allgather_mean(indices: List[Tensor], values: List[Tensor], numels: List[int],
-                          group: Optional[dist.ProcessGroup]) -> List[Tensor]:
+                          group: Optional[dist.ProcessGroup],
+                          sent: Optional[Dict[str, float]] = None) -> List[Tensor]:
     """Every rank sends its k (index, value) pairs per tensor in one all-gather; returns, per
-    tensor, the dense mean over ranks of the scattered values (flat, the values' dtype)."""
+    tensor, the dense mean over ranks of the scattered values (flat, the values' dtype).
+    ``sent`` counts the buffer (a ring all-gather sends it to N - 1 ranks)."""
     world = world_of(group)
     layout = [(i.numel(), i.dtype, v.dtype) for i, v in zip(indices, values)]
     buf = pack(indices, values)
+    _count(sent, buf, max(world - 1, 0))
     if world > 1:
         chunks = [torch.empty_like(buf) for _ in range(world)]
         _collective(lambda: dist.all_gather(chunks, buf, group=group), "all-gather")
@@ -97,12 +108,15 @@ def sparse_allgather_mean(indices: List[Tensor], values: List[Tensor], numels: L
     return dense
 
 
-def dense_allreduce_mean(tensors: List[Tensor], group: Optional[dist.ProcessGroup]) -> List[Tensor]:
-    """The mean over ranks of each tensor (one flat all-reduce); copies, inputs untouched."""
+def dense_allreduce_mean(tensors: List[Tensor], group: Optional[dist.ProcessGroup],
+                         sent: Optional[Dict[str, float]] = None) -> List[Tensor]:
+    """The mean over ranks of each tensor (one flat all-reduce); copies, inputs untouched.
+    ``sent`` counts the buffer (a ring all-reduce sends 2 (N - 1) / N of it)."""
     if not tensors:
         return []
     flat = torch.cat([t.reshape(-1) for t in tensors])
     world = world_of(group)
+    _count(sent, flat, 2 * (world - 1) / world)
     if world > 1:
         _collective(lambda: dist.all_reduce(flat, group=group), "all-reduce")
         flat.div_(world)

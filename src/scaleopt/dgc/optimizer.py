@@ -93,7 +93,9 @@ class DGCMomentum(ScaleOptimizer):
     message (its k pairs per sparse tensor, the values of the dense ones) against
     ``dense_payload_bytes``, the gradient itself (the DGC paper's "gradient size"); the bytes
     gathered by all ranks, ``bytes_gathered`` (``N * k * (index + value bytes)``); the achieved
-    ``density``; and the selection time ``selection_s``.
+    ``density``; the selection time ``selection_s``; and, counted from the buffers actually
+    handed to the collectives rather than from k, ``buffer_bytes`` and
+    ``bytes_sent_measured`` (what a ring all-gather and all-reduce put on the wire for them).
 
     Example:
         >>> model = torch.nn.Linear(200, 100, bias=False)
@@ -303,7 +305,8 @@ class DGCMomentum(ScaleOptimizer):
 
 def new_telemetry() -> Dict[str, float]:
     return dict(bytes_sent=0, dense_bytes=0, bytes_gathered=0, payload_bytes=0,
-                dense_payload_bytes=0, selected=0, numel=0, selection_s=0.0)
+                dense_payload_bytes=0, selected=0, numel=0, selection_s=0.0,
+                buffer_bytes=0, bytes_sent_measured=0.0)
 
 
 def finish_telemetry(tel: Dict[str, float]) -> None:
@@ -410,7 +413,8 @@ def dgc_updates(grads: List[Tensor], states: List[Dict[str, Tensor]], opts: Dict
     dense, sparse = _dense_and_sparse(grads, opts, s, world, value_dtype, tel,
                                       wholes or [g.numel() for g in grads])
     # dense tensors: all-reduce, then momentum SGD on the mean gradient
-    for j, g in zip(dense, comm.dense_allreduce_mean([grads[j] for j in dense], process_group)):
+    for j, g in zip(dense, comm.dense_allreduce_mean([grads[j] for j in dense], process_group,
+                                                     tel)):
         u = states[j]["u"]
         u.mul_(m).add_(g.view_as(u))
         updates[j] = g.view_as(u).add(u, alpha=m) if nesterov else u.clone()
@@ -419,7 +423,7 @@ def dgc_updates(grads: List[Tensor], states: List[Dict[str, Tensor]], opts: Dict
         indices, values = _momentum_and_selection(grads, states, sparse, opts, generator)
         tel["selection_s"] += time.perf_counter() - t0
         means = comm.sparse_allgather_mean(indices, values, [grads[j].numel() for j, *_ in sparse],
-                                           process_group)
+                                           process_group, tel)
         for (j, k, idt, vdt, pair), idx, val, G in zip(sparse, indices, values, means):
             st = states[j]
             idx = idx.long()
