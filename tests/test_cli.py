@@ -170,13 +170,23 @@ HSDP_DGC = ["train", *TINY, "--steps", "12", "--threads", "1", "--optimizer", "m
             "0.99", "--dgc-rampup-steps", "4", "--dgc-min-numel", "100"]
 
 
+@pytest.fixture(scope="module")
+def hsdp_whole(tmp_path_factory):
+    """An uninterrupted run of HSDP_DGC on 4 workers started here: its result."""
+    out = tmp_path_factory.mktemp("hsdp") / "whole"
+    assert main([*HSDP_DGC, "--out", str(out)]) == 0
+    return json.loads((out / "result.json").read_text())
+
+
+def _curve(result):
+    return [{k: v for k, v in h.items() if k != "time_s"} for h in result["history"]]
+
+
 def test_dgc_between_hsdp_replicas_trains_resumes_bit_for_bit_and_reports_its_traffic(
-        tmp_path, capfd):
-    assert main([*HSDP_DGC, "--out", str(tmp_path / "whole")]) == 0
-    whole = json.loads((tmp_path / "whole" / "result.json").read_text())
-    printed = capfd.readouterr().out
-    assert "DGC between 2 replicas of 2 shards" in printed and "counted from the buffers" in printed
+        tmp_path, capfd, hsdp_whole):
+    whole = hsdp_whole
     assert whole["config"]["replicas"] == 2 and whole["workers"] == 4
+    assert whole["dgc_between"] == "2 replicas of 2 shards"
     # the bytes counted from the buffers sent, far below a dense all-reduce of the same shards
     sent = whole["dgc_bytes_sent_measured_per_rank_per_step"]
     assert 0 < sent < whole["dense_bytes_sent_per_rank_per_step"] / 2
@@ -186,9 +196,7 @@ def test_dgc_between_hsdp_replicas_trains_resumes_bit_for_bit_and_reports_its_tr
     names = {f.name for f in (run / "checkpoints" / "step-00000006").iterdir()}
     assert {f"optimizer-rank{r}.pt" for r in range(4)} <= names
     assert main(["train", "--resume", str(run)]) == 0
-    resumed = json.loads((run / "result.json").read_text())
-    strip = [{k: v for k, v in h.items() if k != "time_s"} for h in whole["history"]]
-    assert [{k: v for k, v in h.items() if k != "time_s"} for h in resumed["history"]] == strip
+    assert _curve(json.loads((run / "result.json").read_text())) == _curve(whole)
     # on another layout (DDP over 2 workers) the residuals start anew, with a warning
     capfd.readouterr()
     assert main(["train", "--resume", str(run / "checkpoints" / "step-00000006"),
@@ -344,3 +352,40 @@ def test_summaries_and_plot_titles_say_how_the_run_trained():
     assert describe({"dgc": True}, 4) == "DGC, 4 workers"
     assert describe({"offload": True, "shard": True}, 2) == "offloaded, sharded, 2 workers"
     assert describe({}, 1) == ""
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_torchrun_launches_train_dgc_between_their_nodes_as_one_machine_does(tmp_path,
+                                                                                 hsdp_whole):
+    """2 nodes x 2 processes, a c10d rendezvous on 127.0.0.1: --replicas 2 puts one replica on
+    each node (DGC between the nodes, FSDP2 inside each), and the run equals the same command's
+    4 workers started on one machine."""
+    import os
+    import signal
+
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+              "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+              f"127.0.0.1:{_free_port()}", "--rdzv-id", "scaleopt-test", "-m", "scaleopt",
+              *HSDP_DGC, "--out", str(tmp_path / "nodes")]
+    nodes = [subprocess.Popen(launch, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              cwd=tmp_path, start_new_session=True) for _ in range(2)]
+    try:
+        outs = [p.communicate(timeout=240)[0] for p in nodes]
+    finally:
+        for p in nodes:  # whatever happened, no launch or worker is left behind
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    assert [p.returncode for p in nodes] == [0, 0], outs
+    printed = "".join(outs)
+    assert "DGC between 2 replicas of 2 shards" in printed and "counted from the buffers" in printed
+    nodes_run = json.loads((tmp_path / "nodes" / "result.json").read_text())
+    assert nodes_run["workers"] == 4 and nodes_run["config"]["replicas"] == 2
+    assert _curve(nodes_run) == _curve(hsdp_whole)
