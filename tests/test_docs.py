@@ -66,6 +66,8 @@ def test_every_code_block_of_the_docs_runs(code, tmp_path):
     """Each Python block of docs/*.md and README.md, as written, in a fresh process (a
     one-process torch.distributed group where a block asks for one, as torchrun would set up)."""
     import os
+    import re
+    import signal
     import socket
     import subprocess
     import sys
@@ -75,9 +77,22 @@ def test_every_code_block_of_the_docs_runs(code, tmp_path):
         port = s.getsockname()[1]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
            "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=300, env=env, cwd=tmp_path)
-    missing = [m for m in OPTIONAL if f"No module named '{m}'" in done.stderr]
+    command = [sys.executable, "-c", code]
+    launch = re.match(r"# run: torchrun --nproc-per-node (\d+)\n", code)
+    if launch:  # a block written for several processes runs as its first line says
+        (tmp_path / "block.py").write_text(code)
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc-per-node", launch.group(1), "block.py"]
+        env = dict(os.environ)
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=tmp_path, start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=300)
+    finally:  # the block's processes (torchrun's workers too) end with it, whatever happens
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    missing = [m for m in OPTIONAL if f"No module named '{m}'" in stderr]
     if missing:
         pytest.skip(f"needs the frameworks extra ({missing[0]})")
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert proc.returncode == 0, stderr[-3000:]

@@ -482,9 +482,9 @@ class DGCMomentumOptimizer(_PaddleAPI, _DGCMomentum):
         learning_rate (float or LRScheduler), momentum (float), rampup_begin_step (int),
         rampup_step (int, default 1), sparsity (list, default [0.999]), use_nesterov (False),
         local_grad_clip_norm (None), num_trainers (None), regularization (None),
-        grad_clip (None), parameters (required), name (None); ``mesh`` (keyword, a scaleopt
-        addition): the 2-D (replicate, shard) mesh of HSDP, for sharded parameters, as in
-        :class:`scaleopt.DGCMomentum`.
+        grad_clip (None), parameters (required), name (None).
+        mesh (keyword only; not Paddle's): the 2-D (replicate, shard) mesh of HSDP, for
+            sharded parameters, as in :class:`scaleopt.DGCMomentum`.
     """
 
     _arg_names = {"lr": "learning_rate"}
