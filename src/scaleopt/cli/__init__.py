@@ -364,6 +364,10 @@ def _summary(cfg: Config, r: dict) -> None:
                  f"last step: {last['dense_bytes'] / max(last['bytes_sent'], 1):.0f}x fewer "
                  f"bytes sent, payload {last['dense_payload_bytes'] / max(last['payload_bytes'], 1):.0f}x "
                  f"smaller")
+    elif "replica_allreduce_bytes_per_step" in r:
+        line += (f"; {r['config']['replicas']} replicas: {r['replica_allreduce_bytes_per_step']:,} "
+                 f"bytes of gradient shards all-reduced between them per step (about "
+                 f"{r['replica_bytes_sent_per_rank_per_step']:,} sent per rank)")
     elif "allreduce_bytes_per_step" in r:
         line += (f"; {r['workers']} workers, {r['allreduce_bytes_per_step']:,} gradient bytes "
                  f"all-reduced per step (about {r['bytes_sent_per_rank_per_step']:,} sent per rank)")

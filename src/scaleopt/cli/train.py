@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from ..dgc import PAPER_SPARSITY, DGCMomentum
+from .._sharding import local_piece
 from ..groups import param_groups
 from . import checkpoint, data, launch, optimizers, report
 
@@ -476,6 +477,12 @@ def _traffic(t: Trainer) -> Dict[str, Any]:
                 "dense_payload_bytes_per_rank_per_step": d["dense_payload_bytes"] / steps,
                 "dgc_density": d["selected"] / d["numel"],
                 "dgc_final_telemetry": dict(t.opt.telemetry)}
+    if t.cfg.shard and t.cfg.replicas > 1:
+        # HSDP: each rank all-reduces its gradient shards with the same shard's replicas
+        shard_bytes = sum(local_piece(p).numel() * p.element_size() for p in t.model.parameters())
+        r = t.cfg.replicas
+        return {"replica_allreduce_bytes_per_step": shard_bytes,
+                "replica_bytes_sent_per_rank_per_step": int(2 * (r - 1) / r * shard_bytes)}
     if t.world > 1 and not t.cfg.shard:
         # DDP all-reduces every gradient each step (ring all-reduce: each rank sends about
         # 2(N-1)/N of the gradient bytes)
