@@ -199,6 +199,154 @@ def test_dgc_between_hsdp_replicas_trains_resumes_bit_for_bit_and_reports_its_tr
     assert _curve(json.loads((run / "result.json").read_text())) == _curve(whole)
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--dgc"], "--optimizer momentum"),
+    (["train", "--optimizer", "momentum", "--dgc", "--dgc-sparsity", "1.0", "--workers", "2"],
+     "--dgc-sparsity"),
+    (["train", "--optimizer", "momentum", "--dgc"], "--workers 2 or more"),
+    (["train", "--replicas", "2", "--workers", "4"], "use it with --shard"),
+    (["train", "--shard", "--workers", "4", "--replicas", "3"], "must divide the 4 workers"),
+    (["train", "--batch-size", "4096", "--train-size", "1024"], "larger than the training set"),
+    (["train", "--optimizer", "torch-sgd", "--offload"], "--offload applies"),
+    (["train", "--lr", "-1"], "--lr must be a positive"),
+    (["train", "--weight-decay", "-0.1"], "--weight-decay"),
+    (["train", "--batch-size", "1000", "--workers", "3"], "multiple of --workers"),
+    (["train", "--device", "tpu"], "--device"),
+    (["study", "large-batch", "--optimizers", "lamb", "sgd9"], "unknown optimizer"),
+    (["bench", "--rounds", "0"], "--rounds"),
+    (["bench", "--only", "LAMB", "Lamb2000"], "--only Lamb2000: no optimizer's name contains it"),
+    # far more than any machine has: refused before anything is allocated
+    (["bench", "--hidden", "65536", "--layers", "64"], "choose a smaller --size"),
+])
+def test_bad_values_are_clear_errors_with_exit_code_2(argv, message, capsys):
+    assert main(argv) == EXIT_USAGE
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [
+    ["train", "--optimizer", "nope"], ["train", "--batch-size", "0"], ["train", "--epochs", "x"],
+    ["study"], ["frobnicate"], [],
+])
+def test_usage_errors_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert "usage: scaleopt" in capsys.readouterr().err
+
+
+def test_divergence_exits_3(tmp_path, capsys):
+    assert main(["train", *TINY, "--lr", "1e6", "--steps", "30", "--out", str(tmp_path)]) == EXIT_DIVERGED
+    assert "diverged" in capsys.readouterr().err
+
+
+def _subparsers(parser):
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield sub
+                yield from _subparsers(sub)
+
+
+def test_help_explains_every_option(capsys):
+    from scaleopt.cli import build_parser
+
+    subs = list(_subparsers(build_parser()))
+    assert {s.prog for s in subs} >= {"scaleopt train", "scaleopt study large-batch", "scaleopt bench"}
+    for sub in subs:
+        for action in sub._actions:
+            if action.option_strings and action.dest != "help":
+                assert action.help and len(action.help) > 10, (sub.prog, action.option_strings)
+    for argv in (["train", "--help"], ["study", "large-batch", "--help"], ["bench", "--help"]):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 0
+        text = capsys.readouterr().out
+        assert "default" in text and "``" not in text  # no raw reStructuredText
+    train = next(s for s in subs if s.prog == "scaleopt train")
+    groups = {a.dest: g.title for g in train._action_groups for a in g._group_actions}
+    assert groups["out"] == groups["no_progress"] == groups["overwrite"] == "output"
+
+
+def test_the_console_script_is_installed():
+    exe = shutil.which("scaleopt")
+    cmd = [exe] if exe else [sys.executable, "-m", "scaleopt"]
+    done = subprocess.run([*cmd, "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "train" in done.stdout and "bench" in done.stdout
+
+
+def test_a_torchrun_launch_trains_as_one_job(tmp_path):
+    torchrun = shutil.which("torchrun")
+    if torchrun is None:
+        pytest.fail("torchrun is installed with torch and should be on PATH")
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = tmp_path / "run"
+    done = subprocess.run(
+        [torchrun, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+         "-m", "scaleopt", "train", *TINY, "--steps", "6", "--threads", "1", "--out", str(out)],
+        capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads((out / "result.json").read_text())
+    assert result["workers"] == 2 and result["steps"] == 6
+
+
+def test_without_the_cli_extra_the_command_trains_without_bar_and_plots(tmp_path, capsys,
+                                                                       monkeypatch):
+    """`pip install scaleopt` brings only torch: without matplotlib and tqdm (the `cli` extra)
+    the command still trains and writes its tables, and says how to get the plots."""
+    for name in ("matplotlib", "matplotlib.pyplot", "tqdm"):
+        monkeypatch.setitem(sys.modules, name, None)  # import raises ImportError
+    with_bar = [a for a in TINY if a != "--no-progress"]
+    assert main(["train", *with_bar, "--steps", "4", "--out", str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["history.csv", "result.json"]
+    assert "pip install 'scaleopt[cli]'" in capsys.readouterr().out
+
+
+def test_output_folders_are_checked_before_training_and_never_overwritten(tmp_path, capsys,
+                                                                         monkeypatch):
+    afile = tmp_path / "a-file"
+    afile.write_text("x")
+    assert main(["train", *TINY, "--out", str(afile)]) == EXIT_USAGE
+    assert "is a file, not a folder" in capsys.readouterr().err
+    assert main(["train", *TINY, "--out", str(afile / "below")]) == EXIT_USAGE
+    assert "cannot create the folder" in capsys.readouterr().err
+    done = tmp_path / "done"
+    assert main(["train", *TINY, "--steps", "2", "--out", str(done)]) == 0
+    before = (done / "result.json").read_bytes()
+    assert main(["train", *TINY, "--steps", "3", "--out", str(done)]) == EXIT_USAGE
+    assert "holds an earlier run" in capsys.readouterr().err
+    assert (done / "result.json").read_bytes() == before
+    assert main(["train", *TINY, "--steps", "3", "--out", str(done), "--overwrite"]) == 0
+    assert json.loads((done / "result.json").read_text())["steps"] == 3
+    # default folders: named by the run, numbered rather than overwritten
+    monkeypatch.chdir(tmp_path)
+    for _ in range(2):
+        assert main(["train", *TINY, "--steps", "2", "--optimizer", "LANS"]) == 0
+    runs = sorted(p.name for p in (tmp_path / "scaleopt-runs").iterdir())
+    assert runs == ["train-lans-spirals-b256", "train-lans-spirals-b256-2"]
+
+
+def test_version(capsys):
+    from scaleopt import __version__
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out.strip() == f"scaleopt {__version__}"
+
+
+def test_summaries_and_plot_titles_say_how_the_run_trained():
+    from scaleopt.cli.report import describe
+
+    assert describe({"dgc": True}, 4) == "DGC, 4 workers"
+    assert describe({"offload": True, "shard": True}, 2) == "offloaded, sharded, 2 workers"
+    assert describe({}, 1) == ""
+
+
 def _free_port() -> int:
     import socket
 
