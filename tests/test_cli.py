@@ -345,6 +345,8 @@ def test_summaries_and_plot_titles_say_how_the_run_trained():
     assert describe({"dgc": True}, 4) == "DGC, 4 workers"
     assert describe({"offload": True, "shard": True}, 2) == "offloaded, sharded, 2 workers"
     assert describe({}, 1) == ""
+    assert (describe({"shard": True, "dgc": True, "replicas": 2}, 4)
+            == "sharded, DGC, 4 workers in 2 replicas")
 
 
 def _free_port() -> int:

@@ -38,7 +38,8 @@ def describe(config: Dict[str, Any], workers: int) -> str:
     parts = [w for w, on in (("offloaded", config.get("offload")), ("sharded", config.get("shard")),
                              ("DGC", config.get("dgc"))) if on]
     if workers > 1:
-        parts.append(f"{workers} workers")
+        replicas = config.get("replicas") or 1
+        parts.append(f"{workers} workers" + (f" in {replicas} replicas" if replicas > 1 else ""))
     return ", ".join(parts)
 
 
