@@ -248,7 +248,9 @@ def save(run_dir: str, step: int, model, opt, meta: Dict[str, Any], rank: int, w
     if not _failed_anywhere(error, world):
         try:
             with _one_process_is_fine():
-                dcp.save(_dcp_state(model, opt, partial, rank), checkpoint_id=str(partial))
+                if _per_rank(opt):
+                    torch.save(opt.state_dict(), _rank_file(partial, rank))
+                dcp.save(_dcp_part(model, opt), checkpoint_id=str(partial))
             if rank == 0:
                 _write_atomically(partial / META, json.dumps(dict(meta, step=step), indent=1))
                 write_manifest(partial)
@@ -283,13 +285,12 @@ def _rank_file(folder: pathlib.Path, rank: int) -> pathlib.Path:
     return folder / f"optimizer-rank{rank}.pt"
 
 
-def _dcp_state(model, opt, folder: pathlib.Path, rank: int) -> Dict[str, Any]:
-    """What DCP saves: the model, and the optimizer unless its state is per rank, which each
-    rank then writes into its own file in ``folder``."""
+def _dcp_part(model, opt) -> Dict[str, Any]:
+    """What DCP saves and loads: the model, and the optimizer unless its state is per rank
+    (each rank's then has a file of its own, :func:`_rank_file`)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     if _per_rank(opt):
-        torch.save(opt.state_dict(), _rank_file(folder, rank))
         return {"model": get_model_state_dict(model)}
     model_sd, optim_sd = get_state_dict(model, opt)
     return {"model": model_sd, "optim": optim_sd}
@@ -419,8 +420,7 @@ def load(path: pathlib.Path, meta: Dict[str, Any], model, opt) -> None:
     """Load the model and optimizer state of the checkpoint at ``path`` (every rank calls this),
     whatever the world size and layout it was saved at."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
-                                                         set_model_state_dict, set_state_dict)
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
     if type(opt).__name__ != meta["optimizer_class"]:
         raise CheckpointError(f"the checkpoint {path} holds the state of "
@@ -429,10 +429,7 @@ def load(path: pathlib.Path, meta: Dict[str, Any], model, opt) -> None:
     if shapes(model) != meta["parameters"]:
         raise CheckpointError(f"the checkpoint {path} holds another model (its parameters: "
                               f"{meta['parameters']})")
-    per_rank = _per_rank(opt)
-    model_sd, optim_sd = (get_model_state_dict(model), None) if per_rank else get_state_dict(
-        model, opt)
-    state = {"model": model_sd} if per_rank else {"model": model_sd, "optim": optim_sd}
+    state = _dcp_part(model, opt)
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
     try:
@@ -442,7 +439,7 @@ def load(path: pathlib.Path, meta: Dict[str, Any], model, opt) -> None:
         raise CheckpointError(f"the checkpoint {path} cannot be read: {_first_line(exc)}") \
             from None
     try:
-        if per_rank:
+        if "optim" not in state:
             set_model_state_dict(model, state["model"])
             _load_per_rank(path, opt)
         else:

@@ -235,8 +235,6 @@ class DGCMomentum(ScaleOptimizer):
         """DGC's state is each rank's own: shaped like the local shard of a sharded parameter."""
         return tuple(local_piece(p).shape)
 
-
-
     # -- the step ------------------------------------------------------------------------------
 
     def _local_grads(self, group, params) -> List[Tensor]:
