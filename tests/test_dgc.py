@@ -46,6 +46,21 @@ def test_sampled_selection_is_the_exact_top_k(n, k):
     assert set(got.tolist()) == set(topk_exact(v, k).tolist())
 
 
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 1000, 4099])
+def test_the_candidates_above_a_threshold_are_every_such_index_in_order(n):
+    """The C pass that collects |v| >= threshold tests blocks of 64 first: partial blocks at the
+    end, hits at block edges, a capacity too small (the count still exact)."""
+    from scaleopt import _native
+
+    g = torch.Generator().manual_seed(n)
+    v = torch.randn(n, generator=g)
+    v[::64] = 5.0  # a hit at the start of every block
+    v[-1] = -6.0  # and at the very end
+    want = (v.abs() >= 2.0).nonzero().flatten()
+    assert torch.equal(_native.select_above(v, 2.0, n), want)
+    assert _native.select_above(v, 2.0, want.numel() - 1) is None  # more than the capacity
+
+
 def test_sampled_selection_survives_a_bad_sample():
     v = torch.zeros(100000)
     v[:50] = torch.arange(1, 51, dtype=torch.float32)  # almost every sample sees 0

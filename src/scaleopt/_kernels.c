@@ -705,12 +705,22 @@ TARGETS int any_nonfinite_bf16(const uint16_t *x, int64_t n, int nthreads) {
 
 /* Indices i with |v[i]| >= thr, in order, into out[0..cap); returns how many there are (which
  * may exceed cap: then only the first cap were written). One read pass, no allocation. */
-int64_t select_above(const float *v, int64_t n, float thr, int64_t *out, int64_t cap) {
-    int64_t count = 0;
-    for (int64_t i = 0; i < n; i++) {
-        if (fabsf(v[i]) >= thr) {
-            if (count < cap) out[count] = i;
-            count++;
+/* Blocks of SELECT_BLOCK elements are first tested as a whole (a vectorised compare and OR);
+   only the rare block holding a candidate is scanned element by element, in order. */
+#define SELECT_BLOCK 64
+
+TARGETS int64_t select_above(const float *v, int64_t n, float thr, int64_t *out, int64_t cap) {
+    int64_t count = 0, i = 0;
+    for (; i < n; i += SELECT_BLOCK) {
+        const int64_t end = i + SELECT_BLOCK < n ? i + SELECT_BLOCK : n;
+        int hit = 0;
+        for (int64_t j = i; j < end; j++) hit |= fabsf(v[j]) >= thr;
+        if (!hit) continue;
+        for (int64_t j = i; j < end; j++) {
+            if (fabsf(v[j]) >= thr) {
+                if (count < cap) out[count] = j;
+                count++;
+            }
         }
     }
     return count;
