@@ -349,14 +349,6 @@ def test_summaries_and_plot_titles_say_how_the_run_trained():
             == "sharded, DGC, 4 workers in 2 replicas")
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_torchrun_launches_train_dgc_between_their_nodes_as_one_machine_does(tmp_path,
                                                                                  hsdp_whole):
     """2 nodes x 2 processes, a c10d rendezvous on 127.0.0.1: --replicas 2 puts one replica on
@@ -365,9 +357,11 @@ def test_two_torchrun_launches_train_dgc_between_their_nodes_as_one_machine_does
     import os
     import signal
 
+    from scaleopt.cli.launch import free_port
+
     launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
               "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-              f"127.0.0.1:{_free_port()}", "--rdzv-id", "scaleopt-test", "-m", "scaleopt",
+              f"127.0.0.1:{free_port()}", "--rdzv-id", "scaleopt-test", "-m", "scaleopt",
               *HSDP_DGC, "--out", str(tmp_path / "nodes")]
     nodes = [subprocess.Popen(launch, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               cwd=tmp_path, start_new_session=True) for _ in range(2)]
