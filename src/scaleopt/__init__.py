@@ -1,5 +1,6 @@
 """scaleopt: PyTorch optimizers for training at scale."""
 
+from ._compact import STATE_DTYPES
 from ._info import info
 from .adamw import AdamW
 from .dgc import DGCMomentum
@@ -13,5 +14,5 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LAMB", "LANS", "AdamW", "Momentum", "OffloadAdam", "DGCMomentum", "offload", "param_groups",
-    "info", "__version__",
+    "info", "STATE_DTYPES", "__version__",
 ]

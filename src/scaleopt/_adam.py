@@ -7,6 +7,7 @@ from typing import Any, Dict, List, NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from . import _compact
 from ._base import ScaleOptimizer
 from ._loading import ADAM_STATE
 from ._masters import LocalPlacement, MasterView, MasterWeights
@@ -23,6 +24,9 @@ class AdamState(NamedTuple):
     exp_avgs: List[Tensor]
     exp_avg_sqs: List[Tensor]
     max_exp_avg_sqs: Optional[List[Tensor]] = None
+    #: moments stored in bfloat16 or 8 bits, read into the float32 working tensors above: to
+    #: store back once the update has run (:meth:`AdamFamily._store_moments`)
+    pending: Optional[List[_compact.Pending]] = None
 
 
 class AdamFamily(ScaleOptimizer):
@@ -58,6 +62,7 @@ class AdamFamily(ScaleOptimizer):
         cpu, f32 = torch.device("cpu"), torch.float32
         steps: List[Tensor] = []
         moments: List[List[Tensor]] = [[] for _ in keys]
+        pending: List[_compact.Pending] = []
         for p, w, split in zip(params, view.weights, view.split):
             state = self.state[p]
             step = state.get("step")
@@ -68,7 +73,12 @@ class AdamFamily(ScaleOptimizer):
                                         else step.to(device, f32))
             steps.append(step)
             dtype = f32 if split else w.dtype
+            form = _compact.form_for(group["state_dtype"], self._state_shape(p))
+            _compact.convert(state, form, w, dtype)  # another form: a group changed its option
             for key, out in zip(keys, moments):
+                if form != "float32":
+                    out.append(_compact.working(state, key, form, w, dtype, pending))
+                    continue
                 x = state.get(key)
                 if x is None:
                     x = state[key] = torch.zeros_like(w, dtype=dtype,
@@ -77,4 +87,9 @@ class AdamFamily(ScaleOptimizer):
                     x = state[key] = x.to(dtype)
                 out.append(x)
         return AdamState(view, steps, moments[0], moments[1],
-                         moments[2] if amsgrad else None)
+                         moments[2] if amsgrad else None, pending)
+
+    def _store_moments(self, state: AdamState) -> None:
+        """Store the moments read from bfloat16 or 8 bits back, after the update."""
+        if state.pending:
+            _compact.store(state.pending)

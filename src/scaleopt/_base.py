@@ -15,6 +15,8 @@ from torch import Tensor
 
 from ._checks import (check_betas, check_bool, check_choice, check_name_rule, check_number,
                       check_optional_bool, checked_value_clip)
+from . import _compact
+from ._compact import STATE_DTYPES
 from ._compile import eager
 from ._intake import Deferral, Intake, take
 from ._loading import TAG, StateSpec, check_state_dict, tag
@@ -225,11 +227,38 @@ class ScaleOptimizer(torch.optim.Optimizer):
             check_name_rule(self._arg(key), group.get(key))
 
     def _validate_adam_group(self, group: Dict[str, Any]) -> None:
-        """Checks shared by the Adam-family optimizers: betas, eps, weight_decay."""
+        """Checks shared by the Adam-family optimizers: betas, eps, weight_decay and
+        ``state_dtype``."""
         a = self._arg
         check_betas(group["betas"], (a("betas[0]"), a("betas[1]")))
         check_number(a("eps"), group["eps"])
         check_number(a("weight_decay"), group["weight_decay"])
+        if "state_dtype" in group:
+            self._check_state_dtype(group)
+
+    def _computes_in_float32(self, group: Dict[str, Any], p: Tensor) -> bool:
+        """Whether ``p``'s update runs in float32: a float32 parameter, or a float16/bfloat16
+        one with float32 master weights."""
+        return p.dtype == torch.float32 or (
+            bool(group.get("master_weights")) and p.dtype in (torch.bfloat16, torch.float16))
+
+    def _check_state_dtype(self, group: Dict[str, Any]) -> None:
+        """``state_dtype``: one of :data:`scaleopt._compact.STATE_DTYPES`, and other than
+        float32 only for parameters whose update runs in float32."""
+        name = self._arg("state_dtype")
+        check_choice(name, group["state_dtype"], STATE_DTYPES)
+        if group["state_dtype"] == "float32":
+            return
+        for i, p in enumerate(group["params"]):
+            if _compact.form_for(group["state_dtype"], self._state_shape(p)) == "int8":
+                _compact.check_layout(p, f"parameter {param_label(group, i)}")
+            if not self._computes_in_float32(group, p):
+                hint = (" (pass master_weights=True for float32 master weights)"
+                        if "master_weights" in group and p.dtype != torch.float64 else "")
+                raise ValueError(
+                    f"{name}={group['state_dtype']!r} stores moments that the update computes "
+                    f"in float32, and {type(self).__name__} updates the {p.dtype} parameter "
+                    f"{param_label(group, i)} in {p.dtype}{hint}")
 
     #: Attributes a copy or an unpickled optimizer does not take over: ``_attach`` rebuilds them
     #: (torch's hooks, ``_optimizer_*``, are not copied either, as in torch). A gradient source
@@ -291,7 +320,9 @@ class ScaleOptimizer(torch.optim.Optimizer):
         non-negative step counters and non-negative second moments. A misfit raises ``ValueError`` naming the parameter and the
         key, and nothing is loaded."""
         check_state_dict(self, state_dict)
+        kept = _compact.keep(self, state_dict)
         super().load_state_dict(state_dict)
+        _compact.restore(self, kept)
         saved = state_dict.get(TAG)
         if isinstance(saved, dict) and isinstance(saved.get("skipped_steps"), int):
             self.skipped_steps = saved["skipped_steps"]

@@ -731,3 +731,87 @@ static struct PyModuleDef kernels_module = {PyModuleDef_HEAD_INIT, "_kernels",
                                             NULL};
 
 PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&kernels_module); }
+
+/* ---- compact optimizer state (scaleopt._compact) ------------------------------------------
+ * int8 moments: rows of row_len elements, blocks of 256 within a row (the last one shorter),
+ * one float32 scale per block (its largest magnitude). Signed codes q = rint(127 sqrt(|x|/s))
+ * sign(x), decoded as s (q/127)^2 sign(q); unsigned codes q = rint(255 (x/s)^(1/4)), decoded
+ * as s (q/255)^4. The same float operations, in the same order, as the PyTorch reference, so
+ * both give the same codes. bfloat16 moments: rounded stochastically with 16 random bits, a
+ * 32-bit hash of the element's global index (offset + i) and a key of the step and moment. */
+
+#define COMPACT_BLOCK 256
+
+/* Block b of rows of row_len elements (blocks per row): where it starts in the flat tensor,
+ * and how many elements it holds. */
+static inline int64_t block_start(int64_t b, int64_t blocks, int64_t row_len, int64_t *len) {
+    const int64_t start = (b % blocks) * COMPACT_BLOCK;
+    *len = row_len - start < COMPACT_BLOCK ? row_len - start : COMPACT_BLOCK;
+    return (b / blocks) * row_len + start;
+}
+
+/* Opens the loop over the blocks of rows x row_len, in parallel: block b, its first element
+ * at, its length len. */
+#define EACH_BLOCK(rows, row_len)                                                              \
+    const int64_t blocks = ((row_len) + COMPACT_BLOCK - 1) / COMPACT_BLOCK;                   \
+    _Pragma("omp parallel for num_threads(nthreads) schedule(static) if (rows * row_len >= 65536)") \
+    for (int64_t b = 0; b < (rows) * blocks; b++)                                              \
+        for (int64_t len = 0, at = block_start(b, blocks, row_len, &len), once = 1; once; once = 0)
+
+TARGETS void int8_encode(const float *x, void *codes, float *scales, int64_t rows,
+                         int64_t row_len, int32_t is_signed, int32_t nthreads) {
+    EACH_BLOCK(rows, row_len) {
+        const float *in = x + at;
+        float s = 0.0f;
+        for (int64_t i = 0; i < len; i++) s = fmaxf(s, fabsf(in[i]));
+        scales[b] = s;
+        const float inv = s > 0.0f ? 1.0f / s : 0.0f;
+        if (is_signed) {
+            int8_t *out = (int8_t *)codes + at;
+            for (int64_t i = 0; i < len; i++) {
+                const float q = rintf(sqrtf(fabsf(in[i]) * inv) * 127.0f);
+                out[i] = (int8_t)(in[i] < 0.0f ? -q : q);
+            }
+        } else {
+            uint8_t *out = (uint8_t *)codes + at;
+            for (int64_t i = 0; i < len; i++)
+                out[i] = (uint8_t)rintf(sqrtf(sqrtf(fabsf(in[i]) * inv)) * 255.0f);
+        }
+    }
+}
+
+TARGETS void int8_decode(const void *codes, const float *scales, float *x, int64_t rows,
+                         int64_t row_len, int32_t is_signed, int32_t nthreads) {
+    EACH_BLOCK(rows, row_len) {
+        const float s = scales[b];
+        float *out = x + at;
+        if (is_signed) {
+            const int8_t *in = (const int8_t *)codes + at;
+            for (int64_t i = 0; i < len; i++) {
+                const float t = (float)in[i] / 127.0f;
+                out[i] = (t * fabsf(t)) * s;
+            }
+        } else {
+            const uint8_t *in = (const uint8_t *)codes + at;
+            for (int64_t i = 0; i < len; i++) {
+                const float t = (float)in[i] / 255.0f;
+                const float t2 = t * t;
+                out[i] = (t2 * t2) * s;
+            }
+        }
+    }
+}
+
+TARGETS void bf16_round_stochastic(const float *x, uint16_t *out, int64_t n, int64_t offset,
+                                   int64_t key, int32_t nthreads) {
+#pragma omp parallel for simd num_threads(nthreads) schedule(static) if (n >= 65536)
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t h = (uint32_t)(offset + i) + (uint32_t)key;
+        h = ((h >> 16) ^ h) * 0x45D9F3Bu;
+        h = ((h >> 16) ^ h) * 0x45D9F3Bu;
+        h = (h >> 16) ^ h;
+        uint32_t bits;
+        memcpy(&bits, &x[i], 4);
+        out[i] = (uint16_t)((bits + (h & 0xFFFFu)) >> 16);
+    }
+}

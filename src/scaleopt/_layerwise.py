@@ -137,6 +137,7 @@ class LayerwiseAdam(AdamFamily):
             with self._master_weights.as_float32(view) as full:
                 yield from update(group, dataclasses.replace(t, weights=local(full)), layer, impl)
         self._master_weights.commit(view, rounded_written=impl.reads_stored)
+        self._store_moments(state)
         return any(layer.adapt)
 
     @eager

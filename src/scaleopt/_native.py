@@ -77,6 +77,9 @@ SIGNATURES = {
     "any_nonfinite_bf16": (c_int32, _COUNT_AND_THREADS),
     "select_above": (c_int64, [c_void_p, c_int64, c_float, c_void_p, c_int64]),
     "struct_layout": (c_int64, [c_int32, c_void_p]),
+    "int8_encode": (None, [c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_int32, c_int32]),
+    "int8_decode": (None, [c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_int32, c_int32]),
+    "bf16_round_stochastic": (None, [c_void_p, c_void_p, c_int64, c_int64, c_int64, c_int32]),
 }
 
 _lib = None
@@ -342,3 +345,40 @@ def select_above(v: Tensor, threshold: float, capacity: int) -> Optional[Tensor]
         return out[:count] if count <= capacity else None
     idx = torch.nonzero(v.abs() >= threshold).flatten()
     return idx if idx.numel() <= capacity else None
+
+
+# -- compact optimizer state (scaleopt._compact) ---------------------------------------------
+
+_CODES = (torch.int8, torch.uint8)
+
+
+def takes_compact(*tensors: Tensor) -> bool:
+    """Whether the compact-state kernels take these tensors: the kernels built, each tensor
+    plain, contiguous and on the CPU."""
+    return _lib is not None and all(
+        type(t) in _PLAIN_TYPES and t.is_cpu and t.is_contiguous() for t in tensors)
+
+
+def int8_encode(x: Tensor, codes: Tensor, scales: Tensor) -> None:
+    """``codes`` and ``scales`` of the float32 ``x`` (rows along dimension 0), written in place;
+    see :func:`scaleopt._compact.quantize`."""
+    rows = x.shape[0]
+    _lib.int8_encode(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), rows,
+                     x.numel() // rows if rows else 0, int(codes.dtype == torch.int8),
+                     torch.get_num_threads())
+
+
+def int8_decode(codes: Tensor, scales: Tensor, out: Tensor) -> None:
+    """The float32 values of ``codes`` and ``scales`` into ``out``; see
+    :func:`scaleopt._compact.dequantize`."""
+    rows = codes.shape[0]
+    _lib.int8_decode(codes.data_ptr(), scales.data_ptr(), out.data_ptr(), rows,
+                     codes.numel() // rows if rows else 0, int(codes.dtype == torch.int8),
+                     torch.get_num_threads())
+
+
+def bf16_round_stochastic(x: Tensor, out: Tensor, offset: int, key: int) -> None:
+    """``x`` (float32) rounded into ``out`` (bfloat16), element ``i`` with the random bits of
+    global index ``offset + i`` (see :func:`scaleopt._compact.round_bf16`)."""
+    _lib.bf16_round_stochastic(x.data_ptr(), out.data_ptr(), x.numel(), offset, key,
+                               torch.get_num_threads())

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 from torch.optim.adamw import adamw as _torch_adamw
 
-from . import _blocks
+from . import _blocks, _compact
 from ._sharding import local_piece
 from ._base import ScaleOptimizer
 from ._checks import check_bool, check_optional_bool
@@ -82,6 +82,8 @@ class AdamW(ScaleOptimizer):
         nonfinite (``"propagate"`` or ``"skip"``, default ``"propagate"``): what a step does
             with an inf/NaN gradient (see :doc:`/robustness`): let it flow into the update, as
             torch's optimizers do, or skip the whole step, counted in ``skipped_steps``.
+        state_dtype (``"float32"``, ``"bfloat16"`` or ``"int8"``, default ``"float32"``): how
+            the moments are stored between steps, as in :class:`LAMB` (see :doc:`/state`).
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
@@ -114,6 +116,7 @@ class AdamW(ScaleOptimizer):
         foreach: Optional[bool] = None,
         fused: Optional[bool] = None,
         nonfinite: str = "propagate",
+        state_dtype: str = "float32",
     ) -> None:
         if fused and foreach:
             raise ValueError("fused=True and foreach=True cannot be set together")
@@ -131,6 +134,7 @@ class AdamW(ScaleOptimizer):
             maximize=maximize,
             foreach=foreach,
             fused=fused,
+            state_dtype=state_dtype,
         )
         super().__init__(params, defaults, nonfinite=nonfinite)
 
@@ -149,35 +153,44 @@ class AdamW(ScaleOptimizer):
             )
 
     def _init_group(self, group: Dict[str, Any], idx: List[int], params: List[Tensor],
-                    grads: List[Tensor], fused: bool) -> Dict[bool, Tuple[List[Tensor], ...]]:
+                    grads: List[Tensor], fused: bool, pending: List[_compact.Pending]
+                    ) -> Dict[bool, Tuple[List[Tensor], ...]]:
         """The group's tensors for torch's ``adamw``, split by whether they decay: params,
         grads, moments, max moments (the params without amsgrad) and steps; state made where
         new, step counters where ``fused`` needs them (on the parameter's device) or not.
         Sharded parameters and their state are given as their local shards (as the gradients
-        are)."""
+        are). Moments stored in bfloat16 or 8 bits are given as float32 working tensors, put on
+        ``pending`` to be stored back after the update."""
         no_decay = self._rule_flags(group, "exclude_from_weight_decay")
+        keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
         lists: Dict[bool, Tuple[List[Tensor], ...]] = {}
         for i, p, g in zip(idx, params, grads):
             state = self.state[p]
-            if len(state) == 0:
+            if "step" not in state:
                 state["step"] = (
                     torch.zeros((), dtype=torch.float32, device=p.device)
                     if fused
                     else torch.tensor(0.0, dtype=torch.float32)
                 )
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            if group["amsgrad"] and "max_exp_avg_sq" not in state:
-                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             if fused and state["step"].device != p.device:
                 state["step"] = state["step"].to(p.device)
             elif not fused and state["step"].device.type != "cpu":
                 state["step"] = state["step"].cpu()
+            form = _compact.form_for(group["state_dtype"], tuple(p.shape))
+            _compact.convert(state, form, p, p.dtype)
+            moments = {}
+            for key in keys:
+                if form != "float32":
+                    moments[key] = _compact.working(state, key, form, p, p.dtype, pending)
+                    continue
+                if key not in state:
+                    state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                moments[key] = local_piece(state[key])
             ls = lists.setdefault(not no_decay[i], ([], [], [], [], [], []))
-            for dest, t in zip(ls, (p, g, state["exp_avg"], state["exp_avg_sq"],
-                                    state["max_exp_avg_sq"] if group["amsgrad"] else p,
+            for dest, t in zip(ls, (local_piece(p), g, moments["exp_avg"], moments["exp_avg_sq"],
+                                    moments.get("max_exp_avg_sq", local_piece(p)),
                                     state["step"])):
-                dest.append(local_piece(t))
+                dest.append(t)
         return lists
 
     @torch.no_grad()
@@ -187,7 +200,8 @@ class AdamW(ScaleOptimizer):
         for item in self._intake():
             group, idx, params, grads = item.group, item.idx, item.params, item.grads
             fused = takes_fused(group, params)
-            lists = self._init_group(group, idx, params, grads, fused)
+            pending: List[_compact.Pending] = []
+            lists = self._init_group(group, idx, params, grads, fused, pending)
             beta1, beta2 = group["betas"]
             for decayed, (ps, gs, ms, vs, maxs, steps) in lists.items():
                 # torch's foreach path needs its tensor-scalar form under torch.compile
@@ -218,4 +232,5 @@ class AdamW(ScaleOptimizer):
                     eps=group["eps"],
                     maximize=False,
                 )
+            _compact.store(pending)
         return loss

@@ -99,6 +99,12 @@ class LAMB(LayerwiseAdam):
         nonfinite (``"propagate"`` or ``"skip"``, default ``"propagate"``): what a step does
             with an inf/NaN gradient (see :doc:`/robustness`): let it flow into the update, as
             torch's optimizers do, or skip the whole step, counted in ``skipped_steps``.
+        state_dtype (``"float32"``, ``"bfloat16"`` or ``"int8"``, default ``"float32"``): how
+            the moments are stored between steps: as float32 (8 B/param), as bfloat16 rounded
+            stochastically (4 B/param), or as 8-bit codes with a float32 scale per block of
+            256 elements (about 2 B/param). The update computes in float32 either way. Tensors
+            under 4096 elements, and one-dimensional ones for ``"int8"``, keep float32 state.
+            See :doc:`/state`.
 
     Gradients go through ``rescale_grad``, ``clip_grad_value``, ``clip_grad_norm_per_tensor``
     and ``max_grad_norm`` in that order; ``p.grad`` is never modified.
@@ -142,6 +148,7 @@ class LAMB(LayerwiseAdam):
         implementation: Optional[str] = None,
         capturable: bool = False,
         nonfinite: str = "propagate",
+        state_dtype: str = "float32",
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -151,8 +158,7 @@ class LAMB(LayerwiseAdam):
             weight_decay_mode=weight_decay_mode,
             bias_correction=bias_correction,
             always_adapt=always_adapt,
-            lower_bound=lower_bound,
-            upper_bound=upper_bound,
+            lower_bound=lower_bound, upper_bound=upper_bound,
             max_grad_norm=max_grad_norm,
             clip_grad_value=clip_grad_value,
             clip_grad_norm_per_tensor=clip_grad_norm_per_tensor,
@@ -163,7 +169,7 @@ class LAMB(LayerwiseAdam):
             maximize=maximize,
             foreach=foreach,
             implementation=implementation,
-            capturable=capturable,
+            capturable=capturable, state_dtype=state_dtype,
         )
         super().__init__(params, defaults, nonfinite=nonfinite)
 

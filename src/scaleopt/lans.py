@@ -77,6 +77,8 @@ class LANS(LayerwiseAdam):
         nonfinite (``"propagate"`` or ``"skip"``, default ``"propagate"``): what a step does
             with an inf/NaN gradient (see :doc:`/robustness`): let it flow into the update, as
             torch's optimizers do, or skip the whole step, counted in ``skipped_steps``.
+        state_dtype (``"float32"``, ``"bfloat16"`` or ``"int8"``, default ``"float32"``): how
+            the moments are stored between steps, as in :class:`LAMB` (see :doc:`/state`).
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
@@ -116,6 +118,7 @@ class LANS(LayerwiseAdam):
         implementation: Optional[str] = None,
         capturable: bool = False,
         nonfinite: str = "propagate",
+        state_dtype: str = "float32",
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -124,8 +127,7 @@ class LANS(LayerwiseAdam):
             weight_decay=weight_decay,
             bias_correction=bias_correction,
             always_adapt=always_adapt,
-            lower_bound=lower_bound,
-            upper_bound=upper_bound,
+            lower_bound=lower_bound, upper_bound=upper_bound,
             decay_moved_weight=decay_moved_weight,
             max_grad_norm=max_grad_norm,
             clip_grad_value=clip_grad_value,
@@ -137,7 +139,7 @@ class LANS(LayerwiseAdam):
             maximize=maximize,
             foreach=foreach,
             implementation=implementation,
-            capturable=capturable,
+            capturable=capturable, state_dtype=state_dtype,
         )
         super().__init__(params, defaults, nonfinite=nonfinite)
 

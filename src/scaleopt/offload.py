@@ -75,6 +75,8 @@ class OffloadAdam(AdamFamily):
         nonfinite (``"propagate"`` or ``"skip"``, default ``"propagate"``): what a step does
             with an inf/NaN gradient (see :doc:`/robustness`): let it flow into the update, as
             torch's optimizers do, or skip the whole step, counted in ``skipped_steps``.
+        state_dtype (``"float32"``, ``"bfloat16"`` or ``"int8"``, default ``"float32"``): how
+            the moments are stored between steps, as in :class:`LAMB` (see :doc:`/state`).
         check_finite (bool, default False): ``True`` is ``nonfinite="skip"`` (the name of
             earlier releases).
         num_threads (int or None, default None): intra-op threads of the host step (``None``:
@@ -119,6 +121,7 @@ class OffloadAdam(AdamFamily):
         nonfinite: str = "propagate",
         num_threads: Optional[int] = None,
         overlap: bool = True,
+        state_dtype: str = "float32",
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -133,6 +136,7 @@ class OffloadAdam(AdamFamily):
             exclude_from_weight_decay=exclude_from_weight_decay,
             max_grad_norm=max_grad_norm,
             loss_scale=loss_scale,
+            state_dtype=state_dtype,
         )
         check_bool("check_finite", check_finite)
         self.skipped = False
@@ -142,6 +146,9 @@ class OffloadAdam(AdamFamily):
     def remove_hooks(self) -> None:
         """Remove the gradient hooks (they are also inert once the optimizer is deleted)."""
         self.host.remove_hooks()
+
+    def _computes_in_float32(self, group: Dict[str, Any], p: Tensor) -> bool:
+        return p.dtype != torch.float64  # others have float32 masters on the host
 
     def _validate_group(self, group: Dict[str, Any]) -> None:
         super()._validate_group(group)
@@ -218,6 +225,7 @@ class OffloadAdam(AdamFamily):
                 self._reference_step(group, rows[k], master, vmaxes[k])
         self._kernel_step(group, [row for row, f in zip(rows, fast) if f], threads)
         self._master_weights.commit(state.view, fast)
+        self._store_moments(state)
 
     def _reference_step(self, group: Dict[str, Any], row: "_Row", master: Tensor,
                         vmax: Optional[Tensor]) -> None:

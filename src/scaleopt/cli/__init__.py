@@ -92,6 +92,7 @@ def _add_train_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--steps", type=_positive_int, help="train this many steps instead of --epochs")
     _add_schedule_options(g, d, d.epochs)
     g = _add_system_options(p)
+    _add_state_dtype(g, d)
     g.add_argument("--offload", action=argparse.BooleanOptionalAction, default=False,
                    help="optimizer state and update on the host: OffloadAdam for adamw, "
                         "scaleopt.offload() for lamb and lans")
@@ -110,6 +111,14 @@ def _add_train_options(p: argparse.ArgumentParser) -> None:
     _add_checkpoint_options(p)
     _add_dgc_options(p)
     _add_output_options(p)
+
+
+def _add_state_dtype(g: Any, d: Config) -> None:
+    g.add_argument("--state-dtype", choices=optimizers.STATE_DTYPES, default=d.state_dtype,
+                   help="how lamb, lans, adamw and offload-adam store their moments: float32 "
+                        "(8 bytes per parameter), bfloat16 (4) or int8 (about 2: 8-bit codes "
+                        "with a scale per block of 256); the update computes in float32 "
+                        f"(default: {d.state_dtype})")
 
 
 def _add_checkpoint_options(p: argparse.ArgumentParser) -> None:
@@ -164,7 +173,9 @@ def _add_study_options(s: argparse.ArgumentParser) -> None:
                    help="learning rate against batch size (default: sqrt)")
     d = Config()
     _add_model_options(s, d)
-    _add_schedule_options(s.add_argument_group("training"), d, epochs=4)
+    g = s.add_argument_group("training")
+    _add_schedule_options(g, d, epochs=4)
+    _add_state_dtype(g, d)
     _add_system_options(s)
     _add_output_options(s)
 
@@ -372,8 +383,10 @@ def _summary(cfg: Config, r: dict) -> None:
         line += (f"; {r['workers']} workers, {r['allreduce_bytes_per_step']:,} gradient bytes "
                  f"all-reduced per step (about {r['bytes_sent_per_rank_per_step']:,} sent per rank)")
     print(line)
+    per_param = r["unsharded_optimizer_state_bytes"] / max(r["parameters"], 1)
     print(f"per rank: {r['param_bytes_per_rank']:,} bytes of parameters and "
-          f"{r['optimizer_state_bytes_per_rank']:,} of optimizer state"
+          f"{r['optimizer_state_bytes_per_rank']:,} of optimizer state "
+          f"({per_param:.2f} bytes per parameter, state_dtype {cfg.state_dtype})"
           + (f" ({r['workers']} shards; unsharded: {r['unsharded_param_bytes']:,} and "
              f"{r['unsharded_optimizer_state_bytes']:,})" if r["sharded"] else ""))
     if r["checkpoints"]:

@@ -36,6 +36,14 @@ FP32_ROW = {
     "scaleopt.LANS(bf16 params, master_weights)": "scaleopt.LANS",
     "scaleopt.OffloadAdam(bf16 params)": "scaleopt.OffloadAdam",
     "scaleopt.offload(LAMB)(bf16 params)": "scaleopt.LAMB",
+    # and each compact-state row against the same optimizer with float32 state
+    "scaleopt.LAMB(state_dtype=bfloat16)": "scaleopt.LAMB",
+    "scaleopt.LAMB(state_dtype=int8)": "scaleopt.LAMB",
+    "scaleopt.LANS(state_dtype=int8)": "scaleopt.LANS",
+    "scaleopt.AdamW(state_dtype=int8)": "scaleopt.AdamW",
+    "scaleopt.OffloadAdam(state_dtype=int8)": "scaleopt.OffloadAdam",
+    "scaleopt.LAMB(bf16 params, master_weights, state_dtype=int8)":
+        "scaleopt.LAMB(bf16 params, master_weights)",
 }
 
 
@@ -54,6 +62,7 @@ def candidates() -> Tuple[Dict[str, Callable], Dict[str, Callable]]:
             n, lr=1e-3, exclude_from_weight_decay=NO_DECAY, max_grad_norm=1.0),
         "scaleopt.OffloadAdam": lambda n: scaleopt.OffloadAdam(
             n, lr=1e-3, weight_decay=0.01, exclude_from_weight_decay=NO_DECAY),
+        **_compact_rows(),
     }
     # bf16 parameters with fp32 master weights and moments (mixed-precision training); each
     # row is also compared with the float32 row of FP32_ROW
@@ -66,6 +75,9 @@ def candidates() -> Tuple[Dict[str, Callable], Dict[str, Callable]]:
             n, lr=1e-3, weight_decay=0.01, exclude_from_weight_decay=NO_DECAY),
         "scaleopt.offload(LAMB)(bf16 params)": lambda n: scaleopt.offload(
             scaleopt.LAMB, n, lr=1e-3, exclude_from_weight_decay=NO_DECAY),
+        "scaleopt.LAMB(bf16 params, master_weights, state_dtype=int8)": lambda n: scaleopt.LAMB(
+            n, lr=1e-3, exclude_from_weight_decay=NO_DECAY, master_weights=True,
+            state_dtype="int8"),
     }
     try:
         from timm.optim import Lamb as TimmLamb
@@ -92,6 +104,21 @@ def candidates() -> Tuple[Dict[str, Callable], Dict[str, Callable]]:
     except Exception:
         pass
     return c, low
+
+
+def _compact_rows() -> Dict[str, Callable]:
+    """The optimizers with their moments in bfloat16 or 8 bits (``state_dtype``)."""
+    def row(cls, state_dtype, **options):
+        return lambda n: cls(n, lr=1e-3, exclude_from_weight_decay=NO_DECAY,
+                             state_dtype=state_dtype, **options)
+    return {
+        "scaleopt.LAMB(state_dtype=bfloat16)": row(scaleopt.LAMB, "bfloat16"),
+        "scaleopt.LAMB(state_dtype=int8)": row(scaleopt.LAMB, "int8"),
+        "scaleopt.LANS(state_dtype=int8)": row(scaleopt.LANS, "int8"),
+        "scaleopt.AdamW(state_dtype=int8)": row(scaleopt.AdamW, "int8"),
+        "scaleopt.OffloadAdam(state_dtype=int8)": row(scaleopt.OffloadAdam, "int8",
+                                                      weight_decay=0.01),
+    }
 
 
 def bandwidth_reference(named) -> float:

@@ -39,7 +39,7 @@ _STEP_NAME = re.compile(r"^step-(\d{8})$")
 #: options that a resumed run may change: where and how it runs, not what it trains
 CHANGEABLE = frozenset({"workers", "shard", "replicas", "offload", "threads", "device", "out",
                         "progress", "checkpoint_every", "stop_after", "resume",
-                        "keep_checkpoints"})
+                        "keep_checkpoints", "state_dtype"})
 
 
 class CheckpointError(ValueError):

@@ -17,32 +17,42 @@ class Choice(NamedTuple):
     #: ``(model, cfg) -> optimizer``, for a run's configuration (``cli.train.Config``)
     make: Callable[[nn.Module, Any], torch.optim.Optimizer]
     offloadable: bool = False
+    #: whether it takes ``state_dtype`` (the Adam family)
+    compact_state: bool = False
 
 
 def _groups(model: nn.Module, cfg: Any):
     return scaleopt.param_groups(model, weight_decay=cfg.weight_decay)
 
 
+#: the choices of ``--state-dtype``
+STATE_DTYPES = scaleopt.STATE_DTYPES
+
+
 def _layerwise(cls: type) -> Callable[[nn.Module, Any], torch.optim.Optimizer]:
     def make(model, cfg):
+        options = dict(lr=cfg.resolved_lr(), state_dtype=cfg.state_dtype)
         if cfg.offload:
-            return scaleopt.offload(cls, _groups(model, cfg), lr=cfg.resolved_lr())
-        return cls(_groups(model, cfg), lr=cfg.resolved_lr())
+            return scaleopt.offload(cls, _groups(model, cfg), **options)
+        return cls(_groups(model, cfg), **options)
     return make
 
 
 def _adamw(model, cfg):
     cls = scaleopt.OffloadAdam if cfg.offload else scaleopt.AdamW
-    return cls(_groups(model, cfg), lr=cfg.resolved_lr())
+    return cls(_groups(model, cfg), lr=cfg.resolved_lr(), state_dtype=cfg.state_dtype)
 
 
 OPTIMIZERS: Dict[str, Choice] = {
-    "lamb": Choice("scaleopt.LAMB (layer-wise trust ratio)", 1e-2, _layerwise(scaleopt.LAMB), True),
+    "lamb": Choice("scaleopt.LAMB (layer-wise trust ratio)", 1e-2, _layerwise(scaleopt.LAMB),
+                   True, True),
     "lans": Choice("scaleopt.LANS (normalised gradients, two trust-ratio parts)", 1e-2,
-                   _layerwise(scaleopt.LANS), True),
-    "adamw": Choice("scaleopt.AdamW", 3e-3, _adamw, True),
+                   _layerwise(scaleopt.LANS), True, True),
+    "adamw": Choice("scaleopt.AdamW", 3e-3, _adamw, True, True),
     "offload-adam": Choice("scaleopt.OffloadAdam (state and update on the host)", 3e-3,
-                           lambda m, cfg: scaleopt.OffloadAdam(_groups(m, cfg), lr=cfg.resolved_lr())),
+                           lambda m, cfg: scaleopt.OffloadAdam(
+                               _groups(m, cfg), lr=cfg.resolved_lr(),
+                               state_dtype=cfg.state_dtype), compact_state=True),
     "momentum": Choice("scaleopt.Momentum (heavy ball, coupled L2)", 0.1,
                        lambda m, cfg: scaleopt.Momentum(_groups(m, cfg), lr=cfg.resolved_lr(),
                                                         momentum=0.9)),

@@ -42,6 +42,7 @@ class Config:
     width: int = 256
     seed: int = 0
     offload: bool = False
+    state_dtype: str = "float32"  # how the optimizer stores its moments (scaleopt._compact)
     workers: int = 1
     shard: bool = False  # FSDP2: each rank holds 1/workers of the parameters and the state
     replicas: int = 1  # with shard: HSDP, the workers split into this many replicas
@@ -112,6 +113,12 @@ def check(cfg: Config) -> None:
         raise ValueError(f"unknown schedule {cfg.schedule!r}; choose one of {optimizers.SCHEDULES}")
     if cfg.offload and not optimizers.OPTIMIZERS[cfg.optimizer].offloadable:
         raise ValueError(f"--offload applies to lamb, lans and adamw, not {cfg.optimizer}")
+    if cfg.state_dtype not in optimizers.STATE_DTYPES:
+        raise ValueError(f"unknown --state-dtype {cfg.state_dtype!r}; choose one of "
+                         f"{', '.join(optimizers.STATE_DTYPES)}")
+    if cfg.state_dtype != "float32" and not optimizers.OPTIMIZERS[cfg.optimizer].compact_state:
+        raise ValueError(f"--state-dtype {cfg.state_dtype} applies to lamb, lans, adamw and "
+                         f"offload-adam (Adam moments), not {cfg.optimizer}")
     _check_replicas(cfg)
     if cfg.shard and cfg.workers < 2 and not launch.under_torchrun():
         raise ValueError("--shard splits the parameters and the optimizer state over the "

@@ -1,0 +1,404 @@
+"""Adam moments stored in bfloat16 or 8 bits (the ``state_dtype`` option), computed in float32.
+
+A step reads each stored moment into a float32 working tensor (:func:`working`), the update runs
+on those as on float32 state, and the new moments are stored back (:func:`store`). The stored
+forms, chosen per tensor by :func:`form_for` from the group's ``state_dtype`` and the tensor's
+**global** shape (never a local shard's):
+
+* ``"float32"``: the moments as they are (tensors below :data:`MIN_NUMEL` elements always);
+* ``"bfloat16"``: each value rounded to bfloat16 *stochastically*: up with probability equal
+  to the distance from the value below, so the stored moment is unbiased. The random bits are a
+  hash of the element's index in the whole tensor, the step and the moment, so a sharded run
+  rounds every element as one process does, and a run is reproducible. (Rounding to nearest
+  would freeze the second moment: ``0.999 v`` rounds back to ``v``.)
+* ``"int8"``: blockwise dynamic quantization. The tensor is cut into rows along its first
+  dimension, and each row into blocks of :data:`BLOCK` elements (the last one shorter); each
+  block stores a float32 scale ``s`` (its largest magnitude) and one byte per element:
+  ``exp_avg`` as ``int8`` codes ``q = round(127 sqrt(|x|/s)) sign(x)``, decoded as
+  ``s (q/127)^2 sign(q)``; the non-negative ``exp_avg_sq`` as ``uint8`` codes
+  ``q = round(255 (x/s)^(1/4))``, decoded as ``s (q/255)^4``. The power maps spend the codes
+  where the values are: relative steps of 1.6% near the block's largest value, down to
+  ``s/127^2`` and ``s/255^4``. FSDP2 shards along the first dimension and never splits a row,
+  so every block lies inside one shard on every mesh. One-dimensional tensors (biases, norms)
+  keep float32 state: a shard may cut them anywhere.
+
+In a state dict an int8 moment is its codes (shaped as the parameter) and ``<key>_scale``
+(float32, ``(rows, blocks)``), sharded as the parameter is (DTensors along dimension 0).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import _native
+from ._sharding import _dtensor, is_dtensor, local_piece
+
+#: the choices of ``state_dtype``
+STATE_DTYPES = ("float32", "bfloat16", "int8")
+#: tensors with fewer elements (in the whole tensor) keep float32 state
+MIN_NUMEL = 4096
+#: elements per int8 block (fewer where a row is shorter)
+BLOCK = 256
+#: the moments that may be stored compactly, and whether they take signed codes
+SIGNED = {"exp_avg": True, "exp_avg_sq": False, "max_exp_avg_sq": False}
+#: each moment's part of the rounding hash's key
+_SALT = {"exp_avg": 1, "exp_avg_sq": 2, "max_exp_avg_sq": 3}
+
+_MASK32 = 0xFFFFFFFF
+_HASH_MUL = 0x45D9F3B
+
+
+def scale_key(key: str) -> str:
+    return f"{key}_scale"
+
+
+SCALE_KEYS = tuple(scale_key(k) for k in SIGNED)
+
+
+def form_for(state_dtype: str, shape: Sequence[int]) -> str:
+    """How a tensor of global shape ``shape`` stores its moments under ``state_dtype``."""
+    if state_dtype == "float32" or math.prod(shape) < MIN_NUMEL:
+        return "float32"
+    if state_dtype == "int8" and len(shape) < 2:
+        return "float32"
+    return state_dtype
+
+
+def stored_form(x: Tensor, working_dtype: torch.dtype) -> str:
+    """The form a stored moment is in, from its dtype (``working_dtype``: what the update
+    computes in)."""
+    if x.dtype in (torch.int8, torch.uint8):
+        return "int8"
+    if x.dtype == torch.bfloat16 and working_dtype != torch.bfloat16:
+        return "bfloat16"
+    return "float32"
+
+
+def grid(shape: Sequence[int]) -> Tuple[int, int]:
+    """``(rows, blocks per row)`` of an int8-stored tensor of ``shape``: the shape of its
+    scales."""
+    row = math.prod(shape[1:])
+    return shape[0], -(-row // BLOCK) if row else 0
+
+
+# --------------------------------------------------------------------------------------------
+# int8
+# --------------------------------------------------------------------------------------------
+
+
+def _blocks_of(x: Tensor) -> Tuple[Tensor, int]:
+    """``x`` (rows first) as ``(rows, blocks, BLOCK)`` float32, the last block zero-padded; and
+    the row length."""
+    rows, length = x.shape[0], math.prod(x.shape[1:])
+    flat = x.reshape(rows, length).float()
+    blocks = -(-length // BLOCK)
+    return F.pad(flat, (0, blocks * BLOCK - length)).view(rows, blocks, BLOCK), length
+
+
+def quantize(x: Tensor, signed: bool) -> Tuple[Tensor, Tensor]:
+    """``(codes, scales)`` of ``x`` (a local tensor, rows along dimension 0)."""
+    blocks, length = _blocks_of(x)
+    mags = blocks.abs()
+    scales = mags.amax(dim=-1)
+    inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
+    y = (mags * inv.unsqueeze(-1)).sqrt_()
+    if signed:
+        codes = y.mul_(127.0).round_().mul_(blocks.sign()).to(torch.int8)
+    else:
+        codes = y.sqrt_().mul_(255.0).round_().to(torch.uint8)
+    codes = codes.view(x.shape[0], blocks.shape[1] * BLOCK)[:, :length].reshape(x.shape)
+    return codes, scales
+
+
+def dequantize(codes: Tensor, scales: Tensor) -> Tensor:
+    """The float32 values of ``codes`` and their ``scales`` (local tensors), contiguous."""
+    if _native.takes_compact(codes, scales):
+        out = torch.empty(codes.shape, dtype=torch.float32)
+        _native.int8_decode(codes, scales, out)
+        return out
+    rows, length = codes.shape[0], math.prod(codes.shape[1:])
+    flat = codes.reshape(rows, length)
+    blocks = scales.shape[1]
+    padded = F.pad(flat.float(), (0, blocks * BLOCK - length)).view(rows, blocks, BLOCK)
+    if codes.dtype == torch.int8:
+        t = padded.div_(127.0)
+        values = (t * t.abs()).mul_(scales.unsqueeze(-1))
+    else:
+        t = padded.div_(255.0)
+        t = t * t
+        values = (t * t).mul_(scales.unsqueeze(-1))
+    return values.view(rows, blocks * BLOCK)[:, :length].contiguous().view(codes.shape)
+
+
+# --------------------------------------------------------------------------------------------
+# bfloat16, rounded stochastically
+# --------------------------------------------------------------------------------------------
+
+
+def _key(step: Any, salt: int) -> Any:
+    """The rounding hash's key of a step (a number or an int64 tensor) and a moment."""
+    return (step * 0x9E3779B9 + salt * 0x632BE5AB) & _MASK32
+
+
+def random16(index: Tensor, step: Tensor, salt: int) -> Tensor:
+    """16 random bits (int32 in ``[0, 65536)``) per element from its global ``index`` (int64),
+    the step counter and the moment's salt: a 32-bit integer hash, the same in every
+    implementation."""
+    key = _key(step.to(index.device, torch.int64), salt)
+    x = (index + key) & _MASK32
+    for _ in range(2):
+        x = (((x >> 16) ^ x) * _HASH_MUL) & _MASK32
+    x = (x >> 16) ^ x
+    return (x & 0xFFFF).to(torch.int32)
+
+
+def round_bf16(x: Tensor, index: Tensor, step: Tensor, salt: int) -> Tensor:
+    """``x`` (float32) rounded to bfloat16 stochastically (see the module doc)."""
+    bits = x.contiguous().view(torch.int32) + random16(index, step, salt)
+    return bits.bitwise_and_(-65536).view(torch.float32).to(torch.bfloat16)
+
+
+def global_index(template: Tensor) -> Tensor:
+    """Each element's flat index in the whole tensor (int64, shaped as the local piece): for a
+    DTensor, its local shard's place in the global tensor."""
+    piece = local_piece(template)
+    if not is_dtensor(template):
+        return torch.arange(piece.numel(), device=piece.device).view(piece.shape)
+    offsets = _global_offsets(template)
+    gshape = tuple(template.shape)
+    strides = [math.prod(gshape[d + 1:]) for d in range(len(gshape))]
+    index = torch.zeros(piece.shape, dtype=torch.int64, device=piece.device)
+    for d, (n, off, stride) in enumerate(zip(piece.shape, offsets, strides)):
+        view = [1] * piece.dim()
+        view[d] = n
+        index += ((torch.arange(n, device=piece.device) + off) * stride).view(view)
+    return index
+
+
+def flat_offset(template: Tensor) -> Optional[int]:
+    """Where the local piece of ``template`` starts in the whole tensor's flat order, when it
+    is one run of it (a plain tensor, or one split along dimension 0 only); else None."""
+    if not is_dtensor(template):
+        return 0
+    if any(pl.is_shard() and pl.dim != 0 for pl in template.placements):
+        return None
+    return _global_offsets(template)[0] * math.prod(template.shape[1:])
+
+
+def _global_offsets(t: Tensor) -> Tuple[int, ...]:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return tuple(offsets)
+
+
+# --------------------------------------------------------------------------------------------
+# the step: working tensors in, stored forms out
+# --------------------------------------------------------------------------------------------
+
+
+class Pending(NamedTuple):
+    """A moment read into a float32 working tensor, to store back after the update."""
+
+    state: Dict[str, Any]
+    key: str
+    form: str
+    working: Tensor
+    template: Tensor
+
+
+def check_layout(template: Tensor, label: str) -> None:
+    """int8 state of a sharded tensor needs it split along dimension 0 only (FSDP2's
+    default), so that every block lies inside one shard."""
+    if is_dtensor(template) and any(pl.is_shard() and pl.dim != 0
+                                    for pl in template.placements):
+        raise ValueError(f"state_dtype='int8' needs sharded tensors split along dimension 0 "
+                         f"(FSDP2's default), and {label} is placed {template.placements}: "
+                         f"use state_dtype='bfloat16' or shard it along dimension 0")
+
+
+def _dtensor_like(template: Tensor, piece: Tensor, shape: Tuple[int, ...]) -> Tensor:
+    """``piece`` as a DTensor of global ``shape`` placed as ``template``, when that is one."""
+    if not is_dtensor(template):
+        return piece
+    stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
+    return _dtensor().from_local(piece, template.device_mesh, template.placements,
+                                 shape=shape, stride=stride, run_check=False)
+
+
+def new_stored(form: str, key: str, template: Tensor) -> Dict[str, Tensor]:
+    """Zero state of ``form`` for a moment shaped as ``template`` (a DTensor gives DTensors)."""
+    piece = local_piece(template)
+    if form == "bfloat16":
+        return {key: torch.zeros_like(template, dtype=torch.bfloat16,
+                                      memory_format=torch.contiguous_format)}
+    dtype = torch.int8 if SIGNED[key] else torch.uint8
+    codes = torch.zeros_like(template, dtype=dtype, memory_format=torch.contiguous_format)
+    rows, blocks = grid(tuple(template.shape))
+    scales = torch.zeros(piece.shape[0], blocks, dtype=torch.float32, device=piece.device)
+    return {key: codes, scale_key(key): _dtensor_like(template, scales, (rows, blocks))}
+
+
+def read(state: Dict[str, Any], key: str, working_dtype: torch.dtype) -> Tensor:
+    """The stored moment ``state[key]`` as a local tensor of ``working_dtype`` (new)."""
+    x = local_piece(state[key])
+    if x.dtype in (torch.int8, torch.uint8):
+        return dequantize(x, local_piece(state[scale_key(key)])).to(working_dtype,
+                                                                     memory_format=torch.contiguous_format)
+    return x.to(working_dtype, copy=True)
+
+
+def write(state: Dict[str, Any], key: str, form: str, value: Tensor, template: Tensor,
+          step: Tensor) -> None:
+    """Store ``value`` (the local float32 moment) into ``state`` in ``form``, the stored tensors
+    made anew where their form changes."""
+    current = state.get(key)
+    if form == "float32":
+        if current is not None and current.dtype == value.dtype and not _compact(current):
+            local_piece(current).copy_(value)
+        else:
+            state.pop(scale_key(key), None)
+            state[key] = _dtensor_like(template, value.clone(), tuple(template.shape))
+        return
+    if current is None or stored_form(current, value.dtype) != form:
+        state.pop(scale_key(key), None)
+        state.update(new_stored(form, key, template))
+    stored = local_piece(state[key])
+    if form == "bfloat16":
+        offset = flat_offset(template)
+        if offset is not None and _native.takes_compact(value, stored, step):
+            _native.bf16_round_stochastic(value, stored, offset, _key(int(step), _SALT[key]))
+        else:
+            stored.copy_(round_bf16(value, global_index(template), step, _SALT[key]))
+        return
+    scales = local_piece(state[scale_key(key)])
+    if _native.takes_compact(value, stored, scales):
+        _native.int8_encode(value, stored, scales)
+    else:
+        codes, new_scales = quantize(value, SIGNED[key])
+        stored.copy_(codes)
+        scales.copy_(new_scales)
+
+
+def _compact(x: Tensor) -> bool:
+    return x.dtype in (torch.int8, torch.uint8)
+
+
+def working(state: Dict[str, Any], key: str, form: str, template: Tensor,
+            dtype: torch.dtype, pending: List[Pending]) -> Tensor:
+    """The float32 working tensor of moment ``key`` stored in ``form`` (zeros where new), put
+    on ``pending`` to be stored back by :func:`store`."""
+    if key not in state:
+        state.update(new_stored(form, key, template))
+    value = read(state, key, dtype)
+    pending.append(Pending(state, key, form, value, template))
+    return value
+
+
+def store(pending: Sequence[Pending]) -> None:
+    """Store each working tensor back into its state (see :func:`working`)."""
+    for item in pending:
+        write(item.state, item.key, item.form, item.working, item.template, item.state["step"])
+
+
+def convert(state: Dict[str, Any], form: str, template: Optional[Tensor],
+            dtype: torch.dtype) -> bool:
+    """Store ``state``'s moments in ``form`` where they are in another (``template``: a tensor
+    laid out as the parameter, else each moment's own tensor); whether any changed."""
+    changed = False
+    for key in SIGNED:
+        x = state.get(key)
+        if x is None or stored_form(x, dtype) == form:
+            continue
+        write(state, key, form, read(state, key, dtype), x if template is None else template,
+              state.get("step", torch.zeros(())))
+        changed = True
+    return changed
+
+
+# --------------------------------------------------------------------------------------------
+# loading
+# --------------------------------------------------------------------------------------------
+
+
+def check_codes(st: Dict[str, Any], key: str, shape: Tuple[int, ...], where: str) -> None:
+    """Raise ``ValueError`` unless the int8 moment ``st[key]`` fits a parameter whose state has
+    ``shape``: codes of the right signedness shaped as it, and float32 scales, finite and
+    non-negative, one per block."""
+    codes, want = st[key], torch.int8 if SIGNED.get(key) else torch.uint8
+    if key not in SIGNED or codes.dtype != want:
+        raise ValueError(f"state {key!r} of {where}: {codes.dtype} codes, but {key!r} is stored "
+                         f"as {want} codes (or as floating-point values)")
+    if tuple(codes.shape) != tuple(shape) or len(shape) < 2:
+        raise ValueError(f"state {key!r} of {where} holds codes of shape {tuple(codes.shape)}, "
+                         f"the parameter's state {tuple(shape)}: int8 state is for tensors of "
+                         f"two or more dimensions, shaped as the parameter")
+    scales = st.get(scale_key(key))
+    blocks = grid(shape)
+    if not torch.is_tensor(scales) or scales.dtype != torch.float32 \
+            or tuple(scales.shape) != blocks:
+        got = (f"{scales.dtype} of shape {tuple(scales.shape)}" if torch.is_tensor(scales)
+               else type(scales).__name__)
+        raise ValueError(f"state {scale_key(key)!r} of {where}: the int8 codes of {key!r} need "
+                         f"float32 scales of shape {blocks} (rows, blocks of {BLOCK}), got {got}")
+    values = local_piece(scales.detach())
+    if not bool(torch.isfinite(values).all()) or bool((values < 0).any()):
+        raise ValueError(f"state {scale_key(key)!r} of {where} holds negative or non-finite "
+                         f"scales: the checkpoint was altered or corrupted")
+
+
+class Kept(NamedTuple):
+    """What :func:`keep` takes aside before torch's loader casts state to the parameters'
+    dtypes: per parameter (in order), its compact tensors as saved; and each group's own
+    ``state_dtype``."""
+
+    tensors: List[Dict[str, Tensor]]
+    state_dtypes: List[Optional[str]]
+
+
+def keep(optimizer: Any, state_dict: Dict[str, Any]) -> Kept:
+    saved_ids = [pid for g in state_dict["param_groups"] for pid in g.get("params", [])]
+    tensors = []
+    for pid in saved_ids:
+        st = state_dict["state"].get(pid) or {}
+        tensors.append({k: v for k, v in st.items() if torch.is_tensor(v) and (
+            k in SCALE_KEYS or (k in SIGNED and v.dtype in (torch.int8, torch.uint8,
+                                                             torch.bfloat16)))})
+    return Kept(tensors, [g.get("state_dtype") for g in optimizer.param_groups])
+
+
+def restore(optimizer: Any, kept: Kept) -> None:
+    """After torch's loader: the compact tensors as saved (on the device the loader put each
+    key's tensor), each group's own ``state_dtype`` (a storage choice of this optimizer, not
+    of the checkpoint), and every tensor's moments converted to the form it says, with a
+    warning where any was."""
+    params = [(g, p) for g in optimizer.param_groups for p in g["params"]]
+    converted = 0
+    for group, own in zip(optimizer.param_groups, kept.state_dtypes):
+        if own is not None:
+            group["state_dtype"] = own
+    for (group, p), saved in zip(params, kept.tensors):
+        st = optimizer.state.get(p)
+        if not st:
+            continue
+        for key, value in saved.items():
+            where = st[key].device if key in st and torch.is_tensor(st[key]) else value.device
+            st[key] = value.to(where)
+        if "state_dtype" not in group:
+            continue
+        dtype = torch.float32 if optimizer._computes_in_float32(group, p) else p.dtype
+        form = form_for(group["state_dtype"], optimizer._state_shape(p))
+        if form == "int8":
+            check_layout(p, f"a {tuple(p.shape)} parameter")
+        converted += convert(st, form, None, dtype)
+    if converted:
+        warnings.warn(f"{type(optimizer).__name__}.load_state_dict: the moments of {converted} "
+                      f"tensor(s) were saved in another form than this optimizer's state_dtype "
+                      f"says, and were converted to it (int8 and bfloat16 state round the "
+                      f"values)", UserWarning, stacklevel=3)

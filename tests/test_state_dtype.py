@@ -1,0 +1,354 @@
+"""Optimizer state in bfloat16 and 8 bits (``state_dtype``): the stored forms against their
+definitions, blocks that no row split changes, unbiased rounding, every optimizer and
+implementation, checkpoints that resume exactly and convert with a message, and bad input
+refused by name."""
+
+from __future__ import annotations
+
+import io
+import math
+import warnings
+
+import pytest
+import torch
+
+import scaleopt
+from scaleopt import _compact, _native
+
+FORMS = ("float32", "bfloat16", "int8")
+
+
+# -- the stored forms against their definitions ---------------------------------------------
+
+
+def _codes_by_definition(x, signed):
+    """The int8 codes of a 2-D tensor, element by element as the docs define them."""
+    rows, length = x.shape
+    codes, scales = [], []
+    for r in range(rows):
+        row_codes, row_scales = [], []
+        for start in range(0, length, _compact.BLOCK):
+            block = [float(v) for v in x[r, start:start + _compact.BLOCK]]
+            s = max(abs(v) for v in block)
+            row_scales.append(s)
+            for v in block:
+                y = abs(v) / s if s > 0 else 0.0
+                if signed:
+                    row_codes.append(round(127 * math.sqrt(y)) * (1 if v >= 0 else -1))
+                else:
+                    row_codes.append(round(255 * y ** 0.25))
+        codes.append(row_codes)
+        scales.append(row_scales)
+    return torch.tensor(codes), torch.tensor(scales)
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_int8_codes_and_scales_are_those_of_the_definition(signed):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 300, generator=g) * torch.logspace(-4, 0, 300)
+    x[1, 256:] = 0.0  # an all-zero last block
+    if not signed:
+        x = x.square()
+    codes, scales = _compact.quantize(x, signed)
+    want_codes, want_scales = _codes_by_definition(x, signed)
+    assert codes.dtype == (torch.int8 if signed else torch.uint8)
+    assert scales.shape == (3, 2) and scales.dtype == torch.float32
+    torch.testing.assert_close(scales, want_scales.float())
+    # the same codes, but for a value on a rounding boundary (a float round-off apart)
+    assert (codes.long() - want_codes).abs().max() <= 1
+    assert (codes.long() != want_codes).float().mean() < 1e-3
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_int8_decoding_error_is_bounded_by_the_code_steps(signed):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 512, generator=g)
+    if not signed:
+        x = x.square()
+    codes, scales = _compact.quantize(x, signed)
+    back = _compact.dequantize(codes, scales)
+    blocks = scales.repeat_interleave(_compact.BLOCK, dim=1)
+    y = (x.abs() / blocks)
+    levels, power = (127, 2) if signed else (255, 4)
+    t = y ** (1 / power)  # the code's real-valued position
+    step = ((t + 0.5 / levels).clamp(max=1) ** power - t ** power).abs() * blocks
+    assert ((back - x).abs() <= step + 1e-7).all()
+    # each block's largest magnitude comes back exactly, signs are kept, zeros stay zero
+    for r in range(4):
+        for b in range(2):
+            block = x[r, b * 256:(b + 1) * 256]
+            i = block.abs().argmax()
+            assert back[r, b * 256 + i] == block[i]
+    assert (torch.sign(back) == torch.sign(x)).all() or not signed
+    zero_codes, zero_scales = _compact.quantize(torch.zeros(2, 10), signed)
+    assert (_compact.dequantize(zero_codes, zero_scales) == 0).all()
+
+
+def test_no_row_split_changes_a_block():
+    """FSDP2 splits along rows, anywhere: every split quantizes like the whole tensor."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(7, 3, 130, generator=g)  # rows of 390: blocks of 256 and 134
+    whole = _compact.quantize(x, True)
+    for cut in range(0, 8):
+        for part in (x[:cut], x[cut:]):
+            codes, scales = _compact.quantize(part, True)
+            rows = slice(0, cut) if part.shape[0] == cut else slice(cut, 7)
+            assert torch.equal(codes, whole[0][rows]) and torch.equal(scales, whole[1][rows])
+
+
+def test_bfloat16_rounding_is_unbiased_reproducible_and_one_of_the_two_neighbours():
+    x = torch.full((20000,), 1.0 + 2 ** -9)  # a quarter of the way from 1 to the next bfloat16
+    index = torch.arange(x.numel())
+    out = _compact.round_bf16(x, index, torch.tensor(3.0), 1)
+    assert set(out.float().unique().tolist()) == {1.0, 1.0 + 2 ** -7}
+    assert abs(out.float().mean().item() - x[0].item()) < 2 ** -7 / 50
+    assert torch.equal(out, _compact.round_bf16(x, index, torch.tensor(3.0), 1))
+    other_step = _compact.round_bf16(x, index, torch.tensor(4.0), 1)
+    assert not torch.equal(out, other_step)
+    # negative values round the same way in magnitude; exact values stay
+    assert torch.equal(_compact.round_bf16(-x, index, torch.tensor(3.0), 1), -out)
+    exact = torch.tensor([0.0, -2.5, 3.0, float("inf")])
+    assert torch.equal(_compact.round_bf16(exact, torch.arange(4), torch.tensor(1.0), 2).float(),
+                       exact)
+
+
+def test_a_decaying_second_moment_decays_in_bfloat16():
+    """Rounded to nearest, 0.999 v is v again: the second moment would never decay."""
+    model = torch.nn.Linear(128, 64, bias=False)
+    opt = scaleopt.AdamW(model.parameters(), lr=0.0, weight_decay=0.0, state_dtype="bfloat16")
+    model.weight.grad = torch.ones_like(model.weight)
+    opt.step()
+    model.weight.grad = torch.zeros_like(model.weight)
+    for _ in range(700):
+        opt.step()
+    v = opt.state[model.weight]["exp_avg_sq"].float()
+    expected = 1e-3 * 0.999 ** 700  # ~ half of its first value
+    assert abs(v.mean().item() / expected - 1) < 0.02
+
+
+# -- which tensors, how many bytes --------------------------------------------------------------
+
+
+def _stepped(cls, form, shapes=((512, 384), (384,), (8, 8)), **kw):
+    params = [torch.nn.Parameter(torch.randn(s) * 0.1) for s in shapes]
+    opt = cls(params, lr=1e-3, state_dtype=form, **kw)
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-2
+    opt.step()
+    return params, opt
+
+
+def _state_bytes(opt, p):
+    return sum(v.numel() * v.element_size() for k, v in opt.state[p].items() if k != "step")
+
+
+def test_the_forms_by_size_and_dimension_and_the_bytes_they_hold():
+    params, opt = _stepped(scaleopt.LAMB, "int8")
+    big, bias, small = params
+    assert opt.state[big]["exp_avg"].dtype == torch.int8
+    assert opt.state[big]["exp_avg_sq"].dtype == torch.uint8
+    assert opt.state[big]["exp_avg_scale"].shape == (512, 2)
+    assert _state_bytes(opt, big) / big.numel() == pytest.approx(2 + 2 * 4 * 2 / 384)
+    for p in (bias, small):  # one dimension, or fewer than MIN_NUMEL elements: float32
+        assert opt.state[p]["exp_avg"].dtype == torch.float32 and "exp_avg_scale" not in opt.state[p]
+    params, opt = _stepped(scaleopt.LAMB, "bfloat16", shapes=((64, 64), (8192,), (8, 8)))
+    assert [opt.state[p]["exp_avg"].dtype for p in params] == [
+        torch.bfloat16, torch.bfloat16, torch.float32]
+    assert _state_bytes(opt, params[0]) == 4 * params[0].numel()
+
+
+@pytest.mark.parametrize("cls", [scaleopt.LAMB, scaleopt.LANS, scaleopt.AdamW,
+                                 scaleopt.OffloadAdam])
+@pytest.mark.parametrize("form", ["bfloat16", "int8"])
+def test_every_optimizer_stores_its_moments_compactly_and_trains(cls, form):
+    def train(state_dtype):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(),
+                                    torch.nn.Linear(128, 4))
+        opt = cls(model.parameters(), lr=3e-3, state_dtype=state_dtype)
+        x, y = torch.randn(256, 64), torch.randint(0, 4, (256,))
+        for _ in range(60):
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+        return loss.item(), opt.state[model[0].weight]
+
+    reference, _ = train("float32")
+    loss, state = train(form)
+    assert state["exp_avg"].dtype == {"bfloat16": torch.bfloat16, "int8": torch.int8}[form]
+    assert loss == pytest.approx(reference, rel=0.1, abs=0.02)
+
+
+# -- every implementation ------------------------------------------------------------------------
+
+
+def _impls():
+    out = ["single", "multi"]
+    if _native.available():
+        out.append("native")
+    return out
+
+
+@pytest.mark.parametrize("cls", [scaleopt.LAMB, scaleopt.LANS])
+@pytest.mark.parametrize("form", ["bfloat16", "int8"])
+def test_every_implementation_stores_the_same_state(cls, form):
+    results = {}
+    for impl in _impls():
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(96, 300) * 0.1),
+                  torch.nn.Parameter(torch.randn(300) * 0.1)]
+        opt = cls(params, lr=1e-2, weight_decay=0.01, implementation=impl, state_dtype=form)
+        g = torch.Generator().manual_seed(5)
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g)
+            opt.step()
+        results[impl] = [p.detach().clone() for p in params], [
+            _compact.read(opt.state[params[0]], k, torch.float32)
+            for k in ("exp_avg", "exp_avg_sq")]
+    ref_w, ref_m = results["single"]
+    for impl, (w, m) in results.items():
+        for a, b in zip(w, ref_w):  # a moment that rounds the other way moves its weight
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=5e-5, msg=impl)  # by ~1e-5
+            assert ((a - b).abs() > 1e-6).float().mean() < 0.01, impl
+        for a, b in zip(m, ref_m):  # a value on a rounding boundary may store either way
+            assert ((a - b).abs() > 1e-6 + 0.02 * b.abs()).float().mean() < 1e-3, impl
+
+
+# -- checkpoints ----------------------------------------------------------------------------------
+
+
+def _run(cls, form, steps, opt_state=None, weights=None, **kw):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(48, 128), torch.nn.Tanh(), torch.nn.Linear(128, 3))
+    if weights is not None:
+        model.load_state_dict(weights)
+    opt = cls(model.parameters(), lr=1e-2, state_dtype=form, **kw)
+    if opt_state is not None:
+        opt.load_state_dict(opt_state)
+    start = 0 if opt_state is None else int(opt.state[model[0].weight]["step"])
+    for t in range(start, start + steps):
+        g = torch.Generator().manual_seed(t)
+        x, y = torch.randn(32, 48, generator=g), torch.randint(0, 3, (32,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return model, opt
+
+
+@pytest.mark.parametrize("cls", [scaleopt.LAMB, scaleopt.LANS, scaleopt.AdamW,
+                                 scaleopt.OffloadAdam])
+@pytest.mark.parametrize("form", ["bfloat16", "int8"])
+def test_a_resumed_run_continues_bit_for_bit_from_a_weights_only_checkpoint(cls, form):
+    whole, _ = _run(cls, form, 6)
+    model, opt = _run(cls, form, 3)
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    saved = opt.state_dict()["state"][0]
+    assert saved["exp_avg"].dtype == {"int8": torch.int8, "bfloat16": torch.bfloat16}[form]
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    resumed, opt2 = _run(cls, form, 3, ckpt["opt"], ckpt["model"])
+    assert opt2.state[resumed[0].weight]["exp_avg"].dtype == saved["exp_avg"].dtype
+    for a, b in zip(resumed.parameters(), whole.parameters()):
+        assert torch.equal(a, b)
+    # the checkpoint holds the state as it is stored: (2 or 4)/8 of float32 state for the
+    # 6144-element weight, float32 for the 515 others
+    _, opt32 = _run(cls, "float32", 3)
+    assert _saved_size(opt) < _saved_size(opt32) * (0.4 if form == "int8" else 0.6)
+
+
+def _saved_size(opt):
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    return len(buf.getvalue())
+
+
+@pytest.mark.parametrize("source, target", [("float32", "int8"), ("int8", "float32"),
+                                            ("bfloat16", "int8"), ("int8", "bfloat16")])
+def test_loading_another_form_converts_with_a_message(source, target):
+    model, opt = _run(scaleopt.LAMB, source, 3)
+    before = _compact.read(opt.state[model[0].weight], "exp_avg_sq", torch.float32)
+    _, fresh = _run(scaleopt.LAMB, target, 0)
+    with pytest.warns(UserWarning, match="converted"):
+        fresh.load_state_dict(opt.state_dict())
+    assert fresh.param_groups[0]["state_dtype"] == target  # the optimizer's own choice stays
+    st = fresh.state[fresh.param_groups[0]["params"][0]]
+    want = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.uint8}[target]
+    assert st["exp_avg_sq"].dtype == want and ("exp_avg_sq_scale" in st) == (target == "int8")
+    after = _compact.read(st, "exp_avg_sq", torch.float32)
+    torch.testing.assert_close(after, before, rtol=0.05, atol=1e-9)
+    with warnings.catch_warnings():  # the same form: no message
+        warnings.simplefilter("error")
+        _, same = _run(scaleopt.LAMB, source, 0)
+        same.load_state_dict(opt.state_dict())
+
+
+def test_a_group_that_changes_its_state_dtype_converts_at_the_next_step():
+    model, opt = _run(scaleopt.AdamW, "float32", 2)
+    opt.param_groups[0]["state_dtype"] = "int8"
+    model(torch.randn(2, 48)).sum().backward()
+    opt.step()
+    assert opt.state[model[0].weight]["exp_avg"].dtype == torch.int8
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+
+def test_an_unknown_state_dtype_is_refused_by_name():
+    with pytest.raises(ValueError, match="state_dtype.*'int4'"):
+        scaleopt.LAMB(torch.nn.Linear(4, 4).parameters(), state_dtype="int4")
+
+
+@pytest.mark.parametrize("cls", [scaleopt.LAMB, scaleopt.AdamW])
+def test_compact_state_of_parameters_updated_in_low_precision_is_refused(cls):
+    model = torch.nn.Linear(64, 64).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="state_dtype='int8'.*bfloat16 parameter"):
+        cls(model.named_parameters(), state_dtype="int8")
+    scaleopt.LAMB(model.parameters(), state_dtype="int8", master_weights=True)  # masters: fine
+
+
+def _int8_checkpoint():
+    model, opt = _run(scaleopt.LAMB, "int8", 2)
+    return model, opt, opt.state_dict()
+
+
+@pytest.mark.parametrize("damage, match", [
+    (lambda st: st.update(exp_avg=st["exp_avg"][:, :10].contiguous()), "codes of shape"),
+    (lambda st: st.update(exp_avg_scale=st["exp_avg_scale"][:5]), "float32 scales of shape"),
+    (lambda st: st.update(exp_avg_scale=-st["exp_avg_scale"]), "negative or non-finite"),
+    (lambda st: st.update(exp_avg_sq=st["exp_avg_sq"].to(torch.int8)), "torch.uint8 codes"),
+    (lambda st: st.pop("exp_avg_scale"), "float32 scales"),
+    (lambda st: st.update(exp_avg=st["exp_avg"].float()), "scales without the int8 codes"),
+])
+def test_codes_and_scales_that_do_not_fit_are_refused_and_change_nothing(damage, match):
+    model, opt, sd = _int8_checkpoint()
+    before = {k: v.clone() for k, v in opt.state[model[0].weight].items()}
+    sd["state"][0] = dict(sd["state"][0])
+    damage(sd["state"][0])
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(sd)
+    after = opt.state[model[0].weight]
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
+@pytest.mark.skipif(not _native.available(), reason="the C kernels are not built")
+@pytest.mark.parametrize("shape", [(3, 300), (5, 7, 40), (0, 300), (64, 512)])
+def test_the_c_kernels_store_exactly_what_the_torch_reference_stores(shape, monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(shape, generator=g) * torch.rand(shape, generator=g) ** 4
+    stored = {}
+    for lib in (_native._lib, None):  # the kernels, then the PyTorch reference
+        monkeypatch.setattr(_native, "_lib", lib)
+        got = stored[lib is None] = {}
+        for key, value in (("exp_avg", x), ("exp_avg_sq", x.square())):
+            for form in ("int8", "bfloat16"):
+                state = {"step": torch.tensor(9.0)}
+                template = torch.empty(shape)
+                _compact.write(state, key, form, value, template, state["step"])
+                got[key, form] = dict(state), _compact.read(state, key, torch.float32)
+    for k, (state, back) in stored[False].items():
+        ref_state, ref_back = stored[True][k]
+        assert all(torch.equal(v, ref_state[name]) for name, v in state.items()), k
+        assert torch.equal(back, ref_back), k
