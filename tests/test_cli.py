@@ -208,6 +208,7 @@ def test_dgc_between_hsdp_replicas_trains_resumes_bit_for_bit_and_reports_its_tr
     (["train", "--shard", "--workers", "4", "--replicas", "3"], "must divide the 4 workers"),
     (["train", "--batch-size", "4096", "--train-size", "1024"], "larger than the training set"),
     (["train", "--optimizer", "torch-sgd", "--offload"], "--offload applies"),
+    (["train", "--optimizer", "momentum", "--state-dtype", "int8"], "--state-dtype int8 applies"),
     (["train", "--lr", "-1"], "--lr must be a positive"),
     (["train", "--weight-decay", "-0.1"], "--weight-decay"),
     (["train", "--batch-size", "1000", "--workers", "3"], "multiple of --workers"),
@@ -232,6 +233,20 @@ def test_usage_errors_exit_2(argv, capsys):
         main(argv)
     assert exc.value.code == 2
     assert "usage: scaleopt" in capsys.readouterr().err
+
+
+def test_state_dtype_stores_the_moments_in_fewer_bytes_and_says_how_many(tmp_path, capsys):
+    per_param = {}
+    for form in ("float32", "int8"):
+        out = tmp_path / form
+        assert main(["train", *TINY, "--width", "128", "--steps", "4", "--optimizer", "adamw",
+                     "--state-dtype", form, "--out", str(out)]) == 0
+        r = json.loads((out / "result.json").read_text())
+        assert r["config"]["state_dtype"] == form
+        per_param[form] = r["unsharded_optimizer_state_bytes"] / r["parameters"]
+        assert f"bytes per parameter, state_dtype {form}" in capsys.readouterr().out
+    assert per_param["float32"] == pytest.approx(8.0, abs=0.01)  # and the step counters
+    assert per_param["int8"] < 0.5 * per_param["float32"]
 
 
 def test_divergence_exits_3(tmp_path, capsys):
