@@ -190,20 +190,28 @@ def _impls():
     return out
 
 
+def three_steps(cls, implementation, form, rows):
+    """Three steps of ``cls`` on a (rows, 300) weight and a bias, the same gradients each time
+    (blocks of 256 and 44 in each row)."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(rows, 300) * 0.1),
+              torch.nn.Parameter(torch.randn(rows) * 0.1)]
+    opt = cls(params, lr=1e-2, weight_decay=0.01, implementation=implementation,
+              state_dtype=form)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+    return params, opt
+
+
 @pytest.mark.parametrize("cls", [scaleopt.LAMB, scaleopt.LANS])
 @pytest.mark.parametrize("form", ["bfloat16", "int8"])
 def test_every_implementation_stores_the_same_state(cls, form):
     results = {}
     for impl in _impls():
-        torch.manual_seed(0)
-        params = [torch.nn.Parameter(torch.randn(96, 300) * 0.1),
-                  torch.nn.Parameter(torch.randn(300) * 0.1)]
-        opt = cls(params, lr=1e-2, weight_decay=0.01, implementation=impl, state_dtype=form)
-        g = torch.Generator().manual_seed(5)
-        for _ in range(3):
-            for p in params:
-                p.grad = torch.randn(p.shape, generator=g)
-            opt.step()
+        params, opt = three_steps(cls, impl, form, 96)
         results[impl] = [p.detach().clone() for p in params], [
             _compact.read(opt.state[params[0]], k, torch.float32)
             for k in ("exp_avg", "exp_avg_sq")]

@@ -356,16 +356,11 @@ def test_compact_state_on_the_kernels_equals_the_loop_and_reads_nothing_back(cls
 
     monkeypatch.setattr(_native, "_lib", None)
     monkeypatch.setattr(_compact, "MIN_NUMEL", 256)  # small tensors: the interpreter is slow
+    from test_state_dtype import three_steps
+
     results = {}
     for impl in ("single", "triton"):
-        torch.manual_seed(0)
-        params = [nn.Parameter(torch.randn(3, 300) * 0.1), nn.Parameter(torch.randn(3) * 0.1)]
-        opt = cls(params, lr=1e-2, weight_decay=0.01, implementation=impl, state_dtype=form)
-        g = torch.Generator().manual_seed(5)
-        for _ in range(3):
-            for p in params:
-                p.grad = torch.randn(p.shape, generator=g)
-            opt.step()
+        params, opt = three_steps(cls, impl, form, 3)
         results[impl] = [p.detach().clone() for p in params], opt
     (want, _), (got, opt) = results["single"], results["triton"]
     for a, b in zip(got, want):  # a moment rounded the other way moves its weight by ~1e-5
