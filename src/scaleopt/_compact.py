@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _native
-from ._sharding import _dtensor, is_dtensor, local_piece
+from ._sharding import is_dtensor, like, local_piece
 
 #: the choices of ``state_dtype``
 STATE_DTYPES = ("float32", "bfloat16", "int8")
@@ -70,10 +70,15 @@ def form_for(state_dtype: str, shape: Sequence[int]) -> str:
     return state_dtype
 
 
+def is_codes(x: Any) -> bool:
+    """Whether ``x`` is an int8-stored moment's codes."""
+    return isinstance(x, Tensor) and x.dtype in (torch.int8, torch.uint8)
+
+
 def stored_form(x: Tensor, working_dtype: torch.dtype) -> str:
     """The form a stored moment is in, from its dtype (``working_dtype``: what the update
     computes in)."""
-    if x.dtype in (torch.int8, torch.uint8):
+    if is_codes(x):
         return "int8"
     if x.dtype == torch.bfloat16 and working_dtype != torch.bfloat16:
         return "bfloat16"
@@ -181,12 +186,17 @@ def global_index(template: Tensor) -> Tensor:
     return index
 
 
+def _split_across_rows(t: Tensor) -> bool:
+    """Whether a DTensor is split along a dimension other than the first."""
+    return is_dtensor(t) and any(pl.is_shard() and pl.dim != 0 for pl in t.placements)
+
+
 def flat_offset(template: Tensor) -> Optional[int]:
     """Where the local piece of ``template`` starts in the whole tensor's flat order, when it
     is one run of it (a plain tensor, or one split along dimension 0 only); else None."""
     if not is_dtensor(template):
         return 0
-    if any(pl.is_shard() and pl.dim != 0 for pl in template.placements):
+    if _split_across_rows(template):
         return None
     return _global_offsets(template)[0] * math.prod(template.shape[1:])
 
@@ -216,20 +226,10 @@ class Pending(NamedTuple):
 def check_layout(template: Tensor, label: str) -> None:
     """int8 state of a sharded tensor needs it split along dimension 0 only (FSDP2's
     default), so that every block lies inside one shard."""
-    if is_dtensor(template) and any(pl.is_shard() and pl.dim != 0
-                                    for pl in template.placements):
+    if _split_across_rows(template):
         raise ValueError(f"state_dtype='int8' needs sharded tensors split along dimension 0 "
                          f"(FSDP2's default), and {label} is placed {template.placements}: "
                          f"use state_dtype='bfloat16' or shard it along dimension 0")
-
-
-def _dtensor_like(template: Tensor, piece: Tensor, shape: Tuple[int, ...]) -> Tensor:
-    """``piece`` as a DTensor of global ``shape`` placed as ``template``, when that is one."""
-    if not is_dtensor(template):
-        return piece
-    stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
-    return _dtensor().from_local(piece, template.device_mesh, template.placements,
-                                 shape=shape, stride=stride, run_check=False)
 
 
 def new_stored(form: str, key: str, template: Tensor) -> Dict[str, Tensor]:
@@ -242,13 +242,13 @@ def new_stored(form: str, key: str, template: Tensor) -> Dict[str, Tensor]:
     codes = torch.zeros_like(template, dtype=dtype, memory_format=torch.contiguous_format)
     rows, blocks = grid(tuple(template.shape))
     scales = torch.zeros(piece.shape[0], blocks, dtype=torch.float32, device=piece.device)
-    return {key: codes, scale_key(key): _dtensor_like(template, scales, (rows, blocks))}
+    return {key: codes, scale_key(key): like(template, scales, (rows, blocks))}
 
 
 def read(state: Dict[str, Any], key: str, working_dtype: torch.dtype) -> Tensor:
     """The stored moment ``state[key]`` as a local tensor of ``working_dtype`` (new)."""
     x = local_piece(state[key])
-    if x.dtype in (torch.int8, torch.uint8):
+    if is_codes(x):
         return dequantize(x, local_piece(state[scale_key(key)])).to(working_dtype,
                                                                      memory_format=torch.contiguous_format)
     return x.to(working_dtype, copy=True)
@@ -260,11 +260,11 @@ def write(state: Dict[str, Any], key: str, form: str, value: Tensor, template: T
     made anew where their form changes."""
     current = state.get(key)
     if form == "float32":
-        if current is not None and current.dtype == value.dtype and not _compact(current):
+        if current is not None and current.dtype == value.dtype and not is_codes(current):
             local_piece(current).copy_(value)
         else:
             state.pop(scale_key(key), None)
-            state[key] = _dtensor_like(template, value.clone(), tuple(template.shape))
+            state[key] = like(template, value.clone(), template.shape)
         return
     if current is None or stored_form(current, value.dtype) != form:
         state.pop(scale_key(key), None)
@@ -284,10 +284,6 @@ def write(state: Dict[str, Any], key: str, form: str, value: Tensor, template: T
         codes, new_scales = quantize(value, SIGNED[key])
         stored.copy_(codes)
         scales.copy_(new_scales)
-
-
-def _compact(x: Tensor) -> bool:
-    return x.dtype in (torch.int8, torch.uint8)
 
 
 def working(state: Dict[str, Any], key: str, form: str, template: Tensor,
@@ -368,8 +364,7 @@ def keep(optimizer: Any, state_dict: Dict[str, Any]) -> Kept:
     for pid in saved_ids:
         st = state_dict["state"].get(pid) or {}
         tensors.append({k: v for k, v in st.items() if torch.is_tensor(v) and (
-            k in SCALE_KEYS or (k in SIGNED and v.dtype in (torch.int8, torch.uint8,
-                                                             torch.bfloat16)))})
+            k in SCALE_KEYS or (k in SIGNED and (is_codes(v) or v.dtype == torch.bfloat16)))})
     return Kept(tensors, [g.get("state_dtype") for g in optimizer.param_groups])
 
 

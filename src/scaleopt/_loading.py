@@ -111,15 +111,14 @@ def _check_param_state(st: Dict[str, Any], shape: Tuple[int, ...], spec: StateSp
         _check_step(st["step"], where)
     for key in _compact.SCALE_KEYS:
         codes = st.get(key[:-len("_scale")])
-        if key in st and not (isinstance(codes, Tensor)
-                              and codes.dtype in (torch.int8, torch.uint8)):
+        if key in st and not _compact.is_codes(codes):
             raise ValueError(f"state {key!r} of {where}: scales without the int8 codes they "
                              f"belong to")
     for key in spec.shaped:
         if key not in st or (st[key] is None and key in spec.may_be_none):
             continue
         x = st[key]
-        if isinstance(x, Tensor) and x.dtype in (torch.int8, torch.uint8):
+        if _compact.is_codes(x):
             _compact.check_codes(st, key, shape, where)
             continue
         if not isinstance(x, Tensor) or not (x.is_floating_point() and not x.is_complex()):

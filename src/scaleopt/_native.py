@@ -349,9 +349,6 @@ def select_above(v: Tensor, threshold: float, capacity: int) -> Optional[Tensor]
 
 # -- compact optimizer state (scaleopt._compact) ---------------------------------------------
 
-_CODES = (torch.int8, torch.uint8)
-
-
 def takes_compact(*tensors: Tensor) -> bool:
     """Whether the compact-state kernels take these tensors: the kernels built, each tensor
     plain, contiguous and on the CPU."""

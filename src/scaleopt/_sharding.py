@@ -32,6 +32,7 @@ The drivers are :func:`run_lockstep` (the optimizers' ``step``, the intake) and
 from __future__ import annotations
 
 import functools
+import math
 import sys
 import weakref
 from typing import Any, Callable, Dict, Generator, List, NamedTuple, Optional, Sequence, Tuple
@@ -79,14 +80,20 @@ def local_piece(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, _dtensor()) else t
 
 
-def like(template: Tensor, piece: Tensor) -> Tensor:
+def like(template: Tensor, piece: Tensor, shape: Optional[Sequence[int]] = None) -> Tensor:
     """``piece`` (a local shard's values) as a DTensor laid out as ``template``, when that is
-    one; ``piece`` itself otherwise."""
+    one (of ``template``'s global shape and strides, or of the contiguous global ``shape``
+    given: a tensor of another shape placed alike); ``piece`` itself otherwise."""
     DTensor = _dtensor()
     if not isinstance(template, DTensor):
         return piece
+    if shape is None:
+        shape, stride = template.shape, template.stride()
+    else:
+        shape = tuple(shape)
+        stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
     return DTensor.from_local(piece, template.device_mesh, template.placements,
-                              shape=template.shape, stride=template.stride())
+                              shape=shape, stride=stride)
 
 
 def local(tensors: Sequence[Tensor]) -> List[Tensor]:
