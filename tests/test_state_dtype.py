@@ -360,3 +360,65 @@ def test_the_c_kernels_store_exactly_what_the_torch_reference_stores(shape, monk
         ref_state, ref_back = stored[True][k]
         assert all(torch.equal(v, ref_state[name]) for name, v in state.items()), k
         assert torch.equal(back, ref_back), k
+
+
+# -- the C kernels update compact moments in place ------------------------------------------------
+
+_FUSED_CASES = {
+    "LAMB": (scaleopt.LAMB, {}, torch.float32),
+    "LAMB decoupled": (scaleopt.LAMB, {"weight_decay_mode": "decoupled"}, torch.float32),
+    "LAMB l2, clipped": (scaleopt.LAMB, {"weight_decay_mode": "l2", "clip_grad_value": 0.5},
+                         torch.float32),
+    "LAMB bf16 split masters": (scaleopt.LAMB, {"master_weights": True}, torch.bfloat16),
+    "LANS": (scaleopt.LANS, {}, torch.float32),
+    "LANS clipped, moved": (scaleopt.LANS, {"clip_grad_value": 0.5, "decay_moved_weight": True},
+                            torch.float32),
+    "LANS bf16 split masters": (scaleopt.LANS, {"master_weights": True}, torch.bfloat16),
+    "OffloadAdam": (scaleopt.OffloadAdam, {}, torch.float32),
+    "OffloadAdam nesterov, L2": (scaleopt.OffloadAdam, {"nesterov": True, "decoupled": False},
+                                 torch.float32),
+    "OffloadAdam bf16 split": (scaleopt.OffloadAdam, {}, torch.bfloat16),
+    "AdamW": (scaleopt.AdamW, {}, torch.float32),
+}
+
+
+def _four_steps(case, form):
+    cls, kw, dtype = _FUSED_CASES[case]
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter((torch.randn(40, 300) * 0.1).to(dtype)),
+              torch.nn.Parameter((torch.randn(40) * 0.1).to(dtype))]
+    opt = cls(params, lr=1e-2, weight_decay=0.01, state_dtype=form, **kw)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(4):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g).to(dtype)
+        opt.step()
+    return ([opt.master(p).detach().clone() if hasattr(opt, "master") else p.detach().clone()
+             for p in params],
+            [_compact.read(opt.state[params[0]], k, torch.float32)
+             for k in ("exp_avg", "exp_avg_sq")])
+
+
+@pytest.mark.skipif(not _native.available(), reason="the C kernels are not built")
+@pytest.mark.parametrize("form", ["bfloat16", "int8"])
+@pytest.mark.parametrize("case", list(_FUSED_CASES))
+def test_the_c_kernels_update_compact_moments_in_place_as_on_float32_copies(case, form,
+                                                                           monkeypatch):
+    """On the CPU the kernels read and write bfloat16 or int8 moments block by block inside
+    the update, with no float32 copy of a moment; the numbers are those of the update run on
+    float32 copies of the moments (decoded, updated, stored back)."""
+    def no_copies(*args, **kwargs):
+        raise AssertionError("a float32 copy of a compact moment was made")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(_compact, "working", no_copies)
+        fused_w, fused_m = _four_steps(case, form)
+    with monkeypatch.context() as patch:  # the kernels refuse stored moments: decoded copies
+        moments_apply = _native._moments_apply
+        patch.setattr(_native, "_moments_apply",
+                      lambda m, v, stored: stored is None and moments_apply(m, v, stored))
+        copies_w, copies_m = _four_steps(case, form)
+    for a, b in zip(fused_w, copies_w):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=case)
+    for a, b in zip(fused_m, copies_m):  # a value on a rounding boundary may store either way
+        assert ((a - b).abs() > 1e-6 + 0.02 * b.abs()).float().mean() < 1e-3, case

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, NamedTuple, Optional
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -27,6 +27,26 @@ class AdamState(NamedTuple):
     #: moments stored in bfloat16 or 8 bits, read into the float32 working tensors above: to
     #: store back once the update has run (:meth:`AdamFamily._store_moments`)
     pending: Optional[List[_compact.Pending]] = None
+    #: per tensor, its moments as stored in bfloat16 or 8 bits where they are given so (the
+    #: stored tensors above, for the C kernels to update in place; see :meth:`decoded`)
+    stored: Optional[List[Optional[_compact.Stored]]] = None
+
+    def decoded(self, which: Optional[Sequence[int]] = None) -> "AdamState":
+        """The state with float32 working tensors in place of the stored moments of the
+        tensors ``which`` (all by default), to store back after the update."""
+        if not self.stored or not any(self.stored):
+            return self
+        which = range(len(self.steps)) if which is None else which
+        exp_avgs, exp_avg_sqs, stored = list(self.exp_avgs), list(self.exp_avg_sqs), \
+            list(self.stored)
+        pending = list(self.pending or [])
+        for i in which:
+            if stored[i] is not None:
+                exp_avgs[i], exp_avg_sqs[i] = _compact.decode(stored[i], torch.float32,
+                                                              pending)
+                stored[i] = None
+        return self._replace(exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, pending=pending,
+                             stored=stored)
 
 
 class AdamFamily(ScaleOptimizer):
@@ -55,7 +75,9 @@ class AdamFamily(ScaleOptimizer):
         """The masters' view of ``params`` and their Adam state, made where new (masters equal
         to the parameters, moments zero); a step counter moved to where it belongs as float32
         (e.g. from a fused CUDA Adam's checkpoint) and moments cast to the working dtype (e.g.
-        from a checkpoint saved without master weights)."""
+        from a checkpoint saved without master weights). Moments stored in bfloat16 or 8 bits
+        are given as stored (with ``amsgrad``: as float32 working tensors), for the C kernels;
+        :meth:`AdamState.decoded` gives working tensors for the other paths."""
         view = self._master_weights.view(group, params)
         keys = _MOMENTS + (("max_exp_avg_sq",) if amsgrad else ())
         on_device = group.get("capturable", False)  # the step counters where the weights are
@@ -63,6 +85,7 @@ class AdamFamily(ScaleOptimizer):
         steps: List[Tensor] = []
         moments: List[List[Tensor]] = [[] for _ in keys]
         pending: List[_compact.Pending] = []
+        stored: List[Optional[_compact.Stored]] = []
         for p, w, split in zip(params, view.weights, view.split):
             state = self.state[p]
             step = state.get("step")
@@ -75,6 +98,12 @@ class AdamFamily(ScaleOptimizer):
             dtype = f32 if split else w.dtype
             form = _compact.form_for(group["state_dtype"], self._state_shape(p))
             _compact.convert(state, form, w, dtype)  # another form: a group changed its option
+            stored.append(None if form == "float32" or amsgrad
+                          else _compact.stored(state, form, w))
+            if stored[-1] is not None:  # given as stored, for the kernels (else decoded)
+                moments[0].append(state["exp_avg"])
+                moments[1].append(state["exp_avg_sq"])
+                continue
             for key, out in zip(keys, moments):
                 if form != "float32":
                     out.append(_compact.working(state, key, form, w, dtype, pending))
@@ -87,7 +116,7 @@ class AdamFamily(ScaleOptimizer):
                     x = state[key] = x.to(dtype)
                 out.append(x)
         return AdamState(view, steps, moments[0], moments[1],
-                         moments[2] if amsgrad else None, pending)
+                         moments[2] if amsgrad else None, pending, stored)
 
     def _store_moments(self, state: AdamState) -> None:
         """Store the moments read from bfloat16 or 8 bits back, after the update."""

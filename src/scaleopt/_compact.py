@@ -16,7 +16,9 @@ forms, chosen per tensor by :func:`form_for` from the group's ``state_dtype`` an
   block stores a float32 scale ``s`` (its largest magnitude) and one byte per element:
   ``exp_avg`` as ``int8`` codes ``q = round(127 sqrt(|x|/s)) sign(x)``, decoded as
   ``s (q/127)^2 sign(q)``; the non-negative ``exp_avg_sq`` as ``uint8`` codes
-  ``q = round(255 (x/s)^(1/4))``, decoded as ``s (q/255)^4``. The power maps spend the codes
+  ``q = round(255 (x/s)^(1/4))`` (computed as ``sqrt(sqrt(x) / sqrt(s))``, from the root the
+  update takes anyway), decoded as ``s (q/255)^4`` (computed as ``(q^2 q^2) (s / 255^4)``:
+  multiplications only). The power maps spend the codes
   where the values are: relative steps of 1.6% near the block's largest value, down to
   ``s/127^2`` and ``s/255^4``. FSDP2 shards along the first dimension and never splits a row,
   so every block lies inside one shard on every mesh. One-dimensional tensors (biases, norms)
@@ -111,12 +113,15 @@ def quantize(x: Tensor, signed: bool) -> Tuple[Tensor, Tensor]:
     blocks, length = _blocks_of(x)
     mags = blocks.abs()
     scales = mags.amax(dim=-1)
-    inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
-    y = (mags * inv.unsqueeze(-1)).sqrt_()
+    zero = torch.zeros_like(scales)
     if signed:
+        inv = torch.where(scales > 0, 1.0 / scales, zero)
+        y = (mags * inv.unsqueeze(-1)).sqrt_()
         codes = y.mul_(127.0).round_().mul_(blocks.sign()).to(torch.int8)
-    else:
-        codes = y.sqrt_().mul_(255.0).round_().to(torch.uint8)
+    else:  # sqrt(sqrt(x) / sqrt(s)): the update has sqrt(x) at hand
+        inv = torch.where(scales > 0, 1.0 / scales.sqrt(), zero)
+        y = (mags.sqrt() * inv.unsqueeze(-1)).sqrt_()
+        codes = y.mul_(255.0).round_().to(torch.uint8)
     codes = codes.view(x.shape[0], blocks.shape[1] * BLOCK)[:, :length].reshape(x.shape)
     return codes, scales
 
@@ -130,14 +135,12 @@ def dequantize(codes: Tensor, scales: Tensor) -> Tensor:
     rows, length = codes.shape[0], math.prod(codes.shape[1:])
     flat = codes.reshape(rows, length)
     blocks = scales.shape[1]
-    padded = F.pad(flat.float(), (0, blocks * BLOCK - length)).view(rows, blocks, BLOCK)
-    if codes.dtype == torch.int8:
-        t = padded.div_(127.0)
-        values = (t * t.abs()).mul_(scales.unsqueeze(-1))
-    else:
-        t = padded.div_(255.0)
-        t = t * t
-        values = (t * t).mul_(scales.unsqueeze(-1))
+    q = F.pad(flat.int(), (0, blocks * BLOCK - length)).view(rows, blocks, BLOCK)
+    if codes.dtype == torch.int8:  # (q |q|) (s / 127^2)
+        values = (q * q.abs()).float().mul_((scales / 16129.0).unsqueeze(-1))
+    else:  # (q^2 q^2) (s / 255^4)
+        q2 = (q * q).float()
+        values = (q2 * q2).mul_((scales / 4228250625.0).unsqueeze(-1))
     return values.view(rows, blocks * BLOCK)[:, :length].contiguous().view(codes.shape)
 
 
@@ -284,6 +287,44 @@ def write(state: Dict[str, Any], key: str, form: str, value: Tensor, template: T
         codes, new_scales = quantize(value, SIGNED[key])
         stored.copy_(codes)
         scales.copy_(new_scales)
+
+
+class Stored(NamedTuple):
+    """A tensor's moments as stored in bfloat16 or 8 bits, for the C kernels that update them
+    in place, block by block (``_native``), with no float32 working tensors: the state and
+    its layout, the int8 scales' local pieces, the length of a row of blocks, and where the
+    local piece starts in the whole tensor (the rounding's index; None when it is no run of
+    it)."""
+
+    form: str
+    state: Dict[str, Any]
+    template: Tensor
+    scales: Tuple[Optional[Tensor], Optional[Tensor]]
+    row_len: int
+    offset: Optional[int]
+
+
+def stored(state: Dict[str, Any], form: str, template: Tensor) -> Stored:
+    """``exp_avg`` and ``exp_avg_sq`` of ``state`` stored in ``form`` (zeros where new), as
+    :class:`Stored`."""
+    for key in ("exp_avg", "exp_avg_sq"):
+        if key not in state:
+            state.update(new_stored(form, key, template))
+    piece = local_piece(template)
+    if form == "int8":
+        scales = tuple(local_piece(state[scale_key(k)]) for k in ("exp_avg", "exp_avg_sq"))
+        row_len = math.prod(piece.shape[1:])
+    else:
+        scales, row_len = (None, None), piece.numel()
+    return Stored(form, state, template, scales, row_len, flat_offset(template))
+
+
+def decode(item: Stored, dtype: torch.dtype, pending: List[Pending]) -> Tuple[Tensor, Tensor]:
+    """The float32 working tensors of a :class:`Stored` pair of moments, for the paths that
+    update float32 tensors (put on ``pending``, see :func:`working`)."""
+    m, v = (working(item.state, key, item.form, item.template, dtype, pending)
+            for key in ("exp_avg", "exp_avg_sq"))
+    return m, v
 
 
 def working(state: Dict[str, Any], key: str, form: str, template: Tensor,

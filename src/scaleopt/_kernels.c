@@ -57,19 +57,30 @@ enum { MODE_UPDATE = 0, MODE_DECOUPLED = 1, MODE_L2 = 2 };
 #define TENSOR_FIELDS                                                                          \
     void *w;          /* float32 weight, or a split master's bfloat16 upper halves */        \
     const void *g;    /* float32 or bfloat16 gradient */                                     \
-    float *m;         /* first moment */                                                     \
-    float *v;         /* second moment */                                                    \
+    void *m;          /* first moment: float32, or as COMPACT_FIELDS say */                   \
+    void *v;          /* second moment: likewise */                                           \
     uint16_t *low;    /* see kind; NULL for none */                                          \
     float *step;      /* the step counter (a float32 scalar), incremented */                 \
     int64_t n;        /* elements */                                                         \
     int32_t kind;                                                                              \
     float gmul;       /* the scalar the gradient is taken times */
 
+/* The moments' storage (scaleopt._compact): form FORM_F32 (m and v are float32), FORM_BF16
+ * (bfloat16) or FORM_INT8 (m int8 codes, v uint8 codes, with float32 scales, one per block of
+ * 256 within a row). The compact forms are read and written block by block inside the update's
+ * passes, with no float32 copy of the moments. */
+#define COMPACT_FIELDS                                                                         \
+    float *m_scale, *v_scale; /* FORM_INT8: the scales, rows x blocks */                      \
+    int64_t row_len;          /* FORM_INT8: elements per row; FORM_BF16: n */                 \
+    int64_t offset;           /* FORM_BF16: element 0's index in the whole tensor */          \
+    int32_t form;
+
 typedef struct {
     TENSOR_FIELDS
     double lr, wd; /* learning rate, weight decay */
     double gsq;    /* LANS: the gradient's sum of squares when already computed, else < 0 */
     int32_t adapt; /* whether the trust ratio applies */
+    COMPACT_FIELDS
 } LayerwiseTensor;
 
 typedef struct {
@@ -83,6 +94,7 @@ typedef struct {
 typedef struct {
     TENSOR_FIELDS
     float step_size, bc2_sqrt, wd_l2, decay; /* lr/bc1, sqrt(1-b2^t), L2 decay, 1-lr*wd */
+    COMPACT_FIELDS
 } AdamTensor;
 
 typedef struct {
@@ -97,10 +109,12 @@ int64_t struct_layout(int32_t which, int64_t *out) {
 #define TENSOR_OFFSETS(S)                                                                      \
     FIELD(S, w), FIELD(S, g), FIELD(S, m), FIELD(S, v), FIELD(S, low), FIELD(S, step),         \
         FIELD(S, n), FIELD(S, kind), FIELD(S, gmul)
-    const int64_t layouts[4][20] = {
+#define COMPACT_OFFSETS(S)                                                                     \
+    FIELD(S, m_scale), FIELD(S, v_scale), FIELD(S, row_len), FIELD(S, offset), FIELD(S, form)
+    const int64_t layouts[4][26] = {
         {sizeof(LayerwiseTensor), TENSOR_OFFSETS(LayerwiseTensor), FIELD(LayerwiseTensor, lr),
          FIELD(LayerwiseTensor, wd), FIELD(LayerwiseTensor, gsq), FIELD(LayerwiseTensor, adapt),
-         -1},
+         COMPACT_OFFSETS(LayerwiseTensor), -1},
         {sizeof(LayerwiseConfig), FIELD(LayerwiseConfig, beta1), FIELD(LayerwiseConfig, beta2),
          FIELD(LayerwiseConfig, lower), FIELD(LayerwiseConfig, upper),
          FIELD(LayerwiseConfig, eps), FIELD(LayerwiseConfig, clip_lo),
@@ -109,15 +123,17 @@ int64_t struct_layout(int32_t which, int64_t *out) {
          FIELD(LayerwiseConfig, clip), FIELD(LayerwiseConfig, nthreads),
          FIELD(LayerwiseConfig, mode), FIELD(LayerwiseConfig, moved), -1},
         {sizeof(AdamTensor), TENSOR_OFFSETS(AdamTensor), FIELD(AdamTensor, step_size),
-         FIELD(AdamTensor, bc2_sqrt), FIELD(AdamTensor, wd_l2), FIELD(AdamTensor, decay), -1},
+         FIELD(AdamTensor, bc2_sqrt), FIELD(AdamTensor, wd_l2), FIELD(AdamTensor, decay),
+         COMPACT_OFFSETS(AdamTensor), -1},
         {sizeof(AdamConfig), FIELD(AdamConfig, beta1), FIELD(AdamConfig, one_m_b1),
          FIELD(AdamConfig, beta2), FIELD(AdamConfig, one_m_b2), FIELD(AdamConfig, eps),
          FIELD(AdamConfig, nesterov), FIELD(AdamConfig, nthreads), -1},
     };
 #undef TENSOR_OFFSETS
+#undef COMPACT_OFFSETS
     if (which < 0 || which > 3) return 0;
     int64_t k = 0;
-    while (k < 20 && layouts[which][k] >= 0) {
+    while (k < 26 && layouts[which][k] >= 0) {
         out[k] = layouts[which][k];
         k++;
     }
@@ -165,6 +181,113 @@ static inline float split_join(uint16_t hi, uint16_t lo) {
     float f;
     memcpy(&f, &u, sizeof f);
     return f;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Compact moments (scaleopt._compact), block by block                                       */
+/* ---------------------------------------------------------------------------------------- */
+
+/* int8 moments: rows of row_len elements, blocks of 256 within a row (the last one shorter),
+ * one float32 scale s per block (its largest magnitude). Signed codes
+ * q = rint(127 sqrt(|x| / s)) sign(x), decoded as (q |q|) (s / 127^2); unsigned codes
+ * q = rint(255 sqrt(sqrt(x) / sqrt(s))), decoded as (q^2 q^2) (s / 255^4): multiplications
+ * only, and the encoder of x takes sqrt(x) from the update, which computes it anyway. The
+ * same float operations, in the same order, as the PyTorch reference, so both give the same
+ * codes and values. bfloat16 moments: rounded stochastically with 16 random bits, a 32-bit
+ * hash of the element's global index (offset + i) and a key of the step and moment. */
+
+#define COMPACT_BLOCK 256
+enum { FORM_F32 = 0, FORM_BF16 = 1, FORM_INT8 = 2 };
+#define INLINE static inline __attribute__((always_inline))
+
+/* Block b of rows of row_len elements (blocks per row): where it starts in the flat tensor,
+ * and how many elements it holds. */
+static inline int64_t block_start(int64_t b, int64_t blocks, int64_t row_len, int64_t *len) {
+    const int64_t start = (b % blocks) * COMPACT_BLOCK;
+    *len = row_len - start < COMPACT_BLOCK ? row_len - start : COMPACT_BLOCK;
+    return (b / blocks) * row_len + start;
+}
+
+/* x rounded to bfloat16 up or down by 16 random bits, a hash of h (index + key). */
+INLINE uint16_t round_stochastic(float x, uint32_t h) {
+    h = ((h >> 16) ^ h) * 0x45D9F3Bu;
+    h = ((h >> 16) ^ h) * 0x45D9F3Bu;
+    h = (h >> 16) ^ h;
+    uint32_t bits;
+    memcpy(&bits, &x, 4);
+    return (uint16_t)((bits + (h & 0xFFFFu)) >> 16);
+}
+
+/* The key of the rounding hash at a step, for a moment (its salt): as _compact._key. */
+static inline uint32_t rounding_key(float step, uint32_t salt) {
+    return (uint32_t)(int64_t)step * 0x9E3779B9u + salt * 0x632BE5ABu;
+}
+
+/* Block b of a stored moment (len elements from element at) decoded into out[0..len). */
+INLINE void decode_block(const void *codes, const float *scales, int form, int is_signed,
+                         int64_t b, int64_t at, int64_t len, float *out) {
+    if (form == FORM_BF16) {
+        const uint16_t *in = (const uint16_t *)codes + at;
+        for (int64_t i = 0; i < len; i++) out[i] = bf16_to_f32(in[i]);
+    } else if (is_signed) {
+        const float step = scales[b] / 16129.0f; /* 127^2 */
+        const int8_t *in = (const int8_t *)codes + at;
+        for (int64_t i = 0; i < len; i++) {
+            const int32_t q = in[i];
+            out[i] = (float)(q * (q < 0 ? -q : q)) * step;
+        }
+    } else {
+        const float step = scales[b] / 4228250625.0f; /* 255^4 */
+        const uint8_t *in = (const uint8_t *)codes + at;
+        for (int64_t i = 0; i < len; i++) {
+            const float q2 = (float)((int32_t)in[i] * (int32_t)in[i]);
+            out[i] = (q2 * q2) * step;
+        }
+    }
+}
+
+/* The largest magnitude of in[0..len) (NaNs passed over). */
+INLINE float block_max(const float *in, int64_t len) {
+    float s = 0.0f;
+#pragma omp simd reduction(max : s)
+    for (int64_t i = 0; i < len; i++) {
+        const float a = fabsf(in[i]);
+        s = a > s ? a : s;
+    }
+    return s;
+}
+
+/* in[0..len) stored as block b of a moment (its elements from at): bfloat16 rounded with the
+ * bits of global index offset + at + i, or codes with the scale s, the block's largest
+ * magnitude (block_max). roots, when not NULL, holds sqrt(in[i]) (unsigned codes), as the
+ * update computed it. */
+INLINE void encode_block(void *codes, float *scales, int form, int is_signed, int64_t b,
+                         int64_t at, int64_t len, const float *in, const float *roots, float s,
+                         int64_t offset, uint32_t key) {
+    if (form == FORM_BF16) {
+        uint16_t *out = (uint16_t *)codes + at;
+        for (int64_t i = 0; i < len; i++)
+            out[i] = round_stochastic(in[i], (uint32_t)(offset + at + i) + key);
+        return;
+    }
+    scales[b] = s;
+    if (is_signed) {
+        const float inv = s > 0.0f ? 1.0f / s : 0.0f;
+        int8_t *out = (int8_t *)codes + at;
+        for (int64_t i = 0; i < len; i++) {
+            const float q = rintf(sqrtf(fabsf(in[i]) * inv) * 127.0f);
+            out[i] = (int8_t)(in[i] < 0.0f ? -q : q);
+        }
+    } else {
+        const float inv = s > 0.0f ? 1.0f / sqrtf(s) : 0.0f;
+        uint8_t *out = (uint8_t *)codes + at;
+        if (roots)
+            for (int64_t i = 0; i < len; i++)
+                out[i] = (uint8_t)rintf(sqrtf(roots[i] * inv) * 255.0f);
+        else
+            for (int64_t i = 0; i < len; i++)
+                out[i] = (uint8_t)rintf(sqrtf(sqrtf(fabsf(in[i])) * inv) * 255.0f);
+    }
 }
 
 /* Reductions run over blocks of RBLOCK elements: within a block the sums are float (vector
@@ -430,6 +553,254 @@ LANS_PHASE1(lans_phase1_bf16g, uint16_t, bf16_to_f32(g[i]))
 LANS_PHASE2(lans_phase2, float, g[i])
 LANS_PHASE2(lans_phase2_bf16g, uint16_t, bf16_to_f32(g[i]))
 
+/* ---------------------------------------------------------------------------------------- */
+/* LAMB and LANS on compact moments                                                           */
+/* ---------------------------------------------------------------------------------------- */
+
+/* Moments stored in bfloat16 or 8 bits are updated block by block (the blocks of their
+ * scales, 256 elements within a row), with the float32 kernels' operations. Pass 1 reads w, g
+ * and the stored moments and sums the norms of the new moments' update without storing
+ * anything; pass 2 computes the same new moments again, writes the weights, and stores the
+ * moments once the block's largest values are known. int8 codes, float32 weights and float32
+ * gradients are read inside the update's loop; other forms (split masters, bfloat16 gradients,
+ * bfloat16 moments) are first converted into float32 arrays of one block on the stack. With
+ * int8 moments LAMB moves about 26 bytes per parameter (10 + 16) against 40 with float32
+ * ones, and no float32 copy of a moment is ever made. */
+
+/* Where a compact kernel reads a tensor's weights and gradient. */
+typedef struct {
+    const void *w;      /* float32 weights, or a split master's upper halves (lo != NULL) */
+    const uint16_t *lo; /* a split master's lower halves, or NULL */
+    const void *g;      /* float32 or (g_bf16) bfloat16 gradient */
+    int g_bf16;
+    float wmul, gmul, glo, ghi; /* the weights taken times wmul; the gradient times gmul,
+                                   clamped to [glo, ghi] (infinite bounds: no clipping) */
+} Staging;
+
+/* A tensor's stored moments; the keys of their bfloat16 rounding at this step. */
+typedef struct {
+    void *m, *v;
+    float *m_scale, *v_scale;
+    int form;
+    int64_t offset;
+    uint32_t m_key, v_key;
+} Stored;
+
+#define STORED_OF(x)                                                                           \
+    ((Stored){(x)->m, (x)->v, (x)->m_scale, (x)->v_scale, (x)->form, (x)->offset,               \
+              rounding_key(*(x)->step, 1), rounding_key(*(x)->step, 2)})
+
+INLINE void stage_w(const Staging *s, int64_t at, int64_t len, float *wb) {
+    const uint16_t *hi = (const uint16_t *)s->w + at, *lo = s->lo + at;
+    for (int64_t i = 0; i < len; i++) wb[i] = split_join(hi[i], lo[i]);
+}
+
+INLINE void stage_g(const Staging *s, int64_t at, int64_t len, float *gb) {
+    const uint16_t *g = (const uint16_t *)s->g + at;
+    for (int64_t i = 0; i < len; i++) gb[i] = bf16_to_f32(g[i]);
+}
+
+/* The new weights of a block, from wb: a split master's two halves (split != 0, low the lower
+ * ones), or float32 rounded into the bfloat16 low[] as well. */
+INLINE void unstage_w(void *w, uint16_t *low, int split, int64_t at, int64_t len,
+                      const float *wb) {
+    if (split) {
+        uint16_t *hi = (uint16_t *)w + at, *lo = low + at;
+        for (int64_t i = 0; i < len; i++) hi[i] = split_high(wb[i]), lo[i] = split_low(wb[i]);
+        return;
+    }
+    float *p = (float *)w + at;
+    for (int64_t i = 0; i < len; i++) p[i] = wb[i], low[at + i] = f32_to_bf16(wb[i]);
+}
+
+/* A tensor's blocks: per_row in each row of row_len elements, total in all; and this
+ * thread's contiguous share [first, last) of them, with its arrays for one block. */
+#define COMPACT_GRID(x)                                                                        \
+    const int64_t n = (x)->n, row_len = (x)->row_len;                                          \
+    const int64_t per_row = (row_len + COMPACT_BLOCK - 1) / COMPACT_BLOCK;                     \
+    const int64_t total = row_len > 0 ? n / row_len * per_row : 0
+#define THREAD_BLOCKS                                                                          \
+    const int id_ = omp_get_thread_num(), nt_ = omp_get_num_threads();                         \
+    const int64_t first = total * id_ / nt_, last = total * (id_ + 1) / nt_;                   \
+    float wb[COMPACT_BLOCK], gb[COMPACT_BLOCK], mb[COMPACT_BLOCK], vb[COMPACT_BLOCK],          \
+        rb[COMPACT_BLOCK];                                                                    \
+    (void)rb
+
+/* Block b's inputs as the loop reads them: wp[i] * wf, clamp(gp[i] * gm, glo, ghi), and the
+ * moments decoded into mb, vb.
+ * wo: where the loop writes the new weights (in place, or wb for unstage_w). */
+#define BLOCK_INPUTS(b, x)                                                                     \
+    int64_t len;                                                                               \
+    const int64_t at = block_start(b, per_row, row_len, &len);                                 \
+    const float *wp = (const float *)s.w + at, *gp = (const float *)s.g + at;                  \
+    float wf = s.wmul, gm = s.gmul, glo = s.glo, ghi = s.ghi;                                  \
+    if (s.lo) stage_w(&s, at, len, wb), wp = wb;                                               \
+    if (s.g_bf16) stage_g(&s, at, len, gb), gp = gb;                                           \
+    decode_block(st.m, st.m_scale, st.form, 1, b, at, len, mb);                                \
+    decode_block(st.v, st.v_scale, st.form, 0, b, at, len, vb);                                \
+    const int in_place = !((x)->kind & 2) && !(x)->low;                                        \
+    float *wo = in_place ? (float *)(x)->w + at : wb;                                          \
+    (void)wo; (void)wf; (void)gm; (void)glo; (void)ghi
+/* LOOP(M, V) on the block's decoded moments */
+#define BY_FORM(LOOP) LOOP(mb[i], vb[i])
+/* After pass 2's loop (which put the new moments in mb, vb, sqrt(v) in rb and their largest
+ * magnitudes in am, av): the weights and the moments stored. */
+#define BLOCK_OUTPUTS(b, x)                                                                    \
+    if (!in_place) unstage_w((x)->w, (x)->low, ((x)->kind & 2) != 0, at, len, wb);             \
+    encode_block(st.m, st.m_scale, st.form, 1, b, at, len, mb, NULL, am, st.offset, st.m_key); \
+    encode_block(st.v, st.v_scale, st.form, 0, b, at, len, vb, rb, av, st.offset, st.v_key)
+/* Pass 2's loop ends: the new moments kept, their largest magnitudes taken. */
+#define KEEP_MOMENTS                                                                           \
+    mb[i] = mi;                                                                                \
+    vb[i] = vi;                                                                                \
+    rb[i] = rv;                                                                                \
+    am = fabsf(mi) > am ? fabsf(mi) : am;                                                      \
+    av = vi > av ? vi : av;
+
+/* Over this thread's blocks (a parallel region opened by PRAGMA): each block's inputs, then
+ * the statements given. */
+#define EACH_COMPACT_BLOCK(x, PRAGMA, ...)                                                     \
+    _Pragma(PRAGMA) {                                                                          \
+        THREAD_BLOCKS;                                                                         \
+        for (int64_t b = first; b < last; b++) {                                               \
+            BLOCK_INPUTS(b, x);                                                                \
+            __VA_ARGS__                                                                        \
+        }                                                                                      \
+    }
+#define PARALLEL "omp parallel num_threads(cfg->nthreads) if (n >= 32768)"
+
+static Staging staging_of(const LayerwiseTensor *x, const LayerwiseConfig *cfg, float wmul,
+                          float gmul) {
+    return (Staging){x->w, (x->kind & 2) ? x->low : NULL, x->g, x->kind & 1, wmul, gmul,
+                     cfg->clip ? cfg->clip_lo : -INFINITY, cfg->clip ? cfg->clip_hi : INFINITY};
+}
+
+/* LAMB's scalars, as lamb_phase1/2 compute them. */
+#define LAMB_SCALARS                                                                           \
+    const float one_m_b1 = 1.0f - (float)cfg->beta1, beta2 = (float)cfg->beta2;               \
+    const float one_m_b2 = 1.0f - beta2, eps = cfg->eps;                                       \
+    const float inv_bc1 = 1.0f / (float)bc1, inv_bc2_sqrt = 1.0f / (float)bc2_sqrt;            \
+    const float wd_g = cfg->mode == MODE_L2 ? (float)x->wd : 0.0f;                             \
+    const float wd_u = cfg->mode == MODE_UPDATE ? (float)x->wd : 0.0f;                         \
+    const Staging s = staging_of(x, cfg, cfg->mode == MODE_DECOUPLED ? decay : 1.0f, x->gmul); \
+    const Stored st = STORED_OF(x)
+#define LAMB_MOMENTS(M, V)                                                                     \
+    float w = wp[i] * wf;                                                                      \
+    float gi = clampf(gp[i] * gm, glo, ghi) + wd_g * w;                                        \
+    float m0 = (M), v0 = (V);                                                                  \
+    float mi = m0 + one_m_b1 * (gi - m0);                                                      \
+    float vi = v0 * beta2 + one_m_b2 * gi * gi;                                                \
+    float rv = sqrtf(vi);                                                                      \
+    float u = (mi * inv_bc1) / (rv * inv_bc2_sqrt + eps) + wd_u * w;
+
+#define LAMB_SUMS_LOOP(M, V)                                                                   \
+    _Pragma("omp simd reduction(+ : bw, bu)")                                                  \
+    for (int64_t i = 0; i < len; i++) {                                                        \
+        LAMB_MOMENTS(M, V)                                                                     \
+        bw += w * w;                                                                           \
+        bu += u * u;                                                                           \
+    }
+
+TARGETS static void lamb_compact_sums(const LayerwiseTensor *x, const LayerwiseConfig *cfg,
+                                      double bc1, double bc2_sqrt, float decay, double *out) {
+    LAMB_SCALARS;
+    COMPACT_GRID(x);
+    double sw = 0.0, su = 0.0;
+    EACH_COMPACT_BLOCK(x, "omp parallel reduction(+ : sw, su) num_threads(cfg->nthreads) if (n >= 32768)",
+        float bw = 0.0f, bu = 0.0f;
+        BY_FORM(LAMB_SUMS_LOOP)
+        sw += bw;
+        su += bu;)
+    out[0] = sw;
+    out[1] = su;
+}
+
+#define LAMB_APPLY_LOOP(M, V)                                                                  \
+    _Pragma("omp simd reduction(max : am, av)")                                                \
+    for (int64_t i = 0; i < len; i++) {                                                        \
+        LAMB_MOMENTS(M, V)                                                                     \
+        wo[i] = w - lr * (ratio * u);                                                          \
+        KEEP_MOMENTS                                                                           \
+    }
+
+TARGETS static void lamb_compact_apply(const LayerwiseTensor *x, const LayerwiseConfig *cfg,
+                                       double bc1, double bc2_sqrt, float decay, float lr,
+                                       float ratio) {
+    LAMB_SCALARS;
+    COMPACT_GRID(x);
+    EACH_COMPACT_BLOCK(x, PARALLEL,
+        float am = 0.0f, av = 0.0f;
+        BY_FORM(LAMB_APPLY_LOOP)
+        BLOCK_OUTPUTS(b, x);)
+}
+
+#define LANS_SCALARS                                                                           \
+    const float one_m_b1 = 1.0f - (float)cfg->beta1, beta2 = (float)cfg->beta2;               \
+    const float one_m_b2 = 1.0f - beta2, eps = cfg->eps, wd = (float)x->wd;                    \
+    const float inv_bc1 = 1.0f / (float)bc1, inv_bc2_sqrt = 1.0f / (float)bc2_sqrt;            \
+    const Staging s = staging_of(x, cfg, 1.0f, ginv);                                          \
+    const Stored st = STORED_OF(x)
+#define LANS_MOMENTS(M, V)                                                                     \
+    float w = wp[i] * wf;                                                                      \
+    float gt = clampf(gp[i] * gm, glo, ghi);                                                   \
+    float m0 = (M), v0 = (V);                                                                  \
+    float mi = m0 + one_m_b1 * (gt - m0);                                                      \
+    float vi = v0 * beta2 + one_m_b2 * gt * gt;                                                \
+    float rv = sqrtf(vi);                                                                      \
+    float dinv = 1.0f / (rv * inv_bc2_sqrt + eps);                                             \
+    float r = (mi * inv_bc1) * dinv + wd * w;
+
+#define LANS_SUMS_LOOP(M, V)                                                                   \
+    _Pragma("omp simd reduction(+ : bw, br, bc, brc)")                                         \
+    for (int64_t i = 0; i < len; i++) {                                                        \
+        LANS_MOMENTS(M, V)                                                                     \
+        float c = gt * dinv + wd * w;                                                          \
+        bw += w * w;                                                                           \
+        br += r * r;                                                                           \
+        bc += c * c;                                                                           \
+        brc += r * c;                                                                          \
+    }
+
+TARGETS static void lans_compact_sums(const LayerwiseTensor *x, const LayerwiseConfig *cfg,
+                                      double bc1, double bc2_sqrt, float ginv, double *out) {
+    LANS_SCALARS;
+    COMPACT_GRID(x);
+    double sw = 0.0, sr = 0.0, sc = 0.0, src = 0.0;
+    EACH_COMPACT_BLOCK(x, "omp parallel reduction(+ : sw, sr, sc, src) num_threads(cfg->nthreads) if (n >= 32768)",
+        float bw = 0.0f, br = 0.0f, bc = 0.0f, brc = 0.0f;
+        BY_FORM(LANS_SUMS_LOOP)
+        sw += bw;
+        sr += br;
+        sc += bc;
+        src += brc;)
+    out[0] = sw;
+    out[1] = sr;
+    out[2] = sc;
+    out[3] = src;
+}
+
+#define LANS_APPLY_LOOP(M, V)                                                                  \
+    _Pragma("omp simd reduction(max : am, av)")                                                \
+    for (int64_t i = 0; i < len; i++) {                                                        \
+        LANS_MOMENTS(M, V)                                                                     \
+        float w1 = w - a * (ratio_r * r);                                                      \
+        float c = gt * dinv + wd * (moved ? w1 : w);                                           \
+        wo[i] = w1 - b2 * (ratio_c * c);                                                       \
+        KEEP_MOMENTS                                                                           \
+    }
+
+TARGETS static void lans_compact_apply(const LayerwiseTensor *x, const LayerwiseConfig *cfg,
+                                       double bc1, double bc2_sqrt, float ginv, float a, float b2,
+                                       float ratio_r, float ratio_c) {
+    LANS_SCALARS;
+    COMPACT_GRID(x);
+    const int moved = cfg->moved;
+    EACH_COMPACT_BLOCK(x, PARALLEL,
+        float am = 0.0f, av = 0.0f;
+        BY_FORM(LANS_APPLY_LOOP)
+        BLOCK_OUTPUTS(b, x);)
+}
+
 /* The Adam kernel keeps torch's operations exactly, so no fused multiply-adds here. */
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
@@ -505,11 +876,56 @@ ADAM_F32(adam_f32_bf16g, uint16_t, bf16_to_f32(g[i]))
 ADAM_SPLIT(adam_split, float, g[i])
 ADAM_SPLIT(adam_split_bf16g, uint16_t, bf16_to_f32(g[i]))
 
+/* Adam on compact moments (see the LAMB section above): one pass, block by block. */
+#define ADAM_COMPACT_LOOP(NUM, DENOM, M, V)                                                    \
+    _Pragma("omp simd reduction(max : am, av)")                                                \
+    for (int64_t i = 0; i < len; i++) {                                                        \
+        float w = wp[i];                                                                       \
+        float gi = gp[i] * gm + wd_l2 * w;                                                     \
+        float m0 = (M), v0 = (V);                                                              \
+        float mi = m0 + one_m_b1 * (gi - m0);                                                  \
+        float vi = v0 * beta2 + one_m_b2 * gi * gi;                                            \
+        float rv = sqrtf(vi);                                                                  \
+        wo[i] = w * decay - step_size * ((NUM) / (DENOM));                                     \
+        KEEP_MOMENTS                                                                           \
+    }
+#define ADAM_NESTEROV_EXACT(M, V) ADAM_COMPACT_LOOP(beta1 * mi + one_m_b1 * gi, DENOM_EXACT, M, V)
+#define ADAM_NESTEROV_FAST(M, V) ADAM_COMPACT_LOOP(beta1 * mi + one_m_b1 * gi, DENOM_FAST, M, V)
+#define ADAM_PLAIN_EXACT(M, V) ADAM_COMPACT_LOOP(mi, DENOM_EXACT, M, V)
+#define ADAM_PLAIN_FAST(M, V) ADAM_COMPACT_LOOP(mi, DENOM_FAST, M, V)
+
+TARGETS static void adam_compact(const AdamTensor *x, const AdamConfig *cfg) {
+    const float one_m_b1 = cfg->one_m_b1, beta1 = cfg->beta1, beta2 = cfg->beta2;
+    const float one_m_b2 = cfg->one_m_b2, eps = cfg->eps, wd_l2 = x->wd_l2, decay = x->decay;
+    const float step_size = x->step_size, bc2_sqrt = x->bc2_sqrt, inv_bc2_sqrt = 1.0f / bc2_sqrt;
+    const int split = (x->kind & 2) != 0, nesterov = cfg->nesterov;
+    const Staging s = {x->w, split ? x->low : NULL, x->g, x->kind & 1, 1.0f, x->gmul,
+                       -INFINITY, INFINITY};
+    const Stored st = STORED_OF(x);
+    COMPACT_GRID(x);
+    EACH_COMPACT_BLOCK(x, PARALLEL,
+        float am = 0.0f, av = 0.0f;
+        if (nesterov && split) {
+            BY_FORM(ADAM_NESTEROV_FAST)
+        } else if (nesterov) {
+            BY_FORM(ADAM_NESTEROV_EXACT)
+        } else if (split) {
+            BY_FORM(ADAM_PLAIN_FAST)
+        } else {
+            BY_FORM(ADAM_PLAIN_EXACT)
+        }
+        BLOCK_OUTPUTS(b, x);)
+}
+
 /* One Adam step on each of `count` tensors (see TensorArgs); step[t] is incremented. */
 void adam_multi(const AdamTensor *ts, int64_t count, const AdamConfig *cfg) {
     for (int64_t t = 0; t < count; t++) {
         const AdamTensor *x = &ts[t];
         *x->step += 1.0f; /* the state's step counter (a float32 scalar tensor) */
+        if (x->form != FORM_F32) {
+            adam_compact(x, cfg);
+            continue;
+        }
 #define ADAM_CALL(FN, WT, GT)                                                                  \
     FN((WT *)x->w, x->low, (const GT *)x->g, x->m, x->v, x->n, x->step_size, cfg->beta1,       \
        cfg->one_m_b1, cfg->beta2, cfg->one_m_b2, x->bc2_sqrt, cfg->eps, x->wd_l2, x->decay,    \
@@ -560,6 +976,10 @@ static void lamb_sums(const LayerwiseTensor *x, const LayerwiseConfig *cfg, doub
     double bc1, bc2_sqrt;
     bias_corrections(x->step, 1, cfg, &bc1, &bc2_sqrt);
     const float decay = (float)(1.0 - x->lr * x->wd);
+    if (x->form != FORM_F32) {
+        lamb_compact_sums(x, cfg, bc1, bc2_sqrt, decay, sums);
+        return;
+    }
     uint16_t *lo = (x->kind & 2) ? x->low : NULL;
 #define CALL_LAMB_PHASE1(FN, GT)                                                               \
     FN(x->w, lo, (const GT *)x->g, x->gmul, cfg->clip, cfg->clip_lo, cfg->clip_hi, x->m, x->v, \
@@ -577,6 +997,10 @@ static void lamb_apply(const LayerwiseTensor *x, const LayerwiseConfig *cfg, con
     bias_corrections(x->step, 0, cfg, &bc1, &bc2_sqrt);
     const float decay = (float)(1.0 - x->lr * x->wd);
     const double ratio = x->adapt ? trust_ratio(sums[0], sums[1], cfg) : 1.0;
+    if (x->form != FORM_F32) {
+        lamb_compact_apply(x, cfg, bc1, bc2_sqrt, decay, (float)x->lr, (float)ratio);
+        return;
+    }
     lamb_phase2(x->w, x->m, x->v, x->n, (float)bc1, (float)bc2_sqrt, cfg->eps, (float)x->wd,
                 cfg->mode, decay, (float)x->lr, (float)ratio, x->low, (x->kind & 2) != 0,
                 cfg->nthreads);
@@ -622,6 +1046,10 @@ static void lans_sums(const LayerwiseTensor *x, const LayerwiseConfig *cfg, floa
                       double *sums) {
     double bc1, bc2_sqrt;
     bias_corrections(x->step, 1, cfg, &bc1, &bc2_sqrt);
+    if (x->form != FORM_F32) {
+        lans_compact_sums(x, cfg, bc1, bc2_sqrt, ginv, sums);
+        return;
+    }
     uint16_t *lo = (x->kind & 2) ? x->low : NULL;
 #define CALL_LANS_PHASE1(FN, GT)                                                               \
     FN(x->w, lo, (const GT *)x->g, x->m, x->v, x->n, ginv, cfg->clip_lo, cfg->clip_hi,         \
@@ -647,6 +1075,11 @@ static void lans_apply(const LayerwiseTensor *x, const LayerwiseConfig *cfg, flo
         if (c2 < 0.0) c2 = 0.0;
     }
     const double ratio_c = x->adapt ? trust_ratio(sums[0], c2, cfg) : 1.0;
+    if (x->form != FORM_F32) {
+        lans_compact_apply(x, cfg, bc1, bc2_sqrt, ginv, (float)a, (float)b, (float)ratio_r,
+                           (float)ratio_c);
+        return;
+    }
 #define CALL_LANS_PHASE2(FN, GT)                                                               \
     FN(x->w, (const GT *)x->g, x->m, x->v, x->n, ginv, cfg->clip_lo, cfg->clip_hi, cfg->clip,  \
        (float)bc1, (float)bc2_sqrt, cfg->eps, (float)x->wd, (float)a, (float)b, (float)ratio_r, \
@@ -732,23 +1165,7 @@ static struct PyModuleDef kernels_module = {PyModuleDef_HEAD_INIT, "_kernels",
 
 PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&kernels_module); }
 
-/* ---- compact optimizer state (scaleopt._compact) ------------------------------------------
- * int8 moments: rows of row_len elements, blocks of 256 within a row (the last one shorter),
- * one float32 scale per block (its largest magnitude). Signed codes q = rint(127 sqrt(|x|/s))
- * sign(x), decoded as s (q/127)^2 sign(q); unsigned codes q = rint(255 (x/s)^(1/4)), decoded
- * as s (q/255)^4. The same float operations, in the same order, as the PyTorch reference, so
- * both give the same codes. bfloat16 moments: rounded stochastically with 16 random bits, a
- * 32-bit hash of the element's global index (offset + i) and a key of the step and moment. */
-
-#define COMPACT_BLOCK 256
-
-/* Block b of rows of row_len elements (blocks per row): where it starts in the flat tensor,
- * and how many elements it holds. */
-static inline int64_t block_start(int64_t b, int64_t blocks, int64_t row_len, int64_t *len) {
-    const int64_t start = (b % blocks) * COMPACT_BLOCK;
-    *len = row_len - start < COMPACT_BLOCK ? row_len - start : COMPACT_BLOCK;
-    return (b / blocks) * row_len + start;
-}
+/* ---- compact optimizer state: whole tensors (scaleopt._compact's conversions) ------------ */
 
 /* Opens the loop over the blocks of rows x row_len, in parallel: block b, its first element
  * at, its length len. */
@@ -761,57 +1178,20 @@ static inline int64_t block_start(int64_t b, int64_t blocks, int64_t row_len, in
 TARGETS void int8_encode(const float *x, void *codes, float *scales, int64_t rows,
                          int64_t row_len, int32_t is_signed, int32_t nthreads) {
     EACH_BLOCK(rows, row_len) {
-        const float *in = x + at;
-        float s = 0.0f;
-        for (int64_t i = 0; i < len; i++) s = fmaxf(s, fabsf(in[i]));
-        scales[b] = s;
-        const float inv = s > 0.0f ? 1.0f / s : 0.0f;
-        if (is_signed) {
-            int8_t *out = (int8_t *)codes + at;
-            for (int64_t i = 0; i < len; i++) {
-                const float q = rintf(sqrtf(fabsf(in[i]) * inv) * 127.0f);
-                out[i] = (int8_t)(in[i] < 0.0f ? -q : q);
-            }
-        } else {
-            uint8_t *out = (uint8_t *)codes + at;
-            for (int64_t i = 0; i < len; i++)
-                out[i] = (uint8_t)rintf(sqrtf(sqrtf(fabsf(in[i]) * inv)) * 255.0f);
-        }
+        encode_block(codes, scales, FORM_INT8, is_signed, b, at, len, x + at, NULL,
+                     block_max(x + at, len), 0, 0);
     }
 }
 
 TARGETS void int8_decode(const void *codes, const float *scales, float *x, int64_t rows,
                          int64_t row_len, int32_t is_signed, int32_t nthreads) {
     EACH_BLOCK(rows, row_len) {
-        const float s = scales[b];
-        float *out = x + at;
-        if (is_signed) {
-            const int8_t *in = (const int8_t *)codes + at;
-            for (int64_t i = 0; i < len; i++) {
-                const float t = (float)in[i] / 127.0f;
-                out[i] = (t * fabsf(t)) * s;
-            }
-        } else {
-            const uint8_t *in = (const uint8_t *)codes + at;
-            for (int64_t i = 0; i < len; i++) {
-                const float t = (float)in[i] / 255.0f;
-                const float t2 = t * t;
-                out[i] = (t2 * t2) * s;
-            }
-        }
+        decode_block(codes, scales, FORM_INT8, is_signed, b, at, len, x + at);
     }
 }
 
 TARGETS void bf16_round_stochastic(const float *x, uint16_t *out, int64_t n, int64_t offset,
                                    int64_t key, int32_t nthreads) {
 #pragma omp parallel for simd num_threads(nthreads) schedule(static) if (n >= 65536)
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t h = (uint32_t)(offset + i) + (uint32_t)key;
-        h = ((h >> 16) ^ h) * 0x45D9F3Bu;
-        h = ((h >> 16) ^ h) * 0x45D9F3Bu;
-        h = (h >> 16) ^ h;
-        uint32_t bits;
-        memcpy(&bits, &x[i], 4);
-        out[i] = (uint16_t)((bits + (h & 0xFFFFu)) >> 16);
-    }
+    for (int64_t i = 0; i < n; i++) out[i] = round_stochastic(x[i], (uint32_t)(offset + i) + (uint32_t)key);
 }

@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from torch import Tensor
 
 from . import _native
-from ._adam import AdamFamily
+from ._adam import AdamFamily, AdamState
 from ._checks import check_bool, check_bounds
 from ._compile import eager
 from ._dispatch import Impl, check_implementation, implementation
@@ -121,11 +121,11 @@ class LayerwiseAdam(AdamFamily):
         the parameters brought up to date. Returns whether any tensor took the trust ratio."""
         group = item.group
         state = self._adam_state(group, item.params)
+        t = self._tensors(state, item, skip_if if group.get("capturable") else None)
+        if t.stored and not (self._native_takes(group, item.params) and _native.applies(t)):
+            state = state.decoded()  # float32 working tensors for the other paths
+            t = self._tensors(state, item, t.skip_if)
         view = state.view
-        t = GroupTensors(local(view.weights), item.grads, local(state.exp_avgs),
-                         local(state.exp_avg_sqs), state.steps, local(view.kernel_low()),
-                         item.scalars, item.shard_sums, item.grad_norms,
-                         skip_if if group.get("capturable") else None)
         layer = self._layer_options(group, item.idx)
         impl = implementation(group, item.params, on_host=self._grad_source.on_host, tensors=t)
         if group.get("capturable") and impl is not Impl.TRITON:
@@ -139,6 +139,20 @@ class LayerwiseAdam(AdamFamily):
         self._master_weights.commit(view, rounded_written=impl.reads_stored)
         self._store_moments(state)
         return any(layer.adapt)
+
+    @staticmethod
+    def _tensors(state: AdamState, item: GroupGrads, skip_if: Optional[Tensor]) -> GroupTensors:
+        """A group's tensors for its update (local shards of sharded ones)."""
+        view = state.view
+        stored = state.stored if state.stored and any(state.stored) else None
+        return GroupTensors(local(view.weights), item.grads, local(state.exp_avgs),
+                            local(state.exp_avg_sqs), state.steps, local(view.kernel_low()),
+                            item.scalars, item.shard_sums, item.grad_norms, skip_if, stored)
+
+    def _native_takes(self, group: Dict[str, Any], params: List[Tensor]) -> bool:
+        """Whether the group's update may run on the C kernels, which update moments stored in
+        bfloat16 or 8 bits in place (block by block, no float32 copies)."""
+        return implementation(group, params, on_host=self._grad_source.on_host) is Impl.NATIVE
 
     @eager
     def _warn_no_trust_ratio(self) -> None:

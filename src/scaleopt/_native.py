@@ -23,13 +23,17 @@ from ._sharding import Phased
 _TENSOR_FIELDS = [("w", c_void_p), ("g", c_void_p), ("m", c_void_p), ("v", c_void_p),
                   ("low", c_void_p), ("step", c_void_p), ("n", c_int64), ("kind", c_int32),
                   ("gmul", c_float)]
+#: where the moments are stored in bfloat16 or 8 bits (``COMPACT_FIELDS`` in ``_kernels.c``)
+_COMPACT_FIELDS = [("m_scale", c_void_p), ("v_scale", c_void_p), ("row_len", c_int64),
+                   ("offset", c_int64), ("form", c_int32)]
+_FORMS = {"float32": 0, "bfloat16": 1, "int8": 2}
 
 
 class LayerwiseTensor(ctypes.Structure):
     """One tensor of a LAMB/LANS call (``LayerwiseTensor`` in ``_kernels.c``)."""
 
     _fields_ = _TENSOR_FIELDS + [("lr", c_double), ("wd", c_double), ("gsq", c_double),
-                                 ("adapt", c_int32)]
+                                 ("adapt", c_int32)] + _COMPACT_FIELDS
 
 
 class LayerwiseConfig(ctypes.Structure):
@@ -45,7 +49,7 @@ class AdamTensor(ctypes.Structure):
     """One tensor of an Adam call (``AdamTensor`` in ``_kernels.c``)."""
 
     _fields_ = _TENSOR_FIELDS + [("step_size", c_float), ("bc2_sqrt", c_float),
-                                 ("wd_l2", c_float), ("decay", c_float)]
+                                 ("wd_l2", c_float), ("decay", c_float)] + _COMPACT_FIELDS
 
 
 class AdamConfig(ctypes.Structure):
@@ -144,10 +148,22 @@ def applies(t: Any) -> bool:
     :func:`adam_applies` takes, except a bfloat16 gradient for a float32 weight that is no
     master (no ``low``)."""
     low = t.low or [None] * len(t.weights)
+    stored = t.stored or [None] * len(t.weights)
     return _lib is not None and all(
-        adam_applies(w, g, m, v, lo)
+        adam_applies(w, g, m, v, lo, st)
         and not (lo is None and w.dtype == torch.float32 and g.dtype != torch.float32)
-        for w, g, m, v, lo in zip(t.weights, t.grads, t.exp_avgs, t.exp_avg_sqs, low))
+        for w, g, m, v, lo, st in zip(t.weights, t.grads, t.exp_avgs, t.exp_avg_sqs, low,
+                                      stored))
+
+
+def _compact(st: Any) -> dict:
+    """The ``_COMPACT_FIELDS`` of a tensor whose moments are stored as ``st`` (a
+    ``_compact.Stored``, or None for float32 moments)."""
+    if st is None:
+        return {}
+    m_scale, v_scale = st.scales
+    return dict(m_scale=_ptr(m_scale), v_scale=_ptr(v_scale), row_len=st.row_len,
+                offset=st.offset, form=_FORMS[st.form])
 
 
 def _kind(weight: Tensor, grad: Tensor) -> int:
@@ -169,12 +185,14 @@ def _layerwise_tensors(t: Any, layer: Any, grad_sq_sums: Optional[Tensor]):
                      low)
     mults = [1.0] * count if t.grad_scalars is None else t.grad_scalars.mults.tolist()
     gsq = [-1.0] * count if grad_sq_sums is None else grad_sq_sums.tolist()
+    stored = t.stored or [None] * count
     return (LayerwiseTensor * count)(*[
         LayerwiseTensor(w.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), _ptr(lo),
-                        s.data_ptr(), w.numel(), _kind(w, g), gm, lr, wd, sq, int(bool(a)))
-        for w, g, m, v, lo, s, gm, lr, wd, sq, a in zip(
+                        s.data_ptr(), w.numel(), _kind(w, g), gm, lr, wd, sq, int(bool(a)),
+                        **_compact(st))
+        for w, g, m, v, lo, s, gm, lr, wd, sq, a, st in zip(
             t.weights, t.grads, t.exp_avgs, t.exp_avg_sqs, low, t.steps, mults, layer.lrs,
-            layer.weight_decays, gsq, layer.adapt)])
+            layer.weight_decays, gsq, layer.adapt, stored)])
 
 
 def _layerwise_config(o: Any, clip_grad_value: Any, mode: int = 0,
@@ -269,13 +287,14 @@ def lans_kernel(t: Any, layer: Any, o: Any) -> Phased:
 
 
 def adam_applies(weight: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
-                 low: Optional[Tensor]) -> bool:
-    """Whether :func:`adam` takes this tensor: float32 moments, contiguous on the CPU; a float32
+                 low: Optional[Tensor], stored: Any = None) -> bool:
+    """Whether :func:`adam` takes this tensor: float32 moments, contiguous on the CPU, or
+    moments stored in bfloat16 or 8 bits as ``stored`` (a ``_compact.Stored``) says; a float32
     or bfloat16 gradient; and either a float32 weight with an optional bfloat16 copy ``low``, or
     split storage: a bfloat16 weight with the int16 low halves of its master in ``low``."""
     if _lib is None:
         return False
-    if not (_cpu_contiguous(exp_avg, _F32) and _cpu_contiguous(exp_avg_sq, _F32)):
+    if not _moments_apply(exp_avg, exp_avg_sq, stored):
         return False
     if not grad_applies(grad):
         return False
@@ -284,6 +303,13 @@ def adam_applies(weight: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tens
     if not _cpu_contiguous(weight, _F32):
         return False
     return low is None or _cpu_contiguous(low, _BF16)
+
+
+def _moments_apply(exp_avg: Tensor, exp_avg_sq: Tensor, stored: Any) -> bool:
+    if stored is None:
+        return _cpu_contiguous(exp_avg, _F32) and _cpu_contiguous(exp_avg_sq, _F32)
+    return stored.offset is not None and takes_compact(
+        exp_avg, exp_avg_sq, *(s for s in stored.scales if s is not None))
 
 
 def grad_applies(grad: Tensor) -> bool:
@@ -302,24 +328,28 @@ def adam(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[T
          step_sizes: Sequence[float], bias_correction2_sqrts: Sequence[float],
          weight_decays_l2: Sequence[float], decays: Sequence[float], beta1: float, beta2: float,
          eps: float, grad_multipliers: Sequence[float], nesterov: bool = False,
-         one_minus_betas: Optional[Tuple[float, float]] = None, threads: int) -> None:
+         one_minus_betas: Optional[Tuple[float, float]] = None, threads: int,
+         stored: Optional[Sequence[Any]] = None) -> None:
     """One Adam step on each tensor, one pass over memory each (see ``_kernels.c``), in one
     call. For a float32 ``params[i]``, ``low[i]``, when given, receives the rounded bfloat16
     weights; for a bfloat16 ``params[i]`` (split storage), ``low[i]`` holds the master's low
     halves. ``grad_multipliers[i]``: the scalar ``grads[i]`` is taken times.
     ``one_minus_betas`` overrides ``(1-beta1, 1-beta2)`` (computed in double by default).
     Each ``state_steps[i]`` (a float32 CPU scalar) is incremented; the scalars given are those
-    of the incremented step."""
+    of the incremented step. ``stored[i]``, where given and not None, says how
+    ``exp_avgs[i]`` and ``exp_avg_sqs[i]`` are stored (a ``_compact.Stored``): the kernel
+    updates them in place as stored."""
     count = len(params)
     if count == 0:
         return
     check_same_sizes("the Adam C kernel", params, grads, exp_avgs, exp_avg_sqs, low)
     tensors = (AdamTensor * count)(*[
         AdamTensor(w.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), _ptr(lo),
-                   s.data_ptr(), w.numel(), _kind(w, g), gm, ss, bc, l2, dc)
-        for w, g, m, v, lo, s, gm, ss, bc, l2, dc in zip(
+                   s.data_ptr(), w.numel(), _kind(w, g), gm, ss, bc, l2, dc, **_compact(st))
+        for w, g, m, v, lo, s, gm, ss, bc, l2, dc, st in zip(
             params, grads, exp_avgs, exp_avg_sqs, low, state_steps, grad_multipliers,
-            step_sizes, bias_correction2_sqrts, weight_decays_l2, decays)])
+            step_sizes, bias_correction2_sqrts, weight_decays_l2, decays,
+            stored or [None] * count)])
     omb1, omb2 = one_minus_betas or (1.0 - beta1, 1.0 - beta2)
     config = AdamConfig(beta1=beta1, one_m_b1=omb1, beta2=beta2, one_m_b2=omb2, eps=eps,
                         nesterov=int(nesterov), nthreads=threads)

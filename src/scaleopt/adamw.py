@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 from torch.optim.adamw import adamw as _torch_adamw
 
-from . import _blocks, _compact
+from . import _blocks, _compact, _native
 from ._sharding import local_piece
 from ._base import ScaleOptimizer
 from ._checks import check_bool, check_optional_bool
@@ -153,14 +153,16 @@ class AdamW(ScaleOptimizer):
             )
 
     def _init_group(self, group: Dict[str, Any], idx: List[int], params: List[Tensor],
-                    grads: List[Tensor], fused: bool, pending: List[_compact.Pending]
+                    grads: List[Tensor], fused: bool, pending: List[_compact.Pending],
+                    native: Dict[bool, List[Tuple[Any, ...]]]
                     ) -> Dict[bool, Tuple[List[Tensor], ...]]:
         """The group's tensors for torch's ``adamw``, split by whether they decay: params,
         grads, moments, max moments (the params without amsgrad) and steps; state made where
         new, step counters where ``fused`` needs them (on the parameter's device) or not.
         Sharded parameters and their state are given as their local shards (as the gradients
-        are). Moments stored in bfloat16 or 8 bits are given as float32 working tensors, put on
-        ``pending`` to be stored back after the update."""
+        are). Moments stored in bfloat16 or 8 bits go to the C kernel where it takes them
+        (into ``native``, see :meth:`_native_row`), else are given as float32 working tensors,
+        put on ``pending`` to be stored back after the update."""
         no_decay = self._rule_flags(group, "exclude_from_weight_decay")
         keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
         lists: Dict[bool, Tuple[List[Tensor], ...]] = {}
@@ -178,6 +180,10 @@ class AdamW(ScaleOptimizer):
                 state["step"] = state["step"].cpu()
             form = _compact.form_for(group["state_dtype"], tuple(p.shape))
             _compact.convert(state, form, p, p.dtype)
+            row = None if form == "float32" else self._native_row(group, p, g, state, form)
+            if row is not None:
+                native.setdefault(not no_decay[i], []).append(row)
+                continue
             moments = {}
             for key in keys:
                 if form != "float32":
@@ -193,6 +199,37 @@ class AdamW(ScaleOptimizer):
                 dest.append(t)
         return lists
 
+    @staticmethod
+    def _native_row(group: Dict[str, Any], p: Tensor, grad: Tensor, state: Dict[str, Any],
+                    form: str) -> Optional[Tuple[Any, ...]]:
+        """``(weight, grad, exp_avg, exp_avg_sq, step, stored)`` of a parameter whose moments
+        are stored in ``form`` (bfloat16 or 8 bits), for the C kernel, which updates them in
+        place in one pass (no float32 copies): where it takes the tensor (float32 on the CPU,
+        the kernels built, no amsgrad, not under ``torch.compile``), else None."""
+        if (group["amsgrad"] or p.dtype != torch.float32 or not _native.available()
+                or _blocks.compiling() or not state["step"].is_cpu):
+            return None
+        stored = _compact.stored(state, form, p)
+        row = (local_piece(p), grad, local_piece(state["exp_avg"]),
+               local_piece(state["exp_avg_sq"]), state["step"], stored)
+        return row if _native.adam_applies(*row[:4], None, stored) else None
+
+    @staticmethod
+    def _native_step(group: Dict[str, Any], rows: List[Tuple[Any, ...]], decayed: bool) -> None:
+        """AdamW on the C kernel for ``rows`` (see :meth:`_native_row`): torch's single-tensor
+        AdamW's operations, with the scalars computed as it computes them."""
+        beta1, beta2 = group["betas"]
+        lr, wd = float(group["lr"]), group["weight_decay"] if decayed else 0.0
+        steps = [float(row[4]) + 1.0 for row in rows]
+        count = len(rows)
+        w, g, m, v, step, stored = (list(col) for col in zip(*rows))
+        _native.adam(w, g, m, v, [None] * count, step,
+                     step_sizes=[lr / (1 - beta1 ** t) for t in steps],
+                     bias_correction2_sqrts=[(1 - beta2 ** t) ** 0.5 for t in steps],
+                     weight_decays_l2=[0.0] * count, decays=[1.0 - lr * wd] * count,
+                     beta1=beta1, beta2=beta2, eps=group["eps"], grad_multipliers=[1.0] * count,
+                     threads=torch.get_num_threads(), stored=stored)
+
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
         """Perform one optimization step. ``closure`` re-evaluates the model and returns the loss."""
@@ -201,7 +238,10 @@ class AdamW(ScaleOptimizer):
             group, idx, params, grads = item.group, item.idx, item.params, item.grads
             fused = takes_fused(group, params)
             pending: List[_compact.Pending] = []
-            lists = self._init_group(group, idx, params, grads, fused, pending)
+            native: Dict[bool, List[Tuple[Any, ...]]] = {}
+            lists = self._init_group(group, idx, params, grads, fused, pending, native)
+            for decayed, rows in native.items():
+                self._native_step(group, rows, decayed)
             beta1, beta2 = group["betas"]
             for decayed, (ps, gs, ms, vs, maxs, steps) in lists.items():
                 # torch's foreach path needs its tensor-scalar form under torch.compile

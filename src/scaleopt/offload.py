@@ -207,6 +207,12 @@ class OffloadAdam(AdamFamily):
         others (on float32 masters: split ones joined, then split again)."""
         group, params = item.group, item.params
         state = self._adam_state(group, params, amsgrad=group["amsgrad"])
+        stored = state.stored or [None] * len(params)
+        fast = [not group["amsgrad"] and _native.adam_applies(*row, st) for row, st in zip(
+            zip(*(local(xs) for xs in (state.view.weights, item.grads, state.exp_avgs,
+                                      state.exp_avg_sqs, state.view.kernel_low()))), stored)]
+        slow = [k for k, f in enumerate(fast) if not f]
+        state = state.decoded(slow)  # float32 working tensors for the reference's tensors
         no_decay = self._rule_flags(group, "exclude_from_weight_decay")
         # sharded parameters: the local shards (the gradients already are)
         rows = [_Row(*row) for row in zip(
@@ -215,10 +221,7 @@ class OffloadAdam(AdamFamily):
             item.grads, state.steps,
             [1.0] * len(params) if item.scalars is None else item.scalars.mults.tolist(),
             [0.0 if no_decay[i] else group["weight_decay"] for i in item.idx],
-            self._steps_scalars(group, state.steps))]
-        fast = [not group["amsgrad"] and _native.adam_applies(r.weight, r.grad, r.exp_avg,
-                                                             r.exp_avg_sq, r.low) for r in rows]
-        slow = [k for k, f in enumerate(fast) if not f]
+            self._steps_scalars(group, state.steps), state.stored or [None] * len(params))]
         vmaxes = local(state.max_exp_avg_sqs or [None] * len(params))
         with self._master_weights.as_float32(state.view.subset(slow)) as masters:
             for k, master in zip(slow, local(masters)):
@@ -253,7 +256,7 @@ class OffloadAdam(AdamFamily):
             decays=[1.0 - lr * r.decay if decoupled else 1.0 for r in rows],
             beta1=beta1, beta2=beta2, eps=group["eps"], grad_multipliers=[r.mult for r in rows],
             nesterov=group["nesterov"], one_minus_betas=self._one_minus_betas(group),
-            threads=threads)
+            threads=threads, stored=[r.stored for r in rows])
 
     def _steps_scalars(self, group, steps: List[Tensor]) -> List[Tuple[float, float]]:
         """Per tensor, :meth:`_step_scalars` at the step about to be taken."""
@@ -282,6 +285,8 @@ class _Row(NamedTuple):
     decay: float
     #: (step size, sqrt of the second bias correction) at the step about to be taken
     scalars: Tuple[float, float]
+    #: how the moments are stored where the kernel updates them in bfloat16 or 8 bits
+    stored: Any = None
 
 
 def _adam_reference(w: Tensor, g: Tensor, m: Tensor, v: Tensor, vmax: Optional[Tensor], *,
