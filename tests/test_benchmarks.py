@@ -36,6 +36,24 @@ def test_bench_dgc_select_finds_the_same_indices_as_topk():
     assert "same indices: True" in out and "scaleopt.dgc.topk_sampled" in out
 
 
+def test_bench_state_gives_each_optimizers_state_bytes_time_and_accuracy():
+    out = run("bench_state.py", "--hidden", "64", "--layers", "1", "--vocab", "1000",
+              "--rounds", "2", "--steps", "300", "--threads", "1")
+    rows = {line[:40].strip(): line[40:].split() for line in out.splitlines()
+            if line.startswith(("torch.", "scaleopt.", "torchao.", "bitsandbytes."))}
+    assert {"torch.AdamW(fused=True)", "scaleopt.AdamW(state_dtype=int8)",
+            "scaleopt.LAMB(state_dtype=int8)"} <= set(rows)
+    state = {name: float(r[0]) for name, r in rows.items()}
+    assert state["torch.AdamW(fused=True)"] == pytest.approx(8.0, abs=0.01)  # + step counters
+    assert state["scaleopt.AdamW(state_dtype=bfloat16)"] < 4.5
+    assert state["scaleopt.AdamW(state_dtype=int8)"] < 3.0  # 64-wide biases keep float32
+    accuracy = {name: float(r[3]) for name, r in rows.items()}  # a short run of spirals
+    assert all(0.5 < a <= 1.0 for a in accuracy.values()), accuracy
+    for form in ("bfloat16", "int8"):  # compact state trains as float32 state does
+        assert accuracy[f"scaleopt.AdamW(state_dtype={form})"] == pytest.approx(
+            accuracy["torch.AdamW(fused=True)"], abs=0.01)
+
+
 @pytest.mark.parametrize("script", ["bench_step.py", "bench_offload.py", "bench_fsdp.py"])
 def test_bench_scripts_answer_help(script):
     assert "usage" in run(script, "--help")

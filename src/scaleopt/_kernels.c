@@ -18,6 +18,10 @@
  * (see split_join), 4 bytes per weight instead of 4 + 2: LAMB then moves about 38 bytes per
  * parameter, LANS about 42.
  *
+ * Moments stored in bfloat16 or 8 bits (scaleopt._compact) are read and written in place by the
+ * same passes, block by block (see "LAMB and LANS on compact moments"): no float32 copy of a
+ * moment is made, and LAMB with int8 moments moves about 26 bytes per parameter.
+ *
  * The module is also a (empty) Python extension so that setuptools builds it like one; it uses
  * only the stable ABI of Python 3.10, so one build serves every CPython from 3.10 on.
  */
