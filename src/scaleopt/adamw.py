@@ -220,12 +220,12 @@ class AdamW(ScaleOptimizer):
         AdamW's operations, with the scalars computed as it computes them."""
         beta1, beta2 = group["betas"]
         lr, wd = float(group["lr"]), group["weight_decay"] if decayed else 0.0
-        steps = [float(row[4]) + 1.0 for row in rows]
+        bc1, bc2_sqrt = _blocks.bias_corrections([float(row[4]) + 1.0 for row in rows],
+                                                 beta1, beta2, True)
         count = len(rows)
         w, g, m, v, step, stored = (list(col) for col in zip(*rows))
         _native.adam(w, g, m, v, [None] * count, step,
-                     step_sizes=[lr / (1 - beta1 ** t) for t in steps],
-                     bias_correction2_sqrts=[(1 - beta2 ** t) ** 0.5 for t in steps],
+                     step_sizes=[lr / b for b in bc1], bias_correction2_sqrts=bc2_sqrt,
                      weight_decays_l2=[0.0] * count, decays=[1.0 - lr * wd] * count,
                      beta1=beta1, beta2=beta2, eps=group["eps"], grad_multipliers=[1.0] * count,
                      threads=torch.get_num_threads(), stored=stored)
