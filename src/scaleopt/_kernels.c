@@ -645,8 +645,6 @@ INLINE void unstage_w(void *w, uint16_t *low, int split, int64_t at, int64_t len
     const int in_place = !((x)->kind & 2) && !(x)->low;                                        \
     float *wo = in_place ? (float *)(x)->w + at : wb;                                          \
     (void)wo; (void)wf; (void)gm; (void)glo; (void)ghi
-/* LOOP(M, V) on the block's decoded moments */
-#define BY_FORM(LOOP) LOOP(mb[i], vb[i])
 /* After pass 2's loop (which put the new moments in mb, vb, sqrt(v) in rb and their largest
  * magnitudes in am, av): the weights and the moments stored. */
 #define BLOCK_OUTPUTS(b, x)                                                                    \
@@ -688,19 +686,19 @@ static Staging staging_of(const LayerwiseTensor *x, const LayerwiseConfig *cfg, 
     const float wd_u = cfg->mode == MODE_UPDATE ? (float)x->wd : 0.0f;                         \
     const Staging s = staging_of(x, cfg, cfg->mode == MODE_DECOUPLED ? decay : 1.0f, x->gmul); \
     const Stored st = STORED_OF(x)
-#define LAMB_MOMENTS(M, V)                                                                     \
+#define LAMB_MOMENTS                                                                           \
     float w = wp[i] * wf;                                                                      \
     float gi = clampf(gp[i] * gm, glo, ghi) + wd_g * w;                                        \
-    float m0 = (M), v0 = (V);                                                                  \
+    float m0 = mb[i], v0 = vb[i];                                                                  \
     float mi = m0 + one_m_b1 * (gi - m0);                                                      \
     float vi = v0 * beta2 + one_m_b2 * gi * gi;                                                \
     float rv = sqrtf(vi);                                                                      \
     float u = (mi * inv_bc1) / (rv * inv_bc2_sqrt + eps) + wd_u * w;
 
-#define LAMB_SUMS_LOOP(M, V)                                                                   \
+#define LAMB_SUMS_LOOP                                                                         \
     _Pragma("omp simd reduction(+ : bw, bu)")                                                  \
     for (int64_t i = 0; i < len; i++) {                                                        \
-        LAMB_MOMENTS(M, V)                                                                     \
+        LAMB_MOMENTS                                                                     \
         bw += w * w;                                                                           \
         bu += u * u;                                                                           \
     }
@@ -712,17 +710,17 @@ TARGETS static void lamb_compact_sums(const LayerwiseTensor *x, const LayerwiseC
     double sw = 0.0, su = 0.0;
     EACH_COMPACT_BLOCK(x, "omp parallel reduction(+ : sw, su) num_threads(cfg->nthreads) if (n >= 32768)",
         float bw = 0.0f, bu = 0.0f;
-        BY_FORM(LAMB_SUMS_LOOP)
+        LAMB_SUMS_LOOP
         sw += bw;
         su += bu;)
     out[0] = sw;
     out[1] = su;
 }
 
-#define LAMB_APPLY_LOOP(M, V)                                                                  \
+#define LAMB_APPLY_LOOP                                                                        \
     _Pragma("omp simd reduction(max : am, av)")                                                \
     for (int64_t i = 0; i < len; i++) {                                                        \
-        LAMB_MOMENTS(M, V)                                                                     \
+        LAMB_MOMENTS                                                                     \
         wo[i] = w - lr * (ratio * u);                                                          \
         KEEP_MOMENTS                                                                           \
     }
@@ -734,7 +732,7 @@ TARGETS static void lamb_compact_apply(const LayerwiseTensor *x, const Layerwise
     COMPACT_GRID(x);
     EACH_COMPACT_BLOCK(x, PARALLEL,
         float am = 0.0f, av = 0.0f;
-        BY_FORM(LAMB_APPLY_LOOP)
+        LAMB_APPLY_LOOP
         BLOCK_OUTPUTS(b, x);)
 }
 
@@ -744,20 +742,20 @@ TARGETS static void lamb_compact_apply(const LayerwiseTensor *x, const Layerwise
     const float inv_bc1 = 1.0f / (float)bc1, inv_bc2_sqrt = 1.0f / (float)bc2_sqrt;            \
     const Staging s = staging_of(x, cfg, 1.0f, ginv);                                          \
     const Stored st = STORED_OF(x)
-#define LANS_MOMENTS(M, V)                                                                     \
+#define LANS_MOMENTS                                                                           \
     float w = wp[i] * wf;                                                                      \
     float gt = clampf(gp[i] * gm, glo, ghi);                                                   \
-    float m0 = (M), v0 = (V);                                                                  \
+    float m0 = mb[i], v0 = vb[i];                                                                  \
     float mi = m0 + one_m_b1 * (gt - m0);                                                      \
     float vi = v0 * beta2 + one_m_b2 * gt * gt;                                                \
     float rv = sqrtf(vi);                                                                      \
     float dinv = 1.0f / (rv * inv_bc2_sqrt + eps);                                             \
     float r = (mi * inv_bc1) * dinv + wd * w;
 
-#define LANS_SUMS_LOOP(M, V)                                                                   \
+#define LANS_SUMS_LOOP                                                                         \
     _Pragma("omp simd reduction(+ : bw, br, bc, brc)")                                         \
     for (int64_t i = 0; i < len; i++) {                                                        \
-        LANS_MOMENTS(M, V)                                                                     \
+        LANS_MOMENTS                                                                     \
         float c = gt * dinv + wd * w;                                                          \
         bw += w * w;                                                                           \
         br += r * r;                                                                           \
@@ -772,7 +770,7 @@ TARGETS static void lans_compact_sums(const LayerwiseTensor *x, const LayerwiseC
     double sw = 0.0, sr = 0.0, sc = 0.0, src = 0.0;
     EACH_COMPACT_BLOCK(x, "omp parallel reduction(+ : sw, sr, sc, src) num_threads(cfg->nthreads) if (n >= 32768)",
         float bw = 0.0f, br = 0.0f, bc = 0.0f, brc = 0.0f;
-        BY_FORM(LANS_SUMS_LOOP)
+        LANS_SUMS_LOOP
         sw += bw;
         sr += br;
         sc += bc;
@@ -783,10 +781,10 @@ TARGETS static void lans_compact_sums(const LayerwiseTensor *x, const LayerwiseC
     out[3] = src;
 }
 
-#define LANS_APPLY_LOOP(M, V)                                                                  \
+#define LANS_APPLY_LOOP                                                                        \
     _Pragma("omp simd reduction(max : am, av)")                                                \
     for (int64_t i = 0; i < len; i++) {                                                        \
-        LANS_MOMENTS(M, V)                                                                     \
+        LANS_MOMENTS                                                                     \
         float w1 = w - a * (ratio_r * r);                                                      \
         float c = gt * dinv + wd * (moved ? w1 : w);                                           \
         wo[i] = w1 - b2 * (ratio_c * c);                                                       \
@@ -801,7 +799,7 @@ TARGETS static void lans_compact_apply(const LayerwiseTensor *x, const Layerwise
     const int moved = cfg->moved;
     EACH_COMPACT_BLOCK(x, PARALLEL,
         float am = 0.0f, av = 0.0f;
-        BY_FORM(LANS_APPLY_LOOP)
+        LANS_APPLY_LOOP
         BLOCK_OUTPUTS(b, x);)
 }
 
@@ -881,22 +879,18 @@ ADAM_SPLIT(adam_split, float, g[i])
 ADAM_SPLIT(adam_split_bf16g, uint16_t, bf16_to_f32(g[i]))
 
 /* Adam on compact moments (see the LAMB section above): one pass, block by block. */
-#define ADAM_COMPACT_LOOP(NUM, DENOM, M, V)                                                    \
+#define ADAM_COMPACT_LOOP(NUM, DENOM)                                                          \
     _Pragma("omp simd reduction(max : am, av)")                                                \
     for (int64_t i = 0; i < len; i++) {                                                        \
         float w = wp[i];                                                                       \
         float gi = gp[i] * gm + wd_l2 * w;                                                     \
-        float m0 = (M), v0 = (V);                                                              \
+        float m0 = mb[i], v0 = vb[i];                                                              \
         float mi = m0 + one_m_b1 * (gi - m0);                                                  \
         float vi = v0 * beta2 + one_m_b2 * gi * gi;                                            \
         float rv = sqrtf(vi);                                                                  \
         wo[i] = w * decay - step_size * ((NUM) / (DENOM));                                     \
         KEEP_MOMENTS                                                                           \
     }
-#define ADAM_NESTEROV_EXACT(M, V) ADAM_COMPACT_LOOP(beta1 * mi + one_m_b1 * gi, DENOM_EXACT, M, V)
-#define ADAM_NESTEROV_FAST(M, V) ADAM_COMPACT_LOOP(beta1 * mi + one_m_b1 * gi, DENOM_FAST, M, V)
-#define ADAM_PLAIN_EXACT(M, V) ADAM_COMPACT_LOOP(mi, DENOM_EXACT, M, V)
-#define ADAM_PLAIN_FAST(M, V) ADAM_COMPACT_LOOP(mi, DENOM_FAST, M, V)
 
 TARGETS static void adam_compact(const AdamTensor *x, const AdamConfig *cfg) {
     const float one_m_b1 = cfg->one_m_b1, beta1 = cfg->beta1, beta2 = cfg->beta2;
@@ -910,13 +904,13 @@ TARGETS static void adam_compact(const AdamTensor *x, const AdamConfig *cfg) {
     EACH_COMPACT_BLOCK(x, PARALLEL,
         float am = 0.0f, av = 0.0f;
         if (nesterov && split) {
-            BY_FORM(ADAM_NESTEROV_FAST)
+            ADAM_COMPACT_LOOP(beta1 * mi + one_m_b1 * gi, DENOM_FAST)
         } else if (nesterov) {
-            BY_FORM(ADAM_NESTEROV_EXACT)
+            ADAM_COMPACT_LOOP(beta1 * mi + one_m_b1 * gi, DENOM_EXACT)
         } else if (split) {
-            BY_FORM(ADAM_PLAIN_FAST)
+            ADAM_COMPACT_LOOP(mi, DENOM_FAST)
         } else {
-            BY_FORM(ADAM_PLAIN_EXACT)
+            ADAM_COMPACT_LOOP(mi, DENOM_EXACT)
         }
         BLOCK_OUTPUTS(b, x);)
 }
