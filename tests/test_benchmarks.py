@@ -54,6 +54,16 @@ def test_bench_state_gives_each_optimizers_state_bytes_time_and_accuracy():
             accuracy["torch.AdamW(fused=True)"], abs=0.01)
 
 
+def test_bench_lanes_times_both_loops_of_each_optimizer():
+    out = run("bench_lanes.py", "--hidden", "64", "--layers", "1", "--vocab", "1000",
+              "--rounds", "2", "--threads", "1", "--optimizers", "LAMB", "AdamW")
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()
+            if line.startswith(("LAMB ", "AdamW "))}
+    assert set(rows) == {"LAMB", "AdamW"}
+    for r in rows.values():  # three steps and two ratios, all positive numbers
+        assert len(r) == 5 and all(float(x) > 0 for x in r), r
+
+
 @pytest.mark.parametrize("script", ["bench_step.py", "bench_offload.py", "bench_fsdp.py"])
 def test_bench_scripts_answer_help(script):
     assert "usage" in run(script, "--help")

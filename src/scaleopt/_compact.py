@@ -16,9 +16,10 @@ forms, chosen per tensor by :func:`form_for` from the group's ``state_dtype`` an
   block stores a float32 scale ``s`` (its largest magnitude) and one byte per element:
   ``exp_avg`` as ``int8`` codes ``q = round(127 sqrt(|x|/s)) sign(x)``, decoded as
   ``s (q/127)^2 sign(q)``; the non-negative ``exp_avg_sq`` as ``uint8`` codes
-  ``q = round(255 (x/s)^(1/4))`` (computed as ``sqrt(sqrt(x) / sqrt(s))``, from the root the
-  update takes anyway), decoded as ``s (q/255)^4`` (computed as ``(q^2 q^2) (s / 255^4)``:
-  multiplications only). The power maps spend the codes
+  ``q = round(255 (x/s)^(1/4))``, decoded as ``s (q/255)^4`` (computed as
+  ``(q^2 q^2) (s / 255^4)``: multiplications only). ``round`` is exact, halves up, on
+  ``|x| (127^2/s)`` in float32 (see :func:`quantize`), so every implementation stores the same
+  codes however it estimates the roots. The power maps spend the codes
   where the values are: relative steps of 1.6% near the block's largest value, down to
   ``s/127^2`` and ``s/255^4``. FSDP2 shards along the first dimension and never splits a row,
   so every block lies inside one shard on every mesh. One-dimensional tensors (biases, norms)
@@ -109,19 +110,26 @@ def _blocks_of(x: Tensor) -> Tuple[Tensor, int]:
 
 
 def quantize(x: Tensor, signed: bool) -> Tuple[Tensor, Tensor]:
-    """``(codes, scales)`` of ``x`` (a local tensor, rows along dimension 0)."""
+    """``(codes, scales)`` of ``x`` (a local tensor, rows along dimension 0).
+
+    ``y = |x| c`` with ``c = 127^2/s`` (signed) or ``255^4/s`` (float32 operations); the code is
+    the root of ``y`` (square, fourth) rounded to the nearest integer in exact arithmetic,
+    halves up: ``q0 = floor(root + 0.47)`` is it or one less, and one exact comparison of
+    ``(q0 + 1/2)^2`` or ``(q0 + 1/2)^4`` (in double) with ``y`` decides. The C kernels reach the
+    same codes from other estimates of the root."""
     blocks, length = _blocks_of(x)
     mags = blocks.abs()
     scales = mags.amax(dim=-1)
-    zero = torch.zeros_like(scales)
+    factor = torch.full_like(scales, 16129.0 if signed else 4228250625.0) / scales
+    y = mags * torch.where(scales > 0, factor, torch.zeros_like(scales)).unsqueeze(-1)
+    root = y.sqrt() if signed else y.sqrt().sqrt()
+    q = root.add_(0.47).floor_()
+    b = (q + 0.5).square_()
+    q += (b <= y) if signed else (b.double().square_() <= y.double())
     if signed:
-        inv = torch.where(scales > 0, 1.0 / scales, zero)
-        y = (mags * inv.unsqueeze(-1)).sqrt_()
-        codes = y.mul_(127.0).round_().mul_(blocks.sign()).to(torch.int8)
-    else:  # sqrt(sqrt(x) / sqrt(s)): the update has sqrt(x) at hand
-        inv = torch.where(scales > 0, 1.0 / scales.sqrt(), zero)
-        y = (mags.sqrt() * inv.unsqueeze(-1)).sqrt_()
-        codes = y.mul_(255.0).round_().to(torch.uint8)
+        q.mul_(blocks.sign())
+    q = q.nan_to_num_(0.0)  # a NaN moment's code is 0, as in the C kernels
+    codes = q.to(torch.int8 if signed else torch.uint8)
     codes = codes.view(x.shape[0], blocks.shape[1] * BLOCK)[:, :length].reshape(x.shape)
     return codes, scales
 

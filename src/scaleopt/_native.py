@@ -84,6 +84,7 @@ SIGNATURES = {
     "int8_encode": (None, [c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_int32, c_int32]),
     "int8_decode": (None, [c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_int32, c_int32]),
     "bf16_round_stochastic": (None, [c_void_p, c_void_p, c_int64, c_int64, c_int64, c_int32]),
+    "compact_simd": (c_int32, [c_int32]),
 }
 
 _lib = None
@@ -113,6 +114,15 @@ _MODES = {"update": 0, "decoupled": 1, "l2": 2}
 
 def available() -> bool:
     return _lib is not None
+
+
+def compact_simd(use: Optional[bool] = None) -> bool:
+    """Whether the kernels update compact moments with their AVX-512 loops (where the CPU has
+    AVX-512) rather than the portable ones; ``use`` switches (both store the same codes; their
+    float results agree to a few ulp)."""
+    if _lib is None:
+        return False
+    return bool(_lib.compact_simd(-1 if use is None else int(use)))
 
 
 def _cpu_contiguous(t: Tensor, dtypes) -> bool:
