@@ -512,3 +512,33 @@ def test_the_c_kernels_update_compact_moments_in_place_as_on_float32_copies(case
             assert ((a - b).abs() <= bound).all(), (case, ((a - b).abs() / bound).max())
     for a, b in zip(fused_m, copies_m):  # a value on a rounding boundary may store either way
         assert ((a - b).abs() > 1e-6 + 0.02 * b.abs()).float().mean() < 1e-3, case
+
+
+@pytest.mark.parametrize("form", ["bfloat16", "int8"])
+@pytest.mark.parametrize("cls", [scaleopt.LAMB, scaleopt.LANS])
+def test_layerwise_steps_keep_updates_between_passes_without_changing_a_bit(cls, form, lanes,
+                                                                            monkeypatch):
+    """The AVX-512 loops keep the last updates of each tensor from LAMB's and LANS's first pass
+    to the second (a buffer of 2^21 floats: LAMB's u, LANS's r and 1/(sqrt(v^) + eps)) instead
+    of computing them again; sharded tensors, whose passes run apart, compute them again. Both
+    give the same bits, for a tensor longer than the buffer and for one shorter."""
+    def run(whole):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(2100, 1000) * 0.1),
+                  torch.nn.Parameter(torch.randn(300, 70) * 0.1)]
+        opt = cls(params, lr=1e-2, weight_decay=0.01, state_dtype=form)
+        g = torch.Generator().manual_seed(5)
+        per_tensor = 2 if cls is scaleopt.LAMB else 4
+        with monkeypatch.context() as patch:
+            if not whole:  # the sharded tensors' calls: each pass over all tensors
+                patch.setattr(_native._LayerwiseCall, "whole",
+                              lambda call: call.apply(call.sums(per_tensor)))
+            for _ in range(3):
+                for p in params:
+                    p.grad = torch.randn(p.shape, generator=g)
+                opt.step()
+        return [p.detach() for p in params] + [
+            v for p in params for v in opt.state[p].values() if torch.is_tensor(v)]
+
+    for a, b in zip(run(True), run(False)):
+        assert torch.equal(a, b)

@@ -20,7 +20,8 @@
  *
  * Moments stored in bfloat16 or 8 bits (scaleopt._compact) are read and written in place by the
  * same passes, block by block (see "LAMB and LANS on compact moments"): no float32 copy of a
- * moment is made, and LAMB with int8 moments moves about 26 bytes per parameter.
+ * moment is made, and LAMB with int8 moments moves about 26 bytes per parameter. On CPUs with
+ * AVX-512 those loops run 16 lanes at a time (see "Compact moments with AVX-512").
  *
  * The module is also a (empty) Python extension so that setuptools builds it like one; it uses
  * only the stable ABI of Python 3.10, so one build serves every CPython from 3.10 on.
@@ -31,6 +32,7 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -739,7 +741,9 @@ static Staging staging_of(const LayerwiseTensor *x, const LayerwiseConfig *cfg, 
     }
 
 TARGETS static void lamb_compact_sums(const LayerwiseTensor *x, const LayerwiseConfig *cfg,
-                                      double bc1, double bc2_sqrt, float decay, double *out) {
+                                      double bc1, double bc2_sqrt, float decay, double *out,
+                                      float *keep) {
+    (void)keep; /* see lamb_compact_sums_v16 */
     LAMB_SCALARS;
     COMPACT_GRID(x);
     double sw = 0.0, su = 0.0;
@@ -762,7 +766,8 @@ TARGETS static void lamb_compact_sums(const LayerwiseTensor *x, const LayerwiseC
 
 TARGETS static void lamb_compact_apply(const LayerwiseTensor *x, const LayerwiseConfig *cfg,
                                        double bc1, double bc2_sqrt, float decay, float lr,
-                                       float ratio) {
+                                       float ratio, float *keep) {
+    (void)keep;
     LAMB_SCALARS;
     COMPACT_GRID(x);
     EACH_COMPACT_BLOCK(x, PARALLEL,
@@ -799,7 +804,9 @@ TARGETS static void lamb_compact_apply(const LayerwiseTensor *x, const Layerwise
     }
 
 TARGETS static void lans_compact_sums(const LayerwiseTensor *x, const LayerwiseConfig *cfg,
-                                      double bc1, double bc2_sqrt, float ginv, double *out) {
+                                      double bc1, double bc2_sqrt, float ginv, double *out,
+                                      float *keep) {
+    (void)keep;
     LANS_SCALARS;
     COMPACT_GRID(x);
     double sw = 0.0, sr = 0.0, sc = 0.0, src = 0.0;
@@ -828,7 +835,8 @@ TARGETS static void lans_compact_sums(const LayerwiseTensor *x, const LayerwiseC
 
 TARGETS static void lans_compact_apply(const LayerwiseTensor *x, const LayerwiseConfig *cfg,
                                        double bc1, double bc2_sqrt, float ginv, float a, float b2,
-                                       float ratio_r, float ratio_c) {
+                                       float ratio_r, float ratio_c, float *keep) {
+    (void)keep;
     LANS_SCALARS;
     COMPACT_GRID(x);
     const int moved = cfg->moved;
@@ -855,7 +863,9 @@ TARGETS static void lans_compact_apply(const LayerwiseTensor *x, const Layerwise
  * block goes through the same instructions under a mask, so an element is computed alike
  * wherever its block starts in memory and a sharded run computes it as one process does.
  * Weights and gradients are staged as above; each block's new int8 moments wait in mb, vb
- * until the block's largest values are known, bfloat16 ones are rounded and stored at once. */
+ * until the block's largest values are known, bfloat16 ones are rounded and stored at once.
+ * LAMB and LANS keep the updates of each tensor's last blocks from the first pass to the second
+ * (keep_take), where the second pass would compute them again. */
 #if defined(__x86_64__) && defined(__GNUC__)
 #define HAVE_V16 1
 #define V16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma,bmi2")))
@@ -1026,6 +1036,11 @@ V16_INLINE void v16_encode_block(const Stored *st, int64_t b, int64_t at, int64_
     v16_encode(st->v, st->v_scale, 0, b, at, len, vb, av);
 }
 
+/* Floats in the buffer where LAMB and LANS keep updates between their passes (keep_take):
+ * 8 MiB, about what a core's share of the last-level cache holds along with the weights and
+ * gradients of the blocks it covers. */
+#define KEEP_CAP ((int64_t)1 << 21)
+
 /* What the AVX-512 loops of a tensor read: its operands and the update's scalars (those a
  * loop does not use are 0). Each thread works on a copy, in registers. */
 typedef struct {
@@ -1039,6 +1054,8 @@ typedef struct {
     float wd_g, wd_u, wd;                 /* LAMB's decay into g or u; LANS's and Adam's */
     float lr, ratio, a, b2, ratio_r, ratio_c; /* LAMB's and LANS's second pass */
     float decay, step_size;               /* Adam */
+    float *keep;        /* LAMB: the updates of blocks keep_block.. (from element keep_from) */
+    int64_t keep_block, keep_from;
 } Blocks;
 
 static Blocks blocks_of(void *w, uint16_t *low, int kind, int64_t row_len, Staging s,
@@ -1053,6 +1070,7 @@ static Blocks blocks_of(void *w, uint16_t *low, int kind, int64_t row_len, Stagi
     c.in_place = !(kind & 2) && !low;
     c.row_len = row_len;
     c.per_row = (row_len + COMPACT_BLOCK - 1) / COMPACT_BLOCK;
+    c.keep_block = INT64_MAX; /* none kept */
     return c;
 }
 
@@ -1130,13 +1148,30 @@ static Blocks blocks_of(void *w, uint16_t *low, int kind, int64_t row_len, Stagi
     V16_MOMENTS(gi);                                                                           \
     const __m512 u = _mm512_fmadd_ps(_mm512_mul_ps(mi, vibc1), dinv, _mm512_mul_ps(vwd_u, w))
 
+/* LAMB's first pass. Blocks from c.keep_block on (the end of the tensor, where the second
+ * pass starts) also store their new moments and keep their updates in c.keep, so that the
+ * second pass only writes their weights; the others only add up the norms. */
 V16_BLOCKS(lamb_sums_blocks)
     const __m512 vwd_g = V16_SET(c.wd_g), vwd_u = V16_SET(c.wd_u);
     __m512 bw = _mm512_setzero_ps(), bu = _mm512_setzero_ps();
-    V16_EACH_CHUNK(
-        V16_LAMB_U;
-        bw = _mm512_mask3_fmadd_ps(w, w, bw, k);
-        bu = _mm512_mask3_fmadd_ps(u, u, bu, k);)
+    if (b < c.keep_block) {
+        V16_EACH_CHUNK(
+            V16_LAMB_U;
+            bw = _mm512_mask3_fmadd_ps(w, w, bw, k);
+            bu = _mm512_mask3_fmadd_ps(u, u, bu, k);)
+    } else {
+        float *keep = c.keep + (at - c.keep_from);
+        V16_MAXIMA;
+        V16_EACH_CHUNK(
+            V16_LAMB_U;
+            bw = _mm512_mask3_fmadd_ps(w, w, bw, k);
+            bu = _mm512_mask3_fmadd_ps(u, u, bu, k);
+            _mm512_mask_storeu_ps(keep + j, k, u);
+            V16_KEEP_MOMENTS)
+        if (int8)
+            v16_encode_block(&c.st, b, at, len, mb, vb, _mm512_reduce_max_ps(am),
+                             _mm512_reduce_max_ps(av));
+    }
     sums[0] += _mm512_reduce_add_ps(bw);
     sums[1] += _mm512_reduce_add_ps(bu);
 V16_BLOCKS_END
@@ -1144,6 +1179,17 @@ V16_BLOCKS_END
 V16_BLOCKS(lamb_apply_blocks)
     const __m512 vwd_g = V16_SET(c.wd_g), vwd_u = V16_SET(c.wd_u);
     const __m512 vlr = V16_SET(c.lr), vratio = V16_SET(c.ratio);
+    if (b >= c.keep_block) { /* the update kept by the first pass; the moments are stored */
+        const float *keep = c.keep + (at - c.keep_from);
+        for (int64_t j = 0; j < len; j += 16) {
+            const __mmask16 k = v16_mask(j, len);
+            const __m512 w = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, wp + j), vwf);
+            const __m512 u = _mm512_maskz_loadu_ps(k, keep + j);
+            _mm512_mask_storeu_ps(wo + j, k, _mm512_fnmadd_ps(vlr, _mm512_mul_ps(vratio, u), w));
+        }
+        if (!c.in_place) unstage_w(c.w, c.low, c.split, at, len, wb);
+        continue;
+    }
     V16_MAXIMA;
     V16_EACH_CHUNK(
         V16_LAMB_U;
@@ -1157,31 +1203,69 @@ V16_BLOCKS_END
     V16_MOMENTS(gt);                                                                           \
     const __m512 r = _mm512_fmadd_ps(_mm512_mul_ps(mi, vibc1), dinv, _mm512_mul_ps(vwd, w))
 
+/* LANS's sums of a block's lanes (r, and cc of the weights before the step). */
+#define V16_LANS_SUMS                                                                          \
+    const __m512 cc = _mm512_fmadd_ps(gt, dinv, _mm512_mul_ps(vwd, w));                       \
+    bw = _mm512_mask3_fmadd_ps(w, w, bw, k);                                                   \
+    br = _mm512_mask3_fmadd_ps(r, r, br, k);                                                   \
+    bc = _mm512_mask3_fmadd_ps(cc, cc, bc, k);                                                 \
+    brc = _mm512_mask3_fmadd_ps(r, cc, brc, k)
+
+/* LANS's first pass; blocks from c.keep_block on also store their moments and keep r and
+ * 1/(sqrt(v^) + eps) in c.keep (the first and second half), as lamb_sums_blocks. */
 V16_BLOCKS(lans_sums_blocks)
     const __m512 vwd = V16_SET(c.wd);
     __m512 bw = _mm512_setzero_ps(), br = bw, bc = bw, brc = bw;
-    V16_EACH_CHUNK(
-        V16_LANS_R;
-        const __m512 cc = _mm512_fmadd_ps(gt, dinv, _mm512_mul_ps(vwd, w));
-        bw = _mm512_mask3_fmadd_ps(w, w, bw, k);
-        br = _mm512_mask3_fmadd_ps(r, r, br, k);
-        bc = _mm512_mask3_fmadd_ps(cc, cc, bc, k);
-        brc = _mm512_mask3_fmadd_ps(r, cc, brc, k);)
+    if (b < c.keep_block) {
+        V16_EACH_CHUNK(
+            V16_LANS_R;
+            V16_LANS_SUMS;)
+    } else {
+        float *keep = c.keep + (at - c.keep_from);
+        V16_MAXIMA;
+        V16_EACH_CHUNK(
+            V16_LANS_R;
+            V16_LANS_SUMS;
+            _mm512_mask_storeu_ps(keep + j, k, r);
+            _mm512_mask_storeu_ps(keep + KEEP_CAP / 2 + j, k, dinv);
+            V16_KEEP_MOMENTS)
+        if (int8)
+            v16_encode_block(&c.st, b, at, len, mb, vb, _mm512_reduce_max_ps(am),
+                             _mm512_reduce_max_ps(av));
+    }
     sums[0] += _mm512_reduce_add_ps(bw);
     sums[1] += _mm512_reduce_add_ps(br);
     sums[2] += _mm512_reduce_add_ps(bc);
     sums[3] += _mm512_reduce_add_ps(brc);
 V16_BLOCKS_END
 
+/* LANS's weights from r and dinv. */
+#define V16_LANS_WEIGHTS                                                                       \
+    const __m512 w1 = _mm512_fnmadd_ps(va, _mm512_mul_ps(vratio_r, r), w);                     \
+    const __m512 cc = _mm512_fmadd_ps(gt, dinv, _mm512_mul_ps(vwd, c.moved ? w1 : w));         \
+    _mm512_mask_storeu_ps(wo + j, k, _mm512_fnmadd_ps(vb2, _mm512_mul_ps(vratio_c, cc), w1))
+
 V16_BLOCKS(lans_apply_blocks)
     const __m512 vwd = V16_SET(c.wd), va = V16_SET(c.a), vb2 = V16_SET(c.b2);
     const __m512 vratio_r = V16_SET(c.ratio_r), vratio_c = V16_SET(c.ratio_c);
+    if (b >= c.keep_block) { /* r and dinv kept by the first pass; the moments are stored */
+        const float *keep = c.keep + (at - c.keep_from);
+        for (int64_t j = 0; j < len; j += 16) {
+            const __mmask16 k = v16_mask(j, len);
+            const __m512 w = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, wp + j), vwf);
+            const __m512 gt = _mm512_min_ps(
+                vghi, _mm512_max_ps(vglo, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, gp + j), vgm)));
+            const __m512 r = _mm512_maskz_loadu_ps(k, keep + j);
+            const __m512 dinv = _mm512_maskz_loadu_ps(k, keep + KEEP_CAP / 2 + j);
+            V16_LANS_WEIGHTS;
+        }
+        if (!c.in_place) unstage_w(c.w, c.low, c.split, at, len, wb);
+        continue;
+    }
     V16_MAXIMA;
     V16_EACH_CHUNK(
         V16_LANS_R;
-        const __m512 w1 = _mm512_fnmadd_ps(va, _mm512_mul_ps(vratio_r, r), w);
-        const __m512 cc = _mm512_fmadd_ps(gt, dinv, _mm512_mul_ps(vwd, c.moved ? w1 : w));
-        _mm512_mask_storeu_ps(wo + j, k, _mm512_fnmadd_ps(vb2, _mm512_mul_ps(vratio_c, cc), w1));
+        V16_LANS_WEIGHTS;
         V16_KEEP_MOMENTS)
     V16_BLOCK_OUTPUTS;
 V16_BLOCKS_END
@@ -1246,16 +1330,52 @@ static Blocks lamb_blocks(const LayerwiseTensor *x, const LayerwiseConfig *cfg, 
     return c;
 }
 
+/* The kept updates (lamb_sums_blocks, lans_sums_blocks): one buffer of KEEP_CAP floats for
+ * the process, allocated at the first step that uses it and held by one *_multi call at a
+ * time (keep_take gives NULL while another holds it, or where the AVX-512 loops do not run).
+ * It covers the last KEEP_CAP elements of each tensor (KEEP_CAP / 2 for LANS, which keeps
+ * two numbers per element). Only *_multi, which runs both passes of a tensor back to back,
+ * keeps; the sharded calls (*_multi_sums, then *_multi_apply) compute the updates again. */
+static float *keep_buffer;
+static char keep_busy;
+
+static float *keep_take(void) {
+    if (!v16_on() || __atomic_test_and_set(&keep_busy, __ATOMIC_ACQUIRE)) return NULL;
+    if (!keep_buffer) keep_buffer = (float *)malloc(KEEP_CAP * sizeof(float));
+    if (!keep_buffer) __atomic_clear(&keep_busy, __ATOMIC_RELEASE);
+    return keep_buffer;
+}
+
+static void keep_give(float *keep) {
+    if (keep) __atomic_clear(&keep_busy, __ATOMIC_RELEASE);
+}
+
+/* The blocks of a tensor of n elements whose updates fit in keep, each taking floats floats:
+ * its last blocks from the first that starts at or after n - KEEP_CAP / floats. */
+static void keep_range(Blocks *c, int64_t n, float *keep, int64_t floats) {
+    if (!keep || c->row_len <= 0) return;
+    const int64_t cap = KEEP_CAP / floats, total = n / c->row_len * c->per_row;
+    const int64_t start = n > cap ? n - cap : 0;
+    const int64_t r = start / c->row_len, o = start % c->row_len;
+    int64_t len;
+    c->keep = keep;
+    c->keep_block = r * c->per_row + (o + COMPACT_BLOCK - 1) / COMPACT_BLOCK;
+    c->keep_from = c->keep_block < total ? block_start(c->keep_block, c->per_row, c->row_len, &len) : n;
+}
+
 static void lamb_compact_sums_v16(const LayerwiseTensor *x, const LayerwiseConfig *cfg,
-                                  double bc1, double bc2_sqrt, float decay, double *out) {
-    const Blocks c = lamb_blocks(x, cfg, bc1, bc2_sqrt, decay);
+                                  double bc1, double bc2_sqrt, float decay, double *out,
+                                  float *keep) {
+    Blocks c = lamb_blocks(x, cfg, bc1, bc2_sqrt, decay);
+    keep_range(&c, x->n, keep, 1);
     v16_run(lamb_sums_blocks, &c, x->n, cfg->nthreads, out, 2);
 }
 
 static void lamb_compact_apply_v16(const LayerwiseTensor *x, const LayerwiseConfig *cfg,
                                    double bc1, double bc2_sqrt, float decay, float lr,
-                                   float ratio) {
+                                   float ratio, float *keep) {
     Blocks c = lamb_blocks(x, cfg, bc1, bc2_sqrt, decay);
+    keep_range(&c, x->n, keep, 1);
     c.lr = lr, c.ratio = ratio;
     v16_run(lamb_apply_blocks, &c, x->n, cfg->nthreads, NULL, 0);
 }
@@ -1269,15 +1389,18 @@ static Blocks lans_blocks(const LayerwiseTensor *x, const LayerwiseConfig *cfg, 
 }
 
 static void lans_compact_sums_v16(const LayerwiseTensor *x, const LayerwiseConfig *cfg,
-                                  double bc1, double bc2_sqrt, float ginv, double *out) {
-    const Blocks c = lans_blocks(x, cfg, bc1, bc2_sqrt, ginv);
+                                  double bc1, double bc2_sqrt, float ginv, double *out,
+                                  float *keep) {
+    Blocks c = lans_blocks(x, cfg, bc1, bc2_sqrt, ginv);
+    keep_range(&c, x->n, keep, 2);
     v16_run(lans_sums_blocks, &c, x->n, cfg->nthreads, out, 4);
 }
 
 static void lans_compact_apply_v16(const LayerwiseTensor *x, const LayerwiseConfig *cfg,
                                    double bc1, double bc2_sqrt, float ginv, float a, float b2,
-                                   float ratio_r, float ratio_c) {
+                                   float ratio_r, float ratio_c, float *keep) {
     Blocks c = lans_blocks(x, cfg, bc1, bc2_sqrt, ginv);
+    keep_range(&c, x->n, keep, 2);
     c.a = a, c.b2 = b2, c.ratio_r = ratio_r, c.ratio_c = ratio_c;
     v16_run(lans_apply_blocks, &c, x->n, cfg->nthreads, NULL, 0);
 }
@@ -1299,6 +1422,8 @@ int32_t compact_simd(int32_t use) {
     (void)use;
     return 0;
 }
+static float *keep_take(void) { return NULL; }
+static void keep_give(float *keep) { (void)keep; }
 #define COMPACT_CALL(FN, ARGS) FN ARGS
 #endif
 
@@ -1469,12 +1594,14 @@ static void bias_corrections(float *step, int advance, const LayerwiseConfig *cf
  * in the caches); *_multi_sums and *_multi_apply run each over all tensors, so that the sums of
  * sharded tensors' local pieces can be totalled (one all-reduce) in between. */
 
-static void lamb_sums(const LayerwiseTensor *x, const LayerwiseConfig *cfg, double *sums) {
+/* keep: where the AVX-512 loops may keep updates between the two passes (keep_take), or NULL. */
+static void lamb_sums(const LayerwiseTensor *x, const LayerwiseConfig *cfg, double *sums,
+                      float *keep) {
     double bc1, bc2_sqrt;
     bias_corrections(x->step, 1, cfg, &bc1, &bc2_sqrt);
     const float decay = (float)(1.0 - x->lr * x->wd);
     if (x->form != FORM_F32) {
-        COMPACT_CALL(lamb_compact_sums, (x, cfg, bc1, bc2_sqrt, decay, sums));
+        COMPACT_CALL(lamb_compact_sums, (x, cfg, bc1, bc2_sqrt, decay, sums, keep));
         return;
     }
     uint16_t *lo = (x->kind & 2) ? x->low : NULL;
@@ -1489,13 +1616,15 @@ static void lamb_sums(const LayerwiseTensor *x, const LayerwiseConfig *cfg, doub
 #undef CALL_LAMB_PHASE1
 }
 
-static void lamb_apply(const LayerwiseTensor *x, const LayerwiseConfig *cfg, const double *sums) {
+static void lamb_apply(const LayerwiseTensor *x, const LayerwiseConfig *cfg, const double *sums,
+                       float *keep) {
     double bc1, bc2_sqrt;
     bias_corrections(x->step, 0, cfg, &bc1, &bc2_sqrt);
     const float decay = (float)(1.0 - x->lr * x->wd);
     const double ratio = x->adapt ? trust_ratio(sums[0], sums[1], cfg) : 1.0;
     if (x->form != FORM_F32) {
-        COMPACT_CALL(lamb_compact_apply, (x, cfg, bc1, bc2_sqrt, decay, (float)x->lr, (float)ratio));
+        COMPACT_CALL(lamb_compact_apply,
+                     (x, cfg, bc1, bc2_sqrt, decay, (float)x->lr, (float)ratio, keep));
         return;
     }
     lamb_phase2(x->w, x->m, x->v, x->n, (float)bc1, (float)bc2_sqrt, cfg->eps, (float)x->wd,
@@ -1505,22 +1634,24 @@ static void lamb_apply(const LayerwiseTensor *x, const LayerwiseConfig *cfg, con
 
 void lamb_multi(const LayerwiseTensor *ts, int64_t count, const LayerwiseConfig *cfg) {
     double sums[2];
+    float *keep = keep_take();
     for (int64_t t = 0; t < count; t++) {
-        lamb_sums(&ts[t], cfg, sums);
-        lamb_apply(&ts[t], cfg, sums);
+        lamb_sums(&ts[t], cfg, sums, keep);
+        lamb_apply(&ts[t], cfg, sums, keep);
     }
+    keep_give(keep);
 }
 
 /* sums[2t], sums[2t + 1]: ||w||^2 and ||u||^2 of tensor t (of its local piece). */
 void lamb_multi_sums(const LayerwiseTensor *ts, int64_t count, const LayerwiseConfig *cfg,
                      double *sums) {
-    for (int64_t t = 0; t < count; t++) lamb_sums(&ts[t], cfg, sums + 2 * t);
+    for (int64_t t = 0; t < count; t++) lamb_sums(&ts[t], cfg, sums + 2 * t, NULL);
 }
 
 /* The tensors in the order opposite to the sums pass, which left the last ones in the caches. */
 void lamb_multi_apply(const LayerwiseTensor *ts, int64_t count, const LayerwiseConfig *cfg,
                       const double *sums) {
-    for (int64_t t = count - 1; t >= 0; t--) lamb_apply(&ts[t], cfg, sums + 2 * t);
+    for (int64_t t = count - 1; t >= 0; t--) lamb_apply(&ts[t], cfg, sums + 2 * t, NULL);
 }
 
 /* LANS's gradient norm: x->gsq when given (>= 0: already computed by the same sum_squares, for
@@ -1540,11 +1671,11 @@ static float lans_ginv(const LayerwiseTensor *x, const LayerwiseConfig *cfg) {
 }
 
 static void lans_sums(const LayerwiseTensor *x, const LayerwiseConfig *cfg, float ginv,
-                      double *sums) {
+                      double *sums, float *keep) {
     double bc1, bc2_sqrt;
     bias_corrections(x->step, 1, cfg, &bc1, &bc2_sqrt);
     if (x->form != FORM_F32) {
-        COMPACT_CALL(lans_compact_sums, (x, cfg, bc1, bc2_sqrt, ginv, sums));
+        COMPACT_CALL(lans_compact_sums, (x, cfg, bc1, bc2_sqrt, ginv, sums, keep));
         return;
     }
     uint16_t *lo = (x->kind & 2) ? x->low : NULL;
@@ -1560,7 +1691,7 @@ static void lans_sums(const LayerwiseTensor *x, const LayerwiseConfig *cfg, floa
 }
 
 static void lans_apply(const LayerwiseTensor *x, const LayerwiseConfig *cfg, float ginv,
-                       const double *sums) {
+                       const double *sums, float *keep) {
     double bc1, bc2_sqrt;
     bias_corrections(x->step, 0, cfg, &bc1, &bc2_sqrt);
     const double a = x->lr * cfg->beta1, b = x->lr * (1.0 - cfg->beta1);
@@ -1574,7 +1705,7 @@ static void lans_apply(const LayerwiseTensor *x, const LayerwiseConfig *cfg, flo
     const double ratio_c = x->adapt ? trust_ratio(sums[0], c2, cfg) : 1.0;
     if (x->form != FORM_F32) {
         COMPACT_CALL(lans_compact_apply, (x, cfg, bc1, bc2_sqrt, ginv, (float)a, (float)b,
-                                          (float)ratio_r, (float)ratio_c));
+                                          (float)ratio_r, (float)ratio_c, keep));
         return;
     }
 #define CALL_LANS_PHASE2(FN, GT)                                                               \
@@ -1590,11 +1721,13 @@ static void lans_apply(const LayerwiseTensor *x, const LayerwiseConfig *cfg, flo
 
 void lans_multi(const LayerwiseTensor *ts, int64_t count, const LayerwiseConfig *cfg) {
     double sums[4];
+    float *keep = keep_take();
     for (int64_t t = 0; t < count; t++) {
         const float ginv = lans_ginv(&ts[t], cfg);
-        lans_sums(&ts[t], cfg, ginv, sums);
-        lans_apply(&ts[t], cfg, ginv, sums);
+        lans_sums(&ts[t], cfg, ginv, sums, keep);
+        lans_apply(&ts[t], cfg, ginv, sums, keep);
     }
+    keep_give(keep);
 }
 
 /* sums[4t .. 4t + 3]: ||w||^2, ||r||^2, ||c||^2 and <c, r> of tensor t (of its local piece);
@@ -1605,13 +1738,13 @@ void lans_multi_sums(const LayerwiseTensor *ts, int64_t count, const LayerwiseCo
                      double *sums) {
     /* the gradients' sums were taken in ascending order: start where they ended */
     for (int64_t t = count - 1; t >= 0; t--)
-        lans_sums(&ts[t], cfg, lans_ginv(&ts[t], cfg), sums + 4 * t);
+        lans_sums(&ts[t], cfg, lans_ginv(&ts[t], cfg), sums + 4 * t, NULL);
 }
 
 void lans_multi_apply(const LayerwiseTensor *ts, int64_t count, const LayerwiseConfig *cfg,
                       const double *sums) {
     for (int64_t t = 0; t < count; t++)
-        lans_apply(&ts[t], cfg, lans_ginv(&ts[t], cfg), sums + 4 * t);
+        lans_apply(&ts[t], cfg, lans_ginv(&ts[t], cfg), sums + 4 * t, NULL);
 }
 
 /* 1 when any of x[0..n) is inf or NaN. */
