@@ -627,6 +627,17 @@ typedef struct {
     uint32_t m_key, v_key;
 } Stored;
 
+/* The most floats of the buffer where LAMB and LANS keep updates between their passes
+ * (keep_take): 8 MiB, about what a core's share of the last-level cache holds along with the
+ * weights and gradients of the blocks it covers. */
+#define KEEP_CAP ((int64_t)1 << 21)
+
+/* That buffer, as a step holds it: size floats at at. */
+typedef struct {
+    float *at;
+    int64_t size;
+} Keep;
+
 #define STORED_OF(x)                                                                           \
     ((Stored){(x)->m, (x)->v, (x)->m_scale, (x)->v_scale, (x)->form, (x)->offset,               \
               rounding_key(*(x)->step, 1), rounding_key(*(x)->step, 2)})
@@ -742,7 +753,7 @@ static Staging staging_of(const LayerwiseTensor *x, const LayerwiseConfig *cfg, 
 
 TARGETS static void lamb_compact_sums(const LayerwiseTensor *x, const LayerwiseConfig *cfg,
                                       double bc1, double bc2_sqrt, float decay, double *out,
-                                      float *keep) {
+                                      const Keep *keep) {
     (void)keep; /* see lamb_compact_sums_v16 */
     LAMB_SCALARS;
     COMPACT_GRID(x);
@@ -766,7 +777,7 @@ TARGETS static void lamb_compact_sums(const LayerwiseTensor *x, const LayerwiseC
 
 TARGETS static void lamb_compact_apply(const LayerwiseTensor *x, const LayerwiseConfig *cfg,
                                        double bc1, double bc2_sqrt, float decay, float lr,
-                                       float ratio, float *keep) {
+                                       float ratio, const Keep *keep) {
     (void)keep;
     LAMB_SCALARS;
     COMPACT_GRID(x);
@@ -805,7 +816,7 @@ TARGETS static void lamb_compact_apply(const LayerwiseTensor *x, const Layerwise
 
 TARGETS static void lans_compact_sums(const LayerwiseTensor *x, const LayerwiseConfig *cfg,
                                       double bc1, double bc2_sqrt, float ginv, double *out,
-                                      float *keep) {
+                                      const Keep *keep) {
     (void)keep;
     LANS_SCALARS;
     COMPACT_GRID(x);
@@ -835,7 +846,7 @@ TARGETS static void lans_compact_sums(const LayerwiseTensor *x, const LayerwiseC
 
 TARGETS static void lans_compact_apply(const LayerwiseTensor *x, const LayerwiseConfig *cfg,
                                        double bc1, double bc2_sqrt, float ginv, float a, float b2,
-                                       float ratio_r, float ratio_c, float *keep) {
+                                       float ratio_r, float ratio_c, const Keep *keep) {
     (void)keep;
     LANS_SCALARS;
     COMPACT_GRID(x);
@@ -1036,11 +1047,6 @@ V16_INLINE void v16_encode_block(const Stored *st, int64_t b, int64_t at, int64_
     v16_encode(st->v, st->v_scale, 0, b, at, len, vb, av);
 }
 
-/* Floats in the buffer where LAMB and LANS keep updates between their passes (keep_take):
- * 8 MiB, about what a core's share of the last-level cache holds along with the weights and
- * gradients of the blocks it covers. */
-#define KEEP_CAP ((int64_t)1 << 21)
-
 /* What the AVX-512 loops of a tensor read: its operands and the update's scalars (those a
  * loop does not use are 0). Each thread works on a copy, in registers. */
 typedef struct {
@@ -1054,8 +1060,8 @@ typedef struct {
     float wd_g, wd_u, wd;                 /* LAMB's decay into g or u; LANS's and Adam's */
     float lr, ratio, a, b2, ratio_r, ratio_c; /* LAMB's and LANS's second pass */
     float decay, step_size;               /* Adam */
-    float *keep;        /* LAMB: the updates of blocks keep_block.. (from element keep_from) */
-    int64_t keep_block, keep_from;
+    float *keep;        /* the updates of blocks keep_block.. (from element keep_from) */
+    int64_t keep_block, keep_from, keep_half; /* LANS: its second numbers from keep_half on */
 } Blocks;
 
 static Blocks blocks_of(void *w, uint16_t *low, int kind, int64_t row_len, Staging s,
@@ -1227,7 +1233,7 @@ V16_BLOCKS(lans_sums_blocks)
             V16_LANS_R;
             V16_LANS_SUMS;
             _mm512_mask_storeu_ps(keep + j, k, r);
-            _mm512_mask_storeu_ps(keep + KEEP_CAP / 2 + j, k, dinv);
+            _mm512_mask_storeu_ps(keep + c.keep_half + j, k, dinv);
             V16_KEEP_MOMENTS)
         if (int8)
             v16_encode_block(&c.st, b, at, len, mb, vb, _mm512_reduce_max_ps(am),
@@ -1256,7 +1262,7 @@ V16_BLOCKS(lans_apply_blocks)
             const __m512 gt = _mm512_min_ps(
                 vghi, _mm512_max_ps(vglo, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, gp + j), vgm)));
             const __m512 r = _mm512_maskz_loadu_ps(k, keep + j);
-            const __m512 dinv = _mm512_maskz_loadu_ps(k, keep + KEEP_CAP / 2 + j);
+            const __m512 dinv = _mm512_maskz_loadu_ps(k, keep + c.keep_half + j);
             V16_LANS_WEIGHTS;
         }
         if (!c.in_place) unstage_w(c.w, c.low, c.split, at, len, wb);
@@ -1330,42 +1336,61 @@ static Blocks lamb_blocks(const LayerwiseTensor *x, const LayerwiseConfig *cfg, 
     return c;
 }
 
-/* The kept updates (lamb_sums_blocks, lans_sums_blocks): one buffer of KEEP_CAP floats for
- * the process, allocated at the first step that uses it and held by one *_multi call at a
- * time (keep_take gives NULL while another holds it, or where the AVX-512 loops do not run).
- * It covers the last KEEP_CAP elements of each tensor (KEEP_CAP / 2 for LANS, which keeps
- * two numbers per element). Only *_multi, which runs both passes of a tensor back to back,
- * keeps; the sharded calls (*_multi_sums, then *_multi_apply) compute the updates again. */
+/* The kept updates (lamb_sums_blocks, lans_sums_blocks): one buffer for the process, of up
+ * to KEEP_CAP floats, held by one *_multi call at a time. It covers the last elements of each
+ * tensor, as many as it holds (half as many for LANS, which keeps two numbers per element).
+ * Only *_multi, which runs both passes of a tensor back to back, keeps; the sharded calls
+ * (*_multi_sums, then *_multi_apply) compute the updates again. */
 static float *keep_buffer;
+static int64_t keep_floats;
 static char keep_busy;
 
-static float *keep_take(void) {
-    if (!v16_on() || __atomic_test_and_set(&keep_busy, __ATOMIC_ACQUIRE)) return NULL;
-    if (!keep_buffer) keep_buffer = (float *)malloc(KEEP_CAP * sizeof(float));
-    if (!keep_buffer) __atomic_clear(&keep_busy, __ATOMIC_RELEASE);
-    return keep_buffer;
+/* The buffer for the updates of the compact tensors of ts, floats per element: as large as
+ * the largest needs, up to KEEP_CAP (grown, never shrunk). NULL where nothing is compact,
+ * where another call holds it, or where the AVX-512 loops do not run. */
+static const Keep *keep_take(const LayerwiseTensor *ts, int64_t count, int64_t floats,
+                             Keep *keep) {
+    int64_t need = 0;
+    for (int64_t t = 0; t < count; t++)
+        if (ts[t].form != FORM_F32 && ts[t].n * floats > need) need = ts[t].n * floats;
+    need = need < KEEP_CAP ? need : KEEP_CAP;
+    if (need == 0 || !v16_on() || __atomic_test_and_set(&keep_busy, __ATOMIC_ACQUIRE))
+        return NULL;
+    if (keep_floats < need) {
+        free(keep_buffer);
+        keep_buffer = (float *)malloc(need * sizeof(float));
+        keep_floats = keep_buffer ? need : 0;
+    }
+    if (!keep_buffer) {
+        __atomic_clear(&keep_busy, __ATOMIC_RELEASE);
+        return NULL;
+    }
+    *keep = (Keep){keep_buffer, keep_floats};
+    return keep;
 }
 
-static void keep_give(float *keep) {
+static void keep_give(const Keep *keep) {
     if (keep) __atomic_clear(&keep_busy, __ATOMIC_RELEASE);
 }
 
 /* The blocks of a tensor of n elements whose updates fit in keep, each taking floats floats:
- * its last blocks from the first that starts at or after n - KEEP_CAP / floats. */
-static void keep_range(Blocks *c, int64_t n, float *keep, int64_t floats) {
+ * its last blocks from the first that starts at or after n - keep->size / floats (the second
+ * numbers from keep->size / 2 on). */
+static void keep_range(Blocks *c, int64_t n, const Keep *keep, int64_t floats) {
     if (!keep || c->row_len <= 0) return;
-    const int64_t cap = KEEP_CAP / floats, total = n / c->row_len * c->per_row;
+    const int64_t cap = keep->size / floats, total = n / c->row_len * c->per_row;
     const int64_t start = n > cap ? n - cap : 0;
     const int64_t r = start / c->row_len, o = start % c->row_len;
     int64_t len;
-    c->keep = keep;
+    c->keep = keep->at;
+    c->keep_half = keep->size / 2;
     c->keep_block = r * c->per_row + (o + COMPACT_BLOCK - 1) / COMPACT_BLOCK;
     c->keep_from = c->keep_block < total ? block_start(c->keep_block, c->per_row, c->row_len, &len) : n;
 }
 
 static void lamb_compact_sums_v16(const LayerwiseTensor *x, const LayerwiseConfig *cfg,
                                   double bc1, double bc2_sqrt, float decay, double *out,
-                                  float *keep) {
+                                  const Keep *keep) {
     Blocks c = lamb_blocks(x, cfg, bc1, bc2_sqrt, decay);
     keep_range(&c, x->n, keep, 1);
     v16_run(lamb_sums_blocks, &c, x->n, cfg->nthreads, out, 2);
@@ -1373,7 +1398,7 @@ static void lamb_compact_sums_v16(const LayerwiseTensor *x, const LayerwiseConfi
 
 static void lamb_compact_apply_v16(const LayerwiseTensor *x, const LayerwiseConfig *cfg,
                                    double bc1, double bc2_sqrt, float decay, float lr,
-                                   float ratio, float *keep) {
+                                   float ratio, const Keep *keep) {
     Blocks c = lamb_blocks(x, cfg, bc1, bc2_sqrt, decay);
     keep_range(&c, x->n, keep, 1);
     c.lr = lr, c.ratio = ratio;
@@ -1390,7 +1415,7 @@ static Blocks lans_blocks(const LayerwiseTensor *x, const LayerwiseConfig *cfg, 
 
 static void lans_compact_sums_v16(const LayerwiseTensor *x, const LayerwiseConfig *cfg,
                                   double bc1, double bc2_sqrt, float ginv, double *out,
-                                  float *keep) {
+                                  const Keep *keep) {
     Blocks c = lans_blocks(x, cfg, bc1, bc2_sqrt, ginv);
     keep_range(&c, x->n, keep, 2);
     v16_run(lans_sums_blocks, &c, x->n, cfg->nthreads, out, 4);
@@ -1398,7 +1423,7 @@ static void lans_compact_sums_v16(const LayerwiseTensor *x, const LayerwiseConfi
 
 static void lans_compact_apply_v16(const LayerwiseTensor *x, const LayerwiseConfig *cfg,
                                    double bc1, double bc2_sqrt, float ginv, float a, float b2,
-                                   float ratio_r, float ratio_c, float *keep) {
+                                   float ratio_r, float ratio_c, const Keep *keep) {
     Blocks c = lans_blocks(x, cfg, bc1, bc2_sqrt, ginv);
     keep_range(&c, x->n, keep, 2);
     c.a = a, c.b2 = b2, c.ratio_r = ratio_r, c.ratio_c = ratio_c;
@@ -1422,8 +1447,12 @@ int32_t compact_simd(int32_t use) {
     (void)use;
     return 0;
 }
-static float *keep_take(void) { return NULL; }
-static void keep_give(float *keep) { (void)keep; }
+static const Keep *keep_take(const LayerwiseTensor *ts, int64_t count, int64_t floats,
+                             Keep *keep) {
+    (void)ts, (void)count, (void)floats, (void)keep;
+    return NULL;
+}
+static void keep_give(const Keep *keep) { (void)keep; }
 #define COMPACT_CALL(FN, ARGS) FN ARGS
 #endif
 
@@ -1596,7 +1625,7 @@ static void bias_corrections(float *step, int advance, const LayerwiseConfig *cf
 
 /* keep: where the AVX-512 loops may keep updates between the two passes (keep_take), or NULL. */
 static void lamb_sums(const LayerwiseTensor *x, const LayerwiseConfig *cfg, double *sums,
-                      float *keep) {
+                      const Keep *keep) {
     double bc1, bc2_sqrt;
     bias_corrections(x->step, 1, cfg, &bc1, &bc2_sqrt);
     const float decay = (float)(1.0 - x->lr * x->wd);
@@ -1617,7 +1646,7 @@ static void lamb_sums(const LayerwiseTensor *x, const LayerwiseConfig *cfg, doub
 }
 
 static void lamb_apply(const LayerwiseTensor *x, const LayerwiseConfig *cfg, const double *sums,
-                       float *keep) {
+                       const Keep *keep) {
     double bc1, bc2_sqrt;
     bias_corrections(x->step, 0, cfg, &bc1, &bc2_sqrt);
     const float decay = (float)(1.0 - x->lr * x->wd);
@@ -1634,7 +1663,8 @@ static void lamb_apply(const LayerwiseTensor *x, const LayerwiseConfig *cfg, con
 
 void lamb_multi(const LayerwiseTensor *ts, int64_t count, const LayerwiseConfig *cfg) {
     double sums[2];
-    float *keep = keep_take();
+    Keep buffer;
+    const Keep *keep = keep_take(ts, count, 1, &buffer);
     for (int64_t t = 0; t < count; t++) {
         lamb_sums(&ts[t], cfg, sums, keep);
         lamb_apply(&ts[t], cfg, sums, keep);
@@ -1671,7 +1701,7 @@ static float lans_ginv(const LayerwiseTensor *x, const LayerwiseConfig *cfg) {
 }
 
 static void lans_sums(const LayerwiseTensor *x, const LayerwiseConfig *cfg, float ginv,
-                      double *sums, float *keep) {
+                      double *sums, const Keep *keep) {
     double bc1, bc2_sqrt;
     bias_corrections(x->step, 1, cfg, &bc1, &bc2_sqrt);
     if (x->form != FORM_F32) {
@@ -1691,7 +1721,7 @@ static void lans_sums(const LayerwiseTensor *x, const LayerwiseConfig *cfg, floa
 }
 
 static void lans_apply(const LayerwiseTensor *x, const LayerwiseConfig *cfg, float ginv,
-                       const double *sums, float *keep) {
+                       const double *sums, const Keep *keep) {
     double bc1, bc2_sqrt;
     bias_corrections(x->step, 0, cfg, &bc1, &bc2_sqrt);
     const double a = x->lr * cfg->beta1, b = x->lr * (1.0 - cfg->beta1);
@@ -1721,7 +1751,8 @@ static void lans_apply(const LayerwiseTensor *x, const LayerwiseConfig *cfg, flo
 
 void lans_multi(const LayerwiseTensor *ts, int64_t count, const LayerwiseConfig *cfg) {
     double sums[4];
-    float *keep = keep_take();
+    Keep buffer;
+    const Keep *keep = keep_take(ts, count, 2, &buffer);
     for (int64_t t = 0; t < count; t++) {
         const float ginv = lans_ginv(&ts[t], cfg);
         lans_sums(&ts[t], cfg, ginv, sums, keep);
