@@ -1327,15 +1327,6 @@ static void v16_run(void (*fn)(const Blocks *, int64_t, int64_t, double *), cons
     c.one_m_b1 = one_m_b1, c.one_m_b2 = one_m_b2, c.beta2 = beta2, c.eps = eps;                \
     c.inv_bc1 = inv_bc1, c.inv_bc2_sqrt = inv_bc2_sqrt
 
-/* The scalars of LAMB's loops, as LAMB_SCALARS. */
-static Blocks lamb_blocks(const LayerwiseTensor *x, const LayerwiseConfig *cfg, double bc1,
-                          double bc2_sqrt, float decay) {
-    LAMB_SCALARS;
-    LAYERWISE_BLOCKS(x);
-    c.wd_g = wd_g, c.wd_u = wd_u;
-    return c;
-}
-
 /* The kept updates (lamb_sums_blocks, lans_sums_blocks): one buffer for the process, of up
  * to KEEP_CAP floats, held by one *_multi call at a time. It covers the last elements of each
  * tensor, as many as it holds (half as many for LANS, which keeps two numbers per element).
@@ -1388,44 +1379,52 @@ static void keep_range(Blocks *c, int64_t n, const Keep *keep, int64_t floats) {
     c->keep_from = c->keep_block < total ? block_start(c->keep_block, c->per_row, c->row_len, &len) : n;
 }
 
+/* The Blocks of a LAMB tensor: the scalars of LAMB_SCALARS, the updates it keeps in keep. */
+static Blocks lamb_blocks(const LayerwiseTensor *x, const LayerwiseConfig *cfg, double bc1,
+                          double bc2_sqrt, float decay, const Keep *keep) {
+    LAMB_SCALARS;
+    LAYERWISE_BLOCKS(x);
+    c.wd_g = wd_g, c.wd_u = wd_u;
+    keep_range(&c, x->n, keep, 1);
+    return c;
+}
+
 static void lamb_compact_sums_v16(const LayerwiseTensor *x, const LayerwiseConfig *cfg,
                                   double bc1, double bc2_sqrt, float decay, double *out,
                                   const Keep *keep) {
-    Blocks c = lamb_blocks(x, cfg, bc1, bc2_sqrt, decay);
-    keep_range(&c, x->n, keep, 1);
+    const Blocks c = lamb_blocks(x, cfg, bc1, bc2_sqrt, decay, keep);
     v16_run(lamb_sums_blocks, &c, x->n, cfg->nthreads, out, 2);
 }
 
 static void lamb_compact_apply_v16(const LayerwiseTensor *x, const LayerwiseConfig *cfg,
                                    double bc1, double bc2_sqrt, float decay, float lr,
                                    float ratio, const Keep *keep) {
-    Blocks c = lamb_blocks(x, cfg, bc1, bc2_sqrt, decay);
-    keep_range(&c, x->n, keep, 1);
+    Blocks c = lamb_blocks(x, cfg, bc1, bc2_sqrt, decay, keep);
     c.lr = lr, c.ratio = ratio;
     v16_run(lamb_apply_blocks, &c, x->n, cfg->nthreads, NULL, 0);
 }
 
+/* The Blocks of a LANS tensor (LANS_SCALARS), keeping two numbers per element. */
 static Blocks lans_blocks(const LayerwiseTensor *x, const LayerwiseConfig *cfg, double bc1,
-                          double bc2_sqrt, float ginv) {
+                          double bc2_sqrt, float ginv, const Keep *keep) {
     LANS_SCALARS;
     LAYERWISE_BLOCKS(x);
     c.wd = wd, c.moved = cfg->moved;
+    keep_range(&c, x->n, keep, 2);
     return c;
 }
 
 static void lans_compact_sums_v16(const LayerwiseTensor *x, const LayerwiseConfig *cfg,
                                   double bc1, double bc2_sqrt, float ginv, double *out,
                                   const Keep *keep) {
-    Blocks c = lans_blocks(x, cfg, bc1, bc2_sqrt, ginv);
-    keep_range(&c, x->n, keep, 2);
+    const Blocks c = lans_blocks(x, cfg, bc1, bc2_sqrt, ginv, keep);
     v16_run(lans_sums_blocks, &c, x->n, cfg->nthreads, out, 4);
 }
 
 static void lans_compact_apply_v16(const LayerwiseTensor *x, const LayerwiseConfig *cfg,
                                    double bc1, double bc2_sqrt, float ginv, float a, float b2,
                                    float ratio_r, float ratio_c, const Keep *keep) {
-    Blocks c = lans_blocks(x, cfg, bc1, bc2_sqrt, ginv);
-    keep_range(&c, x->n, keep, 2);
+    Blocks c = lans_blocks(x, cfg, bc1, bc2_sqrt, ginv, keep);
     c.a = a, c.b2 = b2, c.ratio_r = ratio_r, c.ratio_c = ratio_c;
     v16_run(lans_apply_blocks, &c, x->n, cfg->nthreads, NULL, 0);
 }
