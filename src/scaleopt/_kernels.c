@@ -737,7 +737,7 @@ static Staging staging_of(const LayerwiseTensor *x, const LayerwiseConfig *cfg, 
 #define LAMB_MOMENTS                                                                           \
     float w = wp[i] * wf;                                                                      \
     float gi = clampf(gp[i] * gm, glo, ghi) + wd_g * w;                                        \
-    float m0 = mb[i], v0 = vb[i];                                                                  \
+    float m0 = mb[i], v0 = vb[i];                                                              \
     float mi = m0 + one_m_b1 * (gi - m0);                                                      \
     float vi = v0 * beta2 + one_m_b2 * gi * gi;                                                \
     float rv = sqrtf(vi);                                                                      \
@@ -746,7 +746,7 @@ static Staging staging_of(const LayerwiseTensor *x, const LayerwiseConfig *cfg, 
 #define LAMB_SUMS_LOOP                                                                         \
     _Pragma("omp simd reduction(+ : bw, bu)")                                                  \
     for (int64_t i = 0; i < len; i++) {                                                        \
-        LAMB_MOMENTS                                                                     \
+        LAMB_MOMENTS                                                                           \
         bw += w * w;                                                                           \
         bu += u * u;                                                                           \
     }
@@ -770,7 +770,7 @@ TARGETS static void lamb_compact_sums(const LayerwiseTensor *x, const LayerwiseC
 #define LAMB_APPLY_LOOP                                                                        \
     _Pragma("omp simd reduction(max : am, av)")                                                \
     for (int64_t i = 0; i < len; i++) {                                                        \
-        LAMB_MOMENTS                                                                     \
+        LAMB_MOMENTS                                                                           \
         wo[i] = w - lr * (ratio * u);                                                          \
         KEEP_MOMENTS                                                                           \
     }
@@ -796,7 +796,7 @@ TARGETS static void lamb_compact_apply(const LayerwiseTensor *x, const Layerwise
 #define LANS_MOMENTS                                                                           \
     float w = wp[i] * wf;                                                                      \
     float gt = clampf(gp[i] * gm, glo, ghi);                                                   \
-    float m0 = mb[i], v0 = vb[i];                                                                  \
+    float m0 = mb[i], v0 = vb[i];                                                              \
     float mi = m0 + one_m_b1 * (gt - m0);                                                      \
     float vi = v0 * beta2 + one_m_b2 * gt * gt;                                                \
     float rv = sqrtf(vi);                                                                      \
@@ -806,7 +806,7 @@ TARGETS static void lamb_compact_apply(const LayerwiseTensor *x, const Layerwise
 #define LANS_SUMS_LOOP                                                                         \
     _Pragma("omp simd reduction(+ : bw, br, bc, brc)")                                         \
     for (int64_t i = 0; i < len; i++) {                                                        \
-        LANS_MOMENTS                                                                     \
+        LANS_MOMENTS                                                                           \
         float c = gt * dinv + wd * w;                                                          \
         bw += w * w;                                                                           \
         br += r * r;                                                                           \
@@ -837,7 +837,7 @@ TARGETS static void lans_compact_sums(const LayerwiseTensor *x, const LayerwiseC
 #define LANS_APPLY_LOOP                                                                        \
     _Pragma("omp simd reduction(max : am, av)")                                                \
     for (int64_t i = 0; i < len; i++) {                                                        \
-        LANS_MOMENTS                                                                     \
+        LANS_MOMENTS                                                                           \
         float w1 = w - a * (ratio_r * r);                                                      \
         float c = gt * dinv + wd * (moved ? w1 : w);                                           \
         wo[i] = w1 - b2 * (ratio_c * c);                                                       \
@@ -1031,12 +1031,7 @@ V16 static void int8_encode_v16(const float *x, void *codes, float *scales, int6
     for (int64_t b = 0; b < rows * blocks; b++) {
         int64_t len;
         const int64_t at = block_start(b, blocks, row_len, &len);
-        __m512 top = _mm512_setzero_ps();
-        for (int64_t j = 0; j < len; j += 16) {
-            const __mmask16 k = v16_mask(j, len);
-            top = _mm512_mask_max_ps(top, k, _mm512_abs_ps(_mm512_maskz_loadu_ps(k, x + at + j)), top);
-        }
-        v16_encode(codes, scales, is_signed, b, at, len, x + at, _mm512_reduce_max_ps(top));
+        v16_encode(codes, scales, is_signed, b, at, len, x + at, block_max(x + at, len));
     }
 }
 
@@ -1107,14 +1102,19 @@ static Blocks blocks_of(void *w, uint16_t *low, int kind, int64_t row_len, Stagi
         }                                                                                      \
     }
 
-/* Over a block's lanes j .. j + 15 (mask k): w and the gradient gt as the portable loops take
- * them (wp * wf, clamp(gp * gm, glo, ghi)), the stored moments m0, v0. */
+/* A block's lanes j .. j + 15 (mask k): w and the gradient gt as the portable loops take
+ * them (wp * wf, clamp(gp * gm, glo, ghi)). */
+#define V16_W const __m512 w = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, wp + j), vwf)
+#define V16_GT                                                                                 \
+    const __m512 gt = _mm512_min_ps(                                                           \
+        vghi, _mm512_max_ps(vglo, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, gp + j), vgm)))
+
+/* Over a block's lanes, 16 at a time: w, gt, and the stored moments m0, v0. */
 #define V16_EACH_CHUNK(...)                                                                    \
     for (int64_t j = 0; j < len; j += 16) {                                                    \
         const __mmask16 k = v16_mask(j, len);                                                  \
-        const __m512 w = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, wp + j), vwf);                 \
-        const __m512 gt = _mm512_min_ps(                                                       \
-            vghi, _mm512_max_ps(vglo, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, gp + j), vgm)));  \
+        V16_W;                                                                                 \
+        V16_GT;                                                                                \
         __m512 m0, v0;                                                                         \
         v16_decode(&c.st, int8, at + j, k, sm, sv, &m0, &v0);                                  \
         __VA_ARGS__                                                                            \
@@ -1133,12 +1133,17 @@ static Blocks blocks_of(void *w, uint16_t *low, int kind, int64_t row_len, Stagi
         v16_store_bf16((uint16_t *)c.st.v + at + j, k, vi, c.st.offset + at + j, c.st.v_key); \
     }
 #define V16_MAXIMA __m512 am = _mm512_setzero_ps(), av = _mm512_setzero_ps()
-/* After a second pass's loop: the weights and the int8 moments stored. */
-#define V16_BLOCK_OUTPUTS                                                                      \
-    if (!c.in_place) unstage_w(c.w, c.low, c.split, at, len, wb);                              \
+/* After a block's loop: its new weights, where they were staged; its int8 moments, kept in
+ * mb, vb. */
+#define V16_UNSTAGE                                                                            \
+    if (!c.in_place) unstage_w(c.w, c.low, c.split, at, len, wb)
+#define V16_STORE_MOMENTS                                                                      \
     if (int8)                                                                                  \
         v16_encode_block(&c.st, b, at, len, mb, vb, _mm512_reduce_max_ps(am),                  \
                          _mm512_reduce_max_ps(av))
+#define V16_BLOCK_OUTPUTS                                                                      \
+    V16_UNSTAGE;                                                                               \
+    V16_STORE_MOMENTS
 
 /* The moments' update from the gradient G with the operations the portable loops compile to
  * (so that both store the same moments), and 1/(sqrt(v^) + eps). */
@@ -1174,9 +1179,7 @@ V16_BLOCKS(lamb_sums_blocks)
             bu = _mm512_mask3_fmadd_ps(u, u, bu, k);
             _mm512_mask_storeu_ps(keep + j, k, u);
             V16_KEEP_MOMENTS)
-        if (int8)
-            v16_encode_block(&c.st, b, at, len, mb, vb, _mm512_reduce_max_ps(am),
-                             _mm512_reduce_max_ps(av));
+        V16_STORE_MOMENTS;
     }
     sums[0] += _mm512_reduce_add_ps(bw);
     sums[1] += _mm512_reduce_add_ps(bu);
@@ -1189,11 +1192,11 @@ V16_BLOCKS(lamb_apply_blocks)
         const float *keep = c.keep + (at - c.keep_from);
         for (int64_t j = 0; j < len; j += 16) {
             const __mmask16 k = v16_mask(j, len);
-            const __m512 w = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, wp + j), vwf);
+            V16_W;
             const __m512 u = _mm512_maskz_loadu_ps(k, keep + j);
             _mm512_mask_storeu_ps(wo + j, k, _mm512_fnmadd_ps(vlr, _mm512_mul_ps(vratio, u), w));
         }
-        if (!c.in_place) unstage_w(c.w, c.low, c.split, at, len, wb);
+        V16_UNSTAGE;
         continue;
     }
     V16_MAXIMA;
@@ -1235,9 +1238,7 @@ V16_BLOCKS(lans_sums_blocks)
             _mm512_mask_storeu_ps(keep + j, k, r);
             _mm512_mask_storeu_ps(keep + c.keep_half + j, k, dinv);
             V16_KEEP_MOMENTS)
-        if (int8)
-            v16_encode_block(&c.st, b, at, len, mb, vb, _mm512_reduce_max_ps(am),
-                             _mm512_reduce_max_ps(av));
+        V16_STORE_MOMENTS;
     }
     sums[0] += _mm512_reduce_add_ps(bw);
     sums[1] += _mm512_reduce_add_ps(br);
@@ -1258,14 +1259,13 @@ V16_BLOCKS(lans_apply_blocks)
         const float *keep = c.keep + (at - c.keep_from);
         for (int64_t j = 0; j < len; j += 16) {
             const __mmask16 k = v16_mask(j, len);
-            const __m512 w = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, wp + j), vwf);
-            const __m512 gt = _mm512_min_ps(
-                vghi, _mm512_max_ps(vglo, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, gp + j), vgm)));
+            V16_W;
+            V16_GT;
             const __m512 r = _mm512_maskz_loadu_ps(k, keep + j);
             const __m512 dinv = _mm512_maskz_loadu_ps(k, keep + c.keep_half + j);
             V16_LANS_WEIGHTS;
         }
-        if (!c.in_place) unstage_w(c.w, c.low, c.split, at, len, wb);
+        V16_UNSTAGE;
         continue;
     }
     V16_MAXIMA;
@@ -1536,7 +1536,7 @@ ADAM_SPLIT(adam_split_bf16g, uint16_t, bf16_to_f32(g[i]))
     for (int64_t i = 0; i < len; i++) {                                                        \
         float w = wp[i];                                                                       \
         float gi = gp[i] * gm + wd_l2 * w;                                                     \
-        float m0 = mb[i], v0 = vb[i];                                                              \
+        float m0 = mb[i], v0 = vb[i];                                                          \
         float mi = m0 + one_m_b1 * (gi - m0);                                                  \
         float vi = v0 * beta2 + one_m_b2 * gi * gi;                                            \
         float rv = sqrtf(vi);                                                                  \
