@@ -978,8 +978,7 @@ V16_INLINE __m512i v16_code_signed(__m512 x, __m512 c) {
  * y = 0); (q0 + 1/2)^4 <= y by the sign of one fused multiply-add. */
 V16_INLINE __m512i v16_code_unsigned(__m512 x, __m512 c) {
     const __m512 y = _mm512_mul_ps(x, c);
-    const __m512 t = _mm512_max_ps(
-        _mm512_add_ps(_mm512_rsqrt14_ps(_mm512_rsqrt14_ps(y)), V16_SET(0.47f)), V16_SET(0.47f));
+    const __m512 t = _mm512_add_ps(_mm512_rsqrt14_ps(_mm512_rsqrt14_ps(y)), V16_SET(0.47f));
     __m512 q = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
     const __m512 b = _mm512_add_ps(q, V16_SET(0.5f));
     const __m512 b2 = _mm512_mul_ps(b, b);
@@ -1007,19 +1006,30 @@ V16_INLINE __m512i v16_code_unsigned(__m512 x, __m512 c) {
             _mm512_mask_storeu_epi8((out), _bzhi_u64(~0ULL, (unsigned)(n)), bytes);            \
     } while (0)
 
-/* x[0..len) as block b of a moment's codes (from at), with the scale s. */
+/* The codes of x[j..j + n) (n <= 64; N: n, or 64 where that is known) from at. */
+#define V16_CODES_AT(N)                                                                        \
+    do {                                                                                       \
+        if (is_signed)                                                                         \
+            V16_CODES64((int8_t *)codes + at + j, N, x + j, c, v16_code_signed,                \
+                        _mm512_packs_epi32, _mm512_packs_epi16);                               \
+        else                                                                                   \
+            V16_CODES64((uint8_t *)codes + at + j, N, x + j, c, v16_code_unsigned,             \
+                        _mm512_packus_epi32, _mm512_packus_epi16);                             \
+    } while (0)
+
+/* x[0..len) as block b of a moment's codes (from at), with the scale s. A whole block runs
+ * without masks. */
 V16_INLINE void v16_encode(void *codes, float *scales, int is_signed, int64_t b, int64_t at,
                            int64_t len, const float *x, float s) {
     scales[b] = s;
     const __m512 c = V16_SET(code_factor(is_signed, s));
+    if (len == COMPACT_BLOCK) {
+        for (int64_t j = 0; j < COMPACT_BLOCK; j += 64) V16_CODES_AT(64);
+        return;
+    }
     for (int64_t j = 0; j < len; j += 64) {
         const int64_t n = len - j < 64 ? len - j : 64;
-        if (is_signed)
-            V16_CODES64((int8_t *)codes + at + j, n, x + j, c, v16_code_signed,
-                        _mm512_packs_epi32, _mm512_packs_epi16);
-        else
-            V16_CODES64((uint8_t *)codes + at + j, n, x + j, c, v16_code_unsigned,
-                        _mm512_packus_epi32, _mm512_packus_epi16);
+        V16_CODES_AT(n);
     }
 }
 
@@ -1081,13 +1091,13 @@ static Blocks blocks_of(void *w, uint16_t *low, int kind, int64_t row_len, Stagi
     V16 static void NAME(const Blocks *blocks_, int64_t first, int64_t last, double *sums) {   \
         const Blocks c = *blocks_;                                                             \
         float wb[COMPACT_BLOCK], gb[COMPACT_BLOCK], mb[COMPACT_BLOCK], vb[COMPACT_BLOCK];      \
-        const int int8 = c.st.form == FORM_INT8;                                               \
+        const int int8 = c.st.form == FORM_INT8, plain = v16_plain(&c);                        \
         const __m512 vwf = V16_SET(c.s.wmul), vgm = V16_SET(c.s.gmul);                         \
         const __m512 vglo = V16_SET(c.s.glo), vghi = V16_SET(c.s.ghi);                         \
         const __m512 vomb1 = V16_SET(c.one_m_b1), vomb2 = V16_SET(c.one_m_b2);                 \
         const __m512 vbeta2 = V16_SET(c.beta2), veps = V16_SET(c.eps);                         \
         const __m512 vibc1 = V16_SET(c.inv_bc1), vibc2 = V16_SET(c.inv_bc2_sqrt);              \
-        (void)sums; (void)mb; (void)vb; (void)vibc1;                                           \
+        (void)sums; (void)mb; (void)vb; (void)vibc1; (void)plain;                              \
         for (int64_t b = first; b < last; b++) {                                               \
             int64_t len;                                                                       \
             const int64_t at = block_start(b, c.per_row, c.row_len, &len);                     \
@@ -1103,21 +1113,40 @@ static Blocks blocks_of(void *w, uint16_t *low, int kind, int64_t row_len, Stagi
     }
 
 /* A block's lanes j .. j + 15 (mask k): w and the gradient gt as the portable loops take
- * them (wp * wf, clamp(gp * gm, glo, ghi)). */
-#define V16_W const __m512 w = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, wp + j), vwf)
-#define V16_GT                                                                                 \
-    const __m512 gt = _mm512_min_ps(                                                           \
-        vghi, _mm512_max_ps(vglo, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, gp + j), vgm)))
+ * them (wp * wf, clamp(gp * gm, glo, ghi)); PLAIN (a constant) where wf is 1 and the bounds
+ * are infinite, and these are the identity. */
+#define V16_W(PLAIN)                                                                           \
+    const __m512 w0 = _mm512_maskz_loadu_ps(k, wp + j);                                        \
+    const __m512 w = (PLAIN) ? w0 : _mm512_mul_ps(w0, vwf)
+#define V16_GT(PLAIN)                                                                          \
+    const __m512 g0 = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, gp + j), vgm);                    \
+    const __m512 gt = (PLAIN) ? g0 : _mm512_min_ps(vghi, _mm512_max_ps(vglo, g0))
 
-/* Over a block's lanes, 16 at a time: w, gt, and the stored moments m0, v0. */
-#define V16_EACH_CHUNK(...)                                                                    \
-    for (int64_t j = 0; j < len; j += 16) {                                                    \
-        const __mmask16 k = v16_mask(j, len);                                                  \
-        V16_W;                                                                                 \
-        V16_GT;                                                                                \
+/* Whether a Blocks' weights are taken as they are and its gradient is not clipped. */
+static int v16_plain(const Blocks *c) {
+    return c->s.wmul == 1.0f && c->s.glo == -INFINITY && c->s.ghi == INFINITY;
+}
+
+/* A block's lanes, 16 at a time: w, gt, and the stored moments m0, v0 (PLAIN, INT8 and the
+ * length LEN constants where they are known). */
+#define V16_CHUNKS(PLAIN, INT8, LEN, ...)                                                      \
+    for (int64_t j = 0; j < (LEN); j += 16) {                                                  \
+        const __mmask16 k = v16_mask(j, (LEN));                                                \
+        V16_W(PLAIN);                                                                          \
+        V16_GT(PLAIN);                                                                         \
         __m512 m0, v0;                                                                         \
-        v16_decode(&c.st, int8, at + j, k, sm, sv, &m0, &v0);                                  \
+        v16_decode(&c.st, (INT8), at + j, k, sm, sv, &m0, &v0);                                \
         __VA_ARGS__                                                                            \
+    }
+
+/* Over a block's lanes: a whole block of int8 codes with plain weights and gradients (the
+ * common case) runs a copy of the loop in which all that is constant (no masks, no scaling
+ * of w, no clamp, one form); the others the general one. */
+#define V16_EACH_CHUNK(...)                                                                    \
+    if (int8 && len == COMPACT_BLOCK && plain) {                                               \
+        V16_CHUNKS(1, 1, COMPACT_BLOCK, __VA_ARGS__)                                           \
+    } else {                                                                                   \
+        V16_CHUNKS(0, int8, len, __VA_ARGS__)                                                  \
     }
 
 /* The new moments mi, vi kept: int8 ones in mb, vb with their largest magnitudes in am, av
@@ -1192,7 +1221,7 @@ V16_BLOCKS(lamb_apply_blocks)
         const float *keep = c.keep + (at - c.keep_from);
         for (int64_t j = 0; j < len; j += 16) {
             const __mmask16 k = v16_mask(j, len);
-            V16_W;
+            V16_W(0);
             const __m512 u = _mm512_maskz_loadu_ps(k, keep + j);
             _mm512_mask_storeu_ps(wo + j, k, _mm512_fnmadd_ps(vlr, _mm512_mul_ps(vratio, u), w));
         }
@@ -1259,8 +1288,8 @@ V16_BLOCKS(lans_apply_blocks)
         const float *keep = c.keep + (at - c.keep_from);
         for (int64_t j = 0; j < len; j += 16) {
             const __mmask16 k = v16_mask(j, len);
-            V16_W;
-            V16_GT;
+            V16_W(0);
+            V16_GT(0);
             const __m512 r = _mm512_maskz_loadu_ps(k, keep + j);
             const __m512 dinv = _mm512_maskz_loadu_ps(k, keep + c.keep_half + j);
             V16_LANS_WEIGHTS;
