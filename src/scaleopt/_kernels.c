@@ -975,7 +975,8 @@ V16_INLINE __m512i v16_code_signed(__m512 x, __m512 c) {
 
 /* The unsigned codes of x with c = 255^4 / s, as code_unsigned: the estimate of the fourth
  * root, that of 1/sqrt of the estimate of 1/sqrt(y), is within 255 * 1.5 * 2^-14 of it (0 for
- * y = 0); (q0 + 1/2)^4 <= y by the sign of one fused multiply-add. */
+ * y = 0); (q0 + 1/2)^4 <= y by the sign of one fused multiply-add. A NaN converts to
+ * INT_MIN, which the unsigned packs (V16_CODES64) saturate to code 0. */
 V16_INLINE __m512i v16_code_unsigned(__m512 x, __m512 c) {
     const __m512 y = _mm512_mul_ps(x, c);
     const __m512 t = _mm512_add_ps(_mm512_rsqrt14_ps(_mm512_rsqrt14_ps(y)), V16_SET(0.47f));
