@@ -725,6 +725,12 @@ static Staging staging_of(const LayerwiseTensor *x, const LayerwiseConfig *cfg, 
                      cfg->clip ? cfg->clip_lo : -INFINITY, cfg->clip ? cfg->clip_hi : INFINITY};
 }
 
+/* An Adam tensor's staging: its weights as they are, its gradient times gmul, no clipping. */
+static Staging adam_staging(const AdamTensor *x) {
+    return (Staging){x->w, (x->kind & 2) ? x->low : NULL, x->g, x->kind & 1, 1.0f, x->gmul,
+                     -INFINITY, INFINITY};
+}
+
 /* LAMB's scalars, as lamb_phase1/2 compute them. */
 #define LAMB_SCALARS                                                                           \
     const float one_m_b1 = 1.0f - (float)cfg->beta1, beta2 = (float)cfg->beta2;               \
@@ -1460,9 +1466,7 @@ static void lans_compact_apply_v16(const LayerwiseTensor *x, const LayerwiseConf
 }
 
 static void adam_compact_v16(const AdamTensor *x, const AdamConfig *cfg) {
-    const Staging s = {x->w, (x->kind & 2) ? x->low : NULL, x->g, x->kind & 1, 1.0f, x->gmul,
-                       -INFINITY, INFINITY};
-    Blocks c = blocks_of(x->w, x->low, x->kind, x->row_len, s, STORED_OF(x));
+    Blocks c = blocks_of(x->w, x->low, x->kind, x->row_len, adam_staging(x), STORED_OF(x));
     c.one_m_b1 = cfg->one_m_b1, c.one_m_b2 = cfg->one_m_b2, c.beta1 = cfg->beta1;
     c.beta2 = cfg->beta2, c.eps = cfg->eps, c.inv_bc2_sqrt = 1.0f / x->bc2_sqrt;
     c.wd = x->wd_l2, c.decay = x->decay, c.step_size = x->step_size;
@@ -1579,8 +1583,7 @@ TARGETS static void adam_compact(const AdamTensor *x, const AdamConfig *cfg) {
     const float one_m_b2 = cfg->one_m_b2, eps = cfg->eps, wd_l2 = x->wd_l2, decay = x->decay;
     const float step_size = x->step_size, bc2_sqrt = x->bc2_sqrt, inv_bc2_sqrt = 1.0f / bc2_sqrt;
     const int split = (x->kind & 2) != 0, nesterov = cfg->nesterov;
-    const Staging s = {x->w, split ? x->low : NULL, x->g, x->kind & 1, 1.0f, x->gmul,
-                       -INFINITY, INFINITY};
+    const Staging s = adam_staging(x);
     const Stored st = STORED_OF(x);
     COMPACT_GRID(x);
     EACH_COMPACT_BLOCK(x, PARALLEL,
