@@ -345,14 +345,19 @@ def host_reads_of_a_step(rank, world, tmp, name):
 
 def train_sharded_triton(rank, world, tmp, names, steps):
     """As :func:`train_sharded`, each optimizer asked for the Triton kernels (run by Triton's
-    interpreter on the CPU shards); also the kernel launches and the collectives of the last
-    step."""
+    interpreter on the CPU shards), which update compact moments in place (a float32 copy of
+    one is an error); also the kernel launches and the collectives of the last step."""
     import os
 
     os.environ["TRITON_INTERPRET"] = "1"
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from scaleopt import _triton
+    from scaleopt import _compact, _triton
+
+    def no_copies(*args, **kwargs):
+        raise AssertionError("a float32 copy of a compact moment was made")
+
+    _compact.working = no_copies
 
     out = {}
     for name in names:

@@ -8,7 +8,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from torch import Tensor
 
-from . import _native
+from . import _native, _triton
 from ._adam import AdamFamily, AdamState
 from ._checks import check_bool, check_bounds
 from ._compile import eager
@@ -122,7 +122,7 @@ class LayerwiseAdam(AdamFamily):
         group = item.group
         state = self._adam_state(group, item.params)
         t = self._tensors(state, item, skip_if if group.get("capturable") else None)
-        if t.stored and not (self._native_takes(group, item.params) and _native.applies(t)):
+        if t.stored and not self._kernels_take_stored(group, item.params, t):
             state = state.decoded()  # float32 working tensors for the other paths
             t = self._tensors(state, item, t.skip_if)
         view = state.view
@@ -149,10 +149,14 @@ class LayerwiseAdam(AdamFamily):
                             local(state.exp_avg_sqs), state.steps, local(view.kernel_low()),
                             item.scalars, item.shard_sums, item.grad_norms, skip_if, stored)
 
-    def _native_takes(self, group: Dict[str, Any], params: List[Tensor]) -> bool:
-        """Whether the group's update may run on the C kernels, which update moments stored in
-        bfloat16 or 8 bits in place (block by block, no float32 copies)."""
-        return implementation(group, params, on_host=self._grad_source.on_host) is Impl.NATIVE
+    def _kernels_take_stored(self, group: Dict[str, Any], params: List[Tensor],
+                             t: GroupTensors) -> bool:
+        """Whether the group's update runs on kernels that update moments stored in bfloat16 or
+        8 bits in place, block by block, with no float32 copies: the C kernels, or the Triton
+        kernels."""
+        impl = implementation(group, params, on_host=self._grad_source.on_host)
+        return ((impl is Impl.NATIVE and _native.applies(t))
+                or (impl is Impl.TRITON and _triton.applies(t)))
 
     @eager
     def _warn_no_trust_ratio(self) -> None:

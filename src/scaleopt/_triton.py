@@ -42,7 +42,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 from torch import Tensor
 
-from . import _blocks
+from . import _blocks, _compact
 from ._checks import check_same_sizes
 from ._sharding import Phased
 
@@ -56,6 +56,7 @@ LAUNCHES: collections.Counter = collections.Counter()
 _MODES = {"update": 0, "decoupled": 1, "l2": 2}
 _G_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _LOW_KINDS = {None: 0, torch.bfloat16: 1, torch.float16: 2, torch.int16: 3}
+_FORMS = {None: 0, "bfloat16": 1, "int8": 2}
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _TABLES: "collections.OrderedDict[tuple, Tuple[Tensor, Tensor, Tensor]]" = collections.OrderedDict()
 _STATIC: Dict[tuple, Tensor] = {}
@@ -78,29 +79,48 @@ def runs_on(device: torch.device) -> bool:
 
 def applies(t: Any) -> bool:
     """Whether the kernels take a group's tensors (a ``GroupTensors``): on one device where they
-    run (:func:`runs_on`), plain (not a tensor subclass) and contiguous; float32 moments; a
-    float32 weight (with, optionally, where its rounded bfloat16 or float16 values go) or a
-    split master (a bfloat16 weight and its int16 lower halves); a float32, bfloat16 or
-    float16 gradient on the weight's device."""
+    run (:func:`runs_on`), plain (not a tensor subclass) and contiguous; float32 moments, or
+    moments stored in bfloat16 or 8 bits (``t.stored``); a float32 weight (with, optionally,
+    where its rounded bfloat16 or float16 values go) or a split master (a bfloat16 weight and
+    its int16 lower halves); a float32, bfloat16 or float16 gradient on the weight's device."""
     if not available() or not t.weights:
         return False
     device = t.weights[0].device
     if not runs_on(device):
         return False
     f32, bf16 = torch.float32, torch.bfloat16
-    for w, g, m, v, lo in zip(t.weights, t.grads, t.exp_avgs, t.exp_avg_sqs,
-                              t.low or [None] * len(t.weights)):
-        plain = (type(w) in _PLAIN and type(g) in _PLAIN and type(m) in _PLAIN
-                 and type(v) in _PLAIN and w.layout == torch.strided)
-        if not (plain and m.dtype == f32 and v.dtype == f32 and g.dtype in _G_KINDS
-                and w.dtype in (f32, bf16) and w.is_contiguous() and g.is_contiguous()
-                and m.is_contiguous() and v.is_contiguous() and g.device == device):
+    stored = t.stored or [None] * len(t.weights)
+    for w, g, m, v, lo, st in zip(t.weights, t.grads, t.exp_avgs, t.exp_avg_sqs,
+                                  t.low or [None] * len(t.weights), stored):
+        if not (all(_plain(x, device) for x in (w, g, m, v)) and _moments_fit(m, v, st)
+                and g.dtype in _G_KINDS and w.dtype in (f32, bf16)):
             return False
         wanted = (torch.int16,) if w.dtype == bf16 else (None, bf16, torch.float16)
         if (None if lo is None else lo.dtype) not in wanted or not (
-                lo is None or (type(lo) in _PLAIN and lo.is_contiguous())):
+                lo is None or _plain(lo, device)):
             return False
     return True
+
+
+def _plain(x: Tensor, device: torch.device) -> bool:
+    """A plain (not a subclass), strided, contiguous tensor on ``device``."""
+    return (type(x) in _PLAIN and x.layout == torch.strided and x.is_contiguous()
+            and x.device == device)
+
+
+def _moments_fit(m: Tensor, v: Tensor, st: Any) -> bool:
+    """float32 moments, or moments stored as ``st`` (a ``_compact.Stored``) says: bfloat16, or
+    int8 and uint8 codes with their float32 scales; a local piece that is one run of the whole
+    tensor (the rounding's index, ``st.offset``)."""
+    if st is None:
+        return m.dtype == torch.float32 and v.dtype == torch.float32
+    if st.offset is None:
+        return False
+    if st.form == "bfloat16":
+        return m.dtype == torch.bfloat16 and v.dtype == torch.bfloat16
+    return (st.form == "int8" and (m.dtype, v.dtype) == (torch.int8, torch.uint8)
+            and all(s is not None and s.dtype == torch.float32 and _plain(s, m.device)
+                    for s in st.scales))
 
 
 # --------------------------------------------------------------------------------------------
@@ -108,20 +128,31 @@ def applies(t: Any) -> bool:
 # --------------------------------------------------------------------------------------------
 
 
-def _kind(t: Any, i: int) -> Tuple[int, int, int]:
-    """(weight: 0 float32 / 1 split master, gradient dtype, low dtype) of tensor ``i``."""
+def _kind(t: Any, i: int) -> Tuple[int, int, int, int]:
+    """(weight: 0 float32 / 1 split master, gradient dtype, low dtype, the moments' form) of
+    tensor ``i``."""
     lo = t.low[i] if t.low else None
+    st = t.stored[i] if t.stored else None
     return (int(t.weights[i].dtype == torch.bfloat16), _G_KINDS[t.grads[i].dtype],
-            _LOW_KINDS[None if lo is None else lo.dtype])
+            _LOW_KINDS[None if lo is None else lo.dtype], _FORMS[None if st is None else st.form])
+
+
+def _blocks_per_program() -> int:
+    """Whole int8 blocks of 256 in a tile (``QB``): as many as BLOCK elements hold, at least
+    one."""
+    return max(1, BLOCK // _compact.BLOCK)
 
 
 def _address_tables(t: Any, idx: List[int]) -> Tuple[Tensor, Tensor, Tensor]:
-    """The int64 tables of the tensors ``idx``: addresses (w, g, m, v, low, and the tensor's
-    place in the group), sizes, and the (tensor, first element) of each program's chunk."""
+    """The int64 tables of the tensors ``idx``: addresses (w, g, m, v, low, the tensor's place
+    in the group, and for stored moments the int8 scales of m and v, the length of a row of
+    blocks, where the local piece starts in the whole tensor), sizes, and the (tensor, first
+    element, or first int8 block) of each program's chunk."""
     low = t.low or [None] * len(t.weights)
+    stored = t.stored or [None] * len(t.weights)
     rows = [(t.weights[i].data_ptr(), t.grads[i].data_ptr(), t.exp_avgs[i].data_ptr(),
-             t.exp_avg_sqs[i].data_ptr(), 0 if low[i] is None else low[i].data_ptr(), i)
-            for i in idx]
+             t.exp_avg_sqs[i].data_ptr(), 0 if low[i] is None else low[i].data_ptr(), i,
+             *_stored_row(stored[i])) for i in idx]
     sizes = [t.weights[i].numel() for i in idx]
     chunk = BLOCK * ITERS
     key = (tuple(rows), tuple(sizes), chunk, t.weights[idx[0]].device)
@@ -130,7 +161,8 @@ def _address_tables(t: Any, idx: List[int]) -> Tuple[Tensor, Tensor, Tensor]:
         check_same_sizes("the Triton kernels", *([xs[i] for i in idx] for xs in (
             t.weights, t.grads, t.exp_avgs, t.exp_avg_sqs, low)))
         device = key[-1]
-        chunks = [(k, s) for k, n in enumerate(sizes) for s in range(0, n, chunk)]
+        chunks = [(k, s) for k, (n, row) in enumerate(zip(sizes, rows))
+                  for s in _chunk_starts(n, row[8], chunk)]
         tables = _TABLES[key] = (
             torch.tensor(rows, dtype=torch.int64, device=device),
             torch.tensor(sizes, dtype=torch.int64, device=device),
@@ -142,9 +174,28 @@ def _address_tables(t: Any, idx: List[int]) -> Tuple[Tensor, Tensor, Tensor]:
     return tables
 
 
+def _stored_row(st: Any) -> Tuple[int, int, int, int]:
+    """The stored moments' part of a row of ``ptrs``: the int8 scales' addresses (0 for
+    others), the length of a row of blocks (0 for float32 moments), the local piece's
+    offset."""
+    if st is None:
+        return 0, 0, 0, 0
+    m_scale, v_scale = (0 if s is None else s.data_ptr() for s in st.scales)
+    return m_scale, v_scale, st.row_len if st.form == "int8" else 0, st.offset
+
+
+def _chunk_starts(n: int, row_len: int, chunk: int) -> range:
+    """Where the chunks of a tensor of ``n`` elements start: elements, or for int8 moments
+    (rows of ``row_len``) blocks, ``QB * ITERS`` of them a chunk."""
+    if not row_len:
+        return range(0, n, chunk)
+    blocks = n // row_len * -(-row_len // _compact.BLOCK)
+    return range(0, blocks, _blocks_per_program() * ITERS)
+
+
 def _step_table(t: Any, layer: Any, o: Any, device: torch.device) -> Tensor:
     """Per tensor: lr, weight decay, adapt, gradient multiplier, the bias corrections of its
-    step (float32, on ``device``). The step counters are incremented. With float learning rates
+    step, and the step (float32, on ``device``). The step counters are incremented. With float learning rates
     and the counters on the CPU (float32 scalars, as in torch.optim), the table is made on the
     host and copied from pinned memory without waiting; with ``o.capturable`` or learning rates
     that are device tensors, it is made on the device (:func:`_device_table`)."""
@@ -158,8 +209,8 @@ def _step_table(t: Any, layer: Any, o: Any, device: torch.device) -> Tensor:
     else:
         bc1, bc2 = _blocks.bias_corrections([float(s) for s in t.steps], o.beta1, o.beta2,
                                             o.bias_correction)
-        rows = [(float(lr), wd, float(bool(a)), 1.0, c1, c2) for lr, wd, a, c1, c2 in zip(
-            layer.lrs, layer.weight_decays, layer.adapt, bc1, bc2)]
+        rows = [(float(lr), wd, float(bool(a)), 1.0, c1, c2, float(s)) for lr, wd, a, c1, c2, s
+                in zip(layer.lrs, layer.weight_decays, layer.adapt, bc1, bc2, t.steps)]
         pinned = device.type == "cuda"
         table = torch.tensor(rows, dtype=torch.float32, pin_memory=pinned)
         table = table.to(device, non_blocking=True) if pinned else table
@@ -177,7 +228,7 @@ def _device_table(t: Any, layer: Any, o: Any, device: torch.device) -> Tensor:
     key = (floats, tuple(layer.weight_decays), tuple(map(bool, layer.adapt)), device)
     static = _STATIC.get(key)
     if static is None:
-        rows = [(lr, wd, float(a), 1.0, 1.0, 1.0) for lr, wd, a in zip(*key[:3])]
+        rows = [(lr, wd, float(a), 1.0, 1.0, 1.0, 0.0) for lr, wd, a in zip(*key[:3])]
         static = _STATIC[key] = torch.tensor(rows, dtype=torch.float32, device=device)
         while len(_STATIC) > 256:
             _STATIC.pop(next(iter(_STATIC)))
@@ -191,17 +242,18 @@ def _device_table(t: Any, layer: Any, o: Any, device: torch.device) -> Tensor:
         for i, lr in enumerate(lrs):
             if torch.is_tensor(lr):
                 table[i, 0].copy_(lr.reshape(()))
+    steps = torch.stack([s.reshape(()) for s in t.steps]).to(device, torch.float64)
+    table[:, 6] = steps
     if o.bias_correction:
-        steps = torch.stack([s.reshape(()) for s in t.steps]).to(device, torch.float64)
         table[:, 4] = 1.0 - torch.pow(o.beta1, steps)
         table[:, 5] = (1.0 - torch.pow(o.beta2, steps)).sqrt()
     return table
 
 
-def _groups(t: Any) -> List[Tuple[Tuple[int, int, int], Tuple[Tensor, Tensor, Tensor]]]:
+def _groups(t: Any) -> List[Tuple[Tuple[int, int, int, int], Tuple[Tensor, Tensor, Tensor]]]:
     """The group's tensors in sets of the same dtypes (one launch per phase each): each set's
     kinds and address tables."""
-    sets: Dict[Tuple[int, int, int], List[int]] = {}
+    sets: Dict[Tuple[int, int, int, int], List[int]] = {}
     for i in range(len(t.weights)):
         sets.setdefault(_kind(t, i), []).append(i)
     return [(kind, _address_tables(t, idx)) for kind, idx in sets.items()]
@@ -220,16 +272,17 @@ def _clip_bounds(clip: Any) -> Tuple[float, float, bool]:
 # --------------------------------------------------------------------------------------------
 
 
-def _launch(name: str, kinds: Tuple[int, int, int], tables: Tuple[Tensor, Tensor, Tensor],
+def _launch(name: str, kinds: Tuple[int, int, int, int], tables: Tuple[Tensor, Tensor, Tensor],
             **args: Any) -> None:
     """Kernel ``name`` over a set of tensors (one launch): their kinds and address tables."""
     ptrs, sizes, chunks = tables
     if chunks.shape[0] == 0:
         return
-    w_kind, g_kind, low_kind = kinds
+    w_kind, g_kind, low_kind, form = kinds
     kernel = getattr(_kernels(), name)
     kernel[(chunks.shape[0],)](ptrs, sizes, chunks, W_SPLIT=w_kind, G_KIND=g_kind,
-                               LOW_KIND=low_kind, BLOCK=BLOCK, ITERS=ITERS, **args)
+                               LOW_KIND=low_kind, FORM=form, BLOCK=BLOCK,
+                               QB=_blocks_per_program(), ITERS=ITERS, **args)
     LAUNCHES[name] += 1
 
 

@@ -1,26 +1,34 @@
 """The Triton kernels of ``scaleopt._triton`` (imported at their first launch).
 
-Every kernel runs one program per (tensor, chunk) pair: ``chunks[pid]`` is (k, first element),
-row k of ``ptrs`` holds the tensor's addresses (w, g, m, v, low) and its place i in the group,
-``sizes[k]`` its size. Row i of ``scal``: lr, weight decay, adapt, gradient multiplier, and the
-bias corrections 1 - beta1^t and sqrt(1 - beta2^t) of its step. The arithmetic is the C
-kernels' (``_kernels.c``), step for step. Kinds (compile-time): ``W_SPLIT`` a split master (the
-weight's bfloat16 upper halves at w, the int16 lower halves at low) or a float32 weight;
-``G_KIND`` the gradient's dtype (0 float32, 1 bfloat16, 2 float16); ``LOW_KIND`` what low holds
-(0 nothing, 1 / 2 the rounded bfloat16 / float16 weights to write, 3 a split master's lower
-halves).
+Every kernel runs one program per (tensor, chunk) pair: ``chunks[pid]`` is (k, where the chunk
+starts), row k of ``ptrs`` holds the tensor's addresses (w, g, m, v, low), its place i in the
+group, and for stored moments the addresses of the int8 scales of m and v, the length of a row
+of blocks and where the local piece starts in the whole tensor; ``sizes[k]`` its size. Row i of
+``scal``: lr, weight decay, adapt, gradient multiplier, the bias corrections 1 - beta1^t and
+sqrt(1 - beta2^t) of its step, and the step t. The arithmetic is the C kernels'
+(``_kernels.c``), step for step. Kinds (compile-time): ``W_SPLIT`` a split master (the weight's
+bfloat16 upper halves at w, the int16 lower halves at low) or a float32 weight; ``G_KIND`` the
+gradient's dtype (0 float32, 1 bfloat16, 2 float16); ``LOW_KIND`` what low holds (0 nothing,
+1 / 2 the rounded bfloat16 / float16 weights to write, 3 a split master's lower halves);
+``FORM`` how the moments are stored (0 float32, 1 bfloat16, 2 int8 codes: ``_compact``).
+
+A chunk of float32 or bfloat16 moments is ``ITERS`` runs of ``BLOCK`` elements from its first
+element. A chunk of int8 moments is ``ITERS`` tiles of ``QB`` whole blocks of 256 (a block's
+largest magnitude is its scale), from its first block: a tile's rows are blocks, so the scales
+are reductions along them and a block never spans two programs.
 """
 
 import triton
 import triton.language as tl
 
-_ROW = 6  # int64 entries per row of ``ptrs``
-_SCAL = 6  # float32 entries per row of ``scal``
-_BIG = 3.4028234663852886e38  # the largest float32: a ratio above it is not finite
+_ROW = tl.constexpr(10)  # int64 entries per row of ``ptrs``
+_SCAL = tl.constexpr(7)  # float32 entries per row of ``scal``
+_BIG = tl.constexpr(3.4028234663852886e38)  # the largest float32: a ratio above it is not finite
 
 
 @triton.jit
-def _pointers(row, W_SPLIT: tl.constexpr, G_KIND: tl.constexpr, LOW_KIND: tl.constexpr):
+def _pointers(row, W_SPLIT: tl.constexpr, G_KIND: tl.constexpr, LOW_KIND: tl.constexpr,
+              FORM: tl.constexpr):
     if W_SPLIT:
         wp = tl.load(row).to(tl.pointer_type(tl.int16))
     else:
@@ -31,8 +39,15 @@ def _pointers(row, W_SPLIT: tl.constexpr, G_KIND: tl.constexpr, LOW_KIND: tl.con
         gp = tl.load(row + 1).to(tl.pointer_type(tl.float16))
     else:
         gp = tl.load(row + 1).to(tl.pointer_type(tl.float32))
-    mp = tl.load(row + 2).to(tl.pointer_type(tl.float32))
-    vp = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+    if FORM == 1:
+        mp = tl.load(row + 2).to(tl.pointer_type(tl.uint16))
+        vp = tl.load(row + 3).to(tl.pointer_type(tl.uint16))
+    elif FORM == 2:
+        mp = tl.load(row + 2).to(tl.pointer_type(tl.int8))
+        vp = tl.load(row + 3).to(tl.pointer_type(tl.uint8))
+    else:
+        mp = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+        vp = tl.load(row + 3).to(tl.pointer_type(tl.float32))
     if LOW_KIND == 1:
         lp = tl.load(row + 4).to(tl.pointer_type(tl.bfloat16))
     elif LOW_KIND == 2:
@@ -40,6 +55,108 @@ def _pointers(row, W_SPLIT: tl.constexpr, G_KIND: tl.constexpr, LOW_KIND: tl.con
     else:
         lp = tl.load(row + 4).to(tl.pointer_type(tl.int16))
     return wp, gp, mp, vp, lp
+
+
+@triton.jit
+def _tile(row, n, start, it, BLOCK: tl.constexpr, QB: tl.constexpr, FORM: tl.constexpr):
+    """Iteration ``it`` of a program's chunk: the elements' offsets and mask, and the int8
+    blocks' indices and mask. For int8 moments (FORM 2) a tile of QB blocks (its rows), each
+    of 256 lanes: block b is in row b // per_row of the tensor, from column
+    (b % per_row) * 256, and shorter where the row ends; the chunk starts at block ``start``.
+    Otherwise BLOCK elements from element ``start + it * BLOCK`` (the blocks: the elements)."""
+    if FORM == 2:
+        row_len = tl.maximum(tl.load(row + 8), 1)
+        per_row = (row_len + 255) // 256
+        b = start + it * QB + tl.arange(0, QB)
+        first = (b % per_row) * 256
+        col = first[:, None] + tl.arange(0, 256)[None, :]
+        offs = (b // per_row * row_len)[:, None] + col
+        bmask = b < n // row_len * per_row
+        mask = bmask[:, None] & (col < row_len)
+    else:
+        offs = start + it * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        b = offs
+        bmask = mask
+    return offs, mask, b, bmask
+
+
+@triton.jit
+def _load_moments(row, mp, vp, offs, mask, b, bmask, FORM: tl.constexpr):
+    """The stored moments as float32: as they are; bfloat16 widened; int8 codes decoded with
+    their blocks' scales, (q |q|) (s / 127^2) and (q^2 q^2) (s / 255^4) (``_compact``)."""
+    if FORM == 2:
+        sm = tl.load(tl.load(row + 6).to(tl.pointer_type(tl.float32)) + b, mask=bmask, other=0.0)
+        sv = tl.load(tl.load(row + 7).to(tl.pointer_type(tl.float32)) + b, mask=bmask, other=0.0)
+        qm = tl.load(mp + offs, mask=mask, other=0).to(tl.int32)
+        qv = tl.load(vp + offs, mask=mask, other=0).to(tl.int32)
+        q2 = (qv * qv).to(tl.float32)
+        m = (qm * tl.abs(qm)).to(tl.float32) * tl.math.div_rn(sm, 16129.0)[:, None]
+        v = (q2 * q2) * tl.math.div_rn(sv, 4228250625.0)[:, None]
+    elif FORM == 1:
+        m = (tl.load(mp + offs, mask=mask, other=0).to(tl.uint32) << 16).to(tl.float32,
+                                                                             bitcast=True)
+        v = (tl.load(vp + offs, mask=mask, other=0).to(tl.uint32) << 16).to(tl.float32,
+                                                                             bitcast=True)
+    else:
+        m = tl.load(mp + offs, mask=mask, other=0.0)
+        v = tl.load(vp + offs, mask=mask, other=0.0)
+    return m, v
+
+
+@triton.jit
+def _round_bf16(x, h):
+    """x rounded to bfloat16 (its bits, uint16) up or down by 16 random bits of the hash of
+    h (uint32: the element's global index plus the key), as ``_compact.round_bf16``."""
+    h = ((h >> 16) ^ h) * 0x45D9F3B
+    h = ((h >> 16) ^ h) * 0x45D9F3B
+    h = (h >> 16) ^ h
+    return ((x.to(tl.uint32, bitcast=True) + (h & 0xFFFF)) >> 16).to(tl.uint16)
+
+
+@triton.jit
+def _store_codes(cp, sp, offs, mask, b, bmask, x, SIGNED: tl.constexpr):
+    """x as int8 codes of its tile's blocks (rows), and their scales (each block's largest
+    magnitude, NaNs passed over): the codes of ``_compact.quantize``, the roots rounded halves
+    up in exact arithmetic (an estimate of the root, then one exact comparison)."""
+    a = tl.where(mask, tl.abs(x), 0.0)
+    s = tl.max(tl.where(a == a, a, 0.0), axis=1)
+    tl.store(sp + b, s, mask=bmask)
+    if SIGNED:
+        c = tl.where(s > 0.0, tl.math.div_rn(tl.zeros_like(s) + 16129.0, tl.where(s > 0.0, s, 1.0)), 0.0)
+        y = a * c[:, None]
+        q = tl.where(y > 0.0, tl.floor(tl.sqrt(y) + 0.47), 0.0)
+        half = q + 0.5
+        q = tl.where(half * half <= y, q + 1.0, q)
+        tl.store(cp + offs, tl.where(x < 0.0, -q, q).to(tl.int8), mask=mask)
+    else:
+        c = tl.where(s > 0.0, tl.math.div_rn(tl.zeros_like(s) + 4228250625.0, tl.where(s > 0.0, s, 1.0)),
+                     0.0)
+        y = a * c[:, None]
+        q = tl.where(y > 0.0, tl.floor(tl.sqrt(tl.sqrt(y)) + 0.47), 0.0)
+        half = ((q + 0.5) * (q + 0.5)).to(tl.float64)
+        q = tl.where(half * half <= y.to(tl.float64), q + 1.0, q)
+        tl.store(cp + offs, q.to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _store_moments(row, mp, vp, offs, mask, b, bmask, m, v, step, FORM: tl.constexpr):
+    """The new moments stored in their form: as they are; bfloat16 rounded stochastically with
+    the bits of the element's global index (the local piece's offset plus its own) and the
+    step's keys (salts 1 and 2); int8 codes and scales."""
+    if FORM == 2:
+        _store_codes(mp, tl.load(row + 6).to(tl.pointer_type(tl.float32)), offs, mask, b,
+                     bmask, m, True)
+        _store_codes(vp, tl.load(row + 7).to(tl.pointer_type(tl.float32)), offs, mask, b,
+                     bmask, v, False)
+    elif FORM == 1:
+        index = (tl.load(row + 9) + offs).to(tl.uint32)
+        key = step.to(tl.int64).to(tl.uint32) * 0x9E3779B9
+        tl.store(mp + offs, _round_bf16(m, index + (key + 0x632BE5AB)), mask=mask)
+        tl.store(vp + offs, _round_bf16(v, index + (key + 0xC657CB56)), mask=mask)
+    else:
+        tl.store(mp + offs, m, mask=mask)
+        tl.store(vp + offs, v, mask=mask)
 
 
 @triton.jit
@@ -80,24 +197,9 @@ def _load_g(gp, offs, mask, mult, clip_lo, clip_hi, CLIP: tl.constexpr):
 
 
 @triton.jit
-def _load_wgmv(wp, gp, mp, vp, lp, offs, mask, mult, clip_lo, clip_hi, W_SPLIT: tl.constexpr,
-               CLIP: tl.constexpr):
-    """A block's float32 weights, gradients (times ``mult``, clamped with CLIP) and moments."""
-    w = _load_w(wp, lp, offs, mask, W_SPLIT)
-    g = _load_g(gp, offs, mask, mult, clip_lo, clip_hi, CLIP)
-    m = tl.load(mp + offs, mask=mask, other=0.0)
-    v = tl.load(vp + offs, mask=mask, other=0.0)
-    return w, g, m, v
-
-
-@triton.jit
-def _moments_(mp, vp, offs, mask, m, v, g, beta1, beta2):
-    """Adam's moments updated with ``g``, stored, and returned."""
-    m = m + (1.0 - beta1) * (g - m)
-    v = v * beta2 + (1.0 - beta2) * g * g
-    tl.store(mp + offs, m, mask=mask)
-    tl.store(vp + offs, v, mask=mask)
-    return m, v
+def _moments(m, v, g, beta1, beta2):
+    """Adam's moments updated with ``g``."""
+    return m + (1.0 - beta1) * (g - m), v * beta2 + (1.0 - beta2) * g * g
 
 
 @triton.jit
@@ -117,8 +219,8 @@ def _trust_ratio(w2, u2, lower, upper, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.co
 @triton.jit
 def _program(ptrs, sizes, chunks, scal, skip):
     """This program's chunk: the tensor's row of ``ptrs``, its size (0 when ``skip[0]`` is set:
-    a GradScaler found an inf, and nothing is read or written), its first element, its place
-    in the group, and its step's numbers."""
+    a GradScaler found an inf, and nothing is read or written), where the chunk starts (an
+    element, or an int8 block), the tensor's place in the group, and its step's numbers."""
     pid = tl.program_id(0)
     k = tl.load(chunks + 2 * pid)
     start = tl.load(chunks + 2 * pid + 1)
@@ -127,7 +229,7 @@ def _program(ptrs, sizes, chunks, scal, skip):
     s = scal + _SCAL * i
     n = tl.where(tl.load(skip) == 0.0, tl.load(sizes + k), 0)
     return (row, n, start, i, tl.load(s), tl.load(s + 1), tl.load(s + 2),
-            tl.load(s + 3), tl.load(s + 4), tl.load(s + 5))
+            tl.load(s + 3), tl.load(s + 4), tl.load(s + 5), tl.load(s + 6))
 
 
 @triton.jit
@@ -141,74 +243,93 @@ def _decay_factor(lr, wd, MODE: tl.constexpr):
 
 @triton.jit
 def sum_squares(ptrs, sizes, chunks, sums, W_SPLIT: tl.constexpr, G_KIND: tl.constexpr,
-                LOW_KIND: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+                LOW_KIND: tl.constexpr, FORM: tl.constexpr, BLOCK: tl.constexpr,
+                QB: tl.constexpr, ITERS: tl.constexpr):
     """sums[i] += the chunk's sum of g^2 (LANS's gradient norms)."""
     pid = tl.program_id(0)
     k = tl.load(chunks + 2 * pid)
     start = tl.load(chunks + 2 * pid + 1)
     n = tl.load(sizes + k)
     row = ptrs + _ROW * k
-    _, gp, _, _, _ = _pointers(row, W_SPLIT, G_KIND, LOW_KIND)
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    _, gp, _, _, _ = _pointers(row, W_SPLIT, G_KIND, LOW_KIND, FORM)
+    acc = 0.0
     for it in tl.static_range(ITERS):
-        offs = start + it * BLOCK + tl.arange(0, BLOCK)
-        g = tl.load(gp + offs, mask=offs < n, other=0.0).to(tl.float32)
-        acc += g * g
-    tl.atomic_add(sums + tl.load(row + 5), tl.sum(acc, 0))
+        offs, mask, _, _ = _tile(row, n, start, it, BLOCK, QB, FORM)
+        g = tl.load(gp + offs, mask=mask, other=0.0).to(tl.float32)
+        acc += tl.sum(g * g)
+    tl.atomic_add(sums + tl.load(row + 5), acc)
+
+
+@triton.jit
+def _lamb_update(w, g, m, v, lr, wd, bc1, bc2, beta1, beta2, eps, MODE: tl.constexpr):
+    """LAMB's new moments and update u (decay included) from the old moments and the gradient,
+    w decayed first in the decoupled mode (1)."""
+    w = w * _decay_factor(lr, wd, MODE)
+    if MODE == 2:
+        g = g + wd * w
+    m, v = _moments(m, v, g, beta1, beta2)
+    u = (m / bc1) / (tl.sqrt(v) / bc2 + eps)
+    if MODE == 0:
+        u = u + wd * w
+    return w, m, v, u
 
 
 @triton.jit
 def lamb_sums(ptrs, sizes, chunks, scal, skip, sums, beta1, beta2, eps, clip_lo, clip_hi, lower,
-              upper,
-              MODE: tl.constexpr, CLIP: tl.constexpr, HAS_LOWER: tl.constexpr,
+              upper, MODE: tl.constexpr, CLIP: tl.constexpr, HAS_LOWER: tl.constexpr,
               HAS_UPPER: tl.constexpr, W_SPLIT: tl.constexpr, G_KIND: tl.constexpr,
-              LOW_KIND: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
-    """LAMB's first phase: m, v updated; sums[2i] += sum w^2, sums[2i+1] += sum u^2 (u the full
-    update, decay included; w decayed first in the decoupled mode, 1)."""
-    row, n, start, i, lr, wd, _, mult, bc1, bc2 = _program(ptrs, sizes, chunks, scal, skip)
-    wp, gp, mp, vp, lp = _pointers(row, W_SPLIT, G_KIND, LOW_KIND)
-    f = _decay_factor(lr, wd, MODE)
-    acc_w = tl.zeros([BLOCK], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK], dtype=tl.float32)
+              LOW_KIND: tl.constexpr, FORM: tl.constexpr, BLOCK: tl.constexpr,
+              QB: tl.constexpr, ITERS: tl.constexpr):
+    """LAMB's first phase: sums[2i] += sum w^2, sums[2i+1] += sum u^2 (u the full update,
+    decay included; w decayed first in the decoupled mode, 1). float32 moments are stored
+    updated; stored ones (FORM 1, 2) are left for the second phase to update and store."""
+    row, n, start, i, lr, wd, _, mult, bc1, bc2, _ = _program(ptrs, sizes, chunks, scal, skip)
+    wp, gp, mp, vp, lp = _pointers(row, W_SPLIT, G_KIND, LOW_KIND, FORM)
+    acc_w = 0.0
+    acc_u = 0.0
     for it in tl.static_range(ITERS):
-        offs = start + it * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        w, g, m, v = _load_wgmv(wp, gp, mp, vp, lp, offs, mask, mult, clip_lo, clip_hi,
-                                W_SPLIT, CLIP)
-        w = w * f
-        if MODE == 2:
-            g = g + wd * w
-        m, v = _moments_(mp, vp, offs, mask, m, v, g, beta1, beta2)
-        u = (m / bc1) / (tl.sqrt(v) / bc2 + eps)
-        if MODE == 0:
-            u = u + wd * w
-        acc_w += w * w
-        acc_u += u * u
-    tl.atomic_add(sums + 2 * i, tl.sum(acc_w, 0))
-    tl.atomic_add(sums + 2 * i + 1, tl.sum(acc_u, 0))
+        offs, mask, b, bmask = _tile(row, n, start, it, BLOCK, QB, FORM)
+        m, v = _load_moments(row, mp, vp, offs, mask, b, bmask, FORM)
+        w, m, v, u = _lamb_update(_load_w(wp, lp, offs, mask, W_SPLIT),
+                                  _load_g(gp, offs, mask, mult, clip_lo, clip_hi, CLIP), m, v,
+                                  lr, wd, bc1, bc2, beta1, beta2, eps, MODE)
+        if FORM == 0:
+            tl.store(mp + offs, m, mask=mask)
+            tl.store(vp + offs, v, mask=mask)
+        acc_w += tl.sum(w * w)
+        acc_u += tl.sum(u * u)
+    tl.atomic_add(sums + 2 * i, acc_w)
+    tl.atomic_add(sums + 2 * i + 1, acc_u)
 
 
 @triton.jit
 def lamb_apply(ptrs, sizes, chunks, scal, skip, sums, beta1, beta2, eps, clip_lo, clip_hi, lower,
                upper, MODE: tl.constexpr, CLIP: tl.constexpr, HAS_LOWER: tl.constexpr,
                HAS_UPPER: tl.constexpr, W_SPLIT: tl.constexpr, G_KIND: tl.constexpr,
-               LOW_KIND: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
-    """LAMB's second phase: w - lr * ratio * u, the ratio from the (totalled) sums."""
-    row, n, start, i, lr, wd, adapt, _, bc1, bc2 = _program(ptrs, sizes, chunks, scal, skip)
-    wp, gp, mp, vp, lp = _pointers(row, W_SPLIT, G_KIND, LOW_KIND)
+               LOW_KIND: tl.constexpr, FORM: tl.constexpr, BLOCK: tl.constexpr,
+               QB: tl.constexpr, ITERS: tl.constexpr):
+    """LAMB's second phase: w - lr * ratio * u, the ratio from the (totalled) sums. Stored
+    moments are updated again from the gradient, as the first phase did, and stored."""
+    row, n, start, i, lr, wd, adapt, mult, bc1, bc2, step = _program(ptrs, sizes, chunks, scal,
+                                                                     skip)
+    wp, gp, mp, vp, lp = _pointers(row, W_SPLIT, G_KIND, LOW_KIND, FORM)
     ratio = _trust_ratio(tl.load(sums + 2 * i), tl.load(sums + 2 * i + 1), lower, upper,
                          HAS_LOWER, HAS_UPPER)
     ratio = tl.where(adapt > 0.0, ratio, 1.0)
     f = _decay_factor(lr, wd, MODE)
     for it in tl.static_range(ITERS):
-        offs = start + it * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        w = _load_w(wp, lp, offs, mask, W_SPLIT) * f
-        m = tl.load(mp + offs, mask=mask, other=0.0)
-        v = tl.load(vp + offs, mask=mask, other=0.0)
-        u = (m / bc1) / (tl.sqrt(v) / bc2 + eps)
-        if MODE == 0:
-            u = u + wd * w
+        offs, mask, b, bmask = _tile(row, n, start, it, BLOCK, QB, FORM)
+        m, v = _load_moments(row, mp, vp, offs, mask, b, bmask, FORM)
+        w = _load_w(wp, lp, offs, mask, W_SPLIT)
+        if FORM == 0:  # the moments the first phase stored
+            w = w * f
+            u = (m / bc1) / (tl.sqrt(v) / bc2 + eps)
+            if MODE == 0:
+                u = u + wd * w
+        else:
+            w, m, v, u = _lamb_update(w, _load_g(gp, offs, mask, mult, clip_lo, clip_hi, CLIP),
+                                      m, v, lr, wd, bc1, bc2, beta1, beta2, eps, MODE)
+            _store_moments(row, mp, vp, offs, mask, b, bmask, m, v, step, FORM)
         _store_w(wp, lp, offs, mask, w - lr * (ratio * u), W_SPLIT, LOW_KIND)
 
 
@@ -221,52 +342,64 @@ def _normalising_factor(gsq, i, mult):
 
 
 @triton.jit
+def _lans_update(w, g, m, v, wd, bc1, bc2, beta1, beta2, eps):
+    """LANS's new moments, 1/(sqrt(v^) + eps) and r from the old moments and the normalised
+    gradient."""
+    m, v = _moments(m, v, g, beta1, beta2)
+    dinv = 1.0 / (tl.sqrt(v) / bc2 + eps)
+    return m, v, dinv, (m / bc1) * dinv + wd * w
+
+
+@triton.jit
 def lans_sums(ptrs, sizes, chunks, scal, skip, sums, gsq, beta1, beta2, eps, clip_lo, clip_hi,
-              lower,
-              upper, CLIP: tl.constexpr, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
-              W_SPLIT: tl.constexpr, G_KIND: tl.constexpr, LOW_KIND: tl.constexpr,
-              BLOCK: tl.constexpr, ITERS: tl.constexpr):
-    """LANS's first phase: m, v updated from the normalised gradient; sums[4i..4i+3] +=
-    sum w^2, r^2, c^2, r*c."""
-    row, n, start, i, lr, wd, _, mult, bc1, bc2 = _program(ptrs, sizes, chunks, scal, skip)
-    wp, gp, mp, vp, lp = _pointers(row, W_SPLIT, G_KIND, LOW_KIND)
+              lower, upper, CLIP: tl.constexpr, HAS_LOWER: tl.constexpr,
+              HAS_UPPER: tl.constexpr, W_SPLIT: tl.constexpr, G_KIND: tl.constexpr,
+              LOW_KIND: tl.constexpr, FORM: tl.constexpr, BLOCK: tl.constexpr,
+              QB: tl.constexpr, ITERS: tl.constexpr):
+    """LANS's first phase: m, v updated from the normalised gradient (stored where float32);
+    sums[4i..4i+3] += sum w^2, r^2, c^2, r*c."""
+    row, n, start, i, lr, wd, _, mult, bc1, bc2, _ = _program(ptrs, sizes, chunks, scal, skip)
+    wp, gp, mp, vp, lp = _pointers(row, W_SPLIT, G_KIND, LOW_KIND, FORM)
     ginv = _normalising_factor(gsq, i, mult)
-    acc_w = tl.zeros([BLOCK], dtype=tl.float32)
-    acc_r = tl.zeros([BLOCK], dtype=tl.float32)
-    acc_c = tl.zeros([BLOCK], dtype=tl.float32)
-    acc_rc = tl.zeros([BLOCK], dtype=tl.float32)
+    acc_w = 0.0
+    acc_r = 0.0
+    acc_c = 0.0
+    acc_rc = 0.0
     for it in tl.static_range(ITERS):
-        offs = start + it * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        w, g, m, v = _load_wgmv(wp, gp, mp, vp, lp, offs, mask, ginv, clip_lo, clip_hi,
-                                W_SPLIT, CLIP)
-        m, v = _moments_(mp, vp, offs, mask, m, v, g, beta1, beta2)
-        dinv = 1.0 / (tl.sqrt(v) / bc2 + eps)
-        r = (m / bc1) * dinv + wd * w
+        offs, mask, b, bmask = _tile(row, n, start, it, BLOCK, QB, FORM)
+        m, v = _load_moments(row, mp, vp, offs, mask, b, bmask, FORM)
+        w = _load_w(wp, lp, offs, mask, W_SPLIT)
+        g = _load_g(gp, offs, mask, ginv, clip_lo, clip_hi, CLIP)
+        m, v, dinv, r = _lans_update(w, g, m, v, wd, bc1, bc2, beta1, beta2, eps)
+        if FORM == 0:
+            tl.store(mp + offs, m, mask=mask)
+            tl.store(vp + offs, v, mask=mask)
         c = g * dinv + wd * w
-        acc_w += w * w
-        acc_r += r * r
-        acc_c += c * c
-        acc_rc += r * c
-    tl.atomic_add(sums + 4 * i, tl.sum(acc_w, 0))
-    tl.atomic_add(sums + 4 * i + 1, tl.sum(acc_r, 0))
-    tl.atomic_add(sums + 4 * i + 2, tl.sum(acc_c, 0))
-    tl.atomic_add(sums + 4 * i + 3, tl.sum(acc_rc, 0))
+        acc_w += tl.sum(w * w)
+        acc_r += tl.sum(r * r)
+        acc_c += tl.sum(c * c)
+        acc_rc += tl.sum(r * c)
+    tl.atomic_add(sums + 4 * i, acc_w)
+    tl.atomic_add(sums + 4 * i + 1, acc_r)
+    tl.atomic_add(sums + 4 * i + 2, acc_c)
+    tl.atomic_add(sums + 4 * i + 3, acc_rc)
 
 
 @triton.jit
 def lans_apply(ptrs, sizes, chunks, scal, skip, sums, gsq, beta1, beta2, eps, clip_lo, clip_hi,
-               lower,
-               upper, MOVED: tl.constexpr, CLIP: tl.constexpr, HAS_LOWER: tl.constexpr,
+               lower, upper, MOVED: tl.constexpr, CLIP: tl.constexpr, HAS_LOWER: tl.constexpr,
                HAS_UPPER: tl.constexpr, W_SPLIT: tl.constexpr, G_KIND: tl.constexpr,
-               LOW_KIND: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+               LOW_KIND: tl.constexpr, FORM: tl.constexpr, BLOCK: tl.constexpr,
+               QB: tl.constexpr, ITERS: tl.constexpr):
     """LANS's second phase: w1 = w - a * ratio_r * r, then w1 - b * ratio_c * c, where c
-    decays w1 when MOVED and w otherwise (a = lr * beta1, b = lr * (1 - beta1))."""
-    row, n, start, i, lr, wd, adapt, mult, bc1, bc2 = _program(ptrs, sizes, chunks, scal, skip)
-    wp, gp, mp, vp, lp = _pointers(row, W_SPLIT, G_KIND, LOW_KIND)
+    decays w1 when MOVED and w otherwise (a = lr * beta1, b = lr * (1 - beta1)). Stored
+    moments are updated again, as the first phase did, and stored."""
+    row, n, start, i, lr, wd, adapt, mult, bc1, bc2, step = _program(ptrs, sizes, chunks, scal,
+                                                                     skip)
+    wp, gp, mp, vp, lp = _pointers(row, W_SPLIT, G_KIND, LOW_KIND, FORM)
     ginv = _normalising_factor(gsq, i, mult)
     a = lr * beta1
-    b = lr * (1.0 - beta1)
+    b2 = lr * (1.0 - beta1)
     w2 = tl.load(sums + 4 * i)
     r2 = tl.load(sums + 4 * i + 1)
     c2 = tl.load(sums + 4 * i + 2)
@@ -276,15 +409,19 @@ def lans_apply(ptrs, sizes, chunks, scal, skip, sums, gsq, beta1, beta2, eps, cl
         c2 = tl.maximum(c2 - 2.0 * k * tl.load(sums + 4 * i + 3) + k * k * r2, 0.0)
     ratio_c = tl.where(adapt > 0.0, _trust_ratio(w2, c2, lower, upper, HAS_LOWER, HAS_UPPER), 1.0)
     for it in tl.static_range(ITERS):
-        offs = start + it * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        w, g, m, v = _load_wgmv(wp, gp, mp, vp, lp, offs, mask, ginv, clip_lo, clip_hi,
-                                W_SPLIT, CLIP)
-        dinv = 1.0 / (tl.sqrt(v) / bc2 + eps)
-        r = (m / bc1) * dinv + wd * w
+        offs, mask, b, bmask = _tile(row, n, start, it, BLOCK, QB, FORM)
+        m, v = _load_moments(row, mp, vp, offs, mask, b, bmask, FORM)
+        w = _load_w(wp, lp, offs, mask, W_SPLIT)
+        g = _load_g(gp, offs, mask, ginv, clip_lo, clip_hi, CLIP)
+        if FORM == 0:  # the moments the first phase stored
+            dinv = 1.0 / (tl.sqrt(v) / bc2 + eps)
+            r = (m / bc1) * dinv + wd * w
+        else:
+            m, v, dinv, r = _lans_update(w, g, m, v, wd, bc1, bc2, beta1, beta2, eps)
+            _store_moments(row, mp, vp, offs, mask, b, bmask, m, v, step, FORM)
         w1 = w - a * (ratio_r * r)
         if MOVED:
             c = g * dinv + wd * w1
         else:
             c = g * dinv + wd * w
-        _store_w(wp, lp, offs, mask, w1 - b * (ratio_c * c), W_SPLIT, LOW_KIND)
+        _store_w(wp, lp, offs, mask, w1 - b2 * (ratio_c * c), W_SPLIT, LOW_KIND)
