@@ -230,21 +230,27 @@ def test_the_gpu_benchmark_times_each_candidate_against_fused_adamw(dtype, capsy
     """``scaleopt bench --device cuda``'s code, here on CPU tensors (the Triton rows under the
     interpreter) and a tiny set: a row per candidate with its ratio, host time, bandwidth at
     the algorithm's bytes per parameter, and the table printed."""
-    from scaleopt.cli import bench_gpu, paramsets
+    from scaleopt.cli import bench_gpu
 
     monkeypatch.setattr(_triton, "BLOCK", 2048)  # few programs: the interpreter is slow
     monkeypatch.setattr(_triton, "ITERS", 4)
 
-    shapes = paramsets.bert_shapes(16, 1, 64, 32)
+    shapes = [("dense.weight", (32, 256)), ("dense.bias", (32,)), ("out.weight", (20, 300)),
+              ("LayerNorm.weight", (300,))]  # int8 state for the matrices
     result = bench_gpu.run(shapes, "'tiny'", dtype, "cpu", rounds=1, only=["triton"])
     rows = {r["optimizer"]: r for r in result["rows"]}
-    assert set(rows) == {"torch.AdamW(fused=True)", "scaleopt.LAMB(triton)",
-                         "scaleopt.LANS(triton)"}
-    floors = {"float32": (28, 40, 48), "bfloat16": (14, 38, 42)}[dtype]
-    assert [rows[k]["bytes_per_param"] for k in sorted(rows)] == [floors[1], floors[2],
-                                                                   floors[0]]
+    floors = {"float32": (28, 40, 26, 48, 30), "bfloat16": (14, 38, 22, 42, 24)}[dtype]
+    names = ["torch.AdamW(fused=True)", "scaleopt.LAMB(triton)",
+             "scaleopt.LAMB(triton, int8 state)", "scaleopt.LANS(triton)",
+             "scaleopt.LANS(triton, int8 state)"]
+    assert sorted(rows) == sorted(names)
+    assert [rows[k]["bytes_per_param"] for k in names] == list(floors)
     for r in rows.values():
         assert r["ratio"] > 0 and r["host_s"] > 0 and r["gb_per_s"] > 0
+    for kind in ("LAMB", "LANS"):  # int8 moments hold a quarter of the bytes, and more
+        full, small = (rows[f"scaleopt.{kind}(triton{x})"]["state_bytes_per_param"]
+                       for x in ("", ", int8 state"))
+        assert small < full - 4
     assert result["params"] == sum(torch.Size(s).numel() for _, s in shapes)
     out = capsys.readouterr().out
     assert "x fused AdamW" in out and "scaleopt.LANS(triton)" in out

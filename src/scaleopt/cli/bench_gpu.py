@@ -5,14 +5,16 @@
 
 Each candidate steps on its own copy of the parameter set (with gradients), interleaved round
 by round with a fused AdamW on another copy; only the two are in memory at a time. The
-candidates: scaleopt's LAMB and LANS by the Triton kernels, by torch's multi-tensor ops, and by
-the multi-tensor ops under ``torch.compile``, and timm's Lamb where installed; with
+candidates: scaleopt's LAMB and LANS by the Triton kernels (with float32 and with int8 moments),
+by torch's multi-tensor ops, and by the multi-tensor ops under ``torch.compile``, and timm's
+Lamb where installed; with
 ``--dtype bfloat16``, the parameters are bfloat16 and scaleopt keeps float32 masters
 (``master_weights=True``; split masters on the Triton path). Per candidate: the median step
 time (CUDA events) and the median over rounds of its ratio to the fused AdamW; the host time of
 a step (until ``step()`` returns, launches queued, before the GPU is done); the achieved
 bandwidth, the bytes the algorithm must move per parameter over the step time, against a
-device-to-device copy measured in the same run; the peak memory the candidate adds.
+device-to-device copy measured in the same run; the peak memory the candidate adds, and the
+bytes of state (moments, scales, masters' extra halves) it holds per parameter.
 """
 
 from __future__ import annotations
@@ -29,9 +31,12 @@ from .paramsets import NO_DECAY, held_bytes, make_params, paired_ratio, sync
 
 #: the bytes each algorithm must move per parameter in one step: float32 (parameters,
 #: gradients, moments), and bfloat16 parameters and gradients with split float32 masters
-#: (AdamW: bfloat16 moments); see docs/gpu.md
+#: (AdamW: bfloat16 moments); "-int8": the moments as int8 codes (their scales not counted);
+#: see docs/gpu.md
 FLOOR_BYTES = {("adamw", "float32"): 28, ("lamb", "float32"): 40, ("lans", "float32"): 48,
-               ("adamw", "bfloat16"): 14, ("lamb", "bfloat16"): 38, ("lans", "bfloat16"): 42}
+               ("lamb-int8", "float32"): 26, ("lans-int8", "float32"): 30,
+               ("adamw", "bfloat16"): 14, ("lamb", "bfloat16"): 38, ("lans", "bfloat16"): 42,
+               ("lamb-int8", "bfloat16"): 22, ("lans-int8", "bfloat16"): 24}
 
 BASELINE = "torch.AdamW(fused=True)"
 
@@ -51,6 +56,9 @@ def candidates(dtype: torch.dtype) -> Dict[str, Tuple[Callable, bool, str]]:
         kind = cls.__name__.lower()
         rows[f"scaleopt.{cls.__name__}(triton)"] = (
             _layerwise(cls, masters, implementation="triton"), False, kind)
+        rows[f"scaleopt.{cls.__name__}(triton, int8 state)"] = (
+            _layerwise(cls, masters, implementation="triton", state_dtype="int8"), False,
+            f"{kind}-int8")
         rows[f"scaleopt.{cls.__name__}(multi-tensor)"] = (
             _layerwise(cls, masters, foreach=True), False, kind)
         rows[f"scaleopt.{cls.__name__}(multi-tensor, compiled)"] = (
@@ -139,7 +147,7 @@ def run(shapes, label: str, dtype_name: str, device: str, rounds: int,
           f"{dtype_name}; {name}, torch {torch.__version__}, {rounds} rounds")
     print(f"device-to-device copy: {copy / 1e9:.0f} GB/s")
     print(f"{'optimizer':42s} {'median ms':>9s} {'x fused AdamW':>13s} {'host ms':>8s} "
-          f"{'GB/s':>6s} {'% of copy':>9s} {'+peak MiB':>9s}")
+          f"{'GB/s':>6s} {'% of copy':>9s} {'+peak MiB':>9s} {'state B/p':>9s}")
     out = []
     for key in chosen:
         r = time_pair(shapes, key, rows[key], dtype, device, rounds)
@@ -149,6 +157,6 @@ def run(shapes, label: str, dtype_name: str, device: str, rounds: int,
         out.append(r)
         print(f"{key:42s} {r['median_s'] * 1e3:9.2f} {r['ratio']:13.2f} {r['host_s'] * 1e3:8.2f} "
               f"{r['gb_per_s']:6.0f} {100 * r['fraction_of_copy']:8.0f}% "
-              f"{r['peak_bytes_added'] / 2**20:9.0f}")
+              f"{r['peak_bytes_added'] / 2**20:9.0f} {r['state_bytes_per_param']:9.2f}")
     return {"params": nparams, "tensors": len(shapes), "dtype": dtype_name, "device": name,
             "torch": torch.__version__, "rounds": rounds, "copy_bytes_per_s": copy, "rows": out}
