@@ -263,3 +263,40 @@ def test_cuda_graph_replays_the_triton_step_with_a_changed_lr(cls):
     torch.cuda.synchronize()
     for a, b in zip(m1.parameters(), m2.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("cls", [scaleopt.LAMB, scaleopt.LANS])
+@pytest.mark.parametrize("form", ["bfloat16", "int8"])
+def test_cuda_triton_kernels_update_compact_moments_as_the_cpu(cls, form, monkeypatch):
+    """bfloat16 and int8 moments updated in place by the Triton kernels (no float32 copy of a
+    moment): the CPU's numbers, to the rounding of a moment that falls the other way."""
+    pytest.importorskip("triton")
+    from scaleopt import _compact
+
+    def no_copies(*args, **kwargs):
+        raise AssertionError("a float32 copy of a compact moment was made")
+
+    runs = []
+    for device in ("cpu", "cuda"):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(128, 96), nn.GELU(), nn.Linear(96, 8)).to(device)
+        opt = cls(m.parameters(), lr=1e-2, weight_decay=0.01, state_dtype=form)
+        with monkeypatch.context() as patch:
+            if device == "cuda":
+                patch.setattr(_compact, "working", no_copies)
+            for t in range(5):
+                g = torch.Generator().manual_seed(t)
+                x, y = torch.randn(64, 128, generator=g), torch.randn(64, 8, generator=g)
+                opt.zero_grad()
+                (m(x.to(device)) - y.to(device)).square().mean().backward()
+                opt.step()
+        state = opt.state[m[0].weight]
+        assert state["exp_avg"].dtype == (torch.int8 if form == "int8" else torch.bfloat16)
+        runs.append(([p.detach().cpu() for p in m.parameters()],
+                     [_compact.read(state, k, torch.float32).cpu()
+                      for k in ("exp_avg", "exp_avg_sq")]))
+    (wc, mc), (wg, mg) = runs
+    for a, b in zip(wg, wc):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=5e-5)
+    for a, b in zip(mg, mc):
+        assert ((a - b).abs() > 1e-6 + 0.02 * b.abs()).float().mean() < 1e-3
