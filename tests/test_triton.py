@@ -310,6 +310,7 @@ def test_capturable_steps_store_compact_moments_as_steps_with_host_numbers(form,
     included: the stored moments are those of steps whose numbers the host made, bit for
     bit."""
     monkeypatch.setattr(_compact, "MIN_NUMEL", 256)
+    monkeypatch.setattr(_triton, "BLOCK", 128)  # few programs: the interpreter is slow
     runs = []
     for capturable in (True, False):
         torch.manual_seed(0)
@@ -390,7 +391,7 @@ def test_a_capturable_step_takes_the_scale_and_skips_without_host_reads(monkeypa
     assert reads == []
 
 
-@pytest.mark.parametrize("chunk", [(8, 2), (1024, 1)], ids=["one-block-tiles", "four-block-tiles"])
+@pytest.mark.parametrize("chunk", [(128, 2), (1024, 1)], ids=["one-block-tiles", "four-block-tiles"])
 @pytest.mark.parametrize("cls", [scaleopt.LAMB, scaleopt.LANS])
 @pytest.mark.parametrize("form", ["bfloat16", "int8"])
 def test_compact_state_on_the_kernels_equals_the_loop_and_reads_nothing_back(cls, form, chunk,
