@@ -5,12 +5,14 @@ tensors with the same dtypes):
 
 * LANS only, ``sum_squares``: each gradient's sum of squares, into one float32 vector (not
   run where the intake's clipping computed them);
-* ``sums``: the moments updated in place and each tensor's partial sums, atomically added into
-  one float32 vector: LAMB ||w||^2 and ||u||^2, LANS ||w||^2, ||r||^2, ||c||^2 and <c, r>;
+* ``sums``: float32 moments updated in place, and each tensor's partial sums, atomically added
+  into one float32 vector: LAMB ||w||^2 and ||u||^2, LANS ||w||^2, ||r||^2, ||c||^2 and <c, r>;
 * between the two, for the local shards of sharded tensors, ``scaleopt._sharding`` totals that
   vector over the shards (the one reduction these phases yield);
 * ``apply``: each tensor's trust ratios from the totals, on the device, and the new weights
-  (and a float32 master's rounded weights, or a split master's two halves).
+  (and a float32 master's rounded weights, or a split master's two halves). Moments stored
+  in bfloat16 or 8 bits (``state_dtype``) are updated here, from the stored ones and the
+  gradient as the sums phase computed them, and stored: no float32 copy of them is made.
 
 The phases are the C kernels' (``_kernels.c``), and so is the arithmetic. Bytes moved per
 float32 parameter: LAMB 24 (sums: read w, g, m, v; write m, v) + 16 (apply: read w, m, v;
@@ -137,7 +139,7 @@ def _kind(t: Any, i: int) -> Tuple[int, int, int, int]:
             _LOW_KINDS[None if lo is None else lo.dtype], _FORMS[None if st is None else st.form])
 
 
-def _blocks_per_program() -> int:
+def _blocks_per_tile() -> int:
     """Whole int8 blocks of 256 in a tile (``QB``): as many as BLOCK elements hold, at least
     one."""
     return max(1, BLOCK // _compact.BLOCK)
@@ -190,7 +192,7 @@ def _chunk_starts(n: int, row_len: int, chunk: int) -> range:
     if not row_len:
         return range(0, n, chunk)
     blocks = n // row_len * -(-row_len // _compact.BLOCK)
-    return range(0, blocks, _blocks_per_program() * ITERS)
+    return range(0, blocks, _blocks_per_tile() * ITERS)
 
 
 def _step_table(t: Any, layer: Any, o: Any, device: torch.device) -> Tensor:
@@ -282,7 +284,7 @@ def _launch(name: str, kinds: Tuple[int, int, int, int], tables: Tuple[Tensor, T
     kernel = getattr(_kernels(), name)
     kernel[(chunks.shape[0],)](ptrs, sizes, chunks, W_SPLIT=w_kind, G_KIND=g_kind,
                                LOW_KIND=low_kind, FORM=form, BLOCK=BLOCK,
-                               QB=_blocks_per_program(), ITERS=ITERS, **args)
+                               QB=_blocks_per_tile(), ITERS=ITERS, **args)
     LAUNCHES[name] += 1
 
 
