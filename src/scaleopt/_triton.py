@@ -191,16 +191,17 @@ def _chunk_starts(n: int, row_len: int, chunk: int) -> range:
     (rows of ``row_len``) blocks, ``QB * ITERS`` of them a chunk."""
     if not row_len:
         return range(0, n, chunk)
-    blocks = n // row_len * -(-row_len // _compact.BLOCK)
-    return range(0, blocks, _blocks_per_tile() * ITERS)
+    return range(0, math.prod(_compact.grid((n // row_len, row_len))),
+                 _blocks_per_tile() * ITERS)
 
 
 def _step_table(t: Any, layer: Any, o: Any, device: torch.device) -> Tensor:
     """Per tensor: lr, weight decay, adapt, gradient multiplier, the bias corrections of its
-    step, and the step (float32, on ``device``). The step counters are incremented. With float learning rates
-    and the counters on the CPU (float32 scalars, as in torch.optim), the table is made on the
-    host and copied from pinned memory without waiting; with ``o.capturable`` or learning rates
-    that are device tensors, it is made on the device (:func:`_device_table`)."""
+    step, and the step (float32, on ``device``). The step counters are incremented. With float
+    learning rates and the counters on the CPU (float32 scalars, as in torch.optim), the table
+    is made on the host and copied from pinned memory without waiting; with ``o.capturable``
+    or learning rates that are device tensors, it is made on the device
+    (:func:`_device_table`)."""
     torch._foreach_add_(t.steps, 1)
     if t.skip_if is not None:  # a skipped step leaves its counters as they were
         torch._foreach_sub_(t.steps, [t.skip_if.to(torch.float32)] * len(t.steps))
@@ -209,10 +210,10 @@ def _step_table(t: Any, layer: Any, o: Any, device: torch.device) -> Tensor:
     if on_device:
         table = _device_table(t, layer, o, device)
     else:
-        bc1, bc2 = _blocks.bias_corrections([float(s) for s in t.steps], o.beta1, o.beta2,
-                                            o.bias_correction)
-        rows = [(float(lr), wd, float(bool(a)), 1.0, c1, c2, float(s)) for lr, wd, a, c1, c2, s
-                in zip(layer.lrs, layer.weight_decays, layer.adapt, bc1, bc2, t.steps)]
+        steps = [float(s) for s in t.steps]
+        bc1, bc2 = _blocks.bias_corrections(steps, o.beta1, o.beta2, o.bias_correction)
+        rows = [(float(lr), wd, float(bool(a)), 1.0, c1, c2, s) for lr, wd, a, c1, c2, s
+                in zip(layer.lrs, layer.weight_decays, layer.adapt, bc1, bc2, steps)]
         pinned = device.type == "cuda"
         table = torch.tensor(rows, dtype=torch.float32, pin_memory=pinned)
         table = table.to(device, non_blocking=True) if pinned else table

@@ -261,17 +261,23 @@ def sum_squares(ptrs, sizes, chunks, sums, W_SPLIT: tl.constexpr, G_KIND: tl.con
 
 
 @triton.jit
-def _lamb_update(w, g, m, v, lr, wd, bc1, bc2, beta1, beta2, eps, MODE: tl.constexpr):
-    """LAMB's new moments and update u (decay included) from the old moments and the gradient,
-    w decayed first in the decoupled mode (1)."""
+def _lamb_moments(w, g, m, v, lr, wd, beta1, beta2, MODE: tl.constexpr):
+    """w decayed first in the decoupled mode (1), and LAMB's new moments from the old ones and
+    the gradient (with w's L2 term in mode 2)."""
     w = w * _decay_factor(lr, wd, MODE)
     if MODE == 2:
         g = g + wd * w
     m, v = _moments(m, v, g, beta1, beta2)
+    return w, m, v
+
+
+@triton.jit
+def _lamb_u(w, m, v, wd, bc1, bc2, eps, MODE: tl.constexpr):
+    """LAMB's update u from the new moments, decay included (mode 0)."""
     u = (m / bc1) / (tl.sqrt(v) / bc2 + eps)
     if MODE == 0:
         u = u + wd * w
-    return w, m, v, u
+    return u
 
 
 @triton.jit
@@ -290,12 +296,13 @@ def lamb_sums(ptrs, sizes, chunks, scal, skip, sums, beta1, beta2, eps, clip_lo,
     for it in tl.static_range(ITERS):
         offs, mask, b, bmask = _tile(row, n, start, it, BLOCK, QB, FORM)
         m, v = _load_moments(row, mp, vp, offs, mask, b, bmask, FORM)
-        w, m, v, u = _lamb_update(_load_w(wp, lp, offs, mask, W_SPLIT),
-                                  _load_g(gp, offs, mask, mult, clip_lo, clip_hi, CLIP), m, v,
-                                  lr, wd, bc1, bc2, beta1, beta2, eps, MODE)
+        w, m, v = _lamb_moments(_load_w(wp, lp, offs, mask, W_SPLIT),
+                                _load_g(gp, offs, mask, mult, clip_lo, clip_hi, CLIP), m, v,
+                                lr, wd, beta1, beta2, MODE)
         if FORM == 0:
             tl.store(mp + offs, m, mask=mask)
             tl.store(vp + offs, v, mask=mask)
+        u = _lamb_u(w, m, v, wd, bc1, bc2, eps, MODE)
         acc_w += tl.sum(w * w)
         acc_u += tl.sum(u * u)
     tl.atomic_add(sums + 2 * i, acc_w)
@@ -316,20 +323,17 @@ def lamb_apply(ptrs, sizes, chunks, scal, skip, sums, beta1, beta2, eps, clip_lo
     ratio = _trust_ratio(tl.load(sums + 2 * i), tl.load(sums + 2 * i + 1), lower, upper,
                          HAS_LOWER, HAS_UPPER)
     ratio = tl.where(adapt > 0.0, ratio, 1.0)
-    f = _decay_factor(lr, wd, MODE)
     for it in tl.static_range(ITERS):
         offs, mask, b, bmask = _tile(row, n, start, it, BLOCK, QB, FORM)
         m, v = _load_moments(row, mp, vp, offs, mask, b, bmask, FORM)
         w = _load_w(wp, lp, offs, mask, W_SPLIT)
         if FORM == 0:  # the moments the first phase stored
-            w = w * f
-            u = (m / bc1) / (tl.sqrt(v) / bc2 + eps)
-            if MODE == 0:
-                u = u + wd * w
+            w = w * _decay_factor(lr, wd, MODE)
         else:
-            w, m, v, u = _lamb_update(w, _load_g(gp, offs, mask, mult, clip_lo, clip_hi, CLIP),
-                                      m, v, lr, wd, bc1, bc2, beta1, beta2, eps, MODE)
+            w, m, v = _lamb_moments(w, _load_g(gp, offs, mask, mult, clip_lo, clip_hi, CLIP),
+                                    m, v, lr, wd, beta1, beta2, MODE)
             _store_moments(row, mp, vp, offs, mask, b, bmask, m, v, step, FORM)
+        u = _lamb_u(w, m, v, wd, bc1, bc2, eps, MODE)
         _store_w(wp, lp, offs, mask, w - lr * (ratio * u), W_SPLIT, LOW_KIND)
 
 
@@ -342,12 +346,10 @@ def _normalising_factor(gsq, i, mult):
 
 
 @triton.jit
-def _lans_update(w, g, m, v, wd, bc1, bc2, beta1, beta2, eps):
-    """LANS's new moments, 1/(sqrt(v^) + eps) and r from the old moments and the normalised
-    gradient."""
-    m, v = _moments(m, v, g, beta1, beta2)
+def _lans_r(w, m, v, wd, bc1, bc2, eps):
+    """LANS's 1/(sqrt(v^) + eps) and update r from the new moments."""
     dinv = 1.0 / (tl.sqrt(v) / bc2 + eps)
-    return m, v, dinv, (m / bc1) * dinv + wd * w
+    return dinv, (m / bc1) * dinv + wd * w
 
 
 @triton.jit
@@ -370,10 +372,11 @@ def lans_sums(ptrs, sizes, chunks, scal, skip, sums, gsq, beta1, beta2, eps, cli
         m, v = _load_moments(row, mp, vp, offs, mask, b, bmask, FORM)
         w = _load_w(wp, lp, offs, mask, W_SPLIT)
         g = _load_g(gp, offs, mask, ginv, clip_lo, clip_hi, CLIP)
-        m, v, dinv, r = _lans_update(w, g, m, v, wd, bc1, bc2, beta1, beta2, eps)
+        m, v = _moments(m, v, g, beta1, beta2)
         if FORM == 0:
             tl.store(mp + offs, m, mask=mask)
             tl.store(vp + offs, v, mask=mask)
+        dinv, r = _lans_r(w, m, v, wd, bc1, bc2, eps)
         c = g * dinv + wd * w
         acc_w += tl.sum(w * w)
         acc_r += tl.sum(r * r)
@@ -413,12 +416,10 @@ def lans_apply(ptrs, sizes, chunks, scal, skip, sums, gsq, beta1, beta2, eps, cl
         m, v = _load_moments(row, mp, vp, offs, mask, b, bmask, FORM)
         w = _load_w(wp, lp, offs, mask, W_SPLIT)
         g = _load_g(gp, offs, mask, ginv, clip_lo, clip_hi, CLIP)
-        if FORM == 0:  # the moments the first phase stored
-            dinv = 1.0 / (tl.sqrt(v) / bc2 + eps)
-            r = (m / bc1) * dinv + wd * w
-        else:
-            m, v, dinv, r = _lans_update(w, g, m, v, wd, bc1, bc2, beta1, beta2, eps)
+        if FORM != 0:  # else the moments the first phase stored
+            m, v = _moments(m, v, g, beta1, beta2)
             _store_moments(row, mp, vp, offs, mask, b, bmask, m, v, step, FORM)
+        dinv, r = _lans_r(w, m, v, wd, bc1, bc2, eps)
         w1 = w - a * (ratio_r * r)
         if MOVED:
             c = g * dinv + wd * w1
