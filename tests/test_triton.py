@@ -411,7 +411,6 @@ def test_compact_state_on_the_kernels_equals_the_loop_and_reads_nothing_back(cls
 
     params, loop = three_steps(cls, "single", form, 3)
     want = [p.detach().clone() for p in params]
-    counted = []
     with monkeypatch.context() as patch:
         patch.setattr(_compact, "working", _no_copies)
         launches = _triton.LAUNCHES.copy()
