@@ -24,8 +24,16 @@ LANES = ("portable", "avx512")
 # -- the stored forms against their definitions ---------------------------------------------
 
 
-def _codes_by_definition(x, signed):
-    """The int8 codes of a 2-D tensor, element by element as the docs define them."""
+def _bits(x, step=1.0, offset=0):
+    """The random bits with which the second moment x (at this step, its piece starting at
+    ``offset`` in the whole tensor) is stored."""
+    index = torch.arange(x.numel()).view(x.shape) + offset
+    return _compact.random16(index, torch.tensor(step), 2)
+
+
+def _codes_by_definition(x, signed, bits):
+    """The int8 codes of a 2-D tensor, element by element as the docs define them (in
+    Fractions: exact), with the random bits of unsigned codes."""
     rows, length = x.shape
     codes, scales = [], []
     for r in range(rows):
@@ -34,12 +42,13 @@ def _codes_by_definition(x, signed):
             block = [float(v) for v in x[r, start:start + _compact.BLOCK]]
             s = max(abs(v) for v in block)
             row_scales.append(s)
-            for v in block:
-                y = abs(v) / s if s > 0 else 0.0
+            for i, v in enumerate(block):
+                y = Fraction(abs(v)) / Fraction(s) if s > 0 else Fraction(0)
                 if signed:
                     row_codes.append(round(127 * math.sqrt(y)) * (1 if v >= 0 else -1))
                 else:
-                    row_codes.append(round(255 * y ** 0.25))
+                    row_codes.append(_exact_code(y * 255 ** 4, False,
+                                                 int(bits[r, start + i])))
         codes.append(row_codes)
         scales.append(row_scales)
     return torch.tensor(codes), torch.tensor(scales)
@@ -52,53 +61,87 @@ def test_int8_codes_and_scales_are_those_of_the_definition(signed):
     x[1, 256:] = 0.0  # an all-zero last block
     if not signed:
         x = x.square()
-    codes, scales = _compact.quantize(x, signed)
-    want_codes, want_scales = _codes_by_definition(x, signed)
+    codes, scales = _compact.quantize(x, signed, None if signed else _bits(x))
+    want_codes, want_scales = _codes_by_definition(x, signed, _bits(x))
     assert codes.dtype == (torch.int8 if signed else torch.uint8)
     assert scales.shape == (3, 2) and scales.dtype == torch.float32
     torch.testing.assert_close(scales, want_scales.float())
-    # the same codes, but for a value on a rounding boundary (a float round-off apart)
+    # the same codes, but for a value on a rounding boundary (y = |x| c is rounded in float32)
     assert (codes.long() - want_codes).abs().max() <= 1
     assert (codes.long() != want_codes).float().mean() < 1e-3
 
 
-def _exact_code(y, signed):
-    """The code of y (a float, |x| times 127^2/s or 255^4/s) in exact arithmetic: the largest k
-    with (k - 1/2)^2 <= y (signed) or (k - 1/2)^4 <= y, i.e. the root rounded, halves up."""
-    y, power = Fraction(y), (2 if signed else 4)
+def _exact_code(y, signed, r=None):
+    """The code of y (|x| times 127^2/s or 255^4/s) in exact arithmetic. Signed: the largest
+    k with (k - 1/2)^2 <= y, i.e. the square root rounded, halves up. Unsigned, with 16 random
+    bits r: k = floor(y^(1/4)), then k + 1 where r ((k+1)^4 - k^4) < 2^16 (y - k^4)."""
+    y = Fraction(y)
     k = 0
-    while Fraction(2 * k + 1, 2) ** power <= y:
+    if signed:
+        while Fraction(2 * k + 1, 2) ** 2 <= y:
+            k += 1
+        return k
+    while (k + 1) ** 4 <= y and k < 255:
         k += 1
-    return k
+    up = r * ((k + 1) ** 4 - k ** 4) < 65536 * (y - k ** 4)
+    return min(k + up, 255)
+
+
+def _near(value, values):
+    """value (rounded to float32) and the floats one and two roundings either side of it."""
+    edge = torch.tensor(float(value))
+    values.add(float(edge))
+    for toward in (-math.inf, math.inf):
+        near = edge
+        for _ in range(2):
+            near = torch.nextafter(near, torch.tensor(toward))
+            values.add(float(near))
 
 
 def _boundary_rows(signed):
     """Rows of one block each: the scale s that makes 127^2/s (255^4/s) exactly 1, then values
-    on and a float rounding or two either side of every boundary between two codes."""
+    on and a float rounding or two either side of every boundary between two codes: (k-1/2)^2
+    (signed), k^4 (unsigned). Then, for unsigned codes, rows whose values lie on and around
+    the point where each element's random bits (at step 1) decide between k and k + 1."""
     scale = 16129.0 if signed else float(torch.tensor(4228250625.0))
     values = set()
     for k in range(1, 128 if signed else 256):
-        edge = torch.tensor(float(k - 0.5) ** (2 if signed else 4))
-        values.add(float(edge))
-        for toward in (-math.inf, math.inf):
-            near = edge
-            for _ in range(2):
-                near = torch.nextafter(near, torch.tensor(toward))
-                values.add(float(near))
+        _near((k - 0.5) ** 2 if signed else k ** 4, values)
     values = sorted(v for v in values if v <= scale)
     rows = []
     for start in range(0, len(values), 255):
         row = [scale] + values[start:start + 255]
         rows.append(row + [0.0] * (256 - len(row)))
+    if not signed:
+        rows += _random_boundary_rows(len(rows), scale)
     return torch.tensor(rows), scale
+
+
+def _random_boundary_rows(first, scale):
+    """Rows from row ``first``: in each group of 5 elements, with k = 1 .. 254 in turn, the
+    values on and either side of k^4 + r ((k+1)^4 - k^4) / 2^16 for the bits r of the middle
+    element."""
+    rows, k = [], 0
+    bits = _bits(torch.zeros(first + 6, 256)).tolist()
+    for row in range(first, first + 6):
+        out = [scale]
+        while len(out) + 5 <= 256:
+            k = k % 254 + 1
+            r = bits[row][len(out) + 2]
+            point = Fraction(k ** 4) + Fraction(r * ((k + 1) ** 4 - k ** 4), 65536)
+            near = set()
+            _near(float(point), near)
+            out += sorted(near)[:5] + [0.0] * (5 - len(near))
+        rows.append(out + [0.0] * (256 - len(out)))
+    return rows
 
 
 @pytest.mark.parametrize("signed", [True, False])
 @pytest.mark.parametrize("impl", ["torch", *LANES])
-def test_codes_are_the_roots_rounded_halves_up_in_every_implementation(signed, impl,
-                                                                       monkeypatch):
+def test_codes_are_those_of_exact_arithmetic_in_every_implementation(signed, impl, monkeypatch):
     """Every implementation stores the same codes, those of exact arithmetic on y = |x| c,
-    even for values a float rounding away from a boundary between two codes."""
+    even for values a float rounding away from a boundary between two codes, or from where
+    the random bits decide."""
     x, scale = _boundary_rows(signed)
     x = torch.cat([x, -x]) if signed else x
     if impl == "torch":
@@ -118,24 +161,32 @@ def test_codes_are_the_roots_rounded_halves_up_in_every_implementation(signed, i
         if impl != "torch":
             _native.compact_simd(was)
     assert (state[_compact.scale_key(key)] == scale).all()
-    want = [[_exact_code(abs(v), signed) * (-1 if v < 0 else 1) for v in row]
-            for row in x.tolist()]
+    bits = _bits(x).tolist()
+    want = [[_exact_code(abs(v), signed, r) * (-1 if v < 0 else 1) for v, r in zip(row, rb)]
+            for row, rb in zip(x.tolist(), bits)]
     assert state[key].tolist() == want
 
 
 @pytest.mark.parametrize("signed", [True, False])
 def test_int8_decoding_error_is_bounded_by_the_code_steps(signed):
+    """Signed codes: within half a step of the value; unsigned ones (rounded stochastically):
+    one of the two codes either side of it."""
     g = torch.Generator().manual_seed(1)
     x = torch.randn(4, 512, generator=g)
     if not signed:
         x = x.square()
-    codes, scales = _compact.quantize(x, signed)
+    codes, scales = _compact.quantize(x, signed, None if signed else _bits(x))
     back = _compact.dequantize(codes, scales)
     blocks = scales.repeat_interleave(_compact.BLOCK, dim=1)
     y = (x.abs() / blocks)
-    levels, power = (127, 2) if signed else (255, 4)
-    t = y ** (1 / power)  # the code's real-valued position
-    step = ((t + 0.5 / levels).clamp(max=1) ** power - t ** power).abs() * blocks
+    if signed:
+        t = (y.sqrt() * 127)  # the code's real-valued position
+        step = (((t + 0.5).clamp(max=127) / 127) ** 2 - (t / 127) ** 2).abs() * blocks
+    else:
+        t = y.sqrt().sqrt() * 255
+        assert ((codes.float() - t).abs() < 1 + 1e-3).all()  # the code below it or above
+        below = (t - 1e-3).floor().clamp(min=0)
+        step = (((below + 1) / 255) ** 4 - (below / 255) ** 4) * blocks
     assert ((back - x).abs() <= step + 1e-7).all()
     # each block's largest magnitude comes back exactly, signs are kept, zeros stay zero
     for r in range(4):
@@ -144,8 +195,28 @@ def test_int8_decoding_error_is_bounded_by_the_code_steps(signed):
             i = block.abs().argmax()
             assert back[r, b * 256 + i] == block[i]
     assert (torch.sign(back) == torch.sign(x)).all() or not signed
-    zero_codes, zero_scales = _compact.quantize(torch.zeros(2, 10), signed)
+    zeros = torch.zeros(2, 10)
+    zero_codes, zero_scales = _compact.quantize(zeros, signed, _bits(zeros))
     assert (_compact.dequantize(zero_codes, zero_scales) == 0).all()
+
+
+def test_the_second_moments_codes_are_unbiased():
+    """Stored over many steps (new random bits each), the second moment's codes decode to
+    the value on average, where rounding to the nearest code would miss it by up to half a
+    step: the values here lie a third of a step above a code, so nearest would always round
+    down."""
+    s = 1.0
+    k = torch.arange(20, 200).float()
+    x = torch.cat([torch.tensor([s]), s * ((k + 1 / 3) / 255) ** 4]).view(1, -1)
+    total = torch.zeros_like(x)
+    for step in range(1, 801):
+        codes, scales = _compact.quantize(x, False, _bits(x, step=float(step)))
+        total += _compact.dequantize(codes, scales)
+    relative = (total / 800 - x) / x
+    assert relative.abs().max() < 0.02  # 800 draws: within about 3 sigma
+    assert relative[0, 1:].mean().abs() < 0.002
+    nearest = s * (k / 255) ** 4
+    assert ((nearest - x[0, 1:]) / x[0, 1:]).mean() < -0.004  # what rounding to nearest gives
 
 
 def test_no_row_split_changes_a_block():

@@ -487,31 +487,37 @@ def stored_by_the_kernels(form, xm, xv, step=7.0, offset=0, qb=4):
 @pytest.mark.parametrize("qb", [1, 4])
 def test_the_kernels_store_and_read_int8_codes_as_the_reference(shape, qb):
     """Blocks of 256 within rows (shorter at a row's end, several rows per tile): the codes
-    and scales of ``_compact.quantize``, and read back as ``_compact.dequantize``, bit for
-    bit."""
+    and scales of ``_compact.quantize`` (the second moment's rounded with the bits of each
+    element's index in the whole tensor and the step), and read back as
+    ``_compact.dequantize``, bit for bit."""
+    from test_state_dtype import _bits
+
     g = torch.Generator().manual_seed(3)
     x = torch.randn(shape, generator=g) * torch.rand(shape, generator=g) ** 4
-    got = stored_by_the_kernels("int8", x, x.square(), qb=qb)
+    got = stored_by_the_kernels("int8", x, x.square(), offset=4099, qb=qb)
     for key, value in (("exp_avg", x), ("exp_avg_sq", x.square())):
-        codes, scales = _compact.quantize(value, key == "exp_avg")
+        bits = None if key == "exp_avg" else _bits(value, step=7.0, offset=4099)
+        codes, scales = _compact.quantize(value, key == "exp_avg", bits)
         stored, stored_scales, back = got[key]
         assert torch.equal(stored, codes) and torch.equal(stored_scales, scales), key
         assert torch.equal(back, _compact.dequantize(codes, scales)), key
 
 
 @pytest.mark.parametrize("signed", [True, False])
-def test_the_kernels_codes_are_the_roots_rounded_halves_up(signed):
-    """Values on and a float rounding or two either side of every boundary between two codes:
-    the codes of exact arithmetic, as in every other implementation."""
-    from test_state_dtype import _boundary_rows, _exact_code
+def test_the_kernels_codes_are_those_of_exact_arithmetic(signed):
+    """Values on and a float rounding or two either side of every boundary between two codes,
+    and of where the random bits decide: the codes of exact arithmetic, as in every other
+    implementation."""
+    from test_state_dtype import _bits, _boundary_rows, _exact_code
 
     x, scale = _boundary_rows(signed)
     x = torch.cat([x, -x]) if signed else x
     key = "exp_avg" if signed else "exp_avg_sq"
-    codes, scales, _ = stored_by_the_kernels("int8", x, x.abs())[key]
+    codes, scales, _ = stored_by_the_kernels("int8", x, x.abs(), step=1.0)[key]
     assert (scales == scale).all()
-    assert codes.tolist() == [[_exact_code(abs(v), signed) * (-1 if v < 0 else 1) for v in r]
-                              for r in x.tolist()]
+    bits = _bits(x).tolist()
+    assert codes.tolist() == [[_exact_code(abs(v), signed, r) * (-1 if v < 0 else 1)
+                               for v, r in zip(row, rb)] for row, rb in zip(x.tolist(), bits)]
 
 
 def test_a_nan_moment_stores_code_0_and_its_block_keeps_the_others_scale():
@@ -520,11 +526,14 @@ def test_a_nan_moment_stores_code_0_and_its_block_keeps_the_others_scale():
     from scaleopt import _native
 
     x = torch.linspace(-1, 2, 300).repeat(2, 1)
+    clean = x.clone()
     x[0, 10] = float("nan")
-    for key, (codes, scales, _) in stored_by_the_kernels("int8", x, x.abs()).items():
-        assert codes[0, 10] == 0 and torch.equal(scales[0], scales[1]), key
-        assert torch.equal(codes[0, 11:], codes[1, 11:]) and torch.equal(codes[0, :10],
-                                                                        codes[1, :10]), key
+    without = stored_by_the_kernels("int8", clean, clean.abs(), step=1.0)
+    for key, (codes, scales, _) in stored_by_the_kernels("int8", x, x.abs(), step=1.0).items():
+        assert codes[0, 10] == 0 and torch.equal(scales, without[key][1]), key
+        others = torch.ones(x.shape, dtype=torch.bool)
+        others[0, 10] = False
+        assert torch.equal(codes[others], without[key][0][others]), key
         if _native.available():
             state = {"step": torch.tensor(1.0)}
             _compact.write(state, key, "int8", x if key == "exp_avg" else x.abs(),

@@ -15,15 +15,18 @@ forms, chosen per tensor by :func:`form_for` from the group's ``state_dtype`` an
   dimension, and each row into blocks of :data:`BLOCK` elements (the last one shorter); each
   block stores a float32 scale ``s`` (its largest magnitude) and one byte per element:
   ``exp_avg`` as ``int8`` codes ``q = round(127 sqrt(|x|/s)) sign(x)``, decoded as
-  ``s (q/127)^2 sign(q)``; the non-negative ``exp_avg_sq`` as ``uint8`` codes
-  ``q = round(255 (x/s)^(1/4))``, decoded as ``s (q/255)^4`` (computed as
-  ``(q^2 q^2) (s / 255^4)``: multiplications only). ``round`` is exact, halves up, on
-  ``|x| (127^2/s)`` in float32 (see :func:`quantize`), so every implementation stores the same
-  codes however it estimates the roots. The power maps spend the codes
-  where the values are: relative steps of 1.6% near the block's largest value, down to
-  ``s/127^2`` and ``s/255^4``. FSDP2 shards along the first dimension and never splits a row,
-  so every block lies inside one shard on every mesh. One-dimensional tensors (biases, norms)
-  keep float32 state: a shard may cut them anywhere.
+  ``s (q/127)^2 sign(q)``, rounded to the nearest code; the non-negative ``exp_avg_sq`` as
+  ``uint8`` codes of ``255 (x/s)^(1/4)``, decoded as ``s (q/255)^4`` (computed as
+  ``(q^2 q^2) (s / 255^4)``: multiplications only), rounded *stochastically* to one of the
+  two codes either side, so the stored value is right on average (with the random bits of
+  the bfloat16 rounding; rounded to the nearest code, a second moment that ``beta2`` moves
+  by less than half a step stays where it is, and training drifts). Every decision is exact
+  arithmetic on ``|x| (127^2/s)`` or ``x (255^4/s)`` in float32 (see :func:`quantize`), so
+  every implementation stores the same codes however it estimates the roots. The power maps
+  spend the codes where the values are: relative steps of 1.6% near the block's largest
+  value, down to ``s/127^2`` and ``s/255^4``. FSDP2 shards along the first dimension and
+  never splits a row, so every block lies inside one shard on every mesh. One-dimensional
+  tensors (biases, norms) keep float32 state: a shard may cut them anywhere.
 
 In a state dict an int8 moment is its codes (shaped as the parameter) and ``<key>_scale``
 (float32, ``(rows, blocks)``), sharded as the parameter is (DTensors along dimension 0).
@@ -109,29 +112,59 @@ def _blocks_of(x: Tensor) -> Tuple[Tensor, int]:
     return F.pad(flat, (0, blocks * BLOCK - length)).view(rows, blocks, BLOCK), length
 
 
-def quantize(x: Tensor, signed: bool) -> Tuple[Tensor, Tensor]:
-    """``(codes, scales)`` of ``x`` (a local tensor, rows along dimension 0).
+def quantize(x: Tensor, signed: bool, bits: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """``(codes, scales)`` of ``x`` (a local tensor, rows along dimension 0); ``bits``: 16
+    random bits per element (:func:`random16`, shaped as ``x``), needed for unsigned codes.
 
-    ``y = |x| c`` with ``c = 127^2/s`` (signed) or ``255^4/s`` (float32 operations); the code is
-    the root of ``y`` (square, fourth) rounded to the nearest integer in exact arithmetic,
-    halves up: ``q0 = floor(root + 0.47)`` is it or one less, and one exact comparison of
-    ``(q0 + 1/2)^2`` or ``(q0 + 1/2)^4`` (in double) with ``y`` decides. The C kernels reach the
-    same codes from other estimates of the root."""
+    ``y = |x| c`` with ``c = 127^2/s`` (signed) or ``255^4/s`` (float32 operations).
+
+    * Signed codes: the square root of ``y`` rounded to the nearest integer in exact
+      arithmetic, halves up: ``q0 = floor(root + 0.47)`` is it or one less, and one exact
+      comparison of ``(q0 + 1/2)^2`` with ``y`` decides.
+    * Unsigned codes, rounded stochastically: ``k = floor(y^(1/4))`` (``floor(root - 0.03)`` is
+      it or one less, and ``(k + 1)^4 <= y`` decides), then ``k + 1`` with probability
+      ``(y - k^4) / ((k+1)^4 - k^4)``: where ``r (h - l) < 2^16 (y - l)``, with ``r`` the
+      random bits, ``l = k^4`` and ``h = (k+1)^4``, every term exact in double. So
+      ``E[decoded] = x`` (to ``2^-16`` of a step), and the second moment does not stay stuck
+      on a code while ``beta2`` moves it by less than half a step.
+
+    Every decision is exact, so the C and Triton kernels reach the same codes from other
+    estimates of the roots."""
     blocks, length = _blocks_of(x)
     mags = blocks.abs()
     scales = mags.amax(dim=-1)
     factor = torch.full_like(scales, 16129.0 if signed else 4228250625.0) / scales
     y = mags * torch.where(scales > 0, factor, torch.zeros_like(scales)).unsqueeze(-1)
-    root = y.sqrt() if signed else y.sqrt().sqrt()
-    q = root.add_(0.47).floor_()
-    b = (q + 0.5).square_()
-    q += (b <= y) if signed else (b.double().square_() <= y.double())
     if signed:
+        q = y.sqrt().add_(0.47).floor_()
+        q += (q + 0.5).square_() <= y
         q.mul_(blocks.sign())
+    else:
+        if bits is None:
+            raise ValueError("unsigned codes are rounded stochastically: pass their random bits")
+        q = _unsigned_codes(y, _blocks_of(bits.to(torch.float32))[0])
     q = q.nan_to_num_(0.0)  # a NaN moment's code is 0, as in the C kernels
     codes = q.to(torch.int8 if signed else torch.uint8)
     codes = codes.view(x.shape[0], blocks.shape[1] * BLOCK)[:, :length].reshape(x.shape)
     return codes, scales
+
+
+def _fourth(k: Tensor) -> Tensor:
+    """``k^4`` in double (exact for the codes' range)."""
+    k2 = k.double().square()
+    return k2 * k2
+
+
+def _unsigned_codes(y: Tensor, r: Tensor) -> Tensor:
+    """The stochastically rounded fourth roots of ``y`` (float32, ``>= 0``) with random bits
+    ``r`` (see :func:`quantize`); NaN where ``y`` is."""
+    k = (y.sqrt().sqrt() - 0.03).clamp_min_(0.0).floor_()
+    yd = y.double()
+    k += _fourth(k + 1) <= yd
+    k.clamp_max_(255.0)
+    low = _fourth(k)
+    up = r.double() * (_fourth(k + 1) - low) < (yd - low) * 65536.0
+    return (k + up).clamp_max_(255.0).masked_fill_(y.isnan(), float("nan"))
 
 
 def dequantize(codes: Tensor, scales: Tensor) -> Tensor:
@@ -289,10 +322,12 @@ def write(state: Dict[str, Any], key: str, form: str, value: Tensor, template: T
             stored.copy_(round_bf16(value, global_index(template), step, _SALT[key]))
         return
     scales = local_piece(state[scale_key(key)])
-    if _native.takes_compact(value, stored, scales):
-        _native.int8_encode(value, stored, scales)
+    if _native.takes_compact(value, stored, scales, step):
+        _native.int8_encode(value, stored, scales, flat_offset(template),
+                            _key(int(step), _SALT[key]))
     else:
-        codes, new_scales = quantize(value, SIGNED[key])
+        bits = None if SIGNED[key] else random16(global_index(template), step, _SALT[key])
+        codes, new_scales = quantize(value, SIGNED[key], bits)
         stored.copy_(codes)
         scales.copy_(new_scales)
 

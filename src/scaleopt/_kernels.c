@@ -200,17 +200,18 @@ static inline float split_join(uint16_t hi, uint16_t lo) {
 /* int8 moments: rows of row_len elements, blocks of 256 within a row (the last one shorter),
  * one float32 scale s per block (its largest magnitude). Signed codes: with y = |x| c,
  * c = 127^2 / s (float32 operations), q = sign(x) round(sqrt(y)), decoded as
- * (q |q|) (s / 127^2); unsigned codes: with y = x c, c = 255^4 / s, q = round(y^(1/4)),
- * decoded as (q^2 q^2) (s / 255^4): multiplications only. round() is to the nearest integer
- * in exact arithmetic, halves up: q is the largest k with (k - 1/2)^2 <= y (signed), or
- * (k - 1/2)^4 <= y (unsigned). Any estimate of the root within 0.03 gives it: q0 =
- * trunc(estimate + 0.47) is q or q - 1, and one exact comparison, (q0 + 1/2)^2 <= y (the square
- * is exact in float32) or (q0 + 1/2)^4 <= y (exact in double, or from the sign of one fused
- * multiply-add), tells which. So the codes do not depend on how the root was estimated
- * (sqrtf here, 14-bit reciprocal roots in the AVX-512 loops, torch.sqrt in the PyTorch
- * reference), and every implementation stores the same ones. bfloat16 moments: rounded
- * stochastically with 16 random bits, a 32-bit hash of the element's global index
- * (offset + i) and a key of the step and moment. */
+ * (q |q|) (s / 127^2); round() is to the nearest integer in exact arithmetic, halves up: q is
+ * the largest k with (k - 1/2)^2 <= y. Any estimate of the root within 0.03 gives it: q0 =
+ * trunc(estimate + 0.47) is q or q - 1, and (q0 + 1/2)^2 <= y (exact in float32) tells which.
+ * Unsigned codes: with y = x c, c = 255^4 / s, decoded as (q^2 q^2) (s / 255^4)
+ * (multiplications only), rounded stochastically: k = floor(y^(1/4)) (trunc(estimate - 0.03)
+ * is k or k - 1, and (k + 1)^4 <= y tells which), then q = k + 1 where
+ * r ((k+1)^4 - k^4) < 2^16 (y - k^4), r the 16 random bits below; every term is exact in
+ * double, so E[decoded] = x. So the codes do not depend on how a root was estimated (sqrtf
+ * here, 14-bit reciprocal roots in the AVX-512 loops, torch.sqrt in the PyTorch reference),
+ * and every implementation stores the same ones. bfloat16 moments: rounded stochastically
+ * with 16 random bits. The random bits of an element: a 32-bit hash of its global index
+ * (offset + i) plus a key of the step and moment. */
 
 #define COMPACT_BLOCK 256
 enum { FORM_F32 = 0, FORM_BF16 = 1, FORM_INT8 = 2 };
@@ -224,14 +225,18 @@ static inline int64_t block_start(int64_t b, int64_t blocks, int64_t row_len, in
     return (b / blocks) * row_len + start;
 }
 
-/* x rounded to bfloat16 up or down by 16 random bits, a hash of h (index + key). */
+/* 16 random bits, a hash of h (index + key). */
+INLINE uint32_t random16(uint32_t h) {
+    h = ((h >> 16) ^ h) * 0x45D9F3Bu;
+    h = ((h >> 16) ^ h) * 0x45D9F3Bu;
+    return ((h >> 16) ^ h) & 0xFFFFu;
+}
+
+/* x rounded to bfloat16 up or down by the random bits of h (index + key). */
 INLINE uint16_t round_stochastic(float x, uint32_t h) {
-    h = ((h >> 16) ^ h) * 0x45D9F3Bu;
-    h = ((h >> 16) ^ h) * 0x45D9F3Bu;
-    h = (h >> 16) ^ h;
     uint32_t bits;
     memcpy(&bits, &x, 4);
-    return (uint16_t)((bits + (h & 0xFFFFu)) >> 16);
+    return (uint16_t)((bits + random16(h)) >> 16);
 }
 
 /* The key of the rounding hash at a step, for a moment (its salt): as _compact._key. */
@@ -287,12 +292,23 @@ static inline int32_t code_signed(float y) {
     return q + ((b * b <= y) & 1);
 }
 
-/* The unsigned code of y from t, an estimate of y^(1/4): (q0 + 1/2)^4 compared in double,
- * where it is exact. */
-static inline int32_t code_unsigned(float y, float t) {
-    const int32_t q = (int32_t)(y > 0.0f ? t + 0.47f : 0.0f);
-    const float b = ((float)q + 0.5f) * ((float)q + 0.5f);
-    return q + (((double)b * (double)b <= (double)y) & 1);
+/* k^4 in double, exact for k <= 256. */
+static inline double fourth(int32_t k) {
+    const double k2 = (double)(k * k);
+    return k2 * k2;
+}
+
+/* The unsigned code of y from t, an estimate of y^(1/4), and random bits r (see above): every
+ * comparison in double, where it is exact. */
+static inline int32_t code_unsigned(float y, float t, uint32_t r) {
+    const double yd = (double)y;
+    const float e = t < 256.0f ? t - 0.03f : 255.0f;
+    int32_t k = (int32_t)(y > 0.0f && t > 0.03f ? e : 0.0f);
+    k += fourth(k + 1) <= yd;
+    k = k < 255 ? k : 255;
+    const double low = fourth(k);
+    k += (double)r * (fourth(k + 1) - low) < (yd - low) * 65536.0;
+    return k < 255 ? k : 255;
 }
 
 /* in[0..len) stored as block b of a moment (its elements from at): bfloat16 rounded with the
@@ -319,14 +335,16 @@ INLINE void encode_block(void *codes, float *scales, int form, int is_signed, in
         return;
     }
     uint8_t *out = (uint8_t *)codes + at;
+    const uint32_t h = (uint32_t)(offset + at) + key;
     if (roots) {
         const float root_c = sqrtf(c);
         for (int64_t i = 0; i < len; i++)
-            out[i] = (uint8_t)code_unsigned(fabsf(in[i]) * c, sqrtf(roots[i] * root_c));
+            out[i] = (uint8_t)code_unsigned(fabsf(in[i]) * c, sqrtf(roots[i] * root_c),
+                                            random16(h + (uint32_t)i));
     } else {
         for (int64_t i = 0; i < len; i++) {
             const float y = fabsf(in[i]) * c;
-            out[i] = (uint8_t)code_unsigned(y, sqrtf(sqrtf(y)));
+            out[i] = (uint8_t)code_unsigned(y, sqrtf(sqrtf(y)), random16(h + (uint32_t)i));
         }
     }
 }
@@ -945,10 +963,8 @@ V16_INLINE void v16_decode(const Stored *st, int int8, int64_t at, __mmask16 k, 
     *v = _mm512_castsi512_ps(_mm512_slli_epi32(hv, 16));
 }
 
-/* x rounded to bfloat16 stochastically into out (lanes k), as round_stochastic with the
- * hashes of index + lane + key. */
-V16_INLINE void v16_store_bf16(uint16_t *out, __mmask16 k, __m512 x, int64_t index,
-                               uint32_t key) {
+/* The random bits (random16) of index + lane + key, lanes 0 .. 15. */
+V16_INLINE __m512i v16_random16(int64_t index, uint32_t key) {
     const __m512i mul = _mm512_set1_epi32(0x45D9F3B);
     __m512i h = _mm512_add_epi32(_mm512_set1_epi32((int32_t)((uint32_t)index + key)),
                                  _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
@@ -956,15 +972,22 @@ V16_INLINE void v16_store_bf16(uint16_t *out, __mmask16 k, __m512 x, int64_t ind
     h = _mm512_mullo_epi32(_mm512_xor_si512(_mm512_srli_epi32(h, 16), h), mul);
     h = _mm512_mullo_epi32(_mm512_xor_si512(_mm512_srli_epi32(h, 16), h), mul);
     h = _mm512_xor_si512(_mm512_srli_epi32(h, 16), h);
-    const __m512i bits = _mm512_add_epi32(_mm512_castps_si512(x),
-                                          _mm512_and_si512(h, _mm512_set1_epi32(0xFFFF)));
+    return _mm512_and_si512(h, _mm512_set1_epi32(0xFFFF));
+}
+
+/* x rounded to bfloat16 stochastically into out (lanes k), as round_stochastic with the
+ * random bits of index + lane + key. */
+V16_INLINE void v16_store_bf16(uint16_t *out, __mmask16 k, __m512 x, int64_t index,
+                               uint32_t key) {
+    const __m512i bits = _mm512_add_epi32(_mm512_castps_si512(x), v16_random16(index, key));
     _mm256_mask_storeu_epi16(out, k, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
 }
 
 /* The signed codes of x with c = 127^2 / s (as int32), as code_signed: the root's estimate
  * y r is within 127 * 2^-14 of sqrt(y). Where it is not a number (y = 0, r infinite; a NaN
  * moment) the max takes 0.47 instead, and the code is 0. */
-V16_INLINE __m512i v16_code_signed(__m512 x, __m512 c) {
+V16_INLINE __m512i v16_code_signed(__m512 x, __m512 c, int64_t index, uint32_t key) {
+    (void)index, (void)key;
     const __m512 y = _mm512_mul_ps(_mm512_abs_ps(x), c);
     const __m512 t = _mm512_max_ps(_mm512_fmadd_ps(y, _mm512_rsqrt14_ps(y), V16_SET(0.47f)),
                                    V16_SET(0.47f));
@@ -979,20 +1002,47 @@ V16_INLINE __m512i v16_code_signed(__m512 x, __m512 c) {
     return _mm512_cvttps_epi32(_mm512_castsi512_ps(with_sign));
 }
 
-/* The unsigned codes of x with c = 255^4 / s, as code_unsigned: the estimate of the fourth
- * root, that of 1/sqrt of the estimate of 1/sqrt(y), is within 255 * 1.5 * 2^-14 of it (0 for
- * y = 0); (q0 + 1/2)^4 <= y by the sign of one fused multiply-add. A NaN converts to
- * INT_MIN, which the unsigned packs (V16_CODES64) saturate to code 0. */
-V16_INLINE __m512i v16_code_unsigned(__m512 x, __m512 c) {
+/* k^4 of 8 lanes of k (float32 integers <= 256), exact in double. */
+V16_INLINE __m512d v16_fourth(__m256 k) {
+    const __m512d k2 = _mm512_cvtps_pd(_mm256_mul_ps(k, k));
+    return _mm512_mul_pd(k2, k2);
+}
+
+/* Lanes (8) where k + 1 is the code of y from k = floor(y^(1/4)) and random bits r, as
+ * code_unsigned: r ((k+1)^4 - k^4) < 2^16 (y - k^4) in double. */
+V16_INLINE __mmask8 v16_round_up(__m256 y, __m256 k, __m256i r) {
+    const __m512d low = v16_fourth(k);
+    const __m512d step = _mm512_sub_pd(v16_fourth(_mm256_add_ps(k, _mm256_set1_ps(1.0f))), low);
+    const __m512d above = _mm512_sub_pd(_mm512_cvtps_pd(y), low);
+    return _mm512_cmp_pd_mask(_mm512_mul_pd(_mm512_cvtepi32_pd(r), step),
+                              _mm512_mul_pd(above, _mm512_set1_pd(65536.0)), _CMP_LT_OQ);
+}
+
+/* The unsigned codes of x with c = 255^4 / s, as code_unsigned with the random bits of
+ * index + lane + key: the estimate of the fourth root, that of 1/sqrt of the estimate of
+ * 1/sqrt(y), is within 255 * 1.5 * 2^-14 of it (0 for y = 0); (k + 1)^4 <= y by the sign of
+ * one fused multiply-add. A NaN moment's k is 0 (the max takes 0) and is not rounded up. */
+V16_INLINE __m512i v16_code_unsigned(__m512 x, __m512 c, int64_t index, uint32_t key) {
     const __m512 y = _mm512_mul_ps(x, c);
-    const __m512 t = _mm512_add_ps(_mm512_rsqrt14_ps(_mm512_rsqrt14_ps(y)), V16_SET(0.47f));
-    __m512 q = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m512 b = _mm512_add_ps(q, V16_SET(0.5f));
+    const __m512 t = _mm512_sub_ps(_mm512_rsqrt14_ps(_mm512_rsqrt14_ps(y)), V16_SET(0.03f));
+    __m512 k = _mm512_roundscale_ps(_mm512_max_ps(t, _mm512_setzero_ps()),
+                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 b = _mm512_add_ps(k, V16_SET(1.0f));
     const __m512 b2 = _mm512_mul_ps(b, b);
-    q = _mm512_mask_add_ps(q, _mm512_cmp_ps_mask(_mm512_fmsub_ps(b2, b2, y),
+    k = _mm512_mask_add_ps(k, _mm512_cmp_ps_mask(_mm512_fmsub_ps(b2, b2, y),
                                                  _mm512_setzero_ps(), _CMP_LE_OQ),
-                           q, V16_SET(1.0f));
-    return _mm512_cvttps_epi32(q);
+                           k, V16_SET(1.0f));
+    k = _mm512_min_ps(k, V16_SET(255.0f));
+    const __m512i r = v16_random16(index, key);
+    const __mmask16 up = (__mmask16)(
+        v16_round_up(_mm512_castps512_ps256(y), _mm512_castps512_ps256(k),
+                     _mm512_castsi512_si256(r)) |
+        ((unsigned)v16_round_up(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(y), 1)),
+                                _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(k), 1)),
+                                _mm512_extracti64x4_epi64(r, 1))
+         << 8));
+    k = _mm512_min_ps(_mm512_mask_add_ps(k, up, k, V16_SET(1.0f)), V16_SET(255.0f));
+    return _mm512_cvttps_epi32(k);
 }
 
 /* The codes of x[0..n), n <= 64, into out[0..n): four vectors of int32 codes packed into one
@@ -1000,10 +1050,12 @@ V16_INLINE __m512i v16_code_unsigned(__m512 x, __m512 c) {
  * elements back in order) and stored at once, which is cheaper than four narrowing stores. */
 #define V16_LOAD_PART(x, n, t)                                                                 \
     _mm512_maskz_loadu_ps(v16_mask(16 * (t), (n) > 16 * (t) ? (n) : 16 * (t)), (x) + 16 * (t))
-#define V16_CODES64(out, n, x, c, CODE, PACK16, PACK8)                                         \
+#define V16_CODES64(out, n, x, c, index, key, CODE, PACK16, PACK8)                             \
     do {                                                                                       \
-        const __m512i q0 = CODE(V16_LOAD_PART(x, n, 0), c), q1 = CODE(V16_LOAD_PART(x, n, 1), c); \
-        const __m512i q2 = CODE(V16_LOAD_PART(x, n, 2), c), q3 = CODE(V16_LOAD_PART(x, n, 3), c); \
+        const __m512i q0 = CODE(V16_LOAD_PART(x, n, 0), c, (index), key);                      \
+        const __m512i q1 = CODE(V16_LOAD_PART(x, n, 1), c, (index) + 16, key);                 \
+        const __m512i q2 = CODE(V16_LOAD_PART(x, n, 2), c, (index) + 32, key);                 \
+        const __m512i q3 = CODE(V16_LOAD_PART(x, n, 3), c, (index) + 48, key);                 \
         const __m512i bytes = _mm512_permutexvar_epi32(                                        \
             _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15),           \
             PACK8(PACK16(q0, q1), PACK16(q2, q3)));                                           \
@@ -1017,17 +1069,17 @@ V16_INLINE __m512i v16_code_unsigned(__m512 x, __m512 c) {
 #define V16_CODES_AT(N)                                                                        \
     do {                                                                                       \
         if (is_signed)                                                                         \
-            V16_CODES64((int8_t *)codes + at + j, N, x + j, c, v16_code_signed,                \
-                        _mm512_packs_epi32, _mm512_packs_epi16);                               \
+            V16_CODES64((int8_t *)codes + at + j, N, x + j, c, offset + at + j, key,           \
+                        v16_code_signed, _mm512_packs_epi32, _mm512_packs_epi16);              \
         else                                                                                   \
-            V16_CODES64((uint8_t *)codes + at + j, N, x + j, c, v16_code_unsigned,             \
-                        _mm512_packus_epi32, _mm512_packus_epi16);                             \
+            V16_CODES64((uint8_t *)codes + at + j, N, x + j, c, offset + at + j, key,          \
+                        v16_code_unsigned, _mm512_packus_epi32, _mm512_packus_epi16);          \
     } while (0)
 
-/* x[0..len) as block b of a moment's codes (from at), with the scale s. A whole block runs
- * without masks. */
+/* x[0..len) as block b of a moment's codes (from at), with the scale s (unsigned codes
+ * rounded with the random bits of offset + at + i + key). A whole block runs without masks. */
 V16_INLINE void v16_encode(void *codes, float *scales, int is_signed, int64_t b, int64_t at,
-                           int64_t len, const float *x, float s) {
+                           int64_t len, const float *x, float s, int64_t offset, uint32_t key) {
     scales[b] = s;
     const __m512 c = V16_SET(code_factor(is_signed, s));
     if (len == COMPACT_BLOCK) {
@@ -1042,21 +1094,23 @@ V16_INLINE void v16_encode(void *codes, float *scales, int is_signed, int64_t b,
 
 /* Whole tensors (int8_encode) on AVX-512: each block's largest magnitude, then its codes. */
 V16 static void int8_encode_v16(const float *x, void *codes, float *scales, int64_t rows,
-                                int64_t row_len, int32_t is_signed, int32_t nthreads) {
+                                int64_t row_len, int32_t is_signed, int64_t offset, uint32_t key,
+                                int32_t nthreads) {
     const int64_t blocks = (row_len + COMPACT_BLOCK - 1) / COMPACT_BLOCK;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (rows * row_len >= 65536)
     for (int64_t b = 0; b < rows * blocks; b++) {
         int64_t len;
         const int64_t at = block_start(b, blocks, row_len, &len);
-        v16_encode(codes, scales, is_signed, b, at, len, x + at, block_max(x + at, len));
+        v16_encode(codes, scales, is_signed, b, at, len, x + at, block_max(x + at, len), offset,
+                   key);
     }
 }
 
 /* Block b's int8 moments from mb, vb (len elements from at), with scales am, av. */
 V16_INLINE void v16_encode_block(const Stored *st, int64_t b, int64_t at, int64_t len,
                                  const float *mb, const float *vb, float am, float av) {
-    v16_encode(st->m, st->m_scale, 1, b, at, len, mb, am);
-    v16_encode(st->v, st->v_scale, 0, b, at, len, vb, av);
+    v16_encode(st->m, st->m_scale, 1, b, at, len, mb, am, st->offset, st->m_key);
+    v16_encode(st->v, st->v_scale, 0, b, at, len, vb, av, st->offset, st->v_key);
 }
 
 /* What the AVX-512 loops of a tensor read: its operands and the update's scalars (those a
@@ -1869,16 +1923,18 @@ PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&kernels_module); 
         for (int64_t len = 0, at = block_start(b, blocks, row_len, &len), once = 1; once; once = 0)
 
 TARGETS void int8_encode(const float *x, void *codes, float *scales, int64_t rows,
-                         int64_t row_len, int32_t is_signed, int32_t nthreads) {
+                         int64_t row_len, int32_t is_signed, int64_t offset, int64_t key,
+                         int32_t nthreads) {
 #ifdef HAVE_V16
     if (v16_on()) {
-        int8_encode_v16(x, codes, scales, rows, row_len, is_signed, nthreads);
+        int8_encode_v16(x, codes, scales, rows, row_len, is_signed, offset, (uint32_t)key,
+                        nthreads);
         return;
     }
 #endif
     EACH_BLOCK(rows, row_len) {
         encode_block(codes, scales, FORM_INT8, is_signed, b, at, len, x + at, NULL,
-                     block_max(x + at, len), 0, 0);
+                     block_max(x + at, len), offset, (uint32_t)key);
     }
 }
 

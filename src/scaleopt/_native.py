@@ -81,7 +81,8 @@ SIGNATURES = {
     "any_nonfinite_bf16": (c_int32, _COUNT_AND_THREADS),
     "select_above": (c_int64, [c_void_p, c_int64, c_float, c_void_p, c_int64]),
     "struct_layout": (c_int64, [c_int32, c_void_p]),
-    "int8_encode": (None, [c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_int32, c_int32]),
+    "int8_encode": (None, [c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_int32, c_int64,
+                           c_int64, c_int32]),
     "int8_decode": (None, [c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_int32, c_int32]),
     "bf16_round_stochastic": (None, [c_void_p, c_void_p, c_int64, c_int64, c_int64, c_int32]),
     "compact_simd": (c_int32, [c_int32]),
@@ -396,13 +397,14 @@ def takes_compact(*tensors: Tensor) -> bool:
         type(t) in _PLAIN_TYPES and t.is_cpu and t.is_contiguous() for t in tensors)
 
 
-def int8_encode(x: Tensor, codes: Tensor, scales: Tensor) -> None:
+def int8_encode(x: Tensor, codes: Tensor, scales: Tensor, offset: int, key: int) -> None:
     """``codes`` and ``scales`` of the float32 ``x`` (rows along dimension 0), written in place;
-    see :func:`scaleopt._compact.quantize`."""
+    unsigned codes rounded with the hashes of ``offset`` + each element's index + ``key``; see
+    :func:`scaleopt._compact.quantize`."""
     rows = x.shape[0]
     _lib.int8_encode(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), rows,
-                     x.numel() // rows if rows else 0, int(codes.dtype == torch.int8),
-                     torch.get_num_threads())
+                     x.numel() // rows if rows else 0, int(codes.dtype == torch.int8), offset,
+                     key, torch.get_num_threads())
 
 
 def int8_decode(codes: Tensor, scales: Tensor, out: Tensor) -> None:

@@ -105,20 +105,35 @@ def _load_moments(row, mp, vp, offs, mask, b, bmask, FORM: tl.constexpr):
 
 
 @triton.jit
-def _round_bf16(x, h):
-    """x rounded to bfloat16 (its bits, uint16) up or down by 16 random bits of the hash of
-    h (uint32: the element's global index plus the key), as ``_compact.round_bf16``."""
+def _random16(h):
+    """16 random bits (uint32), the hash of h (uint32: the element's global index plus the
+    key), as ``_compact.random16``."""
     h = ((h >> 16) ^ h) * 0x45D9F3B
     h = ((h >> 16) ^ h) * 0x45D9F3B
-    h = (h >> 16) ^ h
-    return ((x.to(tl.uint32, bitcast=True) + (h & 0xFFFF)) >> 16).to(tl.uint16)
+    return ((h >> 16) ^ h) & 0xFFFF
 
 
 @triton.jit
-def _store_codes(cp, sp, offs, mask, b, bmask, x, SIGNED: tl.constexpr):
+def _round_bf16(x, h):
+    """x rounded to bfloat16 (its bits, uint16) up or down by the random bits of h, as
+    ``_compact.round_bf16``."""
+    return ((x.to(tl.uint32, bitcast=True) + _random16(h)) >> 16).to(tl.uint16)
+
+
+@triton.jit
+def _fourth(k):
+    """k^4 in float64 (exact for k <= 256)."""
+    k2 = k.to(tl.float64) * k.to(tl.float64)
+    return k2 * k2
+
+
+@triton.jit
+def _store_codes(cp, sp, offs, mask, b, bmask, x, h, SIGNED: tl.constexpr):
     """x as int8 codes of its tile's blocks (rows), and their scales (each block's largest
-    magnitude, NaNs passed over): the codes of ``_compact.quantize``, the roots rounded halves
-    up in exact arithmetic (an estimate of the root, then one exact comparison)."""
+    magnitude, NaNs passed over): the codes of ``_compact.quantize``. Signed: the square roots
+    rounded halves up in exact arithmetic (an estimate of the root, then one exact
+    comparison); unsigned: the fourth roots rounded stochastically with the random bits of h
+    (the element's global index plus the key), every comparison exact in float64."""
     a = tl.where(mask, tl.abs(x), 0.0)
     s = tl.max(tl.where(a == a, a, 0.0), axis=1)
     tl.store(sp + b, s, mask=bmask)
@@ -133,9 +148,13 @@ def _store_codes(cp, sp, offs, mask, b, bmask, x, SIGNED: tl.constexpr):
         c = tl.where(s > 0.0, tl.math.div_rn(tl.zeros_like(s) + 4228250625.0, tl.where(s > 0.0, s, 1.0)),
                      0.0)
         y = a * c[:, None]
-        q = tl.where(y > 0.0, tl.floor(tl.sqrt(tl.sqrt(y)) + 0.47), 0.0)
-        half = ((q + 0.5) * (q + 0.5)).to(tl.float64)
-        q = tl.where(half * half <= y.to(tl.float64), q + 1.0, q)
+        t = tl.sqrt(tl.sqrt(y)) - 0.03
+        k = tl.where((y > 0.0) & (t > 0.0), tl.floor(tl.minimum(t, 255.0)), 0.0)
+        yd = y.to(tl.float64)
+        k = tl.minimum(tl.where(_fourth(k + 1.0) <= yd, k + 1.0, k), 255.0)
+        low = _fourth(k)
+        up = _random16(h).to(tl.float64) * (_fourth(k + 1.0) - low) < (yd - low) * 65536.0
+        q = tl.minimum(tl.where(up, k + 1.0, k), 255.0)
         tl.store(cp + offs, q.to(tl.uint8), mask=mask)
 
 
@@ -143,15 +162,16 @@ def _store_codes(cp, sp, offs, mask, b, bmask, x, SIGNED: tl.constexpr):
 def _store_moments(row, mp, vp, offs, mask, b, bmask, m, v, step, FORM: tl.constexpr):
     """The new moments stored in their form: as they are; bfloat16 rounded stochastically with
     the bits of the element's global index (the local piece's offset plus its own) and the
-    step's keys (salts 1 and 2); int8 codes and scales."""
+    step's keys (salts 1 and 2); int8 codes and scales (the second moment's rounded with the
+    bits of salt 2)."""
+    index = (tl.load(row + 9) + offs).to(tl.uint32)
+    key = step.to(tl.int64).to(tl.uint32) * 0x9E3779B9
     if FORM == 2:
         _store_codes(mp, tl.load(row + 6).to(tl.pointer_type(tl.float32)), offs, mask, b,
-                     bmask, m, True)
+                     bmask, m, index, True)
         _store_codes(vp, tl.load(row + 7).to(tl.pointer_type(tl.float32)), offs, mask, b,
-                     bmask, v, False)
+                     bmask, v, index + (key + 0xC657CB56), False)
     elif FORM == 1:
-        index = (tl.load(row + 9) + offs).to(tl.uint32)
-        key = step.to(tl.int64).to(tl.uint32) * 0x9E3779B9
         tl.store(mp + offs, _round_bf16(m, index + (key + 0x632BE5AB)), mask=mask)
         tl.store(vp + offs, _round_bf16(v, index + (key + 0xC657CB56)), mask=mask)
     else:
