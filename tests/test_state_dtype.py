@@ -71,10 +71,17 @@ def test_int8_codes_and_scales_are_those_of_the_definition(signed):
     assert (codes.long() != want_codes).float().mean() < 1e-3
 
 
+def _f32(x):
+    """x (exact in double) rounded to float32, once."""
+    return torch.tensor(float(x), dtype=torch.float64).float().item()
+
+
 def _exact_code(y, signed, r=None):
-    """The code of y (|x| times 127^2/s or 255^4/s) in exact arithmetic. Signed: the largest
-    k with (k - 1/2)^2 <= y, i.e. the square root rounded, halves up. Unsigned, with 16 random
-    bits r: k = floor(y^(1/4)), then k + 1 where r ((k+1)^4 - k^4) < 2^16 (y - k^4)."""
+    """The code of y (|x| times 127^2/s or 255^4/s) by its definition. Signed: the largest k
+    with (k - 1/2)^2 <= y in exact arithmetic, i.e. the square root rounded, halves up.
+    Unsigned, with 16 random bits r: k = floor(y^(1/4)) exactly, then k + 1 where
+    r w < 2^16 d, with w = (k+1)^4 - k^4 and d = y - k^4 each rounded to float32 (as is
+    r w)."""
     y = Fraction(y)
     k = 0
     if signed:
@@ -83,7 +90,8 @@ def _exact_code(y, signed, r=None):
         return k
     while (k + 1) ** 4 <= y and k < 255:
         k += 1
-    up = r * ((k + 1) ** 4 - k ** 4) < 65536 * (y - k ** 4)
+    width, above = _f32((k + 1) ** 4 - k ** 4), _f32(y - k ** 4)
+    up = _f32(Fraction(r) * Fraction(width)) < 65536 * above
     return min(k + up, 255)
 
 

@@ -20,9 +20,10 @@ forms, chosen per tensor by :func:`form_for` from the group's ``state_dtype`` an
   ``(q^2 q^2) (s / 255^4)``: multiplications only), rounded *stochastically* to one of the
   two codes either side, so the stored value is right on average (with the random bits of
   the bfloat16 rounding; rounded to the nearest code, a second moment that ``beta2`` moves
-  by less than half a step stays where it is, and training drifts). Every decision is exact
-  arithmetic on ``|x| (127^2/s)`` or ``x (255^4/s)`` in float32 (see :func:`quantize`), so
-  every implementation stores the same codes however it estimates the roots. The power maps
+  by less than half a step stays where it is, and training drifts). Every decision is made
+  on ``|x| (127^2/s)`` or ``x (255^4/s)`` in float32 by operations that are exact or rounded
+  once (see :func:`quantize`), so every implementation stores the same codes however it
+  estimates the roots. The power maps
   spend the codes where the values are: relative steps of 1.6% near the block's largest
   value, down to ``s/127^2`` and ``s/255^4``. FSDP2 shards along the first dimension and
   never splits a row, so every block lies inside one shard on every mesh. One-dimensional
@@ -122,14 +123,15 @@ def quantize(x: Tensor, signed: bool, bits: Optional[Tensor] = None) -> Tuple[Te
       arithmetic, halves up: ``q0 = floor(root + 0.47)`` is it or one less, and one exact
       comparison of ``(q0 + 1/2)^2`` with ``y`` decides.
     * Unsigned codes, rounded stochastically: ``k = floor(y^(1/4))`` (``floor(root - 0.03)`` is
-      it or one less, and ``(k + 1)^4 <= y`` decides), then ``k + 1`` with probability
-      ``(y - k^4) / ((k+1)^4 - k^4)``: where ``r (h - l) < 2^16 (y - l)``, with ``r`` the
-      random bits, ``l = k^4`` and ``h = (k+1)^4``, every term exact in double. So
-      ``E[decoded] = x`` (to ``2^-16`` of a step), and the second moment does not stay stuck
-      on a code while ``beta2`` moves it by less than half a step.
+      it or one less, and an exact ``(k + 1)^4 <= y`` decides), then ``k + 1`` with
+      probability ``(y - k^4) / ((k+1)^4 - k^4)``: where ``r w < 2^16 d`` in float32, with
+      ``r`` the random bits, ``w = (2k+1)(2k(k+1)+1)`` (the code step ``(k+1)^4 - k^4``, of
+      exact factors) and ``d = y - k^4``, each rounded once. So ``E[decoded] = x`` (to
+      ``2^-16`` of a step), and the second moment does not stay stuck on a code while
+      ``beta2`` moves it by less than half a step.
 
-    Every decision is exact, so the C and Triton kernels reach the same codes from other
-    estimates of the roots."""
+    Every operation is exact or rounded once, so the C and Triton kernels reach the same
+    codes from other estimates of the roots."""
     blocks, length = _blocks_of(x)
     mags = blocks.abs()
     scales = mags.amax(dim=-1)
@@ -162,8 +164,9 @@ def _unsigned_codes(y: Tensor, r: Tensor) -> Tensor:
     yd = y.double()
     k += _fourth(k + 1) <= yd
     k.clamp_max_(255.0)
-    low = _fourth(k)
-    up = r.double() * (_fourth(k + 1) - low) < (yd - low) * 65536.0
+    width = (2 * k + 1) * (2 * k * (k + 1) + 1)  # (k+1)^4 - k^4: exact factors, one rounding
+    above = (yd - _fourth(k)).float()  # y - k^4, exact in double, one rounding
+    up = r * width < above * 65536.0
     return (k + up).clamp_max_(255.0).masked_fill_(y.isnan(), float("nan"))
 
 

@@ -205,9 +205,9 @@ static inline float split_join(uint16_t hi, uint16_t lo) {
  * trunc(estimate + 0.47) is q or q - 1, and (q0 + 1/2)^2 <= y (exact in float32) tells which.
  * Unsigned codes: with y = x c, c = 255^4 / s, decoded as (q^2 q^2) (s / 255^4)
  * (multiplications only), rounded stochastically: k = floor(y^(1/4)) (trunc(estimate - 0.03)
- * is k or k - 1, and (k + 1)^4 <= y tells which), then q = k + 1 where
- * r ((k+1)^4 - k^4) < 2^16 (y - k^4), r the 16 random bits below; every term is exact in
- * double, so E[decoded] = x. So the codes do not depend on how a root was estimated (sqrtf
+ * is k or k - 1, and (k + 1)^4 <= y, exact in double, tells which), then q = k + 1 where
+ * r w < 2^16 d in float32: r the 16 random bits below, w = (2k+1)(2k(k+1)+1) = (k+1)^4 - k^4
+ * (exact factors) and d = y - k^4, each rounded once, so E[decoded] = x. So the codes do not depend on how a root was estimated (sqrtf
  * here, 14-bit reciprocal roots in the AVX-512 loops, torch.sqrt in the PyTorch reference),
  * and every implementation stores the same ones. bfloat16 moments: rounded stochastically
  * with 16 random bits. The random bits of an element: a 32-bit hash of its global index
@@ -298,16 +298,18 @@ static inline double fourth(int32_t k) {
     return k2 * k2;
 }
 
-/* The unsigned code of y from t, an estimate of y^(1/4), and random bits r (see above): every
- * comparison in double, where it is exact. */
+/* The unsigned code of y from t, an estimate of y^(1/4), and random bits r (see above): each
+ * operation exact or rounded once, whatever the compiler contracts. */
 static inline int32_t code_unsigned(float y, float t, uint32_t r) {
     const double yd = (double)y;
     const float e = t < 256.0f ? t - 0.03f : 255.0f;
     int32_t k = (int32_t)(y > 0.0f && t > 0.03f ? e : 0.0f);
     k += fourth(k + 1) <= yd;
     k = k < 255 ? k : 255;
-    const double low = fourth(k);
-    k += (double)r * (fourth(k + 1) - low) < (yd - low) * 65536.0;
+    const float kf = (float)k;
+    const float width = (2.0f * kf + 1.0f) * (2.0f * kf * (kf + 1.0f) + 1.0f);
+    const float above = (float)(yd - fourth(k));
+    k += (float)r * width < above * 65536.0f;
     return k < 255 ? k : 255;
 }
 
@@ -1002,47 +1004,32 @@ V16_INLINE __m512i v16_code_signed(__m512 x, __m512 c, int64_t index, uint32_t k
     return _mm512_cvttps_epi32(_mm512_castsi512_ps(with_sign));
 }
 
-/* k^4 of 8 lanes of k (float32 integers <= 256), exact in double. */
-V16_INLINE __m512d v16_fourth(__m256 k) {
-    const __m512d k2 = _mm512_cvtps_pd(_mm256_mul_ps(k, k));
-    return _mm512_mul_pd(k2, k2);
-}
-
-/* Lanes (8) where k + 1 is the code of y from k = floor(y^(1/4)) and random bits r, as
- * code_unsigned: r ((k+1)^4 - k^4) < 2^16 (y - k^4) in double. */
-V16_INLINE __mmask8 v16_round_up(__m256 y, __m256 k, __m256i r) {
-    const __m512d low = v16_fourth(k);
-    const __m512d step = _mm512_sub_pd(v16_fourth(_mm256_add_ps(k, _mm256_set1_ps(1.0f))), low);
-    const __m512d above = _mm512_sub_pd(_mm512_cvtps_pd(y), low);
-    return _mm512_cmp_pd_mask(_mm512_mul_pd(_mm512_cvtepi32_pd(r), step),
-                              _mm512_mul_pd(above, _mm512_set1_pd(65536.0)), _CMP_LT_OQ);
-}
-
 /* The unsigned codes of x with c = 255^4 / s, as code_unsigned with the random bits of
  * index + lane + key: the estimate of the fourth root, that of 1/sqrt of the estimate of
- * 1/sqrt(y), is within 255 * 1.5 * 2^-14 of it (0 for y = 0); (k + 1)^4 <= y by the sign of
- * one fused multiply-add. A NaN moment's k is 0 (the max takes 0) and is not rounded up. */
+ * 1/sqrt(y), is within 255 * 1.5 * 2^-14 of it (0 for y = 0), so floor(estimate - 0.03) is k
+ * or one less (-1 for y = 0); (k + 1)^4 <= y by the sign of one fused multiply-add, and
+ * y - k^4 rounded once by another. */
 V16_INLINE __m512i v16_code_unsigned(__m512 x, __m512 c, int64_t index, uint32_t key) {
     const __m512 y = _mm512_mul_ps(x, c);
     const __m512 t = _mm512_sub_ps(_mm512_rsqrt14_ps(_mm512_rsqrt14_ps(y)), V16_SET(0.03f));
-    __m512 k = _mm512_roundscale_ps(_mm512_max_ps(t, _mm512_setzero_ps()),
-                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); /* >= -1 */
     const __m512 b = _mm512_add_ps(k, V16_SET(1.0f));
     const __m512 b2 = _mm512_mul_ps(b, b);
     k = _mm512_mask_add_ps(k, _mm512_cmp_ps_mask(_mm512_fmsub_ps(b2, b2, y),
                                                  _mm512_setzero_ps(), _CMP_LE_OQ),
                            k, V16_SET(1.0f));
-    k = _mm512_min_ps(k, V16_SET(255.0f));
-    const __m512i r = v16_random16(index, key);
-    const __mmask16 up = (__mmask16)(
-        v16_round_up(_mm512_castps512_ps256(y), _mm512_castps512_ps256(k),
-                     _mm512_castsi512_si256(r)) |
-        ((unsigned)v16_round_up(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(y), 1)),
-                                _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(k), 1)),
-                                _mm512_extracti64x4_epi64(r, 1))
-         << 8));
-    k = _mm512_min_ps(_mm512_mask_add_ps(k, up, k, V16_SET(1.0f)), V16_SET(255.0f));
-    return _mm512_cvttps_epi32(k);
+    /* r w < 2^16 d as r (w / 2^16) < d: (2k+1) / 2^16 and 2k(k+1) + 1 are exact */
+    const __m512 width = _mm512_mul_ps(
+        _mm512_fmadd_ps(k, V16_SET(0x1p-15f), V16_SET(0x1p-16f)),
+        _mm512_fmadd_ps(k, _mm512_fmadd_ps(k, V16_SET(2.0f), V16_SET(2.0f)), V16_SET(1.0f)));
+    const __m512 k2 = _mm512_mul_ps(k, k);
+    const __m512 above = _mm512_fnmadd_ps(k2, k2, y);
+    const __m512 r = _mm512_cvtepi32_ps(v16_random16(index, key));
+    k = _mm512_mask_add_ps(k, _mm512_cmp_ps_mask(_mm512_mul_ps(r, width), above, _CMP_LT_OQ), k,
+                           V16_SET(1.0f));
+    /* 255 for 256 and infinity; a NaN (y's) stays, converts to INT_MIN, and the unsigned
+     * packs (V16_CODES64) saturate it to code 0 */
+    return _mm512_cvttps_epi32(_mm512_min_ps(V16_SET(255.0f), k));
 }
 
 /* The codes of x[0..n), n <= 64, into out[0..n): four vectors of int32 codes packed into one

@@ -133,7 +133,7 @@ def _store_codes(cp, sp, offs, mask, b, bmask, x, h, SIGNED: tl.constexpr):
     magnitude, NaNs passed over): the codes of ``_compact.quantize``. Signed: the square roots
     rounded halves up in exact arithmetic (an estimate of the root, then one exact
     comparison); unsigned: the fourth roots rounded stochastically with the random bits of h
-    (the element's global index plus the key), every comparison exact in float64."""
+    (the element's global index plus the key), each operation exact or rounded once."""
     a = tl.where(mask, tl.abs(x), 0.0)
     s = tl.max(tl.where(a == a, a, 0.0), axis=1)
     tl.store(sp + b, s, mask=bmask)
@@ -152,8 +152,9 @@ def _store_codes(cp, sp, offs, mask, b, bmask, x, h, SIGNED: tl.constexpr):
         k = tl.where((y > 0.0) & (t > 0.0), tl.floor(tl.minimum(t, 255.0)), 0.0)
         yd = y.to(tl.float64)
         k = tl.minimum(tl.where(_fourth(k + 1.0) <= yd, k + 1.0, k), 255.0)
-        low = _fourth(k)
-        up = _random16(h).to(tl.float64) * (_fourth(k + 1.0) - low) < (yd - low) * 65536.0
+        width = (2.0 * k + 1.0) * (2.0 * k * (k + 1.0) + 1.0)  # (k+1)^4 - k^4, rounded once
+        above = (yd - _fourth(k)).to(tl.float32)  # y - k^4, exact in float64, rounded once
+        up = _random16(h).to(tl.float32) * width < above * 65536.0
         q = tl.minimum(tl.where(up, k + 1.0, k), 255.0)
         tl.store(cp + offs, q.to(tl.uint8), mask=mask)
 
