@@ -23,11 +23,11 @@ forms, chosen per tensor by :func:`form_for` from the group's ``state_dtype`` an
   by less than half a step stays where it is, and training drifts). Every decision is made
   on ``|x| (127^2/s)`` or ``x (255^4/s)`` in float32 by operations that are exact or rounded
   once (see :func:`quantize`), so every implementation stores the same codes however it
-  estimates the roots. The power maps
-  spend the codes where the values are: relative steps of 1.6% near the block's largest
-  value, down to ``s/127^2`` and ``s/255^4``. FSDP2 shards along the first dimension and
-  never splits a row, so every block lies inside one shard on every mesh. One-dimensional
-  tensors (biases, norms) keep float32 state: a shard may cut them anywhere.
+  estimates the roots. The power maps spend the codes where the values are: relative steps
+  of 1.6% near the block's largest value, down to ``s/127^2`` and ``s/255^4``. FSDP2 shards
+  along the first dimension and never splits a row, so every block lies inside one shard on
+  every mesh. One-dimensional tensors (biases, norms) keep float32 state: a shard may cut
+  them anywhere.
 
 In a state dict an int8 moment is its codes (shaped as the parameter) and ``<key>_scale``
 (float32, ``(rows, blocks)``), sharded as the parameter is (DTensors along dimension 0).

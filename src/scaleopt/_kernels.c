@@ -207,11 +207,12 @@ static inline float split_join(uint16_t hi, uint16_t lo) {
  * (multiplications only), rounded stochastically: k = floor(y^(1/4)) (trunc(estimate - 0.03)
  * is k or k - 1, and (k + 1)^4 <= y, exact in double, tells which), then q = k + 1 where
  * r w < 2^16 d in float32: r the 16 random bits below, w = (2k+1)(2k(k+1)+1) = (k+1)^4 - k^4
- * (exact factors) and d = y - k^4, each rounded once, so E[decoded] = x. So the codes do not depend on how a root was estimated (sqrtf
- * here, 14-bit reciprocal roots in the AVX-512 loops, torch.sqrt in the PyTorch reference),
- * and every implementation stores the same ones. bfloat16 moments: rounded stochastically
- * with 16 random bits. The random bits of an element: a 32-bit hash of its global index
- * (offset + i) plus a key of the step and moment. */
+ * (exact factors) and d = y - k^4, each rounded once, so E[decoded] = x. So the codes do not
+ * depend on how a root was estimated (sqrtf here, 14-bit reciprocal roots in the AVX-512
+ * loops, torch.sqrt in the PyTorch reference), and every implementation stores the same
+ * ones. bfloat16 moments: rounded stochastically with 16 random bits. The random bits of an
+ * element: a 32-bit hash of its global index (offset + i) plus a key of the step and
+ * moment. */
 
 #define COMPACT_BLOCK 256
 enum { FORM_F32 = 0, FORM_BF16 = 1, FORM_INT8 = 2 };
