@@ -47,7 +47,7 @@ def _codes_by_definition(x, signed, bits):
                 if signed:
                     row_codes.append(round(127 * math.sqrt(y)) * (1 if v >= 0 else -1))
                 else:
-                    row_codes.append(_exact_code(y * 255 ** 4, False,
+                    row_codes.append(_exact_code(y * Fraction(15, 8), False,
                                                  int(bits[r, start + i])))
         codes.append(row_codes)
         scales.append(row_scales)
@@ -76,23 +76,39 @@ def _f32(x):
     return torch.tensor(float(x), dtype=torch.float64).float().item()
 
 
+#: 2^-31, the offset of the second moment's 8-bit floats
+LOW = Fraction(1, 2 ** 31)
+
+
+def _float8(q):
+    """F(q), the 8-bit float of an unsigned code before its offset: 2^-31 + q 2^-34 up to
+    q = 8, then 8 steps per binade, (8 + q mod 8) 2^(q div 8 - 34)."""
+    return LOW + Fraction(q, 2 ** 34) if q < 8 else Fraction(8 + q % 8) * Fraction(2) ** (q // 8 - 34)
+
+
+#: what each unsigned code decodes to, for the scale 1.875: F(q) - 2^-31
+LEVELS = [_float8(q) - LOW for q in range(256)]
+
+
 def _exact_code(y, signed, r=None):
-    """The code of y (|x| times 127^2/s or 255^4/s) by its definition. Signed: the largest k
+    """The code of y (|x| times 127^2/s or 1.875/s) by its definition. Signed: the largest k
     with (k - 1/2)^2 <= y in exact arithmetic, i.e. the square root rounded, halves up.
-    Unsigned, with 16 random bits r: k = floor(y^(1/4)) exactly, then k + 1 where
-    r w < 2^16 d, with w = (k+1)^4 - k^4 and d = y - k^4 each rounded to float32 (as is
-    r w)."""
+    Unsigned, with 16 random bits r: with z = y + 2^-31 rounded to float32, the code q of
+    the level F(q) <= z below it, and q + 1 where z lies at least the fraction 1 - r/2^16 of
+    the way to the next level (so with probability the fraction, to 2^-16); 255 at most."""
     y = Fraction(y)
     k = 0
     if signed:
         while Fraction(2 * k + 1, 2) ** 2 <= y:
             k += 1
         return k
-    while (k + 1) ** 4 <= y and k < 255:
+    z = Fraction(_f32(y + LOW))
+    while k < 255 and _float8(k + 1) <= z:
         k += 1
-    width, above = _f32((k + 1) ** 4 - k ** 4), _f32(y - k ** 4)
-    up = _f32(Fraction(r) * Fraction(width)) < 65536 * above
-    return min(k + up, 255)
+    if k == 255:
+        return 255
+    way = (z - _float8(k)) / (_float8(k + 1) - _float8(k))
+    return k + (way >= 1 - Fraction(r, 65536))
 
 
 def _near(value, values):
@@ -107,14 +123,15 @@ def _near(value, values):
 
 
 def _boundary_rows(signed):
-    """Rows of one block each: the scale s that makes 127^2/s (255^4/s) exactly 1, then values
+    """Rows of one block each: the scale s that makes 127^2/s (1.875/s) exactly 1, then values
     on and a float rounding or two either side of every boundary between two codes: (k-1/2)^2
-    (signed), k^4 (unsigned). Then, for unsigned codes, rows whose values lie on and around
-    the point where each element's random bits (at step 1) decide between k and k + 1."""
-    scale = 16129.0 if signed else float(torch.tensor(4228250625.0))
+    (signed), the levels F(k) - 2^-31 (unsigned). Then, for unsigned codes, rows whose values
+    lie on and around the point where each element's random bits (at step 1) decide between
+    k and k + 1."""
+    scale = 16129.0 if signed else 1.875
     values = set()
     for k in range(1, 128 if signed else 256):
-        _near((k - 0.5) ** 2 if signed else k ** 4, values)
+        _near((k - 0.5) ** 2 if signed else LEVELS[k], values)
     values = sorted(v for v in values if v <= scale)
     rows = []
     for start in range(0, len(values), 255):
@@ -127,8 +144,8 @@ def _boundary_rows(signed):
 
 def _random_boundary_rows(first, scale):
     """Rows from row ``first``: in each group of 5 elements, with k = 1 .. 254 in turn, the
-    values on and either side of k^4 + r ((k+1)^4 - k^4) / 2^16 for the bits r of the middle
-    element."""
+    values on and either side of the point (1 - r/2^16) of the way from level k to k + 1 for
+    the bits r of the middle element."""
     rows, k = [], 0
     bits = _bits(torch.zeros(first + 6, 256)).tolist()
     for row in range(first, first + 6):
@@ -136,7 +153,7 @@ def _random_boundary_rows(first, scale):
         while len(out) + 5 <= 256:
             k = k % 254 + 1
             r = bits[row][len(out) + 2]
-            point = Fraction(k ** 4) + Fraction(r * ((k + 1) ** 4 - k ** 4), 65536)
+            point = LEVELS[k] + (1 - Fraction(r, 65536)) * (LEVELS[k + 1] - LEVELS[k])
             near = set()
             _near(float(point), near)
             out += sorted(near)[:5] + [0.0] * (5 - len(near))
@@ -190,11 +207,11 @@ def test_int8_decoding_error_is_bounded_by_the_code_steps(signed):
     if signed:
         t = (y.sqrt() * 127)  # the code's real-valued position
         step = (((t + 0.5).clamp(max=127) / 127) ** 2 - (t / 127) ** 2).abs() * blocks
-    else:
-        t = y.sqrt().sqrt() * 255
-        assert ((codes.float() - t).abs() < 1 + 1e-3).all()  # the code below it or above
-        below = (t - 1e-3).floor().clamp(min=0)
-        step = (((below + 1) / 255) ** 4 - (below / 255) ** 4) * blocks
+    else:  # the code of the level below or above y = 1.875 x / s
+        levels = torch.tensor([float(v) for v in LEVELS], dtype=torch.float64)
+        below = torch.searchsorted(levels, (y * 1.875).double(), right=True) - 1
+        assert ((codes.long() == below) | (codes.long() == below + 1)).all()
+        step = (levels[(below + 1).clamp(max=255)] - levels[below]).float() * blocks / 1.875
     assert ((back - x).abs() <= step + 1e-7).all()
     # each block's largest magnitude comes back exactly, signs are kept, zeros stay zero
     for r in range(4):
@@ -214,8 +231,9 @@ def test_the_second_moments_codes_are_unbiased():
     step: the values here lie a third of a step above a code, so nearest would always round
     down."""
     s = 1.0
-    k = torch.arange(20, 200).float()
-    x = torch.cat([torch.tensor([s]), s * ((k + 1 / 3) / 255) ** 4]).view(1, -1)
+    lo = torch.tensor([float(LEVELS[q]) for q in range(20, 255)], dtype=torch.float64)
+    hi = torch.tensor([float(LEVELS[q + 1]) for q in range(20, 255)], dtype=torch.float64)
+    x = torch.cat([torch.tensor([s]), (s / 1.875 * (lo + (hi - lo) / 3)).float()]).view(1, -1)
     total = torch.zeros_like(x)
     for step in range(1, 801):
         codes, scales = _compact.quantize(x, False, _bits(x, step=float(step)))
@@ -223,7 +241,7 @@ def test_the_second_moments_codes_are_unbiased():
     relative = (total / 800 - x) / x
     assert relative.abs().max() < 0.02  # 800 draws: within about 3 sigma
     assert relative[0, 1:].mean().abs() < 0.002
-    nearest = s * (k / 255) ** 4
+    nearest = s / 1.875 * lo
     assert ((nearest - x[0, 1:]) / x[0, 1:]).mean() < -0.004  # what rounding to nearest gives
 
 
@@ -429,7 +447,8 @@ def test_loading_another_form_converts_with_a_message(source, target):
     want = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.uint8}[target]
     assert st["exp_avg_sq"].dtype == want and ("exp_avg_sq_scale" in st) == (target == "int8")
     after = _compact.read(st, "exp_avg_sq", torch.float32)
-    torch.testing.assert_close(after, before, rtol=0.05, atol=1e-9)
+    # within a step of the codes (stochastic): an eighth of the value at most
+    torch.testing.assert_close(after, before, rtol=0.126, atol=1e-9)
     with warnings.catch_warnings():  # the same form: no message
         warnings.simplefilter("error")
         _, same = _run(scaleopt.LAMB, source, 0)

@@ -16,15 +16,17 @@ forms, chosen per tensor by :func:`form_for` from the group's ``state_dtype`` an
   block stores a float32 scale ``s`` (its largest magnitude) and one byte per element:
   ``exp_avg`` as ``int8`` codes ``q = round(127 sqrt(|x|/s)) sign(x)``, decoded as
   ``s (q/127)^2 sign(q)``, rounded to the nearest code; the non-negative ``exp_avg_sq`` as
-  ``uint8`` codes of ``255 (x/s)^(1/4)``, decoded as ``s (q/255)^4`` (computed as
-  ``(q^2 q^2) (s / 255^4)``: multiplications only), rounded *stochastically* to one of the
-  two codes either side, so the stored value is right on average (with the random bits of
-  the bfloat16 rounding; rounded to the nearest code, a second moment that ``beta2`` moves
-  by less than half a step stays where it is, and training drifts). Every decision is made
-  on ``|x| (127^2/s)`` or ``x (255^4/s)`` in float32 by operations that are exact or rounded
-  once (see :func:`quantize`), so every implementation stores the same codes however it
-  estimates the roots. The power maps spend the codes where the values are: relative steps
-  of 1.6% near the block's largest value, down to ``s/127^2`` and ``s/255^4``. FSDP2 shards
+  ``uint8`` codes of an 8-bit float (5 exponent bits, 3 mantissa bits) of ``1.875 x/s``,
+  decoded as ``(F(q) - 2^-31) (s/1.875)`` with ``F(q)`` the float32 of bits
+  ``(q + 768) << 20``: zero, steps of ``2^-34`` up to ``2^-31``, then 8 steps per binade
+  (6.7% to 12.5%) up to the largest value; rounded *stochastically* to one of the two codes
+  either side, so the stored value is right on average (with the random bits of the
+  bfloat16 rounding; rounded to the nearest code, a second moment that ``beta2`` moves by
+  less than half a step stays where it is, and training drifts). Every decision is made on
+  ``|x| (127^2/s)`` or ``x (1.875/s)`` in float32 by operations that are exact or rounded
+  once (see :func:`quantize`), so every implementation stores the same codes. The first
+  moment's steps are 1.6% near the block's largest value, down to ``s/127^2``; the second's
+  reach ``s 2^-34/1.875`` (about ``3e-11 s``). FSDP2 shards
   along the first dimension and never splits a row, so every block lies inside one shard on
   every mesh. One-dimensional tensors (biases, norms) keep float32 state: a shard may cut
   them anywhere.
@@ -117,25 +119,24 @@ def quantize(x: Tensor, signed: bool, bits: Optional[Tensor] = None) -> Tuple[Te
     """``(codes, scales)`` of ``x`` (a local tensor, rows along dimension 0); ``bits``: 16
     random bits per element (:func:`random16`, shaped as ``x``), needed for unsigned codes.
 
-    ``y = |x| c`` with ``c = 127^2/s`` (signed) or ``255^4/s`` (float32 operations).
+    ``y = |x| c`` with ``c = 127^2/s`` (signed) or ``1.875/s`` (float32 operations).
 
     * Signed codes: the square root of ``y`` rounded to the nearest integer in exact
       arithmetic, halves up: ``q0 = floor(root + 0.47)`` is it or one less, and one exact
       comparison of ``(q0 + 1/2)^2`` with ``y`` decides.
-    * Unsigned codes, rounded stochastically: ``k = floor(y^(1/4))`` (``floor(root - 0.03)`` is
-      it or one less, and an exact ``(k + 1)^4 <= y`` decides), then ``k + 1`` with
-      probability ``(y - k^4) / ((k+1)^4 - k^4)``: where ``r w < 2^16 d`` in float32, with
-      ``r`` the random bits, ``w = (2k+1)(2k(k+1)+1)`` (the code step ``(k+1)^4 - k^4``, of
-      exact factors) and ``d = y - k^4``, each rounded once. So ``E[decoded] = x`` (to
-      ``2^-16`` of a step), and the second moment does not stay stuck on a code while
-      ``beta2`` moves it by less than half a step.
+    * Unsigned codes, rounded stochastically: ``z = y + 2^-31`` (rounded once), and the
+      code is ``((bits(z) + 16 r) >> 20) - 768`` with ``r`` the random bits: ``z``'s top 12
+      bits, one more with probability (to ``2^-16``) the fraction that the lower 20 bits
+      make of a step, so ``E[decoded] = x``, and the second moment does not stay stuck on a
+      code while ``beta2`` moves it by less than half a step. Codes above 255 (``y >= 2``,
+      infinite ``y``) are 255.
 
     Every operation is exact or rounded once, so the C and Triton kernels reach the same
-    codes from other estimates of the roots."""
+    codes (from other estimates of the signed codes' roots)."""
     blocks, length = _blocks_of(x)
     mags = blocks.abs()
     scales = mags.amax(dim=-1)
-    factor = torch.full_like(scales, 16129.0 if signed else 4228250625.0) / scales
+    factor = torch.full_like(scales, 16129.0 if signed else 1.875) / scales
     y = mags * torch.where(scales > 0, factor, torch.zeros_like(scales)).unsqueeze(-1)
     if signed:
         q = y.sqrt().add_(0.47).floor_()
@@ -151,23 +152,13 @@ def quantize(x: Tensor, signed: bool, bits: Optional[Tensor] = None) -> Tuple[Te
     return codes, scales
 
 
-def _fourth(k: Tensor) -> Tensor:
-    """``k^4`` in double (exact for the codes' range)."""
-    k2 = k.double().square()
-    return k2 * k2
-
-
 def _unsigned_codes(y: Tensor, r: Tensor) -> Tensor:
-    """The stochastically rounded fourth roots of ``y`` (float32, ``>= 0``) with random bits
-    ``r`` (see :func:`quantize`); NaN where ``y`` is."""
-    k = (y.sqrt().sqrt() - 0.03).clamp_min_(0.0).floor_()
-    yd = y.double()
-    k += _fourth(k + 1) <= yd
-    k.clamp_max_(255.0)
-    width = (2 * k + 1) * (2 * k * (k + 1) + 1)  # (k+1)^4 - k^4: exact factors, one rounding
-    above = (yd - _fourth(k)).float()  # y - k^4, exact in double, one rounding
-    up = r * width < above * 65536.0
-    return (k + up).clamp_max_(255.0).masked_fill_(y.isnan(), float("nan"))
+    """The stochastically rounded 8-bit floats of ``y`` (float32, ``>= 0``) with random bits
+    ``r`` (see :func:`quantize`), as float32; NaN where ``y`` is."""
+    z = (y.double() + 2.0**-31).float()  # exact in double, or so near 2^-31 as to round to it
+    bits = z.view(torch.int32).long() + r.long() * 16
+    q = ((bits >> 20) - 768).clamp_(0, 255).float()
+    return q.masked_fill_(y.isnan(), float("nan"))
 
 
 def dequantize(codes: Tensor, scales: Tensor) -> Tensor:
@@ -182,9 +173,9 @@ def dequantize(codes: Tensor, scales: Tensor) -> Tensor:
     q = F.pad(flat.int(), (0, blocks * BLOCK - length)).view(rows, blocks, BLOCK)
     if codes.dtype == torch.int8:  # (q |q|) (s / 127^2)
         values = (q * q.abs()).float().mul_((scales / 16129.0).unsqueeze(-1))
-    else:  # (q^2 q^2) (s / 255^4)
-        q2 = (q * q).float()
-        values = (q2 * q2).mul_((scales / 4228250625.0).unsqueeze(-1))
+    else:  # (F(q) - 2^-31) (s / 1.875)
+        values = ((q + 768) << 20).view(torch.float32).sub_(2.0**-31)
+        values.mul_((scales / 1.875).unsqueeze(-1))
     return values.view(rows, blocks * BLOCK)[:, :length].contiguous().view(codes.shape)
 
 

@@ -203,16 +203,17 @@ static inline float split_join(uint16_t hi, uint16_t lo) {
  * (q |q|) (s / 127^2); round() is to the nearest integer in exact arithmetic, halves up: q is
  * the largest k with (k - 1/2)^2 <= y. Any estimate of the root within 0.03 gives it: q0 =
  * trunc(estimate + 0.47) is q or q - 1, and (q0 + 1/2)^2 <= y (exact in float32) tells which.
- * Unsigned codes: with y = x c, c = 255^4 / s, decoded as (q^2 q^2) (s / 255^4)
- * (multiplications only), rounded stochastically: k = floor(y^(1/4)) (trunc(estimate - 0.03)
- * is k or k - 1, and (k + 1)^4 <= y, exact in double, tells which), then q = k + 1 where
- * r w < 2^16 d in float32: r the 16 random bits below, w = (2k+1)(2k(k+1)+1) = (k+1)^4 - k^4
- * (exact factors) and d = y - k^4, each rounded once, so E[decoded] = x. So the codes do not
- * depend on how a root was estimated (sqrtf here, 14-bit reciprocal roots in the AVX-512
- * loops, torch.sqrt in the PyTorch reference), and every implementation stores the same
- * ones. bfloat16 moments: rounded stochastically with 16 random bits. The random bits of an
- * element: a 32-bit hash of its global index (offset + i) plus a key of the step and
- * moment. */
+ * Unsigned codes: 8-bit floats, 5 exponent bits and 3 mantissa bits. Code q stands for
+ * F(q) - 2^-31, where F(q) is the float32 of bits (q + 768) << 20 (F(0) = 2^-31,
+ * F(255) = 1.875): 0, then steps of 2^-34 up to 2^-31, then 8 steps per binade up to 1.875.
+ * With y = x c, c = 1.875 / s, and z = y + 2^-31 (each rounded once), q is z's top bits
+ * rounded stochastically: ((bits(z) + 16 r) >> 20) - 768 with r the 16 random bits below, so
+ * E[decoded] = x (to 2^-16 of a step); decoded as (F(q) - 2^-31) (s / 1.875). Integer
+ * operations decide, so every implementation stores the same codes (the sum in double
+ * here, exact or within a quarter of a float32 ulp of 2^-31, so that no compiler fuses it
+ * with the product). bfloat16 moments: rounded stochastically with 16 random bits. The
+ * random bits of an element: a 32-bit hash of its global index (offset + i) plus a key of
+ * the step and moment. */
 
 #define COMPACT_BLOCK 256
 enum { FORM_F32 = 0, FORM_BF16 = 1, FORM_INT8 = 2 };
@@ -224,6 +225,14 @@ static inline int64_t block_start(int64_t b, int64_t blocks, int64_t row_len, in
     const int64_t start = (b % blocks) * COMPACT_BLOCK;
     *len = row_len - start < COMPACT_BLOCK ? row_len - start : COMPACT_BLOCK;
     return (b / blocks) * row_len + start;
+}
+
+/* F(q) of an unsigned code (see above): the float32 of bits (q + 768) << 20. */
+static inline float code_float(uint32_t q) {
+    const uint32_t u = (q + 768u) << 20;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
 }
 
 /* 16 random bits, a hash of h (index + key). */
@@ -259,12 +268,9 @@ INLINE void decode_block(const void *codes, const float *scales, int form, int i
             out[i] = (float)(q * (q < 0 ? -q : q)) * step;
         }
     } else {
-        const float step = scales[b] / 4228250625.0f; /* 255^4 */
+        const float step = scales[b] / 1.875f;
         const uint8_t *in = (const uint8_t *)codes + at;
-        for (int64_t i = 0; i < len; i++) {
-            const float q2 = (float)((int32_t)in[i] * (int32_t)in[i]);
-            out[i] = (q2 * q2) * step;
-        }
+        for (int64_t i = 0; i < len; i++) out[i] = (code_float(in[i]) - 0x1p-31f) * step;
     }
 }
 
@@ -279,9 +285,9 @@ INLINE float block_max(const float *in, int64_t len) {
     return s;
 }
 
-/* 127^2 / s and 255^4 / s: y = |x| times this (0 for an all-zero block). */
+/* 127^2 / s and 1.875 / s: y = |x| times this (0 for an all-zero block). */
 static inline float code_factor(int is_signed, float s) {
-    return s > 0.0f ? (is_signed ? 16129.0f : 4228250625.0f) / s : 0.0f;
+    return s > 0.0f ? (is_signed ? 16129.0f : 1.875f) / s : 0.0f;
 }
 
 /* The signed code's magnitude of y >= 0 (see above), 0 for a NaN: trunc(sqrt(y) + 0.47) is it
@@ -293,34 +299,22 @@ static inline int32_t code_signed(float y) {
     return q + ((b * b <= y) & 1);
 }
 
-/* k^4 in double, exact for k <= 256. */
-static inline double fourth(int32_t k) {
-    const double k2 = (double)(k * k);
-    return k2 * k2;
-}
-
-/* The unsigned code of y from t, an estimate of y^(1/4), and random bits r (see above): each
- * operation exact or rounded once, whatever the compiler contracts. */
-static inline int32_t code_unsigned(float y, float t, uint32_t r) {
-    const double yd = (double)y;
-    const float e = t < 256.0f ? t - 0.03f : 255.0f;
-    int32_t k = (int32_t)(y > 0.0f && t > 0.03f ? e : 0.0f);
-    k += fourth(k + 1) <= yd;
-    k = k < 255 ? k : 255;
-    const float kf = (float)k;
-    const float width = (2.0f * kf + 1.0f) * (2.0f * kf * (kf + 1.0f) + 1.0f);
-    const float above = (float)(yd - fourth(k));
-    k += (float)r * width < above * 65536.0f;
-    return k < 255 ? k : 255;
+/* The unsigned code of y >= 0 with random bits r (see above); 0 for a NaN. */
+static inline int32_t code_unsigned(float y, uint32_t r) {
+    float z = (float)((double)y + 0x1p-31);
+    z = z >= 0x1p-31f ? z : 0x1p-31f;
+    uint32_t bits;
+    memcpy(&bits, &z, 4);
+    const int32_t q = (int32_t)((bits + (r << 4)) >> 20) - 768;
+    return q < 255 ? q : 255;
 }
 
 /* in[0..len) stored as block b of a moment (its elements from at): bfloat16 rounded with the
  * bits of global index offset + at + i, or codes with the scale s, the block's largest
- * magnitude (block_max). roots, when not NULL, holds sqrt(in[i]) (unsigned codes), as the
- * update computed it: sqrt(roots[i] sqrt(c)) estimates y^(1/4) with one square root. */
+ * magnitude (block_max). */
 INLINE void encode_block(void *codes, float *scales, int form, int is_signed, int64_t b,
-                         int64_t at, int64_t len, const float *in, const float *roots, float s,
-                         int64_t offset, uint32_t key) {
+                         int64_t at, int64_t len, const float *in, float s, int64_t offset,
+                         uint32_t key) {
     if (form == FORM_BF16) {
         uint16_t *out = (uint16_t *)codes + at;
         for (int64_t i = 0; i < len; i++)
@@ -339,17 +333,8 @@ INLINE void encode_block(void *codes, float *scales, int form, int is_signed, in
     }
     uint8_t *out = (uint8_t *)codes + at;
     const uint32_t h = (uint32_t)(offset + at) + key;
-    if (roots) {
-        const float root_c = sqrtf(c);
-        for (int64_t i = 0; i < len; i++)
-            out[i] = (uint8_t)code_unsigned(fabsf(in[i]) * c, sqrtf(roots[i] * root_c),
-                                            random16(h + (uint32_t)i));
-    } else {
-        for (int64_t i = 0; i < len; i++) {
-            const float y = fabsf(in[i]) * c;
-            out[i] = (uint8_t)code_unsigned(y, sqrtf(sqrtf(y)), random16(h + (uint32_t)i));
-        }
-    }
+    for (int64_t i = 0; i < len; i++)
+        out[i] = (uint8_t)code_unsigned(fabsf(in[i]) * c, random16(h + (uint32_t)i));
 }
 
 /* Reductions run over blocks of RBLOCK elements: within a block the sums are float (vector
@@ -695,9 +680,7 @@ INLINE void unstage_w(void *w, uint16_t *low, int split, int64_t at, int64_t len
 #define THREAD_BLOCKS                                                                          \
     const int id_ = omp_get_thread_num(), nt_ = omp_get_num_threads();                         \
     const int64_t first = total * id_ / nt_, last = total * (id_ + 1) / nt_;                   \
-    float wb[COMPACT_BLOCK], gb[COMPACT_BLOCK], mb[COMPACT_BLOCK], vb[COMPACT_BLOCK],          \
-        rb[COMPACT_BLOCK];                                                                    \
-    (void)rb
+    float wb[COMPACT_BLOCK], gb[COMPACT_BLOCK], mb[COMPACT_BLOCK], vb[COMPACT_BLOCK]
 
 /* Block b's inputs as the loop reads them: wp[i] * wf, clamp(gp[i] * gm, glo, ghi), and the
  * moments decoded into mb, vb.
@@ -714,17 +697,16 @@ INLINE void unstage_w(void *w, uint16_t *low, int split, int64_t at, int64_t len
     const int in_place = !((x)->kind & 2) && !(x)->low;                                        \
     float *wo = in_place ? (float *)(x)->w + at : wb;                                          \
     (void)wo; (void)wf; (void)gm; (void)glo; (void)ghi
-/* After pass 2's loop (which put the new moments in mb, vb, sqrt(v) in rb and their largest
- * magnitudes in am, av): the weights and the moments stored. */
+/* After pass 2's loop (which put the new moments in mb, vb and their largest magnitudes in
+ * am, av): the weights and the moments stored. */
 #define BLOCK_OUTPUTS(b, x)                                                                    \
     if (!in_place) unstage_w((x)->w, (x)->low, ((x)->kind & 2) != 0, at, len, wb);             \
-    encode_block(st.m, st.m_scale, st.form, 1, b, at, len, mb, NULL, am, st.offset, st.m_key); \
-    encode_block(st.v, st.v_scale, st.form, 0, b, at, len, vb, rb, av, st.offset, st.v_key)
+    encode_block(st.m, st.m_scale, st.form, 1, b, at, len, mb, am, st.offset, st.m_key);       \
+    encode_block(st.v, st.v_scale, st.form, 0, b, at, len, vb, av, st.offset, st.v_key)
 /* Pass 2's loop ends: the new moments kept, their largest magnitudes taken. */
 #define KEEP_MOMENTS                                                                           \
     mb[i] = mi;                                                                                \
     vb[i] = vi;                                                                                \
-    rb[i] = rv;                                                                                \
     am = fabsf(mi) > am ? fabsf(mi) : am;                                                      \
     av = vi > av ? vi : av;
 
@@ -953,11 +935,12 @@ V16_INLINE void v16_decode(const Stored *st, int int8, int64_t at, __mmask16 k, 
     if (int8) {
         const __m512 qm = _mm512_cvtepi32_ps(
             _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(k, (const int8_t *)st->m + at)));
-        const __m512 qv = _mm512_cvtepi32_ps(
-            _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, (const uint8_t *)st->v + at)));
-        const __m512 q2 = _mm512_mul_ps(qv, qv);
+        const __m512i qv =
+            _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, (const uint8_t *)st->v + at));
+        const __m512 fv = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_add_epi32(qv, _mm512_set1_epi32(768)), 20));
         *m = _mm512_mul_ps(_mm512_mul_ps(qm, _mm512_abs_ps(qm)), sm);
-        *v = _mm512_mul_ps(_mm512_mul_ps(q2, q2), sv);
+        *v = _mm512_mul_ps(_mm512_sub_ps(fv, V16_SET(0x1p-31f)), sv);
         return;
     }
     const __m512i hm = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, (const uint16_t *)st->m + at));
@@ -1005,32 +988,18 @@ V16_INLINE __m512i v16_code_signed(__m512 x, __m512 c, int64_t index, uint32_t k
     return _mm512_cvttps_epi32(_mm512_castsi512_ps(with_sign));
 }
 
-/* The unsigned codes of x with c = 255^4 / s, as code_unsigned with the random bits of
- * index + lane + key: the estimate of the fourth root, that of 1/sqrt of the estimate of
- * 1/sqrt(y), is within 255 * 1.5 * 2^-14 of it (0 for y = 0), so floor(estimate - 0.03) is k
- * or one less (-1 for y = 0); (k + 1)^4 <= y by the sign of one fused multiply-add, and
- * y - k^4 rounded once by another. */
+/* The unsigned codes of x with c = 1.875 / s, as code_unsigned with the random bits of
+ * index + lane + key: the sum y + 2^-31 in its own rounding (an intrinsic with a rounding
+ * mode, which is never fused with the product); a NaN takes 2^-31 from the max (code 0), and
+ * the unsigned packs (V16_CODES64) saturate codes above 255 (y >= 2, infinity) to 255. */
 V16_INLINE __m512i v16_code_unsigned(__m512 x, __m512 c, int64_t index, uint32_t key) {
-    const __m512 y = _mm512_mul_ps(x, c);
-    const __m512 t = _mm512_sub_ps(_mm512_rsqrt14_ps(_mm512_rsqrt14_ps(y)), V16_SET(0.03f));
-    __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); /* >= -1 */
-    const __m512 b = _mm512_add_ps(k, V16_SET(1.0f));
-    const __m512 b2 = _mm512_mul_ps(b, b);
-    k = _mm512_mask_add_ps(k, _mm512_cmp_ps_mask(_mm512_fmsub_ps(b2, b2, y),
-                                                 _mm512_setzero_ps(), _CMP_LE_OQ),
-                           k, V16_SET(1.0f));
-    /* r w < 2^16 d as r (w / 2^16) < d: (2k+1) / 2^16 and 2k(k+1) + 1 are exact */
-    const __m512 width = _mm512_mul_ps(
-        _mm512_fmadd_ps(k, V16_SET(0x1p-15f), V16_SET(0x1p-16f)),
-        _mm512_fmadd_ps(k, _mm512_fmadd_ps(k, V16_SET(2.0f), V16_SET(2.0f)), V16_SET(1.0f)));
-    const __m512 k2 = _mm512_mul_ps(k, k);
-    const __m512 above = _mm512_fnmadd_ps(k2, k2, y);
-    const __m512 r = _mm512_cvtepi32_ps(v16_random16(index, key));
-    k = _mm512_mask_add_ps(k, _mm512_cmp_ps_mask(_mm512_mul_ps(r, width), above, _CMP_LT_OQ), k,
-                           V16_SET(1.0f));
-    /* 255 for 256 and infinity; a NaN (y's) stays, converts to INT_MIN, and the unsigned
-     * packs (V16_CODES64) saturate it to code 0 */
-    return _mm512_cvttps_epi32(_mm512_min_ps(V16_SET(255.0f), k));
+    const __m512 low = V16_SET(0x1p-31f);
+    const __m512 z = _mm512_max_ps(
+        _mm512_add_round_ps(_mm512_mul_ps(x, c), low, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+        low);
+    const __m512i bits = _mm512_add_epi32(_mm512_castps_si512(z),
+                                          _mm512_slli_epi32(v16_random16(index, key), 4));
+    return _mm512_sub_epi32(_mm512_srli_epi32(bits, 20), _mm512_set1_epi32(768));
 }
 
 /* The codes of x[0..n), n <= 64, into out[0..n): four vectors of int32 codes packed into one
@@ -1155,7 +1124,7 @@ static Blocks blocks_of(void *w, uint16_t *low, int kind, int64_t row_len, Stagi
             if (c.s.g_bf16) stage_g(&c.s, at, len, gb), gp = gb;                               \
             float *wo = c.in_place ? (float *)c.w + at : wb;                                   \
             const __m512 sm = V16_SET(int8 ? c.st.m_scale[b] / 16129.0f : 0.0f);               \
-            const __m512 sv = V16_SET(int8 ? c.st.v_scale[b] / 4228250625.0f : 0.0f);          \
+            const __m512 sv = V16_SET(int8 ? c.st.v_scale[b] / 1.875f : 0.0f);                 \
             (void)wo;
 #define V16_BLOCKS_END                                                                         \
         }                                                                                      \
@@ -1921,7 +1890,7 @@ TARGETS void int8_encode(const float *x, void *codes, float *scales, int64_t row
     }
 #endif
     EACH_BLOCK(rows, row_len) {
-        encode_block(codes, scales, FORM_INT8, is_signed, b, at, len, x + at, NULL,
+        encode_block(codes, scales, FORM_INT8, is_signed, b, at, len, x + at,
                      block_max(x + at, len), offset, (uint32_t)key);
     }
 }

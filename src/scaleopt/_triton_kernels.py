@@ -84,15 +84,16 @@ def _tile(row, n, start, it, BLOCK: tl.constexpr, QB: tl.constexpr, FORM: tl.con
 @triton.jit
 def _load_moments(row, mp, vp, offs, mask, b, bmask, FORM: tl.constexpr):
     """The stored moments as float32: as they are; bfloat16 widened; int8 codes decoded with
-    their blocks' scales, (q |q|) (s / 127^2) and (q^2 q^2) (s / 255^4) (``_compact``)."""
+    their blocks' scales, (q |q|) (s / 127^2) and (F(q) - 2^-31) (s / 1.875), F(q) the float
+    of bits (q + 768) << 20 (``_compact``)."""
     if FORM == 2:
         sm = tl.load(tl.load(row + 6).to(tl.pointer_type(tl.float32)) + b, mask=bmask, other=0.0)
         sv = tl.load(tl.load(row + 7).to(tl.pointer_type(tl.float32)) + b, mask=bmask, other=0.0)
         qm = tl.load(mp + offs, mask=mask, other=0).to(tl.int32)
-        qv = tl.load(vp + offs, mask=mask, other=0).to(tl.int32)
-        q2 = (qv * qv).to(tl.float32)
+        qv = tl.load(vp + offs, mask=mask, other=0).to(tl.uint32)
+        fv = ((qv + 768) << 20).to(tl.float32, bitcast=True)
         m = (qm * tl.abs(qm)).to(tl.float32) * tl.math.div_rn(sm, 16129.0)[:, None]
-        v = (q2 * q2) * tl.math.div_rn(sv, 4228250625.0)[:, None]
+        v = (fv - 4.656612873077393e-10) * tl.math.div_rn(sv, 1.875)[:, None]
     elif FORM == 1:
         m = (tl.load(mp + offs, mask=mask, other=0).to(tl.uint32) << 16).to(tl.float32,
                                                                              bitcast=True)
@@ -121,19 +122,14 @@ def _round_bf16(x, h):
 
 
 @triton.jit
-def _fourth(k):
-    """k^4 in float64 (exact for k <= 256)."""
-    k2 = k.to(tl.float64) * k.to(tl.float64)
-    return k2 * k2
-
-
-@triton.jit
 def _store_codes(cp, sp, offs, mask, b, bmask, x, h, SIGNED: tl.constexpr):
     """x as int8 codes of its tile's blocks (rows), and their scales (each block's largest
     magnitude, NaNs passed over): the codes of ``_compact.quantize``. Signed: the square roots
     rounded halves up in exact arithmetic (an estimate of the root, then one exact
-    comparison); unsigned: the fourth roots rounded stochastically with the random bits of h
-    (the element's global index plus the key), each operation exact or rounded once."""
+    comparison); unsigned: 8-bit floats rounded stochastically with the random bits of h (the
+    element's global index plus the key), each operation exact or rounded once: the product
+    and the sum in float64, each rounded to float32 on its own, so that no fusion changes
+    them."""
     a = tl.where(mask, tl.abs(x), 0.0)
     s = tl.max(tl.where(a == a, a, 0.0), axis=1)
     tl.store(sp + b, s, mask=bmask)
@@ -145,17 +141,13 @@ def _store_codes(cp, sp, offs, mask, b, bmask, x, h, SIGNED: tl.constexpr):
         q = tl.where(half * half <= y, q + 1.0, q)
         tl.store(cp + offs, tl.where(x < 0.0, -q, q).to(tl.int8), mask=mask)
     else:
-        c = tl.where(s > 0.0, tl.math.div_rn(tl.zeros_like(s) + 4228250625.0, tl.where(s > 0.0, s, 1.0)),
+        c = tl.where(s > 0.0, tl.math.div_rn(tl.zeros_like(s) + 1.875, tl.where(s > 0.0, s, 1.0)),
                      0.0)
-        y = a * c[:, None]
-        t = tl.sqrt(tl.sqrt(y)) - 0.03
-        k = tl.where((y > 0.0) & (t > 0.0), tl.floor(tl.minimum(t, 255.0)), 0.0)
-        yd = y.to(tl.float64)
-        k = tl.minimum(tl.where(_fourth(k + 1.0) <= yd, k + 1.0, k), 255.0)
-        width = (2.0 * k + 1.0) * (2.0 * k * (k + 1.0) + 1.0)  # (k+1)^4 - k^4, rounded once
-        above = (yd - _fourth(k)).to(tl.float32)  # y - k^4, exact in float64, rounded once
-        up = _random16(h).to(tl.float32) * width < above * 65536.0
-        q = tl.minimum(tl.where(up, k + 1.0, k), 255.0)
+        y = (a.to(tl.float64) * c[:, None].to(tl.float64)).to(tl.float32)
+        z = (y.to(tl.float64) + 4.656612873077393e-10).to(tl.float32)  # y + 2^-31
+        z = tl.where(z >= 4.656612873077393e-10, z, 4.656612873077393e-10)  # NaN: code 0
+        bits = z.to(tl.uint32, bitcast=True) + (_random16(h) << 4)
+        q = tl.minimum((bits >> 20) - 768, 255)
         tl.store(cp + offs, q.to(tl.uint8), mask=mask)
 
 
