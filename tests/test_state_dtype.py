@@ -28,7 +28,7 @@ def _bits(x, step=1.0, offset=0):
     """The random bits with which the second moment x (at this step, its piece starting at
     ``offset`` in the whole tensor) is stored."""
     index = torch.arange(x.numel()).view(x.shape) + offset
-    return _compact.random16(index, torch.tensor(step), 2)
+    return _compact.code_random16(index, math.prod(x.shape[1:]), torch.tensor(step), 2)
 
 
 def _codes_by_definition(x, signed, bits):

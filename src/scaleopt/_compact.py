@@ -117,7 +117,8 @@ def _blocks_of(x: Tensor) -> Tuple[Tensor, int]:
 
 def quantize(x: Tensor, signed: bool, bits: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """``(codes, scales)`` of ``x`` (a local tensor, rows along dimension 0); ``bits``: 16
-    random bits per element (:func:`random16`, shaped as ``x``), needed for unsigned codes.
+    random bits per element (:func:`code_random16`, shaped as ``x``), needed for unsigned
+    codes.
 
     ``y = |x| c`` with ``c = 127^2/s`` (signed) or ``1.875/s`` (float32 operations).
 
@@ -189,16 +190,31 @@ def _key(step: Any, salt: int) -> Any:
     return (step * 0x9E3779B9 + salt * 0x632BE5AB) & _MASK32
 
 
-def random16(index: Tensor, step: Tensor, salt: int) -> Tensor:
-    """16 random bits (int32 in ``[0, 65536)``) per element from its global ``index`` (int64),
-    the step counter and the moment's salt: a 32-bit integer hash, the same in every
-    implementation."""
+def _hash32(index: Tensor, step: Tensor, salt: int) -> Tensor:
+    """A 32-bit integer hash (int64 in ``[0, 2^32)``) of ``index`` (int64) plus the key of the
+    step counter and the moment's salt, the same in every implementation."""
     key = _key(step.to(index.device, torch.int64), salt)
     x = (index + key) & _MASK32
     for _ in range(2):
         x = (((x >> 16) ^ x) * _HASH_MUL) & _MASK32
-    x = (x >> 16) ^ x
-    return (x & 0xFFFF).to(torch.int32)
+    return (x >> 16) ^ x
+
+
+def random16(index: Tensor, step: Tensor, salt: int) -> Tensor:
+    """16 random bits (int32 in ``[0, 65536)``) per element from its global ``index`` (int64),
+    the step counter and the moment's salt: the lower half of :func:`_hash32`."""
+    return (_hash32(index, step, salt) & 0xFFFF).to(torch.int32)
+
+
+def code_random16(index: Tensor, row_len: int, step: Tensor, salt: int) -> Tensor:
+    """The random bits of unsigned codes, per element of global ``index`` in rows of
+    ``row_len``: at position ``p`` of its block (which starts at ``g``), positions ``p`` and
+    ``p + 16`` of each 32 take the lower and upper halves of one hash, of
+    ``g + 16 (p div 32) + p mod 16`` (an index inside the block, so no two pairs share one).
+    One hash serves two codes."""
+    p = index % row_len % BLOCK
+    h = _hash32(index - p + (p >> 5 << 4) + (p & 15), step, salt)
+    return torch.where(p & 16 != 0, h >> 16, h & 0xFFFF).to(torch.int32)
 
 
 def round_bf16(x: Tensor, index: Tensor, step: Tensor, salt: int) -> Tensor:
@@ -320,7 +336,8 @@ def write(state: Dict[str, Any], key: str, form: str, value: Tensor, template: T
         _native.int8_encode(value, stored, scales, flat_offset(template),
                             _key(int(step), _SALT[key]))
     else:
-        bits = None if SIGNED[key] else random16(global_index(template), step, _SALT[key])
+        bits = None if SIGNED[key] else code_random16(
+            global_index(template), math.prod(template.shape[1:]), step, _SALT[key])
         codes, new_scales = quantize(value, SIGNED[key], bits)
         stored.copy_(codes)
         scales.copy_(new_scales)

@@ -210,10 +210,11 @@ static inline float split_join(uint16_t hi, uint16_t lo) {
  * rounded stochastically: ((bits(z) + 16 r) >> 20) - 768 with r the 16 random bits below, so
  * E[decoded] = x (to 2^-16 of a step); decoded as (F(q) - 2^-31) (s / 1.875). Integer
  * operations decide, so every implementation stores the same codes (the sum in double
- * here, exact or within a quarter of a float32 ulp of 2^-31, so that no compiler fuses it
- * with the product). bfloat16 moments: rounded stochastically with 16 random bits. The
- * random bits of an element: a 32-bit hash of its global index (offset + i) plus a key of
- * the step and moment. */
+ * here, where it is exact or rounds to 2^-31 either way, so that no compiler fuses it with
+ * the product). bfloat16 moments: rounded stochastically with 16 random bits. The random
+ * bits: a 32-bit hash of an index plus a key of the step and moment; for bfloat16, the
+ * lower half of the hash of the element's global index (offset + i); for unsigned codes,
+ * the halves of one hash serve two elements of a block (code_random16). */
 
 #define COMPACT_BLOCK 256
 enum { FORM_F32 = 0, FORM_BF16 = 1, FORM_INT8 = 2 };
@@ -235,11 +236,23 @@ static inline float code_float(uint32_t q) {
     return f;
 }
 
-/* 16 random bits, a hash of h (index + key). */
-INLINE uint32_t random16(uint32_t h) {
+/* A 32-bit hash of h (index + key). */
+INLINE uint32_t hash32(uint32_t h) {
     h = ((h >> 16) ^ h) * 0x45D9F3Bu;
     h = ((h >> 16) ^ h) * 0x45D9F3Bu;
-    return ((h >> 16) ^ h) & 0xFFFFu;
+    return (h >> 16) ^ h;
+}
+
+/* 16 random bits, the lower half of the hash of h (index + key). */
+INLINE uint32_t random16(uint32_t h) { return hash32(h) & 0xFFFFu; }
+
+/* The random bits of the unsigned code at position i of a block whose first element's
+ * global index plus the key is g: positions i and i + 16 of each 32 take the two halves of
+ * one hash, of g + 16 (i div 32) + i mod 16 (an index inside the block: no two blocks and no
+ * two pairs share one). */
+INLINE uint32_t code_random16(uint32_t g, int64_t i) {
+    const uint32_t h = hash32(g + (uint32_t)((i >> 5 << 4) | (i & 15)));
+    return i & 16 ? h >> 16 : h & 0xFFFFu;
 }
 
 /* x rounded to bfloat16 up or down by the random bits of h (index + key). */
@@ -334,7 +347,7 @@ INLINE void encode_block(void *codes, float *scales, int form, int is_signed, in
     uint8_t *out = (uint8_t *)codes + at;
     const uint32_t h = (uint32_t)(offset + at) + key;
     for (int64_t i = 0; i < len; i++)
-        out[i] = (uint8_t)code_unsigned(fabsf(in[i]) * c, random16(h + (uint32_t)i));
+        out[i] = (uint8_t)code_unsigned(fabsf(in[i]) * c, code_random16(h, i));
 }
 
 /* Reductions run over blocks of RBLOCK elements: within a block the sums are float (vector
@@ -949,16 +962,20 @@ V16_INLINE void v16_decode(const Stored *st, int int8, int64_t at, __mmask16 k, 
     *v = _mm512_castsi512_ps(_mm512_slli_epi32(hv, 16));
 }
 
-/* The random bits (random16) of index + lane + key, lanes 0 .. 15. */
-V16_INLINE __m512i v16_random16(int64_t index, uint32_t key) {
+/* The hashes (hash32) of index + lane + key, lanes 0 .. 15. */
+V16_INLINE __m512i v16_hash32(int64_t index, uint32_t key) {
     const __m512i mul = _mm512_set1_epi32(0x45D9F3B);
     __m512i h = _mm512_add_epi32(_mm512_set1_epi32((int32_t)((uint32_t)index + key)),
                                  _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
                                                    14, 15));
     h = _mm512_mullo_epi32(_mm512_xor_si512(_mm512_srli_epi32(h, 16), h), mul);
     h = _mm512_mullo_epi32(_mm512_xor_si512(_mm512_srli_epi32(h, 16), h), mul);
-    h = _mm512_xor_si512(_mm512_srli_epi32(h, 16), h);
-    return _mm512_and_si512(h, _mm512_set1_epi32(0xFFFF));
+    return _mm512_xor_si512(_mm512_srli_epi32(h, 16), h);
+}
+
+/* The random bits (random16) of index + lane + key, lanes 0 .. 15. */
+V16_INLINE __m512i v16_random16(int64_t index, uint32_t key) {
+    return _mm512_and_si512(v16_hash32(index, key), _mm512_set1_epi32(0xFFFF));
 }
 
 /* x rounded to bfloat16 stochastically into out (lanes k), as round_stochastic with the
@@ -972,8 +989,8 @@ V16_INLINE void v16_store_bf16(uint16_t *out, __mmask16 k, __m512 x, int64_t ind
 /* The signed codes of x with c = 127^2 / s (as int32), as code_signed: the root's estimate
  * y r is within 127 * 2^-14 of sqrt(y). Where it is not a number (y = 0, r infinite; a NaN
  * moment) the max takes 0.47 instead, and the code is 0. */
-V16_INLINE __m512i v16_code_signed(__m512 x, __m512 c, int64_t index, uint32_t key) {
-    (void)index, (void)key;
+V16_INLINE __m512i v16_code_signed(__m512 x, __m512 c, __m512i unused) {
+    (void)unused;
     const __m512 y = _mm512_mul_ps(_mm512_abs_ps(x), c);
     const __m512 t = _mm512_max_ps(_mm512_fmadd_ps(y, _mm512_rsqrt14_ps(y), V16_SET(0.47f)),
                                    V16_SET(0.47f));
@@ -988,17 +1005,16 @@ V16_INLINE __m512i v16_code_signed(__m512 x, __m512 c, int64_t index, uint32_t k
     return _mm512_cvttps_epi32(_mm512_castsi512_ps(with_sign));
 }
 
-/* The unsigned codes of x with c = 1.875 / s, as code_unsigned with the random bits of
- * index + lane + key: the sum y + 2^-31 in its own rounding (an intrinsic with a rounding
- * mode, which is never fused with the product); a NaN takes 2^-31 from the max (code 0), and
- * the unsigned packs (V16_CODES64) saturate codes above 255 (y >= 2, infinity) to 255. */
-V16_INLINE __m512i v16_code_unsigned(__m512 x, __m512 c, int64_t index, uint32_t key) {
+/* The unsigned codes of x with c = 1.875 / s, as code_unsigned with the random bits r16 (times
+ * 16): the sum y + 2^-31 in its own rounding (an intrinsic with a rounding mode, which is
+ * never fused with the product); a NaN takes 2^-31 from the max (code 0), and the unsigned
+ * packs (V16_CODES64) saturate codes above 255 (y >= 2, infinity) to 255. */
+V16_INLINE __m512i v16_code_unsigned(__m512 x, __m512 c, __m512i r16) {
     const __m512 low = V16_SET(0x1p-31f);
     const __m512 z = _mm512_max_ps(
         _mm512_add_round_ps(_mm512_mul_ps(x, c), low, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
         low);
-    const __m512i bits = _mm512_add_epi32(_mm512_castps_si512(z),
-                                          _mm512_slli_epi32(v16_random16(index, key), 4));
+    const __m512i bits = _mm512_add_epi32(_mm512_castps_si512(z), r16);
     return _mm512_sub_epi32(_mm512_srli_epi32(bits, 20), _mm512_set1_epi32(768));
 }
 
@@ -1007,12 +1023,12 @@ V16_INLINE __m512i v16_code_unsigned(__m512 x, __m512 c, int64_t index, uint32_t
  * elements back in order) and stored at once, which is cheaper than four narrowing stores. */
 #define V16_LOAD_PART(x, n, t)                                                                 \
     _mm512_maskz_loadu_ps(v16_mask(16 * (t), (n) > 16 * (t) ? (n) : 16 * (t)), (x) + 16 * (t))
-#define V16_CODES64(out, n, x, c, index, key, CODE, PACK16, PACK8)                             \
+#define V16_CODES64(out, n, x, c, CODE, R0, R1, R2, R3, PACK16, PACK8)                         \
     do {                                                                                       \
-        const __m512i q0 = CODE(V16_LOAD_PART(x, n, 0), c, (index), key);                      \
-        const __m512i q1 = CODE(V16_LOAD_PART(x, n, 1), c, (index) + 16, key);                 \
-        const __m512i q2 = CODE(V16_LOAD_PART(x, n, 2), c, (index) + 32, key);                 \
-        const __m512i q3 = CODE(V16_LOAD_PART(x, n, 3), c, (index) + 48, key);                 \
+        const __m512i q0 = CODE(V16_LOAD_PART(x, n, 0), c, R0);                                \
+        const __m512i q1 = CODE(V16_LOAD_PART(x, n, 1), c, R1);                                \
+        const __m512i q2 = CODE(V16_LOAD_PART(x, n, 2), c, R2);                                \
+        const __m512i q3 = CODE(V16_LOAD_PART(x, n, 3), c, R3);                                \
         const __m512i bytes = _mm512_permutexvar_epi32(                                        \
             _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15),           \
             PACK8(PACK16(q0, q1), PACK16(q2, q3)));                                           \
@@ -1022,19 +1038,29 @@ V16_INLINE __m512i v16_code_unsigned(__m512 x, __m512 c, int64_t index, uint32_t
             _mm512_mask_storeu_epi8((out), _bzhi_u64(~0ULL, (unsigned)(n)), bytes);            \
     } while (0)
 
-/* The codes of x[j..j + n) (n <= 64; N: n, or 64 where that is known) from at. */
+/* The codes of x[j..j + n) (n <= 64; N: n, or 64 where that is known) from at. Unsigned
+ * ones take the random bits of code_random16 (times 16): positions j .. j + 31 the halves of
+ * the hashes of g + j/2 + lane, j + 32 .. j + 63 those of g + j/2 + 16 + lane. */
+#define V16_LOW16(h) _mm512_and_si512(_mm512_slli_epi32(h, 4), _mm512_set1_epi32(0xFFFF0))
+#define V16_HIGH16(h) _mm512_and_si512(_mm512_srli_epi32(h, 12), _mm512_set1_epi32(0xFFFF0))
 #define V16_CODES_AT(N)                                                                        \
     do {                                                                                       \
-        if (is_signed)                                                                         \
-            V16_CODES64((int8_t *)codes + at + j, N, x + j, c, offset + at + j, key,           \
-                        v16_code_signed, _mm512_packs_epi32, _mm512_packs_epi16);              \
-        else                                                                                   \
-            V16_CODES64((uint8_t *)codes + at + j, N, x + j, c, offset + at + j, key,          \
-                        v16_code_unsigned, _mm512_packus_epi32, _mm512_packus_epi16);          \
+        if (is_signed) {                                                                       \
+            const __m512i none = _mm512_setzero_si512();                                       \
+            V16_CODES64((int8_t *)codes + at + j, N, x + j, c, v16_code_signed, none, none,     \
+                        none, none, _mm512_packs_epi32, _mm512_packs_epi16);                   \
+        } else {                                                                               \
+            const __m512i h0 = v16_hash32(offset + at + j / 2, key);                           \
+            const __m512i h1 = v16_hash32(offset + at + j / 2 + 16, key);                      \
+            V16_CODES64((uint8_t *)codes + at + j, N, x + j, c, v16_code_unsigned,             \
+                        V16_LOW16(h0), V16_HIGH16(h0), V16_LOW16(h1), V16_HIGH16(h1),          \
+                        _mm512_packus_epi32, _mm512_packus_epi16);                             \
+        }                                                                                      \
     } while (0)
 
 /* x[0..len) as block b of a moment's codes (from at), with the scale s (unsigned codes
- * rounded with the random bits of offset + at + i + key). A whole block runs without masks. */
+ * rounded with the random bits of code_random16(offset + at + key, i)). A whole block runs
+ * without masks. */
 V16_INLINE void v16_encode(void *codes, float *scales, int is_signed, int64_t b, int64_t at,
                            int64_t len, const float *x, float s, int64_t offset, uint32_t key) {
     scales[b] = s;

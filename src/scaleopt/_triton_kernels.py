@@ -106,12 +106,18 @@ def _load_moments(row, mp, vp, offs, mask, b, bmask, FORM: tl.constexpr):
 
 
 @triton.jit
+def _hash32(h):
+    """The 32-bit hash of h (uint32: an index plus the key), as ``_compact._hash32``."""
+    h = ((h >> 16) ^ h) * 0x45D9F3B
+    h = ((h >> 16) ^ h) * 0x45D9F3B
+    return (h >> 16) ^ h
+
+
+@triton.jit
 def _random16(h):
-    """16 random bits (uint32), the hash of h (uint32: the element's global index plus the
-    key), as ``_compact.random16``."""
-    h = ((h >> 16) ^ h) * 0x45D9F3B
-    h = ((h >> 16) ^ h) * 0x45D9F3B
-    return ((h >> 16) ^ h) & 0xFFFF
+    """16 random bits (uint32), the lower half of the hash of h (the element's global index
+    plus the key), as ``_compact.random16``."""
+    return _hash32(h) & 0xFFFF
 
 
 @triton.jit
@@ -126,10 +132,10 @@ def _store_codes(cp, sp, offs, mask, b, bmask, x, h, SIGNED: tl.constexpr):
     """x as int8 codes of its tile's blocks (rows), and their scales (each block's largest
     magnitude, NaNs passed over): the codes of ``_compact.quantize``. Signed: the square roots
     rounded halves up in exact arithmetic (an estimate of the root, then one exact
-    comparison); unsigned: 8-bit floats rounded stochastically with the random bits of h (the
-    element's global index plus the key), each operation exact or rounded once: the product
-    and the sum in float64, each rounded to float32 on its own, so that no fusion changes
-    them."""
+    comparison); unsigned: 8-bit floats rounded stochastically with the random bits of
+    ``_compact.code_random16`` (h: the element's global index plus the key; the tile's columns
+    are the positions in the blocks), each operation exact or rounded once: the product and
+    the sum in float64, each rounded to float32 on its own, so that no fusion changes them."""
     a = tl.where(mask, tl.abs(x), 0.0)
     s = tl.max(tl.where(a == a, a, 0.0), axis=1)
     tl.store(sp + b, s, mask=bmask)
@@ -146,7 +152,10 @@ def _store_codes(cp, sp, offs, mask, b, bmask, x, h, SIGNED: tl.constexpr):
         y = (a.to(tl.float64) * c[:, None].to(tl.float64)).to(tl.float32)
         z = (y.to(tl.float64) + 4.656612873077393e-10).to(tl.float32)  # y + 2^-31
         z = tl.where(z >= 4.656612873077393e-10, z, 4.656612873077393e-10)  # NaN: code 0
-        bits = z.to(tl.uint32, bitcast=True) + (_random16(h) << 4)
+        p = tl.arange(0, 256)[None, :].to(tl.uint32)
+        pair = _hash32(h - p + ((p >> 5) << 4) + (p & 15))
+        r = tl.where((p & 16) != 0, pair >> 16, pair & 0xFFFF)
+        bits = z.to(tl.uint32, bitcast=True) + (r << 4)
         q = tl.minimum((bits >> 20) - 768, 255)
         tl.store(cp + offs, q.to(tl.uint8), mask=mask)
 
