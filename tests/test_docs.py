@@ -64,7 +64,9 @@ OPTIONAL = ("transformers", "lightning", "accelerate")
 @pytest.mark.parametrize("code", list(_snippets()))
 def test_every_code_block_of_the_docs_runs(code, tmp_path):
     """Each Python block of docs/*.md and README.md, as written, in a fresh process (a
-    one-process torch.distributed group where a block asks for one, as torchrun would set up)."""
+    one-process torch.distributed group where a block uses torch.distributed, as torchrun
+    would set up; the others as a plain ``python`` run, where e.g. HF's Trainer starts no
+    process group)."""
     import os
     import re
     import signal
@@ -75,8 +77,10 @@ def test_every_code_block_of_the_docs_runs(code, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
-           "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    env = dict(os.environ)
+    if "torch.distributed" in code:
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
+                   LOCAL_RANK="0")
     command = [sys.executable, "-c", code]
     launch = re.match(r"# run: torchrun --nproc-per-node (\d+)\n", code)
     if launch:  # a block written for several processes runs as its first line says
