@@ -24,6 +24,7 @@ import triton.language as tl
 _ROW = tl.constexpr(10)  # int64 entries per row of ``ptrs``
 _SCAL = tl.constexpr(7)  # float32 entries per row of ``scal``
 _BIG = tl.constexpr(3.4028234663852886e38)  # the largest float32: a ratio above it is not finite
+_LOW = tl.constexpr(4.656612873077393e-10)  # 2^-31 = F(0), the offset of the unsigned codes
 
 
 @triton.jit
@@ -93,7 +94,7 @@ def _load_moments(row, mp, vp, offs, mask, b, bmask, FORM: tl.constexpr):
         qv = tl.load(vp + offs, mask=mask, other=0).to(tl.uint32)
         fv = ((qv + 768) << 20).to(tl.float32, bitcast=True)
         m = (qm * tl.abs(qm)).to(tl.float32) * tl.math.div_rn(sm, 16129.0)[:, None]
-        v = (fv - 4.656612873077393e-10) * tl.math.div_rn(sv, 1.875)[:, None]
+        v = (fv - _LOW) * tl.math.div_rn(sv, 1.875)[:, None]
     elif FORM == 1:
         m = (tl.load(mp + offs, mask=mask, other=0).to(tl.uint32) << 16).to(tl.float32,
                                                                              bitcast=True)
@@ -150,8 +151,8 @@ def _store_codes(cp, sp, offs, mask, b, bmask, x, h, SIGNED: tl.constexpr):
         c = tl.where(s > 0.0, tl.math.div_rn(tl.zeros_like(s) + 1.875, tl.where(s > 0.0, s, 1.0)),
                      0.0)
         y = (a.to(tl.float64) * c[:, None].to(tl.float64)).to(tl.float32)
-        z = (y.to(tl.float64) + 4.656612873077393e-10).to(tl.float32)  # y + 2^-31
-        z = tl.where(z >= 4.656612873077393e-10, z, 4.656612873077393e-10)  # NaN: code 0
+        z = (y.to(tl.float64) + _LOW).to(tl.float32)
+        z = tl.where(z >= _LOW, z, _LOW)  # NaN: code 0
         p = tl.arange(0, 256)[None, :].to(tl.uint32)
         pair = _hash32(h - p + ((p >> 5) << 4) + (p & 15))
         r = tl.where((p & 16) != 0, pair >> 16, pair & 0xFFFF)
