@@ -214,6 +214,7 @@ def test_cuda_triton_kernels_equal_the_reference_with_a_launch_per_phase(info):
     launched = {k: v - before.get(k, 0) for k, v in _triton.LAUNCHES.items()}
     kind = "lans" if isinstance(o1, scaleopt.LANS) else "lamb"
     assert launched[f"{kind}_sums"] == launched[f"{kind}_apply"] == len(o1.param_groups)
+    assert launched["totals"] == len(o1.param_groups) * (1 + ("sum_squares" in launched))
     run(m1, o1, 2, start=3)
     run(m2, o2, 5)
     for a, b in zip(m1.parameters(), m2.parameters()):

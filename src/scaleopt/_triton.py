@@ -3,10 +3,13 @@
 A group's update is a fixed number of launches, whatever its number of tensors (per set of
 tensors with the same dtypes):
 
-* LANS only, ``sum_squares``: each gradient's sum of squares, into one float32 vector (not
-  run where the intake's clipping computed them);
-* ``sums``: float32 moments updated in place, and each tensor's partial sums, atomically added
-  into one float32 vector: LAMB ||w||^2 and ||u||^2, LANS ||w||^2, ||r||^2, ||c||^2 and <c, r>;
+* LANS only, ``sum_squares``: each chunk's sum of squares of the gradient, then ``totals``:
+  each gradient's, into one float32 vector (not run where the intake's clipping computed them);
+* ``sums``: float32 moments updated in place, and each chunk's partial sums written to its own
+  slot (LAMB ||w||^2 and ||u||^2, LANS ||w||^2, ||r||^2, ||c||^2 and <c, r>), then one
+  ``totals`` launch for the group: each tensor's totals, added in a fixed order, into one
+  float32 vector. No float atomics: two runs give the same bits, however the GPU scheduled
+  the programs;
 * between the two, for the local shards of sharded tensors, ``scaleopt._sharding`` totals that
   vector over the shards (the one reduction these phases yield);
 * ``apply``: each tensor's trust ratios from the totals, on the device, and the new weights
@@ -14,20 +17,24 @@ tensors with the same dtypes):
   in bfloat16 or 8 bits (``state_dtype``) are updated here, from the stored ones and the
   gradient as the sums phase computed them, and stored: no float32 copy of them is made.
 
-The phases are the C kernels' (``_kernels.c``), and so is the arithmetic. Bytes moved per
-float32 parameter: LAMB 24 (sums: read w, g, m, v; write m, v) + 16 (apply: read w, m, v;
-write w) = 40, against 28 for a fused AdamW; LANS 4 + 24 + 20 = 48 (its apply reads the
-gradient again).
+The phases are the C kernels' (``_kernels.c``). The kernels compile without floating-point
+contraction (:data:`COMPILE_OPTIONS`) and with correctly rounded square roots and divisions, so
+each operation rounds once, as written: the compiled kernels compute what the interpreter
+does, but for the order of the additions in a ``tl.sum``. Bytes moved per float32 parameter:
+LAMB 24 (sums: read w, g, m, v; write m, v) + 16 (apply: read w, m, v; write w) = 40, against
+28 for a fused AdamW; LANS 4 + 24 + 20 = 48 (its apply reads the gradient again). The partial
+sums add 4 bytes per sum and chunk (LAMB: 8 per 4096 parameters), written once and read once.
 
 Each launch runs one program per (tensor, chunk of ``BLOCK * ITERS`` elements) pair. A program
 reads its tensor's addresses and size from int64 tables (``tl.load(table).to(pointer)``), built
-once per set of storages (keyed by ``data_ptr()``, not by tensor identity: a DTensor's
-``to_local()`` is a new tensor each step) and rebuilt only when a storage changes. The
-per-tensor numbers of a step (learning rate, decay, the bias corrections of its step counter,
-the gradient's multiplier) go to the device in one table, from pinned memory without a wait.
-Loop bounds are compile-time constants, so that the kernels run under the interpreters of Triton
-3.6 and later alike: ``TRITON_INTERPRET=1`` runs them on CPU tensors (the suite does, to hold
-them to the reference).
+once per set of storages, sizes and dtypes (keyed by ``data_ptr()``, not by tensor identity: a
+DTensor's ``to_local()`` is a new tensor each step) and rebuilt only when one of them changes.
+The per-tensor numbers of a step (learning rate, decay, the bias corrections of its step
+counter, the gradient's multiplier) go to the device in one table, from pinned memory without
+a wait. Loop bounds are compile-time constants or ``while`` loops, so that the kernels run
+under the interpreters of Triton 3.6 and later alike: ``TRITON_INTERPRET=1`` runs them on CPU
+tensors (the suite does, to hold them to the reference); ``tools/triton_compile.py`` compiles
+them for sm_80 and sm_90 and holds the PTX to these rules.
 
 Triton is imported at the first launch, not with scaleopt.
 """
@@ -39,7 +46,7 @@ import functools
 import importlib.util
 import math
 import os
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, NamedTuple, Tuple
 
 import torch
 from torch import Tensor
@@ -60,7 +67,14 @@ _G_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _LOW_KINDS = {None: 0, torch.bfloat16: 1, torch.float16: 2, torch.int16: 3}
 _FORMS = {None: 0, "bfloat16": 1, "int8": 2}
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
-_TABLES: "collections.OrderedDict[tuple, Tuple[Tensor, Tensor, Tensor]]" = collections.OrderedDict()
+_PLANS: "collections.OrderedDict[tuple, _Plan]" = collections.OrderedDict()
+_ROW = 10  # int64 entries per row of ``ptrs`` (``_triton_kernels._ROW``)
+#: partial-sum slots that one program of ``totals`` adds at a time
+TOTALS_LANES = 64
+#: the kernels' compile options: no floating-point contraction, so that each addition and
+#: multiplication rounds on its own, as written and as the interpreter runs it (``fma`` would
+#: round a product and a sum once: docs/gpu.md)
+COMPILE_OPTIONS = {"enable_fp_fusion": False}
 _STATIC: Dict[tuple, Tensor] = {}
 _ZERO: Dict[torch.device, Tensor] = {}
 
@@ -145,35 +159,77 @@ def _blocks_per_tile() -> int:
     return max(1, BLOCK // _compact.BLOCK)
 
 
-def _address_tables(t: Any, idx: List[int]) -> Tuple[Tensor, Tensor, Tensor]:
-    """The int64 tables of the tensors ``idx``: addresses (w, g, m, v, low, the tensor's place
-    in the group, and for stored moments the int8 scales of m and v, the length of a row of
-    blocks, where the local piece starts in the whole tensor), sizes, and the (tensor, first
-    element, or first int8 block) of each program's chunk."""
-    low = t.low or [None] * len(t.weights)
-    stored = t.stored or [None] * len(t.weights)
-    rows = [(t.weights[i].data_ptr(), t.grads[i].data_ptr(), t.exp_avgs[i].data_ptr(),
-             t.exp_avg_sqs[i].data_ptr(), 0 if low[i] is None else low[i].data_ptr(), i,
-             *_stored_row(stored[i])) for i in idx]
-    sizes = [t.weights[i].numel() for i in idx]
-    chunk = BLOCK * ITERS
-    key = (tuple(rows), tuple(sizes), chunk, t.weights[idx[0]].device)
-    tables = _TABLES.get(key)
-    if tables is None:
-        check_same_sizes("the Triton kernels", *([xs[i] for i in idx] for xs in (
-            t.weights, t.grads, t.exp_avgs, t.exp_avg_sqs, low)))
-        device = key[-1]
-        chunks = [(k, s) for k, (n, row) in enumerate(zip(sizes, rows))
-                  for s in _chunk_starts(n, row[8], chunk)]
-        tables = _TABLES[key] = (
-            torch.tensor(rows, dtype=torch.int64, device=device),
-            torch.tensor(sizes, dtype=torch.int64, device=device),
-            torch.tensor(chunks or [(0, 0)], dtype=torch.int64, device=device)[:len(chunks)])
-        while len(_TABLES) > 256:
-            _TABLES.popitem(last=False)
+class _Plan(NamedTuple):
+    """A group's tensors as the kernels take them: per set of tensors with the same kinds, the
+    kinds and the int64 tables (addresses, sizes, chunks); each tensor's span of slots for
+    partial sums (first slot, count), and the number of slots."""
+
+    sets: List[Tuple[Tuple[int, int, int, int], Tuple[Tensor, Tensor, Tensor]]]
+    spans: Tensor
+    slots: int
+
+
+def _plan(t: Any) -> _Plan:
+    """The group's plan, found again for the same storages, sizes and kinds (keyed by
+    ``data_ptr()``: a storage freed and handed to a tensor of another size or dtype has
+    another key), else made: the rows of ``ptrs`` (w, g, m, v, low, the tensor's place in
+    the group, and for stored moments the int8 scales of m and v, the length of a row of
+    blocks, where the local piece starts in the whole tensor)."""
+    n = len(t.weights)
+    low = t.low or [None] * n
+    stored = t.stored or [None] * n
+    kinds = tuple(_kind(t, i) for i in range(n))
+    rows = tuple((t.weights[i].data_ptr(), t.grads[i].data_ptr(), t.exp_avgs[i].data_ptr(),
+                  t.exp_avg_sqs[i].data_ptr(), 0 if low[i] is None else low[i].data_ptr(), i,
+                  *_stored_row(stored[i])) for i in range(n))
+    sizes = tuple(w.numel() for w in t.weights)
+    key = (kinds, rows, sizes, BLOCK * ITERS, t.weights[0].device)
+    plan = _PLANS.get(key)
+    if plan is None:
+        check_same_sizes("the Triton kernels", t.weights, t.grads, t.exp_avgs, t.exp_avg_sqs,
+                         low)
+        plan = _PLANS[key] = _new_plan(kinds, rows, sizes, key[-1])
+        while len(_PLANS) > 256:
+            _PLANS.popitem(last=False)
     else:
-        _TABLES.move_to_end(key)
-    return tables
+        _PLANS.move_to_end(key)
+    return plan
+
+
+def _new_plan(kinds: Tuple, rows: Tuple, sizes: Tuple, device: torch.device) -> _Plan:
+    """The tables of a plan: the tensors in sets by kinds; each set's chunks in the order of
+    its tensors, and their slots in that order over the sets."""
+    sets: Dict[Tuple[int, int, int, int], List[int]] = {}
+    for i, kind in enumerate(kinds):
+        sets.setdefault(kind, []).append(i)
+    spans = [(0, 0)] * len(rows)
+    out, base = [], 0
+    for kind, idx in sets.items():
+        chunks = _chunk_table([(sizes[i], rows[i][8]) for i in idx], BLOCK * ITERS, base)
+        counts = collections.Counter(k for k, _, _ in chunks)
+        firsts: Dict[int, int] = {}
+        for k, _, slot in chunks:
+            firsts[k] = min(slot, firsts.get(k, slot))
+        for k, i in enumerate(idx):
+            spans[i] = (firsts.get(k, base), counts[k])
+        base += len(chunks)
+
+        def table(values, width):
+            return torch.tensor(values or [(0,) * width], dtype=torch.int64,
+                                device=device)[:len(values)]
+
+        out.append((kind, (table([rows[i] for i in idx], _ROW), table([sizes[i] for i in idx], 1),
+                           table(chunks, 3))))
+    return _Plan(out, torch.tensor(spans, dtype=torch.int64, device=device), base)
+
+
+def _chunk_table(tensors: List[Tuple[int, int]], chunk: int, base: int) -> List[Tuple[int, int, int]]:
+    """The chunk table of a set of tensors (size, length of a row of int8 blocks or 0), one
+    row per program: (the tensor's place in the set, where the chunk starts, its slot for
+    partial sums, from ``base`` on)."""
+    starts = [(k, s) for k, (n, row_len) in enumerate(tensors)
+              for s in _chunk_starts(n, row_len, chunk)]
+    return [(k, s, base + j) for j, (k, s) in enumerate(starts)]
 
 
 def _stored_row(st: Any) -> Tuple[int, int, int, int]:
@@ -253,15 +309,6 @@ def _device_table(t: Any, layer: Any, o: Any, device: torch.device) -> Tensor:
     return table
 
 
-def _groups(t: Any) -> List[Tuple[Tuple[int, int, int, int], Tuple[Tensor, Tensor, Tensor]]]:
-    """The group's tensors in sets of the same dtypes (one launch per phase each): each set's
-    kinds and address tables."""
-    sets: Dict[Tuple[int, int, int, int], List[int]] = {}
-    for i in range(len(t.weights)):
-        sets.setdefault(_kind(t, i), []).append(i)
-    return [(kind, _address_tables(t, idx)) for kind, idx in sets.items()]
-
-
 def _clip_bounds(clip: Any) -> Tuple[float, float, bool]:
     if clip is None:
         return -math.inf, math.inf, False
@@ -285,8 +332,22 @@ def _launch(name: str, kinds: Tuple[int, int, int, int], tables: Tuple[Tensor, T
     kernel = getattr(_kernels(), name)
     kernel[(chunks.shape[0],)](ptrs, sizes, chunks, W_SPLIT=w_kind, G_KIND=g_kind,
                                LOW_KIND=low_kind, FORM=form, BLOCK=BLOCK,
-                               QB=_blocks_per_tile(), ITERS=ITERS, **args)
+                               QB=_blocks_per_tile(), ITERS=ITERS, **args, **COMPILE_OPTIONS)
     LAUNCHES[name] += 1
+
+
+def _sums(plan: _Plan, width: int, device: torch.device, name: str, **args: Any) -> Tensor:
+    """Kernel ``name`` over each set of the plan, every chunk writing ``width`` partial sums
+    into its own slot, then the tensors' totals (float32, ``width`` per tensor, in the
+    tensors' order) added up in a fixed order by ``totals``: the same bits on every run."""
+    parts = torch.empty(width * plan.slots, dtype=torch.float32, device=device)
+    for kinds, tables in plan.sets:
+        _launch(name, kinds, tables, parts=parts, **args)
+    out = torch.empty(width * plan.spans.shape[0], dtype=torch.float32, device=device)
+    _kernels().totals[(plan.spans.shape[0],)](parts, plan.spans, out, S=width, R=TOTALS_LANES,
+                                              **COMPILE_OPTIONS)
+    LAUNCHES["totals"] += 1
+    return out
 
 
 def _skip_flag(t: Any, device: torch.device) -> Tensor:
@@ -316,21 +377,19 @@ def lamb_triton(t: Any, layer: Any, o: Any) -> Phased:
         return
     device = t.weights[0].device
     scal = _step_table(t, layer, o, device)
-    sums = torch.zeros(2 * len(t.weights), dtype=torch.float32, device=device)
     opts = _options(o, None if t.grad_scalars is None else t.grad_scalars.clamp)
-    sets, skip = _groups(t), _skip_flag(t, device)
-    for kinds, tables in sets:
-        _launch("lamb_sums", kinds, tables, scal=scal, skip=skip, sums=sums,
-                MODE=_MODES[o.weight_decay_mode], **opts)
+    plan, skip = _plan(t), _skip_flag(t, device)
+    sums = _sums(plan, 2, device, "lamb_sums", scal=scal, skip=skip,
+                 MODE=_MODES[o.weight_decay_mode], **opts)
     if t.shard_sums is not None:
         owners = [i for i in range(len(t.weights)) for _ in range(2)]
         sums = yield t.shard_sums.request(sums, owners)
-    for kinds, tables in sets:
+    for kinds, tables in plan.sets:
         _launch("lamb_apply", kinds, tables, scal=scal, skip=skip, sums=sums,
                 MODE=_MODES[o.weight_decay_mode], **opts)
 
 
-def _grad_sums(t: Any, device: torch.device, sets: List[Any]) -> Phased:
+def _grad_sums(t: Any, device: torch.device, plan: _Plan) -> Phased:
     """Each whole gradient's sum of squares (float32, on ``device``): the intake's, where its
     clipping computed them, else one launch per set of tensors (totalled over the shards for
     local pieces: a reduction of its own)."""
@@ -339,9 +398,7 @@ def _grad_sums(t: Any, device: torch.device, sets: List[Any]) -> Phased:
         return sq.to(device, torch.float32)
     if t.grad_norms is not None:
         return t.grad_norms.to(device, torch.float32).square()
-    out = torch.zeros(len(t.weights), dtype=torch.float32, device=device)
-    for kinds, tables in sets:
-        _launch("sum_squares", kinds, tables, sums=out)
+    out = _sums(plan, 1, device, "sum_squares")
     if t.shard_sums is not None:
         out = yield t.shard_sums.request(out, range(len(t.weights)))
     return out
@@ -354,17 +411,15 @@ def lans_triton(t: Any, layer: Any, o: Any) -> Phased:
     if not t.weights:
         return
     device = t.weights[0].device
-    sets = _groups(t)
-    gsq = yield from _grad_sums(t, device, sets)
+    plan = _plan(t)
+    gsq = yield from _grad_sums(t, device, plan)
     scal = _step_table(t, layer, o, device)
-    sums = torch.zeros(4 * len(t.weights), dtype=torch.float32, device=device)
     opts, skip = _options(o, o.clip_grad_value), _skip_flag(t, device)
-    for kinds, tables in sets:
-        _launch("lans_sums", kinds, tables, scal=scal, skip=skip, sums=sums, gsq=gsq, **opts)
+    sums = _sums(plan, 4, device, "lans_sums", scal=scal, skip=skip, gsq=gsq, **opts)
     if t.shard_sums is not None:
         owners = [i for i in range(len(t.weights)) for _ in range(4)]
         sums = yield t.shard_sums.request(sums, owners)
-    for kinds, tables in sets:
+    for kinds, tables in plan.sets:
         _launch("lans_apply", kinds, tables, scal=scal, skip=skip, sums=sums, gsq=gsq,
                 MOVED=bool(o.decay_moved_weight), **opts)
 

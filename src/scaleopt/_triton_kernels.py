@@ -1,21 +1,28 @@
 """The Triton kernels of ``scaleopt._triton`` (imported at their first launch).
 
-Every kernel runs one program per (tensor, chunk) pair: ``chunks[pid]`` is (k, where the chunk
-starts), row k of ``ptrs`` holds the tensor's addresses (w, g, m, v, low), its place i in the
-group, and for stored moments the addresses of the int8 scales of m and v, the length of a row
-of blocks and where the local piece starts in the whole tensor; ``sizes[k]`` its size. Row i of
-``scal``: lr, weight decay, adapt, gradient multiplier, the bias corrections 1 - beta1^t and
-sqrt(1 - beta2^t) of its step, and the step t. The arithmetic is the C kernels'
-(``_kernels.c``), step for step. Kinds (compile-time): ``W_SPLIT`` a split master (the weight's
-bfloat16 upper halves at w, the int16 lower halves at low) or a float32 weight; ``G_KIND`` the
-gradient's dtype (0 float32, 1 bfloat16, 2 float16); ``LOW_KIND`` what low holds (0 nothing,
-1 / 2 the rounded bfloat16 / float16 weights to write, 3 a split master's lower halves);
-``FORM`` how the moments are stored (0 float32, 1 bfloat16, 2 int8 codes: ``_compact``).
+Every kernel but ``totals`` runs one program per (tensor, chunk) pair: ``chunks[pid]`` is (k,
+where the chunk starts, its slot for partial sums), row k of ``ptrs`` holds the tensor's
+addresses (w, g, m, v, low), its place i in the group, and for stored moments the addresses of
+the int8 scales of m and v, the length of a row of blocks and where the local piece starts in
+the whole tensor; ``sizes[k]`` its size. Row i of ``scal``: lr, weight decay, adapt, gradient
+multiplier, the bias corrections 1 - beta1^t and sqrt(1 - beta2^t) of its step, and the step
+t. The phases are the C kernels' (``_kernels.c``); the arithmetic is the reference's
+(``scaleopt.lamb``, ``scaleopt.lans``), each operation rounded once (compiled without
+contraction, with ``div_rn`` and ``sqrt_rn``). Kinds (compile-time): ``W_SPLIT`` a split
+master (the weight's bfloat16 upper halves at w, the int16 lower halves at low) or a float32
+weight; ``G_KIND`` the gradient's dtype (0 float32, 1 bfloat16, 2 float16); ``LOW_KIND`` what
+low holds (0 nothing, 1 / 2 the rounded bfloat16 / float16 weights to write, 3 a split
+master's lower halves); ``FORM`` how the moments are stored (0 float32, 1 bfloat16, 2 int8
+codes: ``_compact``).
 
 A chunk of float32 or bfloat16 moments is ``ITERS`` runs of ``BLOCK`` elements from its first
 element. A chunk of int8 moments is ``ITERS`` tiles of ``QB`` whole blocks of 256 (a block's
 largest magnitude is its scale), from its first block: a tile's rows are blocks, so the scales
 are reductions along them and a block never spans two programs.
+
+The sums phases write each chunk's partial sums to its own slot; ``totals`` adds up each
+tensor's in a fixed order. A line marked ``# estimate:`` holds the one approximate operation,
+which an exact step corrects (``tools/triton_compile.py`` allows no other).
 """
 
 import triton
@@ -23,6 +30,7 @@ import triton.language as tl
 
 _ROW = tl.constexpr(10)  # int64 entries per row of ``ptrs``
 _SCAL = tl.constexpr(7)  # float32 entries per row of ``scal``
+_CHUNK = tl.constexpr(3)  # int64 entries per row of ``chunks``
 _BIG = tl.constexpr(3.4028234663852886e38)  # the largest float32: a ratio above it is not finite
 _LOW = tl.constexpr(4.656612873077393e-10)  # 2^-31 = F(0), the offset of the unsigned codes
 
@@ -67,11 +75,11 @@ def _tile(row, n, start, it, BLOCK: tl.constexpr, QB: tl.constexpr, FORM: tl.con
     Otherwise BLOCK elements from element ``start + it * BLOCK`` (the blocks: the elements)."""
     if FORM == 2:
         row_len = tl.maximum(tl.load(row + 8), 1)
-        per_row = (row_len + 255) // 256
-        b = start + it * QB + tl.arange(0, QB)
-        first = (b % per_row) * 256
-        col = first[:, None] + tl.arange(0, 256)[None, :]
-        offs = (b // per_row * row_len)[:, None] + col
+        per_row = ((row_len + 255) // 256).to(tl.int32)
+        b = (start + it * QB + tl.arange(0, QB)).to(tl.int32)
+        r = b // per_row  # int32: a tensor's blocks number fewer than 2^31 (its size: 2^39)
+        col = ((b - r * per_row) * 256)[:, None] + tl.arange(0, 256)[None, :]
+        offs = (r.to(tl.int64) * row_len)[:, None] + col
         bmask = b < n // row_len * per_row
         mask = bmask[:, None] & (col < row_len)
     else:
@@ -136,22 +144,23 @@ def _store_codes(cp, sp, offs, mask, b, bmask, x, h, SIGNED: tl.constexpr):
     comparison); unsigned: 8-bit floats rounded stochastically with the random bits of
     ``_compact.code_random16`` (h: the element's global index plus the key; the tile's columns
     are the positions in the blocks), each operation exact or rounded once: the product and
-    the sum in float64, each rounded to float32 on its own, so that no fusion changes them."""
+    the sum each rounded on its own (the kernels compile without contraction,
+    ``_triton.COMPILE_OPTIONS``: no fused multiply-add rounds them once)."""
     a = tl.where(mask, tl.abs(x), 0.0)
     s = tl.max(tl.where(a == a, a, 0.0), axis=1)
     tl.store(sp + b, s, mask=bmask)
     if SIGNED:
         c = tl.where(s > 0.0, tl.math.div_rn(tl.zeros_like(s) + 16129.0, tl.where(s > 0.0, s, 1.0)), 0.0)
         y = a * c[:, None]
-        q = tl.where(y > 0.0, tl.floor(tl.sqrt(y) + 0.47), 0.0)
+        q = tl.where(y > 0.0, tl.floor(tl.sqrt(y) + 0.47), 0.0)  # estimate: q or q - 1
         half = q + 0.5
         q = tl.where(half * half <= y, q + 1.0, q)
         tl.store(cp + offs, tl.where(x < 0.0, -q, q).to(tl.int8), mask=mask)
     else:
         c = tl.where(s > 0.0, tl.math.div_rn(tl.zeros_like(s) + 1.875, tl.where(s > 0.0, s, 1.0)),
                      0.0)
-        y = (a.to(tl.float64) * c[:, None].to(tl.float64)).to(tl.float32)
-        z = (y.to(tl.float64) + _LOW).to(tl.float32)
+        y = a * c[:, None]
+        z = y + _LOW
         z = tl.where(z >= _LOW, z, _LOW)  # NaN: code 0
         p = tl.arange(0, 256)[None, :].to(tl.uint32)
         pair = _hash32(h - p + ((p >> 5) << 4) + (p & 15))
@@ -228,14 +237,14 @@ def _moments(m, v, g, beta1, beta2):
 @triton.jit
 def _trust_ratio(w2, u2, lower, upper, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr):
     """phi(||w||) / ||u|| from squared norms; 1 where either is 0 or the ratio not finite."""
-    w = tl.sqrt(w2)
-    u = tl.sqrt(u2)
+    w = tl.sqrt_rn(w2)
+    u = tl.sqrt_rn(u2)
     if HAS_LOWER:
         w = tl.maximum(w, lower)
     if HAS_UPPER:
         w = tl.minimum(w, upper)
     ok = (w > 0.0) & (u > 0.0)
-    ratio = w / tl.where(ok, u, 1.0)
+    ratio = tl.div_rn(w, tl.where(ok, u, 1.0))
     return tl.where(ok & (ratio <= _BIG), ratio, 1.0)
 
 
@@ -243,16 +252,23 @@ def _trust_ratio(w2, u2, lower, upper, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.co
 def _program(ptrs, sizes, chunks, scal, skip):
     """This program's chunk: the tensor's row of ``ptrs``, its size (0 when ``skip[0]`` is set:
     a GradScaler found an inf, and nothing is read or written), where the chunk starts (an
-    element, or an int8 block), the tensor's place in the group, and its step's numbers."""
-    pid = tl.program_id(0)
-    k = tl.load(chunks + 2 * pid)
-    start = tl.load(chunks + 2 * pid + 1)
-    row = ptrs + _ROW * k
+    element, or an int8 block), its slot for partial sums, the tensor's place in the group,
+    and its step's numbers."""
+    row, n, start, slot = _chunk(ptrs, sizes, chunks)
     i = tl.load(row + 5)
     s = scal + _SCAL * i
-    n = tl.where(tl.load(skip) == 0.0, tl.load(sizes + k), 0)
-    return (row, n, start, i, tl.load(s), tl.load(s + 1), tl.load(s + 2),
+    n = tl.where(tl.load(skip) == 0.0, n, 0)
+    return (row, n, start, slot, i, tl.load(s), tl.load(s + 1), tl.load(s + 2),
             tl.load(s + 3), tl.load(s + 4), tl.load(s + 5), tl.load(s + 6))
+
+
+@triton.jit
+def _chunk(ptrs, sizes, chunks):
+    """Row ``program_id`` of the chunk table (tensor k, where the chunk starts, its slot): the
+    tensor's row of ``ptrs``, its size, the start and the slot."""
+    c = chunks + _CHUNK * tl.program_id(0)
+    k = tl.load(c)
+    return ptrs + _ROW * k, tl.load(sizes + k), tl.load(c + 1), tl.load(c + 2)
 
 
 @triton.jit
@@ -265,22 +281,18 @@ def _decay_factor(lr, wd, MODE: tl.constexpr):
 
 
 @triton.jit
-def sum_squares(ptrs, sizes, chunks, sums, W_SPLIT: tl.constexpr, G_KIND: tl.constexpr,
+def sum_squares(ptrs, sizes, chunks, parts, W_SPLIT: tl.constexpr, G_KIND: tl.constexpr,
                 LOW_KIND: tl.constexpr, FORM: tl.constexpr, BLOCK: tl.constexpr,
                 QB: tl.constexpr, ITERS: tl.constexpr):
-    """sums[i] += the chunk's sum of g^2 (LANS's gradient norms)."""
-    pid = tl.program_id(0)
-    k = tl.load(chunks + 2 * pid)
-    start = tl.load(chunks + 2 * pid + 1)
-    n = tl.load(sizes + k)
-    row = ptrs + _ROW * k
+    """parts[slot] = the chunk's sum of g^2 (LANS's gradient norms; ``totals`` adds them up)."""
+    row, n, start, slot = _chunk(ptrs, sizes, chunks)
     _, gp, _, _, _ = _pointers(row, W_SPLIT, G_KIND, LOW_KIND, FORM)
     acc = 0.0
     for it in tl.static_range(ITERS):
         offs, mask, _, _ = _tile(row, n, start, it, BLOCK, QB, FORM)
         g = tl.load(gp + offs, mask=mask, other=0.0).to(tl.float32)
         acc += tl.sum(g * g)
-    tl.atomic_add(sums + tl.load(row + 5), acc)
+    tl.store(parts + slot, acc)
 
 
 @triton.jit
@@ -297,22 +309,24 @@ def _lamb_moments(w, g, m, v, lr, wd, beta1, beta2, MODE: tl.constexpr):
 @triton.jit
 def _lamb_u(w, m, v, wd, bc1, bc2, eps, MODE: tl.constexpr):
     """LAMB's update u from the new moments, decay included (mode 0)."""
-    u = (m / bc1) / (tl.sqrt(v) / bc2 + eps)
+    u = tl.div_rn(tl.div_rn(m, bc1), tl.div_rn(tl.sqrt_rn(v), bc2) + eps)
     if MODE == 0:
         u = u + wd * w
     return u
 
 
 @triton.jit
-def lamb_sums(ptrs, sizes, chunks, scal, skip, sums, beta1, beta2, eps, clip_lo, clip_hi, lower,
+def lamb_sums(ptrs, sizes, chunks, scal, skip, parts, beta1, beta2, eps, clip_lo, clip_hi, lower,
               upper, MODE: tl.constexpr, CLIP: tl.constexpr, HAS_LOWER: tl.constexpr,
               HAS_UPPER: tl.constexpr, W_SPLIT: tl.constexpr, G_KIND: tl.constexpr,
               LOW_KIND: tl.constexpr, FORM: tl.constexpr, BLOCK: tl.constexpr,
               QB: tl.constexpr, ITERS: tl.constexpr):
-    """LAMB's first phase: sums[2i] += sum w^2, sums[2i+1] += sum u^2 (u the full update,
-    decay included; w decayed first in the decoupled mode, 1). float32 moments are stored
-    updated; stored ones (FORM 1, 2) are left for the second phase to update and store."""
-    row, n, start, i, lr, wd, _, mult, bc1, bc2, _ = _program(ptrs, sizes, chunks, scal, skip)
+    """LAMB's first phase: the chunk's sum w^2 and sum u^2 into its slot of ``parts`` (u the
+    full update, decay included; w decayed first in the decoupled mode, 1). float32 moments are
+    stored updated; stored ones (FORM 1, 2) are left for the second phase to update and
+    store."""
+    row, n, start, slot, _, lr, wd, _, mult, bc1, bc2, _ = _program(ptrs, sizes, chunks, scal,
+                                                                    skip)
     wp, gp, mp, vp, lp = _pointers(row, W_SPLIT, G_KIND, LOW_KIND, FORM)
     acc_w = 0.0
     acc_u = 0.0
@@ -328,8 +342,8 @@ def lamb_sums(ptrs, sizes, chunks, scal, skip, sums, beta1, beta2, eps, clip_lo,
         u = _lamb_u(w, m, v, wd, bc1, bc2, eps, MODE)
         acc_w += tl.sum(w * w)
         acc_u += tl.sum(u * u)
-    tl.atomic_add(sums + 2 * i, acc_w)
-    tl.atomic_add(sums + 2 * i + 1, acc_u)
+    tl.store(parts + 2 * slot, acc_w)
+    tl.store(parts + 2 * slot + 1, acc_u)
 
 
 @triton.jit
@@ -340,8 +354,8 @@ def lamb_apply(ptrs, sizes, chunks, scal, skip, sums, beta1, beta2, eps, clip_lo
                QB: tl.constexpr, ITERS: tl.constexpr):
     """LAMB's second phase: w - lr * ratio * u, the ratio from the (totalled) sums. Stored
     moments are updated again from the gradient, as the first phase did, and stored."""
-    row, n, start, i, lr, wd, adapt, mult, bc1, bc2, step = _program(ptrs, sizes, chunks, scal,
-                                                                     skip)
+    row, n, start, _, i, lr, wd, adapt, mult, bc1, bc2, step = _program(ptrs, sizes, chunks,
+                                                                        scal, skip)
     wp, gp, mp, vp, lp = _pointers(row, W_SPLIT, G_KIND, LOW_KIND, FORM)
     ratio = _trust_ratio(tl.load(sums + 2 * i), tl.load(sums + 2 * i + 1), lower, upper,
                          HAS_LOWER, HAS_UPPER)
@@ -364,26 +378,27 @@ def lamb_apply(ptrs, sizes, chunks, scal, skip, sums, beta1, beta2, eps, clip_lo
 def _normalising_factor(gsq, i, mult):
     """The normalised gradient of g * mult is sign(mult) * g / ||g||: its factor (0 for a zero
     gradient, NaN for a non-finite one)."""
-    gnorm = tl.abs(mult) * tl.sqrt(tl.load(gsq + i))
-    return tl.where(gnorm == 0.0, 0.0, mult / tl.where(gnorm == 0.0, 1.0, gnorm))
+    gnorm = tl.abs(mult) * tl.sqrt_rn(tl.load(gsq + i))
+    return tl.where(gnorm == 0.0, 0.0, tl.div_rn(mult, tl.where(gnorm == 0.0, 1.0, gnorm)))
 
 
 @triton.jit
 def _lans_r(w, m, v, wd, bc1, bc2, eps):
     """LANS's 1/(sqrt(v^) + eps) and update r from the new moments."""
-    dinv = 1.0 / (tl.sqrt(v) / bc2 + eps)
-    return dinv, (m / bc1) * dinv + wd * w
+    dinv = tl.div_rn(1.0, tl.div_rn(tl.sqrt_rn(v), bc2) + eps)
+    return dinv, tl.div_rn(m, bc1) * dinv + wd * w
 
 
 @triton.jit
-def lans_sums(ptrs, sizes, chunks, scal, skip, sums, gsq, beta1, beta2, eps, clip_lo, clip_hi,
+def lans_sums(ptrs, sizes, chunks, scal, skip, parts, gsq, beta1, beta2, eps, clip_lo, clip_hi,
               lower, upper, CLIP: tl.constexpr, HAS_LOWER: tl.constexpr,
               HAS_UPPER: tl.constexpr, W_SPLIT: tl.constexpr, G_KIND: tl.constexpr,
               LOW_KIND: tl.constexpr, FORM: tl.constexpr, BLOCK: tl.constexpr,
               QB: tl.constexpr, ITERS: tl.constexpr):
     """LANS's first phase: m, v updated from the normalised gradient (stored where float32);
-    sums[4i..4i+3] += sum w^2, r^2, c^2, r*c."""
-    row, n, start, i, lr, wd, _, mult, bc1, bc2, _ = _program(ptrs, sizes, chunks, scal, skip)
+    the chunk's sums of w^2, r^2, c^2 and r*c into its slot of ``parts``."""
+    row, n, start, slot, i, lr, wd, _, mult, bc1, bc2, _ = _program(ptrs, sizes, chunks, scal,
+                                                                    skip)
     wp, gp, mp, vp, lp = _pointers(row, W_SPLIT, G_KIND, LOW_KIND, FORM)
     ginv = _normalising_factor(gsq, i, mult)
     acc_w = 0.0
@@ -405,10 +420,10 @@ def lans_sums(ptrs, sizes, chunks, scal, skip, sums, gsq, beta1, beta2, eps, cli
         acc_r += tl.sum(r * r)
         acc_c += tl.sum(c * c)
         acc_rc += tl.sum(r * c)
-    tl.atomic_add(sums + 4 * i, acc_w)
-    tl.atomic_add(sums + 4 * i + 1, acc_r)
-    tl.atomic_add(sums + 4 * i + 2, acc_c)
-    tl.atomic_add(sums + 4 * i + 3, acc_rc)
+    tl.store(parts + 4 * slot, acc_w)
+    tl.store(parts + 4 * slot + 1, acc_r)
+    tl.store(parts + 4 * slot + 2, acc_c)
+    tl.store(parts + 4 * slot + 3, acc_rc)
 
 
 @triton.jit
@@ -420,8 +435,8 @@ def lans_apply(ptrs, sizes, chunks, scal, skip, sums, gsq, beta1, beta2, eps, cl
     """LANS's second phase: w1 = w - a * ratio_r * r, then w1 - b * ratio_c * c, where c
     decays w1 when MOVED and w otherwise (a = lr * beta1, b = lr * (1 - beta1)). Stored
     moments are updated again, as the first phase did, and stored."""
-    row, n, start, i, lr, wd, adapt, mult, bc1, bc2, step = _program(ptrs, sizes, chunks, scal,
-                                                                     skip)
+    row, n, start, _, i, lr, wd, adapt, mult, bc1, bc2, step = _program(ptrs, sizes, chunks,
+                                                                        scal, skip)
     wp, gp, mp, vp, lp = _pointers(row, W_SPLIT, G_KIND, LOW_KIND, FORM)
     ginv = _normalising_factor(gsq, i, mult)
     a = lr * beta1
@@ -449,3 +464,24 @@ def lans_apply(ptrs, sizes, chunks, scal, skip, sums, gsq, beta1, beta2, eps, cl
         else:
             c = g * dinv + wd * w
         _store_w(wp, lp, offs, mask, w1 - b2 * (ratio_c * c), W_SPLIT, LOW_KIND)
+
+
+@triton.jit
+def totals(parts, spans, sums, S: tl.constexpr, R: tl.constexpr):
+    """One program per tensor i of the group: sums[S i + j] = the total of the partial sums j
+    of its chunks (``parts``, S per slot; the tensor's slots are ``spans[2i]`` and the
+    ``spans[2i + 1]`` after it). Always in the same order, whatever order the chunks' programs
+    ran in: lane r of R adds slots r, r + R, r + 2R ... in turn, then the lanes are added as
+    ``tl.sum`` adds them. So two runs give the same bits, as no float atomic would."""
+    i = tl.program_id(0)
+    first = tl.load(spans + 2 * i)
+    count = tl.load(spans + 2 * i + 1)
+    cols = tl.arange(0, S)
+    acc = tl.zeros([R, S], dtype=tl.float32)
+    j = 0
+    while j < count:
+        r = j + tl.arange(0, R)
+        acc += tl.load(parts + (first + r)[:, None] * S + cols[None, :],
+                       mask=(r < count)[:, None], other=0.0)
+        j += R
+    tl.store(sums + S * i + cols, tl.sum(acc, axis=0))
