@@ -301,3 +301,58 @@ def test_cuda_triton_kernels_update_compact_moments_as_the_cpu(cls, form, monkey
         torch.testing.assert_close(a, b, rtol=1e-4, atol=5e-5)
     for a, b in zip(mg, mc):
         assert ((a - b).abs() > 1e-6 + 0.02 * b.abs()).float().mean() < 1e-3
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["exp_avg", "exp_avg_sq"])
+def test_cuda_kernels_store_the_int8_codes_of_the_cpu(signed):
+    """Compiled for the GPU (no fused multiply-add, each operation rounded once), the kernels
+    store the codes of the definition on values on and a float either side of every boundary
+    between two codes and of where the random bits decide, and, on 2^22 heavy-tailed moments,
+    the codes and scales of the CPU's ``_compact.quantize``, bit for bit."""
+    pytest.importorskip("triton")
+    from kernel_probe import exact_codes, stored_by_the_kernels
+    from scaleopt import _compact
+    from test_state_dtype import _bits, _boundary_rows
+
+    key = "exp_avg" if signed else "exp_avg_sq"
+    x, scale = _boundary_rows(signed)
+    x = torch.cat([x, -x]) if signed else x
+    codes, scales, _ = stored_by_the_kernels("int8", x, x.abs(), step=1.0, device="cuda")[key]
+    assert (scales == scale).all()
+    assert codes.tolist() == exact_codes(x, signed)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(4096, 1024, generator=g) * torch.rand(4096, 1024, generator=g) ** 4
+    value = x if signed else x.square()
+    codes, scales, back = stored_by_the_kernels("int8", x, x.square(), step=7.0,
+                                                device="cuda")[key]
+    want, want_scales = _compact.quantize(value, signed, None if signed else _bits(value, 7.0))
+    assert torch.equal(scales, want_scales)
+    assert int((codes != want).sum()) == 0
+    assert torch.equal(back, _compact.dequantize(want, want_scales))
+
+
+@pytest.mark.parametrize("cls", [scaleopt.LAMB, scaleopt.LANS], ids=["LAMB", "LANS"])
+@pytest.mark.parametrize("setting", ["float32", "bf16 masters", "int8 state"])
+def test_cuda_two_runs_give_the_same_bits(cls, setting):
+    """The sums phase writes each chunk's partial sums to its own slot and totals them in a
+    fixed order (no float atomics): two runs of the same steps on the GPU give the same
+    weights and moments, bit for bit, on tensors of hundreds of chunks."""
+    pytest.importorskip("triton")
+    dtype = torch.bfloat16 if setting == "bf16 masters" else torch.float32
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(1024, 1024), nn.GELU(), nn.Linear(1024, 512)).to("cuda", dtype)
+        opt = cls(m.parameters(), lr=1e-2, weight_decay=0.01,
+                  master_weights=setting == "bf16 masters",
+                  state_dtype="int8" if setting == "int8 state" else "float32")
+        g = torch.Generator(device="cuda").manual_seed(1)
+        for _ in range(4):
+            for p in m.parameters():
+                p.grad = torch.randn(p.shape, generator=g, device="cuda").to(dtype)
+            opt.step()
+        runs.append([p.detach().clone() for p in m.parameters()]
+                    + [v.clone() for s in opt.state.values() for v in s.values()
+                       if torch.is_tensor(v)])
+    assert len(runs[0]) == len(runs[1])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))

@@ -26,13 +26,12 @@ if torch.cuda.is_available():
                 allow_module_level=True)
 assert os.environ.get("TRITON_INTERPRET") == "1", "conftest.py sets it before Triton is imported"
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 import scaleopt  # noqa: E402
 from scaleopt import _compact, _triton  # noqa: E402
 from scaleopt import _triton_kernels as K  # noqa: E402
 from scaleopt._layerwise import LayerwiseAdam  # noqa: E402
+from kernel_probe import exact_codes, stored_by_the_kernels  # noqa: E402
 import dgc_workers as W  # noqa: E402
 import sharded_workers as S  # noqa: E402
 from registry import REGISTRY  # noqa: E402
@@ -277,7 +276,7 @@ def test_the_triton_path_reads_no_tensor_value_on_the_host(info, monkeypatch):
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     launched = []
-    monkeypatch.setattr(_triton, "_launch", lambda name, *a, **k: launched.append(name))
+    monkeypatch.setattr(_triton, "_run", lambda name, *a, **k: launched.append(name))
     reads = record_host_reads(monkeypatch, allowed=steps)
     opt.step()
     monkeypatch.undo()
@@ -306,7 +305,7 @@ def test_capturable_reads_the_steps_and_a_tensor_lr_where_they_are(cls, monkeypa
     for p, q in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
         assert oa.state[p]["step"].device == p.device and float(oa.state[p]["step"]) == 4
-    monkeypatch.setattr(_triton, "_launch", lambda *x, **k: None)
+    monkeypatch.setattr(_triton, "_run", lambda *x, **k: None)
     reads = record_host_reads(monkeypatch)  # the step counters included
     oa.step()
     monkeypatch.undo()
@@ -393,7 +392,7 @@ def test_a_capturable_step_takes_the_scale_and_skips_without_host_reads(monkeypa
     p.grad = torch.randn(6, 5)
     opt.step()
     opt.grad_scale, opt.found_inf = torch.tensor(128.0), torch.tensor([1.0])  # as GradScaler
-    monkeypatch.setattr(_triton, "_launch", lambda *x, **k: None)
+    monkeypatch.setattr(_triton, "_run", lambda *x, **k: None)
     reads = record_host_reads(monkeypatch)
     opt.step()
     monkeypatch.undo()
@@ -437,7 +436,7 @@ def test_compact_state_on_the_kernels_equals_the_loop_and_reads_nothing_back(cls
     assert opt.state[params[0]]["exp_avg"].dtype == (
         torch.int8 if form == "int8" else torch.bfloat16)
     steps = [s["step"] for s in opt.state.values()]
-    monkeypatch.setattr(_triton, "_launch", lambda name, *a, **k: None)
+    monkeypatch.setattr(_triton, "_run", lambda name, *a, **k: None)
     reads = record_host_reads(monkeypatch, allowed=steps)
     opt.step()
     assert reads == []
@@ -448,48 +447,6 @@ def _no_copies(*args, **kwargs):
 
 
 # -- the stored forms, exactly as the reference stores them ----------------------------------
-
-
-@triton.jit
-def _store_then_load(row, n, xm, xv, out_m, out_v, step, FORM: tl.constexpr,
-                     BLOCK: tl.constexpr, QB: tl.constexpr, ITERS: tl.constexpr):
-    """One program: xm, xv stored as moments of FORM (``row``: a row of the address table),
-    then read back into out_m, out_v, through the kernels' own helpers."""
-    _, _, mp, vp, _ = K._pointers(row, 0, 0, 0, FORM)
-    for it in tl.static_range(ITERS):
-        offs, mask, b, bmask = K._tile(row, n, 0, it, BLOCK, QB, FORM)
-        K._store_moments(row, mp, vp, offs, mask, b, bmask, tl.load(xm + offs, mask=mask),
-                         tl.load(xv + offs, mask=mask), tl.load(step), FORM)
-    for it in tl.static_range(ITERS):
-        offs, mask, b, bmask = K._tile(row, n, 0, it, BLOCK, QB, FORM)
-        m, v = K._load_moments(row, mp, vp, offs, mask, b, bmask, FORM)
-        tl.store(out_m + offs, m, mask=mask)
-        tl.store(out_v + offs, v, mask=mask)
-
-
-def stored_by_the_kernels(form, xm, xv, step=7.0, offset=0, qb=4):
-    """What the kernels store for the moments xm, xv (float32, rows first) in ``form``, and
-    read back: {key: (stored, scales or None, read back)}."""
-    shape, n = xm.shape, xm.numel()
-    row_len = xm[0].numel() if xm.dim() else 0
-    if form == "int8":
-        codes = {"exp_avg": torch.zeros(shape, dtype=torch.int8),
-                 "exp_avg_sq": torch.zeros(shape, dtype=torch.uint8)}
-        blocks = -(-row_len // 256)
-        scales = {k: torch.full((shape[0], blocks), -1.0) for k in codes}
-        iters = -(-shape[0] * blocks // qb)
-    else:
-        codes = {k: torch.zeros(shape, dtype=torch.bfloat16) for k in ("exp_avg", "exp_avg_sq")}
-        scales = {k: torch.zeros(0) for k in codes}
-        iters = -(-n // 64)
-    row = torch.tensor([0, 0, codes["exp_avg"].data_ptr(), codes["exp_avg_sq"].data_ptr(), 0, 0,
-                        scales["exp_avg"].data_ptr(), scales["exp_avg_sq"].data_ptr(),
-                        row_len if form == "int8" else 0, offset], dtype=torch.int64)
-    back = {k: torch.zeros(shape) for k in codes}
-    _store_then_load[(1,)](row, n, xm.contiguous(), xv.contiguous(), back["exp_avg"],
-                           back["exp_avg_sq"], torch.tensor([step]),
-                           FORM=2 if form == "int8" else 1, BLOCK=64, QB=qb, ITERS=iters)
-    return {k: (codes[k], scales[k] if form == "int8" else None, back[k]) for k in codes}
 
 
 @pytest.mark.parametrize("shape", [(5, 300), (3, 7, 40), (6, 100), (1, 1000)])
@@ -518,16 +475,14 @@ def test_the_kernels_codes_are_those_of_exact_arithmetic(signed):
     """Values on and a float rounding or two either side of every boundary between two codes,
     and of where the random bits decide: the codes of exact arithmetic, as in every other
     implementation."""
-    from test_state_dtype import _bits, _boundary_rows, _exact_code
+    from test_state_dtype import _boundary_rows
 
     x, scale = _boundary_rows(signed)
     x = torch.cat([x, -x]) if signed else x
     key = "exp_avg" if signed else "exp_avg_sq"
     codes, scales, _ = stored_by_the_kernels("int8", x, x.abs(), step=1.0)[key]
     assert (scales == scale).all()
-    bits = _bits(x).tolist()
-    assert codes.tolist() == [[_exact_code(abs(v), signed, r) * (-1 if v < 0 else 1)
-                               for v, r in zip(row, rb)] for row, rb in zip(x.tolist(), bits)]
+    assert codes.tolist() == exact_codes(x, signed)
 
 
 def test_a_nan_moment_stores_code_0_and_its_block_keeps_the_others_scale():

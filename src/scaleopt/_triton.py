@@ -329,10 +329,14 @@ def _launch(name: str, kinds: Tuple[int, int, int, int], tables: Tuple[Tensor, T
     if chunks.shape[0] == 0:
         return
     w_kind, g_kind, low_kind, form = kinds
-    kernel = getattr(_kernels(), name)
-    kernel[(chunks.shape[0],)](ptrs, sizes, chunks, W_SPLIT=w_kind, G_KIND=g_kind,
-                               LOW_KIND=low_kind, FORM=form, BLOCK=BLOCK,
-                               QB=_blocks_per_tile(), ITERS=ITERS, **args, **COMPILE_OPTIONS)
+    _run(name, chunks.shape[0], ptrs, sizes, chunks, W_SPLIT=w_kind, G_KIND=g_kind,
+         LOW_KIND=low_kind, FORM=form, BLOCK=BLOCK, QB=_blocks_per_tile(), ITERS=ITERS, **args)
+
+
+def _run(name: str, programs: int, *args: Any, **kwargs: Any) -> None:
+    """Launch kernel ``name`` on ``programs`` programs (every launch goes through here: the
+    tests and the host-time benchmark count or stub them)."""
+    getattr(_kernels(), name)[(programs,)](*args, **kwargs, **COMPILE_OPTIONS)
     LAUNCHES[name] += 1
 
 
@@ -344,9 +348,7 @@ def _sums(plan: _Plan, width: int, device: torch.device, name: str, **args: Any)
     for kinds, tables in plan.sets:
         _launch(name, kinds, tables, parts=parts, **args)
     out = torch.empty(width * plan.spans.shape[0], dtype=torch.float32, device=device)
-    _kernels().totals[(plan.spans.shape[0],)](parts, plan.spans, out, S=width, R=TOTALS_LANES,
-                                              **COMPILE_OPTIONS)
-    LAUNCHES["totals"] += 1
+    _run("totals", plan.spans.shape[0], parts, plan.spans, out, S=width, R=TOTALS_LANES)
     return out
 
 

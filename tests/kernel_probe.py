@@ -1,0 +1,69 @@
+"""A probe of the Triton kernels' stored forms: moments stored by the kernels' own helpers and
+read back, on the CPU under Triton's interpreter (tests/test_triton.py) or on a GPU
+(tests/test_cuda.py). Import it after ``TRITON_INTERPRET`` is settled (conftest.py)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from scaleopt import _triton
+from scaleopt import _triton_kernels as K
+
+
+@triton.jit
+def _store_then_load(row, n, xm, xv, out_m, out_v, step, FORM: tl.constexpr,
+                     BLOCK: tl.constexpr, QB: tl.constexpr):
+    """One tile per program (QB int8 blocks, or BLOCK elements): xm, xv stored as moments of
+    FORM (``row``: a row of the address table), then read back into out_m, out_v, through
+    the kernels' own helpers."""
+    _, _, mp, vp, _ = K._pointers(row, 0, 0, 0, FORM)
+    offs, mask, b, bmask = K._tile(row, n, 0, tl.program_id(0), BLOCK, QB, FORM)
+    K._store_moments(row, mp, vp, offs, mask, b, bmask, tl.load(xm + offs, mask=mask),
+                     tl.load(xv + offs, mask=mask), tl.load(step), FORM)
+    m, v = K._load_moments(row, mp, vp, offs, mask, b, bmask, FORM)
+    tl.store(out_m + offs, m, mask=mask)
+    tl.store(out_v + offs, v, mask=mask)
+
+
+def stored_by_the_kernels(form, xm, xv, step=7.0, offset=0, qb=4, device="cpu"):
+    """What the kernels store for the moments xm, xv (float32, rows first) in ``form``, and
+    read back: {key: (stored, scales or None, read back)}, on the CPU; run on ``device``
+    (the CPU under the interpreter, or a GPU)."""
+    xm, xv = xm.to(device), xv.to(device)
+    shape, n = xm.shape, xm.numel()
+    row_len = xm[0].numel() if xm.dim() else 0
+    if form == "int8":
+        codes = {"exp_avg": torch.zeros(shape, dtype=torch.int8, device=device),
+                 "exp_avg_sq": torch.zeros(shape, dtype=torch.uint8, device=device)}
+        blocks = -(-row_len // 256)
+        scales = {k: torch.full((shape[0], blocks), -1.0, device=device) for k in codes}
+        tiles = -(-shape[0] * blocks // qb)
+    else:
+        codes = {k: torch.zeros(shape, dtype=torch.bfloat16, device=device)
+                 for k in ("exp_avg", "exp_avg_sq")}
+        scales = {k: torch.zeros(0, device=device) for k in codes}
+        tiles = -(-n // 64)
+    row = torch.tensor([0, 0, codes["exp_avg"].data_ptr(), codes["exp_avg_sq"].data_ptr(), 0, 0,
+                        scales["exp_avg"].data_ptr(), scales["exp_avg_sq"].data_ptr(),
+                        row_len if form == "int8" else 0, offset], dtype=torch.int64,
+                       device=device)
+    back = {k: torch.zeros(shape, device=device) for k in codes}
+    _store_then_load[(tiles,)](row, n, xm.contiguous(), xv.contiguous(), back["exp_avg"],
+                               back["exp_avg_sq"], torch.tensor([step], device=device),
+                               FORM=2 if form == "int8" else 1, BLOCK=64, QB=qb,
+                               **_triton.COMPILE_OPTIONS)
+    return {k: (codes[k].cpu(), scales[k].cpu() if form == "int8" else None, back[k].cpu())
+            for k in codes}
+
+
+def exact_codes(x, signed, step=1.0):
+    """The codes of x (one block of 256 per row) by their definition, in exact arithmetic
+    (tests/test_state_dtype.py), with the random bits of step ``step``: what every
+    implementation must store."""
+    from test_state_dtype import _bits, _exact_code
+
+    bits = _bits(x, step=step).tolist()
+    return [[_exact_code(abs(v), signed, r) * (-1 if v < 0 else 1) for v, r in zip(row, rb)]
+            for row, rb in zip(x.tolist(), bits)]

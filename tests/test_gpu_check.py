@@ -1,0 +1,148 @@
+"""tools/gpu_check.py, the one-command GPU check, where there is no GPU: it exits at once with
+its message, its plan fits its budget, and what it reads from the parts' output and writes as
+its summary is right."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+sys.path.insert(0, str(TOOLS))
+import gpu_check as G  # noqa: E402
+
+sys.path.remove(str(TOOLS))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is here: the check would run")
+def test_without_cuda_it_exits_at_once_with_a_clear_message(tmp_path):
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, str(TOOLS / "gpu_check.py"), str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == G.NO_CUDA
+    assert "no CUDA device" in done.stderr and not out.exists()
+
+
+def test_the_plan_fits_eight_minutes_and_every_part_has_a_command(tmp_path):
+    """The parts that always run take at most their budgets, which leave room in 480 s for
+    the parts run only if time is left; each part names a real command."""
+    assert G.BUDGET <= 480
+    assert sum(s for _, s, late in G.PLAN if not late) <= G.BUDGET
+    for part, _, _ in G.PLAN:
+        command = G.commands(part, tmp_path)
+        assert command and command[0] == sys.executable, part
+    assert G.commands("tests-first", tmp_path)[-1] == G.FIRST
+    assert G.commands("tests-rest", tmp_path)[-1] == f"not ({G.FIRST})"
+
+
+def test_bench_parts_ask_for_rows_that_exist():
+    """Each bench part's --only selects at least one of the GPU benchmark's rows (an unknown
+    name is a usage error there, which would cost a part)."""
+    from scaleopt.cli import bench_gpu
+
+    for part, dtype in (("bench-float32", torch.float32), ("bench-bfloat16", torch.bfloat16),
+                        ("bench-peers", torch.float32), ("bench-1b", torch.bfloat16)):
+        command = G.commands(part, Path("scratch"))
+        only = command[command.index("--only") + 1:command.index("--out")]
+        names = list(bench_gpu.candidates(dtype))
+        for o in only:
+            assert any(o.casefold() in n.casefold() for n in names), (part, o)
+
+
+PYTEST_OUTPUT = """\
+============================= test session starts ==============================
+tests/test_cuda.py::test_cuda_kernels_store_the_int8_codes_of_the_cpu[exp_avg] PASSED [  1%]
+tests/test_cuda.py::test_cuda_kernels_store_the_int8_codes_of_the_cpu[exp_avg_sq] FAILED [  2%]
+tests/test_cuda.py::test_cuda_two_runs_give_the_same_bits[float32-LAMB] PASSED [  3%]
+tests/test_cuda.py::test_cuda_two_runs_give_the_same_bits[int8 state-LANS] PASSED [  4%]
+tests/test_cuda.py::test_cuda_offload_checkpoint_from_a_cpu_run_stays_on_the_host SKIPPED (no) [ 5%]
+tests/test_cuda.py::test_cuda_graph_replays_the_triton_step_with_a_changed_lr[LAMB] ERROR [ 6%]
+tests/test_cuda.py::test_cuda_step_never_synchronises[LAMB]
+"""
+
+
+def test_pytest_output_is_read_test_by_test_also_when_a_part_was_stopped():
+    outcomes = G.parse_pytest(PYTEST_OUTPUT)  # the last test never finished: not counted
+    assert len(outcomes) == 6
+    assert outcomes["test_cuda_two_runs_give_the_same_bits[int8 state-LANS]"] == "PASSED"
+    tests = G.summarise_tests(outcomes)
+    assert tests["counts"] == {"PASSED": 3, "FAILED": 1, "SKIPPED": 1, "ERROR": 1}
+    assert tests["int8 codes equal the CPU's"] == "FAILED"
+    assert tests["two runs equal bit for bit"] == "passed"
+    assert tests["CUDA-graph replay"] == "FAILED"
+    assert tests["no host sync"] == "not run"
+    assert tests["failed"] == [
+        "test_cuda_graph_replays_the_triton_step_with_a_changed_lr[LAMB]",
+        "test_cuda_kernels_store_the_int8_codes_of_the_cpu[exp_avg_sq]"]
+
+
+def test_the_summary_gives_every_number_of_the_report():
+    bench = {"params": 109_500_000, "dtype": "float32", "copy_bytes_per_s": 2.9e12, "rows": [
+        {"optimizer": "scaleopt.LAMB(triton)", "median_s": 0.00215, "ratio": 1.31,
+         "host_s": 0.00042, "gb_per_s": 2037.0, "fraction_of_copy": 0.70,
+         "state_bytes_per_param": 8.0}]}
+    report = {"environment": {"gpu": "NVIDIA H100 80GB HBM3", "torch": "2.11.0+cu130",
+                              "triton": "3.6.0", "cuda": "13.0", "python": "3.12.3"},
+              "budget": 480, "seconds": 401.0,
+              "parts": [{"part": "tests-first", "budget": 150, "seconds": 97.2, "status": "done"},
+                        {"part": "bench-1b", "budget": 50, "seconds": 0,
+                         "status": "skipped: 31 s left"}],
+              "tests": G.summarise_tests(G.parse_pytest(PYTEST_OUTPUT)),
+              "graph": {"tensors": 407, "params": 21_800_000, "eager_host_ms": 0.91,
+                        "eager_gpu_ms": 0.52, "graph_host_ms": 0.012, "graph_gpu_ms": 0.40,
+                        "equal": True},
+              "bench": {"bench-float32": bench}}
+    md = G.markdown(report)
+    for text in ("NVIDIA H100 80GB HBM3", "torch 2.11.0+cu130", "Triton 3.6.0",
+                 "401 s of a 480 s budget", "| tests-first | 150 | 97 | done |",
+                 "skipped: 31 s left", "| two runs equal bit for bit | passed |",
+                 "| int8 codes equal the CPU's | FAILED |", "3 passed", "1 failed",
+                 "eager step 0.91 ms of host time", "replay 0.012 ms of host time",
+                 "equal the eager step's: True", "109.5M parameters, float32, copy 2900 GB/s",
+                 "| scaleopt.LAMB(triton) | 2.15 | 1.31 | 0.42 | 2037 | 70% | 8.00 |"):
+        assert text in md, text
+
+
+def test_a_whole_check_writes_its_report_from_the_parts_output(tmp_path, monkeypatch, capsys):
+    """main() with each part's command replaced by one that prints what the real one prints
+    (pytest's lines, the graph part's JSON, a bench result file; one part overruns its time):
+    the report, its summary and the log, and the exit status of a failed test."""
+    bench = {"params": 1000, "dtype": "float32", "copy_bytes_per_s": 1e12, "rows": [
+        {"optimizer": "scaleopt.LAMB(triton)", "median_s": 0.001, "ratio": 1.2, "host_s": 0.0003,
+         "gb_per_s": 40.0, "fraction_of_copy": 0.5, "state_bytes_per_param": 8.0}]}
+    graph = {"tensors": 407, "params": 10, "eager_host_ms": 1.0, "eager_gpu_ms": 0.5,
+             "graph_host_ms": 0.01, "graph_gpu_ms": 0.4, "equal": True}
+
+    def fake(part, scratch):
+        if part.startswith("tests"):
+            code = f"print({PYTEST_OUTPUT!r})" if part == "tests-first" else "print('')"
+        elif part == "graph":
+            code = f"print('warming up'); print({json.dumps(json.dumps(graph))})"
+        elif part == "bench-peers":
+            code = "import time; time.sleep(30)"
+        else:
+            code = (f"open({str(scratch / (part + '.json'))!r}, 'w').write("
+                    f"{json.dumps(json.dumps(bench))})")
+        return [sys.executable, "-c", code]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(G, "environment", lambda: {"gpu": "a GPU", "torch": "t"})
+    monkeypatch.setattr(G, "commands", fake)
+    monkeypatch.setattr(G, "PLAN", [(p, 2 if p == "bench-peers" else s, late)
+                                    for p, s, late in G.PLAN])
+    assert G.main([str(tmp_path), "--budget", "300"]) == 1  # a test failed
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    status = {p["part"]: p["status"] for p in report["parts"]}
+    assert status["bench-peers"] == "stopped at its 2 s" and status["graph"] == "done"
+    assert report["graph"] == graph
+    assert set(report["bench"]) == {"bench-float32", "bench-bfloat16", "bench-1b"}
+    assert report["tests"]["two runs equal bit for bit"] == "passed"
+    md = (tmp_path / "gpu_check.md").read_text()
+    assert "# GPU check: a GPU" in md and "| scaleopt.LAMB(triton) | 1.00 | 1.20 |" in md
+    assert "===== tests-first (done) =====" in (tmp_path / "gpu_check.log").read_text()
+    assert "gpu_check budget: tests-first 150 s" in capsys.readouterr().out
