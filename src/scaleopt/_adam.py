@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import operator
+import weakref
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from . import _compact
+from . import _blocks, _compact
 from ._base import ScaleOptimizer
 from ._loading import ADAM_STATE
 from ._masters import LocalPlacement, MasterView, MasterWeights
@@ -49,6 +51,58 @@ class AdamState(NamedTuple):
                              stored=stored)
 
 
+#: per optimizer, per group (by id), the last step's state (:class:`_Memo`)
+_MEMOS: "weakref.WeakKeyDictionary[Any, Dict[int, _Memo]]" = weakref.WeakKeyDictionary()
+_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")
+#: and where the moments may be stored in 8 bits, their scales
+_STATE_KEYS_INT8 = _STATE_KEYS + _compact.SCALE_KEYS
+
+
+class _Memo(NamedTuple):
+    """A group's :class:`AdamState` and what it was made of: the group and its options that
+    decide the state's form, the parameters, their state dicts and the tensors in them. The
+    state is given again while all of these are the same objects (a checkpoint loaded, a
+    counter or moment replaced, a form changed: another object, and the state is made again),
+    at the cost of a few passes of identity checks instead of a pass of checks and
+    conversions per tensor. Made only where it took no float32 working copies."""
+
+    group: Dict[str, Any]
+    options: tuple
+    params: List[Tensor]
+    dicts: List[Dict[str, Any]]
+    entries: List[List[Any]]
+    state: AdamState
+
+    @staticmethod
+    def options_of(group: Dict[str, Any], amsgrad: bool) -> tuple:
+        return (group["state_dtype"], group.get("capturable", False), group.get("master_weights"),
+                group.get("implementation"), group.get("foreach"), amsgrad)
+
+    @classmethod
+    def of(cls, opt: Any, group: Dict[str, Any], params: List[Tensor], amsgrad: bool,
+           state: AdamState) -> Optional["_Memo"]:
+        if state.pending:
+            return None
+        dicts = [opt.state[p] for p in params]
+        return cls(group, cls.options_of(group, amsgrad), list(params), dicts,
+                   [[d.get(k) for d in dicts] for k in cls.keys(group)], state)
+
+    @staticmethod
+    def keys(group: Dict[str, Any]) -> tuple:
+        """The state entries that the state is made of (the scales with int8 state)."""
+        return _STATE_KEYS_INT8 if group["state_dtype"] == "int8" else _STATE_KEYS
+
+    def holds(self, opt: Any, group: Dict[str, Any], params: List[Tensor], amsgrad: bool) -> bool:
+        if (self.group is not group or len(params) != len(self.params)
+                or self.options != self.options_of(group, amsgrad)
+                or not all(map(operator.is_, params, self.params))):
+            return False
+        dicts = list(map(opt.state.__getitem__, params))
+        return all(map(operator.is_, dicts, self.dicts)) and all(
+            all(map(operator.is_, [d.get(k) for d in dicts], old))
+            for k, old in zip(self.keys(group), self.entries))
+
+
 class AdamFamily(ScaleOptimizer):
     """Base of the optimizers with Adam moments and float32 master weights.
 
@@ -72,6 +126,20 @@ class AdamFamily(ScaleOptimizer):
 
     def _adam_state(self, group: Dict[str, Any], params: List[Tensor],
                     amsgrad: bool = False) -> AdamState:
+        """:meth:`_new_adam_state`, or the same state again where nothing it is made of has
+        changed since the last step of the group (:class:`_Memo`)."""
+        if _blocks.compiling():
+            return self._new_adam_state(group, params, amsgrad)
+        memos = _MEMOS.setdefault(self, {})
+        memo = memos.get(id(group))
+        if memo is not None and memo.holds(self, group, params, amsgrad):
+            return memo.state
+        state = self._new_adam_state(group, params, amsgrad)
+        memos[id(group)] = _Memo.of(self, group, params, amsgrad, state)
+        return state
+
+    def _new_adam_state(self, group: Dict[str, Any], params: List[Tensor],
+                        amsgrad: bool = False) -> AdamState:
         """The masters' view of ``params`` and their Adam state, made where new (masters equal
         to the parameters, moments zero); a step counter moved to where it belongs as float32
         (e.g. from a fused CUDA Adam's checkpoint) and moments cast to the working dtype (e.g.

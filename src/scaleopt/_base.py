@@ -307,6 +307,10 @@ class ScaleOptimizer(torch.optim.Optimizer):
         entry saying which class saved it and the kind of state it holds."""
         sd = super().state_dict()
         sd[TAG] = dict(tag(self), skipped_steps=self.skipped_steps)
+        for k, st in sd["state"].items():  # counters that point into one buffer (the Triton
+            step = st.get("step")            # path's) are saved as tensors of their own
+            if torch.is_tensor(step) and step.untyped_storage().nbytes() != step.element_size():
+                sd["state"][k] = dict(st, step=step.clone())
         for g in sd["param_groups"]:
             for key in self._name_rule_keys:
                 if callable(g.get(key)):

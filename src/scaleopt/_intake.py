@@ -5,7 +5,9 @@ those transforms as per-tensor scalars (see :func:`take`)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Union
+import itertools
+import operator
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -155,21 +157,33 @@ def _unscale(opt: Any, group: Dict[str, Any]) -> Union[float, Tensor]:
         return factor * (1.0 / float(amp))
     return amp.double().reciprocal().float().reshape(()) * factor
 
+def _present(opt: Any, group: Dict[str, Any]) -> Tuple[List[int], List[Tensor], List[Tensor]]:
+    """The group's parameters that have a gradient: their places, themselves and their
+    gradients (from the optimizer's gradient source); a sparse gradient is an error. Where
+    every parameter has one, in a few passes in C."""
+    everything = group["params"]
+    present = [p.grad for p in everything]
+    if not any(map(operator.is_, present, itertools.repeat(None))):
+        idx, params = list(range(len(everything))), list(everything)
+    else:
+        idx = [i for i, g in enumerate(present) if g is not None]
+        params = [everything[i] for i in idx]
+        present = [present[i] for i in idx]
+    if any(map(operator.attrgetter("is_sparse"), present)):
+        i = next(i for i, g in zip(idx, present) if g.is_sparse)
+        raise RuntimeError(f"{type(opt).__name__} does not support sparse gradients "
+                           f"(parameter {param_label(group, i)})")
+    if opt._grad_source.on_host:  # host copies of the gradients, complete
+        present = [opt._grad_source.grad(p) for p in params]
+    return idx, params, present
+
+
 def _collect(opt: Any, group: Dict[str, Any], value_clip: bool,
              defer: Optional[Deferral]) -> Phased:
     """One group's gradients, transformed (or, deferred, their scalars) but for the global
     clipping (a :class:`GroupGrads`), in phases: for sharded parameters, the gradients' sums
     are totalled over the shards between them (see ``scaleopt._sharding``)."""
-    idx, params, grads = [], [], []
-    for i, p in enumerate(group["params"]):
-        if p.grad is None:
-            continue
-        if p.grad.is_sparse:
-            raise RuntimeError(f"{type(opt).__name__} does not support sparse gradients "
-                               f"(parameter {param_label(group, i)})")
-        idx.append(i)
-        params.append(p)
-        grads.append(opt._grad_source.grad(p))
+    idx, params, grads = _present(opt, group)
     item = GroupGrads(group, idx, params, grads)
     if any_dtensor(params):  # from here on the local shards, norms totalled over them
         item.shard_sums = ShardSums(params)

@@ -99,8 +99,8 @@ def like(template: Tensor, piece: Tensor, shape: Optional[Sequence[int]] = None)
 def local(tensors: Sequence[Tensor]) -> List[Tensor]:
     """Each DTensor's local shard (a view of its memory), other tensors as they are."""
     cls = _dtensor()  # looked up once: this runs over every tensor of every step
-    if cls is _NoDTensor:
-        return list(tensors)
+    if cls is _NoDTensor or not any(issubclass(k, cls) for k in set(map(type, tensors))):
+        return list(tensors)  # (a set of the types: one pass in C where none is a DTensor)
     return [t.to_local() if isinstance(t, cls) else t for t in tensors]
 
 

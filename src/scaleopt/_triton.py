@@ -44,9 +44,11 @@ from __future__ import annotations
 import collections
 import functools
 import importlib.util
+import itertools
 import math
+import operator
 import os
-from typing import Any, Dict, List, NamedTuple, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -104,6 +106,9 @@ def applies(t: Any) -> bool:
     device = t.weights[0].device
     if not runs_on(device):
         return False
+    if _signature(t) in _PLANS and all(map(Tensor.is_contiguous, t.grads)) and all(
+            type(g) in _PLAIN for g in t.grads):  # these storages, sizes and dtypes took
+        return True  # the kernels before, and the gradients are plain and contiguous again
     f32, bf16 = torch.float32, torch.bfloat16
     stored = t.stored or [None] * len(t.weights)
     for w, g, m, v, lo, st in zip(t.weights, t.grads, t.exp_avgs, t.exp_avg_sqs,
@@ -170,30 +175,49 @@ class _Plan(NamedTuple):
 
 
 def _plan(t: Any) -> _Plan:
-    """The group's plan, found again for the same storages, sizes and kinds (keyed by
-    ``data_ptr()``: a storage freed and handed to a tensor of another size or dtype has
-    another key), else made: the rows of ``ptrs`` (w, g, m, v, low, the tensor's place in
-    the group, and for stored moments the int8 scales of m and v, the length of a row of
-    blocks, where the local piece starts in the whole tensor)."""
+    """The group's plan, found again for the same storages, sizes and dtypes (keyed by
+    :func:`_signature`: a storage freed and handed to a tensor of another size or dtype has
+    another key), else made: the rows of ``ptrs`` (w, g, m, v, low, the tensor's place in the
+    group, and for stored moments the int8 scales of m and v, the length of a row of blocks,
+    where the local piece starts in the whole tensor)."""
+    key = _signature(t)
+    plan = _PLANS.get(key)
+    if plan is not None:
+        _PLANS.move_to_end(key)
+        return plan
     n = len(t.weights)
     low = t.low or [None] * n
     stored = t.stored or [None] * n
-    kinds = tuple(_kind(t, i) for i in range(n))
+    check_same_sizes("the Triton kernels", t.weights, t.grads, t.exp_avgs, t.exp_avg_sqs, low)
     rows = tuple((t.weights[i].data_ptr(), t.grads[i].data_ptr(), t.exp_avgs[i].data_ptr(),
                   t.exp_avg_sqs[i].data_ptr(), 0 if low[i] is None else low[i].data_ptr(), i,
                   *_stored_row(stored[i])) for i in range(n))
-    sizes = tuple(w.numel() for w in t.weights)
-    key = (kinds, rows, sizes, BLOCK * ITERS, t.weights[0].device)
-    plan = _PLANS.get(key)
-    if plan is None:
-        check_same_sizes("the Triton kernels", t.weights, t.grads, t.exp_avgs, t.exp_avg_sqs,
-                         low)
-        plan = _PLANS[key] = _new_plan(kinds, rows, sizes, key[-1])
-        while len(_PLANS) > 256:
-            _PLANS.popitem(last=False)
-    else:
-        _PLANS.move_to_end(key)
+    plan = _PLANS[key] = _new_plan(tuple(_kind(t, i) for i in range(n)), rows,
+                                   tuple(w.numel() for w in t.weights), t.weights[0].device)
+    while len(_PLANS) > 256:
+        _PLANS.popitem(last=False)
     return plan
+
+
+#: the last group's tensors and their signature (a step asks for it more than once)
+_LAST: List[Any] = [None, None]
+
+
+def _signature(t: Any) -> tuple:
+    """What a group's plan depends on, as one tuple: the addresses, dtypes and sizes of its
+    tensors, the stored moments' rows, the chunk size and the device (one pass per list)."""
+    if _LAST[0] is t:
+        return _LAST[1]
+    ptr, dtype = Tensor.data_ptr, operator.attrgetter("dtype")
+    low = (tuple((0, None) if x is None else (x.data_ptr(), x.dtype) for x in t.low)
+           if t.low else None)
+    key = (tuple(map(ptr, t.weights)), tuple(map(ptr, t.grads)), tuple(map(ptr, t.exp_avgs)),
+           tuple(map(ptr, t.exp_avg_sqs)), low, _stored_rows(t.stored),
+           tuple(map(Tensor.numel, t.weights)), tuple(map(dtype, t.weights)),
+           tuple(map(dtype, t.grads)), tuple(map(dtype, t.exp_avgs)), BLOCK * ITERS,
+           t.weights[0].device)
+    _LAST[:] = [t, key]
+    return key
 
 
 def _new_plan(kinds: Tuple, rows: Tuple, sizes: Tuple, device: torch.device) -> _Plan:
@@ -232,14 +256,31 @@ def _chunk_table(tensors: List[Tuple[int, int]], chunk: int, base: int) -> List[
     return [(k, s, base + j) for j, (k, s) in enumerate(starts)]
 
 
+#: the last list of stored moments and its rows (the Adam state gives the same list again
+#: while the stored tensors stay the same: ``_adam._Memo``)
+_STORED: List[Any] = [None, None]
+
+
+def _stored_rows(stored: Optional[List[Any]]) -> Optional[tuple]:
+    """:func:`_stored_row` of each tensor's stored moments (None where none are stored)."""
+    if not stored:
+        return None
+    if _STORED[0] is not stored:
+        _STORED[:] = [stored, tuple(map(_stored_row, stored))]
+    return _STORED[1]
+
+
 def _stored_row(st: Any) -> Tuple[int, int, int, int]:
     """The stored moments' part of a row of ``ptrs``: the int8 scales' addresses (0 for
     others), the length of a row of blocks (0 for float32 moments), the local piece's
     offset."""
     if st is None:
-        return 0, 0, 0, 0
+        return _NOTHING_STORED
     m_scale, v_scale = (0 if s is None else s.data_ptr() for s in st.scales)
     return m_scale, v_scale, st.row_len if st.form == "int8" else 0, st.offset
+
+
+_NOTHING_STORED = (0, 0, 0, 0)
 
 
 def _chunk_starts(n: int, row_len: int, chunk: int) -> range:
@@ -253,32 +294,89 @@ def _chunk_starts(n: int, row_len: int, chunk: int) -> range:
 
 def _step_table(t: Any, layer: Any, o: Any, device: torch.device) -> Tensor:
     """Per tensor: lr, weight decay, adapt, gradient multiplier, the bias corrections of its
-    step, and the step (float32, on ``device``). The step counters are incremented. With float
-    learning rates and the counters on the CPU (float32 scalars, as in torch.optim), the table
-    is made on the host and copied from pinned memory without waiting; with ``o.capturable``
-    or learning rates that are device tensors, it is made on the device
-    (:func:`_device_table`)."""
-    torch._foreach_add_(t.steps, 1)
+    step, and the step (float32, on ``device``). The step counters are incremented, all in one
+    operation (:func:`counters`). With float learning rates and the counters on the CPU
+    (float32 scalars, as in torch.optim), the table is made on the host, column by column, and
+    copied from pinned memory without waiting; with ``o.capturable`` or learning rates that
+    are device tensors, it is made on the device (:func:`_device_table`)."""
+    steps = counters(t.steps)
+    steps.add_(1)
     if t.skip_if is not None:  # a skipped step leaves its counters as they were
-        torch._foreach_sub_(t.steps, [t.skip_if.to(torch.float32)] * len(t.steps))
+        steps.sub_(t.skip_if.to(steps.device, torch.float32))
+    lrs = layer.lrs
+    one_lr = all(map(operator.is_, lrs, itertools.repeat(lrs[0])))
     on_device = o.capturable or any(torch.is_tensor(lr) and lr.device.type != "cpu"
-                                    for lr in layer.lrs)
+                                    for lr in (lrs[:1] if one_lr else lrs))
     if on_device:
-        table = _device_table(t, layer, o, device)
+        table = _device_table(t, layer, o, device, steps)
     else:
-        steps = [float(s) for s in t.steps]
-        bc1, bc2 = _blocks.bias_corrections(steps, o.beta1, o.beta2, o.bias_correction)
-        rows = [(float(lr), wd, float(bool(a)), 1.0, c1, c2, s) for lr, wd, a, c1, c2, s
-                in zip(layer.lrs, layer.weight_decays, layer.adapt, bc1, bc2, steps)]
         pinned = device.type == "cuda"
-        table = torch.tensor(rows, dtype=torch.float32, pin_memory=pinned)
+        table = torch.empty((len(t.steps), 7), dtype=torch.float32, pin_memory=pinned)
+        table[:, 0] = (float(lrs[0]) if one_lr
+                       else torch.tensor([float(lr) for lr in lrs], dtype=torch.float32))
+        table[:, 1:4] = _constant_columns(layer)
+        values = steps.tolist()
+        distinct = sorted(set(values))
+        bc1, bc2 = _blocks.bias_corrections(distinct, o.beta1, o.beta2, o.bias_correction)
+        if len(distinct) == 1:
+            table[:, 4], table[:, 5] = bc1[0], bc2[0]
+        else:
+            at = {v: k for k, v in enumerate(distinct)}
+            which = torch.tensor([at[v] for v in values])
+            table[:, 4] = torch.tensor(bc1, dtype=torch.float32)[which]
+            table[:, 5] = torch.tensor(bc2, dtype=torch.float32)[which]
+        table[:, 6] = steps
         table = table.to(device, non_blocking=True) if pinned else table
     if t.grad_scalars is not None:  # the gradients' multipliers, where they are (the device)
         table[:, 3] = t.grad_scalars.mults.to(device, torch.float32)
     return table
 
 
-def _device_table(t: Any, layer: Any, o: Any, device: torch.device) -> Tensor:
+#: the step table's columns of weight decay, adapt and gradient multiplier, per set of values
+_COLUMNS: "collections.OrderedDict[tuple, Tensor]" = collections.OrderedDict()
+
+
+def _constant_columns(layer: Any) -> Tensor:
+    """The weight decays, the adapt flags and ones (the gradients' multipliers, where they are
+    not given), as three float32 columns on the CPU, made once per set of values."""
+    key = (tuple(layer.weight_decays), tuple(map(bool, layer.adapt)))
+    columns = _COLUMNS.get(key)
+    if columns is None:
+        columns = _COLUMNS[key] = torch.tensor(
+            [(wd, float(a), 1.0) for wd, a in zip(*key)], dtype=torch.float32).reshape(-1, 3)
+        while len(_COLUMNS) > 64:
+            _COLUMNS.popitem(last=False)
+    return columns
+
+
+#: the step counters' buffers, by the identities of the counters (kept, so that no other
+#: tensor takes an identity while its entry is here)
+_COUNTERS: "collections.OrderedDict[tuple, Tuple[List[Tensor], Tensor, List[int]]]" = \
+    collections.OrderedDict()
+
+
+def counters(steps: List[Tensor]) -> Tensor:
+    """One float32 tensor whose elements are the step counters ``steps`` (0-d float32 tensors
+    on one device), in order: the first time a set of counters steps here, each is made to
+    point into a new buffer (``Tensor.set_``: the same tensor objects, so the optimizer's state
+    keeps them, with their values), so that a step adds 1 to all of them in one operation
+    instead of one per tensor."""
+    key = tuple(map(id, steps))
+    found = _COUNTERS.get(key)
+    if found is not None and list(map(Tensor.data_ptr, steps)) == found[2]:
+        _COUNTERS.move_to_end(key)
+        return found[1]
+    buf = torch.stack([s.detach().reshape(()) for s in steps]).to(torch.float32)
+    storage = buf.untyped_storage()
+    for i, s in enumerate(steps):
+        s.set_(storage, i, (), ())
+    _COUNTERS[key] = (list(steps), buf, [s.data_ptr() for s in steps])
+    while len(_COUNTERS) > 64:
+        _COUNTERS.popitem(last=False)
+    return buf
+
+
+def _device_table(t: Any, layer: Any, o: Any, device: torch.device, steps: Tensor) -> Tensor:
     """The step table made by device operations alone, so that a CUDA graph replays them: its
     constant columns from a table kept per set of values (made at the first step, before any
     capture), the learning rates read from their tensors, the bias corrections (in float64, as
@@ -301,7 +399,7 @@ def _device_table(t: Any, layer: Any, o: Any, device: torch.device) -> Tensor:
         for i, lr in enumerate(lrs):
             if torch.is_tensor(lr):
                 table[i, 0].copy_(lr.reshape(()))
-    steps = torch.stack([s.reshape(()) for s in t.steps]).to(device, torch.float64)
+    steps = steps.to(device, torch.float64)
     table[:, 6] = steps
     if o.bias_correction:
         table[:, 4] = 1.0 - torch.pow(o.beta1, steps)
