@@ -50,7 +50,7 @@ def use(opt, implementation=None, foreach=None):
 def counter_buffers():
     """The tensors that the step counters point into (``_triton.counters``): reading them on
     the host is reading the counters, which live on the CPU as in torch.optim."""
-    return [buf for _, buf, _ in _triton._COUNTERS.values()]
+    return [buf for buf, _ in _triton._COUNTERS.values()]
 
 
 def launches_of(step):
@@ -654,3 +654,66 @@ def test_an_address_used_again_by_a_tensor_of_another_size_or_dtype_gets_its_own
                                adapt=[True], beta1=0.9, beta2=0.999, eps=1e-6,
                                implementation=impl)
         torch.testing.assert_close(w, ref, rtol=1e-6, atol=1e-7)
+
+
+def test_a_step_keeps_no_gradient_alive():
+    """What the path keeps between steps (tables, the last signature) holds no tensor of the
+    step: gradients set to None are freed, as the next backward needs their memory."""
+    import weakref
+
+    params = [nn.Parameter(torch.randn(40, 3)) for _ in range(3)]
+    for state_dtype in ("float32", "int8"):
+        opt = scaleopt.LAMB(params, implementation="triton", state_dtype=state_dtype)
+        for _ in range(2):
+            for p in params:
+                p.grad = torch.randn(p.shape)
+            opt.step()
+        refs = [weakref.ref(p.grad) for p in params]
+        opt.zero_grad(set_to_none=True)
+        assert all(r() is None for r in refs), state_dtype
+
+
+@pytest.mark.parametrize("key", ["exp_avg", "exp_avg_sq", "step"])
+def test_a_replaced_state_tensor_is_the_one_the_next_step_takes(key):
+    """The Adam state is given again while its tensors are the same objects: a moment or a
+    counter replaced between steps by a new tensor (as a user or a tool may) is the one the
+    next step reads and updates, as in the reference loop where the same values are written
+    into the old tensor in place."""
+    models = [two_layers(torch.float32) for _ in range(2)]
+    opts = [scaleopt.LAMB(m.parameters(), lr=0.05, weight_decay=0.01, implementation=impl)
+            for m, impl in zip(models, ("triton", "single"))]
+    x = torch.randn(8, 9)
+    shift = 3.0 if key == "step" else 0.01
+    for t in range(4):
+        if t == 2:
+            for st in opts[0].state.values():
+                st[key] = st[key] * 0.5 + shift
+            for st in opts[1].state.values():
+                st[key].mul_(0.5).add_(shift)
+        for m, opt in zip(models, opts):
+            opt.zero_grad()
+            m(x).square().mean().backward()
+            opt.step()
+    for a, b in zip(*(m.parameters() for m in models)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for sa, sb in zip(*(o.state.values() for o in opts)):
+        torch.testing.assert_close(sa[key], sb[key], rtol=1e-5, atol=1e-6)
+
+
+def test_the_counters_step_together_and_save_as_tensors_of_their_own():
+    """The counters of a group point into one buffer, so a step adds 1 to all of them at once;
+    each stays the optimizer's own tensor, and a state dict holds each as a one-element tensor
+    of its own (not the buffer), with its value."""
+    model = two_layers(torch.float32)
+    opt = scaleopt.LAMB(model.parameters(), implementation="triton")
+    x = torch.randn(8, 9)
+    for _ in range(3):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    steps = [st["step"] for st in opt.state.values()]
+    assert [float(s) for s in steps] == [3.0] * 4
+    assert len({s.untyped_storage().data_ptr() for s in steps}) == 1  # one buffer
+    saved = [st["step"] for st in opt.state_dict()["state"].values()]
+    assert all(s.untyped_storage().nbytes() == 4 and float(s) == 3.0 for s in saved)
+    assert all(s is t for s, t in zip(steps, (st["step"] for st in opt.state.values())))

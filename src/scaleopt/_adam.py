@@ -51,6 +51,11 @@ class AdamState(NamedTuple):
                              stored=stored)
 
 
+class _Stored(list):
+    """A list of stored moments that can be referred to weakly (the Triton path keeps the
+    address rows of the last one: ``_triton._stored_rows``)."""
+
+
 #: per optimizer, per group (by id), the last step's state (:class:`_Memo`)
 _MEMOS: "weakref.WeakKeyDictionary[Any, Dict[int, _Memo]]" = weakref.WeakKeyDictionary()
 _STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")
@@ -85,12 +90,14 @@ class _Memo(NamedTuple):
             return None
         dicts = [opt.state[p] for p in params]
         return cls(group, cls.options_of(group, amsgrad), list(params), dicts,
-                   [[d.get(k) for d in dicts] for k in cls.keys(group)], state)
+                   [[d.get(k) for d in dicts] for k in cls.keys(group, amsgrad)], state)
 
     @staticmethod
-    def keys(group: Dict[str, Any]) -> tuple:
-        """The state entries that the state is made of (the scales with int8 state)."""
-        return _STATE_KEYS_INT8 if group["state_dtype"] == "int8" else _STATE_KEYS
+    def keys(group: Dict[str, Any], amsgrad: bool) -> tuple:
+        """The state entries that the state is made of (the scales with int8 state, the
+        largest second moments with amsgrad)."""
+        keys = _STATE_KEYS_INT8 if group["state_dtype"] == "int8" else _STATE_KEYS
+        return keys + ("max_exp_avg_sq",) if amsgrad else keys
 
     def holds(self, opt: Any, group: Dict[str, Any], params: List[Tensor], amsgrad: bool) -> bool:
         if (self.group is not group or len(params) != len(self.params)
@@ -100,7 +107,7 @@ class _Memo(NamedTuple):
         dicts = list(map(opt.state.__getitem__, params))
         return all(map(operator.is_, dicts, self.dicts)) and all(
             all(map(operator.is_, [d.get(k) for d in dicts], old))
-            for k, old in zip(self.keys(group), self.entries))
+            for k, old in zip(self.keys(group, amsgrad), self.entries))
 
 
 class AdamFamily(ScaleOptimizer):
@@ -153,7 +160,7 @@ class AdamFamily(ScaleOptimizer):
         steps: List[Tensor] = []
         moments: List[List[Tensor]] = [[] for _ in keys]
         pending: List[_compact.Pending] = []
-        stored: List[Optional[_compact.Stored]] = []
+        stored: List[Optional[_compact.Stored]] = _Stored()
         for p, w, split in zip(params, view.weights, view.split):
             state = self.state[p]
             step = state.get("step")

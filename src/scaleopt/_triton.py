@@ -48,6 +48,7 @@ import itertools
 import math
 import operator
 import os
+import weakref
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -199,14 +200,15 @@ def _plan(t: Any) -> _Plan:
     return plan
 
 
-#: the last group's tensors and their signature (a step asks for it more than once)
-_LAST: List[Any] = [None, None]
+#: the last group's tensors (weakly: they hold the step's gradients) and their signature (a
+#: step asks for it more than once)
+_LAST: List[Any] = [lambda: None, None]
 
 
 def _signature(t: Any) -> tuple:
     """What a group's plan depends on, as one tuple: the addresses, dtypes and sizes of its
     tensors, the stored moments' rows, the chunk size and the device (one pass per list)."""
-    if _LAST[0] is t:
+    if _LAST[0]() is t:
         return _LAST[1]
     ptr, dtype = Tensor.data_ptr, operator.attrgetter("dtype")
     low = (tuple((0, None) if x is None else (x.data_ptr(), x.dtype) for x in t.low)
@@ -216,7 +218,7 @@ def _signature(t: Any) -> tuple:
            tuple(map(Tensor.numel, t.weights)), tuple(map(dtype, t.weights)),
            tuple(map(dtype, t.grads)), tuple(map(dtype, t.exp_avgs)), BLOCK * ITERS,
            t.weights[0].device)
-    _LAST[:] = [t, key]
+    _LAST[:] = [weakref.ref(t), key]
     return key
 
 
@@ -256,17 +258,21 @@ def _chunk_table(tensors: List[Tuple[int, int]], chunk: int, base: int) -> List[
     return [(k, s, base + j) for j, (k, s) in enumerate(starts)]
 
 
-#: the last list of stored moments and its rows (the Adam state gives the same list again
-#: while the stored tensors stay the same: ``_adam._Memo``)
-_STORED: List[Any] = [None, None]
+#: the last list of stored moments (weakly) and its rows: the Adam state gives the same list
+#: again while the stored tensors stay the same (``_adam._Memo``)
+_STORED: List[Any] = [lambda: None, None]
 
 
 def _stored_rows(stored: Optional[List[Any]]) -> Optional[tuple]:
     """:func:`_stored_row` of each tensor's stored moments (None where none are stored)."""
     if not stored:
         return None
-    if _STORED[0] is not stored:
-        _STORED[:] = [stored, tuple(map(_stored_row, stored))]
+    if _STORED[0]() is not stored:
+        rows = tuple(map(_stored_row, stored))
+        try:
+            _STORED[:] = [weakref.ref(stored), rows]
+        except TypeError:  # a plain list: not kept
+            return rows
     return _STORED[1]
 
 
@@ -349,10 +355,10 @@ def _constant_columns(layer: Any) -> Tensor:
     return columns
 
 
-#: the step counters' buffers, by the identities of the counters (kept, so that no other
-#: tensor takes an identity while its entry is here)
-_COUNTERS: "collections.OrderedDict[tuple, Tuple[List[Tensor], Tensor, List[int]]]" = \
-    collections.OrderedDict()
+#: the step counters' buffers and the counters' addresses in them, by the identities of the
+#: counters (a counter freed and its identity taken by another tensor: that one's address is
+#: not in the buffer, which is kept here)
+_COUNTERS: "collections.OrderedDict[tuple, Tuple[Tensor, List[int]]]" = collections.OrderedDict()
 
 
 def counters(steps: List[Tensor]) -> Tensor:
@@ -363,14 +369,14 @@ def counters(steps: List[Tensor]) -> Tensor:
     instead of one per tensor."""
     key = tuple(map(id, steps))
     found = _COUNTERS.get(key)
-    if found is not None and list(map(Tensor.data_ptr, steps)) == found[2]:
+    if found is not None and list(map(Tensor.data_ptr, steps)) == found[1]:
         _COUNTERS.move_to_end(key)
-        return found[1]
+        return found[0]
     buf = torch.stack([s.detach().reshape(()) for s in steps]).to(torch.float32)
     storage = buf.untyped_storage()
     for i, s in enumerate(steps):
         s.set_(storage, i, (), ())
-    _COUNTERS[key] = (list(steps), buf, [s.data_ptr() for s in steps])
+    _COUNTERS[key] = (buf, list(map(Tensor.data_ptr, steps)))
     while len(_COUNTERS) > 64:
         _COUNTERS.popitem(last=False)
     return buf
