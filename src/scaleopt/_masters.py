@@ -167,8 +167,13 @@ class MasterView:
 
     def kernel_low(self) -> List[Optional[Tensor]]:
         """The kernels' second tensor per weight (``_native``'s ``low``): the lower halves of a
-        split master, or where the rounded weights of a float32 master go."""
-        return [lo if lo is not None else r for lo, r in zip(self.lower_halves, self.rounded_into)]
+        split master, or where the rounded weights of a float32 master go (made once per
+        view: a step's view is given again while nothing changed, ``_adam._Memo``)."""
+        low = self.__dict__.get("_kernel_low")
+        if low is None:
+            low = self.__dict__["_kernel_low"] = [
+                lo if lo is not None else r for lo, r in zip(self.lower_halves, self.rounded_into)]
+        return list(low)
 
     def subset(self, indices: List[int]) -> "MasterView":
         return MasterView(*([xs[k] for k in indices] for xs in (

@@ -70,6 +70,7 @@ _G_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _LOW_KINDS = {None: 0, torch.bfloat16: 1, torch.float16: 2, torch.int16: 3}
 _FORMS = {None: 0, "bfloat16": 1, "int8": 2}
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_TYPES = set(_PLAIN)
 _PLANS: "collections.OrderedDict[tuple, _Plan]" = collections.OrderedDict()
 _ROW = 10  # int64 entries per row of ``ptrs`` (``_triton_kernels._ROW``)
 #: partial-sum slots that one program of ``totals`` adds at a time
@@ -107,9 +108,9 @@ def applies(t: Any) -> bool:
     device = t.weights[0].device
     if not runs_on(device):
         return False
-    if _signature(t) in _PLANS and all(map(Tensor.is_contiguous, t.grads)) and all(
-            type(g) in _PLAIN for g in t.grads):  # these storages, sizes and dtypes took
-        return True  # the kernels before, and the gradients are plain and contiguous again
+    if (_signature(t) in _PLANS and set(map(type, t.grads)) <= _PLAIN_TYPES
+            and all(map(Tensor.is_contiguous, t.grads))):  # these storages, sizes and dtypes
+        return True  # took the kernels before, and the gradients are plain and contiguous
     f32, bf16 = torch.float32, torch.bfloat16
     stored = t.stored or [None] * len(t.weights)
     for w, g, m, v, lo, st in zip(t.weights, t.grads, t.exp_avgs, t.exp_avg_sqs,
@@ -207,17 +208,20 @@ _LAST: List[Any] = [lambda: None, None]
 
 def _signature(t: Any) -> tuple:
     """What a group's plan depends on, as one tuple: the addresses, dtypes and sizes of its
-    tensors, the stored moments' rows, the chunk size and the device (one pass per list)."""
+    tensors, the stored moments' forms and rows, the chunk size and the device (one pass per
+    list; the moments' dtypes are their forms')."""
     if _LAST[0]() is t:
         return _LAST[1]
     ptr, dtype = Tensor.data_ptr, operator.attrgetter("dtype")
-    low = (tuple((0, None) if x is None else (x.data_ptr(), x.dtype) for x in t.low)
-           if t.low else None)
+    low = t.low
+    if low is not None and all(map(operator.is_, low, itertools.repeat(None))):
+        low = None  # (as when none is given)
+    elif low is not None:
+        low = tuple((0, None) if x is None else (x.data_ptr(), x.dtype) for x in low)
     key = (tuple(map(ptr, t.weights)), tuple(map(ptr, t.grads)), tuple(map(ptr, t.exp_avgs)),
            tuple(map(ptr, t.exp_avg_sqs)), low, _stored_rows(t.stored),
            tuple(map(Tensor.numel, t.weights)), tuple(map(dtype, t.weights)),
-           tuple(map(dtype, t.grads)), tuple(map(dtype, t.exp_avgs)), BLOCK * ITERS,
-           t.weights[0].device)
+           tuple(map(dtype, t.grads)), BLOCK * ITERS, t.weights[0].device)
     _LAST[:] = [weakref.ref(t), key]
     return key
 
@@ -264,11 +268,13 @@ _STORED: List[Any] = [lambda: None, None]
 
 
 def _stored_rows(stored: Optional[List[Any]]) -> Optional[tuple]:
-    """:func:`_stored_row` of each tensor's stored moments (None where none are stored)."""
+    """The form and :func:`_stored_row` of each tensor's stored moments (None where none are
+    stored: float32 moments)."""
     if not stored:
         return None
     if _STORED[0]() is not stored:
-        rows = tuple(map(_stored_row, stored))
+        rows = tuple((None, _NOTHING_STORED) if st is None else (st.form, _stored_row(st))
+                     for st in stored)
         try:
             _STORED[:] = [weakref.ref(stored), rows]
         except TypeError:  # a plain list: not kept
