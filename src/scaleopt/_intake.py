@@ -157,6 +157,7 @@ def _unscale(opt: Any, group: Dict[str, Any]) -> Union[float, Tensor]:
         return factor * (1.0 / float(amp))
     return amp.double().reciprocal().float().reshape(()) * factor
 
+
 def _present(opt: Any, group: Dict[str, Any]) -> Tuple[List[int], List[Tensor], List[Tensor]]:
     """The group's parameters that have a gradient: their places, themselves and their
     gradients (from the optimizer's gradient source); a sparse gradient is an error. Where

@@ -71,8 +71,9 @@ def is_dtensor(t: Any) -> bool:
 
 
 def any_dtensor(tensors: Sequence[Tensor]) -> bool:
+    """Whether any of ``tensors`` is a DTensor (a set of their types: one pass in C)."""
     cls = _dtensor()
-    return any(isinstance(t, cls) for t in tensors)
+    return cls is not _NoDTensor and any(issubclass(k, cls) for k in set(map(type, tensors)))
 
 
 def local_piece(t: Tensor) -> Tensor:
@@ -98,9 +99,9 @@ def like(template: Tensor, piece: Tensor, shape: Optional[Sequence[int]] = None)
 
 def local(tensors: Sequence[Tensor]) -> List[Tensor]:
     """Each DTensor's local shard (a view of its memory), other tensors as they are."""
-    cls = _dtensor()  # looked up once: this runs over every tensor of every step
-    if cls is _NoDTensor or not any(issubclass(k, cls) for k in set(map(type, tensors))):
-        return list(tensors)  # (a set of the types: one pass in C where none is a DTensor)
+    if not any_dtensor(tensors):  # this runs over every tensor of every step
+        return list(tensors)
+    cls = _dtensor()
     return [t.to_local() if isinstance(t, cls) else t for t in tensors]
 
 
