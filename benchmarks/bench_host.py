@@ -4,6 +4,7 @@ tensors, small shapes: the tensors' sizes do not matter to the host).
 
     python benchmarks/bench_host.py                   # every variant, 50 steps each
     python benchmarks/bench_host.py --steps 200 --json out.json
+    python benchmarks/bench_host.py --device cuda --only "LAMB float32" --profile
 
 The kernels run on the CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``), but
 no launch runs: ``scaleopt._triton._run`` (every launch goes through it) is replaced by a
@@ -14,18 +15,40 @@ with split float32 masters, int8 state; the learning rate a float or a tensor;
 ``capturable=True`` (what a CUDA graph captures: its replay costs none of this; the GPU check,
 tools/gpu_check.py, measures a replay). Prints the median and the 10th-90th percentiles in
 milliseconds, per variant, with the thread count and torch version.
+
+``--device cuda``: the same on CUDA tensors with the kernels launched (the host time of a
+step until ``step()`` returns, its launches queued; the GPU is waited for between steps,
+outside the timing). ``--profile``: the functions the timed steps spent their host time in
+(cProfile, by own time).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
 import platform
+import pstats
 import statistics
+import sys
 import time
 
-os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported: CPU tensors take the path
+
+def _device(argv):
+    """``--device``'s value, read before torch and Triton are imported."""
+    for i, a in enumerate(argv):
+        if a == "--device" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--device="):
+            return a.split("=", 1)[1]
+    return "cpu"
+
+
+DEVICE = _device(sys.argv[1:])
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported: CPU tensors take the path
 
 import torch  # noqa: E402
 
@@ -39,8 +62,8 @@ SHAPES = bert_shapes(64, 25, 1000, 256)  # 407 tensors
 def variants():
     def make(cls, dtype=torch.float32, tensor_lr=False, **options):
         def build():
-            named = make_params(SHAPES, dtype)
-            lr = torch.tensor(1e-3) if tensor_lr else 1e-3
+            named = make_params(SHAPES, dtype, DEVICE)
+            lr = torch.tensor(1e-3, device=DEVICE) if tensor_lr else 1e-3
             return cls(named, lr=lr, exclude_from_weight_decay=NO_DECAY,
                        implementation="triton", **options)
         return build
@@ -56,15 +79,26 @@ def variants():
     return out
 
 
-def time_steps(build, steps):
+def _wait():
+    if DEVICE != "cpu":
+        torch.cuda.synchronize()
+
+
+def time_steps(build, steps, profile=None):
     opt = build()
-    for _ in range(5):  # state made, tables built
+    for _ in range(5):  # state made, tables built, kernels compiled
         opt.step()
     times = []
     for _ in range(steps):
+        _wait()
+        if profile is not None:
+            profile.enable()
         t = time.perf_counter()
         opt.step()
         times.append(time.perf_counter() - t)
+        if profile is not None:
+            profile.disable()
+    _wait()
     return times
 
 
@@ -73,23 +107,38 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", metavar="FILE")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="cpu: launches stubbed (default); cuda: launched")
+    ap.add_argument("--only", action="append", default=[],
+                    help="the variants whose name contains this (repeatable)")
+    ap.add_argument("--profile", action="store_true",
+                    help="print where each variant's host time goes (cProfile)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    _triton._run = lambda *a, **k: None
-    print(f"host time of a step, launches stubbed: {len(SHAPES)} tensors; torch "
+    if DEVICE == "cpu":
+        _triton._run = lambda *a, **k: None
+    what = "launches stubbed" if DEVICE == "cpu" else f"launched on {torch.cuda.get_device_name()}"
+    print(f"host time of a step, {what}: {len(SHAPES)} tensors; torch "
           f"{torch.__version__}, {args.threads} thread(s), {platform.machine()}, "
           f"{args.steps} steps")
     print(f"{'variant':28s} {'median ms':>10s} {'p10':>7s} {'p90':>7s}")
     rows = []
     for name, build in variants().items():
-        times = sorted(time_steps(build, args.steps))
+        if args.only and not any(o in name for o in args.only):
+            continue
+        profile = cProfile.Profile() if args.profile else None
+        times = sorted(time_steps(build, args.steps, profile))
         row = {"variant": name, "median_ms": 1e3 * statistics.median(times),
                "p10_ms": 1e3 * times[len(times) // 10], "p90_ms": 1e3 * times[9 * len(times) // 10]}
         rows.append(row)
         print(f"{name:28s} {row['median_ms']:10.2f} {row['p10_ms']:7.2f} {row['p90_ms']:7.2f}")
+        if profile is not None:
+            text = io.StringIO()
+            pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
+            print(text.getvalue().split("\n", 4)[-1] if "\n" in text.getvalue() else text.getvalue())
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"tensors": len(SHAPES), "torch": torch.__version__,
+            json.dump({"tensors": len(SHAPES), "torch": torch.__version__, "device": DEVICE,
                        "threads": args.threads, "steps": args.steps, "rows": rows}, f, indent=1)
 
 

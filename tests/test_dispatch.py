@@ -99,3 +99,18 @@ def test_a_copied_optimizer_still_saves_split_masters_as_float32():
         assert "master_lo" not in st and st["master_param"].dtype == torch.float32
     assert torch.equal(opt.state_dict()["state"][0]["master_param"],
                        twin.state_dict()["state"][0]["master_param"])
+
+
+def test_a_split_masters_lower_halves_are_made_where_its_kernels_read_them():
+    """The int16 lower halves of a new split master: on the parameter's device for masters
+    beside their parameters (a GPU parameter's on the GPU, where the Triton kernels read
+    them), in host memory for an offloaded optimizer (where the C kernels read them). A
+    meta-device parameter stands for a device one here."""
+    from scaleopt._host import HostPipeline
+    from scaleopt._masters import LocalPlacement
+
+    p = nn.Parameter(torch.empty(3, 5, dtype=torch.bfloat16, device="meta"))
+    beside, host = LocalPlacement().lower_halves(p), HostPipeline().lower_halves(p)
+    assert (beside.device, beside.dtype, beside.shape) == (p.device, torch.int16, p.shape)
+    assert (host.device.type, host.dtype, host.shape) == ("cpu", torch.int16, p.shape)
+    assert not host.any()

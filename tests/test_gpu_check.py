@@ -37,7 +37,8 @@ def test_the_plan_fits_eight_minutes_and_every_part_has_a_command(tmp_path):
         command = G.commands(part, tmp_path)
         assert command and command[0] == sys.executable, part
     assert G.commands("tests-first", tmp_path)[-1] == G.FIRST
-    assert G.commands("tests-rest", tmp_path)[-1] == f"not ({G.FIRST})"
+    assert G.commands("tests-rest", tmp_path)[-1] == f"not ({G.FIRST}) and not {G.COMPILED}"
+    assert G.commands("tests-compiled", tmp_path)[-1] == f"{G.COMPILED} and not ({G.FIRST})"
 
 
 def test_bench_parts_ask_for_rows_that_exist():

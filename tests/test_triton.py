@@ -177,6 +177,22 @@ def test_the_address_tables_are_built_once_per_set_of_storages():
     assert len(_triton._PLANS) == 3
 
 
+@pytest.mark.parametrize("cls", [scaleopt.LAMB, scaleopt.LANS])
+def test_a_compiled_step_launches_the_kernels_outside_the_graph(cls):
+    """``torch.compile(opt.step)`` with the kernels asked for by name: the compiler does not
+    trace into a launch (the kernels reach the tensors through tables of addresses), it runs
+    each as a call of its own; the weights are those of the eager step."""
+    torch._dynamo.reset()
+    info = next(i for i in LAYERWISE if i.name == cls.__name__)
+    (m1, o1), (m2, o2) = fresh(info), fresh(info)
+    use(o1, "triton")
+    use(o2, "triton")
+    train(m1, o1, 3)
+    train(m2, o2, 3, step_fn=torch.compile(o2.step, backend="eager"))
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
+
+
 def test_the_functional_form_runs_the_kernels_by_name():
     w, g = torch.randn(20), torch.randn(20)
     outs = []

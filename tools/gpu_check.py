@@ -1,14 +1,18 @@
 """The GPU check: everything scaleopt can only show on a CUDA GPU, in one command that fits
-8 minutes on an H100, with ``pip install --no-deps -e .`` as its only install.
+8 minutes on an H100, with ``pip install --no-deps --no-build-isolation -e .`` as its only
+install (no package index there; the install builds the C kernels the offloaded optimizers
+run on, which the report says).
 
-    python tools/gpu_check.py OUT_DIR [--budget SECONDS]
+    python tools/gpu_check.py OUT_DIR [--budget SECONDS] [--parts tests-first,graph,...]
 
 Parts, in order, each with its own time budget (printed at the start; a part that would not
 fit in what is left is skipped, and says so):
 
 1. ``tests-first``: the CUDA tests that matter most (tests/test_cuda.py): the int8 codes
    against the CPU's bit for bit, two runs equal bit for bit, the Triton kernels against the
-   reference, CUDA-graph replay, no host sync; ``tests-rest``: the rest of tests/test_cuda.py;
+   reference, CUDA-graph replay, no host sync; ``tests-rest``: the rest of tests/test_cuda.py
+   but the compiled steps, ``tests-compiled``: those (each test's failure is printed as it
+   happens, so a part stopped at its limit still says why);
 2. ``graph``: a LAMB step over 400 tensors captured in a CUDA graph and replayed, against the
    eager step: host time and GPU time of each;
 3. ``bench-float32``, ``bench-bfloat16``: ``scaleopt bench --device cuda`` on BERT-base shapes
@@ -40,13 +44,16 @@ NO_CUDA = 3
 #: the tests of the first part (pytest -k)
 FIRST = ("int8_codes or same_bits or triton or graph or never_synchronises or "
          "fast_path_equals")
+#: the tests that compile a step with torch.compile (seconds each): a part of their own, last
+COMPILED = "compiled_step"
 #: (part, seconds it may take at most, whether it is run only if time is left after the rest)
 PLAN = [
     ("tests-first", 150, False),
     ("graph", 30, False),
     ("bench-float32", 60, False),
     ("bench-bfloat16", 60, False),
-    ("tests-rest", 90, True),
+    ("tests-rest", 60, True),
+    ("tests-compiled", 90, True),
     ("bench-peers", 40, True),
     ("bench-1b", 50, True),
 ]
@@ -56,13 +63,16 @@ BUDGET = 480
 def commands(part: str, scratch: Path) -> Optional[List[str]]:
     """The command of a part (None: run in this file, ``--part``)."""
     py = sys.executable
-    pytest = [py, "-m", "pytest", "tests/test_cuda.py", "-v", "-p", "no:cacheprovider", "-rs"]
+    pytest = [py, "-m", "pytest", "tests/test_cuda.py", "-v", "-p", "no:cacheprovider", "-rs",
+              "-p", "pytest_failures_now"]  # (tools/, on the parts' PYTHONPATH)
     bench = [py, "-c", "import sys; from scaleopt.cli import main; sys.exit(main(sys.argv[1:]))",
              "bench", "--device", "cuda", "--rounds", "10", "--overwrite"]
     if part == "tests-first":
         return pytest + ["-k", FIRST]
     if part == "tests-rest":
-        return pytest + ["-k", f"not ({FIRST})"]
+        return pytest + ["-k", f"not ({FIRST}) and not {COMPILED}"]
+    if part == "tests-compiled":
+        return pytest + ["-k", f"{COMPILED} and not ({FIRST})"]
     if part == "graph":
         return [py, __file__, "--part", "graph", str(scratch)]
     out = ["--out", str(scratch / part), "--json", str(scratch / f"{part}.json")]
@@ -125,7 +135,8 @@ def markdown(report: Dict[str, Any]) -> str:
     env = report.get("environment", {})
     lines = [f"# GPU check: {env.get('gpu', '?')}", "",
              f"torch {env.get('torch', '?')}, Triton {env.get('triton', '?')}, CUDA "
-             f"{env.get('cuda', '?')}, Python {env.get('python', '?')}; "
+             f"{env.get('cuda', '?')}, Python {env.get('python', '?')}, C kernels "
+             f"{'built' if env.get('c_kernels') else 'NOT built (offload runs on torch ops)'}; "
              f"{report.get('seconds', 0):.0f} s of a {report.get('budget', BUDGET)} s budget.", "",
              "| part | budget s | took s | status |", "|---|---|---|---|"]
     for p in report.get("parts", []):
@@ -170,9 +181,11 @@ def environment() -> Dict[str, Any]:
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
+    from scaleopt import _native
+
     return {"gpu": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
             "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton_version,
-            "python": platform.python_version()}
+            "python": platform.python_version(), "c_kernels": _native.available()}
 
 
 def graph_part(scratch: Path) -> Dict[str, Any]:
@@ -226,6 +239,8 @@ def run_part(part: str, limit: float, scratch: Path, log) -> Dict[str, Any]:
     started = time.perf_counter()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("TRITON_INTERPRET", None)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "tools"),
+                                                      env.get("PYTHONPATH")]))
     try:
         done = subprocess.run(commands(part, scratch), cwd=ROOT, env=env, capture_output=True,
                               text=True, timeout=limit)
@@ -246,8 +261,14 @@ def main(argv=None) -> int:
     ap.add_argument("out", help="folder for gpu_check.json, gpu_check.md, gpu_check.log")
     ap.add_argument("--budget", type=float, default=BUDGET,
                     help=f"seconds for all parts together (default: {BUDGET})")
+    ap.add_argument("--parts", help="comma-separated parts to run, in the plan's order "
+                    "(default: all; " + ", ".join(p for p, _, _ in PLAN) + ")")
     ap.add_argument("--part", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    chosen = [p for p, _, _ in PLAN] if not args.parts else args.parts.split(",")
+    unknown = set(chosen) - {p for p, _, _ in PLAN}
+    if unknown:
+        ap.error(f"no part {', '.join(sorted(unknown))}")
     import torch
 
     if not torch.cuda.is_available():
@@ -260,15 +281,16 @@ def main(argv=None) -> int:
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    plan = [(p, s, late) for p, s, late in PLAN if p in chosen]
     print("gpu_check budget: " + ", ".join(f"{p} {s} s{' (if time is left)' if late else ''}"
-                                           for p, s, late in PLAN) + f"; {args.budget:.0f} s in all")
+                                           for p, s, late in plan) + f"; {args.budget:.0f} s in all")
     report: Dict[str, Any] = {"environment": environment(), "budget": args.budget, "parts": [],
                               "bench": {}}
     started = time.perf_counter()
     outcomes: Dict[str, str] = {}
     with tempfile.TemporaryDirectory() as tmp, open(out / "gpu_check.log", "w") as log:
         scratch = Path(tmp)
-        for part, budget, late in PLAN:
+        for part, budget, late in plan:
             left = args.budget - (time.perf_counter() - started)
             if left < (budget if late else min(budget, 20)):
                 report["parts"].append({"part": part, "budget": budget, "seconds": 0,

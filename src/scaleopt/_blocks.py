@@ -14,6 +14,7 @@ back to the host, so they can run on an accelerator without synchronising.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -125,6 +126,23 @@ def by_value(values: Sequence[Any]) -> List[Tuple[Any, List[int]]]:
 def compiling() -> bool:
     """Whether ``torch.compile`` is tracing the step."""
     return bool(getattr(torch.compiler, "is_compiling", lambda: False)())
+
+
+def to_device(tables: List[Tensor], device: torch.device) -> List[Tensor]:
+    """CPU tensors of one dtype on ``device``, in one copy that does not make the host wait:
+    on CUDA, through one buffer of pinned memory (a plain host-to-device copy waits for the
+    GPU, and a step must not wait). Each starts at a multiple of 16 bytes (as the Triton
+    kernels' specializations of the tables' addresses assume)."""
+    if device.type != "cuda" or compiling():
+        return [t.to(device) for t in tables]
+    per16 = max(1, 16 // tables[0].element_size())
+    sizes = [-(-t.numel() // per16) * per16 for t in tables]
+    host = torch.empty(sum(sizes), dtype=tables[0].dtype, pin_memory=True)
+    starts = list(itertools.accumulate([0] + sizes[:-1]))
+    for t, at in zip(tables, starts):
+        host[at:at + t.numel()] = t.reshape(-1)
+    moved = host.to(device, non_blocking=True)
+    return [moved[at:at + t.numel()].view(t.shape) for t, at in zip(tables, starts)]
 
 
 def add_scaled_(params: TensorList, updates: TensorList, alphas: Sequence[float]) -> None:

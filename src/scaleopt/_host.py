@@ -135,6 +135,10 @@ class HostPipeline:
             buf.copy_(p.detach())
         return buf
 
+    def lower_halves(self, p: Tensor) -> Tensor:
+        """In host memory, pinned for a device parameter, beside the upper halves."""
+        return host_empty(p, torch.int16).zero_()
+
     def rounded_target(self, p: Tensor) -> Optional[Tensor]:
         """``p`` itself on the host, a pinned staging buffer for a device parameter; None for
         dtypes other than bfloat16."""

@@ -41,14 +41,6 @@ def plain(p: Tensor) -> bool:
     return type(p) in (torch.Tensor, torch.nn.Parameter)
 
 
-def _new_lower_halves(p: Tensor) -> Tensor:
-    """Zero lower halves for ``p``'s split master (it starts equal to ``p``), laid out as ``p``
-    (a DTensor's are a DTensor)."""
-    if is_dtensor(p):
-        return torch.zeros_like(p, dtype=torch.int16)
-    return torch.zeros(p.shape, dtype=torch.int16)
-
-
 def split_join(hi: Tensor, lo: Tensor) -> Tensor:
     """The float32 master held as a bfloat16 ``hi`` (the master rounded to nearest, ties away
     from zero) and int16 ``lo`` (its low 16 bits), as the kernels store it (see ``_kernels.c``)."""
@@ -86,6 +78,10 @@ class Placement(Protocol):
 
     def upper(self, p: Tensor) -> Tensor:
         """The bfloat16 tensor holding the upper halves of ``p``'s split master."""
+
+    def lower_halves(self, p: Tensor) -> Tensor:
+        """Zero lower halves (int16) for a new split master of ``p``, where the kernels that
+        update it read them."""
 
     def rounded_target(self, p: Tensor) -> Optional[Tensor]:
         """Where the fused kernels may write the rounded weights of a ``COPY`` master."""
@@ -132,6 +128,12 @@ class LocalPlacement:
 
     def upper(self, p: Tensor) -> Tensor:
         return p
+
+    def lower_halves(self, p: Tensor) -> Tensor:
+        """On ``p``'s device, laid out as ``p`` (a DTensor's are a DTensor)."""
+        if is_dtensor(p):
+            return torch.zeros_like(p, dtype=torch.int16)
+        return torch.zeros(p.shape, dtype=torch.int16, device=p.device)
 
     def rounded_target(self, p: Tensor) -> Optional[Tensor]:
         return p
@@ -212,7 +214,7 @@ class MasterWeights:
             lower = rounded = None
             if kind is Storage.SPLIT:
                 if "master_lo" not in state:
-                    state["master_lo"] = _new_lower_halves(p)
+                    state["master_lo"] = self.placement.lower_halves(p)
                 weight, lower = self.placement.upper(p), state["master_lo"]
             elif kind is Storage.COPY:
                 if "master_param" not in state:
@@ -303,7 +305,7 @@ class MasterWeights:
                 st.pop("master_param", None)
             elif kind is Storage.SPLIT:
                 master = st.pop("master_param", None)
-                st["master_lo"] = _new_lower_halves(p)
+                st["master_lo"] = self.placement.lower_halves(p)
                 upper = self.placement.upper(p)
                 if master is not None:
                     split_(local_piece(master), local_piece(upper).detach(),

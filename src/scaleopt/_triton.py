@@ -56,6 +56,7 @@ from torch import Tensor
 
 from . import _blocks, _compact
 from ._checks import check_same_sizes
+from ._compile import eager
 from ._sharding import Phased
 
 #: elements per block of a program, and blocks per program (a program's chunk: their product)
@@ -245,12 +246,14 @@ def _new_plan(kinds: Tuple, rows: Tuple, sizes: Tuple, device: torch.device) -> 
         base += len(chunks)
 
         def table(values, width):
-            return torch.tensor(values or [(0,) * width], dtype=torch.int64,
-                                device=device)[:len(values)]
+            return torch.tensor(values or [(0,) * width], dtype=torch.int64)[:len(values)]
 
         out.append((kind, (table([rows[i] for i in idx], _ROW), table([sizes[i] for i in idx], 1),
                            table(chunks, 3))))
-    return _Plan(out, torch.tensor(spans, dtype=torch.int64, device=device), base)
+    tables = _blocks.to_device([t for _, ts in out for t in ts]
+                               + [torch.tensor(spans, dtype=torch.int64)], device)
+    return _Plan([(kind, tuple(tables[3 * j:3 * j + 3])) for j, (kind, _) in enumerate(out)],
+                 tables[-1], base)
 
 
 def _chunk_table(tensors: List[Tuple[int, int]], chunk: int, base: int) -> List[Tuple[int, int, int]]:
@@ -398,7 +401,8 @@ def _device_table(t: Any, layer: Any, o: Any, device: torch.device, steps: Tenso
     static = _STATIC.get(key)
     if static is None:
         rows = [(lr, wd, float(a), 1.0, 1.0, 1.0, 0.0) for lr, wd, a in zip(*key[:3])]
-        static = _STATIC[key] = torch.tensor(rows, dtype=torch.float32, device=device)
+        static = _STATIC[key] = _blocks.to_device([torch.tensor(rows, dtype=torch.float32)],
+                                                  device)[0]
         while len(_STATIC) > 256:
             _STATIC.pop(next(iter(_STATIC)))
     table = static.clone()
@@ -411,7 +415,9 @@ def _device_table(t: Any, layer: Any, o: Any, device: torch.device, steps: Tenso
         for i, lr in enumerate(lrs):
             if torch.is_tensor(lr):
                 table[i, 0].copy_(lr.reshape(()))
-    steps = steps.to(device, torch.float64)
+    steps = steps.to(torch.float64)
+    if steps.device != device:  # counters on the host, learning rates on the device
+        steps = _blocks.to_device([steps], device)[0]
     table[:, 6] = steps
     if o.bias_correction:
         table[:, 4] = 1.0 - torch.pow(o.beta1, steps)
@@ -443,9 +449,12 @@ def _launch(name: str, kinds: Tuple[int, int, int, int], tables: Tuple[Tensor, T
          LOW_KIND=low_kind, FORM=form, BLOCK=BLOCK, QB=_blocks_per_tile(), ITERS=ITERS, **args)
 
 
+@eager
 def _run(name: str, programs: int, *args: Any, **kwargs: Any) -> None:
     """Launch kernel ``name`` on ``programs`` programs (every launch goes through here: the
-    tests and the host-time benchmark count or stub them)."""
+    tests and the host-time benchmark count or stub them). Outside ``torch.compile``'s graph:
+    the kernels read and write the tensors through the addresses in their tables, which the
+    compiler cannot see."""
     getattr(_kernels(), name)[(programs,)](*args, **kwargs, **COMPILE_OPTIONS)
     LAUNCHES[name] += 1
 

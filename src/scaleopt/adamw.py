@@ -244,9 +244,14 @@ class AdamW(ScaleOptimizer):
                 self._native_step(group, rows, decayed)
             beta1, beta2 = group["betas"]
             for decayed, (ps, gs, ms, vs, maxs, steps) in lists.items():
-                # torch's foreach path needs its tensor-scalar form under torch.compile
-                capturable = _blocks.compiling() and not fused and all(
-                    s.device == p.device for s, p in zip(steps, ps))
+                # torch's foreach path needs its tensor-scalar form under torch.compile, with
+                # the counters beside the parameters (host counters of accelerator parameters
+                # as tensor scalars are constants the graph cannot take): copies of them there,
+                # written back after the update
+                capturable = _blocks.compiling() and not fused
+                counters = steps
+                if capturable and any(s.device != p.device for s, p in zip(steps, ps)):
+                    steps = [s.to(p.device) for s, p in zip(steps, ps)]
                 lr = group["lr"]
                 if isinstance(lr, torch.Tensor) and not capturable:
                     lr = lr.item()  # torch's foreach and fused CPU paths take a number here
@@ -272,5 +277,8 @@ class AdamW(ScaleOptimizer):
                     eps=group["eps"],
                     maximize=False,
                 )
+                if steps is not counters:
+                    for s, moved in zip(counters, steps):
+                        s.copy_(moved)
             _compact.store(pending)
         return loss

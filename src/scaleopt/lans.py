@@ -303,8 +303,8 @@ def _sharded_two_parts(t: GroupTensors, layer: LayerOptions, o: LayerwiseOptions
     w_norms, r2, c2 = sums[0].sqrt(), sums[1], sums[2]
     ratio_r = _blocks.trust_ratio(w_norms, r2.sqrt(), o.lower_bound, o.upper_bound)
     if o.decay_moved_weight:
-        lr_wd = torch.tensor([lrs[i] * weight_decays[i] for i in adapting], dtype=r2.dtype,
-                             device=r2.device)
+        lr_wd = _blocks.to_device([torch.tensor([lrs[i] * weight_decays[i] for i in adapting],
+                                                dtype=r2.dtype)], r2.device)[0]
         k = lr_wd * beta1 * ratio_r
         c2 = (c2 - 2.0 * k * sums[3] + k * k * r2).clamp(min=0.0)
     ratio_c = _blocks.trust_ratio(w_norms, c2.sqrt(), o.lower_bound, o.upper_bound)

@@ -39,7 +39,8 @@ def topk_sampled(v: Tensor, k: int, sample_fraction: float = 0.01,
     m = min(n, max(int(n * sample_fraction), 256))
     if m >= n or k * 8 > n:  # dense-ish selection: sampling does not pay
         return torch.topk(v.abs(), k, sorted=False).indices
-    sample = v[torch.randint(0, n, (m,), device=v.device, generator=generator)].abs()
+    # drawn on the host (the generator is a CPU one), so a GPU run samples what a CPU run does
+    sample = v[torch.randint(0, n, (m,), generator=generator).to(v.device)].abs()
     want = min(m, max(1, math.ceil(k * m / n * 2)))  # twice the expected count: err low
     threshold = float(torch.topk(sample, want, sorted=True).values[-1])
     capacity = 8 * k
