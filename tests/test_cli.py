@@ -5,9 +5,9 @@ from __future__ import annotations
 import csv
 import json
 import math
-import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -285,16 +285,17 @@ def test_help_explains_every_option(capsys):
 
 
 def test_the_console_script_is_installed():
-    exe = shutil.which("scaleopt")
-    cmd = [exe] if exe else [sys.executable, "-m", "scaleopt"]
-    done = subprocess.run([*cmd, "--help"], capture_output=True, text=True, timeout=120)
+    """``scaleopt`` is installed beside the interpreter that runs the suite (found there, not
+    on PATH, so that a venv that is not activated is tested as it is)."""
+    exe = Path(sys.executable).with_name("scaleopt")
+    assert exe.exists(), f"no console script at {exe}"
+    done = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "train" in done.stdout and "bench" in done.stdout
 
 
 def test_a_torchrun_launch_trains_as_one_job(tmp_path):
-    torchrun = shutil.which("torchrun")
-    if torchrun is None:
-        pytest.fail("torchrun is installed with torch and should be on PATH")
+    """``torchrun`` (as ``python -m torch.distributed.run``, torchrun's own module, so that a
+    venv that is not activated runs it too) starts two ranks that train as one job."""
     import socket
 
     with socket.socket() as sock:
@@ -302,7 +303,7 @@ def test_a_torchrun_launch_trains_as_one_job(tmp_path):
         port = sock.getsockname()[1]
     out = tmp_path / "run"
     done = subprocess.run(
-        [torchrun, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
          "-m", "scaleopt", "train", *TINY, "--steps", "6", "--threads", "1", "--out", str(out)],
         capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -50,6 +50,16 @@ def takes_fused(group: Dict[str, Any], params: List[Tensor]) -> bool:
     return fused
 
 
+def _beside(steps: List[Tensor], params: List[Tensor]) -> List[Tensor]:
+    """The step counters beside their parameters, as torch's multi-tensor Adam takes them under
+    ``torch.compile`` (host counters of accelerator parameters, as tensor scalars, are constants
+    the graph cannot take): copies where a counter is elsewhere, to be written back after the
+    update; the counters themselves where all are."""
+    if all(s.device == p.device for s, p in zip(steps, params)):
+        return steps
+    return [s.to(p.device) for s, p in zip(steps, params)]
+
+
 class AdamW(ScaleOptimizer):
     r"""AdamW (Loshchilov & Hutter, 2019) with decay exclusion by parameter name.
 
@@ -244,14 +254,9 @@ class AdamW(ScaleOptimizer):
                 self._native_step(group, rows, decayed)
             beta1, beta2 = group["betas"]
             for decayed, (ps, gs, ms, vs, maxs, steps) in lists.items():
-                # torch's foreach path needs its tensor-scalar form under torch.compile, with
-                # the counters beside the parameters (host counters of accelerator parameters
-                # as tensor scalars are constants the graph cannot take): copies of them there,
-                # written back after the update
+                # torch's foreach path needs its tensor-scalar form under torch.compile
                 capturable = _blocks.compiling() and not fused
-                counters = steps
-                if capturable and any(s.device != p.device for s, p in zip(steps, ps)):
-                    steps = [s.to(p.device) for s, p in zip(steps, ps)]
+                counters, steps = steps, _beside(steps, ps) if capturable else steps
                 lr = group["lr"]
                 if isinstance(lr, torch.Tensor) and not capturable:
                     lr = lr.item()  # torch's foreach and fused CPU paths take a number here
@@ -277,8 +282,7 @@ class AdamW(ScaleOptimizer):
                     eps=group["eps"],
                     maximize=False,
                 )
-                if steps is not counters:
-                    for s, moved in zip(counters, steps):
-                        s.copy_(moved)
+                for s, moved in zip(counters, steps) if steps is not counters else ():
+                    s.copy_(moved)
             _compact.store(pending)
         return loss
