@@ -17,8 +17,10 @@ from ._params import param_label
 from ._sharding import Phased, ShardSums, any_dtensor, local, on_any_rank, run_lockstep
 
 
-class GradScalars(NamedTuple):
-    """A deferred group's gradient scalars (see :func:`take`)."""
+@dataclasses.dataclass(frozen=True)
+class GradScalars:
+    """A deferred group's gradient scalars (see :func:`take`). (A dataclass: torch 2.11's
+    compiler hands on a NamedTuple made in a generator it inlines as an empty tuple.)"""
 
     #: per tensor, the number its raw gradient is to be taken times: a float64 vector where the
     #: gradients are (on an accelerator, nothing is read back to the host to make it)
@@ -262,7 +264,8 @@ def _clip_by_global_norm(staged: List[GroupGrads]) -> Tensor:
             continue
         coef = _blocks.clip_coef(total, s.group["max_grad_norm"])
         if s.deferred:  # float64, as the C kernels' multipliers always were
-            s.scalars = s.scalars._replace(mults=s.scalars.mults * coef.to(s.scalars.mults))
+            s.scalars = dataclasses.replace(s.scalars,
+                                            mults=s.scalars.mults * coef.to(s.scalars.mults))
         else:
             s.grads = _blocks.scale(s.grads, coef)
             if s.grad_norms is not None:
