@@ -32,21 +32,17 @@ import os
 import platform
 import pstats
 import statistics
-import sys
 import time
 
 
-def _device(argv):
-    """``--device``'s value, read before torch and Triton are imported."""
-    for i, a in enumerate(argv):
-        if a == "--device" and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith("--device="):
-            return a.split("=", 1)[1]
-    return "cpu"
+def _device_option(parser):
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="cpu: launches stubbed (default); cuda: launched")
+    return parser
 
 
-DEVICE = _device(sys.argv[1:])
+#: ``--device``, read before torch and Triton are imported
+DEVICE = _device_option(argparse.ArgumentParser(add_help=False)).parse_known_args()[0].device
 if DEVICE == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported: CPU tensors take the path
 
@@ -110,8 +106,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", metavar="FILE")
-    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
-                    help="cpu: launches stubbed (default); cuda: launched")
+    _device_option(ap)
     ap.add_argument("--only", action="append", default=[],
                     help="the variants whose name contains this (repeatable)")
     ap.add_argument("--profile", action="store_true",
@@ -138,7 +133,7 @@ def main(argv=None):
         if profile is not None:
             text = io.StringIO()
             pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
-            print(text.getvalue().split("\n", 4)[-1] if "\n" in text.getvalue() else text.getvalue())
+            print(text.getvalue())
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"tensors": len(SHAPES), "torch": torch.__version__, "device": DEVICE,

@@ -49,16 +49,20 @@ def summary_counts(text: str) -> Dict[str, int]:
     return {}
 
 
+def passed(counts: Dict[str, int]) -> bool:
+    """Whether a suite's counts say it passed: tests passed, none failed or errored."""
+    return counts.get("passed", 0) > 0 and not (counts.get("failed") or counts.get("errors"))
+
+
 def verdict(torch_version: str, triton_version: Optional[str], python: str,
             counts: Dict[str, int], seconds: float) -> str:
     """The one line: versions, counts and OK or FAILED."""
-    bad = counts.get("failed", 0) + counts.get("errors", 0)
     minutes, secs = divmod(int(round(seconds)), 60)
     parts = [f"{counts.get('passed', 0)} passed", f"{counts.get('skipped', 0)} skipped",
              f"{counts.get('failed', 0)} failed"]
     if counts.get("errors"):
         parts.append(f"{counts['errors']} errors")
-    status = "OK" if bad == 0 and counts.get("passed", 0) > 0 else "FAILED"
+    status = "OK" if passed(counts) else "FAILED"
     return (f"torch {torch_version} (triton {triton_version or 'not installed'}, Python "
             f"{python}): {', '.join(parts)} in {minutes}m{secs:02d}s: {status}")
 
@@ -110,8 +114,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                             capture_output=True, text=True).stdout.strip()
     print(verdict(_installed(py, "torch") or args.torch, _installed(py, "triton"), python,
                   counts, time.perf_counter() - started))
-    return 0 if counts and not (counts.get("failed") or counts.get("errors")) and \
-        counts.get("passed") else 1
+    return 0 if passed(counts) else 1
 
 
 if __name__ == "__main__":
