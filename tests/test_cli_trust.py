@@ -117,12 +117,23 @@ def test_a_checkpoint_of_an_earlier_release_without_manifest_resumes_with_a_warn
     capsys.readouterr()
     assert main(["train", "--resume", str(run), "--no-progress", "--stop-after", "6"]) == EXIT_OK
     assert "has no manifest.json" in capsys.readouterr().err
-    _empty(run / "checkpoints" / "step-00000004")  # unverifiable damage: a clear error still
+    # damage that no digest shows is still found where a file does not read (an emptied data
+    # file: its entries cannot be unpickled), and the newest checkpoint before it resumes
     os.remove(run / "checkpoints" / "step-00000006" / "manifest.json")
     _empty(run / "checkpoints" / "step-00000006")
-    assert main(["train", "--resume", str(run), "--no-progress"]) == EXIT_USAGE
+    assert main(["train", "--resume", str(run), "--no-progress", "--stop-after", "8"]) == EXIT_OK
     err = capsys.readouterr().err
-    assert "step-00000006 cannot be read" in err and "Traceback" not in err
+    assert "step-00000006 is damaged" in err and "cannot be read (EOFError" in err
+    assert "resuming from step-00000004" in err and "Traceback" not in err
+    assert json.loads((run / "result.json").read_text())["resumed_at"] == 4
+    # a data file whose tensors are gone but whose entries read: DCP's load fails, a clear error
+    os.remove(run / "checkpoints" / "step-00000008" / "manifest.json")
+    data = run / "checkpoints" / "step-00000008" / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[:-64])
+    assert main(["train", "--resume", str(run / "checkpoints" / "step-00000008"),
+                 "--no-progress"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "step-00000008 cannot be read" in err and "Traceback" not in err
 
 
 def test_a_checkpoint_folder_can_be_named_and_is_verified(stopped, tmp_path, capsys):

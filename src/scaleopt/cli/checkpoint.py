@@ -39,7 +39,7 @@ _STEP_NAME = re.compile(r"^step-(\d{8})$")
 #: options that a resumed run may change: where and how it runs, not what it trains
 CHANGEABLE = frozenset({"workers", "shard", "replicas", "offload", "threads", "device", "out",
                         "progress", "checkpoint_every", "stop_after", "resume",
-                        "keep_checkpoints", "state_dtype"})
+                        "keep_checkpoints", "state_dtype", "max_restarts"})
 
 
 class CheckpointError(ValueError):
@@ -150,7 +150,21 @@ def verify(path: pathlib.Path) -> Optional[str]:
         meta = json.loads((path / META).read_text())
     except (OSError, ValueError) as exc:
         return f"its {META} is unreadable ({exc})"
-    return _meta_mismatch(path, meta)
+    return _meta_mismatch(path, meta) or _not_data(path)
+
+
+def _not_data(path: pathlib.Path) -> Optional[str]:
+    """Why the checkpoint's DCP files do not read as data (a ``.metadata`` or an entry made to
+    run code when unpickled: :mod:`scaleopt.dcp`), or None. Nothing in them runs."""
+    from .. import dcp
+
+    try:
+        dcp.check(path)
+    except dcp.RefusedCheckpoint as exc:
+        return f"refused, as code rather than data: {exc}" if exc.asks_for_code else str(exc)
+    except OSError as exc:
+        return f"unreadable ({exc})"
+    return None
 
 
 def _meta_mismatch(path: pathlib.Path, meta: Any) -> Optional[str]:
@@ -370,7 +384,7 @@ def chosen(resume: str) -> pathlib.Path:
 
 
 def _as_reason(why: str) -> str:
-    return why if why.startswith("incomplete") else f"damaged: {why}"
+    return why if why.startswith(("incomplete", "refused")) else f"damaged: {why}"
 
 
 def read_meta(path: pathlib.Path) -> Dict[str, Any]:
@@ -419,7 +433,6 @@ def shapes(model) -> Dict[str, list]:
 def load(path: pathlib.Path, meta: Dict[str, Any], model, opt) -> None:
     """Load the model and optimizer state of the checkpoint at ``path`` (every rank calls this),
     whatever the world size and layout it was saved at."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
     if type(opt).__name__ != meta["optimizer_class"]:
@@ -432,9 +445,11 @@ def load(path: pathlib.Path, meta: Dict[str, Any], model, opt) -> None:
     state = _dcp_part(model, opt)
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
+    from .. import dcp as data_only
+
     try:
         with _one_process_is_fine():
-            dcp.load(state, checkpoint_id=str(path))
+            data_only.load(state, path)  # read as data, never run (scaleopt.dcp)
     except (Exception, CheckpointException) as exc:  # an unverified checkpoint's damage
         raise CheckpointError(f"the checkpoint {path} cannot be read: {_first_line(exc)}") \
             from None
