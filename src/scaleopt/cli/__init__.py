@@ -16,19 +16,27 @@ from typing import Any, List, Optional
 from .. import __version__
 from .. import info as scaleopt_info
 from . import bench, checkpoint, data, launch, optimizers, report, study, train
-from .train import Config, Diverged
+from .train import Config, Diverged, WorkersLost
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_DIVERGED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
-def _positive_int(text: str) -> int:
+def _whole_number(text: str, least: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    return _whole_number(text, 1)
+
+
+def _non_negative_int(text: str) -> int:
+    return _whole_number(text, 0)
 
 
 def _plain(doc: str) -> str:
@@ -131,6 +139,12 @@ def _add_checkpoint_options(p: argparse.ArgumentParser) -> None:
                         "the whole run); continue with --resume")
     g.add_argument("--keep-checkpoints", type=_positive_int, default=3, metavar="N",
                    help="keep the newest N checkpoints, removing older ones (default: 3)")
+    g.add_argument("--max-restarts", type=_non_negative_int, default=3, metavar="N",
+                   help="with --workers N: when a worker dies (killed, out of memory), end the "
+                        "others and start them again from the newest checkpoint that verifies, "
+                        "at most N times in a run (default: 3); under torchrun, its own "
+                        "--max-restarts restarts the workers, and a restarted run resumes from "
+                        "--out's newest checkpoint by itself")
     g.add_argument("--resume", metavar="RUN_DIR",
                    help="continue the run in RUN_DIR from its newest checkpoint that verifies "
                         "(or from the checkpoint folder given), with its options; --workers, "
@@ -310,18 +324,22 @@ def main(argv: Optional[List[str]] = None) -> int:
     except Diverged as exc:
         print(f"scaleopt {args.command}: training diverged: {exc}", file=sys.stderr)
         return EXIT_DIVERGED
+    except WorkersLost as exc:
+        print(f"scaleopt {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     except KeyboardInterrupt:  # a second Ctrl-C
         print(f"scaleopt {args.command}: aborted", file=sys.stderr)
         return EXIT_INTERRUPTED
 
 
 def _train(args: argparse.Namespace, given: set) -> int:
+    restarted = _restarted_by_torchrun(args)
     cfg = _resumed(args, given) if args.resume else _config(args)
     train.check(cfg)
     if cfg.out is None:
         cfg = dataclasses.replace(cfg, out=train.default_out(cfg))
-    if not args.resume or "out" in given:  # a resumed run continues in its own folder
-        train.check_out(cfg.out, overwrite=args.overwrite)
+    if restarted is None and (not args.resume or "out" in given):  # a resumed run continues
+        train.check_out(cfg.out, overwrite=args.overwrite)  # in its own folder
     checkpoint.check_writable(cfg.out)
     hint = launch.busy_cores_hint(cfg.threads, cfg.workers)
     if hint:
@@ -341,6 +359,24 @@ def _train(args: argparse.Namespace, given: set) -> int:
               f"written; " + _how_to_continue(cfg.out))
         return EXIT_INTERRUPTED
     return EXIT_OK
+
+
+def _restarted_by_torchrun(args: argparse.Namespace) -> Optional[int]:
+    """Under a ``torchrun`` that has restarted its workers (``--max-restarts``): the restart's
+    number, and ``args.resume`` set to the run folder ``--out`` where it holds a checkpoint, so
+    that the run goes on from its newest checkpoint that verifies (where none was written yet,
+    it starts again). None otherwise."""
+    restart = launch.torchrun_restart() if launch.under_torchrun() else 0
+    if not restart or args.resume or not args.out:
+        return None
+    root = pathlib.Path(args.out) / checkpoint.CHECKPOINTS
+    if any(p.name.startswith("step-") for p in (root.iterdir() if root.is_dir() else ())):
+        args.resume = args.out
+        checkpoint._note(f"restart {restart} by torchrun: resuming the run in {args.out}")
+    else:
+        args.overwrite = True  # its own folder, with no checkpoint yet
+        checkpoint._note(f"restart {restart} by torchrun: no checkpoint yet, starting again")
+    return restart
 
 
 def _how_to_continue(out: str) -> str:
@@ -389,6 +425,9 @@ def _summary(cfg: Config, r: dict) -> None:
           f"({per_param:.2f} bytes per parameter, state_dtype {cfg.state_dtype})"
           + (f" ({r['workers']} shards; unsharded: {r['unsharded_param_bytes']:,} and "
              f"{r['unsharded_optimizer_state_bytes']:,})" if r["sharded"] else ""))
+    for i, restart in enumerate(r.get("restarts", []), 1):
+        print(f"restart {i}: {restart['cause']} at step {restart['at_step']}; resumed from "
+              f"step {restart['from_step']}, {restart['redone_steps']} steps done again")
     if r["checkpoints"]:
         print(f"checkpoints: {len(r['checkpoints'])}, the last {r['checkpoints'][-1]}")
     if not r.get("write_error"):

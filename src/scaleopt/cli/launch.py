@@ -112,11 +112,41 @@ def start_method() -> str:
     return "spawn"
 
 
-def spawn(target: Callable[..., None], world: int, device: str, *args: Any) -> None:
+def shared_step() -> Any:
+    """An integer the workers of :func:`spawn` can write and this process read (the step a run
+    has reached), -1 until one writes it."""
+    return mp.get_context(start_method()).Value("q", -1, lock=False)
+
+
+def torchrun_restart() -> int:
+    """How many times ``torchrun`` has restarted this launch's workers (0 on the first start,
+    and outside torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+#: the markers of a worker that failed because another one died: its collectives lost their
+#: peer (gloo's and NCCL's errors), not an error of its own
+LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "DistBackendError",
+             "DistNetworkError", "NCCL communicator was aborted", "Broken pipe")
+
+
+def lost_a_peer(error: BaseException) -> bool:
+    """Whether a worker's ``error`` (from :func:`spawn`) says that a worker died: one killed or
+    ended by a signal or an exit code (out of memory, a lost node), or one whose collectives
+    lost the other."""
+    if isinstance(error, mp.ProcessExitedException):
+        return True
+    return isinstance(error, mp.ProcessRaisedException) and any(m in str(error) for m in LOST_PEER)
+
+
+def spawn(target: Callable[..., None], world: int, device: str, *args: Any,
+          started: Optional[Callable[[list], None]] = None) -> None:
     """Run ``target(rank, world, stop, *args)`` in ``world`` new processes, each one rank of a
     process group on 127.0.0.1 (gloo, or NCCL on ``cuda``). ``stop`` is an event that the first
     Ctrl-C here sets; a second one ends the workers and raises KeyboardInterrupt. A worker's
-    error comes back as ``torch.multiprocessing.ProcessRaisedException``."""
+    error comes back as ``torch.multiprocessing.ProcessRaisedException``, a worker that dies
+    as ``ProcessExitedException`` (the others are ended). ``started(pids)``: called with the
+    workers' process ids once they run."""
     method = start_method()
     stop = mp.get_context(method).Event()
     context = None
@@ -125,6 +155,8 @@ def spawn(target: Callable[..., None], world: int, device: str, *args: Any) -> N
             context = mp.start_processes(
                 _worker, args=(target, world, free_port(), device, stop, args), nprocs=world,
                 join=False, start_method=method)
+            if started is not None:
+                started([p.pid for p in context.processes])
             while not context.join(timeout=1.0):
                 pass
     except KeyboardInterrupt:  # a second Ctrl-C: no worker is left behind

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -47,6 +48,7 @@ class Config:
     shard: bool = False  # FSDP2: each rank holds 1/workers of the parameters and the state
     replicas: int = 1  # with shard: HSDP, the workers split into this many replicas
     checkpoint_every: Optional[int] = None  # DCP checkpoints into out/checkpoints every K steps
+    max_restarts: int = 3  # --workers N: restarts after a worker dies, from the last checkpoint
     keep_checkpoints: int = 3  # the newest N checkpoints are kept
     stop_after: Optional[int] = None  # end after this step, with a checkpoint (see --resume)
     resume: Optional[str] = None  # a run directory: continue from its last checkpoint
@@ -298,12 +300,14 @@ class Trainer:
     #: why a checkpoint could not be written (the run ended there), or None
     checkpoint_error: Optional[str] = None
     elapsed: float = 0.0
+    reached: Any = None  # a shared integer: the step rank 0 has finished (launch.shared_step)
 
 
 def run(cfg: Config, rank: int = 0, world: int = 1, write: bool = True,
-        stop: Any = launch.STOP) -> Dict[str, Any]:
+        stop: Any = launch.STOP, reached: Any = None) -> Dict[str, Any]:
     """Train; on rank 0 return the results (and write them if ``write`` and ``cfg.out``).
-    ``stop``: an event that ends the run after the current step. Raises :class:`Diverged`, and
+    ``stop``: an event that ends the run after the current step; ``reached``: a shared integer
+    that rank 0 sets to each step it finishes. Raises :class:`Diverged`, and
     :class:`checkpoint.CheckpointError` for a checkpoint that cannot be resumed."""
     check(cfg)
     if cfg.threads is not None:
@@ -311,6 +315,7 @@ def run(cfg: Config, rank: int = 0, world: int = 1, write: bool = True,
     trainer = build(cfg, rank, world)
     if cfg.out and (cfg.checkpoint_every or cfg.stop_after):
         checkpoint.check_space(cfg.out, 2 * checkpoint.estimated_bytes(trainer.model))
+    trainer.reached = reached if rank == 0 else None
     loop(trainer, stop)
     result = results(trainer)
     if result and cfg.out and write:
@@ -435,6 +440,8 @@ def loop(t: Trainer, stop: Any) -> None:
         batch = perm[k * cfg.batch_size:(k + 1) * cfg.batch_size]
         loss = _train_step(t, batch[t.rank * per_rank:(t.rank + 1) * per_rank].to(t.data[0].device))
         step = t.step
+        if t.reached is not None:
+            t.reached.value = step
         stopping = t.world == 1 and stop.is_set()  # one process: every step
         if step % log_every == 0 or step % eval_every == 0 or step == total:
             loss_value, stopping = _mean_over_ranks(loss, t.world, stop.is_set())
@@ -530,8 +537,14 @@ def results(t: Trainer) -> Dict[str, Any]:
         "history": t.history, "train_curve": t.curve, "torch": torch.__version__,
         "threads": torch.get_num_threads(), "workers": t.world, "sharded": cfg.shard,
         "checkpoints": t.checkpoints, "checkpoint_error": t.checkpoint_error,
-        **sizes, **_traffic(t),
+        **sizes, **_traffic(t), **_torchrun_restarts(),
     }
+
+
+def _torchrun_restarts() -> Dict[str, int]:
+    """How often torchrun restarted the workers of this run (under torchrun, where it did)."""
+    n = launch.torchrun_restart() if launch.under_torchrun() else 0
+    return {"torchrun_restarts": n} if n else {}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -539,13 +552,18 @@ def results(t: Trainer) -> Dict[str, Any]:
 # ------------------------------------------------------------------------------------------------
 
 
-def _rank(rank: int, world: int, stop: Any, cfg: Config, result_file: str) -> None:
+def _rank(rank: int, world: int, stop: Any, cfg: Config, result_file: str,
+          reached: Any = None) -> None:
     """One of the command's workers (see :func:`launch.spawn`)."""
     if cfg.threads is None:  # share the cores between the processes
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    result = run(cfg, rank, world, write=False, stop=stop)
+    result = run(cfg, rank, world, write=False, stop=stop, reached=reached)
     if rank == 0:
         pathlib.Path(result_file).write_text(json.dumps(result))
+
+
+class WorkersLost(RuntimeError):
+    """Workers died more often than ``--max-restarts`` allows; the message says when and how."""
 
 
 def _torchrun(cfg: Config) -> Dict[str, Any]:
@@ -555,28 +573,110 @@ def _torchrun(cfg: Config) -> Dict[str, Any]:
         rank, world = dist.get_rank(), dist.get_world_size()
         cfg = dataclasses.replace(cfg, workers=world)
         check(cfg)
+        pids: List[Any] = [None] * world
+        dist.all_gather_object(pids, os.getpid())  # this node's and the others' (their ids)
+        if rank == 0:
+            _write_pids(cfg, pids, launch.torchrun_restart())
         with launch.interruptible(launch.STOP):
             result = run(cfg, rank, world)
         dist.barrier()  # no rank leaves the group while another still uses it
+        if rank == 0:
+            _remove_pids(cfg)
         return result
     finally:
         launch.end_group()
 
 
+#: where a run's workers' process ids are written while they run (``scaleopt train
+#: --workers N``): {"pids": [...], "restart": n}
+WORKERS_FILE = "workers.json"
+
+
+def _how_it_died(exc: BaseException) -> str:
+    if isinstance(exc, mp.ProcessExitedException):
+        how = (f"killed by {exc.signal_name}" if exc.signal_name
+               else f"ended with exit code {exc.exit_code}")
+        return f"worker {exc.error_index} (pid {exc.error_pid}) was {how}"
+    return (f"worker {exc.error_index} (pid {exc.error_pid}) lost its connection to another worker "
+            f"(which died)")
+
+
 def _workers(cfg: Config) -> Dict[str, Any]:
-    """``cfg`` in ``cfg.workers`` processes started here; rank 0's results."""
-    with tempfile.TemporaryDirectory() as tmp:
-        result_file = os.path.join(tmp, "result.json")
+    """``cfg`` in ``cfg.workers`` processes started here; rank 0's results. A worker that dies
+    (killed, out of memory) ends the others; they are started again from the newest checkpoint
+    that verifies (or from the start of the run where there is none yet), at most
+    ``cfg.max_restarts`` times, and ``restarts`` in the results says when and what was redone."""
+    reached, restarts, attempt = launch.shared_step(), [], cfg
+    while True:
+        with tempfile.TemporaryDirectory() as tmp:
+            result_file = os.path.join(tmp, "result.json")
+            try:
+                launch.spawn(_rank, cfg.workers, cfg.device, attempt, result_file, reached,
+                             started=lambda pids: _write_pids(cfg, pids, len(restarts)))
+                result = json.loads(pathlib.Path(result_file).read_text())
+                break
+            except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
+                if not launch.lost_a_peer(exc):
+                    _raise_cause(exc)
+                died = _how_it_died(exc)
+        at = reached.value
+        if len(restarts) >= cfg.max_restarts:
+            raise WorkersLost(
+                f"{died} at step {at}, after {len(restarts)} restart"
+                f"{'s' if len(restarts) != 1 else ''} (--max-restarts {cfg.max_restarts}): the "
+                f"run ends here" + (f"; continue it with --resume {cfg.out}" if cfg.out else ""))
+        attempt, start = _restart_point(cfg)
+        restarts.append({"cause": died, "at_step": at, "from_step": start,
+                         "redone_steps": max(0, at - start)})
+        checkpoint._note(f"{died} at step {at}; restarting the {cfg.workers} workers from "
+                         + (f"the checkpoint of step {start}" if attempt.resume else "the start")
+                         + f" (restart {len(restarts)} of at most {cfg.max_restarts})")
+    _remove_pids(cfg)
+    if restarts:
+        result["restarts"] = restarts
+        result["redone_steps"] = sum(r["redone_steps"] for r in restarts)
+        result["resumed_at"] = (checkpoint.read_meta(pathlib.Path(cfg.resume))["step"]
+                                if cfg.resume else None)
+    return result
+
+
+def _raise_cause(exc: BaseException) -> None:
+    """A worker's own error, as this process's: divergence and checkpoint errors by their
+    classes, others as they came."""
+    text = str(exc)
+    last = text.strip().splitlines()[-1]
+    if "Diverged" in text:
+        raise Diverged(last) from None
+    if "CheckpointError" in text:
+        raise checkpoint.CheckpointError(last.split(": ", 1)[-1]) from None
+    raise exc
+
+
+def _restart_point(cfg: Config) -> Tuple[Config, int]:
+    """Where workers that died start again: the newest checkpoint of the run folder that
+    verifies, else where the run began (its ``--resume`` checkpoint, or step 0)."""
+    if cfg.out:
         try:
-            launch.spawn(_rank, cfg.workers, cfg.device, cfg, result_file)
-        except mp.ProcessRaisedException as exc:
-            last = str(exc).strip().splitlines()[-1]
-            if "Diverged" in str(exc):
-                raise Diverged(last) from None
-            if "CheckpointError" in str(exc):
-                raise checkpoint.CheckpointError(last.split(": ", 1)[-1]) from None
-            raise
-        return json.loads(pathlib.Path(result_file).read_text())
+            path = checkpoint.find(cfg.out)
+        except checkpoint.CheckpointError:
+            path = None
+        if path is not None:
+            return dataclasses.replace(cfg, resume=str(path)), checkpoint.read_meta(path)["step"]
+    start = checkpoint.read_meta(pathlib.Path(cfg.resume))["step"] if cfg.resume else 0
+    return cfg, start
+
+
+def _write_pids(cfg: Config, pids: List[int], restart: int) -> None:
+    if cfg.out:
+        with contextlib.suppress(OSError):
+            checkpoint._write_atomically(pathlib.Path(cfg.out) / WORKERS_FILE,
+                                         json.dumps({"pids": pids, "restart": restart}))
+
+
+def _remove_pids(cfg: Config) -> None:
+    if cfg.out:
+        with contextlib.suppress(OSError):
+            (pathlib.Path(cfg.out) / WORKERS_FILE).unlink()
 
 
 def train(cfg: Config) -> Dict[str, Any]:
