@@ -85,3 +85,15 @@ def test_scaleopt_bench_world_times_every_optimizer_on_fsdp2_shards(tmp_path):
     assert result["world"] == 2 and result["rows"]["scaleopt.LAMB"]["collectives"] == 1
     plot = tmp_path / "scaleopt-runs" / "bench-custom-world2" / "bench.png"
     assert plot.read_bytes().startswith(b"\x89PNG")
+
+
+def test_bench_soak_reports_each_optimizers_steady_state_in_one_process_and_sharded(tmp_path):
+    out = run("bench_soak.py", "--only", "AdamW", "--steps", "40", "--warm", "10", "--world", "2",
+              "--json", str(tmp_path / "soak.json"))
+    report = json.loads((tmp_path / "soak.json").read_text())
+    want = {"AdamW", "AdamW int8 state", "torch.optim.AdamW (baseline)"}
+    assert set(report["one_process"]) == want and set(report["sharded"]) == want
+    for row in [*report["one_process"].values(), *report["sharded"].values()]:
+        assert row["tensors_end"] == row["tensors_start"] > 0 and row["rss_end"] > 0
+        assert row["ms_start"] > 0 and row["ms_end"] > 0
+    assert "one process" in out and "FSDP2, 2 ranks" in out and "of 6 steady" in out
