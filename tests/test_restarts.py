@@ -83,8 +83,8 @@ def _finish(proc):
         out, err = proc.communicate(timeout=DEADLINE_S)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail("the run did not end in time")
+        out, err = proc.communicate()
+        pytest.fail(f"the run did not end in time; its output:\n{out[-2000:]}\n{err[-6000:]}")
     return proc.returncode, out, err
 
 
@@ -145,6 +145,8 @@ def test_a_torchrun_launch_restarted_by_torchrun_resumes_from_its_run_folder(tmp
         port = sock.getsockname()[1]
     rng = random.Random()
     run = tmp_path / "run"
+    # (torchrun's store outlives the workers it restarts: the restarted group must not read
+    # the first group's addresses from it, launch.init_torchrun_group)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                 "--max-restarts", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
                 "-m", "scaleopt", "train", *[a for a in RUN if a not in ("--workers", "2")]]

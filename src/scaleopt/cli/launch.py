@@ -130,6 +130,20 @@ LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "DistBacke
              "DistNetworkError", "NCCL communicator was aborted", "Broken pipe")
 
 
+def init_torchrun_group(backend_name: str) -> None:
+    """The process group of a ``torchrun`` launch (its environment says where). After torchrun
+    restarted the workers, the group's keys in torchrun's store are put under a prefix of
+    their own: the store outlives the workers, and a new group that read the first group's
+    entries would try to connect to the addresses of workers that are gone."""
+    restart = torchrun_restart()
+    if not restart:
+        dist.init_process_group(backend_name, timeout=TIMEOUT)
+        return
+    store, rank, world = next(dist.rendezvous("env://", timeout=TIMEOUT))
+    dist.init_process_group(backend_name, store=dist.PrefixStore(f"restart-{restart}", store),
+                            rank=rank, world_size=world, timeout=TIMEOUT)
+
+
 def lost_a_peer(error: BaseException) -> bool:
     """Whether a worker's ``error`` (from :func:`spawn`) says that a worker died: one killed or
     ended by a signal or an exit code (out of memory, a lost node), or one whose collectives

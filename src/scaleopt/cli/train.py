@@ -568,7 +568,7 @@ class WorkersLost(RuntimeError):
 
 def _torchrun(cfg: Config) -> Dict[str, Any]:
     """``cfg`` as one rank of a ``torchrun`` launch."""
-    dist.init_process_group(launch.backend(cfg.device), timeout=launch.TIMEOUT)
+    launch.init_torchrun_group(launch.backend(cfg.device))
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         cfg = dataclasses.replace(cfg, workers=world)
