@@ -689,6 +689,13 @@ def test_a_step_keeps_no_gradient_alive():
         assert all(r() is None for r in refs), state_dtype
 
 
+def _step_each(models, opts, x):
+    for m, opt in zip(models, opts):
+        opt.zero_grad()
+        m(x).square().mean().backward()
+        opt.step()
+
+
 @pytest.mark.parametrize("key", ["exp_avg", "exp_avg_sq", "step"])
 def test_a_replaced_state_tensor_is_the_one_the_next_step_takes(key):
     """The Adam state is given again while its tensors are the same objects: a moment or a
@@ -706,14 +713,53 @@ def test_a_replaced_state_tensor_is_the_one_the_next_step_takes(key):
                 st[key] = st[key] * 0.5 + shift
             for st in opts[1].state.values():
                 st[key].mul_(0.5).add_(shift)
-        for m, opt in zip(models, opts):
-            opt.zero_grad()
-            m(x).square().mean().backward()
-            opt.step()
+        _step_each(models, opts, x)
     for a, b in zip(*(m.parameters() for m in models)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     for sa, sb in zip(*(o.state.values() for o in opts)):
         torch.testing.assert_close(sa[key], sb[key], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("change", ["lr", "tensor lr in place", "weight_decay",
+                                    "exclude_from_weight_decay", "state dict replaced"])
+def test_what_a_group_changes_between_steps_is_what_the_next_step_takes(change):
+    """A step finds its state and its tables again from the last step while they are the same
+    (a cost per tensor saved); a group option changed between steps (as a scheduler or a user
+    changes it), a tensor learning rate changed in place, or a parameter's state dict replaced
+    by another is what the next step takes, as in the reference loop."""
+    models = [two_layers(torch.float32) for _ in range(2)]
+    lr = torch.tensor(0.05) if change == "tensor lr in place" else 0.05
+    opts = [scaleopt.LAMB(list(m.named_parameters()), lr=lr if i == 0 else lr.clone()
+                          if torch.is_tensor(lr) else lr, weight_decay=0.01,
+                          implementation=impl)
+            for i, (m, impl) in enumerate(zip(models, ("triton", "single")))]
+    x = torch.randn(8, 9)
+    for t in range(4):
+        if t == 2:
+            for opt in opts:
+                group = opt.param_groups[0]
+                if change == "lr":
+                    group["lr"] = 0.01
+                elif change == "tensor lr in place":
+                    group["lr"].fill_(0.01)
+                elif change == "weight_decay":
+                    group["weight_decay"] = 0.5
+                elif change == "exclude_from_weight_decay":
+                    group["exclude_from_weight_decay"] = ["bias"]
+                else:
+                    for p in list(opt.state):
+                        opt.state[p] = {k: v.clone() * (0.5 if k != "step" else 1.0)
+                                        for k, v in opt.state[p].items()}
+        _step_each(models, opts, x)
+    for a, b in zip(*(m.parameters() for m in models)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # and the change made a difference: the same run without it ends elsewhere
+    same = two_layers(torch.float32)
+    opt = scaleopt.LAMB(same.parameters(), lr=0.05, weight_decay=0.01, implementation="triton")
+    for t in range(4):
+        _step_each([same], [opt], x)
+    assert not torch.allclose(same[2].bias, models[0][2].bias, rtol=1e-5, atol=1e-6) or \
+        not torch.allclose(same[0].weight, models[0][0].weight, rtol=1e-5, atol=1e-6)
 
 
 def test_the_counters_step_together_and_save_as_tensors_of_their_own():

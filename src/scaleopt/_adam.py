@@ -77,6 +77,10 @@ class _Memo(NamedTuple):
     dicts: List[Dict[str, Any]]
     entries: List[List[Any]]
     state: AdamState
+    #: [the optimizer's ``state`` mapping, its keys, its values], in order, as last seen: while
+    #: they are the same objects, each parameter still has the same state dict (checked
+    #: without hashing a tensor per parameter, which costs a Python call each)
+    mapping: List[Any]
 
     @staticmethod
     def options_of(group: Dict[str, Any], amsgrad: bool) -> tuple:
@@ -90,7 +94,12 @@ class _Memo(NamedTuple):
             return None
         dicts = [opt.state[p] for p in params]
         return cls(group, cls.options_of(group, amsgrad), list(params), dicts,
-                   [[d.get(k) for d in dicts] for k in cls.keys(group, amsgrad)], state)
+                   [[d.get(k) for d in dicts] for k in cls.keys(group, amsgrad)], state,
+                   cls.mapping_of(opt))
+
+    @staticmethod
+    def mapping_of(opt: Any) -> List[Any]:
+        return [opt.state, list(opt.state), list(opt.state.values())]
 
     @staticmethod
     def keys(group: Dict[str, Any], amsgrad: bool) -> tuple:
@@ -104,10 +113,16 @@ class _Memo(NamedTuple):
                 or self.options != self.options_of(group, amsgrad)
                 or not all(map(operator.is_, params, self.params))):
             return False
-        dicts = list(map(opt.state.__getitem__, params))
-        return all(map(operator.is_, dicts, self.dicts)) and all(
-            all(map(operator.is_, [d.get(k) for d in dicts], old))
-            for k, old in zip(self.keys(group, amsgrad), self.entries))
+        mapping, keys, values = self.mapping
+        if not (opt.state is mapping and len(mapping) == len(keys)
+                and all(map(operator.is_, mapping, keys))
+                and all(map(operator.is_, mapping.values(), values))):
+            dicts = list(map(opt.state.__getitem__, params))  # the mapping changed: look up
+            if not all(map(operator.is_, dicts, self.dicts)):
+                return False
+            self.mapping[:] = self.mapping_of(opt)  # (another group's state made, say)
+        return all(all(map(operator.is_, map(operator.methodcaller("get", k), self.dicts), old))
+                   for k, old in zip(self.keys(group, amsgrad), self.entries))  # each entry
 
 
 class AdamFamily(ScaleOptimizer):

@@ -15,6 +15,8 @@ member here, a line in :func:`implementation`, and one function per optimizer.
 from __future__ import annotations
 
 import enum
+import itertools
+import operator
 from typing import Any, Dict, Optional, Sequence
 
 import torch
@@ -62,23 +64,29 @@ def implementation(group: Dict[str, Any], params: Sequence[Tensor], *, kernels: 
     """
     if group.get("implementation") is not None:
         return _explicit(Impl(group["implementation"]), params, tensors)
-    if not all(p.layout == torch.strided for p in params):
+    # (each test one pass in C over the parameters: a step asks more than once)
+    if not all(map(operator.is_, map(_LAYOUT, params), itertools.repeat(torch.strided))):
         return Impl.SINGLE
     sharded = any_dtensor(params)
     foreach = group.get("foreach")
     if foreach is not None and not sharded:
         return Impl.MULTI if foreach else Impl.SINGLE
     if (foreach is None and kernels and _native.available()
-            and (on_host or all(p.device.type == "cpu" for p in params))
+            and (on_host or all(map(_IS_CPU, params)))
             and (tensors is None or _native.applies(tensors))):
         return Impl.NATIVE
     if (foreach is None and kernels and not on_host and _triton.available()
-            and all(p.device.type == "cuda" for p in params)
+            and all(map(_IS_CUDA, params))
             and (tensors is None or _triton.applies(tensors))):
         return Impl.TRITON
     if sharded:  # on the local shards, the norms totalled in one reduction
         return Impl.MULTI
-    return Impl.MULTI if all(p.device.type != "cpu" for p in params) else Impl.SINGLE
+    return Impl.SINGLE if any(map(_IS_CPU, params)) else Impl.MULTI
+
+
+_LAYOUT = operator.attrgetter("layout")
+_IS_CPU = operator.attrgetter("is_cpu")
+_IS_CUDA = operator.attrgetter("is_cuda")
 
 
 def check_implementation(group: Dict[str, Any]) -> None:

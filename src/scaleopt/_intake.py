@@ -160,12 +160,15 @@ def _unscale(opt: Any, group: Dict[str, Any]) -> Union[float, Tensor]:
     return amp.double().reciprocal().float().reshape(()) * factor
 
 
+_GRAD = operator.attrgetter("grad")
+
+
 def _present(opt: Any, group: Dict[str, Any]) -> Tuple[List[int], List[Tensor], List[Tensor]]:
     """The group's parameters that have a gradient: their places, themselves and their
     gradients (from the optimizer's gradient source); a sparse gradient is an error. Where
     every parameter has one, in a few passes in C."""
     everything = group["params"]
-    present = [p.grad for p in everything]
+    present = list(map(_GRAD, everything))
     if not any(map(operator.is_, present, itertools.repeat(None))):
         idx, params = list(range(len(everything))), list(everything)
     else:

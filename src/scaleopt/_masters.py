@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import operator
 from typing import Any, Dict, Iterator, List, Optional, Protocol, Union
 
 import torch
@@ -242,6 +243,9 @@ class MasterWeights:
         """Bring each parameter up to date with its master. ``rounded_written`` (for all
         tensors, or per tensor): the fused kernels wrote a ``COPY`` master's rounded weights
         into its ``rounded_into`` tensor."""
+        if all(map(operator.is_, view.params, view.weights)):  # no masters: nothing to copy
+            self.placement.copy_back([])
+            return
         if isinstance(rounded_written, bool):
             rounded_written = [rounded_written] * len(view.params)
         pairs = []

@@ -104,13 +104,16 @@ def applies(t: Any) -> bool:
     moments stored in bfloat16 or 8 bits (``t.stored``); a float32 weight (with, optionally,
     where its rounded bfloat16 or float16 values go) or a split master (a bfloat16 weight and
     its int16 lower halves); a float32, bfloat16 or float16 gradient on the weight's device."""
+    if _TAKEN[0]() is t:  # asked again in the same step (the dispatch, then the update)
+        return True
     if not available() or not t.weights:
         return False
     device = t.weights[0].device
     if not runs_on(device):
         return False
-    if (_signature(t) in _PLANS and set(map(type, t.grads)) <= _PLAIN_TYPES
+    if (_known_plan(t) is not None and set(map(type, t.grads)) <= _PLAIN_TYPES
             and all(map(Tensor.is_contiguous, t.grads))):  # these storages, sizes and dtypes
+        _TAKEN[0] = weakref.ref(t)
         return True  # took the kernels before, and the gradients are plain and contiguous
     f32, bf16 = torch.float32, torch.bfloat16
     stored = t.stored or [None] * len(t.weights)
@@ -123,7 +126,12 @@ def applies(t: Any) -> bool:
         if (None if lo is None else lo.dtype) not in wanted or not (
                 lo is None or _plain(lo, device)):
             return False
+    _TAKEN[0] = weakref.ref(t)
     return True
+
+
+#: the last group's tensors (weakly) that :func:`applies` took
+_TAKEN: List[Any] = [lambda: None]
 
 
 def _plain(x: Tensor, device: torch.device) -> bool:
@@ -183,11 +191,10 @@ def _plan(t: Any) -> _Plan:
     another key), else made: the rows of ``ptrs`` (w, g, m, v, low, the tensor's place in the
     group, and for stored moments the int8 scales of m and v, the length of a row of blocks,
     where the local piece starts in the whole tensor)."""
-    key = _signature(t)
-    plan = _PLANS.get(key)
+    plan = _known_plan(t)
     if plan is not None:
-        _PLANS.move_to_end(key)
         return plan
+    key = _signature(t)
     n = len(t.weights)
     low = t.low or [None] * n
     stored = t.stored or [None] * n
@@ -199,11 +206,25 @@ def _plan(t: Any) -> _Plan:
                                    tuple(w.numel() for w in t.weights), t.weights[0].device)
     while len(_PLANS) > 256:
         _PLANS.popitem(last=False)
+    _LAST[2:] = [plan]
     return plan
 
 
-#: the last group's tensors (weakly: they hold the step's gradients) and their signature (a
-#: step asks for it more than once)
+def _known_plan(t: Any) -> Optional[_Plan]:
+    """The plan made before for the signature of ``t``, or None (looked up once per group's
+    tensors: a step asks for it twice)."""
+    key = _signature(t)
+    if len(_LAST) > 2:
+        return _LAST[2]
+    plan = _PLANS.get(key)
+    if plan is not None:
+        _PLANS.move_to_end(key)
+        _LAST[2:] = [plan]
+    return plan
+
+
+#: the last group's tensors (weakly: they hold the step's gradients), their signature (a step
+#: asks for it more than once) and, once found, their plan
 _LAST: List[Any] = [lambda: None, None]
 
 
@@ -217,6 +238,8 @@ def _signature(t: Any) -> tuple:
     low = t.low
     if low is not None and all(map(operator.is_, low, itertools.repeat(None))):
         low = None  # (as when none is given)
+    elif low is not None and not any(map(operator.is_, low, itertools.repeat(None))):
+        low = (tuple(map(ptr, low)), tuple(map(dtype, low)))  # (each a pass in C)
     elif low is not None:
         low = tuple((0, None) if x is None else (x.data_ptr(), x.dtype) for x in low)
     key = (tuple(map(ptr, t.weights)), tuple(map(ptr, t.grads)), tuple(map(ptr, t.exp_avgs)),
