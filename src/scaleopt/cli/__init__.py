@@ -366,7 +366,7 @@ def _restarted_by_torchrun(args: argparse.Namespace) -> Optional[int]:
     number, and ``args.resume`` set to the run folder ``--out`` where it holds a checkpoint, so
     that the run goes on from its newest checkpoint that verifies (where none was written yet,
     it starts again). None otherwise."""
-    restart = launch.torchrun_restart() if launch.under_torchrun() else 0
+    restart = launch.torchrun_restart()
     if not restart or args.resume or not args.out:
         return None
     root = pathlib.Path(args.out) / checkpoint.CHECKPOINTS

@@ -121,6 +121,8 @@ def shared_step() -> Any:
 def torchrun_restart() -> int:
     """How many times ``torchrun`` has restarted this launch's workers (0 on the first start,
     and outside torchrun)."""
+    if not under_torchrun():
+        return 0
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 

@@ -543,7 +543,7 @@ def results(t: Trainer) -> Dict[str, Any]:
 
 def _torchrun_restarts() -> Dict[str, int]:
     """How often torchrun restarted the workers of this run (under torchrun, where it did)."""
-    n = launch.torchrun_restart() if launch.under_torchrun() else 0
+    n = launch.torchrun_restart()
     return {"torchrun_restarts": n} if n else {}
 
 
@@ -606,6 +606,13 @@ def _workers(cfg: Config) -> Dict[str, Any]:
     (killed, out of memory) ends the others; they are started again from the newest checkpoint
     that verifies (or from the start of the run where there is none yet), at most
     ``cfg.max_restarts`` times, and ``restarts`` in the results says when and what was redone."""
+    try:
+        return _workers_restarted(cfg)
+    finally:
+        _remove_pids(cfg)  # (also when the run ends with an error)
+
+
+def _workers_restarted(cfg: Config) -> Dict[str, Any]:
     reached, restarts, attempt = launch.shared_step(), [], cfg
     while True:
         with tempfile.TemporaryDirectory() as tmp:
@@ -631,7 +638,6 @@ def _workers(cfg: Config) -> Dict[str, Any]:
         checkpoint._note(f"{died} at step {at}; restarting the {cfg.workers} workers from "
                          + (f"the checkpoint of step {start}" if attempt.resume else "the start")
                          + f" (restart {len(restarts)} of at most {cfg.max_restarts})")
-    _remove_pids(cfg)
     if restarts:
         result["restarts"] = restarts
         result["redone_steps"] = sum(r["redone_steps"] for r in restarts)
