@@ -64,6 +64,11 @@ REGISTRY: List[OptimizerInfo] = [
     OptimizerInfo("AdamW-amsgrad-exclude-clip", lambda n: scaleopt.AdamW(
         n, lr=1e-2, amsgrad=True, exclude_from_weight_decay=r"bias$", max_grad_norm=0.5),
         has_foreach=False),
+    OptimizerInfo("Muon", lambda n: scaleopt.Muon(n, lr=0.02, adamw_lr=1e-2),
+                  has_foreach=False),
+    OptimizerInfo("Muon-plain-rms-exclude-clip", lambda n: scaleopt.Muon(
+        n, lr=1e-2, nesterov=False, adjust_lr_fn="match_rms_adamw", exclude_from_muon=r"^2\.",
+        exclude_from_weight_decay="bias", max_grad_norm=0.5), has_foreach=False),
     OptimizerInfo("Momentum-nesterov-l1", lambda n: scaleopt.Momentum(
         n, lr=0.1, nesterov=True, weight_decay=1e-3, weight_decay_mode="l1")),
     OptimizerInfo("paddle.Lamb", lambda n: paddle.Lamb(

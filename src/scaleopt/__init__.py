@@ -8,11 +8,12 @@ from .groups import param_groups
 from .lamb import LAMB
 from .lans import LANS
 from .momentum import Momentum
+from .muon import Muon
 from .offload import OffloadAdam, offload
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "LAMB", "LANS", "AdamW", "Momentum", "OffloadAdam", "DGCMomentum", "offload", "param_groups",
+    "LAMB", "LANS", "AdamW", "Muon", "Momentum", "OffloadAdam", "DGCMomentum", "offload", "param_groups",
     "info", "STATE_DTYPES", "__version__",
 ]

@@ -55,9 +55,10 @@ MIN_NUMEL = 4096
 #: elements per int8 block (fewer where a row is shorter)
 BLOCK = 256
 #: the moments that may be stored compactly, and whether they take signed codes
-SIGNED = {"exp_avg": True, "exp_avg_sq": False, "max_exp_avg_sq": False}
+SIGNED = {"exp_avg": True, "exp_avg_sq": False, "max_exp_avg_sq": False,
+          "momentum_buffer": True}
 #: each moment's part of the rounding hash's key
-_SALT = {"exp_avg": 1, "exp_avg_sq": 2, "max_exp_avg_sq": 3}
+_SALT = {"exp_avg": 1, "exp_avg_sq": 2, "max_exp_avg_sq": 3, "momentum_buffer": 4}
 
 _MASK32 = 0xFFFFFFFF
 _HASH_MUL = 0x45D9F3B

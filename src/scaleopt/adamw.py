@@ -162,127 +162,134 @@ class AdamW(ScaleOptimizer):
                 f"kernel ({', '.join(_fused_devices())})"
             )
 
-    def _init_group(self, group: Dict[str, Any], idx: List[int], params: List[Tensor],
-                    grads: List[Tensor], fused: bool, pending: List[_compact.Pending],
-                    native: Dict[bool, List[Tuple[Any, ...]]]
-                    ) -> Dict[bool, Tuple[List[Tensor], ...]]:
-        """The group's tensors for torch's ``adamw``, split by whether they decay: params,
-        grads, moments, max moments (the params without amsgrad) and steps; state made where
-        new, step counters where ``fused`` needs them (on the parameter's device) or not.
-        Sharded parameters and their state are given as their local shards (as the gradients
-        are). Moments stored in bfloat16 or 8 bits go to the C kernel where it takes them
-        (into ``native``, see :meth:`_native_row`), else are given as float32 working tensors,
-        put on ``pending`` to be stored back after the update."""
-        no_decay = self._rule_flags(group, "exclude_from_weight_decay")
-        keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
-        lists: Dict[bool, Tuple[List[Tensor], ...]] = {}
-        for i, p, g in zip(idx, params, grads):
-            state = self.state[p]
-            if "step" not in state:
-                state["step"] = (
-                    torch.zeros((), dtype=torch.float32, device=p.device)
-                    if fused
-                    else torch.tensor(0.0, dtype=torch.float32)
-                )
-            if fused and state["step"].device != p.device:
-                state["step"] = state["step"].to(p.device)
-            elif not fused and state["step"].device.type != "cpu":
-                state["step"] = state["step"].cpu()
-            form = _compact.form_for(group["state_dtype"], tuple(p.shape))
-            _compact.convert(state, form, p, p.dtype)
-            row = None if form == "float32" else self._native_row(group, p, g, state, form)
-            if row is not None:
-                native.setdefault(not no_decay[i], []).append(row)
-                continue
-            moments = {}
-            for key in keys:
-                if form != "float32":
-                    moments[key] = _compact.working(state, key, form, p, p.dtype, pending)
-                    continue
-                if key not in state:
-                    state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                moments[key] = local_piece(state[key])
-            ls = lists.setdefault(not no_decay[i], ([], [], [], [], [], []))
-            for dest, t in zip(ls, (local_piece(p), g, moments["exp_avg"], moments["exp_avg_sq"],
-                                    moments.get("max_exp_avg_sq", local_piece(p)),
-                                    state["step"])):
-                dest.append(t)
-        return lists
-
-    @staticmethod
-    def _native_row(group: Dict[str, Any], p: Tensor, grad: Tensor, state: Dict[str, Any],
-                    form: str) -> Optional[Tuple[Any, ...]]:
-        """``(weight, grad, exp_avg, exp_avg_sq, step, stored)`` of a parameter whose moments
-        are stored in ``form`` (bfloat16 or 8 bits), for the C kernel, which updates them in
-        place in one pass (no float32 copies): where it takes the tensor (float32 on the CPU,
-        the kernels built, no amsgrad, not under ``torch.compile``), else None."""
-        if (group["amsgrad"] or p.dtype != torch.float32 or not _native.available()
-                or _blocks.compiling() or not state["step"].is_cpu):
-            return None
-        stored = _compact.stored(state, form, p)
-        row = (local_piece(p), grad, local_piece(state["exp_avg"]),
-               local_piece(state["exp_avg_sq"]), state["step"], stored)
-        return row if _native.adam_applies(*row[:4], None, stored) else None
-
-    @staticmethod
-    def _native_step(group: Dict[str, Any], rows: List[Tuple[Any, ...]], decayed: bool) -> None:
-        """AdamW on the C kernel for ``rows`` (see :meth:`_native_row`): torch's single-tensor
-        AdamW's operations, with the scalars computed as it computes them."""
-        beta1, beta2 = group["betas"]
-        lr, wd = float(group["lr"]), group["weight_decay"] if decayed else 0.0
-        bc1, bc2_sqrt = _blocks.bias_corrections([float(row[4]) + 1.0 for row in rows],
-                                                 beta1, beta2, True)
-        count = len(rows)
-        w, g, m, v, step, stored = (list(col) for col in zip(*rows))
-        _native.adam(w, g, m, v, [None] * count, step,
-                     step_sizes=[lr / b for b in bc1], bias_correction2_sqrts=bc2_sqrt,
-                     weight_decays_l2=[0.0] * count, decays=[1.0 - lr * wd] * count,
-                     beta1=beta1, beta2=beta2, eps=group["eps"], grad_multipliers=[1.0] * count,
-                     threads=torch.get_num_threads(), stored=stored)
-
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
         """Perform one optimization step. ``closure`` re-evaluates the model and returns the loss."""
         loss = self._closure_loss(closure)
         for item in self._intake():
-            group, idx, params, grads = item.group, item.idx, item.params, item.grads
-            fused = takes_fused(group, params)
-            pending: List[_compact.Pending] = []
-            native: Dict[bool, List[Tuple[Any, ...]]] = {}
-            lists = self._init_group(group, idx, params, grads, fused, pending, native)
-            for decayed, rows in native.items():
-                self._native_step(group, rows, decayed)
-            beta1, beta2 = group["betas"]
-            for decayed, (ps, gs, ms, vs, maxs, steps) in lists.items():
-                # torch's foreach path needs its tensor-scalar form under torch.compile
-                capturable = _blocks.compiling() and not fused
-                counters, steps = steps, _beside(steps, ps) if capturable else steps
-                lr = group["lr"]
-                if isinstance(lr, torch.Tensor) and not capturable:
-                    lr = lr.item()  # torch's foreach and fused CPU paths take a number here
-                if capturable:
-                    # a 0-d tensor made from the float: an input of the compiled graph, not a
-                    # constant that an LR schedule would recompile at every step
-                    lr = torch.ones((), dtype=torch.float32, device=ps[0].device) * lr
-                _torch_adamw(
-                    ps,
-                    gs,
-                    ms,
-                    vs,
-                    maxs if group["amsgrad"] else [],
-                    steps,
-                    foreach=None if fused else group["foreach"],
-                    fused=fused,
-                    capturable=capturable,
-                    amsgrad=group["amsgrad"],
-                    beta1=beta1,
-                    beta2=beta2,
-                    lr=lr,
-                    weight_decay=group["weight_decay"] if decayed else 0.0,
-                    eps=group["eps"],
-                    maximize=False,
-                )
-                for s, moved in zip(counters, steps) if steps is not counters else ():
-                    s.copy_(moved)
-            _compact.store(pending)
+            update(self, item.group, item.idx, item.params, item.grads)
         return loss
+
+
+def update(opt: Any, group: Dict[str, Any], idx: List[int], params: List[Tensor],
+           grads: List[Tensor]) -> None:
+    """One AdamW step of ``group``'s parameters ``params`` (at positions ``idx`` of the group)
+    with their gradients ``grads`` (local shards for DTensors), the state in ``opt.state``:
+    the group's keys as :class:`AdamW` has them (``lr``, ``betas``, ``eps``, ``weight_decay``,
+    ``amsgrad``, ``foreach``, ``fused``, ``state_dtype``, ``exclude_from_weight_decay``)."""
+    fused = takes_fused(group, params)
+    pending: List[_compact.Pending] = []
+    native: Dict[bool, List[Tuple[Any, ...]]] = {}
+    lists = _init_group(opt, group, idx, params, grads, fused, pending, native)
+    for decayed, rows in native.items():
+        _native_step(group, rows, decayed)
+    beta1, beta2 = group["betas"]
+    for decayed, (ps, gs, ms, vs, maxs, steps) in lists.items():
+        # torch's foreach path needs its tensor-scalar form under torch.compile
+        capturable = _blocks.compiling() and not fused
+        counters, steps = steps, _beside(steps, ps) if capturable else steps
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor) and not capturable:
+            lr = lr.item()  # torch's foreach and fused CPU paths take a number here
+        if capturable:
+            # a 0-d tensor made from the float: an input of the compiled graph, not a
+            # constant that an LR schedule would recompile at every step
+            lr = torch.ones((), dtype=torch.float32, device=ps[0].device) * lr
+        _torch_adamw(
+            ps,
+            gs,
+            ms,
+            vs,
+            maxs if group["amsgrad"] else [],
+            steps,
+            foreach=None if fused else group["foreach"],
+            fused=fused,
+            capturable=capturable,
+            amsgrad=group["amsgrad"],
+            beta1=beta1,
+            beta2=beta2,
+            lr=lr,
+            weight_decay=group["weight_decay"] if decayed else 0.0,
+            eps=group["eps"],
+            maximize=False,
+        )
+        for s, moved in zip(counters, steps) if steps is not counters else ():
+            s.copy_(moved)
+    _compact.store(pending)
+
+
+def _init_group(opt: Any, group: Dict[str, Any], idx: List[int], params: List[Tensor],
+                grads: List[Tensor], fused: bool, pending: List[_compact.Pending],
+                native: Dict[bool, List[Tuple[Any, ...]]]
+                ) -> Dict[bool, Tuple[List[Tensor], ...]]:
+    """The group's tensors for torch's ``adamw``, split by whether they decay: params,
+    grads, moments, max moments (the params without amsgrad) and steps; state made where
+    new, step counters where ``fused`` needs them (on the parameter's device) or not.
+    Sharded parameters and their state are given as their local shards (as the gradients
+    are). Moments stored in bfloat16 or 8 bits go to the C kernel where it takes them
+    (into ``native``, see :func:`_native_row`), else are given as float32 working tensors,
+    put on ``pending`` to be stored back after the update."""
+    no_decay = opt._rule_flags(group, "exclude_from_weight_decay")
+    keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
+    lists: Dict[bool, Tuple[List[Tensor], ...]] = {}
+    for i, p, g in zip(idx, params, grads):
+        state = opt.state[p]
+        if "step" not in state:
+            state["step"] = (
+                torch.zeros((), dtype=torch.float32, device=p.device)
+                if fused
+                else torch.tensor(0.0, dtype=torch.float32)
+            )
+        if fused and state["step"].device != p.device:
+            state["step"] = state["step"].to(p.device)
+        elif not fused and state["step"].device.type != "cpu":
+            state["step"] = state["step"].cpu()
+        form = _compact.form_for(group["state_dtype"], tuple(p.shape))
+        _compact.convert(state, form, p, p.dtype)
+        row = None if form == "float32" else _native_row(group, p, g, state, form)
+        if row is not None:
+            native.setdefault(not no_decay[i], []).append(row)
+            continue
+        moments = {}
+        for key in keys:
+            if form != "float32":
+                moments[key] = _compact.working(state, key, form, p, p.dtype, pending)
+                continue
+            if key not in state:
+                state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            moments[key] = local_piece(state[key])
+        ls = lists.setdefault(not no_decay[i], ([], [], [], [], [], []))
+        for dest, t in zip(ls, (local_piece(p), g, moments["exp_avg"], moments["exp_avg_sq"],
+                                moments.get("max_exp_avg_sq", local_piece(p)),
+                                state["step"])):
+            dest.append(t)
+    return lists
+
+def _native_row(group: Dict[str, Any], p: Tensor, grad: Tensor, state: Dict[str, Any],
+                form: str) -> Optional[Tuple[Any, ...]]:
+    """``(weight, grad, exp_avg, exp_avg_sq, step, stored)`` of a parameter whose moments
+    are stored in ``form`` (bfloat16 or 8 bits), for the C kernel, which updates them in
+    place in one pass (no float32 copies): where it takes the tensor (float32 on the CPU,
+    the kernels built, no amsgrad, not under ``torch.compile``), else None."""
+    if (group["amsgrad"] or p.dtype != torch.float32 or not _native.available()
+            or _blocks.compiling() or not state["step"].is_cpu):
+        return None
+    stored = _compact.stored(state, form, p)
+    row = (local_piece(p), grad, local_piece(state["exp_avg"]),
+           local_piece(state["exp_avg_sq"]), state["step"], stored)
+    return row if _native.adam_applies(*row[:4], None, stored) else None
+
+def _native_step(group: Dict[str, Any], rows: List[Tuple[Any, ...]], decayed: bool) -> None:
+    """AdamW on the C kernel for ``rows`` (see :func:`_native_row`): torch's single-tensor
+    AdamW's operations, with the scalars computed as it computes them."""
+    beta1, beta2 = group["betas"]
+    lr, wd = float(group["lr"]), group["weight_decay"] if decayed else 0.0
+    bc1, bc2_sqrt = _blocks.bias_corrections([float(row[4]) + 1.0 for row in rows],
+                                             beta1, beta2, True)
+    count = len(rows)
+    w, g, m, v, step, stored = (list(col) for col in zip(*rows))
+    _native.adam(w, g, m, v, [None] * count, step,
+                 step_sizes=[lr / b for b in bc1], bias_correction2_sqrts=bc2_sqrt,
+                 weight_decays_l2=[0.0] * count, decays=[1.0 - lr * wd] * count,
+                 beta1=beta1, beta2=beta2, eps=group["eps"], grad_multipliers=[1.0] * count,
+                 threads=torch.get_num_threads(), stored=stored)

@@ -1,0 +1,176 @@
+"""Muon's orthogonalization: the Newton-Schulz iteration, on whole matrices also when FSDP2
+shards them.
+
+:func:`newton_schulz` is ``torch.optim.Muon``'s iteration operation for operation (bfloat16,
+the quintic polynomial, the norm clamped at ``eps``), so its results are torch's bits.
+
+The iteration needs a whole matrix, and FSDP2 gives each rank some rows of it (``Shard(0)``).
+:func:`orthogonalize` gives each sharded matrix to one rank of the process group that shards
+it (:func:`owners`: the largest first, each to the rank with the least work so far, by the
+iteration's cost), and moves the rows in one batched ``all_to_all_single`` per process group
+and direction: every rank sends its rows of each matrix to the matrix's owner, each owner
+stacks the rows in rank order (the whole matrix, as one process holds it), iterates, and sends
+each rank its rows of the result. The rows travel as bfloat16, the iteration's own first
+rounding, so the exchange halves the bytes and changes no bit: a sharded step's results are
+one process's. Matrices that nothing shards are iterated where they are.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ._sharding import _dtensor, _sharding_groups
+
+#: torch.optim.Muon's defaults (Keller Jordan's constants)
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+NS_STEPS = 5
+EPS = 1e-7
+
+
+def newton_schulz(x: Tensor, coefficients: Tuple[float, float, float], steps: int,
+                  eps: float) -> Tensor:
+    """The quintic Newton-Schulz iteration of the 2-D ``x``, in bfloat16 (a new tensor, of
+    ``x``'s shape): ``X <- a X + (b A + c A^2) X`` with ``A = X X^T``, on the wide orientation,
+    after ``X / max(||X||_F, eps)``."""
+    a, b, c = coefficients
+    y = x.to(torch.bfloat16, copy=True)
+    tall = x.size(0) > x.size(1)
+    if tall:
+        y = y.T
+    y.div_(y.norm().clamp(min=eps))
+    for _ in range(steps):
+        gram = y @ y.T
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        y = torch.addmm(y, poly, y, beta=a)
+    return y.T if tall else y
+
+
+def cost(shape: Sequence[int]) -> int:
+    """The iteration's work on a matrix of ``shape``, up to a constant (its matrix products)."""
+    m, n = shape
+    return m * n * min(m, n)
+
+
+def owners(shapes: Sequence[Sequence[int]], ranks: int) -> List[int]:
+    """The rank that iterates each matrix: the costliest first, each to the rank with the least
+    work so far (the lowest such rank); the same answer on every rank."""
+    load = [0] * ranks
+    owner = [0] * len(shapes)
+    for j in sorted(range(len(shapes)), key=lambda j: (-cost(shapes[j]), j)):
+        r = min(range(ranks), key=lambda k: (load[k], k))
+        owner[j] = r
+        load[r] += cost(shapes[j])
+    return owner
+
+
+def shard_rows(rows: int, ranks: int) -> List[int]:
+    """The rows of each rank under ``Shard(0)`` (torch.chunk's cut: ceil(rows / ranks) each, the
+    last ones fewer or none)."""
+    full = -(-rows // ranks) if ranks else 0
+    return [max(0, min(rows, (k + 1) * full) - k * full) for k in range(ranks)]
+
+
+class Job:
+    """One matrix to orthogonalize: its parameter (for its layout), the local rows of the
+    matrix to iterate, and, once done, the local rows of the result."""
+
+    __slots__ = ("param", "local", "result")
+
+    def __init__(self, param: Tensor, local: Tensor) -> None:
+        self.param, self.local, self.result = param, local, None
+
+
+def orthogonalize(jobs: Sequence[Job], coefficients: Tuple[float, float, float], steps: int,
+                  eps: float) -> None:
+    """Each job's ``result``: the local rows of the iteration of its whole matrix (see the
+    module doc); one exchange each way per process group that shards any of them."""
+    by_group: Dict[Any, List[Job]] = {}
+    for job in jobs:
+        group = _row_group(job.param)
+        if group is None:
+            job.result = newton_schulz(job.local, coefficients, steps, eps)
+        else:
+            by_group.setdefault(group, []).append(job)
+    for group, members in by_group.items():
+        _exchange(group, members, coefficients, steps, eps)
+
+
+def _row_group(p: Tensor) -> Any:
+    """The process group that splits ``p`` into row blocks (FSDP2's ``Shard(0)``), or None where
+    nothing splits it; an error for other layouts, which the exchange does not assemble."""
+    if not isinstance(p, _dtensor()):
+        return None
+    groups = _sharding_groups(p)
+    if not groups:
+        return None
+    shards = [pl for pl in p.placements if pl.is_shard()]
+    if len(groups) != 1 or shards[0].dim != 0:
+        raise NotImplementedError(
+            f"Muon assembles sharded matrices from row blocks over one mesh dimension (FSDP2's "
+            f"Shard(0), HSDP's (Replicate(), Shard(0))); a {tuple(p.shape)} parameter is placed "
+            f"{p.placements}")
+    return groups[0] if dist.get_world_size(groups[0]) > 1 else None
+
+
+def _exchange(group: Any, jobs: Sequence[Job], coefficients: Tuple[float, float, float],
+              steps: int, eps: float) -> None:
+    ranks, me = dist.get_world_size(group), dist.get_rank(group)
+    shapes = [tuple(job.param.shape) for job in jobs]
+    rows = [shard_rows(m, ranks) for m, _ in shapes]
+    for job, r in zip(jobs, rows):
+        if job.local.shape[0] != r[me]:
+            raise NotImplementedError(
+                f"Muon expects torch.chunk's row blocks of a {tuple(job.param.shape)} parameter "
+                f"over {ranks} ranks ({r[me]} rows here), and the local shard has "
+                f"{job.local.shape[0]}")
+    owner = owners(shapes, ranks)
+    mine = [j for j in range(len(jobs)) if owner[j] == me]
+    send = [[job.local.to(torch.bfloat16).reshape(-1) for job, o in zip(jobs, owner) if o == k]
+            for k in range(ranks)]
+    sent = [sum(t.numel() for t in pieces) for pieces in send]
+    taken = [sum(rows[j][k] * shapes[j][1] for j in mine) for k in range(ranks)]
+    got = _all_to_all(_flat(send, jobs[0].local.device), taken, sent, group)
+    from_rank = [piece.split([rows[j][k] * shapes[j][1] for j in mine])
+                 for k, piece in enumerate(got.split(taken))]
+    back: List[List[Tensor]] = [[] for _ in range(ranks)]
+    for i, j in enumerate(mine):
+        whole = torch.cat([from_rank[k][i].view(rows[j][k], shapes[j][1]) for k in range(ranks)])
+        result = newton_schulz(whole, coefficients, steps, eps)
+        for k, block in enumerate(result.split(rows[j])):
+            back[k].append(block.reshape(-1))
+    returned = _all_to_all(_flat(back, jobs[0].local.device), sent, taken, group)
+    pieces = [piece.split([job.local.numel() for job, o in zip(jobs, owner) if o == k])
+              for k, piece in enumerate(returned.split(sent))]
+    position = [0] * ranks
+    for job, o in zip(jobs, owner):
+        job.result = pieces[o][position[o]].view(job.local.shape)
+        position[o] += 1
+
+
+def _flat(pieces: Sequence[Sequence[Tensor]], device: torch.device) -> Tensor:
+    flat = [t for per_rank in pieces for t in per_rank]
+    return torch.cat(flat) if flat else torch.empty(0, dtype=torch.bfloat16, device=device)
+
+
+def _all_to_all(send: Tensor, receive_sizes: List[int], send_sizes: List[int],
+                group: Any) -> Tensor:
+    """``send`` (bfloat16) cut into ``send_sizes`` for the ranks in order; what each sent here,
+    as one tensor cut as ``receive_sizes``."""
+    received = torch.empty(sum(receive_sizes), dtype=torch.bfloat16, device=send.device)
+    dist.all_to_all_single(received, send, output_split_sizes=receive_sizes,
+                           input_split_sizes=send_sizes, group=group)
+    return received
+
+
+def adjusted_lr(lr: float, adjust_lr_fn: Any, shape: Sequence[int]) -> float:
+    """The learning rate of a matrix of ``shape`` (global): torch.optim.Muon's ``original``
+    (``lr sqrt(max(1, A/B))``, also for None) or ``match_rms_adamw`` (``0.2 lr sqrt(max(A, B))``)."""
+    rows, cols = shape[:2]
+    if adjust_lr_fn == "match_rms_adamw":
+        return lr * (0.2 * math.sqrt(max(rows, cols)))
+    return lr * math.sqrt(max(1, rows / cols))

@@ -1,0 +1,294 @@
+"""Muon: orthogonalized momentum for the matrices of a model, AdamW for the rest, in one optimizer."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _blocks, _compact, adamw
+from ._base import ScaleOptimizer, lr_of
+from ._checks import check_betas, check_bool, check_choice, check_number
+from ._loading import StateSpec
+from ._orthogonal import EPS, NS_COEFFICIENTS, NS_STEPS, Job, adjusted_lr, orthogonalize
+from ._params import NameRule, match_names, normalize_group, param_label, rule_is_set
+from ._sharding import local_piece
+
+__all__ = ["Muon"]
+
+#: the choices of ``adjust_lr_fn`` (torch.optim.Muon's)
+ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+#: what updates a group's parameters
+ALGORITHMS = ("muon", "adamw")
+#: the state of a parameter of each algorithm (``step`` is made where missing: torch.optim.Muon
+#: keeps none)
+_KEYS = {"muon": ("momentum_buffer",), "adamw": ("step", "exp_avg", "exp_avg_sq")}
+
+
+class Muon(ScaleOptimizer):
+    r"""Muon (Jordan et al., 2024) for a model's matrices, AdamW for its other parameters.
+
+    For each matrix :math:`W` (a 2-D parameter) with gradient :math:`G`:
+
+    .. math::
+        \begin{aligned}
+        B_t &= \mu B_{t-1} + (1-\mu) G_t \qquad
+        \tilde B_t = \begin{cases} (1-\mu) G_t + \mu B_t & \text{nesterov} \\
+                                   B_t & \text{otherwise} \end{cases}\\
+        O_t &= \mathrm{NS}^{(a,b,c)}_k(\tilde B_t):\quad X_0 = \tilde B_t / \max(\|\tilde B_t\|_F,
+              \varepsilon),\quad X_{i+1} = a X_i + (b A_i + c A_i^2) X_i,\ A_i = X_i X_i^T\\
+        W_t &= (1 - \eta\lambda)\, W_{t-1} - \eta'\, O_t, \qquad
+        \eta' = \begin{cases} \eta \sqrt{\max(1, A/B)} & \text{original} \\
+                              0.2\, \eta \sqrt{\max(A, B)} & \text{match\_rms\_adamw}
+                \end{cases}
+        \end{aligned}
+
+    for an :math:`A \times B` matrix, the iteration in bfloat16 on the wide orientation. These
+    are :class:`torch.optim.Muon`'s operations: on one device the matrices' updates are torch's
+    bits, and its ``state_dict`` loads here. The iteration drives the update's singular values
+    towards 1, so every direction of the momentum moves the weights alike.
+
+    The other parameters (not 2-D: biases, norms; and 2-D ones that ``exclude_from_muon`` names:
+    embeddings, the output head) take AdamW (:class:`scaleopt.AdamW`'s step, ``betas``,
+    ``adamw_eps``, the group's ``weight_decay``), as Moonlight and Keller Jordan's reference
+    do. A group of mixed parameters is split in two at construction (and in
+    :meth:`add_param_group`): its matrices (``algorithm="muon"``) and the rest
+    (``algorithm="adamw"``, at ``adamw_lr`` if given); a group that says its ``algorithm``
+    is kept whole. So one optimizer, one ``state_dict`` and one LR scheduler (which scales
+    each group's ``lr``) serve a whole model.
+
+    On FSDP2 (and HSDP) shards each matrix is iterated whole, by one rank: the ranks share the
+    matrices by cost, and the rows travel in one batched exchange each way per step; the
+    results are one process's (see :doc:`/muon`).
+
+    Args:
+        params: tensors, ``(name, tensor)`` pairs or param-group dicts.
+        lr (float, default 1e-3): learning rate :math:`\eta`.
+        weight_decay (float, default 0.1): :math:`\lambda`, decoupled (both algorithms).
+        momentum (float, default 0.95): :math:`\mu`.
+        nesterov (bool, default True): Nesterov momentum.
+        ns_coefficients (tuple of 3 floats, default (3.4445, -4.7750, 2.0315)): :math:`(a, b, c)`.
+        eps (float, default 1e-7): :math:`\varepsilon` of the iteration's normalization.
+        ns_steps (int, default 5): :math:`k`, the iteration's steps.
+        adjust_lr_fn (None, ``"original"`` or ``"match_rms_adamw"``, default None =
+            ``"original"``): :math:`\eta'`. ``"match_rms_adamw"`` gives the update AdamW's
+            RMS, so the matrices and the AdamW parameters can share one ``lr``.
+        betas (tuple[float, float], default (0.9, 0.95)): AdamW's :math:`(\beta_1, \beta_2)`.
+        adamw_eps (float, default 1e-8): AdamW's :math:`\epsilon`.
+        adamw_lr (float or None, default None): the learning rate of the AdamW part of a split
+            group; None: the group's ``lr``.
+        exclude_from_muon (regex, list of regexes, callable(name) or None): 2-D parameters that
+            take AdamW (e.g. ``r"embed|head"``).
+        exclude_from_weight_decay (name rule or None): names that get no decay.
+        max_grad_norm (float or None, default None): global gradient-norm clipping.
+        nonfinite (``"propagate"`` or ``"skip"``): as in :class:`LAMB` (see :doc:`/robustness`).
+        state_dtype (``"float32"``, ``"bfloat16"`` or ``"int8"``, default ``"float32"``): how
+            the momentum and AdamW's moments are stored (see :doc:`/state`).
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+        >>> opt = Muon(model.named_parameters(), lr=0.02, adamw_lr=1e-3)
+        >>> [g["algorithm"] for g in opt.param_groups]
+        ['muon', 'adamw']
+        >>> model(torch.randn(4, 8)).square().mean().backward()
+        >>> opt.step()
+
+    Papers: Keller Jordan et al., "Muon: An optimizer for hidden layers in neural networks",
+    2024, https://kellerjordan.github.io/posts/muon/; Jingyuan Liu et al., "Muon is Scalable
+    for LLM Training", 2025, https://arxiv.org/abs/2502.16982
+    """
+
+    _name_rule_keys = ("exclude_from_muon", "exclude_from_weight_decay")
+    _state_spec = StateSpec("muon", (), ("momentum_buffer", "exp_avg", "exp_avg_sq"))
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: Tuple[float, float, float] = NS_COEFFICIENTS,
+        eps: float = EPS,
+        ns_steps: int = NS_STEPS,
+        adjust_lr_fn: Optional[str] = None,
+        *,
+        betas: Tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+        adamw_lr: Optional[float] = None,
+        exclude_from_muon: NameRule = None,
+        exclude_from_weight_decay: NameRule = None,
+        max_grad_norm: Optional[float] = None,
+        nonfinite: str = "propagate",
+        state_dtype: str = "float32",
+    ) -> None:
+        defaults = dict(
+            lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+            ns_coefficients=tuple(ns_coefficients) if isinstance(ns_coefficients, list)
+            else ns_coefficients,
+            eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
+            betas=tuple(betas) if isinstance(betas, list) else betas, adamw_eps=adamw_eps,
+            adamw_lr=adamw_lr, exclude_from_muon=exclude_from_muon,
+            exclude_from_weight_decay=exclude_from_weight_decay, max_grad_norm=max_grad_norm,
+            state_dtype=state_dtype, algorithm=None,
+        )
+        super().__init__(params, defaults, nonfinite=nonfinite)
+
+    # -- groups -------------------------------------------------------------------------------
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """Add a group; one whose ``algorithm`` is None (the default) is added as up to two:
+        its matrices for Muon and its other parameters (and those ``exclude_from_muon``
+        names) for AdamW, at ``adamw_lr`` where that is set."""
+        group = normalize_group(param_group)
+        if group.get("algorithm", self.defaults["algorithm"]) is not None:
+            return super().add_param_group(group)
+        rule = group.get("exclude_from_muon", self.defaults["exclude_from_muon"])
+        names = group.get("param_names")
+        if rule_is_set(rule) and names is None:
+            return super().add_param_group(group)  # the base class names the problem
+        excluded = match_names(rule, names) if rule_is_set(rule) else (False,) * len(
+            group["params"])
+        matrix = [p.ndim == 2 and not x for p, x in zip(group["params"], excluded)]
+        parts = [(a, [i for i, m in enumerate(matrix) if m == (a == "muon")]) for a in ALGORITHMS]
+        parts = [(a, idx) for a, idx in parts if idx] or [("muon", [])]
+        for algorithm, idx in parts:
+            part = dict(group, algorithm=algorithm, params=[group["params"][i] for i in idx])
+            if names is not None:
+                part["param_names"] = [names[i] for i in idx]
+            adamw_lr = group.get("adamw_lr", self.defaults["adamw_lr"])
+            if algorithm == "adamw" and adamw_lr is not None:
+                part["lr"] = adamw_lr
+            super().add_param_group(part)
+
+    def _validate_group(self, group: Dict[str, Any]) -> None:
+        super()._validate_group(group)
+        check_number("weight_decay", group["weight_decay"])
+        check_number("momentum", group["momentum"], high=1.0)
+        check_bool("nesterov", group["nesterov"])
+        coefficients = group["ns_coefficients"]
+        if not isinstance(coefficients, tuple) or len(coefficients) != 3:
+            raise TypeError(f"ns_coefficients must be three numbers (a, b, c), got "
+                            f"{coefficients!r}")
+        for name, c in zip("abc", coefficients):
+            check_number(f"ns_coefficients ({name})", c, low=None)
+        check_number("eps", group["eps"], low=0.0, low_open=True)
+        steps = group["ns_steps"]
+        if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps < 100:
+            raise ValueError(f"Invalid ns_steps: {steps!r} (an int in [0, 100))")
+        check_choice("adjust_lr_fn", group["adjust_lr_fn"], ADJUST_LR_FNS)
+        check_betas(group["betas"])
+        check_number("adamw_eps", group["adamw_eps"])
+        check_number("adamw_lr", group["adamw_lr"], allow_none=True)
+        check_choice("algorithm", group["algorithm"], ALGORITHMS)
+        self._check_state_dtype(group)
+        if group["algorithm"] == "muon":
+            for i, p in enumerate(group["params"]):
+                if p.ndim != 2:
+                    raise ValueError(
+                        f"a group with algorithm='muon' takes matrices (2-D parameters), and "
+                        f"{param_label(group, i)} has shape {tuple(p.shape)}: leave the group's "
+                        f"algorithm unset to send it to AdamW")
+
+    # -- loading ------------------------------------------------------------------------------
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """As :meth:`ScaleOptimizer.load_state_dict`, with each parameter's state checked for
+        its algorithm's keys (a matrix's ``momentum_buffer``; AdamW's ``step`` and moments);
+        a state dict of :class:`torch.optim.Muon` loads into a Muon of its matrices. Each
+        group keeps its algorithm."""
+        if isinstance(state_dict, dict) and "state" in state_dict:
+            self._check_algorithms(state_dict)
+        algorithms = [g["algorithm"] for g in self.param_groups]
+        super().load_state_dict(state_dict)
+        for group, algorithm in zip(self.param_groups, algorithms):
+            group["algorithm"] = algorithm
+
+    def _check_algorithms(self, state_dict: Dict[str, Any]) -> None:
+        for group, saved in zip(self.param_groups, state_dict.get("param_groups", [])):
+            for i, pid in enumerate(saved.get("params", [])[:len(group["params"])]):
+                st = state_dict["state"].get(pid)
+                if not isinstance(st, dict):
+                    continue
+                missing = [k for k in _KEYS[group["algorithm"]] if k not in st]
+                if missing:
+                    raise ValueError(
+                        f"state of {param_label(group, i)} lacks {missing}: it is updated by "
+                        f"{group['algorithm']}, whose state holds {list(_KEYS[group['algorithm']])}"
+                        f" (the checkpoint is of another optimizer or another grouping)")
+
+    # -- the step -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        """Perform one optimization step. ``closure`` re-evaluates the model and returns the loss."""
+        loss = self._closure_loss(closure)
+        matrices: List[Tuple[Dict[str, Any], Tensor, Job]] = []
+        pending: List[_compact.Pending] = []
+        for item in self._intake():
+            group = item.group
+            if group["algorithm"] == "adamw":
+                adamw.update(self, _as_adamw(group), item.idx, item.params, item.grads)
+                continue
+            decays = [not x for x in self._rule_flags(group, "exclude_from_weight_decay")]
+            for i, p, g in zip(item.idx, item.params, item.grads):
+                matrices.append((group if decays[i] else dict(group, weight_decay=0.0), p,
+                                 Job(p, self._momentum_update(group, p, g, pending))))
+        if matrices:
+            self._apply(matrices)
+        _compact.store(pending)
+        return loss
+
+    def _momentum_update(self, group: Dict[str, Any], p: Tensor, grad: Tensor,
+                         pending: List[_compact.Pending]) -> Tensor:
+        """The momentum buffer moved by ``grad`` (local pieces), and the matrix to iterate: its
+        Nesterov look-ahead, or the buffer."""
+        state = self.state[p]
+        if "step" not in state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["step"] += 1
+        form = _compact.form_for(group["state_dtype"], tuple(p.shape))
+        _compact.convert(state, form, p, p.dtype)  # a group that changed its state_dtype
+        if form != "float32":
+            buf = _compact.working(state, "momentum_buffer", form, p, p.dtype, pending)
+        else:
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            buf = local_piece(state["momentum_buffer"])
+        momentum = group["momentum"]
+        buf.lerp_(grad, 1 - momentum)
+        return grad.lerp(buf, momentum) if group["nesterov"] else buf
+
+    @staticmethod
+    def _apply(matrices: List[Tuple[Dict[str, Any], Tensor, Job]]) -> None:
+        """Orthogonalize every matrix's update (one exchange per process group that shards
+        them, per setting of the iteration), then decay and move each (local pieces)."""
+        settings: Dict[Tuple[Any, ...], List[Job]] = {}
+        for group, _, job in matrices:
+            key = (group["ns_coefficients"], group["ns_steps"], group["eps"])
+            settings.setdefault(key, []).append(job)
+        for (coefficients, steps, eps), jobs in settings.items():
+            orthogonalize(jobs, coefficients, steps, eps)
+        for group, p, job in matrices:
+            _move(local_piece(p), job.result, group, p.shape)
+
+
+def _move(w: Tensor, update: Tensor, group: Dict[str, Any], shape: Any) -> None:
+    """``w`` decayed and moved by the orthogonalized ``update``: by torch.optim.Muon's
+    operations for a learning rate that the host holds; as tensor arithmetic under
+    ``torch.compile`` (a rate that changes is then an input of the graph, not a constant that
+    recompiles it) and for a rate held on an accelerator (no host read)."""
+    lr = lr_of(group)
+    if _blocks.compiling() or (isinstance(lr, Tensor) and not lr.is_cpu):
+        w.mul_(1 - lr * group["weight_decay"])
+        w.sub_(update.to(w.dtype) * adjusted_lr(lr, group["adjust_lr_fn"], shape))
+        return
+    lr = float(lr)
+    w.mul_(1 - lr * group["weight_decay"])
+    w.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], shape))
+
+
+def _as_adamw(group: Dict[str, Any]) -> Dict[str, Any]:
+    """A Muon group's AdamW options under :class:`scaleopt.AdamW`'s keys."""
+    return dict(group, eps=group["adamw_eps"], amsgrad=False, foreach=None, fused=None)

@@ -1,0 +1,149 @@
+"""Worker functions for Muon's sharded tests (FSDP2 on gloo, spawned on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+import scaleopt
+
+EXCLUDED = dict(exclude_from_muon=r"embed|head", exclude_from_weight_decay=r"bias|norm")
+
+#: configurations by name: make(named_params)
+OPTIMIZERS = {
+    "Muon": lambda ps: scaleopt.Muon(ps, lr=0.02, adamw_lr=1e-2, **EXCLUDED),
+    "Muon(match_rms_adamw, plain momentum, clipping)": lambda ps: scaleopt.Muon(
+        ps, lr=1e-2, adjust_lr_fn="match_rms_adamw", nesterov=False, max_grad_norm=0.5,
+        weight_decay=0.05, **EXCLUDED),
+    "Muon(int8 state)": lambda ps: scaleopt.Muon(ps, lr=0.02, state_dtype="int8", **EXCLUDED),
+    "Muon(bfloat16 state)": lambda ps: scaleopt.Muon(ps, lr=0.02, state_dtype="bfloat16",
+                                                     **EXCLUDED),
+}
+
+
+class Tiny(nn.Module):
+    """Every kind of parameter: an embedding and a head (AdamW by name), matrices of 63 and 96
+    rows (uneven over 2 and 3 ranks; above int8 state's size), a norm and biases."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(40, 96)
+        self.up = nn.Linear(96, 63)
+        self.down = nn.Linear(63, 96, bias=False)
+        self.norm = nn.LayerNorm(96)
+        self.head = nn.Linear(96, 40, bias=False)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        return self.head(self.norm(x + self.down(torch.tanh(self.up(x)))))
+
+
+def model_of(seed=0):
+    torch.manual_seed(seed)
+    return Tiny()
+
+
+def shard(model, mesh=None):
+    from torch.distributed.fsdp import fully_shard
+
+    for m in (model.embed, model.up, model.down, model.norm, model.head):
+        fully_shard(m, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def full_grads(model, t):
+    """Step ``t``'s gradients: a full tensor per parameter, the same on every rank."""
+    g = torch.Generator().manual_seed(3000 + t)
+    return [torch.randn(p.shape, generator=g) for p in model.parameters()]
+
+
+def give_grads(model, t):
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for p, g in zip(model.parameters(), full_grads(model, t)):
+        p.grad = distribute_tensor(g, p.device_mesh, p.placements) if isinstance(
+            p, DTensor) else g
+
+
+def train_reference(name, steps, first=0, model=None, opt=None):
+    if model is None:
+        model = model_of()
+        opt = OPTIMIZERS[name](list(model.named_parameters()))
+    for t in range(first, first + steps):
+        give_grads(model, t)
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _full(t):
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
+        return t
+    return t.float().full_tensor().to(t.dtype)  # gloo gathers no 8-bit tensors
+
+
+def train_sharded(rank, world, tmp, names, steps):
+    """Each configuration on an FSDP2 model for ``steps`` steps: the full parameters and
+    state, and the collectives of the last step by kind."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    out = {}
+    for name in names:
+        model = shard(model_of())
+        opt = OPTIMIZERS[name](list(model.named_parameters()))
+        for t in range(steps):
+            give_grads(model, t)
+            mode = CommDebugMode()
+            with mode:
+                opt.step()
+        out[name] = [p.full_tensor().detach().clone() for p in model.parameters()]
+        out[name + " state"] = [{k: _full(v) for k, v in opt.state[p].items()}
+                                for p in model.parameters()]
+        out[name + " collectives"] = {str(k): v for k, v in mode.get_comm_counts().items()}
+    return out if rank == 0 else None
+
+
+def train_hsdp(rank, world, tmp, name, steps):
+    """HSDP: 2 replicas of 2 shards; the full parameters."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = shard(model_of(), mesh)
+    opt = OPTIMIZERS[name](list(model.named_parameters()))
+    train_reference(name, steps, model=model, opt=opt)
+    return [p.full_tensor().detach().clone() for p in model.parameters()] if rank == 0 else None
+
+
+def _checkpoint(model, opt):
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}
+
+
+def save_after(rank, world, tmp, name, steps):
+    """``steps`` steps, then a DCP checkpoint of model and optimizer under ``tmp``."""
+    model = shard(model_of())
+    opt = OPTIMIZERS[name](list(model.named_parameters()))
+    train_reference(name, steps, model=model, opt=opt)
+    dcp.save(_checkpoint(model, opt), checkpoint_id=os.path.join(tmp, "ckpt"))
+    dist.barrier()
+
+
+def resume(rank, world, tmp, name, first, steps, path):
+    """The checkpoint of :func:`save_after` (saved at any world size) loaded, and ``steps``
+    more steps; the full parameters."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    model = shard(model_of(seed=1))  # other weights: the checkpoint must bring them
+    opt = OPTIMIZERS[name](list(model.named_parameters()))
+    state = _checkpoint(model, opt)
+    dcp.load(state, checkpoint_id=os.path.join(path, "ckpt"))
+    model.load_state_dict(state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+    train_reference(name, steps, first, model=model, opt=opt)
+    return [p.full_tensor().detach().clone() for p in model.parameters()] if rank == 0 else None
