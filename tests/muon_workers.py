@@ -116,7 +116,8 @@ def train_hsdp(rank, world, tmp, name, steps):
     model = shard(model_of(), mesh)
     opt = OPTIMIZERS[name](list(model.named_parameters()))
     train_reference(name, steps, model=model, opt=opt)
-    return [p.full_tensor().detach().clone() for p in model.parameters()] if rank == 0 else None
+    full = [p.full_tensor().detach().clone() for p in model.parameters()]  # every rank takes part
+    return full if rank == 0 else None
 
 
 def _checkpoint(model, opt):
@@ -146,4 +147,5 @@ def resume(rank, world, tmp, name, first, steps, path):
     model.load_state_dict(state["model"])
     set_optimizer_state_dict(model, opt, state["optim"])
     train_reference(name, steps, first, model=model, opt=opt)
-    return [p.full_tensor().detach().clone() for p in model.parameters()] if rank == 0 else None
+    full = [p.full_tensor().detach().clone() for p in model.parameters()]  # every rank takes part
+    return full if rank == 0 else None

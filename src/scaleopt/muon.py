@@ -147,7 +147,9 @@ class Muon(ScaleOptimizer):
         rule = group.get("exclude_from_muon", self.defaults["exclude_from_muon"])
         names = group.get("param_names")
         if rule_is_set(rule) and names is None:
-            return super().add_param_group(group)  # the base class names the problem
+            raise ValueError("exclude_from_muon is a rule on parameter names, but the parameters "
+                             "have no names: pass model.named_parameters() or groups with "
+                             "'param_names'")
         excluded = match_names(rule, names) if rule_is_set(rule) else (False,) * len(
             group["params"])
         matrix = [p.ndim == 2 and not x for p, x in zip(group["params"], excluded)]

@@ -1,0 +1,253 @@
+"""Muon on one device: torch.optim.Muon's numbers, AdamW for the rest of a model in the same
+optimizer, its checks, state and compact momentum."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import scaleopt
+from scaleopt import _orthogonal
+
+SHAPES = [(24, 40), (40, 24), (32, 32)]  # wide, tall (iterated transposed), square
+
+OPTIONS = [
+    dict(),
+    dict(nesterov=False),
+    dict(adjust_lr_fn="match_rms_adamw", weight_decay=0.3, momentum=0.9),
+    dict(adjust_lr_fn="original", ns_steps=3, eps=1e-3, weight_decay=0.0),
+    dict(ns_coefficients=(2.0, -1.5, 0.5), ns_steps=7, momentum=0.0),
+]
+
+
+def _matrices(dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in SHAPES]
+
+
+def _grads(params, t):
+    g = torch.Generator().manual_seed(100 + t)
+    return [torch.randn(p.shape, generator=g).to(p.dtype) for p in params]
+
+
+def _run(opt, params, steps, first=0):
+    for t in range(first, first + steps):
+        for p, g in zip(params, _grads(params, t)):
+            p.grad = g
+        opt.step()
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=str)
+def test_matrices_take_torch_muons_bits(options):
+    """The same operations as torch.optim.Muon: bit-equal weights after 6 steps, every option."""
+    ours, theirs = _matrices(), _matrices()
+    _run(scaleopt.Muon(ours, lr=0.02, **options), ours, 6)
+    _run(torch.optim.Muon(theirs, lr=0.02, **options), theirs, 6)
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
+
+
+def test_bfloat16_matrices_and_a_tensor_learning_rate_take_torch_muons_bits():
+    ours, theirs = _matrices(torch.bfloat16), _matrices(torch.bfloat16)
+    _run(scaleopt.Muon(ours, lr=torch.tensor(0.02)), ours, 4)
+    _run(torch.optim.Muon(theirs, lr=torch.tensor(0.02)), theirs, 4)
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+
+
+def test_bfloat16_plain_momentum_keeps_its_momentum():
+    """Without Nesterov the matrix iterated is the momentum itself; the iteration works on a
+    copy, so the momentum stays the running mean of the gradients. (torch.optim.Muon
+    normalizes a bfloat16 momentum in place there: its norm is 1 after every step.)"""
+    params = _matrices(torch.bfloat16)
+    opt = scaleopt.Muon(params, lr=0.02, nesterov=False, momentum=0.9)
+    want = [torch.zeros_like(p) for p in params]
+    for t in range(3):
+        for b, g in zip(want, _grads(params, t)):
+            b.lerp_(g, 0.1)
+        _run(opt, params, 1, first=t)
+    for p, b in zip(params, want):
+        assert torch.equal(opt.state[p]["momentum_buffer"], b)
+        assert abs(b.float().norm().item() - 1.0) > 0.1
+
+
+def test_torch_muons_state_dict_loads_and_continues_as_torch_does():
+    ours, theirs = _matrices(), _matrices()
+    reference = torch.optim.Muon(theirs, lr=0.02)
+    _run(reference, theirs, 3)
+    with torch.no_grad():
+        for a, b in zip(ours, theirs):
+            a.copy_(b)
+    opt = scaleopt.Muon(ours, lr=0.02)
+    opt.load_state_dict(copy.deepcopy(reference.state_dict()))  # as a checkpoint is
+    _run(opt, ours, 3, first=3)
+    _run(reference, theirs, 3, first=3)
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    assert opt.param_groups[0]["algorithm"] == "muon"
+
+
+class _Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(10, 8)
+        self.hidden = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 10, bias=False)
+        self.conv = nn.Conv1d(8, 8, 1)  # 3-D: not a matrix
+
+    def forward(self, tokens):
+        x = self.norm(torch.relu(self.hidden(self.embed(tokens))))
+        return self.head(x + self.conv(x.transpose(1, 2)).transpose(1, 2))
+
+
+def _tokens(t):
+    return torch.randint(0, 10, (4, 6), generator=torch.Generator().manual_seed(t))
+
+
+def _train_model(model, opt, steps):
+    for t in range(steps):
+        opt.zero_grad()
+        model(_tokens(t)).square().mean().backward()
+        opt.step()
+
+
+def test_a_model_is_split_into_matrices_and_the_rest_and_each_part_is_what_its_optimizer_does():
+    model = _Model()
+    opt = scaleopt.Muon(model.named_parameters(), lr=0.02, adamw_lr=3e-3, weight_decay=0.05,
+                        betas=(0.8, 0.9), adamw_eps=1e-6, exclude_from_muon=r"embed|head",
+                        exclude_from_weight_decay=r"bias|norm")
+    groups = {g["algorithm"]: g for g in opt.param_groups}
+    assert groups["muon"]["param_names"] == ["hidden.weight"]
+    assert sorted(groups["adamw"]["param_names"]) == sorted(
+        n for n, _ in model.named_parameters() if n != "hidden.weight")
+    assert groups["muon"]["lr"] == 0.02 and groups["adamw"]["lr"] == 3e-3
+
+    twin = _Model()
+    named = dict(twin.named_parameters())
+    no_decay = [p for n, p in named.items() if "bias" in n or "norm" in n]
+    rest = [p for n, p in named.items() if n != "hidden.weight" and not any(
+        p is q for q in no_decay)]
+    muon = torch.optim.Muon([named["hidden.weight"]], lr=0.02, weight_decay=0.05)
+    adamw = torch.optim.AdamW([{"params": rest}, {"params": no_decay, "weight_decay": 0.0}],
+                              lr=3e-3, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.05,
+                              fused=True)  # scaleopt.AdamW's kernel on the CPU
+    for t in range(4):
+        for m, step in ((model, opt.step), (twin, lambda: (muon.step(), adamw.step()))):
+            m.zero_grad()
+            m(_tokens(t)).square().mean().backward()
+            step()
+    for (name, a), b in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(a, b), name
+    assert set(opt.state[model.hidden.weight]) == {"step", "momentum_buffer"}
+    assert set(opt.state[model.embed.weight]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+def test_groups_that_name_their_algorithm_are_kept_and_new_groups_split():
+    model = _Model()
+    opt = scaleopt.Muon([{"params": [model.hidden.weight, model.head.weight],
+                          "algorithm": "muon"},
+                         {"params": [model.embed.weight], "algorithm": "adamw", "lr": 1e-3}],
+                        lr=0.02)
+    assert [len(g["params"]) for g in opt.param_groups] == [2, 1]
+    opt.add_param_group({"params": list(model.norm.parameters()) + [model.conv.weight]})
+    assert [g["algorithm"] for g in opt.param_groups] == ["muon", "adamw", "adamw"]
+    with pytest.raises(ValueError, match=r"algorithm='muon' takes matrices.*shape \(8,\)"):
+        opt.add_param_group({"params": [model.hidden.bias], "algorithm": "muon"})
+
+
+def test_an_lr_schedule_scales_both_parts():
+    model = _Model()
+    opt = scaleopt.Muon(model.named_parameters(), lr=0.02, adamw_lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.5 ** t)
+    _train_model(model, opt, 1)
+    sched.step()
+    assert [g["lr"] for g in opt.param_groups] == [0.01, 5e-4]
+
+
+@pytest.mark.parametrize("options, words", [
+    (dict(lr=-1.0), "Invalid lr"),
+    (dict(momentum=1.0), "Invalid momentum"),
+    (dict(weight_decay=-0.1), "Invalid weight_decay"),
+    (dict(ns_steps=100), "Invalid ns_steps"),
+    (dict(ns_steps=2.0), "Invalid ns_steps"),
+    (dict(ns_coefficients=(1.0, 2.0)), "ns_coefficients must be three numbers"),
+    (dict(eps=0.0), "Invalid eps"),
+    (dict(adjust_lr_fn="rms"), "Invalid adjust_lr_fn"),
+    (dict(betas=(0.9, 1.0)), "betas"),
+    (dict(adamw_lr=-1e-3), "Invalid adamw_lr"),
+    (dict(state_dtype="int4"), "Invalid state_dtype"),
+    (dict(nesterov=1), "nesterov must be True or False"),
+    (dict(exclude_from_muon="embed"), "parameters have no names"),
+])
+def test_bad_arguments_are_refused_by_name(options, words):
+    with pytest.raises((ValueError, TypeError), match=words):
+        scaleopt.Muon(_Model().parameters(), **options)
+
+
+def test_a_state_dict_of_another_grouping_is_refused_by_name():
+    model = _Model()
+    split = scaleopt.Muon(model.named_parameters(), lr=0.02)
+    _train_model(model, split, 1)
+    # the same parameters, all in AdamW: the matrix's state holds no moments
+    whole = scaleopt.Muon([{"params": [p for g in split.param_groups for p in g["params"]],
+                            "algorithm": "adamw"}], lr=0.02)
+    sd = split.state_dict()
+    sd["param_groups"] = [dict(sd["param_groups"][0], params=[
+        i for g in sd["param_groups"] for i in g["params"]])]
+    with pytest.raises(ValueError, match=r"lacks \['exp_avg', 'exp_avg_sq'\]"):
+        whole.load_state_dict(sd)
+
+
+def test_int8_momentum_holds_about_one_byte_per_element_and_trains_as_float32_state():
+    losses, held = {}, {}
+    for state_dtype in ("float32", "int8"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 64))
+        opt = scaleopt.Muon(model.named_parameters(), lr=0.02, state_dtype=state_dtype)
+        x = torch.randn(256, 64, generator=torch.Generator().manual_seed(1))
+        y = torch.sin(x)
+        for _ in range(60):
+            opt.zero_grad()
+            loss = (model(x) - y).square().mean()
+            loss.backward()
+            opt.step()
+        losses[state_dtype] = loss.item()
+        st = opt.state[model[0].weight]
+        held[state_dtype] = sum(st[k].numel() * st[k].element_size()
+                                for k in ("momentum_buffer", "momentum_buffer_scale") if k in st)
+    assert held["int8"] / model[0].weight.numel() <= 1.1  # codes and a scale per 256
+    assert held["float32"] / model[0].weight.numel() == 4
+    assert abs(losses["int8"] - losses["float32"]) <= 0.02 * losses["float32"], losses
+
+
+def test_the_ranks_share_the_matrices_by_cost():
+    shapes = [(64, 64), (64, 256), (256, 64), (8, 8), (128, 128), (32, 512), (64, 64)]
+    for ranks in (1, 2, 3, 5):
+        owner = _orthogonal.owners(shapes, ranks)
+        assert owner == _orthogonal.owners(list(shapes), ranks)  # the same on every rank
+        load = [sum(_orthogonal.cost(s) for s, o in zip(shapes, owner) if o == r)
+                for r in range(ranks)]
+        # greedy, largest first: no rank exceeds another by more than one matrix's cost
+        assert max(load) - min(load) <= max(map(_orthogonal.cost, shapes))
+    assert sorted(_orthogonal.owners(shapes, 7)) == list(range(7))  # one each
+
+
+@pytest.mark.parametrize("rows, ranks", [(63, 2), (63, 3), (2, 3), (96, 5), (0, 2)])
+def test_row_blocks_are_torch_chunks(rows, ranks):
+    want = [c.shape[0] for c in torch.arange(rows).chunk(ranks)] if rows else []
+    got = _orthogonal.shard_rows(rows, ranks)
+    assert sum(got) == rows and got[:len(want)] == want and not any(got[len(want):])
+
+
+def test_newton_schulz_drives_singular_values_towards_one():
+    g = torch.randn(48, 80, generator=torch.Generator().manual_seed(0))
+    s = torch.linalg.svdvals(_orthogonal.newton_schulz(g, _orthogonal.NS_COEFFICIENTS, 5,
+                                                       1e-7).float())
+    assert s.min() > 0.5 and s.max() < 1.3, s  # Keller Jordan's (0.5, 1.5) band
+    assert math.isclose(_orthogonal.adjusted_lr(0.1, None, (48, 12)), 0.2)
+    assert math.isclose(_orthogonal.adjusted_lr(0.1, "match_rms_adamw", (48, 12)),
+                        0.02 * math.sqrt(48))
