@@ -25,7 +25,7 @@ import torch
 
 import scaleopt
 
-from . import bench_fsdp, bench_gpu
+from . import bench_fsdp, bench_gpu, bench_muon
 from .paramsets import NO_DECAY, SIZES, bert_shapes, held_bytes, make_params, paired_ratio, sync
 from .report import NO_PLOTS, write_bench_plot
 from .train import check_out, new_folder
@@ -159,6 +159,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "(default: cpu)")
     ap.add_argument("--rounds", type=int, default=10,
                     help="timed steps per optimizer, interleaved (default: 10)")
+    ap.add_argument("--muon", action="store_true",
+                    help="time Muon instead: against torch.optim.Muon and the fused AdamW in one "
+                         "process, or with --world N sharded against one process on the same "
+                         "cores (see docs/muon.md)")
     ap.add_argument("--only", nargs="*", metavar="NAME",
                     help="time only optimizers whose name contains one of these (the fused "
                          "AdamW baseline always runs)")
@@ -180,6 +184,9 @@ def check_arguments(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name} must be at least 1, got {value}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device here")
+    if args.muon and (args.device != "cpu" or args.dtype != "float32" or args.only):
+        raise ValueError("--muon times float32 CPU steps of a fixed set of optimizers: "
+                         "--device, --dtype and --only do not apply")
     if args.world > 1 and (args.device != "cpu" or args.dtype != "float32" or args.only):
         raise ValueError("--world times float32 CPU shards of a fixed set of optimizers: "
                          "--device, --dtype and --only do not apply")
@@ -198,6 +205,7 @@ def check_arguments(args: argparse.Namespace) -> None:
                          f"--size or fewer optimizers with --only")
     if args.out is None:
         tag = args.size if args.hidden is None and args.layers is None else "custom"
+        tag += "-muon" if args.muon else ""
         args.out = new_folder(pathlib.Path("scaleopt-runs") / f"bench-{tag}"
                               f"{f'-world{args.world}' if args.world > 1 else ''}")
     check_out(args.out, overwrite=args.overwrite)
@@ -212,7 +220,10 @@ def memory_need(args: argparse.Namespace) -> int:
     """Bytes the run holds at once: each timed optimizer keeps its own parameters, gradients
     and state (upper bound: float32 everything plus a master); on cuda, two at a time."""
     nparams = sum(torch.Size(s).numel() for _, s in shapes_of(args))
-    if args.world > 1:
+    if args.muon:  # its rows, and with --world the sharded ones and one process's
+        count = len(bench_muon.candidates()) if args.world == 1 else 1 + len(
+            bench_fsdp.candidates("muon"))
+    elif args.world > 1:
         count = len(bench_fsdp.candidates())  # its rows, over all processes together
     elif args.device.startswith("cuda"):
         count = 2
@@ -278,6 +289,12 @@ def main(argv=None) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     """Time the candidates; print the table; return (and write, with --json) the results."""
+    if args.muon:
+        result = (bench_muon.sharded if args.world > 1 else bench_muon.one_process)(
+            *([shapes_of(args)] + ([args.world] if args.world > 1 else [])),
+            args.threads, args.rounds, repr(args.size))
+        _write(result, args)
+        return result
     if args.world > 1 or args.device.startswith("cuda"):
         result = (bench_fsdp.run(shapes_of(args), args.world, args.threads, args.rounds,
                                  repr(args.size)) if args.world > 1 else

@@ -49,7 +49,9 @@ def sharded_params(shapes, world):
     return named
 
 
-def candidates():
+def candidates(kind: str = "layerwise"):
+    """The timed optimizers: LAMB, LANS and AdamW (``layerwise``), or Muon's rows (``muon``);
+    each with the fused AdamW baseline on the local shards."""
     def local_fused_adamw(named):
         ps = []
         for _, p in named:
@@ -58,6 +60,12 @@ def candidates():
             ps.append(q)
         return torch.optim.AdamW(ps, lr=1e-3, fused=True)
 
+    if kind == "muon":
+        from .bench_muon import muon
+
+        return {"torch.AdamW(fused=True), local shards": local_fused_adamw,
+                "scaleopt.Muon": muon,
+                "scaleopt.Muon(state_dtype=int8)": lambda n: muon(n, state_dtype="int8")}
     return {
         "torch.AdamW(fused=True), local shards": local_fused_adamw,
         "scaleopt.AdamW": lambda n: scaleopt.AdamW(n, lr=1e-3, exclude_from_weight_decay=NO_DECAY),
@@ -69,30 +77,33 @@ def candidates():
 
 
 class CollectiveClock:
-    """Counts the all-reduces scaleopt issues and the time spent in them."""
+    """Counts the collectives scaleopt issues (the norms' all-reduces, Muon's all-to-alls) and
+    the time spent in them."""
+
+    NAMES = ("all_reduce", "all_to_all_single")
 
     def __init__(self):
-        from scaleopt import _sharding
-
-        self.module, self.real = _sharding.dist, _sharding.dist.all_reduce
+        self.real = {name: getattr(dist, name) for name in self.NAMES}
         self.count, self.seconds = 0, 0.0
 
+    def _timed(self, real):
         def timed(*args, **kwargs):
             t0 = time.perf_counter()
-            out = self.real(*args, **kwargs)
+            out = real(*args, **kwargs)
             self.seconds += time.perf_counter() - t0
             self.count += 1
             return out
-
-        self.timed = timed
+        return timed
 
     def __enter__(self):
         self.count, self.seconds = 0, 0.0
-        self.module.all_reduce = self.timed
+        for name, real in self.real.items():
+            setattr(dist, name, self._timed(real))
         return self
 
     def __exit__(self, *exc):
-        self.module.all_reduce = self.real
+        for name, real in self.real.items():
+            setattr(dist, name, real)
 
 
 def slowest(seconds: float) -> float:
@@ -101,11 +112,12 @@ def slowest(seconds: float) -> float:
     return float(t)
 
 
-def worker(rank, world, port, shapes, threads, rounds, queue):
+def worker(rank, world, port, shapes, threads, rounds, queue, kind="layerwise"):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=TIMEOUT)
-    opts = {name: make(sharded_params(shapes, world)) for name, make in candidates().items()}
+    opts = {name: make(sharded_params(shapes, world))
+            for name, make in candidates(kind).items()}
     times = {name: [] for name in opts}
     comms = {}
     for r in range(rounds + 1):
@@ -126,12 +138,14 @@ def worker(rank, world, port, shapes, threads, rounds, queue):
     end_group()
 
 
-def run(shapes, world: int, threads: int, rounds: int, label: str) -> dict:
-    """Time the candidates on ``world`` processes; print the table; return the results."""
+def run(shapes, world: int, threads: int, rounds: int, label: str,
+        kind: str = "layerwise") -> dict:
+    """Time the candidates (of ``kind``, see :func:`candidates`) on ``world`` processes; print
+    the table; return the results."""
     port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, world, port, shapes, threads, rounds, queue))
+    procs = [ctx.Process(target=worker, args=(r, world, port, shapes, threads, rounds, queue, kind))
              for r in range(world)]
     for p in procs:
         p.start()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Callable, Dict, NamedTuple
 
 import torch
@@ -43,12 +44,29 @@ def _adamw(model, cfg):
     return cls(_groups(model, cfg), lr=cfg.resolved_lr(), state_dtype=cfg.state_dtype)
 
 
+def _edge_matrices(model: nn.Module) -> list:
+    """The names of the first and the last matrix of ``model`` (its input and output layers:
+    embeddings and heads, which Muon leaves to AdamW), as anchored patterns."""
+    names = [n for n, p in model.named_parameters() if p.ndim == 2]
+    return sorted({f"^{re.escape(n)}$" for n in names[:1] + names[-1:]})
+
+
+def _muon(model, cfg):
+    """Muon for the hidden matrices, AdamW for the rest, at one learning rate (the update
+    scaled to AdamW's RMS, as Moonlight does)."""
+    return scaleopt.Muon(_groups(model, cfg), lr=cfg.resolved_lr(),
+                         adjust_lr_fn="match_rms_adamw", state_dtype=cfg.state_dtype,
+                         exclude_from_muon=_edge_matrices(model))
+
+
 OPTIMIZERS: Dict[str, Choice] = {
     "lamb": Choice("scaleopt.LAMB (layer-wise trust ratio)", 1e-2, _layerwise(scaleopt.LAMB),
                    True, True),
     "lans": Choice("scaleopt.LANS (normalised gradients, two trust-ratio parts)", 1e-2,
                    _layerwise(scaleopt.LANS), True, True),
     "adamw": Choice("scaleopt.AdamW", 3e-3, _adamw, True, True),
+    "muon": Choice("scaleopt.Muon (orthogonalized momentum for the hidden matrices, AdamW for "
+                   "the rest)", 3e-3, _muon, compact_state=True),
     "offload-adam": Choice("scaleopt.OffloadAdam (state and update on the host)", 3e-3,
                            lambda m, cfg: scaleopt.OffloadAdam(
                                _groups(m, cfg), lr=cfg.resolved_lr(),

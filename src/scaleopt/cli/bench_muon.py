@@ -1,0 +1,120 @@
+"""``scaleopt bench --muon``: Muon's step against ``torch.optim.Muon`` and fused AdamW, and
+sharded over FSDP2 against one process.
+
+    scaleopt bench --muon                  # one process, 2 threads, 'small' set
+    scaleopt bench --muon --world 2        # 2 processes x 1 thread against 1 process x 2 threads
+
+One process: every optimizer has its own copy of the BERT-like set of ``scaleopt bench``, the
+steps interleaved round after round, each row's time as the median over rounds of its ratio
+to ``torch.optim.AdamW(fused=True)``'s step in the same round, and to torch's Muon: the pair
+``torch.optim.Muon`` (the matrices) + ``torch.optim.AdamW(fused=True)`` (the rest), as its docs
+recommend. The embeddings are left to AdamW in every Muon row (``exclude_from_muon``).
+
+With ``--world N``: scaleopt.Muon on FSDP2 shards over N processes x ``--threads``, against
+scaleopt.Muon in this process on the whole set with N x ``--threads`` threads (the same
+cores), and the time in the exchange (the two ``all_to_all_single`` per step).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Dict, List
+
+import torch
+
+import scaleopt
+
+from . import bench_fsdp
+from .paramsets import NO_DECAY, held_bytes, make_params, paired_ratio
+
+#: the parameters every Muon row leaves to AdamW, as Muon's authors do
+EMBEDDINGS = r"embeddings"
+
+
+def muon(named, **options):
+    return scaleopt.Muon(named, lr=0.02, adamw_lr=1e-3, exclude_from_muon=EMBEDDINGS,
+                         exclude_from_weight_decay=NO_DECAY, **options)
+
+
+class TorchPair:
+    """torch.optim.Muon for the matrices (not the embeddings) and torch's fused AdamW for the
+    rest, stepped together."""
+
+    def __init__(self, named) -> None:
+        matrices = [p for n, p in named if p.ndim == 2 and "embeddings" not in n]
+        rest = [p for n, p in named if not (p.ndim == 2 and "embeddings" not in n)]
+        self.parts = [torch.optim.Muon(matrices, lr=0.02),
+                      torch.optim.AdamW(rest, lr=1e-3, fused=True)]
+        self.state = {p: s for part in self.parts for p, s in part.state.items()}
+
+    def step(self) -> None:
+        for part in self.parts:
+            part.step()
+        self.state = {p: s for part in self.parts for p, s in part.state.items()}
+
+
+def candidates() -> Dict[str, Callable]:
+    return {
+        "torch.AdamW(fused=True)": lambda n: torch.optim.AdamW([p for _, p in n], lr=1e-3,
+                                                              fused=True),
+        "torch.optim.Muon + torch.AdamW(fused)": TorchPair,
+        "scaleopt.Muon": muon,
+        "scaleopt.Muon(state_dtype=int8)": lambda n: muon(n, state_dtype="int8"),
+    }
+
+
+def interleaved(opts: Dict[str, object], rounds: int) -> Dict[str, List[float]]:
+    """Each optimizer's step times, stepped in turn round after round (after one untimed
+    round, which makes the state)."""
+    times: Dict[str, List[float]] = {name: [] for name in opts}
+    for r in range(rounds + 1):
+        for name, opt in opts.items():
+            t0 = time.perf_counter()
+            opt.step()
+            if r:
+                times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def one_process(shapes, threads: int, rounds: int, label: str) -> dict:
+    torch.set_num_threads(threads)
+    made = {}
+    for name, make in candidates().items():
+        named = make_params(shapes, torch.float32)
+        made[name] = (make(named), named)
+    times = interleaved({name: opt for name, (opt, _) in made.items()}, rounds)
+    numel = sum(torch.Size(s).numel() for _, s in shapes)
+    base, pair = times["torch.AdamW(fused=True)"], times["torch.optim.Muon + torch.AdamW(fused)"]
+    print(f"BERT-like {label} set: {numel / 1e6:.1f}M parameters in {len(shapes)} tensors, "
+          f"float32; torch {torch.__version__}, {threads} threads, {rounds} rounds")
+    print(f"{'optimizer':40s} {'median ms':>9s} {'x fused AdamW':>14s} {'x torch Muon':>13s} "
+          f"{'state B/param':>14s}")
+    rows = []
+    for name, ts in times.items():
+        model_bytes, held = (b / numel for b in held_bytes(*made[name]))
+        row = dict(optimizer=name, median_s=statistics.median(ts), ratio=paired_ratio(ts, base),
+                   ratio_to_torch_muon=paired_ratio(ts, pair), state_bytes_per_param=held,
+                   model_bytes_per_param=model_bytes)
+        rows.append(row)
+        print(f"{name:40s} {row['median_s'] * 1e3:9.1f} {row['ratio']:14.2f} "
+              f"{row['ratio_to_torch_muon']:13.2f} {held:14.2f}")
+    return dict(kind="muon", params=numel, tensors=len(shapes), threads=threads,
+                rounds=rounds, torch=torch.__version__, rows=rows)
+
+
+def sharded(shapes, world: int, threads: int, rounds: int, label: str) -> dict:
+    """scaleopt.Muon on ``world`` x ``threads`` against one process x ``world * threads``."""
+    torch.set_num_threads(world * threads)
+    named = make_params(shapes, torch.float32)
+    alone = interleaved({"scaleopt.Muon": muon(named)}, rounds)["scaleopt.Muon"]
+    result = bench_fsdp.run(shapes, world, threads, rounds, label, kind="muon")
+    row = result["rows"]["scaleopt.Muon"]
+    one = statistics.median(alone) * 1e3
+    result.update(one_process_threads=world * threads, one_process_median_ms=one,
+                  sharded_over_one_process=row["median_ms"] / one,
+                  exchange_share=row["collective_ms"] / row["median_ms"])
+    print(f"scaleopt.Muon in one process x {world * threads} threads: {one:.1f} ms; sharded "
+          f"{world} x {threads}: {row['median_ms']:.1f} ms ({result['sharded_over_one_process']:.2f}x), "
+          f"{row['collectives']} exchanges taking {100 * result['exchange_share']:.0f}% of the step")
+    return result
