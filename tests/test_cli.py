@@ -63,6 +63,7 @@ def test_topics_data_is_learned_by_the_bag_of_words_model(tmp_path):
 @pytest.mark.parametrize("optimizer, extra", [
     ("lans", []), ("adamw", ["--offload"]), ("lamb", ["--offload"]), ("offload-adam", []),
     ("momentum", []), ("torch-adamw", []), ("torch-sgd", ["--schedule", "linear"]),
+    ("muon", []), ("muon", ["--state-dtype", "int8"]),
     ("adamw", ["--schedule", "constant", "--warmup", "0"]),
 ])
 def test_every_optimizer_trains(tmp_path, optimizer, extra):
@@ -84,6 +85,38 @@ def test_two_workers_compute_what_one_process_computes(tmp_path):
     assert runs[2]["workers"] == 2
     assert runs[2]["allreduce_bytes_per_step"] == 4 * runs[2]["parameters"]
     assert runs[2]["test_loss"] == pytest.approx(runs[1]["test_loss"], rel=1e-4)
+
+
+def test_muon_on_two_sharded_workers_computes_what_one_process_computes(tmp_path):
+    """Each hidden matrix orthogonalized whole by one rank: the same run as one process (the
+    gradients, averaged over the ranks, differ in their last bits)."""
+    runs = {}
+    for workers in (1, 2):
+        out = tmp_path / f"w{workers}"
+        extra = ["--shard"] if workers > 1 else []
+        assert main(["train", *TINY, "--steps", "12", "--optimizer", "muon", "--workers",
+                     str(workers), "--threads", "1", *extra, "--out", str(out)]) == 0
+        runs[workers] = json.loads((out / "result.json").read_text())
+    assert runs[2]["test_loss"] == pytest.approx(runs[1]["test_loss"], rel=1e-3)
+
+
+def test_bench_muon_times_muon_against_torch_muon_and_sharded_against_one_process(tmp_path):
+    small = ["--hidden", "32", "--layers", "1", "--vocab", "500", "--rounds", "2"]
+    out = tmp_path / "one.json"
+    assert main(["bench", "--muon", *small, "--json", str(out), "--out", str(tmp_path / "a")]) == 0
+    rows = {r["optimizer"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["torch.optim.Muon + torch.AdamW(fused)"]["ratio_to_torch_muon"] == 1.0
+    assert rows["scaleopt.Muon"]["ratio_to_torch_muon"] > 0
+    # int8 momentum and moments: a byte per element and the scales, against 4 per moment
+    assert (rows["scaleopt.Muon(state_dtype=int8)"]["state_bytes_per_param"]
+            < rows["scaleopt.Muon"]["state_bytes_per_param"] / 2.5)
+    out = tmp_path / "two.json"
+    assert main(["bench", "--muon", "--world", "2", *small, "--json", str(out),
+                 "--out", str(tmp_path / "b")]) == 0
+    result = json.loads(out.read_text())
+    assert result["rows"]["scaleopt.Muon"]["collectives"] == 2  # one exchange each way
+    assert result["one_process_threads"] == 2 and result["sharded_over_one_process"] > 0
+    assert 0 < result["exchange_share"] < 1
 
 
 def test_study_large_batch_writes_a_table_and_a_plot(tmp_path, capsys):

@@ -21,6 +21,7 @@ MODULES = [
     "scaleopt.compat.mindspore",
     "scaleopt.dgc.optimizer",
     "scaleopt._info",
+    "scaleopt.muon",
 ]
 
 
@@ -34,7 +35,8 @@ def test_docstring_examples(name):
     assert result.failed == 0
 
 
-@pytest.mark.parametrize("name", ["LAMB", "LANS", "AdamW", "Momentum", "OffloadAdam", "DGCMomentum"])
+@pytest.mark.parametrize("name", ["LAMB", "LANS", "AdamW", "Muon", "Momentum", "OffloadAdam",
+                                  "DGCMomentum"])
 def test_docstrings_name_every_argument(name):
     import inspect
 
