@@ -116,6 +116,9 @@ def test_a_whole_check_writes_its_report_from_the_parts_output(tmp_path, monkeyp
     bench = {"params": 1000, "dtype": "float32", "copy_bytes_per_s": 1e12, "rows": [
         {"optimizer": "scaleopt.LAMB(triton)", "median_s": 0.001, "ratio": 1.2, "host_s": 0.0003,
          "gb_per_s": 40.0, "fraction_of_copy": 0.5, "state_bytes_per_param": 8.0}]}
+    muon = {"kind": "muon", "params": 1000, "rows": [
+        {"optimizer": "scaleopt.Muon", "median_s": 0.002, "ratio": 3.0,
+         "ratio_to_torch_muon": 0.9, "state_bytes_per_param": 6.2}]}
     graph = {"tensors": 407, "params": 10, "eager_host_ms": 1.0, "eager_gpu_ms": 0.5,
              "graph_host_ms": 0.01, "graph_gpu_ms": 0.4, "equal": True}
 
@@ -126,6 +129,9 @@ def test_a_whole_check_writes_its_report_from_the_parts_output(tmp_path, monkeyp
             code = f"print('warming up'); print({json.dumps(json.dumps(graph))})"
         elif part == "bench-peers":
             code = "import time; time.sleep(30)"
+        elif part == "bench-muon":
+            code = (f"open({str(scratch / (part + '.json'))!r}, 'w').write("
+                    f"{json.dumps(json.dumps(muon))})")
         else:
             code = (f"open({str(scratch / (part + '.json'))!r}, 'w').write("
                     f"{json.dumps(json.dumps(bench))})")
@@ -141,9 +147,10 @@ def test_a_whole_check_writes_its_report_from_the_parts_output(tmp_path, monkeyp
     status = {p["part"]: p["status"] for p in report["parts"]}
     assert status["bench-peers"] == "stopped at its 2 s" and status["graph"] == "done"
     assert report["graph"] == graph
-    assert set(report["bench"]) == {"bench-float32", "bench-bfloat16", "bench-1b"}
+    assert set(report["bench"]) == {"bench-float32", "bench-bfloat16", "bench-muon", "bench-1b"}
     assert report["tests"]["two runs equal bit for bit"] == "passed"
     md = (tmp_path / "gpu_check.md").read_text()
     assert "# GPU check: a GPU" in md and "| scaleopt.LAMB(triton) | 1.00 | 1.20 |" in md
+    assert "| scaleopt.Muon | 2.00 | 3.00 | 0.90 | 6.20 |" in md
     assert "===== tests-first (done) =====" in (tmp_path / "gpu_check.log").read_text()
     assert "gpu_check budget: tests-first 150 s" in capsys.readouterr().out

@@ -17,6 +17,7 @@ fit in what is left is skipped, and says so):
    eager step: host time and GPU time of each;
 3. ``bench-float32``, ``bench-bfloat16``: ``scaleopt bench --device cuda`` on BERT-base shapes
    (109.5M parameters), the Triton rows, float32 and bfloat16 with split masters;
+   ``bench-muon``: Muon against torch.optim.Muon (``scaleopt bench --muon``);
    ``bench-peers``: torch's multi-tensor ops, compiled and not; ``bench-1b``: the 1b
    set (1.02B parameters) in bfloat16, if time is left.
 
@@ -54,6 +55,7 @@ PLAN = [
     ("bench-bfloat16", 60, False),
     ("tests-rest", 60, True),
     ("tests-compiled", 90, True),
+    ("bench-muon", 40, True),
     ("bench-peers", 40, True),
     ("bench-1b", 50, True),
 ]
@@ -80,6 +82,8 @@ def commands(part: str, scratch: Path) -> Optional[List[str]]:
         return bench + ["--size", "base", "--only", "(triton"] + out
     if part == "bench-bfloat16":
         return bench + ["--size", "base", "--dtype", "bfloat16", "--only", "(triton"] + out
+    if part == "bench-muon":
+        return bench + ["--size", "base", "--muon"] + out
     if part == "bench-peers":
         return bench + ["--size", "base", "--only", "multi-tensor"] + out
     if part == "bench-1b":
@@ -158,6 +162,9 @@ def markdown(report: Dict[str, Any]) -> str:
                       f"{graph['graph_gpu_ms']:.2f} ms on the GPU; the replay's weights equal "
                       f"the eager step's: {graph['equal']}."]
     for part, result in report.get("bench", {}).items():
+        if result.get("kind") == "muon":
+            lines += muon_table(part, result)
+            continue
         lines += ["", f"## {part}: {result.get('params', 0) / 1e6:.1f}M parameters, "
                       f"{result.get('dtype')}, copy {result.get('copy_bytes_per_s', 0) / 1e9:.0f} GB/s",
                   "", "| optimizer | ms | x fused AdamW | host ms | GB/s | % of copy | state B/param |",
@@ -167,6 +174,18 @@ def markdown(report: Dict[str, Any]) -> str:
                          f"{r['host_ms']:.2f} | {r['gb_per_s']:.0f} | "
                          f"{100 * r['fraction_of_copy']:.0f}% | {r['state_bytes_per_param']:.2f} |")
     return "\n".join(lines) + "\n"
+
+
+def muon_table(part: str, result: Dict[str, Any]) -> List[str]:
+    """The rows of ``scaleopt bench --muon``: each step against the fused AdamW and against
+    torch.optim.Muon with torch's fused AdamW for the rest."""
+    lines = ["", f"## {part}: {result.get('params', 0) / 1e6:.1f}M parameters, float32", "",
+             "| optimizer | ms | x fused AdamW | x torch Muon | state B/param |",
+             "|---|---|---|---|---|"]
+    for r in result.get("rows", []):
+        lines.append(f"| {r['optimizer']} | {1e3 * r['median_s']:.2f} | {r['ratio']:.2f} | "
+                     f"{r['ratio_to_torch_muon']:.2f} | {r['state_bytes_per_param']:.2f} |")
+    return lines
 
 
 # -- the parts -------------------------------------------------------------------------------

@@ -184,9 +184,10 @@ def check_arguments(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name} must be at least 1, got {value}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device here")
-    if args.muon and (args.device != "cpu" or args.dtype != "float32" or args.only):
-        raise ValueError("--muon times float32 CPU steps of a fixed set of optimizers: "
-                         "--device, --dtype and --only do not apply")
+    if args.muon and (args.dtype != "float32" or args.only
+                      or (args.world > 1 and args.device != "cpu")):
+        raise ValueError("--muon times float32 steps of a fixed set of optimizers (sharded: on "
+                         "the CPU): --dtype and --only do not apply")
     if args.world > 1 and (args.device != "cpu" or args.dtype != "float32" or args.only):
         raise ValueError("--world times float32 CPU shards of a fixed set of optimizers: "
                          "--device, --dtype and --only do not apply")
@@ -220,7 +221,9 @@ def memory_need(args: argparse.Namespace) -> int:
     """Bytes the run holds at once: each timed optimizer keeps its own parameters, gradients
     and state (upper bound: float32 everything plus a master); on cuda, two at a time."""
     nparams = sum(torch.Size(s).numel() for _, s in shapes_of(args))
-    if args.muon:  # its rows, and with --world the sharded ones and one process's
+    if args.muon and args.device.startswith("cuda"):
+        count = len(bench_muon.candidates())
+    elif args.muon:  # its rows, and with --world the sharded ones and one process's
         count = len(bench_muon.candidates()) if args.world == 1 else 1 + len(
             bench_fsdp.candidates("muon"))
     elif args.world > 1:
@@ -290,9 +293,12 @@ def main(argv=None) -> None:
 def run(args: argparse.Namespace) -> dict:
     """Time the candidates; print the table; return (and write, with --json) the results."""
     if args.muon:
-        result = (bench_muon.sharded if args.world > 1 else bench_muon.one_process)(
-            *([shapes_of(args)] + ([args.world] if args.world > 1 else [])),
-            args.threads, args.rounds, repr(args.size))
+        if args.world > 1:
+            result = bench_muon.sharded(shapes_of(args), args.world, args.threads, args.rounds,
+                                        repr(args.size))
+        else:
+            result = bench_muon.one_process(shapes_of(args), args.threads, args.rounds,
+                                            repr(args.size), args.device)
         _write(result, args)
         return result
     if args.world > 1 or args.device.startswith("cuda"):

@@ -3,6 +3,7 @@ sharded over FSDP2 against one process.
 
     scaleopt bench --muon                  # one process, 2 threads, 'small' set
     scaleopt bench --muon --world 2        # 2 processes x 1 thread against 1 process x 2 threads
+    scaleopt bench --muon --device cuda    # one GPU, 'base' set
 
 One process: every optimizer has its own copy of the BERT-like set of ``scaleopt bench``, the
 steps interleaved round after round, each row's time as the median over rounds of its ratio
@@ -26,7 +27,7 @@ import torch
 import scaleopt
 
 from . import bench_fsdp
-from .paramsets import NO_DECAY, held_bytes, make_params, paired_ratio
+from .paramsets import NO_DECAY, held_bytes, make_params, paired_ratio, sync
 
 #: the parameters every Muon row leaves to AdamW, as Muon's authors do
 EMBEDDINGS = r"embeddings"
@@ -64,30 +65,35 @@ def candidates() -> Dict[str, Callable]:
     }
 
 
-def interleaved(opts: Dict[str, object], rounds: int) -> Dict[str, List[float]]:
+def interleaved(opts: Dict[str, object], rounds: int,
+                device: str = "cpu") -> Dict[str, List[float]]:
     """Each optimizer's step times, stepped in turn round after round (after one untimed
     round, which makes the state)."""
     times: Dict[str, List[float]] = {name: [] for name in opts}
     for r in range(rounds + 1):
         for name, opt in opts.items():
+            sync(device)
             t0 = time.perf_counter()
             opt.step()
+            sync(device)
             if r:
                 times[name].append(time.perf_counter() - t0)
     return times
 
 
-def one_process(shapes, threads: int, rounds: int, label: str) -> dict:
+def one_process(shapes, threads: int, rounds: int, label: str, device: str = "cpu") -> dict:
     torch.set_num_threads(threads)
     made = {}
     for name, make in candidates().items():
-        named = make_params(shapes, torch.float32)
+        named = make_params(shapes, torch.float32, device)
         made[name] = (make(named), named)
-    times = interleaved({name: opt for name, (opt, _) in made.items()}, rounds)
+    times = interleaved({name: opt for name, (opt, _) in made.items()}, rounds, device)
     numel = sum(torch.Size(s).numel() for _, s in shapes)
     base, pair = times["torch.AdamW(fused=True)"], times["torch.optim.Muon + torch.AdamW(fused)"]
     print(f"BERT-like {label} set: {numel / 1e6:.1f}M parameters in {len(shapes)} tensors, "
-          f"float32; torch {torch.__version__}, {threads} threads, {rounds} rounds")
+          f"float32; torch {torch.__version__}, "
+          f"{torch.cuda.get_device_name() if device.startswith('cuda') else f'{threads} threads'}"
+          f", {rounds} rounds")
     print(f"{'optimizer':40s} {'median ms':>9s} {'x fused AdamW':>14s} {'x torch Muon':>13s} "
           f"{'state B/param':>14s}")
     rows = []
@@ -100,7 +106,7 @@ def one_process(shapes, threads: int, rounds: int, label: str) -> dict:
         print(f"{name:40s} {row['median_s'] * 1e3:9.1f} {row['ratio']:14.2f} "
               f"{row['ratio_to_torch_muon']:13.2f} {held:14.2f}")
     return dict(kind="muon", params=numel, tensors=len(shapes), threads=threads,
-                rounds=rounds, torch=torch.__version__, rows=rows)
+                device=device, rounds=rounds, torch=torch.__version__, rows=rows)
 
 
 def sharded(shapes, world: int, threads: int, rounds: int, label: str) -> dict:
