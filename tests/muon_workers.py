@@ -149,3 +149,21 @@ def resume(rank, world, tmp, name, first, steps, path):
     train_reference(name, steps, first, model=model, opt=opt)
     full = [p.full_tensor().detach().clone() for p in model.parameters()]  # every rank takes part
     return full if rank == 0 else None
+
+
+def skip_on_one_rank(rank, world, tmp):
+    """A NaN in the last rank's rows of one matrix, under nonfinite="skip": every rank skips
+    the step (none enters the exchange alone); the full weights before and after, and each
+    rank's count of skipped steps."""
+    model = shard(model_of())
+    opt = scaleopt.Muon(list(model.named_parameters()), lr=0.02, nonfinite="skip", **EXCLUDED)
+    train_reference("Muon", 1, model=model, opt=opt)
+    before = [p.full_tensor().detach().clone() for p in model.parameters()]
+    give_grads(model, 1)
+    if rank == world - 1:
+        model.up.weight.grad.to_local()[0, 0] = float("nan")
+    opt.step()
+    after = [p.full_tensor().detach().clone() for p in model.parameters()]
+    counts = [None] * world
+    dist.all_gather_object(counts, opt.skipped_steps)
+    return (before, after, counts) if rank == 0 else None

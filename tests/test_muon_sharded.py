@@ -74,3 +74,11 @@ def test_a_checkpoint_of_two_ranks_resumes_on_three_as_one_process_goes_on(tmp_p
                                        str(tmp_path / "save"), timeout=120) if r is not None]
     want = M.train_reference(name, 4)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_a_nan_in_one_ranks_rows_skips_the_step_on_every_rank(tmp_path):
+    (got,) = [r for r in W.run_workers(M.skip_on_one_rank, 2, tmp_path, timeout=120)
+              if r is not None]
+    before, after, counts = got
+    assert counts == [1, 1]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))

@@ -178,9 +178,9 @@ def _add_study_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--batch-sizes", type=_positive_int, nargs="+",
                    default=[64, 256, 1024, 4096, 8192], metavar="B",
                    help="batch sizes (default: 64 256 1024 4096 8192)")
-    s.add_argument("--optimizers", nargs="+", default=["lamb", "lans", "adamw"], metavar="NAME",
+    s.add_argument("--optimizers", nargs="+", default=["lamb", "lans", "adamw", "muon"], metavar="NAME",
                    type=str.lower,
-                   help="optimizers to compare (default: lamb lans adamw)")
+                   help="optimizers to compare (default: lamb lans adamw muon)")
     s.add_argument("--base-batch", type=_positive_int, default=1024,
                    help="batch size at which each optimizer uses its default learning rate (default: 1024)")
     s.add_argument("--scaling", choices=["sqrt", "linear"], default="sqrt",
