@@ -40,6 +40,8 @@ def test_info_says_what_runs_here():
     (lambda ps: scaleopt.offload(scaleopt.LAMB, ps), [NATIVE + " (host)"]),
     (lambda ps: scaleopt.OffloadAdam(ps), [NATIVE + " (host)"]),
     (lambda ps: scaleopt.AdamW(ps), ["fused (torch)"]),
+    (lambda ps: scaleopt.Muon(ps), ["Newton-Schulz (bfloat16 matmuls), matrices whole on one "
+                                    "rank each", "fused (torch)"]),
     (lambda ps: scaleopt.Momentum(ps, lr=0.1), ["single"]),
     (lambda ps: torch.optim.SGD(ps, lr=0.1), ["torch.optim.sgd.SGD's own step"]),
 ])

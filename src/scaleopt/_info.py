@@ -54,9 +54,12 @@ def group_implementations(optimizer: torch.optim.Optimizer) -> List[str]:
             out.append(f"{type(optimizer).__module__}.{type(optimizer).__name__}'s own step")
         elif isinstance(optimizer, OffloadAdam):
             out.append("native (host)" if _native.available() else "single (host)")
-        elif isinstance(optimizer, AdamW):
+        elif isinstance(optimizer, AdamW) or group.get("algorithm") == "adamw":
+            group = dict({"fused": None, "foreach": None}, **group)  # Muon's AdamW part
             out.append("fused (torch)" if takes_fused(group, params) else
                        "multi (torch foreach)" if group["foreach"] else "torch's choice")
+        elif group.get("algorithm") == "muon":
+            out.append("Newton-Schulz (bfloat16 matmuls), matrices whole on one rank each")
         else:
             on_host = getattr(optimizer, "host", None) is not None
             impl = implementation(group, params, on_host=on_host,
