@@ -64,7 +64,8 @@ def test_bench_lanes_times_both_loops_of_each_optimizer():
         assert len(r) == 5 and all(float(x) > 0 for x in r), r
 
 
-@pytest.mark.parametrize("script", ["bench_step.py", "bench_offload.py", "bench_fsdp.py"])
+@pytest.mark.parametrize("script", ["bench_step.py", "bench_offload.py", "bench_fsdp.py",
+                                    "bench_muon.py"])
 def test_bench_scripts_answer_help(script):
     assert "usage" in run(script, "--help")
 
