@@ -74,19 +74,26 @@ def test_bfloat16_plain_momentum_keeps_its_momentum():
         assert abs(b.float().norm().item() - 1.0) > 0.1
 
 
-def test_torch_muons_state_dict_loads_and_continues_as_torch_does():
+@pytest.mark.parametrize("first", ["torch", "scaleopt"])
+def test_state_dicts_move_between_torch_muon_and_this_one(first):
+    """Three steps by one, its state dict loaded into the other, three more by both: the
+    weights of the run that changed optimizer equal those of the one that did not."""
     ours, theirs = _matrices(), _matrices()
-    reference = torch.optim.Muon(theirs, lr=0.02)
+    make = {"torch": lambda ps: torch.optim.Muon(ps, lr=0.02),
+            "scaleopt": lambda ps: scaleopt.Muon(ps, lr=0.02)}
+    second = "scaleopt" if first == "torch" else "torch"
+    reference = make[first](theirs)
     _run(reference, theirs, 3)
     with torch.no_grad():
         for a, b in zip(ours, theirs):
             a.copy_(b)
-    opt = scaleopt.Muon(ours, lr=0.02)
+    opt = make[second](ours)
     opt.load_state_dict(copy.deepcopy(reference.state_dict()))  # as a checkpoint is
     _run(opt, ours, 3, first=3)
     _run(reference, theirs, 3, first=3)
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
-    assert opt.param_groups[0]["algorithm"] == "muon"
+    if second == "scaleopt":
+        assert opt.param_groups[0]["algorithm"] == "muon"
 
 
 class _Model(nn.Module):
