@@ -25,7 +25,7 @@ from torch import nn
 
 import scaleopt
 from scaleopt.cli.launch import TIMEOUT, end_group, free_port
-from scaleopt.cli.paramsets import NO_DECAY, SIZES, bert_shapes, paired_ratio
+from scaleopt.cli.paramsets import NO_DECAY, SIZES, bert_shapes, muon, paired_ratio
 
 
 def sharded_params(shapes, world):
@@ -61,8 +61,6 @@ def candidates(kind: str = "layerwise"):
         return torch.optim.AdamW(ps, lr=1e-3, fused=True)
 
     if kind == "muon":
-        from .bench_muon import muon
-
         return {"torch.AdamW(fused=True), local shards": local_fused_adamw,
                 "scaleopt.Muon": muon,
                 "scaleopt.Muon(state_dtype=int8)": lambda n: muon(n, state_dtype="int8")}

@@ -24,18 +24,8 @@ from typing import Callable, Dict, List
 
 import torch
 
-import scaleopt
-
 from . import bench_fsdp
-from .paramsets import NO_DECAY, held_bytes, make_params, paired_ratio, sync
-
-#: the parameters every Muon row leaves to AdamW, as Muon's authors do
-EMBEDDINGS = r"embeddings"
-
-
-def muon(named, **options):
-    return scaleopt.Muon(named, lr=0.02, adamw_lr=1e-3, exclude_from_muon=EMBEDDINGS,
-                         exclude_from_weight_decay=NO_DECAY, **options)
+from .paramsets import held_bytes, make_params, muon, paired_ratio, sync
 
 
 class TorchPair:

@@ -8,6 +8,8 @@ from typing import List, Tuple
 
 import torch
 
+import scaleopt
+
 SIZES = {
     # name: (hidden, layers, vocab, intermediate)
     "small": (512, 4, 30522, 2048),
@@ -61,6 +63,12 @@ def sync(device: str) -> None:
 
 
 NO_DECAY = [r"bias$", r"LayerNorm"]
+
+
+def muon(named, **options):
+    """The benchmarks' ``scaleopt.Muon``: the embeddings left to AdamW, as Muon's authors do."""
+    return scaleopt.Muon(named, lr=0.02, adamw_lr=1e-3, exclude_from_muon=r"embeddings",
+                         exclude_from_weight_decay=NO_DECAY, **options)
 
 
 def paired_ratio(times: List[float], baseline: List[float]) -> float:
