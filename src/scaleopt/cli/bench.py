@@ -26,7 +26,8 @@ import torch
 import scaleopt
 
 from . import bench_fsdp, bench_gpu, bench_muon
-from .paramsets import NO_DECAY, SIZES, bert_shapes, held_bytes, make_params, paired_ratio, sync
+from .paramsets import (NO_DECAY, SIZES, bert_shapes, held_bytes, interleaved, make_params,
+                        paired_ratio, sync)
 from .report import NO_PLOTS, write_bench_plot
 from .train import check_out, new_folder
 
@@ -325,16 +326,10 @@ def run(args: argparse.Namespace) -> dict:
         opts[name] = (make(named), named)
         opts[name][0].step()  # warm-up: allocate state
         held[name] = held_bytes(*opts[name])
-    times: Dict[str, List[float]] = {k: [] for k in opts}
-    ref_times = []
-    for _ in range(args.rounds):
-        for name, (opt, _) in opts.items():
-            sync(args.device)
-            t = time.perf_counter()
-            opt.step()
-            sync(args.device)
-            times[name].append(time.perf_counter() - t)
-        ref_times.append(bandwidth_reference(opts["torch.AdamW(fused=True)"][1]))
+    ref_times: List[float] = []
+    times = interleaved({name: opt.step for name, (opt, _) in opts.items()}, args.rounds,
+                        args.device, after_round=lambda: ref_times.append(
+                            bandwidth_reference(opts["torch.AdamW(fused=True)"][1])))
     base = statistics.median(times["torch.AdamW(fused=True)"])
     ref = statistics.median(ref_times)
     print(f"BERT-like '{args.size}' set: {nparams / 1e6:.1f}M parameters in {len(shapes)} tensors, "

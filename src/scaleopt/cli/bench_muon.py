@@ -19,13 +19,12 @@ cores), and the time in the exchange (the two ``all_to_all_single`` per step).
 from __future__ import annotations
 
 import statistics
-import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict
 
 import torch
 
 from . import bench_fsdp
-from .paramsets import held_bytes, make_params, muon, paired_ratio, sync
+from .paramsets import held_bytes, interleaved, make_params, muon, paired_ratio
 
 
 class TorchPair:
@@ -55,29 +54,15 @@ def candidates() -> Dict[str, Callable]:
     }
 
 
-def interleaved(opts: Dict[str, object], rounds: int,
-                device: str = "cpu") -> Dict[str, List[float]]:
-    """Each optimizer's step times, stepped in turn round after round (after one untimed
-    round, which makes the state)."""
-    times: Dict[str, List[float]] = {name: [] for name in opts}
-    for r in range(rounds + 1):
-        for name, opt in opts.items():
-            sync(device)
-            t0 = time.perf_counter()
-            opt.step()
-            sync(device)
-            if r:
-                times[name].append(time.perf_counter() - t0)
-    return times
-
-
 def one_process(shapes, threads: int, rounds: int, label: str, device: str = "cpu") -> dict:
     torch.set_num_threads(threads)
     made = {}
     for name, make in candidates().items():
         named = make_params(shapes, torch.float32, device)
         made[name] = (make(named), named)
-    times = interleaved({name: opt for name, (opt, _) in made.items()}, rounds, device)
+    for opt, _ in made.values():
+        opt.step()  # the state made
+    times = interleaved({name: opt.step for name, (opt, _) in made.items()}, rounds, device)
     numel = sum(torch.Size(s).numel() for _, s in shapes)
     base, pair = times["torch.AdamW(fused=True)"], times["torch.optim.Muon + torch.AdamW(fused)"]
     print(f"BERT-like {label} set: {numel / 1e6:.1f}M parameters in {len(shapes)} tensors, "
@@ -103,7 +88,9 @@ def sharded(shapes, world: int, threads: int, rounds: int, label: str) -> dict:
     """scaleopt.Muon on ``world`` x ``threads`` against one process x ``world * threads``."""
     torch.set_num_threads(world * threads)
     named = make_params(shapes, torch.float32)
-    alone = interleaved({"scaleopt.Muon": muon(named)}, rounds)["scaleopt.Muon"]
+    opt = muon(named)
+    opt.step()  # the state made
+    alone = interleaved({"scaleopt.Muon": opt.step}, rounds)["scaleopt.Muon"]
     result = bench_fsdp.run(shapes, world, threads, rounds, label, kind="muon")
     row = result["rows"]["scaleopt.Muon"]
     one = statistics.median(alone) * 1e3

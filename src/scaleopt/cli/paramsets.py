@@ -4,7 +4,8 @@ shards): BERT-like shapes by size, their parameters with gradients, and the pair
 from __future__ import annotations
 
 import statistics
-from typing import List, Tuple
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -69,6 +70,24 @@ def muon(named, **options):
     """The benchmarks' ``scaleopt.Muon``: the embeddings left to AdamW, as Muon's authors do."""
     return scaleopt.Muon(named, lr=0.02, adamw_lr=1e-3, exclude_from_muon=r"embeddings",
                          exclude_from_weight_decay=NO_DECAY, **options)
+
+
+def interleaved(steps: Dict[str, Callable[[], Any]], rounds: int, device: str = "cpu",
+                after_round: Optional[Callable[[], Any]] = None) -> Dict[str, List[float]]:
+    """Each step's times over ``rounds`` rounds, the steps taken in turn in each round (so a
+    drift of the machine's speed hits them alike; :func:`paired_ratio` compares them round by
+    round), ``after_round`` called after each round, untimed."""
+    times: Dict[str, List[float]] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            sync(device)
+            t0 = time.perf_counter()
+            step()
+            sync(device)
+            times[name].append(time.perf_counter() - t0)
+        if after_round is not None:
+            after_round()
+    return times
 
 
 def paired_ratio(times: List[float], baseline: List[float]) -> float:
