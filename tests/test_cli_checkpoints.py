@@ -55,7 +55,7 @@ def test_a_sharded_run_equals_the_ddp_run_and_holds_half_the_state(tmp_path, opt
 
 
 @pytest.mark.parametrize("name", ["lans", "adamw", "offload-adam", "momentum", "torch-adamw",
-                                  "torch-sgd"])
+                                  "torch-sgd", "muon"])
 def test_every_optimizer_trains_sharded_as_in_one_process(tmp_path, name):
     short = ["--optimizer", name, "--steps", "4"]
     fsdp = _train(tmp_path / "fsdp", "--workers", "2", "--shard", *short)
