@@ -19,6 +19,8 @@ OPTIMIZERS = {
     "Muon(match_rms_adamw, plain momentum, clipping)": lambda ps: scaleopt.Muon(
         ps, lr=1e-2, adjust_lr_fn="match_rms_adamw", nesterov=False, max_grad_norm=0.5,
         weight_decay=0.05, **EXCLUDED),
+    "Muon(float32 iteration)": lambda ps: scaleopt.Muon(ps, lr=0.02, ns_dtype="float32",
+                                                        **EXCLUDED),
     "Muon(int8 state)": lambda ps: scaleopt.Muon(ps, lr=0.02, state_dtype="int8", **EXCLUDED),
     "Muon(bfloat16 state)": lambda ps: scaleopt.Muon(ps, lr=0.02, state_dtype="bfloat16",
                                                      **EXCLUDED),

@@ -184,6 +184,7 @@ def test_an_lr_schedule_scales_both_parts():
     (dict(ns_coefficients=(1.0, 2.0)), "ns_coefficients must be three numbers"),
     (dict(eps=0.0), "Invalid eps"),
     (dict(adjust_lr_fn="rms"), "Invalid adjust_lr_fn"),
+    (dict(ns_dtype="float16"), "Invalid ns_dtype"),
     (dict(betas=(0.9, 1.0)), "betas"),
     (dict(adamw_lr=-1e-3), "Invalid adamw_lr"),
     (dict(state_dtype="int4"), "Invalid state_dtype"),
@@ -248,6 +249,25 @@ def test_row_blocks_are_torch_chunks(rows, ranks):
     want = [c.shape[0] for c in torch.arange(rows).chunk(ranks)] if rows else []
     got = _orthogonal.shard_rows(rows, ranks)
     assert sum(got) == rows and got[:len(want)] == want and not any(got[len(want):])
+
+
+@pytest.mark.parametrize("shape", [(48, 80), (80, 48), (128, 128)])
+def test_a_float32_iteration_is_the_float64_one_to_round_off(shape):
+    """ns_dtype="float32": the iteration's error against float64 is float32 round-off grown by
+    its five steps (each multiplies small errors by at most about a = 3.4: 3.4^5 x 2^-24 x
+    |X|, under 1e-5 here), where bfloat16's is a few 1e-3; and the optimizer takes it."""
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    run = {dtype: _orthogonal.newton_schulz(g.to(dtype), _orthogonal.NS_COEFFICIENTS, 5, 1e-7,
+                                            dtype).double()
+           for dtype in (torch.float32, torch.float64, torch.bfloat16)}
+    assert (run[torch.float32] - run[torch.float64]).abs().max() < 1e-5
+    assert (run[torch.bfloat16] - run[torch.float64]).abs().max() > 1e-3
+    params = [nn.Parameter(torch.zeros(shape))]
+    params[0].grad = g
+    opt = scaleopt.Muon(params, lr=1.0, weight_decay=0.0, momentum=0.0, ns_dtype="float32")
+    opt.step()
+    torch.testing.assert_close(-params[0].detach().double(), run[torch.float64] * _orthogonal.
+                               adjusted_lr(1.0, None, shape), rtol=0, atol=2e-5)
 
 
 def test_newton_schulz_drives_singular_values_towards_one():

@@ -10,15 +10,17 @@ it (:func:`owners`: the largest first, each to the rank with the least work so f
 iteration's cost), and moves the rows in one batched ``all_to_all_single`` per process group
 and direction: every rank sends its rows of each matrix to the matrix's owner, each owner
 stacks the rows in rank order (the whole matrix, as one process holds it), iterates, and sends
-each rank its rows of the result. The rows travel as bfloat16, the iteration's own first
-rounding, so the exchange halves the bytes and changes no bit: a sharded step's results are
-one process's. Matrices that nothing shards are iterated where they are.
+each rank its rows of the result. The rows travel in the iteration's dtype (bfloat16 by
+default, as torch's): the iteration's own first rounding, so the exchange halves the bytes
+and changes no bit, and a sharded step's results are one process's. Matrices that nothing
+shards are iterated where they are.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -33,12 +35,12 @@ EPS = 1e-7
 
 
 def newton_schulz(x: Tensor, coefficients: Tuple[float, float, float], steps: int,
-                  eps: float) -> Tensor:
-    """The quintic Newton-Schulz iteration of the 2-D ``x``, in bfloat16 (a new tensor, of
+                  eps: float, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """The quintic Newton-Schulz iteration of the 2-D ``x``, in ``dtype`` (a new tensor, of
     ``x``'s shape): ``X <- a X + (b A + c A^2) X`` with ``A = X X^T``, on the wide orientation,
     after ``X / max(||X||_F, eps)``."""
     a, b, c = coefficients
-    y = x.to(torch.bfloat16, copy=True)
+    y = x.to(dtype, copy=True)
     tall = x.size(0) > x.size(1)
     if tall:
         y = y.T
@@ -86,18 +88,21 @@ class Job:
 
 
 def orthogonalize(jobs: Sequence[Job], coefficients: Tuple[float, float, float], steps: int,
-                  eps: float) -> None:
-    """Each job's ``result``: the local rows of the iteration of its whole matrix (see the
-    module doc); one exchange each way per process group that shards any of them."""
+                  eps: float, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Each job's ``result``: the local rows of the iteration (in ``dtype``) of its whole
+    matrix (see the module doc); one exchange each way per process group that shards any of
+    them."""
+    iteration = functools.partial(newton_schulz, coefficients=coefficients, steps=steps,
+                                  eps=eps, dtype=dtype)
     by_group: Dict[Any, List[Job]] = {}
     for job in jobs:
         group = _row_group(job.param)
         if group is None:
-            job.result = newton_schulz(job.local, coefficients, steps, eps)
+            job.result = iteration(job.local)
         else:
             by_group.setdefault(group, []).append(job)
     for group, members in by_group.items():
-        _exchange(group, members, coefficients, steps, eps)
+        _exchange(group, members, iteration, dtype)
 
 
 def _row_group(p: Tensor) -> Any:
@@ -117,8 +122,8 @@ def _row_group(p: Tensor) -> Any:
     return groups[0] if dist.get_world_size(groups[0]) > 1 else None
 
 
-def _exchange(group: Any, jobs: Sequence[Job], coefficients: Tuple[float, float, float],
-              steps: int, eps: float) -> None:
+def _exchange(group: Any, jobs: Sequence[Job], iteration: Callable[[Tensor], Tensor],
+              dtype: torch.dtype) -> None:
     ranks, me = dist.get_world_size(group), dist.get_rank(group)
     shapes = [tuple(job.param.shape) for job in jobs]
     rows = [shard_rows(m, ranks) for m, _ in shapes]
@@ -130,20 +135,20 @@ def _exchange(group: Any, jobs: Sequence[Job], coefficients: Tuple[float, float,
                 f"{job.local.shape[0]}")
     owner = owners(shapes, ranks)
     mine = [j for j in range(len(jobs)) if owner[j] == me]
-    send = [[job.local.to(torch.bfloat16).reshape(-1) for job, o in zip(jobs, owner) if o == k]
+    send = [[job.local.to(dtype).reshape(-1) for job, o in zip(jobs, owner) if o == k]
             for k in range(ranks)]
     sent = [sum(t.numel() for t in pieces) for pieces in send]
     taken = [sum(rows[j][k] * shapes[j][1] for j in mine) for k in range(ranks)]
-    got = _all_to_all(_flat(send, jobs[0].local.device), taken, sent, group)
+    got = _all_to_all(_flat(send, jobs[0].local.device, dtype), taken, sent, group)
     from_rank = [piece.split([rows[j][k] * shapes[j][1] for j in mine])
                  for k, piece in enumerate(got.split(taken))]
     back: List[List[Tensor]] = [[] for _ in range(ranks)]
     for i, j in enumerate(mine):
         whole = torch.cat([from_rank[k][i].view(rows[j][k], shapes[j][1]) for k in range(ranks)])
-        result = newton_schulz(whole, coefficients, steps, eps)
+        result = iteration(whole)
         for k, block in enumerate(result.split(rows[j])):
             back[k].append(block.reshape(-1))
-    returned = _all_to_all(_flat(back, jobs[0].local.device), sent, taken, group)
+    returned = _all_to_all(_flat(back, jobs[0].local.device, dtype), sent, taken, group)
     pieces = [piece.split([job.local.numel() for job, o in zip(jobs, owner) if o == k])
               for k, piece in enumerate(returned.split(sent))]
     position = [0] * ranks
@@ -152,16 +157,16 @@ def _exchange(group: Any, jobs: Sequence[Job], coefficients: Tuple[float, float,
         position[o] += 1
 
 
-def _flat(pieces: Sequence[Sequence[Tensor]], device: torch.device) -> Tensor:
+def _flat(pieces: Sequence[Sequence[Tensor]], device: torch.device, dtype: torch.dtype) -> Tensor:
     flat = [t for per_rank in pieces for t in per_rank]
-    return torch.cat(flat) if flat else torch.empty(0, dtype=torch.bfloat16, device=device)
+    return torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
 
 
 def _all_to_all(send: Tensor, receive_sizes: List[int], send_sizes: List[int],
                 group: Any) -> Tensor:
-    """``send`` (bfloat16) cut into ``send_sizes`` for the ranks in order; what each sent here,
-    as one tensor cut as ``receive_sizes``."""
-    received = torch.empty(sum(receive_sizes), dtype=torch.bfloat16, device=send.device)
+    """``send`` cut into ``send_sizes`` for the ranks in order; what each sent here, as one
+    tensor cut as ``receive_sizes``."""
+    received = torch.empty(sum(receive_sizes), dtype=send.dtype, device=send.device)
     dist.all_to_all_single(received, send, output_split_sizes=receive_sizes,
                            input_split_sizes=send_sizes, group=group)
     return received

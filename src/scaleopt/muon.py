@@ -21,6 +21,8 @@ __all__ = ["Muon"]
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 #: what updates a group's parameters
 ALGORITHMS = ("muon", "adamw")
+#: the dtypes the iteration runs in (``ns_dtype``)
+NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 #: the state of a parameter of each algorithm (``step`` is made where missing: torch.optim.Muon
 #: keeps none)
 _KEYS = {"muon": ("momentum_buffer",), "adamw": ("step", "exp_avg", "exp_avg_sq")}
@@ -44,9 +46,9 @@ class Muon(ScaleOptimizer):
                 \end{cases}
         \end{aligned}
 
-    for an :math:`A \times B` matrix, the iteration in bfloat16 on the wide orientation. These
-    are :class:`torch.optim.Muon`'s operations: on one device the matrices' updates are torch's
-    bits, and its ``state_dict`` loads here. The iteration drives the update's singular values
+    for an :math:`A \times B` matrix, the iteration in bfloat16 (``ns_dtype``) on the wide
+    orientation. These are :class:`torch.optim.Muon`'s operations: on one device the matrices'
+    updates are torch's bits, and its ``state_dict`` loads here. The iteration drives the update's singular values
     towards 1, so every direction of the momentum moves the weights alike.
 
     The other parameters (not 2-D: biases, norms; and 2-D ones that ``exclude_from_muon`` names:
@@ -74,6 +76,9 @@ class Muon(ScaleOptimizer):
         adjust_lr_fn (None, ``"original"`` or ``"match_rms_adamw"``, default None =
             ``"original"``): :math:`\eta'`. ``"match_rms_adamw"`` gives the update AdamW's
             RMS, so the matrices and the AdamW parameters can share one ``lr``.
+        ns_dtype (``"bfloat16"`` or ``"float32"``, default ``"bfloat16"``): the dtype of the
+            iteration. bfloat16 is torch's (its bits), and fast on GPUs and on CPUs that
+            multiply bfloat16 (AVX-512 BF16, AMX); ``"float32"`` for CPUs that do not.
         betas (tuple[float, float], default (0.9, 0.95)): AdamW's :math:`(\beta_1, \beta_2)`.
         adamw_eps (float, default 1e-8): AdamW's :math:`\epsilon`.
         adamw_lr (float or None, default None): the learning rate of the AdamW part of a split
@@ -114,6 +119,7 @@ class Muon(ScaleOptimizer):
         ns_steps: int = NS_STEPS,
         adjust_lr_fn: Optional[str] = None,
         *,
+        ns_dtype: str = "bfloat16",
         betas: Tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
         adamw_lr: Optional[float] = None,
@@ -127,7 +133,7 @@ class Muon(ScaleOptimizer):
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
             ns_coefficients=tuple(ns_coefficients) if isinstance(ns_coefficients, list)
             else ns_coefficients,
-            eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
+            eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype,
             betas=tuple(betas) if isinstance(betas, list) else betas, adamw_eps=adamw_eps,
             adamw_lr=adamw_lr, exclude_from_muon=exclude_from_muon,
             exclude_from_weight_decay=exclude_from_weight_decay, max_grad_norm=max_grad_norm,
@@ -180,6 +186,7 @@ class Muon(ScaleOptimizer):
         if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps < 100:
             raise ValueError(f"Invalid ns_steps: {steps!r} (an int in [0, 100))")
         check_choice("adjust_lr_fn", group["adjust_lr_fn"], ADJUST_LR_FNS)
+        check_choice("ns_dtype", group["ns_dtype"], tuple(NS_DTYPES))
         check_betas(group["betas"])
         check_number("adamw_eps", group["adamw_eps"])
         check_number("adamw_lr", group["adamw_lr"], allow_none=True)
@@ -268,10 +275,11 @@ class Muon(ScaleOptimizer):
         them, per setting of the iteration), then decay and move each (local pieces)."""
         settings: Dict[Tuple[Any, ...], List[Job]] = {}
         for group, _, job in matrices:
-            key = (group["ns_coefficients"], group["ns_steps"], group["eps"])
+            key = (group["ns_coefficients"], group["ns_steps"], group["eps"],
+                   NS_DTYPES[group["ns_dtype"]])
             settings.setdefault(key, []).append(job)
-        for (coefficients, steps, eps), jobs in settings.items():
-            orthogonalize(jobs, coefficients, steps, eps)
+        for (coefficients, steps, eps, dtype), jobs in settings.items():
+            orthogonalize(jobs, coefficients, steps, eps, dtype)
         for group, p, job in matrices:
             _move(local_piece(p), job.result, group, p.shape)
 

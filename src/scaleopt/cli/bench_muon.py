@@ -51,6 +51,7 @@ def candidates() -> Dict[str, Callable]:
         "torch.optim.Muon + torch.AdamW(fused)": TorchPair,
         "scaleopt.Muon": muon,
         "scaleopt.Muon(state_dtype=int8)": lambda n: muon(n, state_dtype="int8"),
+        "scaleopt.Muon(ns_dtype=float32)": lambda n: muon(n, ns_dtype="float32"),
     }
 
 
