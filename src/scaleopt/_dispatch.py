@@ -7,7 +7,7 @@
 * ``TRITON``: Triton multi-tensor kernels (``_triton``), one launch per phase for all tensors of
   a group (CUDA; CPU tensors under ``TRITON_INTERPRET=1``).
 
-All three compute the same numbers up to float round-off. The functional forms pick theirs
+All four compute the same numbers up to float round-off. The functional forms pick theirs
 from a table (``lamb._IMPLEMENTATIONS``, ``lans._IMPLEMENTATIONS``): adding one is an enum
 member here, a line in :func:`implementation`, and one function per optimizer.
 """

@@ -1,5 +1,7 @@
 /*
- * Fused CPU kernels for LAMB, LANS and Adam on contiguous float32 tensors.
+ * Fused CPU kernels for LAMB, LANS and Adam on contiguous tensors: float32 weights (or
+ * bfloat16 parameters with float32 or split masters), float32 or bfloat16 gradients, moments
+ * in float32, bfloat16 or 8-bit codes.
  *
  * Plain C with OpenMP, called through ctypes on raw pointers: nothing here depends on a
  * particular torch version. LAMB and LANS run in two passes over memory per tensor:
@@ -942,7 +944,7 @@ V16_INLINE __mmask16 v16_mask(int64_t j, int64_t len) {
 }
 
 /* The stored moments at element at (lanes k): int8 codes with the block's steps sm, sv
- * (s / 127^2, s / 255^4), as decode_block; or bfloat16. */
+ * (s / 127^2, s / 1.875), as decode_block; or bfloat16. */
 V16_INLINE void v16_decode(const Stored *st, int int8, int64_t at, __mmask16 k, __m512 sm,
                            __m512 sv, __m512 *m, __m512 *v) {
     if (int8) {
@@ -1637,7 +1639,7 @@ TARGETS static void adam_compact(const AdamTensor *x, const AdamConfig *cfg) {
         BLOCK_OUTPUTS(b, x);)
 }
 
-/* One Adam step on each of `count` tensors (see TensorArgs); step[t] is incremented. */
+/* One Adam step on each of `count` tensors (see AdamTensor); step[t] is incremented. */
 void adam_multi(const AdamTensor *ts, int64_t count, const AdamConfig *cfg) {
     for (int64_t t = 0; t < count; t++) {
         const AdamTensor *x = &ts[t];

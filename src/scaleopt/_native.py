@@ -1,6 +1,7 @@
 """The fused CPU kernels (``_kernels.c``) for LAMB, LANS and Adam, called through ctypes.
 
-They apply to contiguous float32 CPU tensors. When the extension was not built (no compiler at
+They apply to contiguous CPU tensors: float32 weights (or bfloat16 parameters with float32 or
+split masters), float32 or bfloat16 gradients, moments in float32, bfloat16 or 8-bit codes. When the extension was not built (no compiler at
 install time) or ``SCALEOPT_NATIVE=0`` is set, :func:`available` is False and the optimizers run
 their PyTorch paths, which compute the same numbers.
 """
@@ -108,9 +109,6 @@ def struct_layout(struct: type) -> Tuple[int, ...]:
     out = (c_int64 * 32)()
     count = _lib.struct_layout(STRUCTS.index(struct), ctypes.addressof(out))
     return tuple(out[:count])
-
-
-_MODES = {"update": 0, "decoupled": 1, "l2": 2}
 
 
 def available() -> bool:
@@ -275,7 +273,7 @@ def lamb_kernel(t: Any, layer: Any, o: Any) -> Phased:
     if not t.weights:
         return
     clamp = None if t.grad_scalars is None else t.grad_scalars.clamp
-    config = _layerwise_config(o, clamp, mode=_MODES[o.weight_decay_mode])
+    config = _layerwise_config(o, clamp, mode=_blocks.WEIGHT_DECAY_MODES[o.weight_decay_mode])
     yield from _kernel_phases("lamb", 2, t, _LayerwiseCall("lamb", t, layer, config))
 
 

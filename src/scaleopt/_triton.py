@@ -66,7 +66,6 @@ ITERS = 4
 #: launches per kernel name since the start (the tests count a step's)
 LAUNCHES: collections.Counter = collections.Counter()
 
-_MODES = {"update": 0, "decoupled": 1, "l2": 2}
 _G_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _LOW_KINDS = {None: 0, torch.bfloat16: 1, torch.float16: 2, torch.int16: 3}
 _FORMS = {None: 0, "bfloat16": 1, "int8": 2}
@@ -448,14 +447,6 @@ def _device_table(t: Any, layer: Any, o: Any, device: torch.device, steps: Tenso
     return table
 
 
-def _clip_bounds(clip: Any) -> Tuple[float, float, bool]:
-    if clip is None:
-        return -math.inf, math.inf, False
-    if isinstance(clip, (tuple, list)):
-        return float(clip[0]), float(clip[1]), True
-    return -float(clip), float(clip), True
-
-
 # --------------------------------------------------------------------------------------------
 # launches
 # --------------------------------------------------------------------------------------------
@@ -506,8 +497,9 @@ def _skip_flag(t: Any, device: torch.device) -> Tensor:
 
 
 def _options(o: Any, clip: Any) -> Dict[str, Any]:
-    lo, hi, on = _clip_bounds(clip)
-    return dict(beta1=o.beta1, beta2=o.beta2, eps=o.eps, clip_lo=lo, clip_hi=hi, CLIP=on,
+    lo, hi = _blocks.clip_bounds(clip)
+    return dict(beta1=o.beta1, beta2=o.beta2, eps=o.eps, clip_lo=float(lo), clip_hi=float(hi),
+                CLIP=clip is not None,
                 lower=o.lower_bound or 0.0, upper=o.upper_bound or 0.0,
                 HAS_LOWER=o.lower_bound is not None, HAS_UPPER=o.upper_bound is not None)
 
@@ -524,13 +516,13 @@ def lamb_triton(t: Any, layer: Any, o: Any) -> Phased:
     opts = _options(o, None if t.grad_scalars is None else t.grad_scalars.clamp)
     plan, skip = _plan(t), _skip_flag(t, device)
     sums = _sums(plan, 2, device, "lamb_sums", scal=scal, skip=skip,
-                 MODE=_MODES[o.weight_decay_mode], **opts)
+                 MODE=_blocks.WEIGHT_DECAY_MODES[o.weight_decay_mode], **opts)
     if t.shard_sums is not None:
         owners = [i for i in range(len(t.weights)) for _ in range(2)]
         sums = yield t.shard_sums.request(sums, owners)
     for kinds, tables in plan.sets:
         _launch("lamb_apply", kinds, tables, scal=scal, skip=skip, sums=sums,
-                MODE=_MODES[o.weight_decay_mode], **opts)
+                MODE=_blocks.WEIGHT_DECAY_MODES[o.weight_decay_mode], **opts)
 
 
 def _grad_sums(t: Any, device: torch.device, plan: _Plan) -> Phased:

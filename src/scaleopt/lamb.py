@@ -20,7 +20,7 @@ from ._sharding import Phased, in_one_phase, run_phases
 
 __all__ = ["LAMB", "lamb"]
 
-WEIGHT_DECAY_MODES = ("update", "decoupled", "l2")
+WEIGHT_DECAY_MODES = tuple(_blocks.WEIGHT_DECAY_MODES)
 
 
 class LAMB(LayerwiseAdam):
