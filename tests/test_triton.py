@@ -779,3 +779,20 @@ def test_the_counters_step_together_and_save_as_tensors_of_their_own():
     saved = [st["step"] for st in opt.state_dict()["state"].values()]
     assert all(s.untyped_storage().nbytes() == 4 and float(s) == 3.0 for s in saved)
     assert all(s is t for s, t in zip(steps, (st["step"] for st in opt.state.values())))
+
+
+def test_the_tables_are_read_and_written_by_column_name():
+    """The kernels read ``ptrs``, the step table and ``chunks`` by the names of
+    ``_triton_layout``, and ``_triton`` writes the step table by them: no column is a bare
+    offset on either side, so the two cannot drift apart."""
+    import re
+
+    from scaleopt import _triton_layout
+
+    src = Path(scaleopt.__file__).parent
+    kernels = (src / "_triton_kernels.py").read_text()
+    assert not re.findall(r"tl\.load\((row|s|c)( \+ \d+)?\)", kernels)
+    writer = (src / "_triton.py").read_text()
+    assert not re.findall(r"table\[(?:[^\]]*,\s*)?\d+(?::\d*)?\]", writer)  # table[:, 4]
+    assert len(set(_triton_layout.PTRS)) == _triton._ROW == 10
+    assert [_triton_layout.column(_triton_layout.SCAL, n) for n in ("lr", "step")] == [0, 6]

@@ -58,6 +58,7 @@ from . import _blocks, _compact
 from ._checks import check_same_sizes
 from ._compile import eager
 from ._sharding import Phased
+from ._triton_layout import PTRS, SCAL, column
 
 #: elements per block of a program, and blocks per program (a program's chunk: their product)
 BLOCK = 1024
@@ -72,7 +73,10 @@ _FORMS = {None: 0, "bfloat16": 1, "int8": 2}
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _PLAIN_TYPES = set(_PLAIN)
 _PLANS: "collections.OrderedDict[tuple, _Plan]" = collections.OrderedDict()
-_ROW = 10  # int64 entries per row of ``ptrs`` (``_triton_kernels._ROW``)
+_ROW = len(PTRS)  # int64 entries per row of ``ptrs``
+_ROW_LEN = column(PTRS, "row_len")
+# the step table's columns (``_triton_layout.SCAL``)
+_LR, _WD, _ADAPT, _GRAD_MULT, _BC1, _BC2, _T = (column(SCAL, name) for name in SCAL)
 #: partial-sum slots that one program of ``totals`` adds at a time
 TOTALS_LANES = 64
 #: the kernels' compile options: no floating-point contraction, so that each addition and
@@ -198,7 +202,7 @@ def _plan(t: Any) -> _Plan:
     low = t.low or [None] * n
     stored = t.stored or [None] * n
     check_same_sizes("the Triton kernels", t.weights, t.grads, t.exp_avgs, t.exp_avg_sqs, low)
-    rows = tuple((t.weights[i].data_ptr(), t.grads[i].data_ptr(), t.exp_avgs[i].data_ptr(),
+    rows = tuple((t.weights[i].data_ptr(), t.grads[i].data_ptr(), t.exp_avgs[i].data_ptr(),  # PTRS
                   t.exp_avg_sqs[i].data_ptr(), 0 if low[i] is None else low[i].data_ptr(), i,
                   *_stored_row(stored[i])) for i in range(n))
     plan = _PLANS[key] = _new_plan(tuple(_kind(t, i) for i in range(n)), rows,
@@ -258,7 +262,7 @@ def _new_plan(kinds: Tuple, rows: Tuple, sizes: Tuple, device: torch.device) -> 
     spans = [(0, 0)] * len(rows)
     out, base = [], 0
     for kind, idx in sets.items():
-        chunks = _chunk_table([(sizes[i], rows[i][8]) for i in idx], BLOCK * ITERS, base)
+        chunks = _chunk_table([(sizes[i], rows[i][_ROW_LEN]) for i in idx], BLOCK * ITERS, base)
         counts = collections.Counter(k for k, _, _ in chunks)
         firsts: Dict[int, int] = {}
         for k, _, slot in chunks:
@@ -348,24 +352,24 @@ def _step_table(t: Any, layer: Any, o: Any, device: torch.device) -> Tensor:
         table = _device_table(t, layer, o, device, steps)
     else:
         pinned = device.type == "cuda"
-        table = torch.empty((len(t.steps), 7), dtype=torch.float32, pin_memory=pinned)
-        table[:, 0] = (float(lrs[0]) if one_lr
-                       else torch.tensor([float(lr) for lr in lrs], dtype=torch.float32))
-        table[:, 1:4] = _constant_columns(layer)
+        table = torch.empty((len(t.steps), len(SCAL)), dtype=torch.float32, pin_memory=pinned)
+        table[:, _LR] = (float(lrs[0]) if one_lr
+                         else torch.tensor([float(lr) for lr in lrs], dtype=torch.float32))
+        table[:, _WD:_GRAD_MULT + 1] = _constant_columns(layer)
         values = steps.tolist()
         distinct = sorted(set(values))
         bc1, bc2 = _blocks.bias_corrections(distinct, o.beta1, o.beta2, o.bias_correction)
         if len(distinct) == 1:
-            table[:, 4], table[:, 5] = bc1[0], bc2[0]
+            table[:, _BC1], table[:, _BC2] = bc1[0], bc2[0]
         else:
             at = {v: k for k, v in enumerate(distinct)}
             which = torch.tensor([at[v] for v in values])
-            table[:, 4] = torch.tensor(bc1, dtype=torch.float32)[which]
-            table[:, 5] = torch.tensor(bc2, dtype=torch.float32)[which]
-        table[:, 6] = steps
+            table[:, _BC1] = torch.tensor(bc1, dtype=torch.float32)[which]
+            table[:, _BC2] = torch.tensor(bc2, dtype=torch.float32)[which]
+        table[:, _T] = steps
         table = table.to(device, non_blocking=True) if pinned else table
     if t.grad_scalars is not None:  # the gradients' multipliers, where they are (the device)
-        table[:, 3] = t.grad_scalars.mults.to(device, torch.float32)
+        table[:, _GRAD_MULT] = t.grad_scalars.mults.to(device, torch.float32)
     return table
 
 
@@ -422,7 +426,8 @@ def _device_table(t: Any, layer: Any, o: Any, device: torch.device, steps: Tenso
     key = (floats, tuple(layer.weight_decays), tuple(map(bool, layer.adapt)), device)
     static = _STATIC.get(key)
     if static is None:
-        rows = [(lr, wd, float(a), 1.0, 1.0, 1.0, 0.0) for lr, wd, a in zip(*key[:3])]
+        rows = [(lr, wd, float(a), 1.0, 1.0, 1.0, 0.0)  # SCAL's columns
+                for lr, wd, a in zip(*key[:3])]
         static = _STATIC[key] = _blocks.to_device([torch.tensor(rows, dtype=torch.float32)],
                                                   device)[0]
         while len(_STATIC) > 256:
@@ -430,20 +435,20 @@ def _device_table(t: Any, layer: Any, o: Any, device: torch.device, steps: Tenso
     table = static.clone()
     lrs = list(layer.lrs)
     if lrs and all(lr is lrs[0] for lr in lrs) and torch.is_tensor(lrs[0]):  # a group's lr
-        table[:, 0] = lrs[0].reshape(())
+        table[:, _LR] = lrs[0].reshape(())
     elif all(torch.is_tensor(lr) for lr in lrs):  # per-tensor multiples of it
-        table[:, 0] = torch.stack([lr.reshape(()) for lr in lrs]).to(device, torch.float32)
+        table[:, _LR] = torch.stack([lr.reshape(()) for lr in lrs]).to(device, torch.float32)
     else:
         for i, lr in enumerate(lrs):
             if torch.is_tensor(lr):
-                table[i, 0].copy_(lr.reshape(()))
+                table[i, _LR].copy_(lr.reshape(()))
     steps = steps.to(torch.float64)
     if steps.device != device:  # counters on the host, learning rates on the device
         steps = _blocks.to_device([steps], device)[0]
-    table[:, 6] = steps
+    table[:, _T] = steps
     if o.bias_correction:
-        table[:, 4] = 1.0 - torch.pow(o.beta1, steps)
-        table[:, 5] = (1.0 - torch.pow(o.beta2, steps)).sqrt()
+        table[:, _BC1] = 1.0 - torch.pow(o.beta1, steps)
+        table[:, _BC2] = (1.0 - torch.pow(o.beta2, steps)).sqrt()
     return table
 
 

@@ -28,9 +28,18 @@ which an exact step corrects (``tools/triton_compile.py`` allows no other).
 import triton
 import triton.language as tl
 
-_ROW = tl.constexpr(10)  # int64 entries per row of ``ptrs``
-_SCAL = tl.constexpr(7)  # float32 entries per row of ``scal``
-_CHUNK = tl.constexpr(3)  # int64 entries per row of ``chunks``
+from ._triton_layout import CHUNKS, PTRS, SCAL, column
+
+_ROW = tl.constexpr(len(PTRS))  # int64 entries per row of ``ptrs``
+_SCAL = tl.constexpr(len(SCAL))  # float32 entries per row of ``scal``
+_CHUNK = tl.constexpr(len(CHUNKS))  # int64 entries per row of ``chunks``
+# the columns of a row of ``ptrs`` (``_triton_layout``)
+_W, _G, _M, _V, _LOWP, _INDEX, _M_SCALE, _V_SCALE, _ROW_LEN, _OFFSET = (
+    tl.constexpr(column(PTRS, name)) for name in PTRS)
+# of the step table
+_LR, _WD, _ADAPT, _GRAD_MULT, _BC1, _BC2, _T = (tl.constexpr(column(SCAL, n)) for n in SCAL)
+# of ``chunks``
+_TENSOR, _START, _SLOT = (tl.constexpr(column(CHUNKS, name)) for name in CHUNKS)
 _BIG = tl.constexpr(3.4028234663852886e38)  # the largest float32: a ratio above it is not finite
 _LOW = tl.constexpr(4.656612873077393e-10)  # 2^-31 = F(0), the offset of the unsigned codes
 
@@ -39,30 +48,30 @@ _LOW = tl.constexpr(4.656612873077393e-10)  # 2^-31 = F(0), the offset of the un
 def _pointers(row, W_SPLIT: tl.constexpr, G_KIND: tl.constexpr, LOW_KIND: tl.constexpr,
               FORM: tl.constexpr):
     if W_SPLIT:
-        wp = tl.load(row).to(tl.pointer_type(tl.int16))
+        wp = tl.load(row + _W).to(tl.pointer_type(tl.int16))
     else:
-        wp = tl.load(row).to(tl.pointer_type(tl.float32))
+        wp = tl.load(row + _W).to(tl.pointer_type(tl.float32))
     if G_KIND == 1:
-        gp = tl.load(row + 1).to(tl.pointer_type(tl.bfloat16))
+        gp = tl.load(row + _G).to(tl.pointer_type(tl.bfloat16))
     elif G_KIND == 2:
-        gp = tl.load(row + 1).to(tl.pointer_type(tl.float16))
+        gp = tl.load(row + _G).to(tl.pointer_type(tl.float16))
     else:
-        gp = tl.load(row + 1).to(tl.pointer_type(tl.float32))
+        gp = tl.load(row + _G).to(tl.pointer_type(tl.float32))
     if FORM == 1:
-        mp = tl.load(row + 2).to(tl.pointer_type(tl.uint16))
-        vp = tl.load(row + 3).to(tl.pointer_type(tl.uint16))
+        mp = tl.load(row + _M).to(tl.pointer_type(tl.uint16))
+        vp = tl.load(row + _V).to(tl.pointer_type(tl.uint16))
     elif FORM == 2:
-        mp = tl.load(row + 2).to(tl.pointer_type(tl.int8))
-        vp = tl.load(row + 3).to(tl.pointer_type(tl.uint8))
+        mp = tl.load(row + _M).to(tl.pointer_type(tl.int8))
+        vp = tl.load(row + _V).to(tl.pointer_type(tl.uint8))
     else:
-        mp = tl.load(row + 2).to(tl.pointer_type(tl.float32))
-        vp = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+        mp = tl.load(row + _M).to(tl.pointer_type(tl.float32))
+        vp = tl.load(row + _V).to(tl.pointer_type(tl.float32))
     if LOW_KIND == 1:
-        lp = tl.load(row + 4).to(tl.pointer_type(tl.bfloat16))
+        lp = tl.load(row + _LOWP).to(tl.pointer_type(tl.bfloat16))
     elif LOW_KIND == 2:
-        lp = tl.load(row + 4).to(tl.pointer_type(tl.float16))
+        lp = tl.load(row + _LOWP).to(tl.pointer_type(tl.float16))
     else:
-        lp = tl.load(row + 4).to(tl.pointer_type(tl.int16))
+        lp = tl.load(row + _LOWP).to(tl.pointer_type(tl.int16))
     return wp, gp, mp, vp, lp
 
 
@@ -74,7 +83,7 @@ def _tile(row, n, start, it, BLOCK: tl.constexpr, QB: tl.constexpr, FORM: tl.con
     (b % per_row) * 256, and shorter where the row ends; the chunk starts at block ``start``.
     Otherwise BLOCK elements from element ``start + it * BLOCK`` (the blocks: the elements)."""
     if FORM == 2:
-        row_len = tl.maximum(tl.load(row + 8), 1)
+        row_len = tl.maximum(tl.load(row + _ROW_LEN), 1)
         per_row = ((row_len + 255) // 256).to(tl.int32)
         b = (start + it * QB + tl.arange(0, QB)).to(tl.int32)
         r = b // per_row  # int32: a tensor's blocks number fewer than 2^31 (its size: 2^39)
@@ -96,8 +105,10 @@ def _load_moments(row, mp, vp, offs, mask, b, bmask, FORM: tl.constexpr):
     their blocks' scales, (q |q|) (s / 127^2) and (F(q) - 2^-31) (s / 1.875), F(q) the float
     of bits (q + 768) << 20 (``_compact``)."""
     if FORM == 2:
-        sm = tl.load(tl.load(row + 6).to(tl.pointer_type(tl.float32)) + b, mask=bmask, other=0.0)
-        sv = tl.load(tl.load(row + 7).to(tl.pointer_type(tl.float32)) + b, mask=bmask, other=0.0)
+        m_scales = tl.load(row + _M_SCALE).to(tl.pointer_type(tl.float32))
+        v_scales = tl.load(row + _V_SCALE).to(tl.pointer_type(tl.float32))
+        sm = tl.load(m_scales + b, mask=bmask, other=0.0)
+        sv = tl.load(v_scales + b, mask=bmask, other=0.0)
         qm = tl.load(mp + offs, mask=mask, other=0).to(tl.int32)
         qv = tl.load(vp + offs, mask=mask, other=0).to(tl.uint32)
         fv = ((qv + 768) << 20).to(tl.float32, bitcast=True)
@@ -176,12 +187,12 @@ def _store_moments(row, mp, vp, offs, mask, b, bmask, m, v, step, FORM: tl.const
     the bits of the element's global index (the local piece's offset plus its own) and the
     step's keys (salts 1 and 2); int8 codes and scales (the second moment's rounded with the
     bits of salt 2)."""
-    index = (tl.load(row + 9) + offs).to(tl.uint32)
+    index = (tl.load(row + _OFFSET) + offs).to(tl.uint32)
     key = step.to(tl.int64).to(tl.uint32) * 0x9E3779B9
     if FORM == 2:
-        _store_codes(mp, tl.load(row + 6).to(tl.pointer_type(tl.float32)), offs, mask, b,
+        _store_codes(mp, tl.load(row + _M_SCALE).to(tl.pointer_type(tl.float32)), offs, mask, b,
                      bmask, m, index, True)
-        _store_codes(vp, tl.load(row + 7).to(tl.pointer_type(tl.float32)), offs, mask, b,
+        _store_codes(vp, tl.load(row + _V_SCALE).to(tl.pointer_type(tl.float32)), offs, mask, b,
                      bmask, v, index + (key + 0xC657CB56), False)
     elif FORM == 1:
         tl.store(mp + offs, _round_bf16(m, index + (key + 0x632BE5AB)), mask=mask)
@@ -255,11 +266,11 @@ def _program(ptrs, sizes, chunks, scal, skip):
     element, or an int8 block), its slot for partial sums, the tensor's place in the group,
     and its step's numbers."""
     row, n, start, slot = _chunk(ptrs, sizes, chunks)
-    i = tl.load(row + 5)
+    i = tl.load(row + _INDEX)
     s = scal + _SCAL * i
     n = tl.where(tl.load(skip) == 0.0, n, 0)
-    return (row, n, start, slot, i, tl.load(s), tl.load(s + 1), tl.load(s + 2),
-            tl.load(s + 3), tl.load(s + 4), tl.load(s + 5), tl.load(s + 6))
+    return (row, n, start, slot, i, tl.load(s + _LR), tl.load(s + _WD), tl.load(s + _ADAPT),
+            tl.load(s + _GRAD_MULT), tl.load(s + _BC1), tl.load(s + _BC2), tl.load(s + _T))
 
 
 @triton.jit
@@ -267,8 +278,8 @@ def _chunk(ptrs, sizes, chunks):
     """Row ``program_id`` of the chunk table (tensor k, where the chunk starts, its slot): the
     tensor's row of ``ptrs``, its size, the start and the slot."""
     c = chunks + _CHUNK * tl.program_id(0)
-    k = tl.load(c)
-    return ptrs + _ROW * k, tl.load(sizes + k), tl.load(c + 1), tl.load(c + 2)
+    k = tl.load(c + _TENSOR)
+    return ptrs + _ROW * k, tl.load(sizes + k), tl.load(c + _START), tl.load(c + _SLOT)
 
 
 @triton.jit
