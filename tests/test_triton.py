@@ -798,4 +798,4 @@ def test_the_tables_are_read_and_written_by_column_name():
     writer = (src / "_triton.py").read_text()
     assert not re.findall(r"table\[(?:[^\]]*,\s*)?\d+(?::\d*)?\]", writer)  # table[:, 4]
     assert len(set(_triton_layout.PTRS)) == _triton._ROW == 10
-    assert [_triton_layout.column(_triton_layout.SCAL, n) for n in ("lr", "step")] == [0, 6]
+    assert [_triton_layout.SCAL.index(n) for n in ("lr", "step")] == [_triton._LR, _triton._T]

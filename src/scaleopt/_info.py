@@ -16,6 +16,7 @@ from ._base import ScaleOptimizer
 from ._dispatch import implementation
 from ._layerwise import LayerwiseAdam
 from .adamw import AdamW, takes_fused
+from .muon import _as_adamw
 from .offload import OffloadAdam
 
 
@@ -55,7 +56,7 @@ def group_implementations(optimizer: torch.optim.Optimizer) -> List[str]:
         elif isinstance(optimizer, OffloadAdam):
             out.append("native (host)" if _native.available() else "single (host)")
         elif isinstance(optimizer, AdamW) or group.get("algorithm") == "adamw":
-            group = dict({"fused": None, "foreach": None}, **group)  # Muon's AdamW part
+            group = group if isinstance(optimizer, AdamW) else _as_adamw(group)  # Muon's part
             out.append("fused (torch)" if takes_fused(group, params) else
                        "multi (torch foreach)" if group["foreach"] else "torch's choice")
         elif group.get("algorithm") == "muon":

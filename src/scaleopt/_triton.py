@@ -58,7 +58,7 @@ from . import _blocks, _compact
 from ._checks import check_same_sizes
 from ._compile import eager
 from ._sharding import Phased
-from ._triton_layout import PTRS, SCAL, column
+from ._triton_layout import PTRS, SCAL
 
 #: elements per block of a program, and blocks per program (a program's chunk: their product)
 BLOCK = 1024
@@ -74,9 +74,9 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _PLAIN_TYPES = set(_PLAIN)
 _PLANS: "collections.OrderedDict[tuple, _Plan]" = collections.OrderedDict()
 _ROW = len(PTRS)  # int64 entries per row of ``ptrs``
-_ROW_LEN = column(PTRS, "row_len")
+_ROW_LEN = PTRS.index("row_len")
 # the step table's columns (``_triton_layout.SCAL``)
-_LR, _WD, _ADAPT, _GRAD_MULT, _BC1, _BC2, _T = (column(SCAL, name) for name in SCAL)
+_LR, _WD, _ADAPT, _GRAD_MULT, _BC1, _BC2, _T = range(len(SCAL))
 #: partial-sum slots that one program of ``totals`` adds at a time
 TOTALS_LANES = 64
 #: the kernels' compile options: no floating-point contraction, so that each addition and

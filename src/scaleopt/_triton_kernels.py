@@ -28,18 +28,18 @@ which an exact step corrects (``tools/triton_compile.py`` allows no other).
 import triton
 import triton.language as tl
 
-from ._triton_layout import CHUNKS, PTRS, SCAL, column
+from ._triton_layout import CHUNKS, PTRS, SCAL
 
 _ROW = tl.constexpr(len(PTRS))  # int64 entries per row of ``ptrs``
 _SCAL = tl.constexpr(len(SCAL))  # float32 entries per row of ``scal``
 _CHUNK = tl.constexpr(len(CHUNKS))  # int64 entries per row of ``chunks``
 # the columns of a row of ``ptrs`` (``_triton_layout``)
-_W, _G, _M, _V, _LOWP, _INDEX, _M_SCALE, _V_SCALE, _ROW_LEN, _OFFSET = (
-    tl.constexpr(column(PTRS, name)) for name in PTRS)
+_W, _G, _M, _V, _LOWP, _INDEX, _M_SCALE, _V_SCALE, _ROW_LEN, _OFFSET = map(
+    tl.constexpr, range(len(PTRS)))
 # of the step table
-_LR, _WD, _ADAPT, _GRAD_MULT, _BC1, _BC2, _T = (tl.constexpr(column(SCAL, n)) for n in SCAL)
+_LR, _WD, _ADAPT, _GRAD_MULT, _BC1, _BC2, _T = map(tl.constexpr, range(len(SCAL)))
 # of ``chunks``
-_TENSOR, _START, _SLOT = (tl.constexpr(column(CHUNKS, name)) for name in CHUNKS)
+_TENSOR, _START, _SLOT = map(tl.constexpr, range(len(CHUNKS)))
 _BIG = tl.constexpr(3.4028234663852886e38)  # the largest float32: a ratio above it is not finite
 _LOW = tl.constexpr(4.656612873077393e-10)  # 2^-31 = F(0), the offset of the unsigned codes
 

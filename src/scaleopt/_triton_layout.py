@@ -17,7 +17,3 @@ SCAL = ("lr", "weight_decay", "adapt", "grad_mult", "bc1", "bc2_sqrt", "step")
 #: a program's row of ``chunks``: its tensor (a row of ``ptrs``), where its chunk starts (an
 #: element, or an int8 block) and its slot for partial sums
 CHUNKS = ("tensor", "start", "slot")
-
-
-def column(table: tuple, name: str) -> int:
-    return table.index(name)

@@ -10,7 +10,7 @@ from torch import Tensor
 from . import _blocks, _compact, adamw
 from ._base import ScaleOptimizer, lr_of
 from ._checks import check_betas, check_bool, check_choice, check_number
-from ._loading import StateSpec
+from ._loading import StateSpec, _pairs
 from ._orthogonal import EPS, NS_COEFFICIENTS, NS_STEPS, Job, adjusted_lr, orthogonalize
 from ._params import NameRule, match_names, normalize_group, param_label, rule_is_set
 from ._sharding import local_piece
@@ -215,17 +215,16 @@ class Muon(ScaleOptimizer):
             group["algorithm"] = algorithm
 
     def _check_algorithms(self, state_dict: Dict[str, Any]) -> None:
-        for group, saved in zip(self.param_groups, state_dict.get("param_groups", [])):
-            for i, pid in enumerate(saved.get("params", [])[:len(group["params"])]):
-                st = state_dict["state"].get(pid)
-                if not isinstance(st, dict):
-                    continue
-                missing = [k for k in _KEYS[group["algorithm"]] if k not in st]
-                if missing:
-                    raise ValueError(
-                        f"state of {param_label(group, i)} lacks {missing}: it is updated by "
-                        f"{group['algorithm']}, whose state holds {list(_KEYS[group['algorithm']])}"
-                        f" (the checkpoint is of another optimizer or another grouping)")
+        for group, pid, (i, _) in _pairs(self.param_groups, state_dict.get("param_groups", [])):
+            st = state_dict["state"].get(pid)
+            if not isinstance(st, dict):
+                continue
+            missing = [k for k in _KEYS[group["algorithm"]] if k not in st]
+            if missing:
+                raise ValueError(
+                    f"state of {param_label(group, i)} lacks {missing}: it is updated by "
+                    f"{group['algorithm']}, whose state holds {list(_KEYS[group['algorithm']])}"
+                    f" (the checkpoint is of another optimizer or another grouping)")
 
     # -- the step -----------------------------------------------------------------------------
 

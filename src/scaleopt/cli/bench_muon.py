@@ -36,12 +36,15 @@ class TorchPair:
         rest = [p for n, p in named if not (p.ndim == 2 and "embeddings" not in n)]
         self.parts = [torch.optim.Muon(matrices, lr=0.02),
                       torch.optim.AdamW(rest, lr=1e-3, fused=True)]
-        self.state = {p: s for part in self.parts for p, s in part.state.items()}
+
+    @property
+    def state(self) -> dict:
+        """Both parts' state (for the bytes held; made when asked, not in the timed step)."""
+        return {p: s for part in self.parts for p, s in part.state.items()}
 
     def step(self) -> None:
         for part in self.parts:
             part.step()
-        self.state = {p: s for part in self.parts for p, s in part.state.items()}
 
 
 def candidates() -> Dict[str, Callable]:
