@@ -124,7 +124,7 @@ def test_study_large_batch_writes_a_table_and_a_plot(tmp_path, capsys):
     assert main(["study", "large-batch", *[a for a in TINY if a not in ("--batch-size", "256")],
                  "--batch-sizes", "128", "512", "--optimizers", "lamb", "adamw", "--epochs", "1",
                  "--out", str(out)]) == 0
-    rows = json.loads((out / "study.json").read_text())
+    rows = json.loads((out / "study.json").read_text())["rows"]
     assert {(r["optimizer"], r["batch_size"]) for r in rows} == {
         ("lamb", 128), ("lamb", 512), ("adamw", 128), ("adamw", 512)}
     lamb = {r["batch_size"]: r for r in rows if r["optimizer"] == "lamb"}

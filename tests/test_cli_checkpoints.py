@@ -249,5 +249,5 @@ def test_ctrl_c_in_a_study_writes_the_finished_runs(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130
     assert "interrupted after 1 of 2 runs" in printed
-    rows = json.loads((out / "study.json").read_text())
+    rows = json.loads((out / "study.json").read_text())["rows"]
     assert [(r["optimizer"], r["batch_size"]) for r in rows] == [("lamb", 4096)]

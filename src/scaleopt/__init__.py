@@ -9,11 +9,12 @@ from .lamb import LAMB
 from .lans import LANS
 from .momentum import Momentum
 from .muon import Muon
+from .noise import GradientNoiseScale
 from .offload import OffloadAdam, offload
 
 __version__ = "0.1.0"
 
 __all__ = [
     "LAMB", "LANS", "AdamW", "Muon", "Momentum", "OffloadAdam", "DGCMomentum", "offload", "param_groups",
-    "info", "STATE_DTYPES", "__version__",
+    "GradientNoiseScale", "info", "STATE_DTYPES", "__version__",
 ]

@@ -44,14 +44,29 @@ def _plain(doc: str) -> str:
     return doc.replace("``", "")
 
 
-def _add_model_options(p: argparse.ArgumentParser, d: Config) -> None:
+def _add_model_options(p: argparse.ArgumentParser, d: Config, gpt: dict) -> None:
+    """The data and the model; ``gpt``: the defaults of ``--model gpt`` that differ."""
     g = p.add_argument_group("data and model")
     g.add_argument("--dataset", default=d.dataset, choices=sorted(data.DATASETS),
-                   help="; ".join(f"{k}: {v}" for k, v in data.DATASETS.items()))
+                   help="; ".join(f"{k}: {v}" for k, v in data.DATASETS.items())
+                   + f" (default: {d.dataset}; text with --model gpt)")
+    g.add_argument("--model", default=d.model, choices=sorted(data.MODELS),
+                   help="; ".join(f"{k}: {v}" for k, v in data.MODELS.items())
+                   + " (default: the dataset's; gpt with --dataset text)")
     g.add_argument("--train-size", type=_positive_int, default=d.train_size,
-                   help=f"training examples, generated (default: {d.train_size}; the test set has 16384)")
+                   help=f"training examples, generated (default: {d.train_size}; the test set has "
+                        f"16384); text: windows of --context bytes at random offsets of the "
+                        f"training split, the same on every run (default: {gpt['train_size']})")
     g.add_argument("--width", type=_positive_int, default=d.width,
-                   help=f"hidden width of the 2-hidden-layer MLP (default: {d.width})")
+                   help=f"hidden width of the 2-hidden-layer MLP (default: {d.width}), or the "
+                        f"gpt model's width, a multiple of 32 (default: {gpt['width']})")
+    g.add_argument("--layers", type=_positive_int, default=gpt["layers"],
+                   help=f"the gpt model's decoder blocks (default: {gpt['layers']})")
+    g.add_argument("--context", type=_positive_int, default=gpt["context"],
+                   help=f"the gpt model's sequence length in bytes (default: {gpt['context']})")
+    g.add_argument("--measure-noise", action="store_true",
+                   help="measure the gradient noise scale B_simple along the run (about 100 "
+                        "times: the step's batch in two halves, from their gradients' norms)")
 
 
 def _add_schedule_options(g: Any, d: Config, epochs: int) -> None:
@@ -87,7 +102,7 @@ def _add_output_options(p: argparse.ArgumentParser) -> None:
 def _add_train_options(p: argparse.ArgumentParser) -> None:
     """``train``'s options: one run, in one process or several."""
     d = Config()
-    _add_model_options(p, d)
+    _add_model_options(p, d, train.GPT_DEFAULTS)
     g = p.add_argument_group("training")
     g.add_argument("--optimizer", default=d.optimizer, choices=list(optimizers.OPTIMIZERS),
                    type=str.lower, metavar="NAME",
@@ -96,7 +111,8 @@ def _add_train_options(p: argparse.ArgumentParser) -> None:
                    + f" (default: {d.optimizer})")
     g.add_argument("--lr", type=float, help="peak learning rate (default: the optimizer's, above)")
     g.add_argument("--batch-size", type=_positive_int, default=d.batch_size,
-                   help=f"global batch size, split over --workers (default: {d.batch_size})")
+                   help=f"global batch size, split over --workers (default: {d.batch_size}; "
+                        f"gpt: {train.GPT_DEFAULTS['batch_size']} sequences)")
     g.add_argument("--steps", type=_positive_int, help="train this many steps instead of --epochs")
     _add_schedule_options(g, d, d.epochs)
     g = _add_system_options(p)
@@ -175,29 +191,50 @@ def _add_dgc_options(p: argparse.ArgumentParser) -> None:
 
 def _add_study_options(s: argparse.ArgumentParser) -> None:
     """``study large-batch``'s options: the runs it compares, and what each is trained with."""
+    gpt = f"; gpt: {' '.join(map(str, study.GPT_BATCH_SIZES))}"
     s.add_argument("--batch-sizes", type=_positive_int, nargs="+",
                    default=[64, 256, 1024, 4096, 8192], metavar="B",
-                   help="batch sizes (default: 64 256 1024 4096 8192)")
+                   help=f"batch sizes (default: 64 256 1024 4096 8192{gpt})")
     s.add_argument("--optimizers", nargs="+", default=["lamb", "lans", "adamw", "muon"], metavar="NAME",
                    type=str.lower,
-                   help="optimizers to compare (default: lamb lans adamw muon)")
+                   help=f"optimizers to compare (default: lamb lans adamw muon; gpt: "
+                        f"{' '.join(study.GPT_OPTIMIZERS)})")
     s.add_argument("--base-batch", type=_positive_int, default=1024,
-                   help="batch size at which each optimizer uses its default learning rate (default: 1024)")
+                   help="batch size at which each optimizer uses its default learning rate "
+                        "(default: 1024; gpt: 64); with --sweep, the smallest batch size and "
+                        "the rate the sweep chose")
     s.add_argument("--scaling", choices=["sqrt", "linear"], default="sqrt",
                    help="learning rate against batch size (default: sqrt)")
+    s.add_argument("--sweep", type=float, nargs="+", metavar="F",
+                   help="tune each optimizer's base rate first: its default rate, scaled to the "
+                        "smallest batch, times each factor F, at the smallest batch; the lowest "
+                        "final test loss wins (default: none; gpt: "
+                        f"{' '.join(f'{f:.3g}' for f in study.GPT_SWEEP)})")
     d = Config()
-    _add_model_options(s, d)
+    _add_model_options(s, d, study.GPT_STUDY)
     g = s.add_argument_group("training")
     _add_schedule_options(g, d, epochs=4)
     _add_state_dtype(g, d)
-    _add_system_options(s)
+    g = _add_system_options(s)
+    g.add_argument("--workers", type=_positive_int, default=1,
+                   help="train each run in N processes (as scaleopt train --workers) (default: 1)")
+    g.add_argument("--shard", action=argparse.BooleanOptionalAction, default=False,
+                   help="FSDP2 over the --workers (as scaleopt train --shard)")
     _add_output_options(s)
 
 
-def _config(args: argparse.Namespace, **over):
+def _config(args: argparse.Namespace, given: set, gpt: dict, **over):
+    """The run's configuration from the options; a model or a dataset given alone brings the
+    other, and the gpt model takes ``gpt``'s values for the options not given."""
     fields = {f.name for f in dataclasses.fields(Config)}
     values = {k: v for k, v in vars(args).items() if k in fields and v is not None}
     values["progress"] = not args.no_progress
+    if "model" in given and "dataset" not in given:
+        values["dataset"] = "text" if args.model == "gpt" else values["dataset"]
+    elif "model" not in given:
+        values["model"] = data.model_of(values["dataset"])
+    if values["model"] == "gpt":
+        values.update({k: v for k, v in gpt.items() if k not in given and k in fields})
     values.update(over)
     return Config(**values)
 
@@ -256,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run a study and write a table and a plot.")
     studies = p.add_subparsers(dest="study", metavar="STUDY")
     studies.required = True
+    p.studies = studies.choices  # name -> parser
     s = studies.add_parser(
         "large-batch", help="final accuracy against batch size for LAMB, LANS and AdamW",
         description=_plain(study.__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -312,7 +350,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             given = _given(parser.commands["train"], argv[argv.index("train") + 1:])
             return _train(args, given)
         if args.command == "study":
-            return _study(args)
+            argv_study = argv[argv.index(args.study) + 1:]
+            return _study(args, _given(parser.commands["study"].studies[args.study], argv_study))
         if args.command == "info":
             return _info(args)
         bench.check_arguments(args)
@@ -334,7 +373,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def _train(args: argparse.Namespace, given: set) -> int:
     restarted = _restarted_by_torchrun(args)
-    cfg = _resumed(args, given) if args.resume else _config(args)
+    cfg = _resumed(args, given) if args.resume else _config(args, given, train.GPT_DEFAULTS)
     train.check(cfg)
     if cfg.out is None:
         cfg = dataclasses.replace(cfg, out=train.default_out(cfg))
@@ -388,13 +427,18 @@ def _how_to_continue(out: str) -> str:
 def _summary(cfg: Config, r: dict) -> None:
     """The lines a finished (or stopped) run prints."""
     how = report.describe(r["config"], r["workers"])
-    print(f"{cfg.optimizer}{f' ({how})' if how else ''} on {cfg.dataset}: "
-          f"test accuracy {r['test_accuracy']:.4f}, test loss {r['test_loss']:.4f} after "
+    score = (f"validation {r['test_bits_per_byte']:.3f} bits per byte (the unigram baseline's "
+             f"{r['unigram_bits_per_byte']:.3f}: {r['test_bits_per_byte'] / r['unigram_bits_per_byte']:.0%}), "
+             f"next-byte accuracy {r['test_accuracy']:.4f}," if "test_bits_per_byte" in r else
+             f"test accuracy {r['test_accuracy']:.4f}, test loss {r['test_loss']:.4f}")
+    print(f"{cfg.optimizer}{f' ({how})' if how else ''} on {cfg.dataset}: {score} after "
           f"{r['steps']} steps ({r['epochs']:.1f} epochs) of batch {cfg.batch_size}, lr {r['lr']:g}"
           + (f"; resumed at step {r['resumed_at']}" if r["resumed_at"] is not None else "")
           + ("" if r["complete"] else f"; stopped before step {r['total_steps']}: "
              + _how_to_continue(cfg.out)))
-    line = (f"{r['time_s']:.1f} s, {r['steps_per_s']:.1f} steps/s, {r['samples_per_s']:,.0f} samples/s, "
+    rate = (f"{r['samples_per_s'] * cfg.context:,.0f} tokens/s" if "tokens" in r
+            else f"{r['samples_per_s']:,.0f} samples/s")
+    line = (f"{r['time_s']:.1f} s, {r['steps_per_s']:.1f} steps/s, {rate}, "
             f"{r['parameters']:,} parameters, {r['threads']} thread{'s' if r['threads'] != 1 else ''}")
     if "dgc_density" in r:
         dense, sent = r["dense_bytes_sent_per_rank_per_step"], r["dgc_bytes_sent_per_rank_per_step"]
@@ -425,6 +469,12 @@ def _summary(cfg: Config, r: dict) -> None:
           f"({per_param:.2f} bytes per parameter, state_dtype {cfg.state_dtype})"
           + (f" ({r['workers']} shards; unsharded: {r['unsharded_param_bytes']:,} and "
              f"{r['unsharded_optimizer_state_bytes']:,})" if r["sharded"] else ""))
+    if "noise_scale" in r:
+        n = r["noise_scale"]
+        print(f"gradient noise scale B_simple {n['b_simple']:.3g} examples"
+              + (f" ({n['b_simple_tokens']:,.0f} tokens)" if "tokens" in r else "")
+              + f" at the end (moving average of {len(n['history'])} measurements, one every "
+                f"{n['every']} steps): batches well below it use their examples efficiently")
     for i, restart in enumerate(r.get("restarts", []), 1):
         print(f"restart {i}: {restart['cause']} at step {restart['at_step']}; resumed from "
               f"step {restart['from_step']}, {restart['redone_steps']} steps done again")
@@ -434,22 +484,32 @@ def _summary(cfg: Config, r: dict) -> None:
         print(report.results_line(cfg.out, ["result.json", "history.csv"], "curves.png"))
 
 
-def _study(args: argparse.Namespace) -> int:
+def _study(args: argparse.Namespace, given: set) -> int:
     unknown = [n for n in args.optimizers if n not in optimizers.OPTIMIZERS]
     if unknown:
         raise ValueError(f"unknown optimizer(s) {unknown}; choose from {', '.join(optimizers.OPTIMIZERS)}")
-    base = _config(args, optimizer=args.optimizers[0], batch_size=min(args.batch_sizes))
+    gpt = dict(study.GPT_STUDY, batch_sizes=study.GPT_BATCH_SIZES, optimizers=study.GPT_OPTIMIZERS,
+               sweep=study.GPT_SWEEP, base_batch=train.GPT_DEFAULTS["batch_size"])
+    base = _config(args, given, gpt)
+    if base.model == "gpt":
+        for key in ("batch_sizes", "optimizers", "sweep", "base_batch"):
+            if key not in given:
+                setattr(args, key, gpt[key])
+    if args.sweep is not None and not all(f > 0 for f in args.sweep):
+        raise ValueError(f"--sweep factors must be positive, got {args.sweep}")
+    base = dataclasses.replace(base, optimizer=args.optimizers[0], batch_size=min(args.batch_sizes))
     for b in args.batch_sizes:
         train.check(dataclasses.replace(base, batch_size=b))
     out = args.out or train.new_folder(pathlib.Path("scaleopt-runs") / "study-large-batch")
     train.check_out(out, overwrite=args.overwrite)
-    rows = study.large_batch(args.batch_sizes, args.optimizers, base, args.base_batch,
-                             args.scaling, out=out)
+    plan = study.Plan(args.batch_sizes, args.optimizers, base, args.base_batch, args.scaling,
+                      args.sweep or ())
+    rows = study.large_batch(plan, out=out)
     print(open(f"{out}/study.md").read())
     print(report.results_line(out, ["study.json", "study.csv", "study.md"], "study.png"))
+    cells = len(args.optimizers) * (len(args.batch_sizes) + max(0, len(args.sweep or ()) - 1))
     if launch.STOP.is_set():
-        print(f"interrupted after {len(rows)} of {len(args.optimizers) * len(args.batch_sizes)} "
-              f"runs; the finished ones are written")
+        print(f"interrupted after {len(rows)} of {cells} runs; the finished ones are written")
         return EXIT_INTERRUPTED
     return EXIT_OK if rows else EXIT_FAILED
 

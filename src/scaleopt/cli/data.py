@@ -14,7 +14,20 @@ DATASETS = {
     "spirals2": "the classic two-spiral problem, 2 classes",
     "topics": "bags of 32 words from a 32,768-word vocabulary, 5 classes told apart by a few "
               "topic words; an embedding-bag model, whose parameters sit in one large table",
+    "text": "Python's reference documentation (0.45 MB of real English text, shipped with "
+            "Python), byte by byte: the gpt model predicts each next byte",
 }
+
+#: model name -> description (for --help); each dataset has one model
+MODELS = {
+    "mlp": "the MLP (spirals), or an embedding bag (topics)",
+    "gpt": "a byte-level GPT-2-style transformer (pre-LN blocks: attention and MLP), on text",
+}
+
+
+def model_of(dataset: str) -> str:
+    """The model that trains on ``dataset``."""
+    return "gpt" if dataset == "text" else "mlp"
 
 #: the ``topics`` data: vocabulary, words per document, classes, topic words per class and the
 #: share of a document's words drawn from its class's topic words (the rest: Zipf background)
@@ -51,8 +64,13 @@ def topics(n: int, seed: int, vocab: int, length: int, classes: int, topic_words
     return torch.where(pick, topic, background), label
 
 
-def load(name: str, train_size: int, test_size: int = 16384):
-    """``(x_train, y_train, x_test, y_test, classes)`` of a built-in dataset."""
+def load(name: str, train_size: int, test_size: int = 16384, context: int = 64):
+    """``(x_train, y_train, x_test, y_test, classes)`` of a built-in dataset (``text``: windows
+    of ``context`` bytes, and the whole validation split)."""
+    if name == "text":
+        from . import text
+
+        return text.load(train_size, context)
     if name == "topics":
         x, y = topics(train_size, seed=1, **TOPICS)
         xt, yt = topics(test_size, seed=2, **TOPICS)

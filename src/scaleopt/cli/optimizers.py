@@ -20,6 +20,8 @@ class Choice(NamedTuple):
     offloadable: bool = False
     #: whether it takes ``state_dtype`` (the Adam family)
     compact_state: bool = False
+    #: a learning rate that trains the gpt model (``--model gpt``) at its default batch of 64
+    gpt_lr: float = 3e-3
 
 
 def _groups(model: nn.Module, cfg: Any):
@@ -45,10 +47,12 @@ def _adamw(model, cfg):
 
 
 def _edge_matrices(model: nn.Module) -> list:
-    """The names of the first and the last matrix of ``model`` (its input and output layers:
-    embeddings and heads, which Muon leaves to AdamW), as anchored patterns."""
+    """The names of the embedding tables and of the first and the last matrix of ``model``
+    (its input and output layers, which Muon leaves to AdamW), as anchored patterns."""
     names = [n for n, p in model.named_parameters() if p.ndim == 2]
-    return sorted({f"^{re.escape(n)}$" for n in names[:1] + names[-1:]})
+    tables = [f"{n}.weight" if n else "weight" for n, m in model.named_modules()
+              if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
+    return sorted({f"^{re.escape(n)}$" for n in names[:1] + names[-1:] + tables})
 
 
 def _muon(model, cfg):

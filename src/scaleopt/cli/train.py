@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from ..dgc import PAPER_SPARSITY, DGCMomentum
 from .._sharding import local_piece
 from ..groups import param_groups
+from ..noise import GradientNoiseScale
 from . import checkpoint, data, launch, optimizers, report
 
 
@@ -32,6 +33,7 @@ class Diverged(RuntimeError):
 class Config:
     optimizer: str = "lamb"
     dataset: str = "spirals"
+    model: str = "mlp"  # "gpt" with dataset "text" (data.model_of)
     train_size: int = 131072
     batch_size: int = 1024
     epochs: int = 8
@@ -41,6 +43,8 @@ class Config:
     warmup: float = 0.1  # a fraction of the steps (< 1) or a number of steps
     schedule: str = "cosine"
     width: int = 256
+    layers: int = 2  # gpt: decoder blocks
+    context: int = 64  # gpt: bytes per sequence (a training example)
     seed: int = 0
     offload: bool = False
     state_dtype: str = "float32"  # how the optimizer stores its moments (scaleopt._compact)
@@ -57,6 +61,7 @@ class Config:
     out: Optional[str] = None
     progress: bool = True
     evals: int = 16  # test-set evaluations over the run
+    measure_noise: bool = False  # the gradient noise scale along the run (scaleopt.noise)
     dgc: bool = False  # Deep Gradient Compression momentum (with --optimizer momentum)
     dgc_sparsity: Optional[List[float]] = None  # None: the paper's warm-up list
     dgc_rampup_begin_step: int = 0
@@ -65,7 +70,10 @@ class Config:
     dgc_value_dtype: str = "float32"  # dtype of the values sent (the indices are int32)
 
     def resolved_lr(self) -> float:
-        return self.lr if self.lr is not None else optimizers.OPTIMIZERS[self.optimizer].lr
+        if self.lr is not None:
+            return self.lr
+        choice = optimizers.OPTIMIZERS[self.optimizer]
+        return choice.gpt_lr if self.model == "gpt" else choice.lr
 
     def steps_per_epoch(self) -> int:
         return self.train_size // self.batch_size
@@ -82,9 +90,19 @@ class Config:
             return self.dgc_rampup_steps
         return max(1, (self.total_steps() - self.dgc_rampup_begin_step) // 4)
 
+    def noise_every(self) -> int:
+        """Steps between measurements of the gradient noise scale (about 100 in a run)."""
+        return max(1, self.total_steps() // 100)
+
     def warmup_steps(self) -> int:
         total = self.total_steps()
         return int(self.warmup * total) if self.warmup < 1 else min(int(self.warmup), total)
+
+
+#: the gpt model's defaults, where they differ from the MLP's (the command takes them for the
+#: options not given): 512 steps of 64 sequences of 64 bytes, about a minute on 2 cores
+GPT_DEFAULTS = dict(train_size=32768, batch_size=64, epochs=1, width=128, layers=2, context=64,
+                    evals=8)
 
 
 def check(cfg: Config) -> None:
@@ -94,7 +112,8 @@ def check(cfg: Config) -> None:
                          f"{', '.join(optimizers.OPTIMIZERS)}")
     if cfg.dataset not in data.DATASETS:
         raise ValueError(f"unknown dataset {cfg.dataset!r}; choose one of {', '.join(data.DATASETS)}")
-    for name in ("train_size", "batch_size", "epochs", "width", "workers", "evals"):
+    _check_model(cfg)
+    for name in ("train_size", "batch_size", "epochs", "width", "layers", "workers", "evals"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
     if cfg.steps is not None and cfg.steps < 1:
@@ -146,6 +165,26 @@ def check(cfg: Config) -> None:
         raise ValueError(f"--device must be cpu or cuda, got {cfg.device!r}")
     if cfg.threads is not None and cfg.threads < 1:
         raise ValueError(f"--threads must be at least 1, got {cfg.threads}")
+
+
+def _check_model(cfg: Config) -> None:
+    """The model trains on its dataset; the gpt model's sizes; what --measure-noise needs."""
+    if cfg.model not in data.MODELS:
+        raise ValueError(f"unknown model {cfg.model!r}; choose one of {', '.join(data.MODELS)}")
+    if data.model_of(cfg.dataset) != cfg.model:
+        raise ValueError(f"--model {cfg.model} does not train on --dataset {cfg.dataset}: the "
+                         f"gpt model trains on text, the mlp on the other datasets")
+    if cfg.model == "gpt" and (cfg.width % 32 or cfg.context < 2):
+        raise ValueError(f"--model gpt needs a --width that is a multiple of 32 (heads of 32 "
+                         f"dimensions) and a --context of at least 2; got {cfg.width} and "
+                         f"{cfg.context}")
+    if cfg.measure_noise:
+        if cfg.dgc:
+            raise ValueError("--measure-noise reads the gradients averaged over the workers, "
+                             "and --dgc does not average them: use one without the other")
+        if cfg.batch_size % (2 * cfg.workers):
+            raise ValueError(f"--measure-noise splits each worker's batch into two halves: "
+                             f"--batch-size must be a multiple of {2 * cfg.workers}")
 
 
 def _check_replicas(cfg: Config) -> None:
@@ -215,27 +254,47 @@ def check_out(out: str, overwrite: bool = False) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-def _evaluate(model, x, y, batch: int = 8192):
+def _loss(out: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of logits ``(..., classes)`` against targets ``(...)``: of each example's
+    class, or of each next byte of a sequence."""
+    return F.cross_entropy(out.flatten(0, -2), y.flatten(), reduction=reduction)
+
+
+def _evaluate(model, x, y, batch: int = 2 ** 16):
+    """Mean test loss and accuracy over every target (every byte of a sequence), in chunks of
+    at most ``batch`` targets."""
     model.eval()
     loss, correct = 0.0, 0
+    rows = max(1, batch // (y[0].numel()))
     with torch.no_grad():
-        for i in range(0, len(x), batch):
-            out = model(x[i:i + batch])
-            loss += F.cross_entropy(out, y[i:i + batch], reduction="sum").item()
-            correct += (out.argmax(1) == y[i:i + batch]).sum().item()
+        for i in range(0, len(x), rows):
+            out = model(x[i:i + rows])
+            loss += _loss(out, y[i:i + rows], reduction="sum").item()
+            correct += (out.argmax(-1) == y[i:i + rows]).sum().item()
     model.train()
-    return loss / len(x), correct / len(x)
+    return loss / y.numel(), correct / y.numel()
 
 
 def _shard(model: torch.nn.Module, mesh: Any = None) -> None:
-    """FSDP2: each layer with parameters, then the whole model, sharded over the world (or on
-    ``mesh``: the 2-D mesh of HSDP, or its shard dimension)."""
+    """FSDP2: each layer with parameters (the gpt model: each block), then the whole model,
+    sharded over the world (or on ``mesh``: the 2-D mesh of HSDP, or its shard dimension)."""
     from torch.distributed.fsdp import fully_shard
 
-    for m in model:
-        if any(True for _ in m.parameters(recurse=False)):
+    for m in getattr(model, "blocks", model):
+        if any(True for _ in m.parameters()):
             fully_shard(m, mesh=mesh)
     fully_shard(model, mesh=mesh)
+
+
+def make_model(cfg: Config, inputs: int, classes: int) -> torch.nn.Module:
+    """The model ``cfg`` trains (on CPU, initialised from ``cfg.seed``)."""
+    if cfg.model == "gpt":
+        from .text import GPT
+
+        torch.manual_seed(cfg.seed)
+        return GPT(cfg.width, cfg.layers, cfg.context)
+    vocab = data.TOPICS["vocab"] if cfg.dataset == "topics" else 0
+    return data.make_model(inputs, classes, cfg.width, seed=cfg.seed, vocab=vocab)
 
 
 def hsdp_mesh(cfg: Config, world: int, device: torch.device) -> Any:
@@ -300,6 +359,9 @@ class Trainer:
     #: why a checkpoint could not be written (the run ended there), or None
     checkpoint_error: Optional[str] = None
     elapsed: float = 0.0
+    #: the gradient noise scale's estimator (with --measure-noise) and its measurements
+    noise: Any = None
+    noise_history: List[Dict[str, float]] = dataclasses.field(default_factory=list)
     reached: Any = None  # a shared integer: the step rank 0 has finished (launch.shared_step)
 
 
@@ -346,9 +408,8 @@ def build(cfg: Config, rank: int, world: int) -> Trainer:
     ``cfg.resume``), on this rank's device."""
     device = torch.device(cfg.device if not cfg.device.startswith("cuda") or world == 1
                           else f"cuda:{rank % torch.cuda.device_count()}")
-    x, y, xt, yt, classes = data.load(cfg.dataset, cfg.train_size)
-    vocab = data.TOPICS["vocab"] if cfg.dataset == "topics" else 0
-    model = data.make_model(x.shape[1], classes, cfg.width, seed=cfg.seed, vocab=vocab).to(device)
+    x, y, xt, yt, classes = data.load(cfg.dataset, cfg.train_size, context=cfg.context)
+    model = make_model(cfg, x.shape[1], classes).to(device)
     mesh = hsdp_mesh(cfg, world, device) if cfg.shard else None
     if cfg.shard:  # with DGC, FSDP2 inside each replica and DGC between them
         _shard(model, mesh["shard"] if mesh is not None and cfg.dgc else mesh)
@@ -360,6 +421,8 @@ def build(cfg: Config, rank: int, world: int) -> Trainer:
             model, device_ids=[device.index] if device.type == "cuda" else None)
     trainer = Trainer(cfg, rank, world, tuple(t.to(device) for t in (x, y, xt, yt)), model, net,
                       opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule))
+    if cfg.measure_noise:
+        trainer.noise = GradientNoiseScale(model.parameters())
     if cfg.resume:
         path = checkpoint.chosen(cfg.resume)
         meta = checkpoint.read_meta(path)
@@ -368,6 +431,9 @@ def build(cfg: Config, rank: int, world: int) -> Trainer:
         trainer.step = trainer.first = meta["step"]
         trainer.before, trainer.history = meta["time_s"], meta["history"]
         trainer.curve = [tuple(c) for c in meta["train_curve"]]
+        if trainer.noise is not None and "noise" in meta:
+            trainer.noise.load_state_dict(meta["noise"]["state"])
+            trainer.noise_history = meta["noise"]["history"]
     return trainer
 
 
@@ -380,12 +446,18 @@ def _progress_bar(t: Trainer, total: int) -> Any:
                 unit="step", dynamic_ncols=True, file=sys.stderr, mininterval=0.5, disable=None)
 
 
-def _train_step(t: Trainer, idx: torch.Tensor) -> torch.Tensor:
-    """One optimizer step on the batch ``idx``; its loss."""
+def _train_step(t: Trainer, batch: torch.Tensor) -> torch.Tensor:
+    """One optimizer step on the global batch ``batch`` (this rank takes its slice); this
+    rank's loss. A step that measures the gradient noise scale takes the batch in two halves
+    (each rank its slice of each, the gradients accumulated)."""
     x, y = t.data[0], t.data[1]
-    loss = F.cross_entropy(t.net(x[idx]), y[idx])
     t.opt.zero_grad(set_to_none=True)
-    loss.backward()
+    if t.noise is not None and t.step % t.cfg.noise_every() == 0:
+        loss = _measured_backward(t, batch.view(2, t.world, -1)[:, t.rank])
+    else:
+        idx = batch.view(t.world, -1)[t.rank]
+        loss = _loss(t.net(x[idx]), y[idx])
+        loss.backward()
     t.opt.step()
     t.sched.step()
     t.step += 1
@@ -395,6 +467,24 @@ def _train_step(t: Trainer, idx: torch.Tensor) -> torch.Tensor:
                     "selected", "numel"):
             t.dgc_totals[key] = t.dgc_totals.get(key, 0) + t.opt.telemetry[key]
     return loss
+
+
+def _measured_backward(t: Trainer, halves: torch.Tensor) -> torch.Tensor:
+    """The backward of a batch in two halves (this rank's slice of each), measuring the
+    gradient noise scale from the halves' gradients and their sum (``t.noise``); the loss."""
+    x, y = t.data[0], t.data[1]
+    t.noise.begin()
+    total = 0.0
+    for part in halves:
+        loss = _loss(t.net(x[part]), y[part]) / len(halves)
+        loss.backward()
+        t.noise.accumulated()
+        total = total + loss.detach()
+    m = t.noise.end(micro_batch=len(halves[-1]) * t.world)
+    if t.rank == 0:
+        t.noise_history.append({"step": t.step, "g2": m["g2"], "trace": m["trace"],
+                                "b_simple": m["b_simple"]})
+    return total
 
 
 def _evaluated(t: Trainer, loss_value: float, start: float) -> None:
@@ -408,6 +498,8 @@ def _evaluated(t: Trainer, loss_value: float, start: float) -> None:
                           "train_loss": loss_value, "lr": t.sched.get_last_lr()[0],
                           "test_loss": test_loss, "test_accuracy": test_acc,
                           "time_s": time.perf_counter() - start})
+        if t.noise_history:
+            t.history[-1]["b_simple"] = t.noise_history[-1]["b_simple"]
 
 
 def _save(t: Trainer, start: float) -> None:
@@ -416,6 +508,8 @@ def _save(t: Trainer, start: float) -> None:
             "optimizer_class": type(t.opt).__name__, "parameters": checkpoint.shapes(t.model),
             "scheduler": t.sched.state_dict(), "history": t.history, "train_curve": t.curve,
             "time_s": time.perf_counter() - start, "world": t.world}
+    if t.noise is not None:
+        meta["noise"] = {"state": t.noise.state_dict(), "history": t.noise_history}
     t.checkpoints.append(checkpoint.save(cfg.out, t.step, t.model, t.opt, meta, t.rank, t.world,
                                          keep=cfg.keep_checkpoints))
 
@@ -424,7 +518,7 @@ def loop(t: Trainer, stop: Any) -> None:
     """Train from ``t.step`` to the end of the run (or ``cfg.stop_after``, or a stop request,
     seen by every rank at the same step), evaluating, logging and checkpointing on the way."""
     cfg, total = t.cfg, t.cfg.total_steps()
-    per_rank, steps_per_epoch = cfg.batch_size // t.world, cfg.steps_per_epoch()
+    steps_per_epoch = cfg.steps_per_epoch()
     g = torch.Generator().manual_seed(cfg.seed)  # the same batches on every rank
     eval_every, log_every = max(1, total // cfg.evals), max(1, total // 200)
     end = min(total, cfg.stop_after or total)
@@ -438,7 +532,7 @@ def loop(t: Trainer, stop: Any) -> None:
         if k == 0 and t.step > 0:
             perm = torch.randperm(cfg.train_size, generator=g)
         batch = perm[k * cfg.batch_size:(k + 1) * cfg.batch_size]
-        loss = _train_step(t, batch[t.rank * per_rank:(t.rank + 1) * per_rank].to(t.data[0].device))
+        loss = _train_step(t, batch.to(t.data[0].device))
         step = t.step
         if t.reached is not None:
             t.reached.value = step
@@ -537,8 +631,31 @@ def results(t: Trainer) -> Dict[str, Any]:
         "history": t.history, "train_curve": t.curve, "torch": torch.__version__,
         "threads": torch.get_num_threads(), "workers": t.world, "sharded": cfg.shard,
         "checkpoints": t.checkpoints, "checkpoint_error": t.checkpoint_error,
-        **sizes, **_traffic(t), **_torchrun_restarts(),
+        **sizes, **_traffic(t), **_torchrun_restarts(), **_text(t), **_noise(t),
     }
+
+
+def _text(t: Trainer) -> Dict[str, Any]:
+    """A text run's corpus, its validation loss in bits per byte, and the unigram baseline's."""
+    if t.cfg.dataset != "text":
+        return {}
+    from . import text
+
+    return {"corpus": text.corpus()[1], "tokens": t.step * t.cfg.batch_size * t.cfg.context,
+            "test_bits_per_byte": text.bits_per_byte(t.history[-1]["test_loss"]),
+            "unigram_bits_per_byte": text.unigram_bits_per_byte()}
+
+
+def _noise(t: Trainer) -> Dict[str, Any]:
+    """The gradient noise scale (--measure-noise): its last moving-average estimate, in
+    examples (and, for text, in tokens), and the measurements along the run."""
+    if t.noise is None:
+        return {}
+    b = t.noise.b_simple
+    per_example = t.cfg.context if t.cfg.dataset == "text" else 1
+    return {"noise_scale": {"b_simple": b, "b_simple_tokens": b * per_example,
+                            "every": t.cfg.noise_every(), "beta": t.noise.beta,
+                            "history": t.noise_history}}
 
 
 def _torchrun_restarts() -> Dict[str, int]:

@@ -1,0 +1,133 @@
+"""The ``text`` dataset and its model: real English text that ships with Python, and a small
+GPT-2-style transformer that predicts it byte by byte.
+
+The corpus is Python's own reference documentation as ``pydoc`` shows it (the module
+``pydoc_data.topics``, in every CPython install, under the Python Software Foundation License):
+about 0.45 MB of prose and code examples in UTF-8. Its bytes are the same on every run of the same
+install; :func:`corpus` gives them with their identity (name, size, SHA-256), which a run records.
+The first 90% of the bytes train, the last 10% (other topics) validate.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Any, Dict, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+#: the share of the corpus's bytes that trains (the rest, at the end, validates)
+TRAIN_SHARE = 0.9
+#: tokens are bytes
+VOCAB = 256
+
+
+def corpus() -> Tuple[bytes, Dict[str, Any]]:
+    """The corpus's bytes and its identity: ``{"name", "bytes", "sha256", "python"}``."""
+    import platform
+
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:  # a Python built without its documentation topics
+        raise ValueError("--dataset text reads Python's documentation topics "
+                         "(pydoc_data.topics), which this Python does not have") from None
+    text = "\n\n".join(topics[k] for k in sorted(topics)).encode("utf-8")
+    return text, {"name": "pydoc_data.topics (Python's reference documentation)",
+                  "bytes": len(text), "sha256": hashlib.sha256(text).hexdigest(),
+                  "python": platform.python_version()}
+
+
+def splits() -> Tuple[Tensor, Tensor]:
+    """The training and validation bytes, as int64 tensors."""
+    text, _ = corpus()
+    data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+    cut = int(len(data) * TRAIN_SHARE)
+    return data[:cut], data[cut:]
+
+
+def windows(source: Tensor, n: int, context: int, seed: int) -> Tuple[Tensor, Tensor]:
+    """``n`` windows of ``context + 1`` bytes at random offsets of ``source`` (the same for a
+    seed): inputs ``(n, context)`` and next-byte targets ``(n, context)``."""
+    g = torch.Generator().manual_seed(seed)
+    start = torch.randint(0, len(source) - context, (n,), generator=g)
+    w = source[start.unsqueeze(1) + torch.arange(context + 1)]
+    return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+
+
+def tiled(source: Tensor, context: int) -> Tuple[Tensor, Tensor]:
+    """``source`` cut into consecutive windows (each byte predicted once): the validation set."""
+    n = (len(source) - 1) // context
+    x = source[:n * context].view(n, context)
+    y = source[1:n * context + 1].view(n, context)
+    return x, y
+
+
+def load(train_size: int, context: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, int]:
+    """``(x, y, x_test, y_test, classes)`` as :func:`scaleopt.cli.data.load` gives them:
+    ``train_size`` training windows and the whole validation split."""
+    train, test = splits()
+    x, y = windows(train, train_size, context, seed=1)
+    return (x, y) + tiled(test, context) + (VOCAB,)
+
+
+def unigram_bits_per_byte() -> float:
+    """The baseline: bits per byte of the validation split under the training split's byte
+    frequencies (add-one smoothed), i.e. a model that ignores all context."""
+    train, test = splits()
+    p = torch.bincount(train, minlength=VOCAB).double() + 1
+    return float(-(p / p.sum()).log2()[test[1:]].mean())
+
+
+def bits_per_byte(loss: float) -> float:
+    """A cross-entropy in nats per byte, in bits per byte."""
+    return loss / math.log(2)
+
+
+class Block(nn.Module):
+    """A pre-LayerNorm decoder block: causal self-attention and a 4x GELU MLP, each added to
+    the residual stream."""
+
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.fc, self.out = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, h: Tensor) -> Tensor:
+        b, t, d = h.shape
+        q, k, v = self.qkv(self.ln1(h)).view(b, t, 3, self.heads, d // self.heads).permute(
+            2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = h + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return h + self.out(F.gelu(self.fc(self.ln2(h))))
+
+
+class GPT(nn.Module):
+    """A byte-level GPT-2-style language model: token and position embeddings, ``layers``
+    pre-LN blocks of ``width`` (heads of 32 dimensions), a final LayerNorm and a separate
+    linear head onto the 256 bytes. Outputs ``(batch, context, 256)`` logits."""
+
+    def __init__(self, width: int, layers: int, context: int):
+        super().__init__()
+        if width % 32:
+            raise ValueError(f"--width of the gpt model must be a multiple of 32 (heads of 32 "
+                             f"dimensions), got {width}")
+        self.tok, self.pos = nn.Embedding(VOCAB, width), nn.Embedding(context, width)
+        self.blocks = nn.ModuleList(Block(width, width // 32) for _ in range(layers))
+        self.ln = nn.LayerNorm(width)
+        self.head = nn.Linear(width, VOCAB, bias=False)
+        for name, p in self.named_parameters():
+            if p.ndim == 2:  # GPT-2's initialisation; residual projections scaled by depth
+                std = 0.02 / math.sqrt(2 * layers) if name.endswith(("proj.weight", "out.weight")) else 0.02
+                nn.init.normal_(p, std=std)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.tok(x) + self.pos(torch.arange(x.shape[1], device=x.device))
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.ln(h))

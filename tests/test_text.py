@@ -1,0 +1,196 @@
+"""The transformer on real text: the corpus, the gpt model, ``scaleopt train --model gpt``, the
+study on it, and the gradient noise scale (scaleopt.GradientNoiseScale)."""
+
+import collections
+import hashlib
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import scaleopt
+from scaleopt.cli import main, text
+
+#: a gpt model small enough for tests: 1 block of width 32 on 16-byte windows
+MODEL = ["--model", "gpt", "--width", "32", "--layers", "1", "--context", "16",
+         "--train-size", "1024", "--no-progress", "--threads", "1"]
+TINY = MODEL + ["--batch-size", "32"]
+
+
+def test_the_corpus_is_real_text_that_ships_with_python_and_names_itself():
+    data, identity = text.corpus()
+    assert identity["bytes"] == len(data) > 300_000
+    assert identity["sha256"] == hashlib.sha256(data).hexdigest()
+    assert text.corpus() == (data, identity)  # the same bytes every time
+    words = collections.Counter(data.decode("utf-8").split())
+    assert {"the", "of", "is", "a"} <= {w for w, _ in words.most_common(20)}  # English prose
+    train, test = text.splits()
+    assert len(train) + len(test) == len(data) and len(test) == pytest.approx(0.1 * len(data), abs=1)
+    assert bytes(train[:100].tolist()) == data[:100] and bytes(test[-100:].tolist()) == data[-100:]
+
+
+def test_windows_are_the_same_for_a_seed_and_targets_are_the_next_bytes():
+    train, test = text.splits()
+    x, y = text.windows(train, 50, 16, seed=1)
+    assert torch.equal(x, text.windows(train, 50, 16, seed=1)[0])
+    assert not torch.equal(x, text.windows(train, 50, 16, seed=2)[0])
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    xt, yt = text.tiled(test, 16)
+    assert torch.equal(xt.flatten(), test[:xt.numel()])  # every byte once, in order
+    assert torch.equal(yt.flatten(), test[1:xt.numel() + 1])
+
+
+def test_the_unigram_baseline_is_the_cross_entropy_of_the_byte_frequencies():
+    train, test = text.splits()
+    counts = collections.Counter(train.tolist())
+    total = len(train) + 256
+    expected = -sum(math.log2((counts.get(b, 0) + 1) / total) for b in test[1:].tolist()) / (len(test) - 1)
+    assert text.unigram_bits_per_byte() == pytest.approx(expected, rel=1e-9)
+    assert 4 < expected < 5.5  # English in UTF-8
+
+
+def test_the_gpt_model_is_causal_and_meets_every_kind_of_layer():
+    torch.manual_seed(0)
+    model = text.GPT(width=64, layers=2, context=16)
+    x = torch.randint(0, 256, (2, 16))
+    out = model(x)
+    assert out.shape == (2, 16, 256)
+    changed = x.clone()
+    changed[:, 10] = (changed[:, 10] + 1) % 256
+    again = model(changed)
+    assert torch.equal(out[:, :10], again[:, :10])  # no byte sees a later one
+    assert not torch.allclose(out[:, 10:], again[:, 10:])
+    groups = scaleopt.param_groups(model, weight_decay=0.1)
+    decayed = {id(p) for g in groups if g["weight_decay"] for p in g["params"]}
+    names = {n for n, p in model.named_parameters() if id(p) in decayed}
+    assert "blocks.0.qkv.weight" in names and "head.weight" in names
+    assert not any(n.endswith("bias") or ".ln" in n or n.startswith("ln") for n in names)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        text.GPT(width=48, layers=1, context=8)
+
+
+def test_train_gpt_learns_the_text_and_records_the_corpus(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", *TINY, "--steps", "60", "--lr", "0.1", "--out", str(out)]) == 0
+    r = json.loads((out / "result.json").read_text())
+    assert r["config"]["model"] == "gpt" and r["config"]["dataset"] == "text"
+    assert r["corpus"] == text.corpus()[1]
+    assert r["tokens"] == 60 * 32 * 16
+    assert r["test_bits_per_byte"] == pytest.approx(r["test_loss"] / math.log(2))
+    # from 8 bits (uniform over bytes) to clearly below the unigram baseline
+    assert r["test_bits_per_byte"] < 0.9 * r["unigram_bits_per_byte"]
+    printed = capsys.readouterr().out
+    assert "bits per byte (the unigram baseline's" in printed and "tokens/s" in printed
+
+
+def test_the_dataset_and_the_model_go_together(tmp_path, capsys):
+    assert main(["train", "--dataset", "text", "--model", "mlp", "--out", str(tmp_path / "a")]) == 2
+    assert "does not train on" in capsys.readouterr().err
+    assert main(["train", *TINY, "--width", "48", "--out", str(tmp_path / "b")]) == 2
+    assert "multiple of 32" in capsys.readouterr().err
+    assert main(["train", *TINY, "--batch-size", "33", "--measure-noise",
+                 "--out", str(tmp_path / "c")]) == 2
+    assert "two halves" in capsys.readouterr().err
+
+
+def test_gpt_on_two_sharded_workers_computes_what_one_process_computes(tmp_path):
+    """FSDP2 over the blocks: the same run as one process, noise scale included (the
+    gradients, averaged over the ranks, differ in their last bits)."""
+    runs = {}
+    for workers in (1, 2):
+        out = tmp_path / f"w{workers}"
+        extra = ["--workers", "2", "--shard"] if workers > 1 else []
+        assert main(["train", *TINY, "--steps", "12", "--measure-noise", *extra,
+                     "--out", str(out)]) == 0
+        runs[workers] = json.loads((out / "result.json").read_text())
+    one, two = runs[1], runs[2]
+    assert two["sharded"] and two["workers"] == 2
+    assert two["test_loss"] == pytest.approx(one["test_loss"], rel=1e-4)
+    assert len(two["noise_scale"]["history"]) == len(one["noise_scale"]["history"]) == 12
+    for a, b in zip(one["noise_scale"]["history"], two["noise_scale"]["history"]):
+        assert b["g2"] == pytest.approx(a["g2"], rel=1e-3)
+        assert b["trace"] == pytest.approx(a["trace"], rel=1e-3, abs=1e-3 * abs(a["g2"]))
+
+
+def _example_gradients(model, x, y):
+    """Each example's gradient, flattened: (examples, parameters)."""
+    params = [p for p in model.parameters()]
+    rows = []
+    for i in range(len(x)):
+        loss = F.cross_entropy(model(x[i:i + 1]).flatten(0, 1), y[i].flatten())
+        rows.append(torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)]))
+    return torch.stack(rows).double()
+
+
+def test_the_noise_scale_from_two_batch_sizes_matches_a_direct_estimate():
+    """At fixed weights, over a pool of N sequences sampled with replacement, the gradient's
+    mean is exactly the pool's mean gradient G and its covariance the pool's, so the direct
+    value tr(Sigma) / |G|^2 is exact. The two-batch estimates of |G|^2 and tr(Sigma) are
+    unbiased, and their averages over 300 measurements have a relative standard error of a few
+    percent at these sizes (micro-batches of 8, near B_simple, where neither term swamps the
+    other); the ratio of averages is then within a few tens of percent. A factor of 2 leaves
+    room for that, and still fails an estimator that is off by a factor of the batch size or
+    of k (the errors an estimator of this kind makes)."""
+    torch.manual_seed(0)
+    train, _ = text.splits()
+    x, y = text.windows(train, 256, 16, seed=3)
+    model = text.GPT(width=32, layers=1, context=16)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for i in range(60):  # past the first steps, where |G| dwarfs the noise
+        b = torch.randint(0, len(x), (32,))
+        opt.zero_grad()
+        F.cross_entropy(model(x[b]).flatten(0, 1), y[b].flatten()).backward()
+        opt.step()
+    per_example = _example_gradients(model, x, y)
+    mean = per_example.mean(0)
+    direct = ((per_example - mean) ** 2).sum(1).mean().item() / mean.square().sum().item()
+
+    noise = scaleopt.GradientNoiseScale(model.parameters(), beta=0.995)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(300):
+        model.zero_grad(set_to_none=True)
+        noise.begin()
+        for _ in range(2):
+            part = torch.randint(0, len(x), (8,), generator=g)
+            (F.cross_entropy(model(x[part]).flatten(0, 1), y[part].flatten()) / 2).backward()
+            noise.accumulated()
+        noise.end(micro_batch=8)
+    assert 1 < direct < 200  # a regime where the test can tell estimators apart
+    assert direct / 2 < noise.b_simple < direct * 2, (noise.b_simple, direct)
+
+
+def test_the_noise_scale_refuses_too_few_micro_batches():
+    model = torch.nn.Linear(3, 1)
+    noise = scaleopt.GradientNoiseScale(model.parameters())
+    noise.begin()
+    model(torch.ones(2, 3)).sum().backward()
+    noise.accumulated()
+    with pytest.raises(ValueError, match="two or more micro-batches"):
+        noise.end(micro_batch=2)
+    with pytest.raises(ValueError, match="beta"):
+        scaleopt.GradientNoiseScale(model.parameters(), beta=1.0)
+    assert math.isnan(scaleopt.GradientNoiseScale(model.parameters()).b_simple)
+
+
+def test_study_on_the_transformer_sweeps_scales_and_reports_the_noise(tmp_path, capsys):
+    out = tmp_path / "study"
+    assert main(["study", "large-batch", *MODEL,
+                 "--batch-sizes", "8", "32", "--optimizers", "lamb", "adamw",
+                 "--sweep", "0.5", "2", "--out", str(out)]) == 0
+    study = json.loads((out / "study.json").read_text())
+    rows = study["rows"]
+    for name in ("lamb", "adamw"):
+        sweep = [r for r in rows if r["optimizer"] == name and r.get("sweep")]
+        cells = {r["batch_size"]: r for r in rows if r["optimizer"] == name and not r.get("sweep")}
+        assert [r["batch_size"] for r in sweep] == [8, 8] and set(cells) == {8, 32}
+        best = min(sweep, key=lambda r: r["test_loss"])
+        assert cells[8]["lr"] == best["lr"]  # the sweep chose the base rate
+        assert cells[32]["lr"] == pytest.approx(best["lr"] * 2)  # sqrt(32 / 8)
+        assert cells[8]["tokens"] == cells[32]["tokens"] == 1024 * 16  # the same tokens
+        assert cells[8]["steps"] == 4 * cells[32]["steps"]
+        assert cells[8]["b_simple"] > 0 and "bends_after" in study["summary"][name]
+    table = (out / "study.md").read_text()
+    assert "validation bits per byte" in table and "B_simple" in table and "sweep" in table
+    assert "| 32 |" in capsys.readouterr().out
