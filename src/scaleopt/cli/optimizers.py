@@ -21,7 +21,7 @@ class Choice(NamedTuple):
     #: whether it takes ``state_dtype`` (the Adam family)
     compact_state: bool = False
     #: a learning rate that trains the gpt model (``--model gpt``) at its default batch of 64
-    gpt_lr: float = 3e-3
+    gpt_lr: float = 1e-2
 
 
 def _groups(model: nn.Module, cfg: Any):
@@ -65,25 +65,26 @@ def _muon(model, cfg):
 
 OPTIMIZERS: Dict[str, Choice] = {
     "lamb": Choice("scaleopt.LAMB (layer-wise trust ratio)", 1e-2, _layerwise(scaleopt.LAMB),
-                   True, True),
+                   True, True, gpt_lr=2e-2),
     "lans": Choice("scaleopt.LANS (normalised gradients, two trust-ratio parts)", 1e-2,
-                   _layerwise(scaleopt.LANS), True, True),
-    "adamw": Choice("scaleopt.AdamW", 3e-3, _adamw, True, True),
+                   _layerwise(scaleopt.LANS), True, True, gpt_lr=2e-2),
+    "adamw": Choice("scaleopt.AdamW", 3e-3, _adamw, True, True, gpt_lr=1e-2),
     "muon": Choice("scaleopt.Muon (orthogonalized momentum for the hidden matrices, AdamW for "
-                   "the rest)", 3e-3, _muon, compact_state=True),
+                   "the rest)", 3e-3, _muon, compact_state=True, gpt_lr=1e-2),
     "offload-adam": Choice("scaleopt.OffloadAdam (state and update on the host)", 3e-3,
                            lambda m, cfg: scaleopt.OffloadAdam(
                                _groups(m, cfg), lr=cfg.resolved_lr(),
-                               state_dtype=cfg.state_dtype), compact_state=True),
+                               state_dtype=cfg.state_dtype), compact_state=True, gpt_lr=1e-2),
     "momentum": Choice("scaleopt.Momentum (heavy ball, coupled L2)", 0.1,
                        lambda m, cfg: scaleopt.Momentum(_groups(m, cfg), lr=cfg.resolved_lr(),
-                                                        momentum=0.9)),
+                                                        momentum=0.9), gpt_lr=0.1),
     "torch-adamw": Choice("torch.optim.AdamW, the baseline", 3e-3,
                           lambda m, cfg: torch.optim.AdamW(_groups(m, cfg), lr=cfg.resolved_lr(),
-                                                           weight_decay=cfg.weight_decay)),
+                                                           weight_decay=cfg.weight_decay),
+                          gpt_lr=1e-2),
     "torch-sgd": Choice("torch.optim.SGD with momentum 0.9, the baseline", 0.1,
                         lambda m, cfg: torch.optim.SGD(_groups(m, cfg), lr=cfg.resolved_lr(),
-                                                       momentum=0.9)),
+                                                       momentum=0.9), gpt_lr=0.1),
 }
 
 

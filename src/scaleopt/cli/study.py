@@ -24,9 +24,9 @@ from typing import Any, Dict, List, Optional, Sequence
 from . import launch, report
 from .train import Config, Diverged, run
 
-#: ``--model gpt``'s study: 24,576 windows of 64 bytes (1.6M tokens, one epoch) for each cell,
+#: ``--model gpt``'s study: 16,384 windows of 64 bytes (1M tokens, one epoch) for each cell,
 #: on a 3-block model; batch sizes over a 64x range; each base rate tuned at the smallest
-GPT_STUDY = dict(train_size=24576, epochs=1, width=128, layers=3, context=64, evals=4,
+GPT_STUDY = dict(train_size=16384, epochs=1, width=128, layers=3, context=64, evals=4,
                  measure_noise=True)
 GPT_BATCH_SIZES = [8, 32, 128, 512]
 GPT_OPTIMIZERS = ["lamb", "lans", "adamw", "muon", "momentum"]
