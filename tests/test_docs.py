@@ -22,6 +22,7 @@ MODULES = [
     "scaleopt.dgc.optimizer",
     "scaleopt._info",
     "scaleopt.muon",
+    "scaleopt.noise",
 ]
 
 
@@ -36,7 +37,7 @@ def test_docstring_examples(name):
 
 
 @pytest.mark.parametrize("name", ["LAMB", "LANS", "AdamW", "Muon", "Momentum", "OffloadAdam",
-                                  "DGCMomentum"])
+                                  "DGCMomentum", "GradientNoiseScale"])
 def test_docstrings_name_every_argument(name):
     import inspect
 

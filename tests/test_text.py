@@ -190,7 +190,62 @@ def test_study_on_the_transformer_sweeps_scales_and_reports_the_noise(tmp_path, 
         assert cells[32]["lr"] == pytest.approx(best["lr"] * 2)  # sqrt(32 / 8)
         assert cells[8]["tokens"] == cells[32]["tokens"] == 1024 * 16  # the same tokens
         assert cells[8]["steps"] == 4 * cells[32]["steps"]
-        assert cells[8]["b_simple"] > 0 and "bends_after" in study["summary"][name]
+        summary = study["summary"][name]
+        for key in ("b_simple", "b_simple_mid"):  # NaN while the average |G|^2 is not positive
+            assert not cells[8][key] <= 0
+            assert summary[key] == cells[8][key] or math.isnan(summary[key]) and math.isnan(cells[8][key])
+        assert summary["bends_after"] in (8, 32)
     table = (out / "study.md").read_text()
     assert "validation bits per byte" in table and "B_simple" in table and "sweep" in table
     assert "| 32 |" in capsys.readouterr().out
+
+
+def test_the_study_on_two_sharded_workers_computes_what_one_process_computes(tmp_path):
+    rows = {}
+    for workers in (1, 2):
+        out = tmp_path / f"w{workers}"
+        extra = ["--workers", "2", "--shard"] if workers > 1 else []
+        assert main(["study", "large-batch", *MODEL, "--batch-sizes", "16", "--optimizers",
+                     "lans", "--sweep", "1", "--epochs", "1", *extra, "--out", str(out)]) == 0
+        rows[workers] = [r for r in json.loads((out / "study.json").read_text())["rows"]
+                         if not r.get("sweep")]
+    (one,), (two,) = rows[1], rows[2]
+    assert two["steps"] == one["steps"] == 1024 // 16
+    assert two["test_bits_per_byte"] == pytest.approx(one["test_bits_per_byte"], rel=1e-4)
+    assert two["b_simple"] == pytest.approx(one["b_simple"], rel=1e-2)
+
+
+@pytest.mark.parametrize("options", [["--state-dtype", "int8"], ["--offload"],
+                                     ["--optimizer", "muon"]])
+def test_gpt_trains_with_compact_state_offload_and_muon(tmp_path, options):
+    out = tmp_path / "run"
+    assert main(["train", *TINY, "--steps", "8", *options, "--out", str(out)]) == 0
+    r = json.loads((out / "result.json").read_text())
+    assert r["steps"] == 8 and math.isfinite(r["test_bits_per_byte"])
+
+
+def test_muon_leaves_the_gpt_models_embeddings_and_head_to_adamw():
+    from scaleopt.cli import optimizers
+    from scaleopt.cli.train import Config
+
+    cfg = Config(optimizer="muon", dataset="text", model="gpt", width=32, layers=2)
+    torch.manual_seed(0)
+    model = text.GPT(32, 2, 16)
+    opt = optimizers.build(model, cfg)
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon = {names[id(p)] for g in opt.param_groups if g["algorithm"] == "muon" for p in g["params"]}
+    assert muon == {f"blocks.{i}.{m}.weight" for i in range(2) for m in ("qkv", "proj", "fc", "out")}
+
+
+def test_a_resumed_gpt_run_with_noise_measurement_ends_where_an_unbroken_one_does(tmp_path):
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    run = ["train", *TINY, "--steps", "10", "--measure-noise"]
+    assert main([*run, "--out", str(whole)]) == 0
+    assert main([*run, "--stop-after", "5", "--out", str(part)]) == 0
+    assert main(["train", "--resume", str(part), "--no-progress"]) == 0
+    a = json.loads((whole / "result.json").read_text())
+    b = json.loads((part / "result.json").read_text())
+    assert b["resumed_at"] == 5 and b["steps"] == 10
+    assert b["test_loss"] == pytest.approx(a["test_loss"], rel=1e-6)
+    assert b["noise_scale"]["b_simple"] == pytest.approx(a["noise_scale"]["b_simple"], rel=1e-6)
+    assert len(b["noise_scale"]["history"]) == len(a["noise_scale"]["history"]) == 10

@@ -41,7 +41,8 @@ __all__ = ["GradientNoiseScale"]
 class GradientNoiseScale:
     """Estimates B_simple = tr(Sigma) / |G|^2 from the gradients of micro-batches.
 
-    At a step that measures, call :meth:`begin` before the first micro-batch's backward (the
+    ``params``: the parameters whose gradients count (those that require them). At a step
+    that measures, call :meth:`begin` before the first micro-batch's backward (the
     gradients must be None or zero, as after ``zero_grad``), :meth:`accumulated` after each of
     the ``k >= 2`` micro-batches' backward (each loss scaled by ``1 / k``, so that the gradients
     add up to the batch's mean), and :meth:`end` with the examples per micro-batch (over all
@@ -49,16 +50,22 @@ class GradientNoiseScale:
     DTensors: the squared norms are totalled over the shards with one all-reduce per step that
     measures.
 
-    Example::
+    Example (a batch of 64 in 4 micro-batches of 16)::
 
-        noise = scaleopt.GradientNoiseScale(model.parameters())
-        opt.zero_grad()
-        noise.begin()
-        for part in batch.chunk(4):
-            (loss_fn(model(part)) / 4).backward()
-            noise.accumulated()
-        print(noise.end(micro_batch=len(batch) // 4)["b_simple"])
-        opt.step()
+        >>> import torch, scaleopt
+        >>> _ = torch.manual_seed(0)
+        >>> model = torch.nn.Linear(8, 1)
+        >>> x = torch.randn(64, 8)
+        >>> y = x.sum(1, keepdim=True) + torch.randn(64, 1)
+        >>> noise = scaleopt.GradientNoiseScale(model.parameters())
+        >>> model.zero_grad()
+        >>> noise.begin()
+        >>> for xs, ys in zip(x.chunk(4), y.chunk(4)):
+        ...     (torch.nn.functional.mse_loss(model(xs), ys) / 4).backward()
+        ...     noise.accumulated()
+        >>> m = noise.end(micro_batch=16)
+        >>> 0 < m["b_simple"] < 64  # far from the optimum: the gradient's mean dominates
+        True
     """
 
     def __init__(self, params: Iterable[Tensor], beta: float = 0.9) -> None:

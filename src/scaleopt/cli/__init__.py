@@ -509,7 +509,8 @@ def _study(args: argparse.Namespace, given: set) -> int:
     print(report.results_line(out, ["study.json", "study.csv", "study.md"], "study.png"))
     cells = len(args.optimizers) * (len(args.batch_sizes) + max(0, len(args.sweep or ()) - 1))
     if launch.STOP.is_set():
-        print(f"interrupted after {len(rows)} of {cells} runs; the finished ones are written")
+        runs = sum(1 for r in rows if "chosen_from" not in r)  # (the sweep's choice is a copy)
+        print(f"interrupted after {runs} of {cells} runs; the finished ones are written")
         return EXIT_INTERRUPTED
     return EXIT_OK if rows else EXIT_FAILED
 

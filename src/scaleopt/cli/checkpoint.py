@@ -410,7 +410,8 @@ def check_resumable(meta: Dict[str, Any], given: Dict[str, Any],
         if key in CHANGEABLE or key not in saved or saved[key] == value:
             continue
         what = ("another optimizer" if key in ("optimizer", "dgc") else
-                "another model" if key in ("width", "dataset", "seed") else "another run")
+                "another model" if key in ("width", "dataset", "seed", "model", "layers", "context")
+                else "another run")
         raise CheckpointError(
             f"--{key.replace('_', '-')} {_show(value)} is {what} than the checkpoint's "
             f"(--{key.replace('_', '-')} {_show(saved[key])}); resume with the same value or "

@@ -147,12 +147,13 @@ def _bends(summary: Dict[str, Any], text: bool) -> str:
     """Where each optimizer's curve bends, and the gradient noise scale beside it."""
     unit = " sequences" if text else ""
     lines = ["where the curves bend (the largest batch within 2% of the optimizer's best) and "
-             "the gradient noise scale B_simple at the end of its smallest-batch run:", ""]
+             "the gradient noise scale B_simple halfway through and at the end of its "
+             "smallest-batch run:", ""]
     for name, s in summary.items():
         line = f"- {name}: " + (f"bends after batch {s['bends_after']}" if "bends_after" in s
                                 else "every run diverged")
         if "b_simple" in s:
-            line += f"; B_simple {s['b_simple']:.3g}{unit}"
+            line += f"; B_simple {s['b_simple_mid']:.3g}{unit} halfway, {s['b_simple']:.3g} at the end"
             if text:
                 line += f" ({s['b_simple_tokens']:,.0f} tokens)"
         lines.append(line)

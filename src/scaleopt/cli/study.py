@@ -121,8 +121,9 @@ def _cell(plan: Plan, name: str, batch: int, lr: float) -> Optional[Dict[str, An
             return None  # the interrupted run's partial result is not a study point
         row = {k: r[k] for k in keys if k in r}
         if "noise_scale" in r:
-            row["b_simple"] = r["noise_scale"]["b_simple"]
-            row["b_simple_tokens"] = r["noise_scale"]["b_simple_tokens"]
+            noise = r["noise_scale"]
+            row["b_simple"], row["b_simple_tokens"] = noise["b_simple"], noise["b_simple_tokens"]
+            row["b_simple_mid"] = noise["history"][len(noise["history"]) // 2]["b_simple"]
     except Diverged:
         row = {"lr": cfg.lr, "steps": cfg.total_steps(), "test_accuracy": math.nan,
                "test_loss": math.nan, "time_s": math.nan, "diverged": True}
@@ -146,8 +147,8 @@ def _train(cfg: Config) -> Dict[str, Any]:
 
 def summary(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
     """Per optimizer: the largest batch whose score is within :data:`BEND_SHARE` of its best
-    (its curve bends after it), and the gradient noise scale at the end of its smallest-batch
-    run (where it has the most measurements), where measured."""
+    (its curve bends after it), and the gradient noise scale halfway through and at the end of
+    its smallest-batch run (where it has the most measurements), where measured."""
     out: Dict[str, Any] = {}
     cells = [r for r in rows if not r.get("sweep")]
     for name in dict.fromkeys(r["optimizer"] for r in cells):
@@ -160,7 +161,7 @@ def summary(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
             within = [r["batch_size"] for r in finite if r[key] <= best * (1 + BEND_SHARE)]
             entry["bends_after"] = max(within)
         if "b_simple" in mine[0]:
-            entry["b_simple"] = mine[0]["b_simple"]
-            entry["b_simple_tokens"] = mine[0]["b_simple_tokens"]
+            for key in ("b_simple", "b_simple_tokens", "b_simple_mid"):
+                entry[key] = mine[0][key]
         out[name] = entry
     return out
