@@ -39,7 +39,7 @@ __all__ = ["GradientNoiseScale"]
 
 
 class GradientNoiseScale:
-    """Estimates B_simple = tr(Sigma) / |G|^2 from the gradients of micro-batches.
+    """Estimates ``B_simple = tr(Sigma) / |G|^2`` from the gradients of micro-batches.
 
     ``params``: the parameters whose gradients count (those that require them). At a step
     that measures, call :meth:`begin` before the first micro-batch's backward (the
@@ -100,10 +100,10 @@ class GradientNoiseScale:
         self._before = [g.detach().float().clone() for g in grads]
 
     def end(self, micro_batch: int) -> Dict[str, float]:
-        """The step's measurement: ``{"g2", "trace"}`` (this step's estimates of |G|^2 and
+        """The step's measurement: ``{"g2", "trace"}`` (this step's estimates of ``|G|^2`` and
         tr(Sigma)), ``"small"`` and ``"large"`` (the mean squared norm of the micro-batches'
         gradients and that of the batch's), and ``"b_simple"`` (the moving averages' ratio,
-        in examples; NaN while |G|^2's average is not positive)."""
+        in examples; NaN while the average of ``|G|^2`` is not positive)."""
         k = len(self._small)
         if k < 2 or micro_batch < 1:
             raise ValueError("GradientNoiseScale.end needs two or more micro-batches "
@@ -127,9 +127,9 @@ class GradientNoiseScale:
 
     @property
     def b_simple(self) -> float:
-        """tr(Sigma) / |G|^2 from the moving averages (bias-corrected alike, so the ratio
-        needs no correction), in examples; NaN before the first measurement or while the
-        average of |G|^2 is not positive."""
+        """``tr(Sigma) / |G|^2`` from the moving averages (both start at zero and so carry the
+        same factor ``1 - beta ** count``, which the ratio cancels), in examples; NaN before the
+        first measurement or while the average of ``|G|^2`` is not positive."""
         if self.count == 0 or not self.g2 > 0:
             return math.nan
         return self.trace / self.g2

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import pathlib
+import textwrap
 from typing import Any, Dict, List, Optional
 
 
@@ -68,14 +69,17 @@ def write_run(result: Dict[str, Any], out: str) -> Dict[str, str]:
     a.set_ylabel("cross-entropy")
     a.set_yscale("log")
     a.legend()
+    text = "test_bits_per_byte" in result
     b.plot(steps, [h["test_accuracy"] for h in history], marker="o", color="C2")
     b.set_xlabel("step")
-    b.set_ylabel("test accuracy")
+    b.set_ylabel("next-byte accuracy (validation)" if text else "test accuracy")
     cfg = result["config"]
     how = describe(cfg, result.get("workers", 1))
+    score = (f"validation {result['test_bits_per_byte']:.3f} bits per byte (unigram "
+             f"{result['unigram_bits_per_byte']:.3f})" if text
+             else f"test accuracy {result['test_accuracy']:.3f}")
     fig.suptitle(f"{cfg['optimizer']}{f' ({how})' if how else ''} on {cfg['dataset']}, "
-                 f"batch {cfg['batch_size']}, "
-                 f"lr {result['lr']:g}: test accuracy {result['test_accuracy']:.3f}")
+                 f"batch {cfg['batch_size']}, lr {result['lr']:g}: {score}")
     fig.tight_layout()
     fig.savefig(files["png"], dpi=100)
     plt.close(fig)
@@ -170,7 +174,7 @@ def _study_plot(plt: Any, cells: List[Dict[str, Any]], score: str, label: str, t
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size (same examples, same number of epochs)")
     ax.set_ylabel(f"final {label}")
-    ax.set_title(title, fontsize=9)
+    ax.set_title(textwrap.fill(title, 80), fontsize=8)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
