@@ -427,3 +427,19 @@ def test_two_torchrun_launches_train_dgc_between_their_nodes_as_one_machine_does
     nodes_run = json.loads((tmp_path / "nodes" / "result.json").read_text())
     assert nodes_run["workers"] == 4 and nodes_run["config"]["replicas"] == 2
     assert _curve(nodes_run) == _curve(hsdp_whole)
+
+
+def test_a_reader_that_leaves_early_is_not_an_error(tmp_path):
+    """``scaleopt train | head -1``: the summary's later lines meet a closed pipe; the command
+    ends quietly with the run's exit code, not a BrokenPipeError traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "scaleopt", "train", *TINY, "--steps", "3",
+                             "--out", str(tmp_path / "run")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # before the run prints anything
+    try:
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert "BrokenPipeError" not in err and "Traceback" not in err
+    assert (tmp_path / "run" / "result.json").is_file()

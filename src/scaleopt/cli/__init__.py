@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import pathlib
 import sys
 from typing import Any, List, Optional
@@ -72,7 +73,7 @@ def _add_model_options(p: argparse.ArgumentParser, d: Config, gpt: dict) -> None
 def _add_schedule_options(g: Any, d: Config, epochs: int) -> None:
     """What every run is trained with: epochs, decay, the LR schedule, the seed."""
     g.add_argument("--epochs", type=_positive_int, default=epochs,
-                   help=f"passes over the training set (default: {epochs})")
+                   help=f"passes over the training set (default: {epochs}; gpt: 1)")
     g.add_argument("--weight-decay", type=float, default=d.weight_decay,
                    help=f"decay of weight matrices; biases and norms get none (default: {d.weight_decay})")
     g.add_argument("--warmup", type=float, default=d.warmup,
@@ -516,4 +517,10 @@ def _study(args: argparse.Namespace, given: set) -> int:
 
 
 def console() -> None:
-    sys.exit(main())
+    try:
+        code = main()
+        sys.stdout.flush()
+    except BrokenPipeError:  # the output's reader left (``scaleopt train | head``): not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = EXIT_OK
+    sys.exit(code)
