@@ -9,6 +9,9 @@ import textwrap
 from typing import Any, Dict, List, Optional
 
 
+#: a study's curve "bends" after the largest batch whose score is within this share of its best
+BEND_SHARE = 0.02
+
 NO_PLOTS = "no plots: matplotlib is not installed (pip install 'scaleopt[cli]')"
 
 
@@ -150,7 +153,8 @@ def _study_table(cells: List[Dict[str, Any]], score: str, label: str, text: bool
 def _bends(summary: Dict[str, Any], text: bool) -> str:
     """Where each optimizer's curve bends, and the gradient noise scale beside it."""
     unit = " sequences" if text else ""
-    lines = ["where the curves bend (the largest batch within 2% of the optimizer's best) and "
+    lines = [f"where the curves bend (the largest batch within {BEND_SHARE:.0%} of the "
+             "optimizer's best) and "
              "the gradient noise scale B_simple halfway through and at the end of its "
              "smallest-batch run:", ""]
     for name, s in summary.items():

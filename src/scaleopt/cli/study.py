@@ -31,8 +31,6 @@ GPT_STUDY = dict(train_size=16384, epochs=1, width=128, layers=3, context=64, ev
 GPT_BATCH_SIZES = [8, 32, 128, 512]
 GPT_OPTIMIZERS = ["lamb", "lans", "adamw", "muon", "momentum"]
 GPT_SWEEP = [1 / 3, 1.0, 3.0]
-#: a curve "bends" after the largest batch whose score is within this share of its best
-BEND_SHARE = 0.02
 
 
 def scaled_lr(base_lr: float, batch: int, base_batch: int, rule: str) -> float:
@@ -146,7 +144,7 @@ def _train(cfg: Config) -> Dict[str, Any]:
 
 
 def summary(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """Per optimizer: the largest batch whose score is within :data:`BEND_SHARE` of its best
+    """Per optimizer: the largest batch whose score is within ``report.BEND_SHARE`` of its best
     (its curve bends after it), and the gradient noise scale halfway through and at the end of
     its smallest-batch run (where it has the most measurements), where measured."""
     out: Dict[str, Any] = {}
@@ -158,7 +156,8 @@ def summary(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
         entry: Dict[str, Any] = {}
         if finite:
             best = min(r[key] for r in finite)
-            within = [r["batch_size"] for r in finite if r[key] <= best * (1 + BEND_SHARE)]
+            bound = best * (1 + report.BEND_SHARE)
+            within = [r["batch_size"] for r in finite if r[key] <= bound]
             entry["bends_after"] = max(within)
         if "b_simple" in mine[0]:
             for key in ("b_simple", "b_simple_tokens", "b_simple_mid"):

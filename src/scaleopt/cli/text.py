@@ -10,6 +10,7 @@ The first 90% of the bytes train, the last 10% (other topics) validate.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from typing import Any, Dict, Tuple
@@ -25,7 +26,14 @@ VOCAB = 256
 
 
 def corpus() -> Tuple[bytes, Dict[str, Any]]:
-    """The corpus's bytes and its identity: ``{"name", "bytes", "sha256", "python"}``."""
+    """The corpus's bytes and its identity: ``{"name", "bytes", "sha256", "python"}`` (read
+    and hashed once per process)."""
+    text, identity = _corpus()
+    return text, dict(identity)
+
+
+@functools.lru_cache(maxsize=1)
+def _corpus() -> Tuple[bytes, Dict[str, Any]]:
     import platform
 
     try:
