@@ -723,7 +723,7 @@ def test_a_replaced_state_tensor_is_the_one_the_next_step_takes(key):
         torch.testing.assert_close(sa[key], sb[key], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("change", ["lr", "tensor lr in place", "weight_decay",
+@pytest.mark.parametrize("change", ["lr", "tensor lr in place", "weight_decay", "always_adapt",
                                     "exclude_from_weight_decay", "state dict replaced"])
 def test_what_a_group_changes_between_steps_is_what_the_next_step_takes(change):
     """A step finds its state and its tables again from the last step while they are the same
@@ -747,6 +747,9 @@ def test_what_a_group_changes_between_steps_is_what_the_next_step_takes(change):
                     group["lr"].fill_(0.01)
                 elif change == "weight_decay":
                     group["weight_decay"] = 0.5
+                elif change == "always_adapt":
+                    group["weight_decay"] = 0.0  # no tensor adapts, until always_adapt
+                    group["always_adapt"] = t == 2
                 elif change == "exclude_from_weight_decay":
                     group["exclude_from_weight_decay"] = ["bias"]
                 else:
@@ -763,6 +766,63 @@ def test_what_a_group_changes_between_steps_is_what_the_next_step_takes(change):
         _step_each([same], [opt], x)
     assert not torch.allclose(same[2].bias, models[0][2].bias, rtol=1e-5, atol=1e-6) or \
         not torch.allclose(same[0].weight, models[0][0].weight, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("own_rates", [False, True], ids=["group's rate", "rates of their own"])
+def test_tensors_at_other_steps_take_their_own(own_rates):
+    """A step table is one row added to the constant columns where every tensor has the
+    group's rate and step; tensors whose counters differ (one had no gradient for a step),
+    with the group's rate or rates of their own (MXNet's multipliers), take theirs, as in the
+    reference loop."""
+    from scaleopt.compat import mxnet
+
+    models = [two_layers(torch.float32) for _ in range(2)]
+    opts = []
+    for m, impl in zip(models, ("triton", "single")):
+        if own_rates:
+            opt = mxnet.LAMB(list(m.parameters()), learning_rate=0.05, wd=0.01, param_idx2name={
+                0: "a_weight", 1: "a_bias", 2: "b_weight", 3: "b_bias"})
+            opt.param_groups[0]["implementation"] = impl
+            opt.set_lr_mult({"a_bias": 0.5, 2: 2.0})
+        else:
+            opt = scaleopt.LAMB(m.parameters(), lr=0.05, weight_decay=0.01, implementation=impl)
+        opts.append(opt)
+    x = torch.randn(8, 9)
+    for t in range(4):
+        for m, opt in zip(models, opts):
+            opt.zero_grad()
+            m(x).square().mean().backward()
+            if t == 1:
+                m[0].weight.grad = None  # its counter stays behind from here on
+            opt.step()
+    steps = [float(st["step"]) for st in opts[0].state.values()]
+    assert sorted(steps) == [3.0, 4.0, 4.0, 4.0]
+    for a, b in zip(*(m.parameters() for m in models)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_lists_changed_in_place_between_calls_are_read_again():
+    """The functional form with the same lists of rates and decays, changed in place between
+    calls: each call takes their values then (only tuples, which cannot change, are kept by
+    identity)."""
+    torch.manual_seed(3)
+    start = [torch.randn(50), torch.randn(20)]
+    grads = [torch.randn(50), torch.randn(20)]
+    runs = {}
+    for impl in ("triton", "single"):
+        ws = [w.clone() for w in start]
+        ms, vs = [torch.zeros(50), torch.zeros(20)], [torch.zeros(50), torch.zeros(20)]
+        steps = [torch.tensor(0.0), torch.tensor(0.0)]
+        lrs, wds, adapt = [0.1, 0.1], [0.01, 0.0], [True, True]
+        for t in range(3):
+            if t == 2:
+                lrs[1], wds[1] = 0.3, 0.5
+            scaleopt.lamb.lamb(ws, grads, ms, vs, steps, lrs=lrs, weight_decays=wds,
+                               adapt=adapt, beta1=0.9, beta2=0.999, eps=1e-6,
+                               implementation=impl)
+        runs[impl] = ws
+    for a, b in zip(runs["triton"], runs["single"]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
 def test_the_counters_step_together_and_save_as_tensors_of_their_own():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import operator
 import weakref
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence
@@ -58,24 +59,27 @@ class _Stored(list):
 
 #: per optimizer, per group (by id), the last step's state (:class:`_Memo`)
 _MEMOS: "weakref.WeakKeyDictionary[Any, Dict[int, _Memo]]" = weakref.WeakKeyDictionary()
-_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")
-#: and where the moments may be stored in 8 bits, their scales
-_STATE_KEYS_INT8 = _STATE_KEYS + _compact.SCALE_KEYS
+
+
+def _entries(dicts: List[Dict[str, Any]]) -> List[Any]:
+    """Every entry of the parameters' state dicts, in order, as one list (one pass in C)."""
+    return list(itertools.chain.from_iterable(map(dict.values, dicts)))
 
 
 class _Memo(NamedTuple):
     """A group's :class:`AdamState` and what it was made of: the group and its options that
-    decide the state's form, the parameters, their state dicts and the tensors in them. The
+    decide the state's form, the parameters, their state dicts and every entry in them. The
     state is given again while all of these are the same objects (a checkpoint loaded, a
-    counter or moment replaced, a form changed: another object, and the state is made again),
-    at the cost of a few passes of identity checks instead of a pass of checks and
-    conversions per tensor. Made only where it took no float32 working copies."""
+    counter or moment replaced, an entry added or removed, a form changed: another object,
+    and the state is made again), at the cost of a few passes of identity checks instead of
+    a pass of checks and conversions per tensor. Made only where it took no float32 working
+    copies."""
 
     group: Dict[str, Any]
     options: tuple
     params: List[Tensor]
     dicts: List[Dict[str, Any]]
-    entries: List[List[Any]]
+    entries: List[Any]
     state: AdamState
     #: [the optimizer's ``state`` mapping, its keys, its values], in order, as last seen: while
     #: they are the same objects, each parameter still has the same state dict (checked
@@ -93,20 +97,12 @@ class _Memo(NamedTuple):
         if state.pending:
             return None
         dicts = [opt.state[p] for p in params]
-        return cls(group, cls.options_of(group, amsgrad), list(params), dicts,
-                   [[d.get(k) for d in dicts] for k in cls.keys(group, amsgrad)], state,
-                   cls.mapping_of(opt))
+        return cls(group, cls.options_of(group, amsgrad), list(params), dicts, _entries(dicts),
+                   state, cls.mapping_of(opt))
 
     @staticmethod
     def mapping_of(opt: Any) -> List[Any]:
         return [opt.state, list(opt.state), list(opt.state.values())]
-
-    @staticmethod
-    def keys(group: Dict[str, Any], amsgrad: bool) -> tuple:
-        """The state entries that the state is made of (the scales with int8 state, the
-        largest second moments with amsgrad)."""
-        keys = _STATE_KEYS_INT8 if group["state_dtype"] == "int8" else _STATE_KEYS
-        return keys + ("max_exp_avg_sq",) if amsgrad else keys
 
     def holds(self, opt: Any, group: Dict[str, Any], params: List[Tensor], amsgrad: bool) -> bool:
         if (self.group is not group or len(params) != len(self.params)
@@ -121,8 +117,8 @@ class _Memo(NamedTuple):
             if not all(map(operator.is_, dicts, self.dicts)):
                 return False
             self.mapping[:] = self.mapping_of(opt)  # (another group's state made, say)
-        return all(all(map(operator.is_, map(operator.methodcaller("get", k), self.dicts), old))
-                   for k, old in zip(self.keys(group, amsgrad), self.entries))  # each entry
+        entries = _entries(self.dicts)
+        return len(entries) == len(self.entries) and all(map(operator.is_, entries, self.entries))
 
 
 class AdamFamily(ScaleOptimizer):

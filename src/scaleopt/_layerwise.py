@@ -9,6 +9,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from torch import Tensor
 
 from . import _native, _triton
+from ._blocks import compiling
 from ._adam import AdamFamily, AdamState
 from ._checks import check_bool, check_bounds
 from ._compile import eager
@@ -86,6 +87,24 @@ class LayerwiseAdam(AdamFamily):
         adapt = [not no_adapt[i] and (w != 0 or group["always_adapt"]) for i, w in zip(idx, wds)]
         return LayerOptions(lrs, wds, adapt)
 
+    def _step_layer_options(self, group: Dict[str, Any], idx: Sequence[int]) -> LayerOptions:
+        """:meth:`_layer_options`, whose decays and flags are made again only when what they
+        are made of changed (eagerly: the same tuples are given again otherwise, by which the
+        Triton path keeps its table columns)."""
+        if compiling():
+            return self._layer_options(group, idx)
+        lr, wd = group["lr"], group["weight_decay"]
+        made_of = (self._rule_flags(group, "exclude_from_weight_decay"),
+                   self._rule_flags(group, "exclude_from_layer_adaptation"),
+                   self._param_multipliers(group, idx), lr, wd, group["always_adapt"], list(idx))
+        memo = self.__dict__.setdefault("_layer_memo", {})
+        last = memo.get(id(group))
+        if last is None or last[0] != made_of:
+            layer = self._layer_options(group, idx)
+            last = memo[id(group)] = (made_of, layer._replace(
+                weight_decays=tuple(layer.weight_decays), adapt=tuple(layer.adapt)))
+        return last[1]
+
     # -- the step --------------------------------------------------------------------------------
 
     def _step_in_lockstep(self, closure: Any, update: Callable[..., Phased]) -> Any:
@@ -126,7 +145,7 @@ class LayerwiseAdam(AdamFamily):
             state = state.decoded()  # float32 working tensors for the other paths
             t = self._tensors(state, item, t.skip_if)
         view = state.view
-        layer = self._layer_options(group, item.idx)
+        layer = self._step_layer_options(group, item.idx)
         impl = implementation(group, item.params, on_host=self._grad_source.on_host, tensors=t)
         if group.get("capturable") and impl is not Impl.TRITON:
             raise ValueError(f"capturable=True needs the Triton kernels (CUDA tensors and Triton "
@@ -171,3 +190,4 @@ class LayerwiseAdam(AdamFamily):
             f"every tensor has weight_decay 0 with always_adapt=False, or is excluded from layer "
             f"adaptation. Give the tensors that should adapt a weight_decay > 0, or pass "
             f"always_adapt=True", UserWarning, stacklevel=4)
+

@@ -351,43 +351,68 @@ def _step_table(t: Any, layer: Any, o: Any, device: torch.device) -> Tensor:
     if on_device:
         table = _device_table(t, layer, o, device, steps)
     else:
-        pinned = device.type == "cuda"
-        table = torch.empty((len(t.steps), len(SCAL)), dtype=torch.float32, pin_memory=pinned)
-        table[:, _LR] = (float(lrs[0]) if one_lr
-                         else torch.tensor([float(lr) for lr in lrs], dtype=torch.float32))
-        table[:, _WD:_GRAD_MULT + 1] = _constant_columns(layer)
-        values = steps.tolist()
-        distinct = sorted(set(values))
-        bc1, bc2 = _blocks.bias_corrections(distinct, o.beta1, o.beta2, o.bias_correction)
-        if len(distinct) == 1:
-            table[:, _BC1], table[:, _BC2] = bc1[0], bc2[0]
-        else:
-            at = {v: k for k, v in enumerate(distinct)}
-            which = torch.tensor([at[v] for v in values])
-            table[:, _BC1] = torch.tensor(bc1, dtype=torch.float32)[which]
-            table[:, _BC2] = torch.tensor(bc2, dtype=torch.float32)[which]
-        table[:, _T] = steps
-        table = table.to(device, non_blocking=True) if pinned else table
+        table = _host_table(layer, o, steps, lrs[0] if one_lr else None, device.type == "cuda")
+        table = table.to(device, non_blocking=True) if device.type == "cuda" else table
     if t.grad_scalars is not None:  # the gradients' multipliers, where they are (the device)
         table[:, _GRAD_MULT] = t.grad_scalars.mults.to(device, torch.float32)
     return table
 
 
-#: the step table's columns of weight decay, adapt and gradient multiplier, per set of values
-_COLUMNS: "collections.OrderedDict[tuple, Tensor]" = collections.OrderedDict()
+def _host_table(layer: Any, o: Any, steps: Tensor, one_lr: Any, pinned: bool) -> Tensor:
+    """The step table made on the host (in pinned memory for a CUDA device): the constant
+    columns of :func:`_template`, and the learning rates (``one_lr`` where all are that one),
+    the bias corrections and the steps of the counters ``steps``. Where all tensors share the
+    rate and the step (the usual case), one addition of a row to the template."""
+    values = steps.tolist()
+    distinct = sorted(set(values))
+    bc1, bc2 = _blocks.bias_corrections(distinct, o.beta1, o.beta2, o.bias_correction)
+    template = _template(layer)
+    table = torch.empty(template.shape, dtype=torch.float32, pin_memory=pinned)
+    if one_lr is not None and len(distinct) == 1:
+        row = [0.0] * len(SCAL)
+        row[_LR], row[_BC1], row[_BC2], row[_T] = float(one_lr), bc1[0], bc2[0], distinct[0]
+        return torch.add(template, torch.tensor(row, dtype=torch.float32), out=table)
+    table.copy_(template)
+    table[:, _LR] = (float(one_lr) if one_lr is not None
+                     else torch.tensor([float(lr) for lr in layer.lrs], dtype=torch.float32))
+    at = {v: k for k, v in enumerate(distinct)}
+    which = torch.tensor([at[v] for v in values])
+    table[:, _BC1] = torch.tensor(bc1, dtype=torch.float32)[which]
+    table[:, _BC2] = torch.tensor(bc2, dtype=torch.float32)[which]
+    table[:, _T] = steps
+    return table
 
 
-def _constant_columns(layer: Any) -> Tensor:
-    """The weight decays, the adapt flags and ones (the gradients' multipliers, where they are
-    not given), as three float32 columns on the CPU, made once per set of values."""
-    key = (tuple(layer.weight_decays), tuple(map(bool, layer.adapt)))
-    columns = _COLUMNS.get(key)
-    if columns is None:
-        columns = _COLUMNS[key] = torch.tensor(
+#: step tables with the columns of weight decay, adapt and gradient multiplier filled and
+#: zeros in the others, per set of values
+_TEMPLATES: "collections.OrderedDict[tuple, Tensor]" = collections.OrderedDict()
+
+
+def _template(layer: Any) -> Tensor:
+    """A step table (float32, on the CPU) whose columns of weight decays, adapt flags and
+    gradients' multipliers (ones, where they are not given) are filled, the others zero, made
+    once per set of values."""
+    wds, adapt = layer.weight_decays, layer.adapt
+    last = _LAST_TEMPLATE[0]
+    if last is not None and last[0] is wds and last[1] is adapt:  # the same tuples again
+        return last[2]
+    key = (tuple(wds), tuple(map(bool, adapt)))
+    template = _TEMPLATES.get(key)
+    if template is None:
+        template = torch.zeros((len(wds), len(SCAL)), dtype=torch.float32)
+        template[:, _WD:_GRAD_MULT + 1] = torch.tensor(
             [(wd, float(a), 1.0) for wd, a in zip(*key)], dtype=torch.float32).reshape(-1, 3)
-        while len(_COLUMNS) > 64:
-            _COLUMNS.popitem(last=False)
-    return columns
+        _TEMPLATES[key] = template
+        while len(_TEMPLATES) > 64:
+            _TEMPLATES.popitem(last=False)
+    if isinstance(wds, tuple) and isinstance(adapt, tuple):  # (lists may change in place)
+        _LAST_TEMPLATE[0] = (wds, adapt, template)
+    return template
+
+
+#: the last decays and flags (tuples: as ``LayerwiseAdam._layer_options`` gives them while
+#: they stay the same) and their template
+_LAST_TEMPLATE: List[Any] = [None]
 
 
 #: the step counters' buffers and the counters' addresses in them, by the identities of the
@@ -402,10 +427,15 @@ def counters(steps: List[Tensor]) -> Tensor:
     point into a new buffer (``Tensor.set_``: the same tensor objects, so the optimizer's state
     keeps them, with their values), so that a step adds 1 to all of them in one operation
     instead of one per tensor."""
+    last = _LAST_COUNTERS[0]
+    if (last is not None and len(steps) == len(last[0])
+            and all(map(operator.is_, steps, last[0]))):  # the same counters again
+        return last[1]
     key = tuple(map(id, steps))
     found = _COUNTERS.get(key)
     if found is not None and list(map(Tensor.data_ptr, steps)) == found[1]:
         _COUNTERS.move_to_end(key)
+        _LAST_COUNTERS[0] = (list(steps), found[0])
         return found[0]
     buf = torch.stack([s.detach().reshape(()) for s in steps]).to(torch.float32)
     storage = buf.untyped_storage()
@@ -414,7 +444,13 @@ def counters(steps: List[Tensor]) -> Tensor:
     _COUNTERS[key] = (buf, list(map(Tensor.data_ptr, steps)))
     while len(_COUNTERS) > 64:
         _COUNTERS.popitem(last=False)
+    _LAST_COUNTERS[0] = (list(steps), buf)
     return buf
+
+
+#: the counters that stepped here last (held: no other tensor takes their identities) and
+#: their buffer
+_LAST_COUNTERS: List[Any] = [None]
 
 
 def _device_table(t: Any, layer: Any, o: Any, device: torch.device, steps: Tensor) -> Tensor:
