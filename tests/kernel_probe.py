@@ -10,15 +10,16 @@ import triton.language as tl
 
 from scaleopt import _triton
 from scaleopt import _triton_kernels as K
+from scaleopt._triton_layout import PTRS
 
 
 @triton.jit
-def _store_then_load(row, n, xm, xv, out_m, out_v, step, FORM: tl.constexpr,
+def _store_then_load(row, grads, n, xm, xv, out_m, out_v, step, FORM: tl.constexpr,
                      BLOCK: tl.constexpr, QB: tl.constexpr):
     """One tile per program (QB int8 blocks, or BLOCK elements): xm, xv stored as moments of
-    FORM (``row``: a row of the address table), then read back into out_m, out_v, through
-    the kernels' own helpers."""
-    _, _, mp, vp, _ = K._pointers(row, 0, 0, 0, FORM)
+    FORM (``row``: a row of the address table, ``grads`` the gradients' table), then read back
+    into out_m, out_v, through the kernels' own helpers."""
+    _, _, mp, vp, _ = K._pointers(row, grads, 0, 0, 0, FORM)
     offs, mask, b, bmask = K._tile(row, n, 0, tl.program_id(0), BLOCK, QB, FORM)
     K._store_moments(row, mp, vp, offs, mask, b, bmask, tl.load(xm + offs, mask=mask),
                      tl.load(xv + offs, mask=mask), tl.load(step), FORM)
@@ -45,12 +46,14 @@ def stored_by_the_kernels(form, xm, xv, step=7.0, offset=0, qb=4, device="cpu"):
                  for k in ("exp_avg", "exp_avg_sq")}
         scales = {k: torch.zeros(0, device=device) for k in codes}
         tiles = -(-n // 64)
-    row = torch.tensor([0, 0, codes["exp_avg"].data_ptr(), codes["exp_avg_sq"].data_ptr(), 0, 0,
-                        scales["exp_avg"].data_ptr(), scales["exp_avg_sq"].data_ptr(),
-                        row_len if form == "int8" else 0, offset], dtype=torch.int64,
-                       device=device)
+    columns = dict(w=0, m=codes["exp_avg"].data_ptr(), v=codes["exp_avg_sq"].data_ptr(), low=0,
+                   index=0, m_scale=scales["exp_avg"].data_ptr(),
+                   v_scale=scales["exp_avg_sq"].data_ptr(),
+                   row_len=row_len if form == "int8" else 0, offset=offset)
+    row = torch.tensor([columns[name] for name in PTRS], dtype=torch.int64, device=device)
+    no_grads = torch.zeros(1, dtype=torch.int64, device=device)
     back = {k: torch.zeros(shape, device=device) for k in codes}
-    _store_then_load[(tiles,)](row, n, xm.contiguous(), xv.contiguous(), back["exp_avg"],
+    _store_then_load[(tiles,)](row, no_grads, n, xm.contiguous(), xv.contiguous(), back["exp_avg"],
                                back["exp_avg_sq"], torch.tensor([step], device=device),
                                FORM=2 if form == "int8" else 1, BLOCK=64, QB=qb,
                                **_triton.COMPILE_OPTIONS)

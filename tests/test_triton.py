@@ -159,22 +159,30 @@ def test_bfloat16_gradients_of_float32_weights(functional):
 
 
 def test_the_address_tables_are_built_once_per_set_of_storages():
+    """The plan (the weights', moments' and states' addresses, the chunks) is made once while
+    they stay where they are; gradients in new storages at each step (as a backward that
+    allocates them anew gives them) make only a table of their addresses, found again when
+    they are where they were."""
     params = [nn.Parameter(torch.randn(5, 3)), nn.Parameter(torch.randn(4))]
     opt = scaleopt.LAMB(params, implementation="triton")
     _triton._PLANS.clear()
+    _triton._GRAD_TABLES.clear()
     kept = []
     for _ in range(3):
         for p in params:
-            p.grad = torch.randn(p.shape)  # a new gradient storage: new tables
+            p.grad = torch.randn(p.shape)  # a new gradient storage: a new gradient table
             kept.append(p.grad)  # (kept, so that no address is handed out again)
         opt.step()
-    assert len(_triton._PLANS) == 3
+    assert (len(_triton._PLANS), len(_triton._GRAD_TABLES)) == (1, 3)
     grads = [p.grad for p in params]
     for _ in range(3):  # the same storages: the tables are found again
         for p, gr in zip(params, grads):
             p.grad = gr
         opt.step()
-    assert len(_triton._PLANS) == 3
+    assert (len(_triton._PLANS), len(_triton._GRAD_TABLES)) == (1, 3)
+    opt.state[params[0]]["exp_avg"] = opt.state[params[0]]["exp_avg"].clone()  # moved
+    opt.step()
+    assert (len(_triton._PLANS), len(_triton._GRAD_TABLES)) == (2, 3)
 
 
 @pytest.mark.parametrize("cls", [scaleopt.LAMB, scaleopt.LANS])
@@ -857,5 +865,5 @@ def test_the_tables_are_read_and_written_by_column_name():
     assert not re.findall(r"tl\.load\((row|s|c)( \+ \d+)?\)", kernels)
     writer = (src / "_triton.py").read_text()
     assert not re.findall(r"table\[(?:[^\]]*,\s*)?\d+(?::\d*)?\]", writer)  # table[:, 4]
-    assert len(set(_triton_layout.PTRS)) == _triton._ROW == 10
+    assert len(set(_triton_layout.PTRS)) == _triton._ROW == 9
     assert [_triton_layout.SCAL.index(n) for n in ("lr", "step")] == [_triton._LR, _triton._T]

@@ -48,7 +48,7 @@ from triton.compiler import ASTSource
 from scaleopt import _triton
 
 #: the kernels' arguments that are pointers (the rest not constexpr are float32 scalars)
-POINTERS = {"ptrs": "*i64", "sizes": "*i64", "chunks": "*i64", "scal": "*fp32",
+POINTERS = {"ptrs": "*i64", "grads": "*i64", "sizes": "*i64", "chunks": "*i64", "scal": "*fp32",
             "skip": "*fp32", "sums": "*fp32", "gsq": "*fp32", "parts": "*fp32",
             "spans": "*i64"}
 

@@ -191,9 +191,10 @@ class _Plan(NamedTuple):
 def _plan(t: Any) -> _Plan:
     """The group's plan, found again for the same storages, sizes and dtypes (keyed by
     :func:`_signature`: a storage freed and handed to a tensor of another size or dtype has
-    another key), else made: the rows of ``ptrs`` (w, g, m, v, low, the tensor's place in the
+    another key), else made: the rows of ``ptrs`` (w, m, v, low, the tensor's place in the
     group, and for stored moments the int8 scales of m and v, the length of a row of blocks,
-    where the local piece starts in the whole tensor)."""
+    where the local piece starts in the whole tensor). The gradients' addresses are not in it
+    (:func:`_grad_table`)."""
     plan = _known_plan(t)
     if plan is not None:
         return plan
@@ -202,7 +203,7 @@ def _plan(t: Any) -> _Plan:
     low = t.low or [None] * n
     stored = t.stored or [None] * n
     check_same_sizes("the Triton kernels", t.weights, t.grads, t.exp_avgs, t.exp_avg_sqs, low)
-    rows = tuple((t.weights[i].data_ptr(), t.grads[i].data_ptr(), t.exp_avgs[i].data_ptr(),  # PTRS
+    rows = tuple((t.weights[i].data_ptr(), t.exp_avgs[i].data_ptr(),  # PTRS
                   t.exp_avg_sqs[i].data_ptr(), 0 if low[i] is None else low[i].data_ptr(), i,
                   *_stored_row(stored[i])) for i in range(n))
     plan = _PLANS[key] = _new_plan(tuple(_kind(t, i) for i in range(n)), rows,
@@ -233,8 +234,9 @@ _LAST: List[Any] = [lambda: None, None]
 
 def _signature(t: Any) -> tuple:
     """What a group's plan depends on, as one tuple: the addresses, dtypes and sizes of its
-    tensors, the stored moments' forms and rows, the chunk size and the device (one pass per
-    list; the moments' dtypes are their forms')."""
+    tensors (the gradients' dtypes, not their addresses), the stored moments' forms and rows,
+    the chunk size and the device (one pass per list; the moments' dtypes are their
+    forms')."""
     if _LAST[0]() is t:
         return _LAST[1]
     ptr, dtype = Tensor.data_ptr, operator.attrgetter("dtype")
@@ -245,12 +247,35 @@ def _signature(t: Any) -> tuple:
         low = (tuple(map(ptr, low)), tuple(map(dtype, low)))  # (each a pass in C)
     elif low is not None:
         low = tuple((0, None) if x is None else (x.data_ptr(), x.dtype) for x in low)
-    key = (tuple(map(ptr, t.weights)), tuple(map(ptr, t.grads)), tuple(map(ptr, t.exp_avgs)),
+    key = (tuple(map(ptr, t.weights)), tuple(map(ptr, t.exp_avgs)),
            tuple(map(ptr, t.exp_avg_sqs)), low, _stored_rows(t.stored),
            tuple(map(Tensor.numel, t.weights)), tuple(map(dtype, t.weights)),
            tuple(map(dtype, t.grads)), BLOCK * ITERS, t.weights[0].device)
     _LAST[:] = [weakref.ref(t), key]
     return key
+
+
+#: the gradients' address tables (on their device) by the addresses: a few, as a step's
+#: gradients are often where an earlier step's were
+_GRAD_TABLES: "collections.OrderedDict[tuple, Tensor]" = collections.OrderedDict()
+
+
+def _grad_table(t: Any, device: torch.device) -> Tensor:
+    """The address of each gradient of the group (int64, on ``device``, in the group's order),
+    which the kernels read a tensor's gradient from: found again for the same addresses, else
+    made (one small copy; the plan, which holds everything else, stays). A backward that
+    allocates the gradients anew may put them elsewhere at each step."""
+    key = (tuple(map(Tensor.data_ptr, t.grads)), device)
+    table = _GRAD_TABLES.get(key)
+    if table is not None:
+        _GRAD_TABLES.move_to_end(key)
+        return table
+    check_same_sizes("the Triton kernels", t.weights, t.grads)
+    table = _GRAD_TABLES[key] = _blocks.to_device(
+        [torch.tensor(key[0], dtype=torch.int64)], device)[0]
+    while len(_GRAD_TABLES) > 8:
+        _GRAD_TABLES.popitem(last=False)
+    return table
 
 
 def _new_plan(kinds: Tuple, rows: Tuple, sizes: Tuple, device: torch.device) -> _Plan:
@@ -494,13 +519,14 @@ def _device_table(t: Any, layer: Any, o: Any, device: torch.device, steps: Tenso
 
 
 def _launch(name: str, kinds: Tuple[int, int, int, int], tables: Tuple[Tensor, Tensor, Tensor],
-            **args: Any) -> None:
-    """Kernel ``name`` over a set of tensors (one launch): their kinds and address tables."""
+            grads: Tensor, **args: Any) -> None:
+    """Kernel ``name`` over a set of tensors (one launch): their kinds and address tables, and
+    the group's gradients' addresses."""
     ptrs, sizes, chunks = tables
     if chunks.shape[0] == 0:
         return
     w_kind, g_kind, low_kind, form = kinds
-    _run(name, chunks.shape[0], ptrs, sizes, chunks, W_SPLIT=w_kind, G_KIND=g_kind,
+    _run(name, chunks.shape[0], ptrs, grads, sizes, chunks, W_SPLIT=w_kind, G_KIND=g_kind,
          LOW_KIND=low_kind, FORM=form, BLOCK=BLOCK, QB=_blocks_per_tile(), ITERS=ITERS, **args)
 
 
@@ -514,13 +540,14 @@ def _run(name: str, programs: int, *args: Any, **kwargs: Any) -> None:
     LAUNCHES[name] += 1
 
 
-def _sums(plan: _Plan, width: int, device: torch.device, name: str, **args: Any) -> Tensor:
+def _sums(plan: _Plan, grads: Tensor, width: int, device: torch.device, name: str,
+          **args: Any) -> Tensor:
     """Kernel ``name`` over each set of the plan, every chunk writing ``width`` partial sums
     into its own slot, then the tensors' totals (float32, ``width`` per tensor, in the
     tensors' order) added up in a fixed order by ``totals``: the same bits on every run."""
     parts = torch.empty(width * plan.slots, dtype=torch.float32, device=device)
     for kinds, tables in plan.sets:
-        _launch(name, kinds, tables, parts=parts, **args)
+        _launch(name, kinds, tables, grads, parts=parts, **args)
     out = torch.empty(width * plan.spans.shape[0], dtype=torch.float32, device=device)
     _run("totals", plan.spans.shape[0], parts, plan.spans, out, S=width, R=TOTALS_LANES)
     return out
@@ -555,18 +582,18 @@ def lamb_triton(t: Any, layer: Any, o: Any) -> Phased:
     device = t.weights[0].device
     scal = _step_table(t, layer, o, device)
     opts = _options(o, None if t.grad_scalars is None else t.grad_scalars.clamp)
-    plan, skip = _plan(t), _skip_flag(t, device)
-    sums = _sums(plan, 2, device, "lamb_sums", scal=scal, skip=skip,
+    plan, grads, skip = _plan(t), _grad_table(t, device), _skip_flag(t, device)
+    sums = _sums(plan, grads, 2, device, "lamb_sums", scal=scal, skip=skip,
                  MODE=_blocks.WEIGHT_DECAY_MODES[o.weight_decay_mode], **opts)
     if t.shard_sums is not None:
         owners = [i for i in range(len(t.weights)) for _ in range(2)]
         sums = yield t.shard_sums.request(sums, owners)
     for kinds, tables in plan.sets:
-        _launch("lamb_apply", kinds, tables, scal=scal, skip=skip, sums=sums,
+        _launch("lamb_apply", kinds, tables, grads, scal=scal, skip=skip, sums=sums,
                 MODE=_blocks.WEIGHT_DECAY_MODES[o.weight_decay_mode], **opts)
 
 
-def _grad_sums(t: Any, device: torch.device, plan: _Plan) -> Phased:
+def _grad_sums(t: Any, device: torch.device, plan: _Plan, grads: Tensor) -> Phased:
     """Each whole gradient's sum of squares (float32, on ``device``): the intake's, where its
     clipping computed them, else one launch per set of tensors (totalled over the shards for
     local pieces: a reduction of its own)."""
@@ -575,7 +602,7 @@ def _grad_sums(t: Any, device: torch.device, plan: _Plan) -> Phased:
         return sq.to(device, torch.float32)
     if t.grad_norms is not None:
         return t.grad_norms.to(device, torch.float32).square()
-    out = _sums(plan, 1, device, "sum_squares")
+    out = _sums(plan, grads, 1, device, "sum_squares")
     if t.shard_sums is not None:
         out = yield t.shard_sums.request(out, range(len(t.weights)))
     return out
@@ -588,16 +615,16 @@ def lans_triton(t: Any, layer: Any, o: Any) -> Phased:
     if not t.weights:
         return
     device = t.weights[0].device
-    plan = _plan(t)
-    gsq = yield from _grad_sums(t, device, plan)
+    plan, grads = _plan(t), _grad_table(t, device)
+    gsq = yield from _grad_sums(t, device, plan, grads)
     scal = _step_table(t, layer, o, device)
     opts, skip = _options(o, o.clip_grad_value), _skip_flag(t, device)
-    sums = _sums(plan, 4, device, "lans_sums", scal=scal, skip=skip, gsq=gsq, **opts)
+    sums = _sums(plan, grads, 4, device, "lans_sums", scal=scal, skip=skip, gsq=gsq, **opts)
     if t.shard_sums is not None:
         owners = [i for i in range(len(t.weights)) for _ in range(4)]
         sums = yield t.shard_sums.request(sums, owners)
     for kinds, tables in plan.sets:
-        _launch("lans_apply", kinds, tables, scal=scal, skip=skip, sums=sums, gsq=gsq,
+        _launch("lans_apply", kinds, tables, grads, scal=scal, skip=skip, sums=sums, gsq=gsq,
                 MOVED=bool(o.decay_moved_weight), **opts)
 
 

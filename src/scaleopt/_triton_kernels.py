@@ -2,18 +2,19 @@
 
 Every kernel but ``totals`` runs one program per (tensor, chunk) pair: ``chunks[pid]`` is (k,
 where the chunk starts, its slot for partial sums), row k of ``ptrs`` holds the tensor's
-addresses (w, g, m, v, low), its place i in the group, and for stored moments the addresses of
+addresses (w, m, v, low), its place i in the group, and for stored moments the addresses of
 the int8 scales of m and v, the length of a row of blocks and where the local piece starts in
-the whole tensor; ``sizes[k]`` its size. Row i of ``scal``: lr, weight decay, adapt, gradient
-multiplier, the bias corrections 1 - beta1^t and sqrt(1 - beta2^t) of its step, and the step
-t. The phases are the C kernels' (``_kernels.c``); the arithmetic is the reference's
-(``scaleopt.lamb``, ``scaleopt.lans``), each operation rounded once (compiled without
-contraction, with ``div_rn`` and ``sqrt_rn``). Kinds (compile-time): ``W_SPLIT`` a split
-master (the weight's bfloat16 upper halves at w, the int16 lower halves at low) or a float32
-weight; ``G_KIND`` the gradient's dtype (0 float32, 1 bfloat16, 2 float16); ``LOW_KIND`` what
-low holds (0 nothing, 1 / 2 the rounded bfloat16 / float16 weights to write, 3 a split
-master's lower halves); ``FORM`` how the moments are stored (0 float32, 1 bfloat16, 2 int8
-codes: ``_compact``).
+the whole tensor; ``sizes[k]`` its size; ``grads[i]`` the address of its gradient (a table of
+its own: a step's gradients may be elsewhere than the last step's). Row i of ``scal``: lr,
+weight decay, adapt, gradient multiplier, the bias corrections 1 - beta1^t and
+sqrt(1 - beta2^t) of its step, and the step t. The phases are the C kernels'
+(``_kernels.c``); the arithmetic is the reference's (``scaleopt.lamb``, ``scaleopt.lans``),
+each operation rounded once (compiled without contraction, with ``div_rn`` and ``sqrt_rn``).
+Kinds (compile-time): ``W_SPLIT`` a split master (the weight's bfloat16 upper halves at w,
+the int16 lower halves at low) or a float32 weight; ``G_KIND`` the gradient's dtype (0
+float32, 1 bfloat16, 2 float16); ``LOW_KIND`` what low holds (0 nothing, 1 / 2 the rounded
+bfloat16 / float16 weights to write, 3 a split master's lower halves); ``FORM`` how the
+moments are stored (0 float32, 1 bfloat16, 2 int8 codes: ``_compact``).
 
 A chunk of float32 or bfloat16 moments is ``ITERS`` runs of ``BLOCK`` elements from its first
 element. A chunk of int8 moments is ``ITERS`` tiles of ``QB`` whole blocks of 256 (a block's
@@ -34,7 +35,7 @@ _ROW = tl.constexpr(len(PTRS))  # int64 entries per row of ``ptrs``
 _SCAL = tl.constexpr(len(SCAL))  # float32 entries per row of ``scal``
 _CHUNK = tl.constexpr(len(CHUNKS))  # int64 entries per row of ``chunks``
 # the columns of a row of ``ptrs`` (``_triton_layout``)
-_W, _G, _M, _V, _LOWP, _INDEX, _M_SCALE, _V_SCALE, _ROW_LEN, _OFFSET = map(
+_W, _M, _V, _LOWP, _INDEX, _M_SCALE, _V_SCALE, _ROW_LEN, _OFFSET = map(
     tl.constexpr, range(len(PTRS)))
 # of the step table
 _LR, _WD, _ADAPT, _GRAD_MULT, _BC1, _BC2, _T = map(tl.constexpr, range(len(SCAL)))
@@ -45,18 +46,19 @@ _LOW = tl.constexpr(4.656612873077393e-10)  # 2^-31 = F(0), the offset of the un
 
 
 @triton.jit
-def _pointers(row, W_SPLIT: tl.constexpr, G_KIND: tl.constexpr, LOW_KIND: tl.constexpr,
+def _pointers(row, grads, W_SPLIT: tl.constexpr, G_KIND: tl.constexpr, LOW_KIND: tl.constexpr,
               FORM: tl.constexpr):
     if W_SPLIT:
         wp = tl.load(row + _W).to(tl.pointer_type(tl.int16))
     else:
         wp = tl.load(row + _W).to(tl.pointer_type(tl.float32))
+    g = grads + tl.load(row + _INDEX)  # the gradients' addresses: a table of the step's
     if G_KIND == 1:
-        gp = tl.load(row + _G).to(tl.pointer_type(tl.bfloat16))
+        gp = tl.load(g).to(tl.pointer_type(tl.bfloat16))
     elif G_KIND == 2:
-        gp = tl.load(row + _G).to(tl.pointer_type(tl.float16))
+        gp = tl.load(g).to(tl.pointer_type(tl.float16))
     else:
-        gp = tl.load(row + _G).to(tl.pointer_type(tl.float32))
+        gp = tl.load(g).to(tl.pointer_type(tl.float32))
     if FORM == 1:
         mp = tl.load(row + _M).to(tl.pointer_type(tl.uint16))
         vp = tl.load(row + _V).to(tl.pointer_type(tl.uint16))
@@ -292,12 +294,12 @@ def _decay_factor(lr, wd, MODE: tl.constexpr):
 
 
 @triton.jit
-def sum_squares(ptrs, sizes, chunks, parts, W_SPLIT: tl.constexpr, G_KIND: tl.constexpr,
+def sum_squares(ptrs, grads, sizes, chunks, parts, W_SPLIT: tl.constexpr, G_KIND: tl.constexpr,
                 LOW_KIND: tl.constexpr, FORM: tl.constexpr, BLOCK: tl.constexpr,
                 QB: tl.constexpr, ITERS: tl.constexpr):
     """parts[slot] = the chunk's sum of g^2 (LANS's gradient norms; ``totals`` adds them up)."""
     row, n, start, slot = _chunk(ptrs, sizes, chunks)
-    _, gp, _, _, _ = _pointers(row, W_SPLIT, G_KIND, LOW_KIND, FORM)
+    _, gp, _, _, _ = _pointers(row, grads, W_SPLIT, G_KIND, LOW_KIND, FORM)
     acc = 0.0
     for it in tl.static_range(ITERS):
         offs, mask, _, _ = _tile(row, n, start, it, BLOCK, QB, FORM)
@@ -327,18 +329,18 @@ def _lamb_u(w, m, v, wd, bc1, bc2, eps, MODE: tl.constexpr):
 
 
 @triton.jit
-def lamb_sums(ptrs, sizes, chunks, scal, skip, parts, beta1, beta2, eps, clip_lo, clip_hi, lower,
-              upper, MODE: tl.constexpr, CLIP: tl.constexpr, HAS_LOWER: tl.constexpr,
+def lamb_sums(ptrs, grads, sizes, chunks, scal, skip, parts, beta1, beta2, eps, clip_lo, clip_hi,
+              lower, upper, MODE: tl.constexpr, CLIP: tl.constexpr, HAS_LOWER: tl.constexpr,
               HAS_UPPER: tl.constexpr, W_SPLIT: tl.constexpr, G_KIND: tl.constexpr,
-              LOW_KIND: tl.constexpr, FORM: tl.constexpr, BLOCK: tl.constexpr,
-              QB: tl.constexpr, ITERS: tl.constexpr):
+              LOW_KIND: tl.constexpr, FORM: tl.constexpr, BLOCK: tl.constexpr, QB: tl.constexpr,
+              ITERS: tl.constexpr):
     """LAMB's first phase: the chunk's sum w^2 and sum u^2 into its slot of ``parts`` (u the
     full update, decay included; w decayed first in the decoupled mode, 1). float32 moments are
     stored updated; stored ones (FORM 1, 2) are left for the second phase to update and
     store."""
     row, n, start, slot, _, lr, wd, _, mult, bc1, bc2, _ = _program(ptrs, sizes, chunks, scal,
                                                                     skip)
-    wp, gp, mp, vp, lp = _pointers(row, W_SPLIT, G_KIND, LOW_KIND, FORM)
+    wp, gp, mp, vp, lp = _pointers(row, grads, W_SPLIT, G_KIND, LOW_KIND, FORM)
     acc_w = 0.0
     acc_u = 0.0
     for it in tl.static_range(ITERS):
@@ -358,16 +360,16 @@ def lamb_sums(ptrs, sizes, chunks, scal, skip, parts, beta1, beta2, eps, clip_lo
 
 
 @triton.jit
-def lamb_apply(ptrs, sizes, chunks, scal, skip, sums, beta1, beta2, eps, clip_lo, clip_hi, lower,
-               upper, MODE: tl.constexpr, CLIP: tl.constexpr, HAS_LOWER: tl.constexpr,
+def lamb_apply(ptrs, grads, sizes, chunks, scal, skip, sums, beta1, beta2, eps, clip_lo, clip_hi,
+               lower, upper, MODE: tl.constexpr, CLIP: tl.constexpr, HAS_LOWER: tl.constexpr,
                HAS_UPPER: tl.constexpr, W_SPLIT: tl.constexpr, G_KIND: tl.constexpr,
-               LOW_KIND: tl.constexpr, FORM: tl.constexpr, BLOCK: tl.constexpr,
-               QB: tl.constexpr, ITERS: tl.constexpr):
+               LOW_KIND: tl.constexpr, FORM: tl.constexpr, BLOCK: tl.constexpr, QB: tl.constexpr,
+               ITERS: tl.constexpr):
     """LAMB's second phase: w - lr * ratio * u, the ratio from the (totalled) sums. Stored
     moments are updated again from the gradient, as the first phase did, and stored."""
     row, n, start, _, i, lr, wd, adapt, mult, bc1, bc2, step = _program(ptrs, sizes, chunks,
                                                                         scal, skip)
-    wp, gp, mp, vp, lp = _pointers(row, W_SPLIT, G_KIND, LOW_KIND, FORM)
+    wp, gp, mp, vp, lp = _pointers(row, grads, W_SPLIT, G_KIND, LOW_KIND, FORM)
     ratio = _trust_ratio(tl.load(sums + 2 * i), tl.load(sums + 2 * i + 1), lower, upper,
                          HAS_LOWER, HAS_UPPER)
     ratio = tl.where(adapt > 0.0, ratio, 1.0)
@@ -401,16 +403,16 @@ def _lans_r(w, m, v, wd, bc1, bc2, eps):
 
 
 @triton.jit
-def lans_sums(ptrs, sizes, chunks, scal, skip, parts, gsq, beta1, beta2, eps, clip_lo, clip_hi,
-              lower, upper, CLIP: tl.constexpr, HAS_LOWER: tl.constexpr,
+def lans_sums(ptrs, grads, sizes, chunks, scal, skip, parts, gsq, beta1, beta2, eps, clip_lo,
+              clip_hi, lower, upper, CLIP: tl.constexpr, HAS_LOWER: tl.constexpr,
               HAS_UPPER: tl.constexpr, W_SPLIT: tl.constexpr, G_KIND: tl.constexpr,
-              LOW_KIND: tl.constexpr, FORM: tl.constexpr, BLOCK: tl.constexpr,
-              QB: tl.constexpr, ITERS: tl.constexpr):
+              LOW_KIND: tl.constexpr, FORM: tl.constexpr, BLOCK: tl.constexpr, QB: tl.constexpr,
+              ITERS: tl.constexpr):
     """LANS's first phase: m, v updated from the normalised gradient (stored where float32);
     the chunk's sums of w^2, r^2, c^2 and r*c into its slot of ``parts``."""
     row, n, start, slot, i, lr, wd, _, mult, bc1, bc2, _ = _program(ptrs, sizes, chunks, scal,
                                                                     skip)
-    wp, gp, mp, vp, lp = _pointers(row, W_SPLIT, G_KIND, LOW_KIND, FORM)
+    wp, gp, mp, vp, lp = _pointers(row, grads, W_SPLIT, G_KIND, LOW_KIND, FORM)
     ginv = _normalising_factor(gsq, i, mult)
     acc_w = 0.0
     acc_r = 0.0
@@ -438,17 +440,17 @@ def lans_sums(ptrs, sizes, chunks, scal, skip, parts, gsq, beta1, beta2, eps, cl
 
 
 @triton.jit
-def lans_apply(ptrs, sizes, chunks, scal, skip, sums, gsq, beta1, beta2, eps, clip_lo, clip_hi,
-               lower, upper, MOVED: tl.constexpr, CLIP: tl.constexpr, HAS_LOWER: tl.constexpr,
-               HAS_UPPER: tl.constexpr, W_SPLIT: tl.constexpr, G_KIND: tl.constexpr,
-               LOW_KIND: tl.constexpr, FORM: tl.constexpr, BLOCK: tl.constexpr,
-               QB: tl.constexpr, ITERS: tl.constexpr):
+def lans_apply(ptrs, grads, sizes, chunks, scal, skip, sums, gsq, beta1, beta2, eps, clip_lo,
+               clip_hi, lower, upper, MOVED: tl.constexpr, CLIP: tl.constexpr,
+               HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr, W_SPLIT: tl.constexpr,
+               G_KIND: tl.constexpr, LOW_KIND: tl.constexpr, FORM: tl.constexpr,
+               BLOCK: tl.constexpr, QB: tl.constexpr, ITERS: tl.constexpr):
     """LANS's second phase: w1 = w - a * ratio_r * r, then w1 - b * ratio_c * c, where c
     decays w1 when MOVED and w otherwise (a = lr * beta1, b = lr * (1 - beta1)). Stored
     moments are updated again, as the first phase did, and stored."""
     row, n, start, _, i, lr, wd, adapt, mult, bc1, bc2, step = _program(ptrs, sizes, chunks,
                                                                         scal, skip)
-    wp, gp, mp, vp, lp = _pointers(row, W_SPLIT, G_KIND, LOW_KIND, FORM)
+    wp, gp, mp, vp, lp = _pointers(row, grads, W_SPLIT, G_KIND, LOW_KIND, FORM)
     ginv = _normalising_factor(gsq, i, mult)
     a = lr * beta1
     b2 = lr * (1.0 - beta1)

@@ -2,15 +2,17 @@
 ``_triton_kernels`` reads them, both by these names.
 
 * ``ptrs`` (int64, a row per tensor): :data:`PTRS`;
+* ``grads`` (int64, one per tensor, in the group's order): the address of its gradient, made
+  for a step's gradients (they may be elsewhere than the last step's, where nothing else moved);
 * ``scal`` (float32, the step table, a row per tensor): :data:`SCAL`;
 * ``chunks`` (int64, a row per program): :data:`CHUNKS`.
 """
 
 #: a tensor's row of ``ptrs``: the addresses of its weight (a split master's bfloat16 upper
-#: halves), gradient, moments and low part (0: none), its place in the group, and for int8
-#: moments the addresses of their scales, the length of a row of blocks and where the local
-#: piece starts in the whole tensor (the rounding's index)
-PTRS = ("w", "g", "m", "v", "low", "index", "m_scale", "v_scale", "row_len", "offset")
+#: halves), moments and low part (0: none), its place in the group (its row of ``grads`` and
+#: of the step table), and for int8 moments the addresses of their scales, the length of a row
+#: of blocks and where the local piece starts in the whole tensor (the rounding's index)
+PTRS = ("w", "m", "v", "low", "index", "m_scale", "v_scale", "row_len", "offset")
 #: a tensor's row of the step table: its learning rate, weight decay, whether it adapts, the
 #: gradient's multiplier, the bias corrections 1 - beta1^t and sqrt(1 - beta2^t), and t
 SCAL = ("lr", "weight_decay", "adapt", "grad_mult", "bc1", "bc2_sqrt", "step")
