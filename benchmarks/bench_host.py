@@ -14,7 +14,10 @@ the step table and the counters. Variants: LAMB and LANS; float32 parameters, bf
 with split float32 masters, int8 state; the learning rate a float or a tensor;
 ``capturable=True`` (what a CUDA graph captures: its replay costs none of this; the GPU check,
 tools/gpu_check.py, measures a replay). Prints the median and the 10th-90th percentiles in
-milliseconds, per variant, with the thread count and torch version.
+milliseconds, per variant, with the thread count and torch version; and the median again with
+the gradients in new storage at each step (as a backward that allocates them anew may put
+them: copied between the timed steps, the last step's kept alive so that no address is handed
+out again), which the Triton path meets with a new table of the gradients' addresses.
 
 ``--device cuda``: the same on CUDA tensors with the kernels launched (the host time of a
 step until ``step()`` returns, its launches queued; the GPU is waited for between steps,
@@ -80,14 +83,25 @@ def _wait():
         torch.cuda.synchronize()
 
 
-def time_steps(build, steps, profile=None):
-    """The host times of ``steps`` steps; then, with ``profile``, as many steps profiled (the
-    profiler's own cost kept out of the times)."""
+def _move_gradients(opt):
+    """Each gradient copied into new storage (the old ones returned, to be kept alive)."""
+    params = [p for group in opt.param_groups for p in group["params"]]
+    old = [p.grad for p in params]
+    for p in params:
+        p.grad = p.grad.clone()
+    return old
+
+
+def time_steps(build, steps, profile=None, new_grads=False):
+    """The host times of ``steps`` steps (``new_grads``: the gradients in new storage at each
+    one); then, with ``profile``, as many steps profiled (the profiler's own cost kept out of
+    the times)."""
     opt = build()
     for _ in range(5):  # state made, tables built, kernels compiled
         opt.step()
-    times = []
+    times, kept = [], None
     for _ in range(steps):
+        kept = _move_gradients(opt) if new_grads else kept
         _wait()
         t = time.perf_counter()
         opt.step()
@@ -119,17 +133,20 @@ def main(argv=None):
     print(f"host time of a step, {what}: {len(SHAPES)} tensors; torch "
           f"{torch.__version__}, {args.threads} thread(s), {platform.machine()}, "
           f"{args.steps} steps")
-    print(f"{'variant':28s} {'median ms':>10s} {'p10':>7s} {'p90':>7s}")
+    print(f"{'variant':28s} {'median ms':>10s} {'p10':>7s} {'p90':>7s} {'new grads':>10s}")
     rows = []
     for name, build in variants().items():
         if args.only and not any(o in name for o in args.only):
             continue
         profile = cProfile.Profile() if args.profile else None
         times = sorted(time_steps(build, args.steps, profile))
+        moved = time_steps(build, args.steps, new_grads=True)
         row = {"variant": name, "median_ms": 1e3 * statistics.median(times),
-               "p10_ms": 1e3 * times[len(times) // 10], "p90_ms": 1e3 * times[9 * len(times) // 10]}
+               "p10_ms": 1e3 * times[len(times) // 10], "p90_ms": 1e3 * times[9 * len(times) // 10],
+               "new_grads_median_ms": 1e3 * statistics.median(moved)}
         rows.append(row)
-        print(f"{name:28s} {row['median_ms']:10.2f} {row['p10_ms']:7.2f} {row['p90_ms']:7.2f}")
+        print(f"{name:28s} {row['median_ms']:10.2f} {row['p10_ms']:7.2f} {row['p90_ms']:7.2f} "
+              f"{row['new_grads_median_ms']:10.2f}")
         if profile is not None:
             text = io.StringIO()
             pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)

@@ -833,6 +833,61 @@ def test_lists_changed_in_place_between_calls_are_read_again():
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
+def _python_calls_of_a_step(opt, params, move):
+    """The Python-level calls (functions, and builtins called from Python) of one step of
+    ``opt``, its gradients moved to new storage first where ``move`` (the old ones kept alive,
+    so that no address is handed out again)."""
+    import collections
+
+    kept = [p.grad for p in params]
+    for p in params:
+        p.grad = p.grad.clone() if move else p.grad
+    counts = collections.Counter()
+
+    def profile(frame, event, arg):
+        if event in ("call", "c_call"):
+            counts[event] += 1
+
+    sys.setprofile(profile)
+    try:
+        opt.step()
+    finally:
+        sys.setprofile(None)
+    del kept
+    return counts
+
+
+@pytest.mark.parametrize("cls", [scaleopt.LAMB, scaleopt.LANS], ids=["LAMB", "LANS"])
+@pytest.mark.parametrize("variant", ["float32", "bf16 split masters", "int8 state", "tensor lr"])
+def test_a_steps_python_work_does_not_grow_with_the_number_of_tensors(cls, variant, monkeypatch):
+    """Once a group's plan is made, a step does no Python work per tensor: the same number of
+    Python-level calls for 10 tensors as for 60, with the gradients where they were and with
+    gradients in new storage (as a backward may put them), the launches left out (on a GPU
+    each is one call of Triton's launcher). What is left per tensor is passes in C."""
+    monkeypatch.setattr(_triton, "_run", lambda *args, **kwargs: None)
+
+    def calls(n):
+        torch.manual_seed(n)
+        dtype = torch.bfloat16 if variant == "bf16 split masters" else torch.float32
+        params = [nn.Parameter(torch.randn((64, 128) if i % 2 else (65, 70), dtype=dtype))
+                  for i in range(n)]
+        lr = torch.tensor(1e-3) if variant == "tensor lr" else 1e-3
+        opt = cls(params, lr=lr, implementation="triton",
+                  master_weights=variant == "bf16 split masters",
+                  state_dtype="int8" if variant == "int8 state" else "float32")
+        for p in params:
+            p.grad = torch.randn_like(p)
+        for _ in range(3):  # state, plan and tables made
+            opt.step()
+        if variant == "int8 state":
+            assert all(st["exp_avg"].dtype == torch.int8 for st in opt.state.values())
+        return [_python_calls_of_a_step(opt, params, move) for move in (False, True, False)]
+
+    few, many = calls(10), calls(60)
+    assert few == many
+    assert few[0]["call"] > 0
+
+
 def test_the_counters_step_together_and_save_as_tensors_of_their_own():
     """The counters of a group point into one buffer, so a step adds 1 to all of them at once;
     each stays the optimizer's own tensor, and a state dict holds each as a one-element tensor

@@ -28,7 +28,9 @@ sums add 4 bytes per sum and chunk (LAMB: 8 per 4096 parameters), written once a
 Each launch runs one program per (tensor, chunk of ``BLOCK * ITERS`` elements) pair. A program
 reads its tensor's addresses and size from int64 tables (``tl.load(table).to(pointer)``), built
 once per set of storages, sizes and dtypes (keyed by ``data_ptr()``, not by tensor identity: a
-DTensor's ``to_local()`` is a new tensor each step) and rebuilt only when one of them changes.
+DTensor's ``to_local()`` is a new tensor each step) and rebuilt only when one of them changes;
+the gradients' addresses are a table of their own, since a backward may put them elsewhere at
+each step (a new one is one small copy, the rest stays).
 The per-tensor numbers of a step (learning rate, decay, the bias corrections of its step
 counter, the gradient's multiplier) go to the device in one table, from pinned memory without
 a wait. Loop bounds are compile-time constants or ``while`` loops, so that the kernels run
