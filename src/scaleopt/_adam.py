@@ -52,9 +52,11 @@ class AdamState(NamedTuple):
                              stored=stored)
 
 
-class _Stored(list):
-    """A list of stored moments that can be referred to weakly (the Triton path keeps the
-    address rows of the last one: ``_triton._stored_rows``)."""
+class _Listed(list):
+    """A list of a group's state that can be referred to weakly: the Triton path keeps what it
+    read from the last ones (the stored moments' rows, the moments' addresses:
+    ``_triton._stored_rows``, ``_triton._moment_addresses``), while the memo gives them again
+    (a state tensor replaced: new lists)."""
 
 
 #: per optimizer, per group (by id), the last step's state (:class:`_Memo`)
@@ -169,9 +171,9 @@ class AdamFamily(ScaleOptimizer):
         on_device = group.get("capturable", False)  # the step counters where the weights are
         cpu, f32 = torch.device("cpu"), torch.float32
         steps: List[Tensor] = []
-        moments: List[List[Tensor]] = [[] for _ in keys]
+        moments: List[List[Tensor]] = [_Listed() for _ in keys]
         pending: List[_compact.Pending] = []
-        stored: List[Optional[_compact.Stored]] = _Stored()
+        stored: List[Optional[_compact.Stored]] = _Listed()
         for p, w, split in zip(params, view.weights, view.split):
             state = self.state[p]
             step = state.get("step")

@@ -16,7 +16,7 @@ from ._compile import eager
 from ._dispatch import Impl, check_implementation, implementation
 from ._group import GroupTensors, LayerOptions
 from ._intake import Deferral, GroupGrads
-from ._sharding import Phased, local, run_lockstep
+from ._sharding import Phased, any_dtensor, local, run_lockstep
 
 
 class LayerwiseAdam(AdamFamily):
@@ -164,9 +164,11 @@ class LayerwiseAdam(AdamFamily):
         """A group's tensors for its update (local shards of sharded ones)."""
         view = state.view
         stored = state.stored if state.stored and any(state.stored) else None
-        return GroupTensors(local(view.weights), item.grads, local(state.exp_avgs),
-                            local(state.exp_avg_sqs), state.steps, local(view.kernel_low()),
-                            item.scalars, item.shard_sums, item.grad_norms, skip_if, stored)
+        moments = [xs if not any_dtensor(xs) else local(xs)  # (the state's own lists, as
+                   for xs in (state.exp_avgs, state.exp_avg_sqs)]  # the Triton path keeps)
+        return GroupTensors(local(view.weights), item.grads, *moments, state.steps,
+                            local(view.kernel_low()), item.scalars, item.shard_sums,
+                            item.grad_norms, skip_if, stored)
 
     def _kernels_take_stored(self, group: Dict[str, Any], params: List[Tensor],
                              t: GroupTensors) -> bool:

@@ -249,12 +249,30 @@ def _signature(t: Any) -> tuple:
         low = (tuple(map(ptr, low)), tuple(map(dtype, low)))  # (each a pass in C)
     elif low is not None:
         low = tuple((0, None) if x is None else (x.data_ptr(), x.dtype) for x in low)
-    key = (tuple(map(ptr, t.weights)), tuple(map(ptr, t.exp_avgs)),
-           tuple(map(ptr, t.exp_avg_sqs)), low, _stored_rows(t.stored),
+    key = (tuple(map(ptr, t.weights)), _moment_addresses(t), low, _stored_rows(t.stored),
            tuple(map(Tensor.numel, t.weights)), tuple(map(dtype, t.weights)),
            tuple(map(dtype, t.grads)), BLOCK * ITERS, t.weights[0].device)
     _LAST[:] = [weakref.ref(t), key]
     return key
+
+
+#: the last lists of moments (weakly) and their addresses
+_MOMENTS: List[Any] = [lambda: None, lambda: None, None]
+
+
+def _moment_addresses(t: Any) -> Tuple[tuple, tuple]:
+    """The addresses of the moments: read again unless the lists are the last ones the Adam
+    state gave (``_adam._Listed``: the state's own lists, given again while none of its
+    tensors was replaced, and the optimizer's moments keep their storage)."""
+    if _MOMENTS[0]() is t.exp_avgs and _MOMENTS[1]() is t.exp_avg_sqs:
+        return _MOMENTS[2]
+    ptr = Tensor.data_ptr
+    part = (tuple(map(ptr, t.exp_avgs)), tuple(map(ptr, t.exp_avg_sqs)))
+    try:
+        _MOMENTS[:] = [weakref.ref(t.exp_avgs), weakref.ref(t.exp_avg_sqs), part]
+    except TypeError:  # plain lists (a caller's, which it may change): not kept
+        pass
+    return part
 
 
 #: the gradients' address tables (on their device) by the addresses: a few, as a step's
