@@ -23,6 +23,7 @@ MODULES = [
     "scaleopt._info",
     "scaleopt.muon",
     "scaleopt.noise",
+    "scaleopt._memory",
 ]
 
 

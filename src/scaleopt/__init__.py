@@ -2,6 +2,7 @@
 
 from ._compact import STATE_DTYPES
 from ._info import info
+from ._memory import StateBytes, state_bytes
 from .adamw import AdamW
 from .dgc import DGCMomentum
 from .groups import param_groups
@@ -16,5 +17,5 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LAMB", "LANS", "AdamW", "Muon", "Momentum", "OffloadAdam", "DGCMomentum", "offload", "param_groups",
-    "GradientNoiseScale", "info", "STATE_DTYPES", "__version__",
+    "GradientNoiseScale", "info", "state_bytes", "StateBytes", "STATE_DTYPES", "__version__",
 ]

@@ -42,6 +42,11 @@ class TorchPair:
         """Both parts' state (for the bytes held; made when asked, not in the timed step)."""
         return {p: s for part in self.parts for p, s in part.state.items()}
 
+    @property
+    def param_groups(self) -> list:
+        """Both parts' groups (for the bytes held)."""
+        return [g for part in self.parts for g in part.param_groups]
+
     def step(self) -> None:
         for part in self.parts:
             part.step()

@@ -30,6 +30,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+import scaleopt
+
 CHECKPOINTS = "checkpoints"
 META = "run.json"
 LATEST = "latest"
@@ -475,31 +477,16 @@ def load(path: pathlib.Path, meta: Dict[str, Any], model, opt) -> None:
 
 
 def state_bytes(model, opt) -> Dict[str, int]:
-    """Bytes of parameters and of optimizer state held by this rank, and what an unsharded
-    replica holds."""
-    from .._sharding import is_dtensor, local_piece
+    """Bytes of parameters and of optimizer state (:func:`scaleopt.state_bytes`) held by this
+    rank, and what an unsharded replica holds."""
+    from .._sharding import local_piece
 
-    def sizes(tensors):
-        here = full = 0
-        for t in tensors:
-            if not isinstance(t, torch.Tensor):
-                continue
-            here += local_piece(t).numel() * t.element_size()
-            full += t.numel() * t.element_size()
-        return here, full
-
-    params = sizes(model.parameters())
-    state = [0, 0]
-    for p, st in opt.state.items():
-        piece = tuple(local_piece(p).shape)
-        for v in st.values():
-            here, full = sizes([v])
-            if piece != tuple(p.shape) and not is_dtensor(v) and tuple(v.shape) == piece:
-                full = p.numel() * v.element_size()  # a shard's own state (DGC's), unsharded
-            state[0] += here
-            state[1] += full
-    return {"param_bytes_per_rank": params[0], "unsharded_param_bytes": params[1],
-            "optimizer_state_bytes_per_rank": state[0], "unsharded_optimizer_state_bytes": state[1]}
+    params = list(model.parameters())
+    held = scaleopt.state_bytes(opt)
+    return {"param_bytes_per_rank": sum(local_piece(p).numel() * p.element_size() for p in params),
+            "unsharded_param_bytes": sum(p.numel() * p.element_size() for p in params),
+            "optimizer_state_bytes_per_rank": held.per_rank,
+            "unsharded_optimizer_state_bytes": held.unsharded}
 
 
 def resumed_config(resume: str, given: Dict[str, Any],

@@ -97,20 +97,7 @@ def paired_ratio(times: List[float], baseline: List[float]) -> float:
 
 def held_bytes(opt: torch.optim.Optimizer, named) -> Tuple[int, int]:
     """(bytes of the parameters and their gradients, bytes the optimizer holds between steps
-    besides them): every tensor reachable from its state and its own attributes, each storage
-    counted once, the parameters' and gradients' own storages left out."""
+    besides them: :func:`scaleopt.state_bytes` on this process), each storage counted once."""
     model = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
              for _, p in named for p in (p, p.grad) if p is not None}
-    held: dict = {}
-    todo = [dict(opt.state), {k: v for k, v in vars(opt).items() if k != "param_groups"}]
-    while todo:
-        obj = todo.pop()
-        if isinstance(obj, torch.Tensor):
-            storage = obj.untyped_storage()
-            if storage.data_ptr() not in model:
-                held[storage.data_ptr()] = storage.nbytes()
-        elif isinstance(obj, dict):
-            todo.extend(obj.values())
-        elif isinstance(obj, (list, tuple)):
-            todo.extend(obj)
-    return sum(model.values()), sum(held.values())
+    return sum(model.values()), scaleopt.state_bytes(opt).per_rank
