@@ -12,6 +12,7 @@ setup(
         Extension(
             "scaleopt._kernels",
             sources=["src/scaleopt/_kernels.c"],
+            depends=["src/scaleopt/_format.h"],
             extra_compile_args=["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast", "-std=c99"],
             # libm and libc named outright (the linker drops them as not needed otherwise): a
             # wheel tool reads the C library the module is built for from them

@@ -45,23 +45,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import _native
+from . import _format, _native
 from ._sharding import is_dtensor, like, local_piece
 
 #: the choices of ``state_dtype``
 STATE_DTYPES = ("float32", "bfloat16", "int8")
-#: tensors with fewer elements (in the whole tensor) keep float32 state
-MIN_NUMEL = 4096
-#: elements per int8 block (fewer where a row is shorter)
-BLOCK = 256
+#: tensors with fewer elements (in the whole tensor) keep float32 state; elements per int8
+#: block (fewer where a row is shorter): ``_format``'s
+MIN_NUMEL, BLOCK = _format.MIN_NUMEL, _format.BLOCK
 #: the moments that may be stored compactly, and whether they take signed codes
 SIGNED = {"exp_avg": True, "exp_avg_sq": False, "max_exp_avg_sq": False,
           "momentum_buffer": True}
-#: each moment's part of the rounding hash's key
-_SALT = {"exp_avg": 1, "exp_avg_sq": 2, "max_exp_avg_sq": 3, "momentum_buffer": 4}
-
-_MASK32 = 0xFFFFFFFF
-_HASH_MUL = 0x45D9F3B
+_SALT = _format.SALTS
+_MASK32 = _format.MASK32
 
 
 def scale_key(key: str) -> str:
@@ -138,10 +134,11 @@ def quantize(x: Tensor, signed: bool, bits: Optional[Tensor] = None) -> Tuple[Te
     blocks, length = _blocks_of(x)
     mags = blocks.abs()
     scales = mags.amax(dim=-1)
-    factor = torch.full_like(scales, 16129.0 if signed else 1.875) / scales
+    factor = torch.full_like(scales, _format.SIGNED_SCALE if signed else _format.UNSIGNED_SCALE)
+    factor /= scales
     y = mags * torch.where(scales > 0, factor, torch.zeros_like(scales)).unsqueeze(-1)
     if signed:
-        q = y.sqrt().add_(0.47).floor_()
+        q = y.sqrt().add_(_format.ROOT_OFFSET).floor_()
         q += (q + 0.5).square_() <= y
         q.mul_(blocks.sign())
     else:
@@ -157,9 +154,9 @@ def quantize(x: Tensor, signed: bool, bits: Optional[Tensor] = None) -> Tuple[Te
 def _unsigned_codes(y: Tensor, r: Tensor) -> Tensor:
     """The stochastically rounded 8-bit floats of ``y`` (float32, ``>= 0``) with random bits
     ``r`` (see :func:`quantize`), as float32; NaN where ``y`` is."""
-    z = (y.double() + 2.0**-31).float()  # exact in double, or so near 2^-31 as to round to it
+    z = (y.double() + _format.CODE_LOW).float()  # exact in double, or near 2^-31: rounds to it
     bits = z.view(torch.int32).long() + r.long() * 16
-    q = ((bits >> 20) - 768).clamp_(0, 255).float()
+    q = ((bits >> _format.CODE_SHIFT) - _format.CODE_OFFSET).clamp_(0, 255).float()
     return q.masked_fill_(y.isnan(), float("nan"))
 
 
@@ -174,10 +171,10 @@ def dequantize(codes: Tensor, scales: Tensor) -> Tensor:
     blocks = scales.shape[1]
     q = F.pad(flat.int(), (0, blocks * BLOCK - length)).view(rows, blocks, BLOCK)
     if codes.dtype == torch.int8:  # (q |q|) (s / 127^2)
-        values = (q * q.abs()).float().mul_((scales / 16129.0).unsqueeze(-1))
+        values = (q * q.abs()).float().mul_((scales / _format.SIGNED_SCALE).unsqueeze(-1))
     else:  # (F(q) - 2^-31) (s / 1.875)
-        values = ((q + 768) << 20).view(torch.float32).sub_(2.0**-31)
-        values.mul_((scales / 1.875).unsqueeze(-1))
+        values = ((q + _format.CODE_OFFSET) << _format.CODE_SHIFT).view(torch.float32)
+        values.sub_(_format.CODE_LOW).mul_((scales / _format.UNSIGNED_SCALE).unsqueeze(-1))
     return values.view(rows, blocks * BLOCK)[:, :length].contiguous().view(codes.shape)
 
 
@@ -188,7 +185,7 @@ def dequantize(codes: Tensor, scales: Tensor) -> Tensor:
 
 def _key(step: Any, salt: int) -> Any:
     """The rounding hash's key of a step (a number or an int64 tensor) and a moment."""
-    return (step * 0x9E3779B9 + salt * 0x632BE5AB) & _MASK32
+    return (step * _format.STEP_MUL + salt * _format.SALT_MUL) & _MASK32
 
 
 def _hash32(index: Tensor, step: Tensor, salt: int) -> Tensor:
@@ -197,7 +194,7 @@ def _hash32(index: Tensor, step: Tensor, salt: int) -> Tensor:
     key = _key(step.to(index.device, torch.int64), salt)
     x = (index + key) & _MASK32
     for _ in range(2):
-        x = (((x >> 16) ^ x) * _HASH_MUL) & _MASK32
+        x = (((x >> 16) ^ x) * _format.HASH_MUL) & _MASK32
     return (x >> 16) ^ x
 
 

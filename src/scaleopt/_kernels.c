@@ -36,6 +36,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "_format.h" /* the compact format's constants (scaleopt/_format.py) */
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #endif
@@ -218,7 +220,7 @@ static inline float split_join(uint16_t hi, uint16_t lo) {
  * lower half of the hash of the element's global index (offset + i); for unsigned codes,
  * the halves of one hash serve two elements of a block (code_random16). */
 
-#define COMPACT_BLOCK 256
+#define COMPACT_BLOCK FORMAT_BLOCK
 enum { FORM_F32 = 0, FORM_BF16 = 1, FORM_INT8 = 2 };
 #define INLINE static inline __attribute__((always_inline))
 
@@ -232,7 +234,7 @@ static inline int64_t block_start(int64_t b, int64_t blocks, int64_t row_len, in
 
 /* F(q) of an unsigned code (see above): the float32 of bits (q + 768) << 20. */
 static inline float code_float(uint32_t q) {
-    const uint32_t u = (q + 768u) << 20;
+    const uint32_t u = (q + FORMAT_CODE_OFFSET) << FORMAT_CODE_SHIFT;
     float f;
     memcpy(&f, &u, sizeof f);
     return f;
@@ -240,8 +242,8 @@ static inline float code_float(uint32_t q) {
 
 /* A 32-bit hash of h (index + key). */
 INLINE uint32_t hash32(uint32_t h) {
-    h = ((h >> 16) ^ h) * 0x45D9F3Bu;
-    h = ((h >> 16) ^ h) * 0x45D9F3Bu;
+    h = ((h >> 16) ^ h) * FORMAT_HASH_MUL;
+    h = ((h >> 16) ^ h) * FORMAT_HASH_MUL;
     return (h >> 16) ^ h;
 }
 
@@ -266,7 +268,7 @@ INLINE uint16_t round_stochastic(float x, uint32_t h) {
 
 /* The key of the rounding hash at a step, for a moment (its salt): as _compact._key. */
 static inline uint32_t rounding_key(float step, uint32_t salt) {
-    return (uint32_t)(int64_t)step * 0x9E3779B9u + salt * 0x632BE5ABu;
+    return (uint32_t)(int64_t)step * FORMAT_STEP_MUL + salt * FORMAT_SALT_MUL;
 }
 
 /* Block b of a stored moment (len elements from element at) decoded into out[0..len). */
@@ -276,16 +278,16 @@ INLINE void decode_block(const void *codes, const float *scales, int form, int i
         const uint16_t *in = (const uint16_t *)codes + at;
         for (int64_t i = 0; i < len; i++) out[i] = bf16_to_f32(in[i]);
     } else if (is_signed) {
-        const float step = scales[b] / 16129.0f; /* 127^2 */
+        const float step = scales[b] / FORMAT_SIGNED_SCALE;
         const int8_t *in = (const int8_t *)codes + at;
         for (int64_t i = 0; i < len; i++) {
             const int32_t q = in[i];
             out[i] = (float)(q * (q < 0 ? -q : q)) * step;
         }
     } else {
-        const float step = scales[b] / 1.875f;
+        const float step = scales[b] / FORMAT_UNSIGNED_SCALE;
         const uint8_t *in = (const uint8_t *)codes + at;
-        for (int64_t i = 0; i < len; i++) out[i] = (code_float(in[i]) - 0x1p-31f) * step;
+        for (int64_t i = 0; i < len; i++) out[i] = (code_float(in[i]) - FORMAT_CODE_LOW) * step;
     }
 }
 
@@ -302,13 +304,13 @@ INLINE float block_max(const float *in, int64_t len) {
 
 /* 127^2 / s and 1.875 / s: y = |x| times this (0 for an all-zero block). */
 static inline float code_factor(int is_signed, float s) {
-    return s > 0.0f ? (is_signed ? 16129.0f : 1.875f) / s : 0.0f;
+    return s > 0.0f ? (is_signed ? FORMAT_SIGNED_SCALE : FORMAT_UNSIGNED_SCALE) / s : 0.0f;
 }
 
 /* The signed code's magnitude of y >= 0 (see above), 0 for a NaN: trunc(sqrt(y) + 0.47) is it
  * or one less. */
 static inline int32_t code_signed(float y) {
-    const float t = sqrtf(y) + 0.47f;
+    const float t = sqrtf(y) + FORMAT_ROOT_OFFSET;
     const int32_t q = (int32_t)(y > 0.0f ? t : 0.0f);
     const float b = (float)q + 0.5f;
     return q + ((b * b <= y) & 1);
@@ -316,11 +318,11 @@ static inline int32_t code_signed(float y) {
 
 /* The unsigned code of y >= 0 with random bits r (see above); 0 for a NaN. */
 static inline int32_t code_unsigned(float y, uint32_t r) {
-    float z = (float)((double)y + 0x1p-31);
-    z = z >= 0x1p-31f ? z : 0x1p-31f;
+    float z = (float)((double)y + FORMAT_CODE_LOW_DOUBLE);
+    z = z >= FORMAT_CODE_LOW ? z : FORMAT_CODE_LOW;
     uint32_t bits;
     memcpy(&bits, &z, 4);
-    const int32_t q = (int32_t)((bits + (r << 4)) >> 20) - 768;
+    const int32_t q = (int32_t)((bits + (r << 4)) >> FORMAT_CODE_SHIFT) - (int32_t)FORMAT_CODE_OFFSET;
     return q < 255 ? q : 255;
 }
 
@@ -661,7 +663,8 @@ typedef struct {
 
 #define STORED_OF(x)                                                                           \
     ((Stored){(x)->m, (x)->v, (x)->m_scale, (x)->v_scale, (x)->form, (x)->offset,               \
-              rounding_key(*(x)->step, 1), rounding_key(*(x)->step, 2)})
+              rounding_key(*(x)->step, FORMAT_SALT_EXP_AVG),                                  \
+              rounding_key(*(x)->step, FORMAT_SALT_EXP_AVG_SQ)})
 
 INLINE void stage_w(const Staging *s, int64_t at, int64_t len, float *wb) {
     const uint16_t *hi = (const uint16_t *)s->w + at, *lo = s->lo + at;
@@ -953,9 +956,10 @@ V16_INLINE void v16_decode(const Stored *st, int int8, int64_t at, __mmask16 k, 
         const __m512i qv =
             _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, (const uint8_t *)st->v + at));
         const __m512 fv = _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_add_epi32(qv, _mm512_set1_epi32(768)), 20));
+            _mm512_slli_epi32(_mm512_add_epi32(qv, _mm512_set1_epi32(FORMAT_CODE_OFFSET)),
+                              FORMAT_CODE_SHIFT));
         *m = _mm512_mul_ps(_mm512_mul_ps(qm, _mm512_abs_ps(qm)), sm);
-        *v = _mm512_mul_ps(_mm512_sub_ps(fv, V16_SET(0x1p-31f)), sv);
+        *v = _mm512_mul_ps(_mm512_sub_ps(fv, V16_SET(FORMAT_CODE_LOW)), sv);
         return;
     }
     const __m512i hm = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, (const uint16_t *)st->m + at));
@@ -966,7 +970,7 @@ V16_INLINE void v16_decode(const Stored *st, int int8, int64_t at, __mmask16 k, 
 
 /* The hashes (hash32) of index + lane + key, lanes 0 .. 15. */
 V16_INLINE __m512i v16_hash32(int64_t index, uint32_t key) {
-    const __m512i mul = _mm512_set1_epi32(0x45D9F3B);
+    const __m512i mul = _mm512_set1_epi32((int32_t)FORMAT_HASH_MUL);
     __m512i h = _mm512_add_epi32(_mm512_set1_epi32((int32_t)((uint32_t)index + key)),
                                  _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
                                                    14, 15));
@@ -994,8 +998,9 @@ V16_INLINE void v16_store_bf16(uint16_t *out, __mmask16 k, __m512 x, int64_t ind
 V16_INLINE __m512i v16_code_signed(__m512 x, __m512 c, __m512i unused) {
     (void)unused;
     const __m512 y = _mm512_mul_ps(_mm512_abs_ps(x), c);
-    const __m512 t = _mm512_max_ps(_mm512_fmadd_ps(y, _mm512_rsqrt14_ps(y), V16_SET(0.47f)),
-                                   V16_SET(0.47f));
+    const __m512 t = _mm512_max_ps(
+        _mm512_fmadd_ps(y, _mm512_rsqrt14_ps(y), V16_SET(FORMAT_ROOT_OFFSET)),
+        V16_SET(FORMAT_ROOT_OFFSET));
     __m512 q = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
     const __m512 b = _mm512_add_ps(q, V16_SET(0.5f));
     q = _mm512_mask_add_ps(q, _mm512_cmp_ps_mask(_mm512_mul_ps(b, b), y, _CMP_LE_OQ), q,
@@ -1012,12 +1017,13 @@ V16_INLINE __m512i v16_code_signed(__m512 x, __m512 c, __m512i unused) {
  * never fused with the product); a NaN takes 2^-31 from the max (code 0), and the unsigned
  * packs (V16_CODES64) saturate codes above 255 (y >= 2, infinity) to 255. */
 V16_INLINE __m512i v16_code_unsigned(__m512 x, __m512 c, __m512i r16) {
-    const __m512 low = V16_SET(0x1p-31f);
+    const __m512 low = V16_SET(FORMAT_CODE_LOW);
     const __m512 z = _mm512_max_ps(
         _mm512_add_round_ps(_mm512_mul_ps(x, c), low, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
         low);
     const __m512i bits = _mm512_add_epi32(_mm512_castps_si512(z), r16);
-    return _mm512_sub_epi32(_mm512_srli_epi32(bits, 20), _mm512_set1_epi32(768));
+    return _mm512_sub_epi32(_mm512_srli_epi32(bits, FORMAT_CODE_SHIFT),
+                            _mm512_set1_epi32(FORMAT_CODE_OFFSET));
 }
 
 /* The codes of x[0..n), n <= 64, into out[0..n): four vectors of int32 codes packed into one
@@ -1151,8 +1157,8 @@ static Blocks blocks_of(void *w, uint16_t *low, int kind, int64_t row_len, Stagi
             if (c.s.lo) stage_w(&c.s, at, len, wb), wp = wb;                                   \
             if (c.s.g_bf16) stage_g(&c.s, at, len, gb), gp = gb;                               \
             float *wo = c.in_place ? (float *)c.w + at : wb;                                   \
-            const __m512 sm = V16_SET(int8 ? c.st.m_scale[b] / 16129.0f : 0.0f);               \
-            const __m512 sv = V16_SET(int8 ? c.st.v_scale[b] / 1.875f : 0.0f);                 \
+            const __m512 sm = V16_SET(int8 ? c.st.m_scale[b] / FORMAT_SIGNED_SCALE : 0.0f);    \
+            const __m512 sv = V16_SET(int8 ? c.st.v_scale[b] / FORMAT_UNSIGNED_SCALE : 0.0f);  \
             (void)wo;
 #define V16_BLOCKS_END                                                                         \
         }                                                                                      \

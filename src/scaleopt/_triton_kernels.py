@@ -29,6 +29,7 @@ which an exact step corrects (``tools/triton_compile.py`` allows no other).
 import triton
 import triton.language as tl
 
+from . import _format
 from ._triton_layout import CHUNKS, PTRS, SCAL
 
 _ROW = tl.constexpr(len(PTRS))  # int64 entries per row of ``ptrs``
@@ -42,7 +43,17 @@ _LR, _WD, _ADAPT, _GRAD_MULT, _BC1, _BC2, _T = map(tl.constexpr, range(len(SCAL)
 # of ``chunks``
 _TENSOR, _START, _SLOT = map(tl.constexpr, range(len(CHUNKS)))
 _BIG = tl.constexpr(3.4028234663852886e38)  # the largest float32: a ratio above it is not finite
-_LOW = tl.constexpr(4.656612873077393e-10)  # 2^-31 = F(0), the offset of the unsigned codes
+# the compact format's constants (``_format``)
+_SIGNED_SCALE = tl.constexpr(_format.SIGNED_SCALE)
+_ROOT_OFFSET = tl.constexpr(_format.ROOT_OFFSET)
+_UNSIGNED_SCALE = tl.constexpr(_format.UNSIGNED_SCALE)
+_CODE_OFFSET = tl.constexpr(_format.CODE_OFFSET)
+_CODE_SHIFT = tl.constexpr(_format.CODE_SHIFT)
+_LOW = tl.constexpr(_format.CODE_LOW)  # F(0), the offset of the unsigned codes
+_HASH_MUL = tl.constexpr(_format.HASH_MUL)
+_STEP_MUL = tl.constexpr(_format.STEP_MUL)
+_M_SALT = tl.constexpr(_format.salt_key("exp_avg"))  # salt * SALT_MUL, in 32 bits
+_V_SALT = tl.constexpr(_format.salt_key("exp_avg_sq"))
 
 
 @triton.jit
@@ -113,9 +124,9 @@ def _load_moments(row, mp, vp, offs, mask, b, bmask, FORM: tl.constexpr):
         sv = tl.load(v_scales + b, mask=bmask, other=0.0)
         qm = tl.load(mp + offs, mask=mask, other=0).to(tl.int32)
         qv = tl.load(vp + offs, mask=mask, other=0).to(tl.uint32)
-        fv = ((qv + 768) << 20).to(tl.float32, bitcast=True)
-        m = (qm * tl.abs(qm)).to(tl.float32) * tl.math.div_rn(sm, 16129.0)[:, None]
-        v = (fv - _LOW) * tl.math.div_rn(sv, 1.875)[:, None]
+        fv = ((qv + _CODE_OFFSET) << _CODE_SHIFT).to(tl.float32, bitcast=True)
+        m = (qm * tl.abs(qm)).to(tl.float32) * tl.math.div_rn(sm, _SIGNED_SCALE)[:, None]
+        v = (fv - _LOW) * tl.math.div_rn(sv, _UNSIGNED_SCALE)[:, None]
     elif FORM == 1:
         m = (tl.load(mp + offs, mask=mask, other=0).to(tl.uint32) << 16).to(tl.float32,
                                                                              bitcast=True)
@@ -130,8 +141,8 @@ def _load_moments(row, mp, vp, offs, mask, b, bmask, FORM: tl.constexpr):
 @triton.jit
 def _hash32(h):
     """The 32-bit hash of h (uint32: an index plus the key), as ``_compact._hash32``."""
-    h = ((h >> 16) ^ h) * 0x45D9F3B
-    h = ((h >> 16) ^ h) * 0x45D9F3B
+    h = ((h >> 16) ^ h) * _HASH_MUL
+    h = ((h >> 16) ^ h) * _HASH_MUL
     return (h >> 16) ^ h
 
 
@@ -163,15 +174,16 @@ def _store_codes(cp, sp, offs, mask, b, bmask, x, h, SIGNED: tl.constexpr):
     s = tl.max(tl.where(a == a, a, 0.0), axis=1)
     tl.store(sp + b, s, mask=bmask)
     if SIGNED:
-        c = tl.where(s > 0.0, tl.math.div_rn(tl.zeros_like(s) + 16129.0, tl.where(s > 0.0, s, 1.0)), 0.0)
+        c = tl.where(s > 0.0, tl.math.div_rn(tl.zeros_like(s) + _SIGNED_SCALE,
+                                             tl.where(s > 0.0, s, 1.0)), 0.0)
         y = a * c[:, None]
-        q = tl.where(y > 0.0, tl.floor(tl.sqrt(y) + 0.47), 0.0)  # estimate: q or q - 1
+        q = tl.where(y > 0.0, tl.floor(tl.sqrt(y) + _ROOT_OFFSET), 0.0)  # estimate: q or q - 1
         half = q + 0.5
         q = tl.where(half * half <= y, q + 1.0, q)
         tl.store(cp + offs, tl.where(x < 0.0, -q, q).to(tl.int8), mask=mask)
     else:
-        c = tl.where(s > 0.0, tl.math.div_rn(tl.zeros_like(s) + 1.875, tl.where(s > 0.0, s, 1.0)),
-                     0.0)
+        c = tl.where(s > 0.0, tl.math.div_rn(tl.zeros_like(s) + _UNSIGNED_SCALE,
+                                             tl.where(s > 0.0, s, 1.0)), 0.0)
         y = a * c[:, None]
         z = y + _LOW
         z = tl.where(z >= _LOW, z, _LOW)  # NaN: code 0
@@ -179,7 +191,7 @@ def _store_codes(cp, sp, offs, mask, b, bmask, x, h, SIGNED: tl.constexpr):
         pair = _hash32(h - p + ((p >> 5) << 4) + (p & 15))
         r = tl.where((p & 16) != 0, pair >> 16, pair & 0xFFFF)
         bits = z.to(tl.uint32, bitcast=True) + (r << 4)
-        q = tl.minimum((bits >> 20) - 768, 255)
+        q = tl.minimum((bits >> _CODE_SHIFT) - _CODE_OFFSET, 255)
         tl.store(cp + offs, q.to(tl.uint8), mask=mask)
 
 
@@ -190,15 +202,15 @@ def _store_moments(row, mp, vp, offs, mask, b, bmask, m, v, step, FORM: tl.const
     step's keys (salts 1 and 2); int8 codes and scales (the second moment's rounded with the
     bits of salt 2)."""
     index = (tl.load(row + _OFFSET) + offs).to(tl.uint32)
-    key = step.to(tl.int64).to(tl.uint32) * 0x9E3779B9
+    key = step.to(tl.int64).to(tl.uint32) * _STEP_MUL
     if FORM == 2:
         _store_codes(mp, tl.load(row + _M_SCALE).to(tl.pointer_type(tl.float32)), offs, mask, b,
                      bmask, m, index, True)
         _store_codes(vp, tl.load(row + _V_SCALE).to(tl.pointer_type(tl.float32)), offs, mask, b,
-                     bmask, v, index + (key + 0xC657CB56), False)
+                     bmask, v, index + (key + _V_SALT), False)
     elif FORM == 1:
-        tl.store(mp + offs, _round_bf16(m, index + (key + 0x632BE5AB)), mask=mask)
-        tl.store(vp + offs, _round_bf16(v, index + (key + 0xC657CB56)), mask=mask)
+        tl.store(mp + offs, _round_bf16(m, index + (key + _M_SALT)), mask=mask)
+        tl.store(vp + offs, _round_bf16(v, index + (key + _V_SALT)), mask=mask)
     else:
         tl.store(mp + offs, m, mask=mask)
         tl.store(vp + offs, v, mask=mask)
