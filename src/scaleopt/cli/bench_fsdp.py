@@ -25,7 +25,7 @@ from torch import nn
 
 import scaleopt
 from scaleopt.cli.launch import TIMEOUT, end_group, free_port
-from scaleopt.cli.paramsets import NO_DECAY, SIZES, bert_shapes, muon, paired_ratio
+from scaleopt.cli.paramsets import NO_DECAY, SIZES, bert_shapes, interleaved, muon, paired_ratio
 
 
 def sharded_params(shapes, world):
@@ -110,25 +110,27 @@ def slowest(seconds: float) -> float:
     return float(t)
 
 
+def _slowest_rank(step):
+    """(the slowest rank's seconds of one step, the ranks' started together; (its collectives'
+    count, the slowest rank's seconds in them))."""
+    dist.barrier()
+    with CollectiveClock() as clock:
+        t0 = time.perf_counter()
+        step()
+        elapsed = time.perf_counter() - t0
+    return slowest(elapsed), (clock.count, slowest(clock.seconds))
+
+
 def worker(rank, world, port, shapes, threads, rounds, queue, kind="layerwise"):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=TIMEOUT)
     opts = {name: make(sharded_params(shapes, world))
             for name, make in candidates(kind).items()}
-    times = {name: [] for name in opts}
-    comms = {}
-    for r in range(rounds + 1):
-        for name, opt in opts.items():
-            dist.barrier()
-            with CollectiveClock() as clock:
-                t0 = time.perf_counter()
-                opt.step()
-                elapsed = time.perf_counter() - t0
-            elapsed = slowest(elapsed)
-            if r > 0:  # the first round makes the state
-                times[name].append(elapsed)
-                comms[name] = (clock.count, slowest(clock.seconds))
+    measured = interleaved({name: opt.step for name, opt in opts.items()}, rounds, warmup=1,
+                           timer=_slowest_rank)  # (the first round makes the state)
+    times = {name: [seconds for seconds, _ in m] for name, m in measured.items()}
+    comms = {name: m[-1][1] for name, m in measured.items()}
     if rank == 0:
         queue.put((times, comms))
     dist.barrier()

@@ -27,7 +27,7 @@ import torch
 
 import scaleopt
 
-from .paramsets import NO_DECAY, held_bytes, make_params, paired_ratio, sync
+from .paramsets import NO_DECAY, held_bytes, interleaved, make_params, paired_ratio, sync
 
 #: the bytes each algorithm must move per parameter in one step: float32 (parameters,
 #: gradients, moments), and bfloat16 parameters and gradients with split float32 masters
@@ -116,15 +116,10 @@ def time_pair(shapes, name: str, row: Tuple[Callable, bool, str], dtype: torch.d
     named = make_params(shapes, dtype, device)
     opt = make(named)
     step = torch.compile(opt.step) if compiled else opt.step
-    for _ in range(3):
-        base.step()
-        step()
-    times, hosts, base_times = [], [], []
-    for _ in range(rounds):
-        base_times.append(_timed(base.step, device)[0])
-        seconds, host = _timed(step, device)
-        times.append(seconds)
-        hosts.append(host)
+    measured = interleaved({"base": base.step, name: step}, rounds, warmup=3,
+                           timer=lambda s: _timed(s, device))
+    base_times = [seconds for seconds, _ in measured["base"]]
+    times, hosts = (list(x) for x in zip(*measured[name]))
     model, state = held_bytes(opt, named)
     numel = sum(p.numel() for _, p in named)
     return {"optimizer": name, "median_s": statistics.median(times),

@@ -73,21 +73,33 @@ def muon(named, **options):
 
 
 def interleaved(steps: Dict[str, Callable[[], Any]], rounds: int, device: str = "cpu",
-                after_round: Optional[Callable[[], Any]] = None) -> Dict[str, List[float]]:
+                after_round: Optional[Callable[[], Any]] = None, *, warmup: int = 0,
+                timer: Optional[Callable[[Callable[[], Any]], Any]] = None
+                ) -> Dict[str, List[Any]]:
     """Each step's times over ``rounds`` rounds, the steps taken in turn in each round (so a
     drift of the machine's speed hits them alike; :func:`paired_ratio` compares them round by
-    round), ``after_round`` called after each round, untimed."""
-    times: Dict[str, List[float]] = {name: [] for name in steps}
-    for _ in range(rounds):
+    round), after ``warmup`` rounds that are not kept (state made, kernels compiled);
+    ``after_round`` called after each round, untimed. ``timer(step)`` measures one step
+    (default: its seconds between two waits for ``device``); what it returns is kept."""
+    timer = timer or (lambda step: wall_seconds(step, device))
+    times: Dict[str, List[Any]] = {name: [] for name in steps}
+    for r in range(warmup + rounds):
         for name, step in steps.items():
-            sync(device)
-            t0 = time.perf_counter()
-            step()
-            sync(device)
-            times[name].append(time.perf_counter() - t0)
+            measured = timer(step)
+            if r >= warmup:
+                times[name].append(measured)
         if after_round is not None:
             after_round()
     return times
+
+
+def wall_seconds(step: Callable[[], Any], device: str = "cpu") -> float:
+    """The seconds of one step, the device waited for before and after."""
+    sync(device)
+    t0 = time.perf_counter()
+    step()
+    sync(device)
+    return time.perf_counter() - t0
 
 
 def paired_ratio(times: List[float], baseline: List[float]) -> float:
