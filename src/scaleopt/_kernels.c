@@ -571,18 +571,18 @@ SUM_SQUARES(sum_squares_bf16, uint16_t, bf16_to_f32(x[i]))
 LANS_PHASE1(lans_phase1, float, g[i])
 LANS_PHASE1(lans_phase1_bf16g, uint16_t, bf16_to_f32(g[i]))
 
-/* Phase 2: w1 = w - a * (ratio_r * r); w2 = w1 - b * (ratio_c * c), where c decays w1 when
- * moved != 0 (MXNet's step()) and w otherwise. a = lr*beta1, b = lr*(1-beta1). pw and low as
- * in lamb_phase2. */
+/* Phase 2: w1 = w - lr_r * (ratio_r * r); w2 = w1 - lr_c * (ratio_c * c), where c decays w1
+ * when moved != 0 (MXNet's step()) and w otherwise: the rates of r and c, lr_r = lr*beta1 and
+ * lr_c = lr*(1-beta1). pw and low as in lamb_phase2. */
 #define LANS_PHASE2_LOOP(WLOAD, GT, DECAYED, STOREW)                                           \
     BACKWARDS_FOR(                                                                             \
         float w = (WLOAD);                                                                     \
         float gt = (GT);                                                                       \
         float dinv = 1.0f / (sqrtf(v[i]) * inv_bc2_sqrt + eps);                                \
         float r = (m[i] * inv_bc1) * dinv + wd * w;                                            \
-        float w1 = w - a * (ratio_r * r);                                                      \
+        float w1 = w - lr_r * (ratio_r * r);                                                   \
         float c = gt * dinv + wd * (DECAYED);                                                  \
-        float w_new = w1 - b * (ratio_c * c);                                                  \
+        float w_new = w1 - lr_c * (ratio_c * c);                                               \
         STOREW;                                                                                \
     )
 
@@ -598,7 +598,7 @@ LANS_PHASE1(lans_phase1_bf16g, uint16_t, bf16_to_f32(g[i]))
 #define LANS_PHASE2(NAME, GTYPE, GLOAD)                                                        \
     TARGETS static void NAME(void *pw, const GTYPE *g, const float *m, const float *v,         \
                              int64_t n, float ginv, float glo, float ghi, int clip, float bc1, \
-                             float bc2_sqrt, float eps, float wd, float a, float b,            \
+                             float bc2_sqrt, float eps, float wd, float lr_r, float lr_c,      \
                              float ratio_r, float ratio_c, int moved, uint16_t *low,           \
                              int split, int nthreads) {                                        \
         uint16_t *const lo = low;                                                              \
@@ -865,14 +865,15 @@ TARGETS static void lans_compact_sums(const LayerwiseTensor *x, const LayerwiseC
     _Pragma("omp simd reduction(max : am, av)")                                                \
     for (int64_t i = 0; i < len; i++) {                                                        \
         LANS_MOMENTS                                                                           \
-        float w1 = w - a * (ratio_r * r);                                                      \
+        float w1 = w - lr_r * (ratio_r * r);                                                   \
         float c = gt * dinv + wd * (moved ? w1 : w);                                           \
-        wo[i] = w1 - b2 * (ratio_c * c);                                                       \
+        wo[i] = w1 - lr_c * (ratio_c * c);                                                     \
         KEEP_MOMENTS                                                                           \
     }
 
 TARGETS static void lans_compact_apply(const LayerwiseTensor *x, const LayerwiseConfig *cfg,
-                                       double bc1, double bc2_sqrt, float ginv, float a, float b2,
+                                       double bc1, double bc2_sqrt, float ginv, float lr_r,
+                                       float lr_c,
                                        float ratio_r, float ratio_c, const Keep *keep) {
     (void)keep;
     LANS_SCALARS;
@@ -1115,7 +1116,7 @@ typedef struct {
     int64_t per_row, row_len;
     float one_m_b1, one_m_b2, beta1, beta2, eps, inv_bc1, inv_bc2_sqrt;
     float wd_g, wd_u, wd;                 /* LAMB's decay into g or u; LANS's and Adam's */
-    float lr, ratio, a, b2, ratio_r, ratio_c; /* LAMB's and LANS's second pass */
+    float lr, ratio, lr_r, lr_c, ratio_r, ratio_c; /* LAMB's and LANS's second pass */
     float decay, step_size;               /* Adam */
     float *keep;        /* the updates of blocks keep_block.. (from element keep_from) */
     int64_t keep_block, keep_from, keep_half; /* LANS: its second numbers from keep_half on */
@@ -1329,12 +1330,12 @@ V16_BLOCKS_END
 
 /* LANS's weights from r and dinv. */
 #define V16_LANS_WEIGHTS                                                                       \
-    const __m512 w1 = _mm512_fnmadd_ps(va, _mm512_mul_ps(vratio_r, r), w);                     \
+    const __m512 w1 = _mm512_fnmadd_ps(vlr_r, _mm512_mul_ps(vratio_r, r), w);                  \
     const __m512 cc = _mm512_fmadd_ps(gt, dinv, _mm512_mul_ps(vwd, c.moved ? w1 : w));         \
-    _mm512_mask_storeu_ps(wo + j, k, _mm512_fnmadd_ps(vb2, _mm512_mul_ps(vratio_c, cc), w1))
+    _mm512_mask_storeu_ps(wo + j, k, _mm512_fnmadd_ps(vlr_c, _mm512_mul_ps(vratio_c, cc), w1))
 
 V16_BLOCKS(lans_apply_blocks)
-    const __m512 vwd = V16_SET(c.wd), va = V16_SET(c.a), vb2 = V16_SET(c.b2);
+    const __m512 vwd = V16_SET(c.wd), vlr_r = V16_SET(c.lr_r), vlr_c = V16_SET(c.lr_c);
     const __m512 vratio_r = V16_SET(c.ratio_r), vratio_c = V16_SET(c.ratio_c);
     if (b >= c.keep_block) { /* r and dinv kept by the first pass; the moments are stored */
         const float *keep = c.keep + (at - c.keep_from);
@@ -1503,10 +1504,11 @@ static void lans_compact_sums_v16(const LayerwiseTensor *x, const LayerwiseConfi
 }
 
 static void lans_compact_apply_v16(const LayerwiseTensor *x, const LayerwiseConfig *cfg,
-                                   double bc1, double bc2_sqrt, float ginv, float a, float b2,
+                                   double bc1, double bc2_sqrt, float ginv, float lr_r,
+                                   float lr_c,
                                    float ratio_r, float ratio_c, const Keep *keep) {
     Blocks c = lans_blocks(x, cfg, bc1, bc2_sqrt, ginv, keep);
-    c.a = a, c.b2 = b2, c.ratio_r = ratio_r, c.ratio_c = ratio_c;
+    c.lr_r = lr_r, c.lr_c = lr_c, c.ratio_r = ratio_r, c.ratio_c = ratio_c;
     v16_run(lans_apply_blocks, &c, x->n, cfg->nthreads, NULL, 0);
 }
 
@@ -1801,24 +1803,24 @@ static void lans_apply(const LayerwiseTensor *x, const LayerwiseConfig *cfg, flo
                        const double *sums, const Keep *keep) {
     double bc1, bc2_sqrt;
     bias_corrections(x->step, 0, cfg, &bc1, &bc2_sqrt);
-    const double a = x->lr * cfg->beta1, b = x->lr * (1.0 - cfg->beta1);
+    const double lr_r = x->lr * cfg->beta1, lr_c = x->lr * (1.0 - cfg->beta1);
     double c2 = sums[2];
     const double ratio_r = x->adapt ? trust_ratio(sums[0], sums[1], cfg) : 1.0;
-    if (cfg->moved) { /* c' = c - wd*a*ratio_r*r: ||c'||^2 from the sums of phase 1 */
-        const double k = x->wd * a * ratio_r;
+    if (cfg->moved) { /* c' = c - wd*lr_r*ratio_r*r: ||c'||^2 from the sums of phase 1 */
+        const double k = x->wd * lr_r * ratio_r;
         c2 = c2 - 2.0 * k * sums[3] + k * k * sums[1];
         if (c2 < 0.0) c2 = 0.0;
     }
     const double ratio_c = x->adapt ? trust_ratio(sums[0], c2, cfg) : 1.0;
     if (x->form != FORM_F32) {
-        COMPACT_CALL(lans_compact_apply, (x, cfg, bc1, bc2_sqrt, ginv, (float)a, (float)b,
-                                          (float)ratio_r, (float)ratio_c, keep));
+        COMPACT_CALL(lans_compact_apply, (x, cfg, bc1, bc2_sqrt, ginv, (float)lr_r,
+                                          (float)lr_c, (float)ratio_r, (float)ratio_c, keep));
         return;
     }
 #define CALL_LANS_PHASE2(FN, GT)                                                               \
     FN(x->w, (const GT *)x->g, x->m, x->v, x->n, ginv, cfg->clip_lo, cfg->clip_hi, cfg->clip,  \
-       (float)bc1, (float)bc2_sqrt, cfg->eps, (float)x->wd, (float)a, (float)b, (float)ratio_r, \
-       (float)ratio_c, cfg->moved, x->low, (x->kind & 2) != 0, cfg->nthreads)
+       (float)bc1, (float)bc2_sqrt, cfg->eps, (float)x->wd, (float)lr_r, (float)lr_c,          \
+       (float)ratio_r, (float)ratio_c, cfg->moved, x->low, (x->kind & 2) != 0, cfg->nthreads)
     if (x->kind & 1)
         CALL_LANS_PHASE2(lans_phase2_bf16g, uint16_t);
     else

@@ -457,21 +457,21 @@ def lans_apply(ptrs, grads, sizes, chunks, scal, skip, sums, gsq, beta1, beta2, 
                HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr, W_SPLIT: tl.constexpr,
                G_KIND: tl.constexpr, LOW_KIND: tl.constexpr, FORM: tl.constexpr,
                BLOCK: tl.constexpr, QB: tl.constexpr, ITERS: tl.constexpr):
-    """LANS's second phase: w1 = w - a * ratio_r * r, then w1 - b * ratio_c * c, where c
-    decays w1 when MOVED and w otherwise (a = lr * beta1, b = lr * (1 - beta1)). Stored
-    moments are updated again, as the first phase did, and stored."""
+    """LANS's second phase: w1 = w - lr_r * ratio_r * r, then w1 - lr_c * ratio_c * c, where c
+    decays w1 when MOVED and w otherwise (the rates of r and c: lr_r = lr * beta1, lr_c = lr *
+    (1 - beta1)). Stored moments are updated again, as the first phase did, and stored."""
     row, n, start, _, i, lr, wd, adapt, mult, bc1, bc2, step = _program(ptrs, sizes, chunks,
                                                                         scal, skip)
     wp, gp, mp, vp, lp = _pointers(row, grads, W_SPLIT, G_KIND, LOW_KIND, FORM)
     ginv = _normalising_factor(gsq, i, mult)
-    a = lr * beta1
-    b2 = lr * (1.0 - beta1)
+    lr_r = lr * beta1
+    lr_c = lr * (1.0 - beta1)
     w2 = tl.load(sums + 4 * i)
     r2 = tl.load(sums + 4 * i + 1)
     c2 = tl.load(sums + 4 * i + 2)
     ratio_r = tl.where(adapt > 0.0, _trust_ratio(w2, r2, lower, upper, HAS_LOWER, HAS_UPPER), 1.0)
-    if MOVED:  # c' = c - wd*a*ratio_r*r: ||c'||^2 from the first phase's sums
-        k = wd * a * ratio_r
+    if MOVED:  # c' = c - wd*lr_r*ratio_r*r: ||c'||^2 from the first phase's sums
+        k = wd * lr_r * ratio_r
         c2 = tl.maximum(c2 - 2.0 * k * tl.load(sums + 4 * i + 3) + k * k * r2, 0.0)
     ratio_c = tl.where(adapt > 0.0, _trust_ratio(w2, c2, lower, upper, HAS_LOWER, HAS_UPPER), 1.0)
     for it in tl.static_range(ITERS):
@@ -483,12 +483,12 @@ def lans_apply(ptrs, grads, sizes, chunks, scal, skip, sums, gsq, beta1, beta2, 
             m, v = _moments(m, v, g, beta1, beta2)
             _store_moments(row, mp, vp, offs, mask, b, bmask, m, v, step, FORM)
         dinv, r = _lans_r(w, m, v, wd, bc1, bc2, eps)
-        w1 = w - a * (ratio_r * r)
+        w1 = w - lr_r * (ratio_r * r)
         if MOVED:
             c = g * dinv + wd * w1
         else:
             c = g * dinv + wd * w
-        _store_w(wp, lp, offs, mask, w1 - b2 * (ratio_c * c), W_SPLIT, LOW_KIND)
+        _store_w(wp, lp, offs, mask, w1 - lr_c * (ratio_c * c), W_SPLIT, LOW_KIND)
 
 
 @triton.jit
