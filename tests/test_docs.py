@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import doctest
 import importlib
+import re
+from pathlib import Path
 
 import pytest
 
@@ -104,3 +106,23 @@ def test_every_code_block_of_the_docs_runs(code, tmp_path):
     if missing:
         pytest.skip(f"needs the frameworks extra ({missing[0]})")
     assert proc.returncode == 0, stderr[-3000:]
+
+
+_PLACE = re.compile(r"`(src/scaleopt/[\w/]+\.(?:py|c)):(\d+)` \(`(\w+)`\)")
+
+
+def test_the_development_pages_places_name_their_lines():
+    """docs/development.md walks a step through ``file:line`` (``name``) places: each line
+    still defines ``name`` (a Python ``def``/``class``, a C function or macro), so the walk
+    cannot drift from the code as it changes."""
+    root = Path(__file__).resolve().parent.parent
+    places = _PLACE.findall((root / "docs" / "development.md").read_text())
+    assert len(places) >= 20
+    wrong = []
+    for path, line, name in places:
+        text = (root / path).read_text().splitlines()[int(line) - 1]
+        defined = (re.match(rf"\s*(def|class)\s+{name}\b", text) if path.endswith(".py")
+                   else re.search(rf"(^#define\s+{name}\b|\b{name}\()", text))
+        if not defined:
+            wrong.append(f"{path}:{line} does not define {name}: {text.strip()!r}")
+    assert not wrong, "\n".join(wrong)
