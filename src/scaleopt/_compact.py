@@ -11,25 +11,15 @@ forms, chosen per tensor by :func:`form_for` from the group's ``state_dtype`` an
   hash of the element's index in the whole tensor, the step and the moment, so a sharded run
   rounds every element as one process does, and a run is reproducible. (Rounding to nearest
   would freeze the second moment: ``0.999 v`` rounds back to ``v``.)
-* ``"int8"``: blockwise dynamic quantization. The tensor is cut into rows along its first
-  dimension, and each row into blocks of :data:`BLOCK` elements (the last one shorter); each
-  block stores a float32 scale ``s`` (its largest magnitude) and one byte per element:
-  ``exp_avg`` as ``int8`` codes ``q = round(127 sqrt(|x|/s)) sign(x)``, decoded as
-  ``s (q/127)^2 sign(q)``, rounded to the nearest code; the non-negative ``exp_avg_sq`` as
-  ``uint8`` codes of an 8-bit float (5 exponent bits, 3 mantissa bits) of ``1.875 x/s``,
-  decoded as ``(F(q) - 2^-31) (s/1.875)`` with ``F(q)`` the float32 of bits
-  ``(q + 768) << 20``: zero, steps of ``2^-34`` up to ``2^-31``, then 8 steps per binade
-  (6.7% to 12.5%) up to the largest value; rounded *stochastically* to one of the two codes
-  either side, so the stored value is right on average (with the random bits of the
-  bfloat16 rounding; rounded to the nearest code, a second moment that ``beta2`` moves by
-  less than half a step stays where it is, and training drifts). Every decision is made on
-  ``|x| (127^2/s)`` or ``x (1.875/s)`` in float32 by operations that are exact or rounded
-  once (see :func:`quantize`), so every implementation stores the same codes. The first
-  moment's steps are 1.6% near the block's largest value, down to ``s/127^2``; the second's
-  reach ``s 2^-34/1.875`` (about ``3e-11 s``). FSDP2 shards
-  along the first dimension and never splits a row, so every block lies inside one shard on
-  every mesh. One-dimensional tensors (biases, norms) keep float32 state: a shard may cut
-  them anywhere.
+* ``"int8"``: blockwise dynamic quantization: rows along the first dimension, blocks of
+  :data:`BLOCK` elements in a row, a float32 scale per block (its largest magnitude) and a
+  byte per element: ``exp_avg`` as signed codes on a square-root scale, rounded to the
+  nearest; ``exp_avg_sq`` as unsigned 8-bit floats, rounded stochastically. One-dimensional
+  tensors (biases, norms) keep float32 state: a shard may cut them anywhere.
+
+The formats, and why every implementation stores the same bits, are described once, in
+docs/state.md ("bfloat16: stochastic rounding", "int8: blockwise dynamic quantization"); their
+constants are ``_format``'s. :func:`quantize` is the reference the kernels are held to.
 
 In a state dict an int8 moment is its codes (shaped as the parameter) and ``<key>_scale``
 (float32, ``(rows, blocks)``), sharded as the parameter is (DTensors along dimension 0).

@@ -201,24 +201,12 @@ static inline float split_join(uint16_t hi, uint16_t lo) {
 /* Compact moments (scaleopt._compact), block by block                                       */
 /* ---------------------------------------------------------------------------------------- */
 
-/* int8 moments: rows of row_len elements, blocks of 256 within a row (the last one shorter),
- * one float32 scale s per block (its largest magnitude). Signed codes: with y = |x| c,
- * c = 127^2 / s (float32 operations), q = sign(x) round(sqrt(y)), decoded as
- * (q |q|) (s / 127^2); round() is to the nearest integer in exact arithmetic, halves up: q is
- * the largest k with (k - 1/2)^2 <= y. Any estimate of the root within 0.03 gives it: q0 =
- * trunc(estimate + 0.47) is q or q - 1, and (q0 + 1/2)^2 <= y (exact in float32) tells which.
- * Unsigned codes: 8-bit floats, 5 exponent bits and 3 mantissa bits. Code q stands for
- * F(q) - 2^-31, where F(q) is the float32 of bits (q + 768) << 20 (F(0) = 2^-31,
- * F(255) = 1.875): 0, then steps of 2^-34 up to 2^-31, then 8 steps per binade up to 1.875.
- * With y = x c, c = 1.875 / s, and z = y + 2^-31 (each rounded once), q is z's top bits
- * rounded stochastically: ((bits(z) + 16 r) >> 20) - 768 with r the 16 random bits below, so
- * E[decoded] = x (to 2^-16 of a step); decoded as (F(q) - 2^-31) (s / 1.875). Integer
- * operations decide, so every implementation stores the same codes (the sum in double
- * here, where it is exact or rounds to 2^-31 either way, so that no compiler fuses it with
- * the product). bfloat16 moments: rounded stochastically with 16 random bits. The random
- * bits: a 32-bit hash of an index plus a key of the step and moment; for bfloat16, the
- * lower half of the hash of the element's global index (offset + i); for unsigned codes,
- * the halves of one hash serve two elements of a block (code_random16). */
+/* Moments stored in bfloat16 (rounded stochastically) or int8 (blocks of COMPACT_BLOCK within a
+ * row, a float32 scale each: signed codes on a square-root scale for m, unsigned 8-bit floats
+ * rounded stochastically for v): the formats are described once, in docs/state.md, their
+ * constants are _format.h's, and scaleopt._compact.quantize is the reference these loops store
+ * the same bits as. The sum y + 2^-31 is taken in double here, where it is exact or rounds to
+ * 2^-31 either way, so that no compiler fuses it with the product. */
 
 #define COMPACT_BLOCK FORMAT_BLOCK
 enum { FORM_F32 = 0, FORM_BF16 = 1, FORM_INT8 = 2 };
