@@ -324,9 +324,9 @@ class ScaleOptimizer(torch.optim.Optimizer):
         non-negative step counters and non-negative second moments. A misfit raises ``ValueError`` naming the parameter and the
         key, and nothing is loaded."""
         check_state_dict(self, state_dict)
-        kept = _compact.keep(self, state_dict)
+        aside = _compact.set_aside(self, state_dict)
         super().load_state_dict(state_dict)
-        _compact.restore(self, kept)
+        _compact.put_back(self, aside)
         saved = state_dict.get(TAG)
         if isinstance(saved, dict) and isinstance(saved.get("skipped_steps"), int):
             self.skipped_steps = saved["skipped_steps"]

@@ -432,8 +432,8 @@ def check_codes(st: Dict[str, Any], key: str, shape: Tuple[int, ...], where: str
                          f"scales: the checkpoint was altered or corrupted")
 
 
-class Kept(NamedTuple):
-    """What :func:`keep` takes aside before torch's loader casts state to the parameters'
+class SetAside(NamedTuple):
+    """What :func:`set_aside` takes aside before torch's loader casts state to the parameters'
     dtypes: per parameter (in order), its compact tensors as saved; and each group's own
     ``state_dtype``."""
 
@@ -441,27 +441,27 @@ class Kept(NamedTuple):
     state_dtypes: List[Optional[str]]
 
 
-def keep(optimizer: Any, state_dict: Dict[str, Any]) -> Kept:
+def set_aside(optimizer: Any, state_dict: Dict[str, Any]) -> SetAside:
     saved_ids = [pid for g in state_dict["param_groups"] for pid in g.get("params", [])]
     tensors = []
     for pid in saved_ids:
         st = state_dict["state"].get(pid) or {}
         tensors.append({k: v for k, v in st.items() if torch.is_tensor(v) and (
             k in SCALE_KEYS or (k in SIGNED and (is_codes(v) or v.dtype == torch.bfloat16)))})
-    return Kept(tensors, [g.get("state_dtype") for g in optimizer.param_groups])
+    return SetAside(tensors, [g.get("state_dtype") for g in optimizer.param_groups])
 
 
-def restore(optimizer: Any, kept: Kept) -> None:
+def put_back(optimizer: Any, aside: SetAside) -> None:
     """After torch's loader: the compact tensors as saved (on the device the loader put each
     key's tensor), each group's own ``state_dtype`` (a storage choice of this optimizer, not
     of the checkpoint), and every tensor's moments converted to the form it says, with a
     warning where any was."""
     params = [(g, p) for g in optimizer.param_groups for p in g["params"]]
     converted = 0
-    for group, own in zip(optimizer.param_groups, kept.state_dtypes):
+    for group, own in zip(optimizer.param_groups, aside.state_dtypes):
         if own is not None:
             group["state_dtype"] = own
-    for (group, p), saved in zip(params, kept.tensors):
+    for (group, p), saved in zip(params, aside.tensors):
         st = optimizer.state.get(p)
         if not st:
             continue

@@ -709,8 +709,9 @@ INLINE void unstage_w(void *w, uint16_t *low, int split, int64_t at, int64_t len
     if (!in_place) unstage_w((x)->w, (x)->low, ((x)->kind & 2) != 0, at, len, wb);             \
     encode_block(st.m, st.m_scale, st.form, 1, b, at, len, mb, am, st.offset, st.m_key);       \
     encode_block(st.v, st.v_scale, st.form, 0, b, at, len, vb, av, st.offset, st.v_key)
-/* Pass 2's loop ends: the new moments kept, their largest magnitudes taken. */
-#define KEEP_MOMENTS                                                                           \
+/* Pass 2's loop ends: the new moments staged in the block's buffers (encoded after the loop),
+ * their largest magnitudes taken. */
+#define STAGE_MOMENTS                                                                          \
     mb[i] = mi;                                                                                \
     vb[i] = vi;                                                                                \
     am = fabsf(mi) > am ? fabsf(mi) : am;                                                      \
@@ -787,7 +788,7 @@ TARGETS static void lamb_compact_sums(const LayerwiseTensor *x, const LayerwiseC
     for (int64_t i = 0; i < len; i++) {                                                        \
         LAMB_MOMENTS                                                                           \
         wo[i] = w - lr * (ratio * u);                                                          \
-        KEEP_MOMENTS                                                                           \
+        STAGE_MOMENTS                                                                          \
     }
 
 TARGETS static void lamb_compact_apply(const LayerwiseTensor *x, const LayerwiseConfig *cfg,
@@ -856,7 +857,7 @@ TARGETS static void lans_compact_sums(const LayerwiseTensor *x, const LayerwiseC
         float w1 = w - lr_r * (ratio_r * r);                                                   \
         float c = gt * dinv + wd * (moved ? w1 : w);                                           \
         wo[i] = w1 - lr_c * (ratio_c * c);                                                     \
-        KEEP_MOMENTS                                                                           \
+        STAGE_MOMENTS                                                                          \
     }
 
 TARGETS static void lans_compact_apply(const LayerwiseTensor *x, const LayerwiseConfig *cfg,
@@ -1190,9 +1191,9 @@ static int v16_plain(const Blocks *c) {
         V16_CHUNKS(0, int8, len, __VA_ARGS__)                                                  \
     }
 
-/* The new moments mi, vi kept: int8 ones in mb, vb with their largest magnitudes in am, av
+/* The new moments mi, vi staged: int8 ones in mb, vb with their largest magnitudes in am, av
  * (NaNs passed over), bfloat16 ones stored. */
-#define V16_KEEP_MOMENTS                                                                       \
+#define V16_STAGE_MOMENTS                                                                      \
     if (int8) {                                                                                \
         _mm512_storeu_ps(mb + j, mi);                                                          \
         _mm512_storeu_ps(vb + j, vi);                                                          \
@@ -1248,7 +1249,7 @@ V16_BLOCKS(lamb_sums_blocks)
             bw = _mm512_mask3_fmadd_ps(w, w, bw, k);
             bu = _mm512_mask3_fmadd_ps(u, u, bu, k);
             _mm512_mask_storeu_ps(keep + j, k, u);
-            V16_KEEP_MOMENTS)
+            V16_STAGE_MOMENTS)
         V16_STORE_MOMENTS;
     }
     sums[0] += _mm512_reduce_add_ps(bw);
@@ -1273,7 +1274,7 @@ V16_BLOCKS(lamb_apply_blocks)
     V16_EACH_CHUNK(
         V16_LAMB_U;
         _mm512_mask_storeu_ps(wo + j, k, _mm512_fnmadd_ps(vlr, _mm512_mul_ps(vratio, u), w));
-        V16_KEEP_MOMENTS)
+        V16_STAGE_MOMENTS)
     V16_BLOCK_OUTPUTS;
 V16_BLOCKS_END
 
@@ -1307,7 +1308,7 @@ V16_BLOCKS(lans_sums_blocks)
             V16_LANS_SUMS;
             _mm512_mask_storeu_ps(keep + j, k, r);
             _mm512_mask_storeu_ps(keep + c.keep_half + j, k, dinv);
-            V16_KEEP_MOMENTS)
+            V16_STAGE_MOMENTS)
         V16_STORE_MOMENTS;
     }
     sums[0] += _mm512_reduce_add_ps(bw);
@@ -1342,7 +1343,7 @@ V16_BLOCKS(lans_apply_blocks)
     V16_EACH_CHUNK(
         V16_LANS_R;
         V16_LANS_WEIGHTS;
-        V16_KEEP_MOMENTS)
+        V16_STAGE_MOMENTS)
     V16_BLOCK_OUTPUTS;
 V16_BLOCKS_END
 
@@ -1364,7 +1365,7 @@ V16_BLOCKS(adam_blocks)
         const __m512 num = c.nesterov ? _mm512_fmadd_ps(vbeta1, mi, _mm512_mul_ps(vomb1, gi)) : mi;
         _mm512_mask_storeu_ps(wo + j, k, _mm512_fnmadd_ps(vstep, _mm512_mul_ps(num, dinv),
                                                           _mm512_mul_ps(w, vdecay)));
-        V16_KEEP_MOMENTS)
+        V16_STAGE_MOMENTS)
     V16_BLOCK_OUTPUTS;
 V16_BLOCKS_END
 #pragma GCC pop_options
@@ -1610,7 +1611,7 @@ ADAM_SPLIT(adam_split_bf16g, uint16_t, bf16_to_f32(g[i]))
         float vi = v0 * beta2 + one_m_b2 * gi * gi;                                            \
         float rv = sqrtf(vi);                                                                  \
         wo[i] = w * decay - step_size * ((NUM) / (DENOM));                                     \
-        KEEP_MOMENTS                                                                           \
+        STAGE_MOMENTS                                                                          \
     }
 
 TARGETS static void adam_compact(const AdamTensor *x, const AdamConfig *cfg) {
