@@ -34,11 +34,12 @@ class Impl(str, enum.Enum):
     TRITON = "triton"
 
     @property
-    def reads_stored(self) -> bool:
-        """Whether it takes a group as stored: split masters in their two halves, the
-        gradients' deferred scalars applied as it reads them, a float32 master's rounded
-        weights written in its pass. The others run on float32 masters and gradients with
-        their scalars applied (:meth:`GroupTensors.for_torch`)."""
+    def fused(self) -> bool:
+        """Whether it is one of the fused kernels (C or Triton), which take a group's tensors
+        as the optimizer holds them: split masters in their two halves, moments in bfloat16 or
+        8 bits, the gradients' deferred scalars applied as they read them, a float32 master's
+        rounded weights written in their pass. The others run on float32 masters and moments
+        and gradients with their scalars applied (:meth:`GroupTensors.for_torch`)."""
         return self in (Impl.NATIVE, Impl.TRITON)
 
 

@@ -130,7 +130,7 @@ class LayerwiseAdam(AdamFamily):
         """Whether kernels that apply the gradients' scalar transforms as they read them (the C
         or Triton kernels) may take the group's step, so that those transforms are left to them
         (the intake's deferral: per-tensor multipliers made where the gradients are)."""
-        return implementation(group, params, on_host=self._grad_source.on_host).reads_stored
+        return implementation(group, params, on_host=self._grad_source.on_host).fused
 
     def _group_update(self, item: GroupGrads, update: Callable[..., Phased],
                       skip_if: Optional[Tensor] = None) -> Phased:
@@ -150,12 +150,12 @@ class LayerwiseAdam(AdamFamily):
         if group.get("capturable") and impl is not Impl.TRITON:
             raise ValueError(f"capturable=True needs the Triton kernels (CUDA tensors and Triton "
                              f"installed), and this group's step runs on {impl.value!r}")
-        if impl.reads_stored:
+        if impl.fused:
             yield from update(group, t, layer, impl)
         else:
             with self._master_weights.as_float32(view) as full:
                 yield from update(group, dataclasses.replace(t, weights=local(full)), layer, impl)
-        self._master_weights.commit(view, rounded_written=impl.reads_stored)
+        self._master_weights.commit(view, rounded_written=impl.fused)
         self._store_moments(state)
         return any(layer.adapt)
 

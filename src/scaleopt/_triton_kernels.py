@@ -49,7 +49,7 @@ _ROOT_OFFSET = tl.constexpr(_format.ROOT_OFFSET)
 _UNSIGNED_SCALE = tl.constexpr(_format.UNSIGNED_SCALE)
 _CODE_OFFSET = tl.constexpr(_format.CODE_OFFSET)
 _CODE_SHIFT = tl.constexpr(_format.CODE_SHIFT)
-_LOW = tl.constexpr(_format.CODE_LOW)  # F(0), the offset of the unsigned codes
+_CODE_LOW = tl.constexpr(_format.CODE_LOW)  # F(0), the offset of the unsigned codes
 _HASH_MUL = tl.constexpr(_format.HASH_MUL)
 _STEP_MUL = tl.constexpr(_format.STEP_MUL)
 _M_SALT = tl.constexpr(_format.salt_key("exp_avg"))  # salt * SALT_MUL, in 32 bits
@@ -126,7 +126,7 @@ def _load_moments(row, mp, vp, offs, mask, b, bmask, FORM: tl.constexpr):
         qv = tl.load(vp + offs, mask=mask, other=0).to(tl.uint32)
         fv = ((qv + _CODE_OFFSET) << _CODE_SHIFT).to(tl.float32, bitcast=True)
         m = (qm * tl.abs(qm)).to(tl.float32) * tl.math.div_rn(sm, _SIGNED_SCALE)[:, None]
-        v = (fv - _LOW) * tl.math.div_rn(sv, _UNSIGNED_SCALE)[:, None]
+        v = (fv - _CODE_LOW) * tl.math.div_rn(sv, _UNSIGNED_SCALE)[:, None]
     elif FORM == 1:
         m = (tl.load(mp + offs, mask=mask, other=0).to(tl.uint32) << 16).to(tl.float32,
                                                                              bitcast=True)
@@ -185,8 +185,8 @@ def _store_codes(cp, sp, offs, mask, b, bmask, x, h, SIGNED: tl.constexpr):
         c = tl.where(s > 0.0, tl.math.div_rn(tl.zeros_like(s) + _UNSIGNED_SCALE,
                                              tl.where(s > 0.0, s, 1.0)), 0.0)
         y = a * c[:, None]
-        z = y + _LOW
-        z = tl.where(z >= _LOW, z, _LOW)  # NaN: code 0
+        z = y + _CODE_LOW
+        z = tl.where(z >= _CODE_LOW, z, _CODE_LOW)  # NaN: code 0
         p = tl.arange(0, 256)[None, :].to(tl.uint32)
         pair = _hash32(h - p + ((p >> 5) << 4) + (p & 15))
         r = tl.where((p & 16) != 0, pair >> 16, pair & 0xFFFF)

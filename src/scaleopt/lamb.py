@@ -191,7 +191,7 @@ def lamb_phases(t: GroupTensors, layer: LayerOptions, o: LayerwiseOptions,
     ``scaleopt._sharding``): on the local shards of sharded tensors (``t.shard_sums``), the
     trust ratios' sums are totalled between them. The PyTorch implementations take the
     tensors as :meth:`GroupTensors.for_torch` gives them."""
-    if not implementation.reads_stored:
+    if not implementation.fused:
         t = t.for_torch()
     yield from _IMPLEMENTATIONS[implementation](t, layer, o)
 

@@ -162,7 +162,7 @@ def lans_phases(t: GroupTensors, layer: LayerOptions, o: LayerwiseOptions,
     :func:`scaleopt.lamb.lamb_phases`: on local shards, the gradients' norms are totalled
     first (unless ``t.grad_norms`` or the scalars' ``sq_sums`` give them), then the sums of
     both trust ratios."""
-    if not implementation.reads_stored:
+    if not implementation.fused:
         t = t.for_torch()
     yield from _IMPLEMENTATIONS[implementation](t, layer, o)
 
