@@ -108,7 +108,7 @@ def test_every_code_block_of_the_docs_runs(code, tmp_path):
     assert proc.returncode == 0, stderr[-3000:]
 
 
-_PLACE = re.compile(r"`(src/scaleopt/[\w/]+\.(?:py|c)):(\d+)` \(`(\w+)`\)")
+_PLACE = re.compile(r"`(src/scaleopt/[\w/]+\.(?:py|c)):(\d+)`\s+\(`(\w+)`\)")
 
 
 def test_the_development_pages_places_name_their_lines():
@@ -116,8 +116,10 @@ def test_the_development_pages_places_name_their_lines():
     still defines ``name`` (a Python ``def``/``class``, a C function or macro), so the walk
     cannot drift from the code as it changes."""
     root = Path(__file__).resolve().parent.parent
-    places = _PLACE.findall((root / "docs" / "development.md").read_text())
+    text = (root / "docs" / "development.md").read_text()
+    places = _PLACE.findall(text)
     assert len(places) >= 20
+    assert len(places) == len(re.findall(r"`src/scaleopt/[\w/]+\.(?:py|c):\d+`", text))
     wrong = []
     for path, line, name in places:
         text = (root / path).read_text().splitlines()[int(line) - 1]
