@@ -164,8 +164,10 @@ class LayerwiseAdam(AdamFamily):
         """A group's tensors for its update (local shards of sharded ones)."""
         view = state.view
         stored = state.stored if state.stored and any(state.stored) else None
-        moments = [xs if not any_dtensor(xs) else local(xs)  # (the state's own lists, as
-                   for xs in (state.exp_avgs, state.exp_avg_sqs)]  # the Triton path keeps)
+        # eagerly the state's own lists, which the Triton path keeps; copies (plain lists)
+        # under torch.compile, which would trace a list subclass as an object of its own
+        moments = [xs if not compiling() and not any_dtensor(xs) else local(xs)
+                   for xs in (state.exp_avgs, state.exp_avg_sqs)]
         return GroupTensors(local(view.weights), item.grads, *moments, state.steps,
                             local(view.kernel_low()), item.scalars, item.shard_sums,
                             item.grad_norms, skip_if, stored)
