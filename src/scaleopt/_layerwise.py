@@ -9,8 +9,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from torch import Tensor
 
 from . import _native, _triton
-from ._blocks import compiling
 from ._adam import AdamFamily, AdamState
+from ._blocks import compiling
 from ._checks import check_bool, check_bounds
 from ._compile import eager
 from ._dispatch import Impl, check_implementation, implementation
@@ -194,4 +194,3 @@ class LayerwiseAdam(AdamFamily):
             f"every tensor has weight_decay 0 with always_adapt=False, or is excluded from layer "
             f"adaptation. Give the tensors that should adapt a weight_decay > 0, or pass "
             f"always_adapt=True", UserWarning, stacklevel=4)
-

@@ -52,7 +52,7 @@ def state_bytes(opt: torch.optim.Optimizer) -> StateBytes:
     held: Dict[int, Tuple[int, int]] = {}
     for owner, t in _tensors(opt):
         piece = local_piece(t)
-        key = _storage(t)
+        key = piece.untyped_storage().data_ptr()
         if key in skip or key in held:
             continue
         here = piece.untyped_storage().nbytes()

@@ -256,23 +256,31 @@ def _signature(t: Any) -> tuple:
     return key
 
 
-#: the last lists of moments (weakly) and their addresses
-_MOMENTS: List[Any] = [lambda: None, lambda: None, None]
+def _of_state_lists(memo: List[Any], lists: Tuple[List[Any], ...], read: Any) -> Any:
+    """``read()``, or what it gave for the same list objects last time: the Adam state's own
+    lists (``_adam._Listed``, referred to weakly), which it gives again while none of its
+    tensors was replaced (and the optimizer's state tensors keep their storage). A caller's
+    plain lists, which it may change in place, are read every time."""
+    if memo and all(map(operator.is_, (ref() for ref in memo[0]), lists)):
+        return memo[1]
+    value = read()
+    try:
+        memo[:] = [tuple(map(weakref.ref, lists)), value]
+    except TypeError:  # plain lists: not kept
+        pass
+    return value
+
+
+#: what :func:`_moment_addresses` and :func:`_stored_rows` read last, and of which lists
+_MOMENTS: List[Any] = []
+_STORED: List[Any] = []
 
 
 def _moment_addresses(t: Any) -> Tuple[tuple, tuple]:
-    """The addresses of the moments: read again unless the lists are the last ones the Adam
-    state gave (``_adam._Listed``: the state's own lists, given again while none of its
-    tensors was replaced, and the optimizer's moments keep their storage)."""
-    if _MOMENTS[0]() is t.exp_avgs and _MOMENTS[1]() is t.exp_avg_sqs:
-        return _MOMENTS[2]
-    ptr = Tensor.data_ptr
-    part = (tuple(map(ptr, t.exp_avgs)), tuple(map(ptr, t.exp_avg_sqs)))
-    try:
-        _MOMENTS[:] = [weakref.ref(t.exp_avgs), weakref.ref(t.exp_avg_sqs), part]
-    except TypeError:  # plain lists (a caller's, which it may change): not kept
-        pass
-    return part
+    """The addresses of the moments (read again only for other lists of them)."""
+    lists = (t.exp_avgs, t.exp_avg_sqs)
+    return _of_state_lists(_MOMENTS, lists, lambda: tuple(
+        tuple(map(Tensor.data_ptr, xs)) for xs in lists))
 
 
 #: the gradients' address tables (on their device) by the addresses: a few, as a step's
@@ -336,24 +344,13 @@ def _chunk_table(tensors: List[Tuple[int, int]], chunk: int, base: int) -> List[
     return [(k, s, base + j) for j, (k, s) in enumerate(starts)]
 
 
-#: the last list of stored moments (weakly) and its rows: the Adam state gives the same list
-#: again while the stored tensors stay the same (``_adam._Memo``)
-_STORED: List[Any] = [lambda: None, None]
-
-
 def _stored_rows(stored: Optional[List[Any]]) -> Optional[tuple]:
     """The form and :func:`_stored_row` of each tensor's stored moments (None where none are
-    stored: float32 moments)."""
+    stored: float32 moments; read again only for another list of them)."""
     if not stored:
         return None
-    if _STORED[0]() is not stored:
-        rows = tuple((None, _NOTHING_STORED) if st is None else (st.form, _stored_row(st))
-                     for st in stored)
-        try:
-            _STORED[:] = [weakref.ref(stored), rows]
-        except TypeError:  # a plain list: not kept
-            return rows
-    return _STORED[1]
+    return _of_state_lists(_STORED, (stored,), lambda: tuple(
+        (None, _NOTHING_STORED) if st is None else (st.form, _stored_row(st)) for st in stored))
 
 
 def _stored_row(st: Any) -> Tuple[int, int, int, int]:
