@@ -36,9 +36,13 @@ def test_the_plan_fits_eight_minutes_and_every_part_has_a_command(tmp_path):
     for part, _, _ in G.PLAN:
         command = G.commands(part, tmp_path)
         assert command and command[0] == sys.executable, part
-    assert G.commands("tests-first", tmp_path)[-1] == G.FIRST
-    assert G.commands("tests-rest", tmp_path)[-1] == f"not ({G.FIRST}) and not {G.COMPILED}"
-    assert G.commands("tests-compiled", tmp_path)[-1] == f"{G.COMPILED} and not ({G.FIRST})"
+    assert G.PLAN[0][0] == "tests-bits"  # what a user relies on most, before any part can stop
+    assert G.commands("tests-bits", tmp_path)[-1] == G.BITS
+    assert G.commands("tests-first", tmp_path)[-1] == f"({G.FIRST}) and not ({G.BITS})"
+    assert (G.commands("tests-rest", tmp_path)[-1]
+            == f"not ({G.BITS}) and not ({G.FIRST}) and not {G.COMPILED}")
+    assert (G.commands("tests-compiled", tmp_path)[-1]
+            == f"{G.COMPILED} and not ({G.BITS}) and not ({G.FIRST})")
 
 
 def test_bench_parts_ask_for_rows_that_exist():
@@ -153,4 +157,30 @@ def test_a_whole_check_writes_its_report_from_the_parts_output(tmp_path, monkeyp
     assert "# GPU check: a GPU" in md and "| scaleopt.LAMB(triton) | 1.00 | 1.20 |" in md
     assert "| scaleopt.Muon | 2.00 | 3.00 | 0.90 | 6.20 |" in md
     assert "===== tests-first (done) =====" in (tmp_path / "gpu_check.log").read_text()
-    assert "gpu_check budget: tests-first 150 s" in capsys.readouterr().out
+    assert "gpu_check budget: tests-bits 60 s, tests-first 120 s" in capsys.readouterr().out
+
+
+def test_parts_asked_for_share_the_whole_budget(tmp_path, monkeypatch):
+    """``--parts tests-compiled --budget 480`` gives that part the 480 s (a part's own budget
+    is for the whole check, where it shares the time with the others), and runs it although it is
+    a part run only if time is left; two parts share it in proportion to their own; a budget
+    under a part's own gives it what is left, as in the whole check."""
+    given = {}
+
+    def run_part(part, seconds, scratch, log):
+        given[part] = seconds
+        return {"part": part, "status": "done", "seconds": 0.0, "output": ""}
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(G, "environment", lambda: {"gpu": "a GPU", "torch": "t"})
+    monkeypatch.setattr(G, "run_part", run_part)
+    own = dict((p, s) for p, s, _ in G.PLAN)
+    assert G.main([str(tmp_path / "a"), "--parts", "tests-compiled", "--budget", "480"]) == 0
+    assert given == {"tests-compiled": pytest.approx(480, abs=1)}
+    given.clear()
+    G.main([str(tmp_path / "b"), "--parts", "tests-bits,tests-first", "--budget", "360"])
+    assert given == {"tests-bits": 2 * own["tests-bits"],
+                     "tests-first": pytest.approx(2 * own["tests-first"], abs=1)}
+    given.clear()
+    G.main([str(tmp_path / "c"), "--parts", "tests-rest", "--budget", "30"])
+    assert given == {"tests-rest": pytest.approx(30, abs=1)}  # what is left, as for every part

@@ -8,9 +8,10 @@ run on, which the report says).
 Parts, in order, each with its own time budget (printed at the start; a part that would not
 fit in what is left is skipped, and says so):
 
-1. ``tests-first``: the CUDA tests that matter most (tests/test_cuda.py): the int8 codes
-   against the CPU's bit for bit, two runs equal bit for bit, the Triton kernels against the
-   reference, CUDA-graph replay, no host sync; ``tests-rest``: the rest of tests/test_cuda.py
+1. ``tests-bits``: the CUDA tests that matter most (tests/test_cuda.py), first: the int8
+   codes against the CPU's bit for bit, two runs equal bit for bit, the fast paths against the
+   reference loop; ``tests-first``: the Triton kernels against the reference, CUDA-graph
+   replay, no host sync (its compiles take minutes on a fresh machine); ``tests-rest``: the rest of tests/test_cuda.py
    but the compiled steps, ``tests-compiled``: those (each test's failure is printed as it
    happens, so a part stopped at its limit still says why);
 2. ``graph``: a LAMB step over 400 tensors captured in a CUDA graph and replayed, against the
@@ -42,14 +43,17 @@ from typing import Any, Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_CUDA = 3
-#: the tests of the first part (pytest -k)
-FIRST = ("int8_codes or same_bits or triton or graph or never_synchronises or "
-         "fast_path_equals")
+#: the tests run before all else (pytest -k): the int8 codes against the CPU's bit for bit,
+#: two runs equal bit for bit, the fast paths against the reference loop
+BITS = "int8_codes or same_bits or fast_path_equals"
+#: the tests of the next part: the Triton kernels, CUDA-graph replay, no host sync
+FIRST = "triton or graph or never_synchronises"
 #: the tests that compile a step with torch.compile (seconds each): a part of their own, last
 COMPILED = "compiled_step"
 #: (part, seconds it may take at most, whether it is run only if time is left after the rest)
 PLAN = [
-    ("tests-first", 150, False),
+    ("tests-bits", 60, False),
+    ("tests-first", 120, False),
     ("graph", 30, False),
     ("bench-float32", 60, False),
     ("bench-bfloat16", 60, False),
@@ -69,12 +73,14 @@ def commands(part: str, scratch: Path) -> Optional[List[str]]:
               "-p", "pytest_failures_now"]  # (tools/, on the parts' PYTHONPATH)
     bench = [py, "-c", "import sys; from scaleopt.cli import main; sys.exit(main(sys.argv[1:]))",
              "bench", "--device", "cuda", "--rounds", "10", "--overwrite"]
+    if part == "tests-bits":
+        return pytest + ["-k", BITS]
     if part == "tests-first":
-        return pytest + ["-k", FIRST]
+        return pytest + ["-k", f"({FIRST}) and not ({BITS})"]
     if part == "tests-rest":
-        return pytest + ["-k", f"not ({FIRST}) and not {COMPILED}"]
+        return pytest + ["-k", f"not ({BITS}) and not ({FIRST}) and not {COMPILED}"]
     if part == "tests-compiled":
-        return pytest + ["-k", f"{COMPILED} and not ({FIRST})"]
+        return pytest + ["-k", f"{COMPILED} and not ({BITS}) and not ({FIRST})"]
     if part == "graph":
         return [py, __file__, "--part", "graph", str(scratch)]
     out = ["--out", str(scratch / part), "--json", str(scratch / f"{part}.json")]
@@ -280,8 +286,9 @@ def main(argv=None) -> int:
     ap.add_argument("out", help="folder for gpu_check.json, gpu_check.md, gpu_check.log")
     ap.add_argument("--budget", type=float, default=BUDGET,
                     help=f"seconds for all parts together (default: {BUDGET})")
-    ap.add_argument("--parts", help="comma-separated parts to run, in the plan's order "
-                    "(default: all; " + ", ".join(p for p, _, _ in PLAN) + ")")
+    ap.add_argument("--parts", help="comma-separated parts to run, in the plan's order, "
+                    "sharing the budget in proportion to their own (default: all; "
+                    + ", ".join(p for p, _, _ in PLAN) + ")")
     ap.add_argument("--part", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     chosen = [p for p, _, _ in PLAN] if not args.parts else args.parts.split(",")
@@ -301,6 +308,9 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     plan = [(p, s, late) for p, s, late in PLAN if p in chosen]
+    if args.parts:  # the parts asked for run (none only "if time is left") and share the
+        more = max(1.0, args.budget / sum(s for _, s, _ in plan))  # budget, each at least its own
+        plan = [(p, round(s * more), False) for p, s, _ in plan]
     print("gpu_check budget: " + ", ".join(f"{p} {s} s{' (if time is left)' if late else ''}"
                                            for p, s, late in plan) + f"; {args.budget:.0f} s in all")
     report: Dict[str, Any] = {"environment": environment(), "budget": args.budget, "parts": [],
