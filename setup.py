@@ -5,14 +5,16 @@ ABI (3.10 on), so a wheel is tagged ``cp310-abi3`` and serves every CPython from
 (``tools/build_wheel.sh`` builds it and makes it a manylinux wheel).
 """
 
+from pathlib import Path
+
 from setuptools import Extension, setup
 
 setup(
     ext_modules=[
         Extension(
             "scaleopt._kernels",
-            sources=["src/scaleopt/_kernels.c"],
-            depends=["src/scaleopt/_format.h"],
+            sources=["src/scaleopt/csrc/kernels.c"],
+            depends=["src/scaleopt/_format.h"] + sorted(str(p) for p in Path("src/scaleopt/csrc").glob("*.h")),
             extra_compile_args=["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast", "-std=c99"],
             # libm and libc named outright (the linker drops them as not needed otherwise): a
             # wheel tool reads the C library the module is built for from them

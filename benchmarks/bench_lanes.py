@@ -23,7 +23,7 @@ import torch
 
 import scaleopt
 from scaleopt import _native
-from scaleopt.cli.paramsets import SIZES, bert_shapes, make_params, paired_ratio
+from scaleopt.cli.paramsets import cpu_options, cpu_shapes, make_params, paired_ratio
 
 
 def main() -> None:
@@ -31,19 +31,9 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--optimizers", nargs="+", default=["LAMB", "LANS", "AdamW", "OffloadAdam"])
     ap.add_argument("--state-dtype", default="int8", choices=["bfloat16", "int8"])
-    ap.add_argument("--hidden", type=int, default=None, help="override the 'small' set's")
-    ap.add_argument("--layers", type=int, default=None)
-    ap.add_argument("--vocab", type=int, default=None)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=11)
+    cpu_options(ap, rounds=11)
     args = ap.parse_args()
-    if not _native.available():
-        raise SystemExit("the C kernels are not built")
-    torch.set_num_threads(args.threads)
-    hidden, layers, vocab, inter = SIZES["small"]
-    if args.hidden is not None:
-        hidden, inter = args.hidden, 4 * args.hidden
-    shapes = bert_shapes(hidden, args.layers or layers, args.vocab or vocab, inter)
+    shapes = cpu_shapes(args, native=True)
     numel = sum(torch.Size(s).numel() for _, s in shapes)
     was = _native.compact_simd()
     avx512 = _native.compact_simd(True)

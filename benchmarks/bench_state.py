@@ -29,7 +29,7 @@ import torch
 
 import scaleopt
 from scaleopt.cli import optimizers, train
-from scaleopt.cli.paramsets import SIZES, bert_shapes, make_params
+from scaleopt.cli.paramsets import SIZES, make_params, shapes_of, size_options
 
 LR, WD = 3e-3, 0.01
 
@@ -114,9 +114,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", choices=sorted(SIZES), default="small")
-    ap.add_argument("--hidden", type=int, help="override the hidden size of --size")
-    ap.add_argument("--layers", type=int, help="override the number of layers of --size")
-    ap.add_argument("--vocab", type=int, help="override the vocabulary of --size")
+    size_options(ap)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--steps", type=int, default=1024, help="training steps for the accuracy")
@@ -124,9 +122,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     names = list(candidates())
-    hidden, layers, vocab, inter = SIZES[args.size]
-    hidden, layers, vocab = args.hidden or hidden, args.layers or layers, args.vocab or vocab
-    shapes = bert_shapes(hidden, layers, vocab, inter * hidden // SIZES[args.size][0])
+    shapes = shapes_of(args)
     times = step_times(names, args.rounds, shapes)
     numel = sum(math.prod(shape) for _, shape in shapes)
     print(f"BERT-like set: {numel / 1e6:.1f}M parameters, {args.threads} threads, "

@@ -64,6 +64,24 @@ def test_bench_lanes_times_both_loops_of_each_optimizer():
         assert len(r) == 5 and all(float(x) > 0 for x in r), r
 
 
+def test_bench_builds_finds_a_build_and_its_copy_give_the_same_bits_and_times_both(tmp_path):
+    """Two builds of the C kernels in one process: a copy of this checkout's build against it,
+    each case bit for bit, then a time per build and their paired ratio."""
+    from scaleopt import _kernels, _native
+
+    if not _native.available():
+        pytest.skip("the C kernels are not built")
+    copy = tmp_path / "copy.so"
+    copy.write_bytes(open(_kernels.__file__, "rb").read())
+    out = run("bench_builds.py", str(copy), "--bits", "--hidden", "64", "--layers", "1",
+              "--vocab", "1000", "--rounds", "2", "--threads", "1", "--cases", "LAMB", "LANS")
+    bits = [line for line in out.splitlines() if line.endswith("bits")]
+    assert len(bits) == 8 and all(line.endswith("same bits") for line in bits), out
+    times = [line.split() for line in out.splitlines() if line.startswith("LAMB ")
+             and not line.endswith("bits")]
+    assert len(times) == 4 and all(float(x) > 0 for row in times for x in row[-3:]), out
+
+
 @pytest.mark.parametrize("script", ["bench_step.py", "bench_offload.py", "bench_fsdp.py",
                                     "bench_muon.py"])
 def test_bench_scripts_answer_help(script):

@@ -108,7 +108,7 @@ def test_every_code_block_of_the_docs_runs(code, tmp_path):
     assert proc.returncode == 0, stderr[-3000:]
 
 
-_PLACE = re.compile(r"`(src/scaleopt/[\w/]+\.(?:py|c)):(\d+)`\s+\(`(\w+)`\)")
+_PLACE = re.compile(r"`(src/scaleopt/[\w/]+\.(?:py|c|h)):(\d+)`\s+\(`(\w+)`\)")
 
 
 def test_the_development_pages_places_name_their_lines():
@@ -119,7 +119,7 @@ def test_the_development_pages_places_name_their_lines():
     text = (root / "docs" / "development.md").read_text()
     places = _PLACE.findall(text)
     assert len(places) >= 20
-    assert len(places) == len(re.findall(r"`src/scaleopt/[\w/]+\.(?:py|c):\d+`", text))
+    assert len(places) == len(re.findall(r"`src/scaleopt/[\w/]+\.(?:py|c|h):\d+`", text))
     wrong = []
     for path, line, name in places:
         text = (root / path).read_text().splitlines()[int(line) - 1]

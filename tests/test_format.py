@@ -15,8 +15,10 @@ import pytest
 from scaleopt import _format
 
 SRC = Path(_format.__file__).parent
-#: the implementations of the format: the Python reference, the C kernels, the Triton kernels
-IMPLEMENTATIONS = ["_compact.py", "_kernels.c", "_triton_kernels.py"]
+#: the implementations of the format: the Python reference, the C kernels (every part of
+#: csrc/), the Triton kernels
+IMPLEMENTATIONS = (["_compact.py"] + sorted(str(p.relative_to(SRC)) for p in SRC.glob("csrc/*.[ch]"))
+                   + ["_triton_kernels.py"])
 
 
 def _format_values():
@@ -83,7 +85,7 @@ def test_the_c_header_is_the_table():
 @pytest.mark.parametrize("name", IMPLEMENTATIONS)
 def test_no_implementation_writes_a_constant_of_the_format(name):
     text = (SRC / name).read_text()
-    literals = _c_literals(text) if name.endswith(".c") else _python_literals(text)
+    literals = _c_literals(text) if name.endswith((".c", ".h")) else _python_literals(text)
     banned = _format_values()
     found = [(line, literal) for line, literal, value in literals if value in banned]
     assert not found, f"{name} writes the format's constants as literals (line, literal): {found}"

@@ -326,10 +326,19 @@ _C_TYPES = {"int64_t": ctypes.c_int64, "int32_t": ctypes.c_int32, "int": ctypes.
             "float": ctypes.c_float, "double": ctypes.c_double, "void": None}
 
 
+def _c_source():
+    """The C kernels' one translation unit as the compiler reads it: ``kernels.c`` with each
+    of its parts in place of its ``#include``."""
+    csrc = Path(scaleopt.__file__).parent / "csrc"
+    return re.sub(r'^#include "(\w+\.h)"$', lambda m: (csrc / m[1]).read_text(),
+                  (csrc / "kernels.c").read_text(), flags=re.M)
+
+
 def _c_declarations():
-    """Each non-static function of ``_kernels.c``: name -> (return type, [parameter types]),
-    also those a macro defines (``SUM_SQUARES(sum_squares, float, ...)``)."""
-    source = (Path(scaleopt.__file__).parent / "_kernels.c").read_text()
+    """Each non-static function of the C kernels (``csrc/``, read in the order ``kernels.c``
+    includes its parts): name -> (return type, [parameter types]), also those a macro defines
+    (``SUM_SQUARES(sum_squares, float, ...)``)."""
+    source = _c_source()
     for macro, args, body in re.findall(r"^#define (\w+)\(([^)]*)\)((?:.*\\\n)+)", source,
                                         flags=re.M):
         names = [a.strip() for a in args.split(",")]
@@ -361,7 +370,7 @@ def _as_ctypes(c_type: str):
 def test_each_binding_matches_its_c_declaration():
     declared = _c_declarations()
     for name, (restype, argtypes) in _native.SIGNATURES.items():
-        assert name in declared, f"{name} is bound but not declared in _kernels.c"
+        assert name in declared, f"{name} is bound but not declared in csrc/"
         ret, params = declared[name]
         assert restype is _C_TYPES[ret], name
         assert [_as_ctypes(p) for p in params] == argtypes, name

@@ -83,7 +83,7 @@ def test_the_sdist_carries_its_tests_and_they_run(tmp_path):
     with tarfile.open(sdist) as tar:
         names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
         tar.extractall(tmp_path / "unpacked", filter="data")
-    for needed in ("LICENSE", "constraints.txt", "src/scaleopt/_kernels.c", "tests/conftest.py",
+    for needed in ("LICENSE", "constraints.txt", "src/scaleopt/csrc/kernels.c", "tests/conftest.py",
                    "tests/registry.py", "tests/oracle.py", "tests/dgc_workers.py",
                    "tests/sharded_workers.py", "docs/recipes/hf_trainer.py"):
         assert needed in names, needed

@@ -1,5 +1,5 @@
 """The compact state's format, defined once: the constants that its Python reference
-(``_compact``), the C kernels (``_kernels.c``, through ``_format.h``, generated from this
+(``_compact``), the C kernels (``csrc/``, through ``_format.h``, generated from this
 table) and the Triton kernels (``_triton_kernels``) share. What they mean is docs/state.md's
 "The formats"; each implementation names them from here, and ``tests/test_format.py`` fails
 where one writes a literal of its own or the header differs from the table.

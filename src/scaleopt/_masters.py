@@ -44,7 +44,7 @@ def plain(p: Tensor) -> bool:
 
 def split_join(hi: Tensor, lo: Tensor) -> Tensor:
     """The float32 master held as a bfloat16 ``hi`` (the master rounded to nearest, ties away
-    from zero) and int16 ``lo`` (its low 16 bits), as the kernels store it (see ``_kernels.c``)."""
+    from zero) and int16 ``lo`` (its low 16 bits), as the kernels store it (see ``csrc/base.h``)."""
     h = hi.view(torch.int16).to(torch.int32) & 0xFFFF
     low = lo.to(torch.int32) & 0xFFFF
     top = (h - (low >> 15)) & 0xFFFF

@@ -1,4 +1,4 @@
-"""The fused CPU kernels (``_kernels.c``) for LAMB, LANS and Adam, called through ctypes.
+"""The fused CPU kernels (``csrc/kernels.c`` and its parts) for LAMB, LANS and Adam, called through ctypes.
 
 They apply to contiguous CPU tensors: float32 weights (or bfloat16 parameters with float32 or
 split masters), float32 or bfloat16 gradients, moments in float32, bfloat16 or 8-bit codes. When the extension was not built (no compiler at
@@ -24,21 +24,21 @@ from ._sharding import Phased
 _TENSOR_FIELDS = [("w", c_void_p), ("g", c_void_p), ("m", c_void_p), ("v", c_void_p),
                   ("low", c_void_p), ("step", c_void_p), ("n", c_int64), ("kind", c_int32),
                   ("gmul", c_float)]
-#: where the moments are stored in bfloat16 or 8 bits (``COMPACT_FIELDS`` in ``_kernels.c``)
+#: where the moments are stored in bfloat16 or 8 bits (``COMPACT_FIELDS`` in ``csrc/base.h``)
 _COMPACT_FIELDS = [("m_scale", c_void_p), ("v_scale", c_void_p), ("row_len", c_int64),
                    ("offset", c_int64), ("form", c_int32)]
 _FORMS = {"float32": 0, "bfloat16": 1, "int8": 2}
 
 
 class LayerwiseTensor(ctypes.Structure):
-    """One tensor of a LAMB/LANS call (``LayerwiseTensor`` in ``_kernels.c``)."""
+    """One tensor of a LAMB/LANS call (``LayerwiseTensor`` in ``csrc/base.h``)."""
 
     _fields_ = _TENSOR_FIELDS + [("lr", c_double), ("wd", c_double), ("gsq", c_double),
                                  ("adapt", c_int32)] + _COMPACT_FIELDS
 
 
 class LayerwiseConfig(ctypes.Structure):
-    """A LAMB/LANS call's group options (``LayerwiseConfig`` in ``_kernels.c``)."""
+    """A LAMB/LANS call's group options (``LayerwiseConfig`` in ``csrc/base.h``)."""
 
     _fields_ = [("beta1", c_double), ("beta2", c_double), ("lower", c_double),
                 ("upper", c_double), ("eps", c_float), ("clip_lo", c_float), ("clip_hi", c_float),
@@ -47,14 +47,14 @@ class LayerwiseConfig(ctypes.Structure):
 
 
 class AdamTensor(ctypes.Structure):
-    """One tensor of an Adam call (``AdamTensor`` in ``_kernels.c``)."""
+    """One tensor of an Adam call (``AdamTensor`` in ``csrc/base.h``)."""
 
     _fields_ = _TENSOR_FIELDS + [("step_size", c_float), ("bc2_sqrt", c_float),
                                  ("wd_l2", c_float), ("decay", c_float)] + _COMPACT_FIELDS
 
 
 class AdamConfig(ctypes.Structure):
-    """An Adam call's group options (``AdamConfig`` in ``_kernels.c``)."""
+    """An Adam call's group options (``AdamConfig`` in ``csrc/base.h``)."""
 
     _fields_ = [("beta1", c_float), ("one_m_b1", c_float), ("beta2", c_float),
                 ("one_m_b2", c_float), ("eps", c_float), ("nesterov", c_int32),
@@ -67,7 +67,7 @@ STRUCTS = (LayerwiseTensor, LayerwiseConfig, AdamTensor, AdamConfig)
 _COUNT_AND_THREADS = [c_void_p, c_int64, c_int32]
 _LAYERWISE = [POINTER(LayerwiseTensor), c_int64, POINTER(LayerwiseConfig)]
 #: Every C function called from Python: name -> (restype, argtypes). ``tests/test_native.py``
-#: checks each against its declaration in ``_kernels.c``.
+#: checks each against its declaration in ``csrc/``.
 SIGNATURES = {
     "lamb_multi": (None, _LAYERWISE),
     "lamb_multi_sums": (None, _LAYERWISE + [c_void_p]),
@@ -339,7 +339,7 @@ def adam(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[T
          eps: float, grad_multipliers: Sequence[float], nesterov: bool = False,
          one_minus_betas: Optional[Tuple[float, float]] = None, threads: int,
          stored: Optional[Sequence[Any]] = None) -> None:
-    """One Adam step on each tensor, one pass over memory each (see ``_kernels.c``), in one
+    """One Adam step on each tensor, one pass over memory each (see ``csrc/adam.h``), in one
     call. For a float32 ``params[i]``, ``low[i]``, when given, receives the rounded bfloat16
     weights; for a bfloat16 ``params[i]`` (split storage), ``low[i]`` holds the master's low
     halves. ``grad_multipliers[i]``: the scalar ``grads[i]`` is taken times.

@@ -17,7 +17,7 @@ tensors with the same dtypes):
   in bfloat16 or 8 bits (``state_dtype``) are updated here, from the stored ones and the
   gradient as the sums phase computed them, and stored: no float32 copy of them is made.
 
-The phases are the C kernels' (``_kernels.c``). The kernels compile without floating-point
+The phases are the C kernels' (``csrc/``). The kernels compile without floating-point
 contraction (:data:`COMPILE_OPTIONS`) and with correctly rounded square roots and divisions, so
 each operation rounds once, as written: the compiled kernels compute what the interpreter
 does, but for the order of the additions in a ``tl.sum``. Bytes moved per float32 parameter:

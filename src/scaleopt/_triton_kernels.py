@@ -8,7 +8,7 @@ the whole tensor; ``sizes[k]`` its size; ``grads[i]`` the address of its gradien
 its own: a step's gradients may be elsewhere than the last step's). Row i of ``scal``: lr,
 weight decay, adapt, gradient multiplier, the bias corrections 1 - beta1^t and
 sqrt(1 - beta2^t) of its step, and the step t. The phases are the C kernels'
-(``_kernels.c``); the arithmetic is the reference's (``scaleopt.lamb``, ``scaleopt.lans``),
+(``csrc/``); the arithmetic is the reference's (``scaleopt.lamb``, ``scaleopt.lans``),
 each operation rounded once (compiled without contraction, with ``div_rn`` and ``sqrt_rn``).
 Kinds (compile-time): ``W_SPLIT`` a split master (the weight's bfloat16 upper halves at w,
 the int16 lower halves at low) or a float32 weight; ``G_KIND`` the gradient's dtype (0

@@ -26,8 +26,8 @@ import torch
 import scaleopt
 
 from . import bench_fsdp, bench_gpu, bench_muon
-from .paramsets import (NO_DECAY, SIZES, bert_shapes, held_bytes, interleaved, make_params,
-                        paired_ratio, sync)
+from .paramsets import (NO_DECAY, SIZES, held_bytes, interleaved, make_params, paired_ratio,
+                        shapes_of, size_options, sync)
 from .report import NO_PLOTS, write_bench_plot
 from .train import check_out, new_folder
 
@@ -142,9 +142,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "checked against the memory available before anything runs); 1b = "
                          "hidden 2048, 19 layers (1.02B; with --device cuda) (default: small, "
                          "base with --device cuda)")
-    ap.add_argument("--hidden", type=int, help="override the hidden size of --size")
-    ap.add_argument("--layers", type=int, help="override the number of layers of --size")
-    ap.add_argument("--vocab", type=int, help="override the vocabulary size of --size")
+    size_options(ap)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="parameter dtype of the main rows (default: float32)")
     ap.add_argument("--threads", type=int,
@@ -269,15 +267,6 @@ def available_memory(device: str = "cpu"):
     except OSError:
         pass
     return None
-
-
-def shapes_of(args: argparse.Namespace):
-    hidden, layers, vocab, inter = SIZES[args.size]
-    if args.hidden is not None:
-        hidden, inter = args.hidden, 4 * args.hidden
-    layers = args.layers if args.layers is not None else layers
-    vocab = args.vocab if args.vocab is not None else vocab
-    return bert_shapes(hidden, layers, vocab, inter)
 
 
 def main(argv=None) -> None:

@@ -19,6 +19,44 @@ SIZES = {
 }
 
 
+def size_options(ap: Any) -> None:
+    """``--hidden``, ``--layers`` and ``--vocab``: each overrides that size of the set the
+    command times (its ``--size``, or the 'small' set)."""
+    ap.add_argument("--hidden", type=int, help="override the hidden size of the set")
+    ap.add_argument("--layers", type=int, help="override the number of layers of the set")
+    ap.add_argument("--vocab", type=int, help="override the vocabulary size of the set")
+
+
+def cpu_options(ap: Any, rounds: int) -> None:
+    """:func:`size_options`, and ``--threads`` (2) and ``--rounds``: a benchmark of one process
+    on the CPU (:func:`cpu_shapes`)."""
+    size_options(ap)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=rounds)
+
+
+def cpu_shapes(args: Any, native: bool = False) -> List[Tuple[str, Tuple[int, ...]]]:
+    """:func:`shapes_of`, torch set to ``args.threads`` threads; with ``native``, a benchmark
+    of the C kernels, which stops with a message where they are not built."""
+    from .. import _native
+
+    if native and not _native.available():
+        raise SystemExit("the C kernels are not built")
+    torch.set_num_threads(args.threads)
+    return shapes_of(args)
+
+
+def shapes_of(args: Any) -> List[Tuple[str, Tuple[int, ...]]]:
+    """The BERT-like shapes of ``args.size`` (or the 'small' set) with the overrides of
+    :func:`size_options` (a hidden size brings its intermediate size, 4x)."""
+    hidden, layers, vocab, inter = SIZES[getattr(args, "size", None) or "small"]
+    if args.hidden is not None:
+        hidden, inter = args.hidden, 4 * args.hidden
+    layers = args.layers if args.layers is not None else layers
+    vocab = args.vocab if args.vocab is not None else vocab
+    return bert_shapes(hidden, layers, vocab, inter)
+
+
 def bert_shapes(hidden: int, layers: int, vocab: int, inter: int) -> List[Tuple[str, Tuple[int, ...]]]:
     shapes = [
         ("embeddings.word_embeddings.weight", (vocab, hidden)),

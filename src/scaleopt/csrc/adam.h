@@ -1,0 +1,127 @@
+/* Adam and AdamW, OffloadAdam's host step, in torch's order of operations.
+ * Part of kernels.c, which includes the parts in order as one translation unit. */
+
+/* The Adam kernel keeps torch's operations exactly, so no fused multiply-adds here. */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+
+/* ---------------------------------------------------------------------------------------- */
+/* Adam / AdamW (OffloadAdam's host step)                                                    */
+/* ---------------------------------------------------------------------------------------- */
+
+/* One pass: g' = g * gmul + wd_l2 * w (gmul folds the loss-scale unscaling, clipping and the
+ * sign for maximize into one scalar); m = lerp(m, g', 1-b1); v = b2*v + (1-b2)*g'^2;
+ * w = w * decay - step_size * n / (sqrt(v) / bc2_sqrt + eps), where n = m, or
+ * b1*m + (1-b1)*g' with nesterov, and decay = 1 - lr*wd for decoupled decay (AdamW), else 1.
+ * Same operations in the same order as torch's single-tensor Adam, with the scalars (1-b1, 1-b2,
+ * lr/bc1, ...) computed in double by the caller, as torch does.
+ *
+ * Where the weight lives:
+ *  - float32 (adam_f32*): p[i]; the rounded weight also goes to low[] (bfloat16) if not NULL.
+ *  - split (adam_split*): a bfloat16 parameter and the low 16 bits of its float32 master.
+ *    The master is stored exactly: its upper 16 bits are the parameter's bits, less one when
+ *    the parameter was rounded up, i.e. when the low half is >= 0x8000. The parameter is the
+ *    master rounded to nearest (ties away from zero). Per parameter that reads and writes 2+2
+ *    bytes instead of 4 (master) + 2 (parameter, plus the read that a store to a line not in
+ *    cache costs), with a handful of integer operations. */
+typedef struct {
+    void *w;
+    uint16_t *lo;
+    const void *g;
+    float *m, *v;
+    float step_size, beta1, one_m_b1, beta2, one_m_b2, bc2_sqrt, inv_bc2_sqrt, eps, wd_l2, decay,
+        gmul;
+    int nesterov;
+} Adam;
+
+/* The update's denominator. float32 weights: torch's exact sqrt(v)/bc2_sqrt + eps. Split
+ * (bfloat16) weights, whose parameter is rounded anyway: sqrt(v) * (1/bc2_sqrt) + eps, one
+ * division less per element (within an ulp of the division). */
+INLINE float adam_denom(float vi, float bc2_sqrt, float inv_bc2_sqrt, float eps, int fast) {
+    return fast ? sqrtf(vi) * inv_bc2_sqrt + eps : sqrtf(vi) / bc2_sqrt + eps;
+}
+
+INLINE void adam(const void *args, int64_t from, int64_t to, int store, int bf16) {
+    const Adam a = *(const Adam *)args;
+#pragma omp simd
+    for (int64_t i = from; i < to; i++) {
+        float w = weight_at(a.w, a.lo, i, store == STORE_SPLIT);
+        float gi = grad_at(a.g, i, bf16) * a.gmul + a.wd_l2 * w;
+        float mi = a.m[i] + a.one_m_b1 * (gi - a.m[i]);
+        float vi = a.v[i] * a.beta2 + a.one_m_b2 * gi * gi;
+        a.m[i] = mi;
+        a.v[i] = vi;
+        float num = a.nesterov ? a.beta1 * mi + a.one_m_b1 * gi : mi;
+        float den = adam_denom(vi, a.bc2_sqrt, a.inv_bc2_sqrt, a.eps, store == STORE_SPLIT);
+        weight_store(a.w, a.lo, i, w * a.decay - a.step_size * (num / den), store);
+    }
+}
+
+TARGETS static void adam_f32(const void *a, int64_t i, int64_t j, double *s) { (void)s, adam(a, i, j, STORE_F32, 0); }
+TARGETS static void adam_f32_bf16g(const void *a, int64_t i, int64_t j, double *s) { (void)s, adam(a, i, j, STORE_F32, 1); }
+TARGETS static void adam_f32_low(const void *a, int64_t i, int64_t j, double *s) { (void)s, adam(a, i, j, STORE_F32_LOW, 0); }
+TARGETS static void adam_f32_low_bf16g(const void *a, int64_t i, int64_t j, double *s) { (void)s, adam(a, i, j, STORE_F32_LOW, 1); }
+TARGETS static void adam_split(const void *a, int64_t i, int64_t j, double *s) { (void)s, adam(a, i, j, STORE_SPLIT, 0); }
+TARGETS static void adam_split_bf16g(const void *a, int64_t i, int64_t j, double *s) { (void)s, adam(a, i, j, STORE_SPLIT, 1); }
+static const Pass ADAM[3][2] = {{adam_f32, adam_f32_bf16g}, {adam_f32_low, adam_f32_low_bf16g},
+                                {adam_split, adam_split_bf16g}};
+
+static void adam_step(const AdamTensor *x, const AdamConfig *cfg) {
+    const int store = (x->kind & 2) ? STORE_SPLIT : x->low ? STORE_F32_LOW : STORE_F32;
+    const Adam a = {x->w, x->low, x->g, x->m, x->v, x->step_size, cfg->beta1, cfg->one_m_b1,
+                    cfg->beta2, cfg->one_m_b2, x->bc2_sqrt, 1.0f / x->bc2_sqrt, cfg->eps,
+                    x->wd_l2, x->decay, x->gmul, cfg->nesterov};
+    shares(ADAM[store][x->kind & 1], &a, x->n, cfg->nthreads);
+}
+
+/* Adam on compact moments (see the LAMB section above): one pass, block by block. */
+#define ADAM_COMPACT_LOOP(NUM, DENOM)                                                          \
+    _Pragma("omp simd reduction(max : am, av)")                                                \
+    for (int64_t i = 0; i < len; i++) {                                                        \
+        float w = wp[i];                                                                       \
+        float gi = gp[i] * gm + wd_l2 * w;                                                     \
+        float m0 = mb[i], v0 = vb[i];                                                          \
+        float mi = m0 + one_m_b1 * (gi - m0);                                                  \
+        float vi = v0 * beta2 + one_m_b2 * gi * gi;                                            \
+        float rv = sqrtf(vi);                                                                  \
+        wo[i] = w * decay - step_size * ((NUM) / (DENOM));                                     \
+        STAGE_MOMENTS                                                                          \
+    }
+
+TARGETS static void adam_compact(const AdamTensor *x, const AdamConfig *cfg) {
+    const float one_m_b1 = cfg->one_m_b1, beta1 = cfg->beta1, beta2 = cfg->beta2;
+    const float one_m_b2 = cfg->one_m_b2, eps = cfg->eps, wd_l2 = x->wd_l2, decay = x->decay;
+    const float step_size = x->step_size, bc2_sqrt = x->bc2_sqrt, inv_bc2_sqrt = 1.0f / bc2_sqrt;
+    const int split = (x->kind & 2) != 0, nesterov = cfg->nesterov;
+    const Staging s = adam_staging(x);
+    const Stored st = STORED_OF(x);
+    COMPACT_GRID(x);
+    EACH_COMPACT_BLOCK(x, PARALLEL,
+        float am = 0.0f, av = 0.0f;
+        if (nesterov && split) {
+            ADAM_COMPACT_LOOP(beta1 * mi + one_m_b1 * gi, adam_denom(vi, bc2_sqrt, inv_bc2_sqrt, eps, 1))
+        } else if (nesterov) {
+            ADAM_COMPACT_LOOP(beta1 * mi + one_m_b1 * gi, adam_denom(vi, bc2_sqrt, inv_bc2_sqrt, eps, 0))
+        } else if (split) {
+            ADAM_COMPACT_LOOP(mi, adam_denom(vi, bc2_sqrt, inv_bc2_sqrt, eps, 1))
+        } else {
+            ADAM_COMPACT_LOOP(mi, adam_denom(vi, bc2_sqrt, inv_bc2_sqrt, eps, 0))
+        }
+        BLOCK_OUTPUTS(b, x);)
+}
+
+/* One Adam step on each of `count` tensors (see AdamTensor); step[t] is incremented. */
+void adam_multi(const AdamTensor *ts, int64_t count, const AdamConfig *cfg) {
+    for (int64_t t = 0; t < count; t++) {
+        const AdamTensor *x = &ts[t];
+        *x->step += 1.0f; /* the state's step counter (a float32 scalar tensor) */
+        if (x->form != FORM_F32) {
+            COMPACT_CALL(adam_compact, (x, cfg));
+            continue;
+        }
+        adam_step(x, cfg);
+    }
+}
+
+#pragma GCC pop_options
+

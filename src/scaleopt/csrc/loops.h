@@ -1,0 +1,105 @@
+/* How the passes run: blocks for the reductions, threads' chunks backwards, where a
+ * weight is read and written.
+ * Part of kernels.c, which includes the parts in order as one translation unit. */
+
+/* Reductions run over blocks of RBLOCK elements: within a block the sums are float (vector
+ * lanes, a few hundred terms each), and each block's sum is added to a double. That keeps the
+ * inner loop in single precision, where converting every term to double would make these
+ * memory-bound passes compute-bound, and the result within ~1e-6 relative of a double sum. */
+enum { RBLOCK = 2048 };
+
+/* A pass over elements [from, to) of one tensor: a specialisation of one of the loops below
+ * for one kind of weight and gradient, called per block (forwards) or per chunk (backwards).
+ * It adds what it sums (up to 4 values, in float within a block) to sums. */
+typedef void (*Pass)(const void *args, int64_t from, int64_t to, double *sums);
+
+/* Runs pass over blocks of RBLOCK elements, forwards, the threads taking the blocks in equal
+ * shares in order; out[0 .. count) the totals: each block's sums added to a thread's doubles,
+ * those added together. */
+static void forwards(Pass pass, const void *args, int64_t n, int nthreads, double *out,
+                     int count) {
+    double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
+#pragma omp parallel for reduction(+ : s0, s1, s2, s3) num_threads(nthreads) schedule(static) if (n >= 32768)
+    for (int64_t blk = 0; blk < n; blk += RBLOCK) {
+        double b[4] = {0.0, 0.0, 0.0, 0.0};
+        pass(args, blk, n - blk < RBLOCK ? n : blk + RBLOCK, b);
+        s0 += b[0];
+        s1 += b[1];
+        s2 += b[2];
+        s3 += b[3];
+    }
+    const double s[4] = {s0, s1, s2, s3};
+    for (int k = 0; k < count; k++) out[k] = s[k];
+}
+
+/* The passes over a tensor alternate direction (LAMB: phase 1 forwards, phase 2 backwards; LANS:
+ * the gradient's norm backwards, phase 1 forwards, phase 2 backwards), so that each thread starts
+ * a pass where it ended the one before, on data still in the caches. For a tensor somewhat larger
+ * than the last-level cache that saves a good part of a pass's reads, where a pass in the same
+ * direction would find none of its data left (the cache evicts the oldest lines first, which it
+ * needs first). Backwards means chunk by chunk (up to CHUNK elements), downwards; each chunk
+ * upwards, so the hardware prefetchers still see ascending streams. A thread's chunks are the
+ * ones it covered in the forward pass, give or take one. */
+enum { CHUNK = 131072 };
+/* This thread's chunks [first, last) of *size elements: each thread gets an equal number of
+ * chunks of at most CHUNK elements (multiples of RBLOCK), about n / threads elements in all. */
+static inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
+static inline void thread_chunks(int64_t n, int64_t *size, int64_t *first, int64_t *last) {
+    const int id = omp_get_thread_num(), nt = omp_get_num_threads();
+    int64_t share = round_up((n + nt - 1) / nt, RBLOCK);
+    if (share == 0) share = RBLOCK;
+    const int64_t per_thread = (share + CHUNK - 1) / CHUNK;
+    *size = round_up((share + per_thread - 1) / per_thread, RBLOCK);
+    const int64_t chunks = (n + *size - 1) / *size;
+    *first = chunks * id / nt;
+    *last = chunks * (id + 1) / nt;
+}
+
+/* Runs pass over this thread's chunks (thread_chunks), the last first; each call adds to the
+ * thread's one double, and *out (where not NULL) is their total. */
+static void backwards(Pass pass, const void *args, int64_t n, int nthreads, double *out) {
+    double s = 0.0;
+#pragma omp parallel reduction(+ : s) num_threads(nthreads) if (n >= 32768)
+    {
+        int64_t size, first, last;
+        thread_chunks(n, &size, &first, &last);
+        for (int64_t chunk = last - 1; chunk >= first; chunk--) {
+            const int64_t from = chunk * size;
+            pass(args, from, n - from < size ? n : from + size, &s);
+        }
+    }
+    if (out) *out = s;
+}
+
+/* Runs pass once per thread, on an equal share of [0, n) each, in order: an element-wise pass. */
+static void shares(Pass pass, const void *args, int64_t n, int nthreads) {
+#pragma omp parallel num_threads(nthreads) if (n >= 32768)
+    {
+        const int64_t id = omp_get_thread_num(), nt = omp_get_num_threads();
+        pass(args, n * id / nt, n * (id + 1) / nt, NULL);
+    }
+}
+
+/* Where a pass reads a weight: float32 at w, or a split master (split != 0): the bfloat16
+ * upper halves at w, the lower halves at lo. */
+INLINE float weight_at(const void *w, const uint16_t *lo, int64_t i, int split) {
+    return split ? split_join(((const uint16_t *)w)[i], lo[i]) : ((const float *)w)[i];
+}
+
+/* How a pass writes a weight: float32 (STORE_F32), float32 and its bfloat16 rounding into lo
+ * (STORE_F32_LOW: a bfloat16 parameter's float32 master), or a split master (STORE_SPLIT). */
+enum { STORE_F32 = 0, STORE_F32_LOW = 1, STORE_SPLIT = 2 };
+INLINE void weight_store(void *w, uint16_t *lo, int64_t i, float value, int store) {
+    if (store == STORE_SPLIT) {
+        ((uint16_t *)w)[i] = split_high(value);
+        lo[i] = split_low(value);
+    } else {
+        ((float *)w)[i] = value;
+        if (store == STORE_F32_LOW) lo[i] = f32_to_bf16(value);
+    }
+}
+
+/* A gradient: float32, or bfloat16 (bf16 != 0). */
+INLINE float grad_at(const void *g, int64_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)g)[i]) : ((const float *)g)[i];
+}
