@@ -74,40 +74,52 @@ static void adam_step(const AdamTensor *x, const AdamConfig *cfg) {
     shares(ADAM[store][x->kind & 1], &a, x->n, cfg->nthreads);
 }
 
-/* Adam on compact moments (see the LAMB section above): one pass, block by block. */
-#define ADAM_COMPACT_LOOP(NUM, DENOM)                                                          \
-    _Pragma("omp simd reduction(max : am, av)")                                                \
-    for (int64_t i = 0; i < len; i++) {                                                        \
-        float w = wp[i];                                                                       \
-        float gi = gp[i] * gm + wd_l2 * w;                                                     \
-        float m0 = mb[i], v0 = vb[i];                                                          \
-        float mi = m0 + one_m_b1 * (gi - m0);                                                  \
-        float vi = v0 * beta2 + one_m_b2 * gi * gi;                                            \
-        float rv = sqrtf(vi);                                                                  \
-        wo[i] = w * decay - step_size * ((NUM) / (DENOM));                                     \
-        STAGE_MOMENTS                                                                          \
+/* Adam on compact moments (see compact_loops.h): one pass, block by block; split: the
+ * weights are split masters (adam_denom's fast form); nesterov: Nesterov momentum. */
+INLINE void adam_apply_block(const Blocks *c, int64_t len, const float *wp, const float *gp,
+                             float *wo, float *mb, float *vb, float *amax, float *vmax,
+                             int split, int nesterov) {
+    float am = 0.0f, av = 0.0f;
+#pragma omp simd reduction(max : am, av)
+    for (int64_t i = 0; i < len; i++) {
+        float w = wp[i];
+        float gi = gp[i] * c->s.gmul + c->wd * w, mi, vi;
+        moments(c, gi, mb[i], vb[i], &mi, &vi);
+        float num = nesterov ? c->beta1 * mi + c->one_m_b1 * gi : mi;
+        float den = adam_denom(vi, c->bc2_sqrt, c->inv_bc2_sqrt, c->eps, split);
+        wo[i] = w * c->decay - c->step_size * (num / den);
+        stage_moments(mb, vb, i, mi, vi, &am, &av);
     }
+    *amax = am, *vmax = av;
+}
 
-TARGETS static void adam_compact(const AdamTensor *x, const AdamConfig *cfg) {
-    const float one_m_b1 = cfg->one_m_b1, beta1 = cfg->beta1, beta2 = cfg->beta2;
-    const float one_m_b2 = cfg->one_m_b2, eps = cfg->eps, wd_l2 = x->wd_l2, decay = x->decay;
-    const float step_size = x->step_size, bc2_sqrt = x->bc2_sqrt, inv_bc2_sqrt = 1.0f / bc2_sqrt;
-    const int split = (x->kind & 2) != 0, nesterov = cfg->nesterov;
-    const Staging s = adam_staging(x);
-    const Stored st = STORED_OF(x);
-    COMPACT_GRID(x);
-    EACH_COMPACT_BLOCK(x, PARALLEL,
-        float am = 0.0f, av = 0.0f;
-        if (nesterov && split) {
-            ADAM_COMPACT_LOOP(beta1 * mi + one_m_b1 * gi, adam_denom(vi, bc2_sqrt, inv_bc2_sqrt, eps, 1))
-        } else if (nesterov) {
-            ADAM_COMPACT_LOOP(beta1 * mi + one_m_b1 * gi, adam_denom(vi, bc2_sqrt, inv_bc2_sqrt, eps, 0))
-        } else if (split) {
-            ADAM_COMPACT_LOOP(mi, adam_denom(vi, bc2_sqrt, inv_bc2_sqrt, eps, 1))
-        } else {
-            ADAM_COMPACT_LOOP(mi, adam_denom(vi, bc2_sqrt, inv_bc2_sqrt, eps, 0))
-        }
-        BLOCK_OUTPUTS(b, x);)
+TARGETS static void adam_apply_portable(const Blocks *c, int64_t i, int64_t j, double *s) {
+    portable_blocks(c, i, j, s, ADAM_APPLY);
+}
+TARGETS static void adam_apply_nesterov_portable(const Blocks *c, int64_t i, int64_t j, double *s) {
+    portable_blocks(c, i, j, s, ADAM_APPLY + 1);
+}
+TARGETS static void adam_apply_split_portable(const Blocks *c, int64_t i, int64_t j, double *s) {
+    portable_blocks(c, i, j, s, ADAM_APPLY + 2);
+}
+TARGETS static void adam_apply_split_nesterov_portable(const Blocks *c, int64_t i, int64_t j,
+                                                       double *s) {
+    portable_blocks(c, i, j, s, ADAM_APPLY + 3);
+}
+
+/* An Adam tensor on compact moments: its weights as they are, its gradient times gmul, no
+ * clipping. */
+static void adam_compact(const AdamTensor *x, const AdamConfig *cfg) {
+    const Staging s = {x->w, (x->kind & 2) ? x->low : NULL, x->g, x->kind & 1, 1.0f, x->gmul,
+                       -INFINITY, INFINITY};
+    Blocks c = blocks_of(x->w, x->low, x->kind, x->row_len, s,
+                         stored_of(x->m, x->v, x->m_scale, x->v_scale, x->form, x->offset,
+                                   *x->step));
+    c.one_m_b1 = cfg->one_m_b1, c.one_m_b2 = cfg->one_m_b2, c.beta1 = cfg->beta1;
+    c.beta2 = cfg->beta2, c.eps = cfg->eps, c.inv_bc2_sqrt = 1.0f / x->bc2_sqrt;
+    c.bc2_sqrt = x->bc2_sqrt, c.wd = x->wd_l2, c.decay = x->decay, c.step_size = x->step_size;
+    c.nesterov = cfg->nesterov;
+    run_blocks(compact_loop(ADAM_APPLY + 2 * c.split + c.nesterov), &c, x->n, cfg->nthreads, NULL, 0);
 }
 
 /* One Adam step on each of `count` tensors (see AdamTensor); step[t] is incremented. */
@@ -116,7 +128,7 @@ void adam_multi(const AdamTensor *ts, int64_t count, const AdamConfig *cfg) {
         const AdamTensor *x = &ts[t];
         *x->step += 1.0f; /* the state's step counter (a float32 scalar tensor) */
         if (x->form != FORM_F32) {
-            COMPACT_CALL(adam_compact, (x, cfg));
+            adam_compact(x, cfg);
             continue;
         }
         adam_step(x, cfg);

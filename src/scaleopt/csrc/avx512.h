@@ -221,39 +221,6 @@ V16_INLINE void v16_encode_block(const Stored *st, int64_t b, int64_t at, int64_
     v16_encode(st->v, st->v_scale, 0, b, at, len, vb, av, st->offset, st->v_key);
 }
 
-/* What the AVX-512 loops of a tensor read: its operands and the update's scalars (those a
- * loop does not use are 0). Each thread works on a copy, in registers. */
-typedef struct {
-    Staging s;
-    Stored st;
-    void *w;       /* the tensor's weights (written) */
-    uint16_t *low; /* as LayerwiseTensor */
-    int split, in_place, moved, nesterov;
-    int64_t per_row, row_len;
-    float one_m_b1, one_m_b2, beta1, beta2, eps, inv_bc1, inv_bc2_sqrt;
-    float wd_g, wd_u, wd;                 /* LAMB's decay into g or u; LANS's and Adam's */
-    float lr, ratio, lr_r, lr_c, ratio_r, ratio_c; /* LAMB's and LANS's second pass */
-    float decay, step_size;               /* Adam */
-    float *keep;        /* the updates of blocks keep_block.. (from element keep_from) */
-    int64_t keep_block, keep_from, keep_half; /* LANS: its second numbers from keep_half on */
-} Blocks;
-
-static Blocks blocks_of(void *w, uint16_t *low, int kind, int64_t row_len, Staging s,
-                        Stored st) {
-    Blocks c;
-    memset(&c, 0, sizeof c);
-    c.s = s;
-    c.st = st;
-    c.w = w;
-    c.low = low;
-    c.split = (kind & 2) != 0;
-    c.in_place = !(kind & 2) && !low;
-    c.row_len = row_len;
-    c.per_row = (row_len + COMPACT_BLOCK - 1) / COMPACT_BLOCK;
-    c.keep_block = INT64_MAX; /* none kept */
-    return c;
-}
-
 /* A thread's blocks [first, last): the loop function NAME's head, up to the block's inputs:
  * wp, gp, where the new weights go (wo), and the steps sm, sv of its int8 codes. */
 #define V16_BLOCKS(NAME)                                                                       \
@@ -497,34 +464,6 @@ V16_BLOCKS(adam_blocks)
 V16_BLOCKS_END
 #pragma GCC pop_options
 
-/* fn over a tensor's n elements in blocks, each thread a contiguous share of them; its sums
- * (nsums of them) totalled in the threads' order, so that a run gives the same ones every
- * time. */
-static void v16_run(void (*fn)(const Blocks *, int64_t, int64_t, double *), const Blocks *c,
-                    int64_t n, int nthreads, double *sums, int nsums) {
-    const int64_t total = c->row_len > 0 ? n / c->row_len * c->per_row : 0;
-    if (nthreads < 1) nthreads = 1;
-    double part[nthreads][4];
-    memset(part, 0, sizeof part);
-    int used = 1;
-#pragma omp parallel num_threads(nthreads) if (n >= 32768)
-    {
-        const int id = omp_get_thread_num(), nt = omp_get_num_threads();
-        if (id == 0) used = nt;
-        fn(c, total * id / nt, total * (id + 1) / nt, part[id]);
-    }
-    for (int i = 0; i < nsums; i++) {
-        sums[i] = 0.0;
-        for (int t = 0; t < used; t++) sums[i] += part[t][i];
-    }
-}
-
-/* A LAMB or LANS tensor's Blocks, with the moments' scalars their *_SCALARS computed. */
-#define LAYERWISE_BLOCKS(x)                                                                    \
-    Blocks c = blocks_of((x)->w, (x)->low, (x)->kind, (x)->row_len, s, st);                    \
-    c.one_m_b1 = one_m_b1, c.one_m_b2 = one_m_b2, c.beta2 = beta2, c.eps = eps;                \
-    c.inv_bc1 = inv_bc1, c.inv_bc2_sqrt = inv_bc2_sqrt
-
 /* The kept updates (lamb_sums_blocks, lans_sums_blocks): one buffer for the process, of up
  * to KEEP_CAP floats, held by one *_multi call at a time. It covers the last elements of each
  * tensor, as many as it holds (half as many for LANS, which keeps two numbers per element).
@@ -562,82 +501,13 @@ static void keep_give(const Keep *keep) {
     if (keep) __atomic_clear(&keep_busy, __ATOMIC_RELEASE);
 }
 
-/* The blocks of a tensor of n elements whose updates fit in keep, each taking floats floats:
- * its last blocks from the first that starts at or after n - keep->size / floats (the second
- * numbers from keep->size / 2 on). */
-static void keep_range(Blocks *c, int64_t n, const Keep *keep, int64_t floats) {
-    if (!keep || c->row_len <= 0) return;
-    const int64_t cap = keep->size / floats, total = n / c->row_len * c->per_row;
-    const int64_t start = n > cap ? n - cap : 0;
-    const int64_t r = start / c->row_len, o = start % c->row_len;
-    int64_t len;
-    c->keep = keep->at;
-    c->keep_half = keep->size / 2;
-    c->keep_block = r * c->per_row + (o + COMPACT_BLOCK - 1) / COMPACT_BLOCK;
-    c->keep_from = c->keep_block < total ? block_start(c->keep_block, c->per_row, c->row_len, &len) : n;
+/* The AVX-512 loop of which (LAMB_SUMS, ...) where they run, else the portable one. */
+static BlockLoop compact_loop(int which) {
+    static const BlockLoop V16_LOOPS[] = {lamb_sums_blocks, lamb_apply_blocks, lans_sums_blocks,
+                                          lans_apply_blocks, adam_blocks, adam_blocks,
+                                          adam_blocks, adam_blocks};
+    return v16_on() ? V16_LOOPS[which] : PORTABLE[which];
 }
-
-/* The Blocks of a LAMB tensor: the scalars of LAMB_SCALARS, the updates it keeps in keep. */
-static Blocks lamb_blocks(const LayerwiseTensor *x, const LayerwiseConfig *cfg, double bc1,
-                          double bc2_sqrt, float decay, const Keep *keep) {
-    LAMB_SCALARS;
-    LAYERWISE_BLOCKS(x);
-    c.wd_g = wd_g, c.wd_u = wd_u;
-    keep_range(&c, x->n, keep, 1);
-    return c;
-}
-
-static void lamb_compact_sums_v16(const LayerwiseTensor *x, const LayerwiseConfig *cfg,
-                                  double bc1, double bc2_sqrt, float decay, double *out,
-                                  const Keep *keep) {
-    const Blocks c = lamb_blocks(x, cfg, bc1, bc2_sqrt, decay, keep);
-    v16_run(lamb_sums_blocks, &c, x->n, cfg->nthreads, out, 2);
-}
-
-static void lamb_compact_apply_v16(const LayerwiseTensor *x, const LayerwiseConfig *cfg,
-                                   double bc1, double bc2_sqrt, float decay, float lr,
-                                   float ratio, const Keep *keep) {
-    Blocks c = lamb_blocks(x, cfg, bc1, bc2_sqrt, decay, keep);
-    c.lr = lr, c.ratio = ratio;
-    v16_run(lamb_apply_blocks, &c, x->n, cfg->nthreads, NULL, 0);
-}
-
-/* The Blocks of a LANS tensor (LANS_SCALARS), keeping two numbers per element. */
-static Blocks lans_blocks(const LayerwiseTensor *x, const LayerwiseConfig *cfg, double bc1,
-                          double bc2_sqrt, float ginv, const Keep *keep) {
-    LANS_SCALARS;
-    LAYERWISE_BLOCKS(x);
-    c.wd = wd, c.moved = cfg->moved;
-    keep_range(&c, x->n, keep, 2);
-    return c;
-}
-
-static void lans_compact_sums_v16(const LayerwiseTensor *x, const LayerwiseConfig *cfg,
-                                  double bc1, double bc2_sqrt, float ginv, double *out,
-                                  const Keep *keep) {
-    const Blocks c = lans_blocks(x, cfg, bc1, bc2_sqrt, ginv, keep);
-    v16_run(lans_sums_blocks, &c, x->n, cfg->nthreads, out, 4);
-}
-
-static void lans_compact_apply_v16(const LayerwiseTensor *x, const LayerwiseConfig *cfg,
-                                   double bc1, double bc2_sqrt, float ginv, float lr_r,
-                                   float lr_c,
-                                   float ratio_r, float ratio_c, const Keep *keep) {
-    Blocks c = lans_blocks(x, cfg, bc1, bc2_sqrt, ginv, keep);
-    c.lr_r = lr_r, c.lr_c = lr_c, c.ratio_r = ratio_r, c.ratio_c = ratio_c;
-    v16_run(lans_apply_blocks, &c, x->n, cfg->nthreads, NULL, 0);
-}
-
-static void adam_compact_v16(const AdamTensor *x, const AdamConfig *cfg) {
-    Blocks c = blocks_of(x->w, x->low, x->kind, x->row_len, adam_staging(x), STORED_OF(x));
-    c.one_m_b1 = cfg->one_m_b1, c.one_m_b2 = cfg->one_m_b2, c.beta1 = cfg->beta1;
-    c.beta2 = cfg->beta2, c.eps = cfg->eps, c.inv_bc2_sqrt = 1.0f / x->bc2_sqrt;
-    c.wd = x->wd_l2, c.decay = x->decay, c.step_size = x->step_size;
-    c.nesterov = cfg->nesterov;
-    v16_run(adam_blocks, &c, x->n, cfg->nthreads, NULL, 0);
-}
-
-#define COMPACT_CALL(FN, ARGS) (v16_on() ? FN##_v16 ARGS : FN ARGS)
 #else
 int32_t compact_simd(int32_t use) {
     (void)use;
@@ -649,6 +519,6 @@ static const Keep *keep_take(const LayerwiseTensor *ts, int64_t count, int64_t f
     return NULL;
 }
 static void keep_give(const Keep *keep) { (void)keep; }
-#define COMPACT_CALL(FN, ARGS) FN ARGS
+static BlockLoop compact_loop(int which) { return PORTABLE[which]; }
 #endif
 

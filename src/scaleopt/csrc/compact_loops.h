@@ -34,21 +34,13 @@ typedef struct {
     uint32_t m_key, v_key;
 } Stored;
 
-/* The most floats of the buffer where LAMB and LANS keep updates between their passes
- * (keep_take): 8 MiB, about what a core's share of the last-level cache holds along with the
- * weights and gradients of the blocks it covers. */
-#define KEEP_CAP ((int64_t)1 << 21)
-
-/* That buffer, as a step holds it: size floats at at. */
-typedef struct {
-    float *at;
-    int64_t size;
-} Keep;
-
-#define STORED_OF(x)                                                                           \
-    ((Stored){(x)->m, (x)->v, (x)->m_scale, (x)->v_scale, (x)->form, (x)->offset,               \
-              rounding_key(*(x)->step, FORMAT_SALT_EXP_AVG),                                  \
-              rounding_key(*(x)->step, FORMAT_SALT_EXP_AVG_SQ)})
+/* A tensor's stored moments, with the keys of their bfloat16 rounding at this step. */
+static Stored stored_of(void *m, void *v, float *m_scale, float *v_scale, int form,
+                        int64_t offset, float step) {
+    return (Stored){m, v, m_scale, v_scale, form, offset,
+                    rounding_key(step, FORMAT_SALT_EXP_AVG),
+                    rounding_key(step, FORMAT_SALT_EXP_AVG_SQ)};
+}
 
 INLINE void stage_w(const Staging *s, int64_t at, int64_t len, float *wb) {
     const uint16_t *hi = (const uint16_t *)s->w + at, *lo = s->lo + at;
@@ -73,200 +65,355 @@ INLINE void unstage_w(void *w, uint16_t *low, int split, int64_t at, int64_t len
     for (int64_t i = 0; i < len; i++) p[i] = wb[i], low[at + i] = f32_to_bf16(wb[i]);
 }
 
-/* A tensor's blocks: per_row in each row of row_len elements, total in all; and this
- * thread's contiguous share [first, last) of them, with its arrays for one block. */
-#define COMPACT_GRID(x)                                                                        \
-    const int64_t n = (x)->n, row_len = (x)->row_len;                                          \
-    const int64_t per_row = (row_len + COMPACT_BLOCK - 1) / COMPACT_BLOCK;                     \
-    const int64_t total = row_len > 0 ? n / row_len * per_row : 0
-#define THREAD_BLOCKS                                                                          \
-    const int id_ = omp_get_thread_num(), nt_ = omp_get_num_threads();                         \
-    const int64_t first = total * id_ / nt_, last = total * (id_ + 1) / nt_;                   \
-    float wb[COMPACT_BLOCK], gb[COMPACT_BLOCK], mb[COMPACT_BLOCK], vb[COMPACT_BLOCK]
-
-/* Block b's inputs as the loop reads them: wp[i] * wf, clamp(gp[i] * gm, glo, ghi), and the
- * moments decoded into mb, vb.
- * wo: where the loop writes the new weights (in place, or wb for unstage_w). */
-#define BLOCK_INPUTS(b, x)                                                                     \
-    int64_t len;                                                                               \
-    const int64_t at = block_start(b, per_row, row_len, &len);                                 \
-    const float *wp = (const float *)s.w + at, *gp = (const float *)s.g + at;                  \
-    float wf = s.wmul, gm = s.gmul, glo = s.glo, ghi = s.ghi;                                  \
-    if (s.lo) stage_w(&s, at, len, wb), wp = wb;                                               \
-    if (s.g_bf16) stage_g(&s, at, len, gb), gp = gb;                                           \
-    decode_block(st.m, st.m_scale, st.form, 1, b, at, len, mb);                                \
-    decode_block(st.v, st.v_scale, st.form, 0, b, at, len, vb);                                \
-    const int in_place = !((x)->kind & 2) && !(x)->low;                                        \
-    float *wo = in_place ? (float *)(x)->w + at : wb;                                          \
-    (void)wo; (void)wf; (void)gm; (void)glo; (void)ghi
-/* After pass 2's loop (which put the new moments in mb, vb and their largest magnitudes in
- * am, av): the weights and the moments stored. */
-#define BLOCK_OUTPUTS(b, x)                                                                    \
-    if (!in_place) unstage_w((x)->w, (x)->low, ((x)->kind & 2) != 0, at, len, wb);             \
-    encode_block(st.m, st.m_scale, st.form, 1, b, at, len, mb, am, st.offset, st.m_key);       \
-    encode_block(st.v, st.v_scale, st.form, 0, b, at, len, vb, av, st.offset, st.v_key)
-/* Pass 2's loop ends: the new moments staged in the block's buffers (encoded after the loop),
- * their largest magnitudes taken. */
-#define STAGE_MOMENTS                                                                          \
-    mb[i] = mi;                                                                                \
-    vb[i] = vi;                                                                                \
-    am = fabsf(mi) > am ? fabsf(mi) : am;                                                      \
-    av = vi > av ? vi : av;
-
-/* Over this thread's blocks (a parallel region opened by PRAGMA): each block's inputs, then
- * the statements given. */
-#define EACH_COMPACT_BLOCK(x, PRAGMA, ...)                                                     \
-    _Pragma(PRAGMA) {                                                                          \
-        THREAD_BLOCKS;                                                                         \
-        for (int64_t b = first; b < last; b++) {                                               \
-            BLOCK_INPUTS(b, x);                                                                \
-            __VA_ARGS__                                                                        \
-        }                                                                                      \
-    }
-#define PARALLEL "omp parallel num_threads(cfg->nthreads) if (n >= 32768)"
-
 static Staging staging_of(const LayerwiseTensor *x, const LayerwiseConfig *cfg, float wmul,
                           float gmul) {
     return (Staging){x->w, (x->kind & 2) ? x->low : NULL, x->g, x->kind & 1, wmul, gmul,
                      cfg->clip ? cfg->clip_lo : -INFINITY, cfg->clip ? cfg->clip_hi : INFINITY};
 }
 
-/* An Adam tensor's staging: its weights as they are, its gradient times gmul, no clipping. */
-static Staging adam_staging(const AdamTensor *x) {
-    return (Staging){x->w, (x->kind & 2) ? x->low : NULL, x->g, x->kind & 1, 1.0f, x->gmul,
-                     -INFINITY, INFINITY};
+/* The most floats of the buffer where LAMB and LANS keep updates between their passes
+ * (keep_take): 8 MiB, about what a core's share of the last-level cache holds along with the
+ * weights and gradients of the blocks it covers. */
+enum { KEEP_CAP = 1 << 21 };
+
+/* That buffer, as a step holds it: size floats at at. */
+typedef struct {
+    float *at;
+    int64_t size;
+} Keep;
+
+/* What the loops over a compact tensor's blocks read: its operands and the update's scalars
+ * (those a loop does not use are 0). Each thread works on a copy. */
+typedef struct {
+    Staging s;
+    Stored st;
+    void *w;       /* the tensor's weights (written) */
+    uint16_t *low; /* as LayerwiseTensor */
+    int split, in_place, moved, nesterov;
+    int64_t per_row, row_len;
+    float one_m_b1, one_m_b2, beta1, beta2, eps, inv_bc1, inv_bc2_sqrt;
+    float wd_g, wd_u, wd;                 /* LAMB's decay into g or u; LANS's and Adam's */
+    float lr, ratio, lr_r, lr_c, ratio_r, ratio_c; /* LAMB's and LANS's second pass */
+    float decay, step_size, bc2_sqrt;     /* Adam */
+    float *keep;        /* the updates of blocks keep_block.. (from element keep_from) */
+    int64_t keep_block, keep_from, keep_half; /* LANS: its second numbers from keep_half on */
+} Blocks;
+
+static Blocks blocks_of(void *w, uint16_t *low, int kind, int64_t row_len, Staging s,
+                        Stored st) {
+    Blocks c;
+    memset(&c, 0, sizeof c);
+    c.s = s;
+    c.st = st;
+    c.w = w;
+    c.low = low;
+    c.split = (kind & 2) != 0;
+    c.in_place = !(kind & 2) && !low;
+    c.row_len = row_len;
+    c.per_row = (row_len + COMPACT_BLOCK - 1) / COMPACT_BLOCK;
+    c.keep_block = INT64_MAX; /* none kept */
+    return c;
 }
 
-/* LAMB's scalars, as lamb_phase1/2 compute them. */
-#define LAMB_SCALARS                                                                           \
-    const float one_m_b1 = 1.0f - (float)cfg->beta1, beta2 = (float)cfg->beta2;               \
-    const float one_m_b2 = 1.0f - beta2, eps = cfg->eps;                                       \
-    const float inv_bc1 = 1.0f / (float)bc1, inv_bc2_sqrt = 1.0f / (float)bc2_sqrt;            \
-    const float wd_g = cfg->mode == MODE_L2 ? (float)x->wd : 0.0f;                             \
-    const float wd_u = cfg->mode == MODE_UPDATE ? (float)x->wd : 0.0f;                         \
-    const Staging s = staging_of(x, cfg, cfg->mode == MODE_DECOUPLED ? decay : 1.0f, x->gmul); \
-    const Stored st = STORED_OF(x)
-#define LAMB_MOMENTS                                                                           \
-    float w = wp[i] * wf;                                                                      \
-    float gi = clampf(gp[i] * gm, glo, ghi) + wd_g * w;                                        \
-    float m0 = mb[i], v0 = vb[i];                                                              \
-    float mi = m0 + one_m_b1 * (gi - m0);                                                      \
-    float vi = v0 * beta2 + one_m_b2 * gi * gi;                                                \
-    float rv = sqrtf(vi);                                                                      \
-    float u = (mi * inv_bc1) / (rv * inv_bc2_sqrt + eps) + wd_u * w;
+/* A loop over blocks [first, last) of a tensor, adding its sums (up to 4) to sums. */
+typedef void (*BlockLoop)(const Blocks *c, int64_t first, int64_t last, double *sums);
 
-#define LAMB_SUMS_LOOP                                                                         \
-    _Pragma("omp simd reduction(+ : bw, bu)")                                                  \
-    for (int64_t i = 0; i < len; i++) {                                                        \
-        LAMB_MOMENTS                                                                           \
-        bw += w * w;                                                                           \
-        bu += u * u;                                                                           \
+/* loop over a tensor's n elements in blocks, each thread a contiguous share of them; its sums
+ * (count of them) totalled in the threads' order, so that a run gives the same ones every
+ * time. */
+static void run_blocks(BlockLoop loop, const Blocks *c, int64_t n, int nthreads, double *sums,
+                       int count) {
+    const int64_t total = c->row_len > 0 ? n / c->row_len * c->per_row : 0;
+    if (nthreads < 1) nthreads = 1;
+    double part[nthreads][4];
+    memset(part, 0, sizeof part);
+    int used = 1;
+#pragma omp parallel num_threads(nthreads) if (n >= 32768)
+    {
+        const int id = omp_get_thread_num(), nt = omp_get_num_threads();
+        if (id == 0) used = nt;
+        loop(c, total * id / nt, total * (id + 1) / nt, part[id]);
     }
-
-TARGETS static void lamb_compact_sums(const LayerwiseTensor *x, const LayerwiseConfig *cfg,
-                                      double bc1, double bc2_sqrt, float decay, double *out,
-                                      const Keep *keep) {
-    (void)keep; /* see lamb_compact_sums_v16 */
-    LAMB_SCALARS;
-    COMPACT_GRID(x);
-    double sw = 0.0, su = 0.0;
-    EACH_COMPACT_BLOCK(x, "omp parallel reduction(+ : sw, su) num_threads(cfg->nthreads) if (n >= 32768)",
-        float bw = 0.0f, bu = 0.0f;
-        LAMB_SUMS_LOOP
-        sw += bw;
-        su += bu;)
-    out[0] = sw;
-    out[1] = su;
-}
-
-#define LAMB_APPLY_LOOP                                                                        \
-    _Pragma("omp simd reduction(max : am, av)")                                                \
-    for (int64_t i = 0; i < len; i++) {                                                        \
-        LAMB_MOMENTS                                                                           \
-        wo[i] = w - lr * (ratio * u);                                                          \
-        STAGE_MOMENTS                                                                          \
+    for (int i = 0; i < count; i++) {
+        sums[i] = 0.0;
+        for (int t = 0; t < used; t++) sums[i] += part[t][i];
     }
-
-TARGETS static void lamb_compact_apply(const LayerwiseTensor *x, const LayerwiseConfig *cfg,
-                                       double bc1, double bc2_sqrt, float decay, float lr,
-                                       float ratio, const Keep *keep) {
-    (void)keep;
-    LAMB_SCALARS;
-    COMPACT_GRID(x);
-    EACH_COMPACT_BLOCK(x, PARALLEL,
-        float am = 0.0f, av = 0.0f;
-        LAMB_APPLY_LOOP
-        BLOCK_OUTPUTS(b, x);)
 }
 
-#define LANS_SCALARS                                                                           \
-    const float one_m_b1 = 1.0f - (float)cfg->beta1, beta2 = (float)cfg->beta2;               \
-    const float one_m_b2 = 1.0f - beta2, eps = cfg->eps, wd = (float)x->wd;                    \
-    const float inv_bc1 = 1.0f / (float)bc1, inv_bc2_sqrt = 1.0f / (float)bc2_sqrt;            \
-    const Staging s = staging_of(x, cfg, 1.0f, ginv);                                          \
-    const Stored st = STORED_OF(x)
-#define LANS_MOMENTS                                                                           \
-    float w = wp[i] * wf;                                                                      \
-    float gt = clampf(gp[i] * gm, glo, ghi);                                                   \
-    float m0 = mb[i], v0 = vb[i];                                                              \
-    float mi = m0 + one_m_b1 * (gt - m0);                                                      \
-    float vi = v0 * beta2 + one_m_b2 * gt * gt;                                                \
-    float rv = sqrtf(vi);                                                                      \
-    float dinv = 1.0f / (rv * inv_bc2_sqrt + eps);                                             \
-    float r = (mi * inv_bc1) * dinv + wd * w;
+/* The blocks of a tensor of n elements whose updates fit in keep, each taking floats floats:
+ * its last blocks from the first that starts at or after n - keep->size / floats (the second
+ * numbers from keep->size / 2 on). */
+static void keep_range(Blocks *c, int64_t n, const Keep *keep, int64_t floats) {
+    if (!keep || c->row_len <= 0) return;
+    const int64_t cap = keep->size / floats, total = n / c->row_len * c->per_row;
+    const int64_t start = n > cap ? n - cap : 0;
+    const int64_t r = start / c->row_len, o = start % c->row_len;
+    int64_t len;
+    c->keep = keep->at;
+    c->keep_half = keep->size / 2;
+    c->keep_block = r * c->per_row + (o + COMPACT_BLOCK - 1) / COMPACT_BLOCK;
+    c->keep_from = c->keep_block < total ? block_start(c->keep_block, c->per_row, c->row_len, &len) : n;
+}
 
-#define LANS_SUMS_LOOP                                                                         \
-    _Pragma("omp simd reduction(+ : bw, br, bc, brc)")                                         \
-    for (int64_t i = 0; i < len; i++) {                                                        \
-        LANS_MOMENTS                                                                           \
-        float c = gt * dinv + wd * w;                                                          \
-        bw += w * w;                                                                           \
-        br += r * r;                                                                           \
-        bc += c * c;                                                                           \
-        brc += r * c;                                                                          \
+/* A LAMB or LANS tensor's Blocks, with the moments' scalars as lamb_phase1 and lans_phase1
+ * compute them, its weights taken times wmul and its gradient times gmul. */
+static Blocks layerwise_blocks(const LayerwiseTensor *x, const LayerwiseConfig *cfg,
+                               double bc1, double bc2_sqrt, float wmul, float gmul) {
+    Blocks c = blocks_of(x->w, x->low, x->kind, x->row_len, staging_of(x, cfg, wmul, gmul),
+                         stored_of(x->m, x->v, x->m_scale, x->v_scale, x->form, x->offset,
+                                   *x->step));
+    c.beta2 = (float)cfg->beta2, c.one_m_b1 = 1.0f - (float)cfg->beta1;
+    c.one_m_b2 = 1.0f - c.beta2, c.eps = cfg->eps;
+    c.inv_bc1 = 1.0f / (float)bc1, c.inv_bc2_sqrt = 1.0f / (float)bc2_sqrt;
+    return c;
+}
+
+/* The Blocks of a LAMB tensor, the updates it keeps in keep. */
+static Blocks lamb_blocks(const LayerwiseTensor *x, const LayerwiseConfig *cfg, double bc1,
+                          double bc2_sqrt, float decay, const Keep *keep) {
+    Blocks c = layerwise_blocks(x, cfg, bc1, bc2_sqrt,
+                                cfg->mode == MODE_DECOUPLED ? decay : 1.0f, x->gmul);
+    c.wd_g = cfg->mode == MODE_L2 ? (float)x->wd : 0.0f;
+    c.wd_u = cfg->mode == MODE_UPDATE ? (float)x->wd : 0.0f;
+    keep_range(&c, x->n, keep, 1);
+    return c;
+}
+
+/* The Blocks of a LANS tensor, keeping two numbers per element. */
+static Blocks lans_blocks(const LayerwiseTensor *x, const LayerwiseConfig *cfg, double bc1,
+                          double bc2_sqrt, float ginv, const Keep *keep) {
+    Blocks c = layerwise_blocks(x, cfg, bc1, bc2_sqrt, 1.0f, ginv);
+    c.wd = (float)x->wd, c.moved = cfg->moved;
+    keep_range(&c, x->n, keep, 2);
+    return c;
+}
+
+/* The loops over blocks, in each form: the portable ones below (and Adam's, adam.h), or the
+ * AVX-512 ones (avx512.h), as compact_loop() picks. */
+enum { LAMB_SUMS, LAMB_APPLY, LANS_SUMS, LANS_APPLY, ADAM_APPLY }; /* ADAM_APPLY + 2*split
+                                                                     + nesterov: Adam's four */
+static BlockLoop compact_loop(int which);
+
+/* ---- the portable loops ------------------------------------------------------------------ */
+
+/* A block's inputs, as the loops read them: block b (elements at .. at + len), its weights
+ * (*wp) and gradient (*gp), staged into wb, gb where not float32, its moments decoded into
+ * mb, vb. Returns where the loop writes the new weights: in place, or wb for block_outputs. */
+INLINE float *block_inputs(const Blocks *c, int64_t b, int64_t at, int64_t len,
+                           const float **wp, const float **gp, float *wb, float *gb,
+                           float *mb, float *vb) {
+    *wp = (const float *)c->s.w + at, *gp = (const float *)c->s.g + at;
+    if (c->s.lo) stage_w(&c->s, at, len, wb), *wp = wb;
+    if (c->s.g_bf16) stage_g(&c->s, at, len, gb), *gp = gb;
+    decode_block(c->st.m, c->st.m_scale, c->st.form, 1, b, at, len, mb);
+    decode_block(c->st.v, c->st.v_scale, c->st.form, 0, b, at, len, vb);
+    return c->in_place ? (float *)c->w + at : wb;
+}
+
+/* After a second pass's loop, which put the new weights in wb (where not in place), the new
+ * moments in mb, vb and their largest magnitudes in am, av: the weights and moments stored. */
+INLINE void block_outputs(const Blocks *c, int64_t b, int64_t at, int64_t len,
+                          const float *wb, const float *mb, const float *vb, float am,
+                          float av) {
+    if (!c->in_place) unstage_w(c->w, c->low, c->split, at, len, wb);
+    encode_block(c->st.m, c->st.m_scale, c->st.form, 1, b, at, len, mb, am, c->st.offset,
+                 c->st.m_key);
+    encode_block(c->st.v, c->st.v_scale, c->st.form, 0, b, at, len, vb, av, c->st.offset,
+                 c->st.v_key);
+}
+
+/* One element's new moments mi, vi from the stored m0, v0 and its gradient g (LAMB's with
+ * its L2 decay, LANS's normalised and clamped). */
+INLINE void moments(const Blocks *c, float g, float m0, float v0, float *mi, float *vi) {
+    *mi = m0 + c->one_m_b1 * (g - m0);
+    *vi = v0 * c->beta2 + c->one_m_b2 * g * g;
+}
+
+/* LAMB's update u of one element (weight w, gradient g), its new moments in *mi, *vi. */
+INLINE float lamb_update(const Blocks *c, float w, float g, float m0, float v0, float *mi,
+                         float *vi) {
+    const float gi = clampf(g * c->s.gmul, c->s.glo, c->s.ghi) + c->wd_g * w;
+    moments(c, gi, m0, v0, mi, vi);
+    float rv = sqrtf(*vi);
+    return (*mi * c->inv_bc1) / (rv * c->inv_bc2_sqrt + c->eps) + c->wd_u * w;
+}
+
+/* The new moments staged in a block's buffers mb, vb (encoded after the loop) and their
+ * largest magnitudes taken into *am, *av. */
+INLINE void stage_moments(float *mb, float *vb, int64_t i, float mi, float vi, float *am,
+                          float *av) {
+    mb[i] = mi;
+    vb[i] = vi;
+    *am = fabsf(mi) > *am ? fabsf(mi) : *am;
+    *av = vi > *av ? vi : *av;
+}
+
+/* What each loop does with a block of len elements: the weights wp[i] (times s.wmul), the
+ * gradient gp[i], the stored moments mb[i], vb[i]. A first pass adds its sums to sums; a
+ * second writes the new weights to wo[i] and stages the new moments (stage_moments). */
+INLINE void lamb_sums_block(const Blocks *c, int64_t len, const float *wp, const float *gp,
+                            const float *mb, const float *vb, double *sums) {
+    float bw = 0.0f, bu = 0.0f;
+#pragma omp simd reduction(+ : bw, bu)
+    for (int64_t i = 0; i < len; i++) {
+        float w = wp[i] * c->s.wmul, mi, vi;
+        float u = lamb_update(c, w, gp[i], mb[i], vb[i], &mi, &vi);
+        bw += w * w;
+        bu += u * u;
     }
-
-TARGETS static void lans_compact_sums(const LayerwiseTensor *x, const LayerwiseConfig *cfg,
-                                      double bc1, double bc2_sqrt, float ginv, double *out,
-                                      const Keep *keep) {
-    (void)keep;
-    LANS_SCALARS;
-    COMPACT_GRID(x);
-    double sw = 0.0, sr = 0.0, sc = 0.0, src = 0.0;
-    EACH_COMPACT_BLOCK(x, "omp parallel reduction(+ : sw, sr, sc, src) num_threads(cfg->nthreads) if (n >= 32768)",
-        float bw = 0.0f, br = 0.0f, bc = 0.0f, brc = 0.0f;
-        LANS_SUMS_LOOP
-        sw += bw;
-        sr += br;
-        sc += bc;
-        src += brc;)
-    out[0] = sw;
-    out[1] = sr;
-    out[2] = sc;
-    out[3] = src;
+    sums[0] += bw;
+    sums[1] += bu;
 }
 
-#define LANS_APPLY_LOOP                                                                        \
-    _Pragma("omp simd reduction(max : am, av)")                                                \
-    for (int64_t i = 0; i < len; i++) {                                                        \
-        LANS_MOMENTS                                                                           \
-        float w1 = w - lr_r * (ratio_r * r);                                                   \
-        float c = gt * dinv + wd * (moved ? w1 : w);                                           \
-        wo[i] = w1 - lr_c * (ratio_c * c);                                                     \
-        STAGE_MOMENTS                                                                          \
+INLINE void lamb_apply_block(const Blocks *c, int64_t len, const float *wp, const float *gp,
+                             float *wo, float *mb, float *vb, float *amax, float *vmax) {
+    float am = 0.0f, av = 0.0f;
+#pragma omp simd reduction(max : am, av)
+    for (int64_t i = 0; i < len; i++) {
+        float w = wp[i] * c->s.wmul, mi, vi;
+        float u = lamb_update(c, w, gp[i], mb[i], vb[i], &mi, &vi);
+        wo[i] = w - c->lr * (c->ratio * u);
+        stage_moments(mb, vb, i, mi, vi, &am, &av);
     }
-
-TARGETS static void lans_compact_apply(const LayerwiseTensor *x, const LayerwiseConfig *cfg,
-                                       double bc1, double bc2_sqrt, float ginv, float lr_r,
-                                       float lr_c,
-                                       float ratio_r, float ratio_c, const Keep *keep) {
-    (void)keep;
-    LANS_SCALARS;
-    COMPACT_GRID(x);
-    const int moved = cfg->moved;
-    EACH_COMPACT_BLOCK(x, PARALLEL,
-        float am = 0.0f, av = 0.0f;
-        LANS_APPLY_LOOP
-        BLOCK_OUTPUTS(b, x);)
+    *amax = am, *vmax = av;
 }
 
+/* LANS's r of one element (weight w, gradient gt = its clamped normalised gradient), its new
+ * moments in *mi, *vi and 1 / (sqrt(v^) + eps) in *dinv. */
+INLINE float lans_update(const Blocks *c, float w, float gt, float m0, float v0, float *mi,
+                         float *vi, float *dinv) {
+    moments(c, gt, m0, v0, mi, vi);
+    float rv = sqrtf(*vi);
+    *dinv = 1.0f / (rv * c->inv_bc2_sqrt + c->eps);
+    return (*mi * c->inv_bc1) * *dinv + c->wd * w;
+}
+
+INLINE void lans_sums_block(const Blocks *c, int64_t len, const float *wp, const float *gp,
+                            const float *mb, const float *vb, double *sums) {
+    float bw = 0.0f, br = 0.0f, bc = 0.0f, brc = 0.0f;
+#pragma omp simd reduction(+ : bw, br, bc, brc)
+    for (int64_t i = 0; i < len; i++) {
+        float w = wp[i] * c->s.wmul, gt = clampf(gp[i] * c->s.gmul, c->s.glo, c->s.ghi);
+        float mi, vi, dinv;
+        float r = lans_update(c, w, gt, mb[i], vb[i], &mi, &vi, &dinv);
+        float cc = gt * dinv + c->wd * w;
+        bw += w * w;
+        br += r * r;
+        bc += cc * cc;
+        brc += r * cc;
+    }
+    sums[0] += bw;
+    sums[1] += br;
+    sums[2] += bc;
+    sums[3] += brc;
+}
+
+INLINE void lans_apply_block(const Blocks *c, int64_t len, const float *wp, const float *gp,
+                             float *wo, float *mb, float *vb, float *amax, float *vmax) {
+    float am = 0.0f, av = 0.0f;
+#pragma omp simd reduction(max : am, av)
+    for (int64_t i = 0; i < len; i++) {
+        float w = wp[i] * c->s.wmul, gt = clampf(gp[i] * c->s.gmul, c->s.glo, c->s.ghi);
+        float mi, vi, dinv;
+        float r = lans_update(c, w, gt, mb[i], vb[i], &mi, &vi, &dinv);
+        float w1 = w - c->lr_r * (c->ratio_r * r);
+        float cc = gt * dinv + c->wd * (c->moved ? w1 : w);
+        wo[i] = w1 - c->lr_c * (c->ratio_c * cc);
+        stage_moments(mb, vb, i, mi, vi, &am, &av);
+    }
+    *amax = am, *vmax = av;
+}
+
+/* Adam's, in adam.h (compiled without contraction): split and nesterov constants. */
+INLINE void adam_apply_block(const Blocks *c, int64_t len, const float *wp, const float *gp,
+                             float *wo, float *mb, float *vb, float *amax, float *vmax,
+                             int split, int nesterov);
+
+/* The portable loops over a thread's blocks [first, last): each block's inputs, then what
+ * loop (LAMB_SUMS, ..., a constant) does with them, then, after a second pass, its weights
+ * and moments stored. */
+INLINE void portable_blocks(const Blocks *blocks, int64_t first, int64_t last, double *sums,
+                            int loop) {
+    const Blocks c = *blocks;
+    float wb[COMPACT_BLOCK], gb[COMPACT_BLOCK], mb[COMPACT_BLOCK], vb[COMPACT_BLOCK];
+    for (int64_t b = first; b < last; b++) {
+        int64_t len;
+        const int64_t at = block_start(b, c.per_row, c.row_len, &len);
+        const float *wp, *gp;
+        float *wo = block_inputs(&c, b, at, len, &wp, &gp, wb, gb, mb, vb), am, av;
+        if (loop == LAMB_SUMS) {
+            lamb_sums_block(&c, len, wp, gp, mb, vb, sums);
+            continue;
+        }
+        if (loop == LANS_SUMS) {
+            lans_sums_block(&c, len, wp, gp, mb, vb, sums);
+            continue;
+        }
+        if (loop == LAMB_APPLY)
+            lamb_apply_block(&c, len, wp, gp, wo, mb, vb, &am, &av);
+        else if (loop == LANS_APPLY)
+            lans_apply_block(&c, len, wp, gp, wo, mb, vb, &am, &av);
+        else
+            adam_apply_block(&c, len, wp, gp, wo, mb, vb, &am, &av, (loop - ADAM_APPLY) >> 1,
+                             (loop - ADAM_APPLY) & 1);
+        block_outputs(&c, b, at, len, wb, mb, vb, am, av);
+    }
+}
+
+TARGETS static void lamb_sums_portable(const Blocks *c, int64_t i, int64_t j, double *s) {
+    portable_blocks(c, i, j, s, LAMB_SUMS);
+}
+TARGETS static void lamb_apply_portable(const Blocks *c, int64_t i, int64_t j, double *s) {
+    portable_blocks(c, i, j, s, LAMB_APPLY);
+}
+TARGETS static void lans_sums_portable(const Blocks *c, int64_t i, int64_t j, double *s) {
+    portable_blocks(c, i, j, s, LANS_SUMS);
+}
+TARGETS static void lans_apply_portable(const Blocks *c, int64_t i, int64_t j, double *s) {
+    portable_blocks(c, i, j, s, LANS_APPLY);
+}
+
+/* Adam's, in adam.h (compiled without contraction). */
+TARGETS static void adam_apply_portable(const Blocks *, int64_t, int64_t, double *);
+TARGETS static void adam_apply_nesterov_portable(const Blocks *, int64_t, int64_t, double *);
+TARGETS static void adam_apply_split_portable(const Blocks *, int64_t, int64_t, double *);
+TARGETS static void adam_apply_split_nesterov_portable(const Blocks *, int64_t, int64_t, double *);
+
+static const BlockLoop PORTABLE[] = {lamb_sums_portable,
+                                     lamb_apply_portable,
+                                     lans_sums_portable,
+                                     lans_apply_portable,
+                                     adam_apply_portable,
+                                     adam_apply_nesterov_portable,
+                                     adam_apply_split_portable,
+                                     adam_apply_split_nesterov_portable};
+
+/* ---- LAMB and LANS on compact moments, as kernels.c calls them ---------------------------- */
+
+static void lamb_compact_sums(const LayerwiseTensor *x, const LayerwiseConfig *cfg, double bc1,
+                              double bc2_sqrt, float decay, double *out, const Keep *keep) {
+    const Blocks c = lamb_blocks(x, cfg, bc1, bc2_sqrt, decay, keep);
+    run_blocks(compact_loop(LAMB_SUMS), &c, x->n, cfg->nthreads, out, 2);
+}
+
+static void lamb_compact_apply(const LayerwiseTensor *x, const LayerwiseConfig *cfg,
+                               double bc1, double bc2_sqrt, float decay, float lr, float ratio,
+                               const Keep *keep) {
+    Blocks c = lamb_blocks(x, cfg, bc1, bc2_sqrt, decay, keep);
+    c.lr = lr, c.ratio = ratio;
+    run_blocks(compact_loop(LAMB_APPLY), &c, x->n, cfg->nthreads, NULL, 0);
+}
+
+static void lans_compact_sums(const LayerwiseTensor *x, const LayerwiseConfig *cfg, double bc1,
+                              double bc2_sqrt, float ginv, double *out, const Keep *keep) {
+    const Blocks c = lans_blocks(x, cfg, bc1, bc2_sqrt, ginv, keep);
+    run_blocks(compact_loop(LANS_SUMS), &c, x->n, cfg->nthreads, out, 4);
+}
+
+static void lans_compact_apply(const LayerwiseTensor *x, const LayerwiseConfig *cfg,
+                               double bc1, double bc2_sqrt, float ginv, float lr_r, float lr_c,
+                               float ratio_r, float ratio_c, const Keep *keep) {
+    Blocks c = lans_blocks(x, cfg, bc1, bc2_sqrt, ginv, keep);
+    c.lr_r = lr_r, c.lr_c = lr_c, c.ratio_r = ratio_r, c.ratio_c = ratio_c;
+    run_blocks(compact_loop(LANS_APPLY), &c, x->n, cfg->nthreads, NULL, 0);
+}

@@ -77,7 +77,7 @@ static void lamb_sums(const LayerwiseTensor *x, const LayerwiseConfig *cfg, doub
     bias_corrections(x->step, 1, cfg, &bc1, &bc2_sqrt);
     const float decay = (float)(1.0 - x->lr * x->wd);
     if (x->form != FORM_F32) {
-        COMPACT_CALL(lamb_compact_sums, (x, cfg, bc1, bc2_sqrt, decay, sums, keep));
+        lamb_compact_sums(x, cfg, bc1, bc2_sqrt, decay, sums, keep);
         return;
     }
     lamb_phase1(x, cfg, bc1, bc2_sqrt, decay, sums);
@@ -90,8 +90,7 @@ static void lamb_apply(const LayerwiseTensor *x, const LayerwiseConfig *cfg, con
     const float decay = (float)(1.0 - x->lr * x->wd);
     const double ratio = x->adapt ? trust_ratio(sums[0], sums[1], cfg) : 1.0;
     if (x->form != FORM_F32) {
-        COMPACT_CALL(lamb_compact_apply,
-                     (x, cfg, bc1, bc2_sqrt, decay, (float)x->lr, (float)ratio, keep));
+        lamb_compact_apply(x, cfg, bc1, bc2_sqrt, decay, (float)x->lr, (float)ratio, keep);
         return;
     }
     lamb_phase2(x, cfg, bc1, bc2_sqrt, decay, (float)x->lr, (float)ratio);
@@ -141,7 +140,7 @@ static void lans_sums(const LayerwiseTensor *x, const LayerwiseConfig *cfg, floa
     double bc1, bc2_sqrt;
     bias_corrections(x->step, 1, cfg, &bc1, &bc2_sqrt);
     if (x->form != FORM_F32) {
-        COMPACT_CALL(lans_compact_sums, (x, cfg, bc1, bc2_sqrt, ginv, sums, keep));
+        lans_compact_sums(x, cfg, bc1, bc2_sqrt, ginv, sums, keep);
         return;
     }
     lans_phase1(x, cfg, bc1, bc2_sqrt, ginv, sums);
@@ -161,8 +160,8 @@ static void lans_apply(const LayerwiseTensor *x, const LayerwiseConfig *cfg, flo
     }
     const double ratio_c = x->adapt ? trust_ratio(sums[0], c2, cfg) : 1.0;
     if (x->form != FORM_F32) {
-        COMPACT_CALL(lans_compact_apply, (x, cfg, bc1, bc2_sqrt, ginv, (float)lr_r,
-                                          (float)lr_c, (float)ratio_r, (float)ratio_c, keep));
+        lans_compact_apply(x, cfg, bc1, bc2_sqrt, ginv, (float)lr_r, (float)lr_c, (float)ratio_r,
+                           (float)ratio_c, keep);
         return;
     }
     lans_phase2(x, cfg, bc1, bc2_sqrt, ginv, (float)lr_r, (float)lr_c, (float)ratio_r,
