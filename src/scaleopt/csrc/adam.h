@@ -93,19 +93,10 @@ INLINE void adam_apply_block(const Blocks *c, int64_t len, const float *wp, cons
     *amax = am, *vmax = av;
 }
 
-TARGETS static void adam_apply_portable(const Blocks *c, int64_t i, int64_t j, double *s) {
-    portable_blocks(c, i, j, s, ADAM_APPLY);
-}
-TARGETS static void adam_apply_nesterov_portable(const Blocks *c, int64_t i, int64_t j, double *s) {
-    portable_blocks(c, i, j, s, ADAM_APPLY + 1);
-}
-TARGETS static void adam_apply_split_portable(const Blocks *c, int64_t i, int64_t j, double *s) {
-    portable_blocks(c, i, j, s, ADAM_APPLY + 2);
-}
-TARGETS static void adam_apply_split_nesterov_portable(const Blocks *c, int64_t i, int64_t j,
-                                                       double *s) {
-    portable_blocks(c, i, j, s, ADAM_APPLY + 3);
-}
+TARGETS static void adam_apply_portable(const Blocks *c, int64_t i, int64_t j, double *s) { portable_blocks(c, i, j, s, ADAM_APPLY); }
+TARGETS static void adam_apply_nesterov_portable(const Blocks *c, int64_t i, int64_t j, double *s) { portable_blocks(c, i, j, s, ADAM_APPLY + 1); }
+TARGETS static void adam_apply_split_portable(const Blocks *c, int64_t i, int64_t j, double *s) { portable_blocks(c, i, j, s, ADAM_APPLY + 2); }
+TARGETS static void adam_apply_split_nesterov_portable(const Blocks *c, int64_t i, int64_t j, double *s) { portable_blocks(c, i, j, s, ADAM_APPLY + 3); }
 
 /* An Adam tensor on compact moments: its weights as they are, its gradient times gmul, no
  * clipping. */

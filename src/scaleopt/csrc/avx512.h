@@ -47,13 +47,11 @@ int32_t compact_simd(int32_t use) {
     return v16_on();
 }
 
-#define V16_SET _mm512_set1_ps
-
 /* sqrt(x), x >= 0, as x times the estimate of 1/sqrt(x); and 1/d, the estimate. Each within
  * 2^-14 (relative) of the exact value: the update within 2^-13 of the exact one, far inside
  * the rounding of the stored moments (steps of 2^-8 in bfloat16, at least 1.6% in int8). */
 V16_INLINE __m512 v16_sqrt(__m512 x) {
-    return _mm512_mul_ps(x, _mm512_rsqrt14_ps(_mm512_max_ps(x, V16_SET(FLT_MIN))));
+    return _mm512_mul_ps(x, _mm512_rsqrt14_ps(_mm512_max_ps(x, _mm512_set1_ps(FLT_MIN))));
 }
 
 V16_INLINE __m512 v16_recip(__m512 d) { return _mm512_rcp14_ps(d); }
@@ -76,7 +74,7 @@ V16_INLINE void v16_decode(const Stored *st, int int8, int64_t at, __mmask16 k, 
             _mm512_slli_epi32(_mm512_add_epi32(qv, _mm512_set1_epi32(FORMAT_CODE_OFFSET)),
                               FORMAT_CODE_SHIFT));
         *m = _mm512_mul_ps(_mm512_mul_ps(qm, _mm512_abs_ps(qm)), sm);
-        *v = _mm512_mul_ps(_mm512_sub_ps(fv, V16_SET(FORMAT_CODE_LOW)), sv);
+        *v = _mm512_mul_ps(_mm512_sub_ps(fv, _mm512_set1_ps(FORMAT_CODE_LOW)), sv);
         return;
     }
     const __m512i hm = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, (const uint16_t *)st->m + at));
@@ -116,12 +114,12 @@ V16_INLINE __m512i v16_code_signed(__m512 x, __m512 c, __m512i unused) {
     (void)unused;
     const __m512 y = _mm512_mul_ps(_mm512_abs_ps(x), c);
     const __m512 t = _mm512_max_ps(
-        _mm512_fmadd_ps(y, _mm512_rsqrt14_ps(y), V16_SET(FORMAT_ROOT_OFFSET)),
-        V16_SET(FORMAT_ROOT_OFFSET));
+        _mm512_fmadd_ps(y, _mm512_rsqrt14_ps(y), _mm512_set1_ps(FORMAT_ROOT_OFFSET)),
+        _mm512_set1_ps(FORMAT_ROOT_OFFSET));
     __m512 q = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m512 b = _mm512_add_ps(q, V16_SET(0.5f));
+    const __m512 b = _mm512_add_ps(q, _mm512_set1_ps(0.5f));
     q = _mm512_mask_add_ps(q, _mm512_cmp_ps_mask(_mm512_mul_ps(b, b), y, _CMP_LE_OQ), q,
-                           V16_SET(1.0f));
+                           _mm512_set1_ps(1.0f));
     /* x's sign onto q (0xF8: q | (x & sign)) */
     const __m512i with_sign = _mm512_ternarylogic_epi32(
         _mm512_castps_si512(q), _mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u),
@@ -134,7 +132,7 @@ V16_INLINE __m512i v16_code_signed(__m512 x, __m512 c, __m512i unused) {
  * never fused with the product); a NaN takes 2^-31 from the max (code 0), and the unsigned
  * packs (V16_CODES64) saturate codes above 255 (y >= 2, infinity) to 255. */
 V16_INLINE __m512i v16_code_unsigned(__m512 x, __m512 c, __m512i r16) {
-    const __m512 low = V16_SET(FORMAT_CODE_LOW);
+    const __m512 low = _mm512_set1_ps(FORMAT_CODE_LOW);
     const __m512 z = _mm512_max_ps(
         _mm512_add_round_ps(_mm512_mul_ps(x, c), low, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
         low);
@@ -146,42 +144,55 @@ V16_INLINE __m512i v16_code_unsigned(__m512 x, __m512 c, __m512i r16) {
 /* The codes of x[0..n), n <= 64, into out[0..n): four vectors of int32 codes packed into one
  * of bytes (the packs work within 128-bit lanes: the permutation puts the four vectors'
  * elements back in order) and stored at once, which is cheaper than four narrowing stores. */
-#define V16_LOAD_PART(x, n, t)                                                                 \
-    _mm512_maskz_loadu_ps(v16_mask(16 * (t), (n) > 16 * (t) ? (n) : 16 * (t)), (x) + 16 * (t))
-#define V16_CODES64(out, n, x, c, CODE, R0, R1, R2, R3, PACK16, PACK8)                         \
-    do {                                                                                       \
-        const __m512i q0 = CODE(V16_LOAD_PART(x, n, 0), c, R0);                                \
-        const __m512i q1 = CODE(V16_LOAD_PART(x, n, 1), c, R1);                                \
-        const __m512i q2 = CODE(V16_LOAD_PART(x, n, 2), c, R2);                                \
-        const __m512i q3 = CODE(V16_LOAD_PART(x, n, 3), c, R3);                                \
-        const __m512i bytes = _mm512_permutexvar_epi32(                                        \
-            _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15),           \
-            PACK8(PACK16(q0, q1), PACK16(q2, q3)));                                           \
-        if ((n) == 64)                                                                         \
-            _mm512_storeu_si512((void *)(out), bytes);                                         \
-        else                                                                                   \
-            _mm512_mask_storeu_epi8((out), _bzhi_u64(~0ULL, (unsigned)(n)), bytes);            \
-    } while (0)
+V16_INLINE __m512 v16_load_part(const float *x, int64_t n, int t) {
+    return _mm512_maskz_loadu_ps(v16_mask(16 * t, n > 16 * t ? n : 16 * t), x + 16 * t);
+}
 
-/* The codes of x[j..j + n) (n <= 64; N: n, or 64 where that is known) from at. Unsigned
- * ones take the random bits of code_random16 (times 16): positions j .. j + 31 the halves of
- * the hashes of g + j/2 + lane, j + 32 .. j + 63 those of g + j/2 + 16 + lane. */
-#define V16_LOW16(h) _mm512_and_si512(_mm512_slli_epi32(h, 4), _mm512_set1_epi32(0xFFFF0))
-#define V16_HIGH16(h) _mm512_and_si512(_mm512_srli_epi32(h, 12), _mm512_set1_epi32(0xFFFF0))
-#define V16_CODES_AT(N)                                                                        \
-    do {                                                                                       \
-        if (is_signed) {                                                                       \
-            const __m512i none = _mm512_setzero_si512();                                       \
-            V16_CODES64((int8_t *)codes + at + j, N, x + j, c, v16_code_signed, none, none,     \
-                        none, none, _mm512_packs_epi32, _mm512_packs_epi16);                   \
-        } else {                                                                               \
-            const __m512i h0 = v16_hash32(offset + at + j / 2, key);                           \
-            const __m512i h1 = v16_hash32(offset + at + j / 2 + 16, key);                      \
-            V16_CODES64((uint8_t *)codes + at + j, N, x + j, c, v16_code_unsigned,             \
-                        V16_LOW16(h0), V16_HIGH16(h0), V16_LOW16(h1), V16_HIGH16(h1),          \
-                        _mm512_packus_epi32, _mm512_packus_epi16);                             \
-        }                                                                                      \
-    } while (0)
+V16_INLINE __m512i v16_code(__m512 x, __m512 c, __m512i r16, int is_signed) {
+    return is_signed ? v16_code_signed(x, c, r16) : v16_code_unsigned(x, c, r16);
+}
+
+V16_INLINE void v16_codes64(void *out, int64_t n, const float *x, __m512 c, int is_signed,
+                            __m512i r0, __m512i r1, __m512i r2, __m512i r3) {
+    const __m512i q0 = v16_code(v16_load_part(x, n, 0), c, r0, is_signed);
+    const __m512i q1 = v16_code(v16_load_part(x, n, 1), c, r1, is_signed);
+    const __m512i q2 = v16_code(v16_load_part(x, n, 2), c, r2, is_signed);
+    const __m512i q3 = v16_code(v16_load_part(x, n, 3), c, r3, is_signed);
+    const __m512i packed = is_signed ? _mm512_packs_epi16(_mm512_packs_epi32(q0, q1),
+                                                          _mm512_packs_epi32(q2, q3))
+                                     : _mm512_packus_epi16(_mm512_packus_epi32(q0, q1),
+                                                           _mm512_packus_epi32(q2, q3));
+    const __m512i bytes = _mm512_permutexvar_epi32(
+        _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), packed);
+    if (n == 64)
+        _mm512_storeu_si512(out, bytes);
+    else
+        _mm512_mask_storeu_epi8(out, _bzhi_u64(~0ULL, (unsigned)n), bytes);
+}
+
+/* The random bits (times 16) of the low and high halves of hashes h. */
+V16_INLINE __m512i v16_low16(__m512i h) {
+    return _mm512_and_si512(_mm512_slli_epi32(h, 4), _mm512_set1_epi32(0xFFFF0));
+}
+V16_INLINE __m512i v16_high16(__m512i h) {
+    return _mm512_and_si512(_mm512_srli_epi32(h, 12), _mm512_set1_epi32(0xFFFF0));
+}
+
+/* The codes of x[j..j + n) (n <= 64) from at. Unsigned ones take the random bits of
+ * code_random16 (times 16): positions j .. j + 31 the halves of the hashes of g + j/2 + lane,
+ * j + 32 .. j + 63 those of g + j/2 + 16 + lane. */
+V16_INLINE void v16_codes_at(void *codes, int is_signed, int64_t at, int64_t j, int64_t n,
+                             const float *x, __m512 c, int64_t offset, uint32_t key) {
+    if (is_signed) {
+        const __m512i none = _mm512_setzero_si512();
+        v16_codes64((int8_t *)codes + at + j, n, x + j, c, 1, none, none, none, none);
+        return;
+    }
+    const __m512i h0 = v16_hash32(offset + at + j / 2, key);
+    const __m512i h1 = v16_hash32(offset + at + j / 2 + 16, key);
+    v16_codes64((uint8_t *)codes + at + j, n, x + j, c, 0, v16_low16(h0), v16_high16(h0),
+                v16_low16(h1), v16_high16(h1));
+}
 
 /* x[0..len) as block b of a moment's codes (from at), with the scale s (unsigned codes
  * rounded with the random bits of code_random16(offset + at + key, i)). A whole block runs
@@ -189,15 +200,14 @@ V16_INLINE __m512i v16_code_unsigned(__m512 x, __m512 c, __m512i r16) {
 V16_INLINE void v16_encode(void *codes, float *scales, int is_signed, int64_t b, int64_t at,
                            int64_t len, const float *x, float s, int64_t offset, uint32_t key) {
     scales[b] = s;
-    const __m512 c = V16_SET(code_factor(is_signed, s));
+    const __m512 c = _mm512_set1_ps(code_factor(is_signed, s));
     if (len == COMPACT_BLOCK) {
-        for (int64_t j = 0; j < COMPACT_BLOCK; j += 64) V16_CODES_AT(64);
+        for (int64_t j = 0; j < COMPACT_BLOCK; j += 64)
+            v16_codes_at(codes, is_signed, at, j, 64, x, c, offset, key);
         return;
     }
-    for (int64_t j = 0; j < len; j += 64) {
-        const int64_t n = len - j < 64 ? len - j : 64;
-        V16_CODES_AT(n);
-    }
+    for (int64_t j = 0; j < len; j += 64)
+        v16_codes_at(codes, is_signed, at, j, len - j < 64 ? len - j : 64, x, c, offset, key);
 }
 
 /* Whole tensors (int8_encode) on AVX-512: each block's largest magnitude, then its codes. */
@@ -221,247 +231,325 @@ V16_INLINE void v16_encode_block(const Stored *st, int64_t b, int64_t at, int64_
     v16_encode(st->v, st->v_scale, 0, b, at, len, vb, av, st->offset, st->v_key);
 }
 
-/* A thread's blocks [first, last): the loop function NAME's head, up to the block's inputs:
- * wp, gp, where the new weights go (wo), and the steps sm, sv of its int8 codes. */
-#define V16_BLOCKS(NAME)                                                                       \
-    V16 static void NAME(const Blocks *blocks_, int64_t first, int64_t last, double *sums) {   \
-        const Blocks c = *blocks_;                                                             \
-        float wb[COMPACT_BLOCK], gb[COMPACT_BLOCK], mb[COMPACT_BLOCK], vb[COMPACT_BLOCK];      \
-        const int int8 = c.st.form == FORM_INT8, plain = v16_plain(&c);                        \
-        const __m512 vwf = V16_SET(c.s.wmul), vgm = V16_SET(c.s.gmul);                         \
-        const __m512 vglo = V16_SET(c.s.glo), vghi = V16_SET(c.s.ghi);                         \
-        const __m512 vomb1 = V16_SET(c.one_m_b1), vomb2 = V16_SET(c.one_m_b2);                 \
-        const __m512 vbeta2 = V16_SET(c.beta2), veps = V16_SET(c.eps);                         \
-        const __m512 vibc1 = V16_SET(c.inv_bc1), vibc2 = V16_SET(c.inv_bc2_sqrt);              \
-        (void)sums; (void)mb; (void)vb; (void)vibc1; (void)plain;                              \
-        for (int64_t b = first; b < last; b++) {                                               \
-            int64_t len;                                                                       \
-            const int64_t at = block_start(b, c.per_row, c.row_len, &len);                     \
-            const float *wp = (const float *)c.s.w + at, *gp = (const float *)c.s.g + at;      \
-            if (c.s.lo) stage_w(&c.s, at, len, wb), wp = wb;                                   \
-            if (c.s.g_bf16) stage_g(&c.s, at, len, gb), gp = gb;                               \
-            float *wo = c.in_place ? (float *)c.w + at : wb;                                   \
-            const __m512 sm = V16_SET(int8 ? c.st.m_scale[b] / FORMAT_SIGNED_SCALE : 0.0f);    \
-            const __m512 sv = V16_SET(int8 ? c.st.v_scale[b] / FORMAT_UNSIGNED_SCALE : 0.0f);  \
-            (void)wo;
-#define V16_BLOCKS_END                                                                         \
-        }                                                                                      \
-    }
-
-/* A block's lanes j .. j + 15 (mask k): w and the gradient gt as the portable loops take
- * them (wp * wf, clamp(gp * gm, glo, ghi)); PLAIN (a constant) where wf is 1 and the bounds
- * are infinite, and these are the identity. */
-#define V16_W(PLAIN)                                                                           \
-    const __m512 w0 = _mm512_maskz_loadu_ps(k, wp + j);                                        \
-    const __m512 w = (PLAIN) ? w0 : _mm512_mul_ps(w0, vwf)
-#define V16_GT(PLAIN)                                                                          \
-    const __m512 g0 = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, gp + j), vgm);                    \
-    const __m512 gt = (PLAIN) ? g0 : _mm512_min_ps(vghi, _mm512_max_ps(vglo, g0))
-
 /* Whether a Blocks' weights are taken as they are and its gradient is not clipped. */
 static int v16_plain(const Blocks *c) {
     return c->s.wmul == 1.0f && c->s.glo == -INFINITY && c->s.ghi == INFINITY;
 }
 
-/* A block's lanes, 16 at a time: w, gt, and the stored moments m0, v0 (PLAIN, INT8 and the
- * length LEN constants where they are known). */
-#define V16_CHUNKS(PLAIN, INT8, LEN, ...)                                                      \
-    for (int64_t j = 0; j < (LEN); j += 16) {                                                  \
-        const __mmask16 k = v16_mask(j, (LEN));                                                \
-        V16_W(PLAIN);                                                                          \
-        V16_GT(PLAIN);                                                                         \
-        __m512 m0, v0;                                                                         \
-        v16_decode(&c.st, (INT8), at + j, k, sm, sv, &m0, &v0);                                \
-        __VA_ARGS__                                                                            \
-    }
+/* A Blocks' scalars in every lane. */
+typedef struct {
+    __m512 wf, gm, glo, ghi, omb1, omb2, beta1, beta2, eps, ibc1, ibc2;
+} V16Scalars;
 
-/* Over a block's lanes: a whole block of int8 codes with plain weights and gradients (the
- * common case) runs a copy of the loop in which all that is constant (no masks, no scaling
- * of w, no clamp, one form); the others the general one. */
-#define V16_EACH_CHUNK(...)                                                                    \
-    if (int8 && len == COMPACT_BLOCK && plain) {                                               \
-        V16_CHUNKS(1, 1, COMPACT_BLOCK, __VA_ARGS__)                                           \
-    } else {                                                                                   \
-        V16_CHUNKS(0, int8, len, __VA_ARGS__)                                                  \
-    }
+V16_INLINE V16Scalars v16_scalars(const Blocks *c) {
+    const V16Scalars v = {_mm512_set1_ps(c->s.wmul),     _mm512_set1_ps(c->s.gmul),
+                          _mm512_set1_ps(c->s.glo),      _mm512_set1_ps(c->s.ghi),
+                          _mm512_set1_ps(c->one_m_b1),   _mm512_set1_ps(c->one_m_b2),
+                          _mm512_set1_ps(c->beta1),      _mm512_set1_ps(c->beta2),
+                          _mm512_set1_ps(c->eps),        _mm512_set1_ps(c->inv_bc1),
+                          _mm512_set1_ps(c->inv_bc2_sqrt)};
+    return v;
+}
+
+/* One block as the AVX-512 loops read it: block b, elements at .. at + len; its weights wp
+ * and gradient gp (staged where they are not float32), where the new weights go (wo), the
+ * steps sm, sv of its int8 codes, and buffers for its new int8 moments (mb, vb). */
+typedef struct {
+    int64_t b, at, len;
+    const float *wp, *gp;
+    float *wo, *mb, *vb;
+    __m512 sm, sv;
+} V16Block;
+
+/* Lanes j .. j + 15 of a block (mask k): w and the gradient gt as the portable loops take
+ * them (wp * wf, clamp(gp * gm, glo, ghi)); plain (a constant) where wf is 1 and the bounds
+ * are infinite, and these are the identity. */
+V16_INLINE __m512 v16_w(const V16Scalars *v, const V16Block *k, int64_t j, __mmask16 mask,
+                        int plain) {
+    const __m512 w0 = _mm512_maskz_loadu_ps(mask, k->wp + j);
+    return plain ? w0 : _mm512_mul_ps(w0, v->wf);
+}
+
+V16_INLINE __m512 v16_gt(const V16Scalars *v, const V16Block *k, int64_t j, __mmask16 mask,
+                         int plain) {
+    const __m512 g0 = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, k->gp + j), v->gm);
+    return plain ? g0 : _mm512_min_ps(v->ghi, _mm512_max_ps(v->glo, g0));
+}
+
+/* The moments' update from the gradient g with the operations the portable loops compile to
+ * (so that both store the same moments); returns 1/(sqrt(v^) + eps). */
+V16_INLINE __m512 v16_moments(const V16Scalars *v, __m512 g, __m512 m0, __m512 v0, __m512 *mi,
+                              __m512 *vi) {
+    *mi = _mm512_fmadd_ps(v->omb1, _mm512_sub_ps(g, m0), m0);
+    *vi = _mm512_fmadd_ps(v0, v->beta2, _mm512_mul_ps(_mm512_mul_ps(v->omb2, g), g));
+    return v16_recip(_mm512_fmadd_ps(v16_sqrt(*vi), v->ibc2, v->eps));
+}
 
 /* The new moments mi, vi staged: int8 ones in mb, vb with their largest magnitudes in am, av
  * (NaNs passed over), bfloat16 ones stored. */
-#define V16_STAGE_MOMENTS                                                                      \
-    if (int8) {                                                                                \
-        _mm512_storeu_ps(mb + j, mi);                                                          \
-        _mm512_storeu_ps(vb + j, vi);                                                          \
-        am = _mm512_mask_max_ps(am, k, _mm512_abs_ps(mi), am);                                 \
-        av = _mm512_mask_max_ps(av, k, vi, av);                                                \
-    } else {                                                                                   \
-        v16_store_bf16((uint16_t *)c.st.m + at + j, k, mi, c.st.offset + at + j, c.st.m_key); \
-        v16_store_bf16((uint16_t *)c.st.v + at + j, k, vi, c.st.offset + at + j, c.st.v_key); \
+V16_INLINE void v16_stage(const Blocks *c, const V16Block *k, int int8, int64_t j,
+                          __mmask16 mask, __m512 mi, __m512 vi, __m512 *am, __m512 *av) {
+    if (int8) {
+        _mm512_storeu_ps(k->mb + j, mi);
+        _mm512_storeu_ps(k->vb + j, vi);
+        *am = _mm512_mask_max_ps(*am, mask, _mm512_abs_ps(mi), *am);
+        *av = _mm512_mask_max_ps(*av, mask, vi, *av);
+        return;
     }
-#define V16_MAXIMA __m512 am = _mm512_setzero_ps(), av = _mm512_setzero_ps()
-/* After a block's loop: its new weights, where they were staged; its int8 moments, kept in
- * mb, vb. */
-#define V16_UNSTAGE                                                                            \
-    if (!c.in_place) unstage_w(c.w, c.low, c.split, at, len, wb)
-#define V16_STORE_MOMENTS                                                                      \
-    if (int8)                                                                                  \
-        v16_encode_block(&c.st, b, at, len, mb, vb, _mm512_reduce_max_ps(am),                  \
-                         _mm512_reduce_max_ps(av))
-#define V16_BLOCK_OUTPUTS                                                                      \
-    V16_UNSTAGE;                                                                               \
-    V16_STORE_MOMENTS
+    const int64_t at = k->at + j;
+    v16_store_bf16((uint16_t *)c->st.m + at, mask, mi, c->st.offset + at, c->st.m_key);
+    v16_store_bf16((uint16_t *)c->st.v + at, mask, vi, c->st.offset + at, c->st.v_key);
+}
 
-/* The moments' update from the gradient G with the operations the portable loops compile to
- * (so that both store the same moments), and 1/(sqrt(v^) + eps). */
-#define V16_MOMENTS(G)                                                                         \
-    const __m512 mi = _mm512_fmadd_ps(vomb1, _mm512_sub_ps(G, m0), m0);                        \
-    const __m512 vi = _mm512_fmadd_ps(v0, vbeta2, _mm512_mul_ps(_mm512_mul_ps(vomb2, G), G));  \
-    V16_DINV
-#define V16_DINV const __m512 dinv = v16_recip(_mm512_fmadd_ps(v16_sqrt(vi), vibc2, veps))
+/* After a block's loop: its int8 moments, staged in mb, vb, stored. */
+V16_INLINE void v16_store_moments(const Blocks *c, const V16Block *k, int int8, __m512 am,
+                                  __m512 av) {
+    if (int8)
+        v16_encode_block(&c->st, k->b, k->at, k->len, k->mb, k->vb, _mm512_reduce_max_ps(am),
+                         _mm512_reduce_max_ps(av));
+}
 
-/* LAMB: the update u. */
-#define V16_LAMB_U                                                                             \
-    const __m512 gi = _mm512_fmadd_ps(vwd_g, w, gt);                                           \
-    V16_MOMENTS(gi);                                                                           \
-    const __m512 u = _mm512_fmadd_ps(_mm512_mul_ps(mi, vibc1), dinv, _mm512_mul_ps(vwd_u, w))
+/* After a second pass's loop: the new weights, where they were staged. */
+V16_INLINE void v16_unstage(const Blocks *c, const V16Block *k) {
+    if (!c->in_place) unstage_w(c->w, c->low, c->split, k->at, k->len, k->wo);
+}
 
-/* LAMB's first pass. Blocks from c.keep_block on (the end of the tensor, where the second
- * pass starts) also store their new moments and keep their updates in c.keep, so that the
- * second pass only writes their weights; the others only add up the norms. */
-V16_BLOCKS(lamb_sums_blocks)
-    const __m512 vwd_g = V16_SET(c.wd_g), vwd_u = V16_SET(c.wd_u);
-    __m512 bw = _mm512_setzero_ps(), bu = _mm512_setzero_ps();
-    if (b < c.keep_block) {
-        V16_EACH_CHUNK(
-            V16_LAMB_U;
-            bw = _mm512_mask3_fmadd_ps(w, w, bw, k);
-            bu = _mm512_mask3_fmadd_ps(u, u, bu, k);)
-    } else {
-        float *keep = c.keep + (at - c.keep_from);
-        V16_MAXIMA;
-        V16_EACH_CHUNK(
-            V16_LAMB_U;
-            bw = _mm512_mask3_fmadd_ps(w, w, bw, k);
-            bu = _mm512_mask3_fmadd_ps(u, u, bu, k);
-            _mm512_mask_storeu_ps(keep + j, k, u);
-            V16_STAGE_MOMENTS)
-        V16_STORE_MOMENTS;
+/* Each loop on one block: plain, int8 and len constants where known (len is the block's
+ * length), kept: the block is one whose updates the first pass keeps for the second
+ * (c->keep_block on: the end of the tensor, where the second pass starts). */
+
+/* LAMB's update u of lanes j .. j + 15, and their new moments. */
+V16_INLINE __m512 v16_lamb_u(const Blocks *c, const V16Scalars *v, const V16Block *k,
+                             int64_t j, __mmask16 mask, int plain, int int8, __m512 w,
+                             __m512 *mi, __m512 *vi) {
+    const __m512 gi = _mm512_fmadd_ps(_mm512_set1_ps(c->wd_g), w, v16_gt(v, k, j, mask, plain));
+    __m512 m0, v0;
+    v16_decode(&c->st, int8, k->at + j, mask, k->sm, k->sv, &m0, &v0);
+    const __m512 dinv = v16_moments(v, gi, m0, v0, mi, vi);
+    return _mm512_fmadd_ps(_mm512_mul_ps(*mi, v->ibc1), dinv,
+                           _mm512_mul_ps(_mm512_set1_ps(c->wd_u), w));
+}
+
+/* LAMB's first pass. Kept blocks also store their new moments and keep their updates in
+ * c->keep, so that the second pass only writes their weights; the others only add up the
+ * norms. */
+V16_INLINE void v16_lamb_sums(const Blocks *c, const V16Scalars *v, const V16Block *k,
+                              int plain, int int8, int64_t len, int kept, double *sums) {
+    float *keep = kept ? c->keep + (k->at - c->keep_from) : NULL;
+    __m512 bw = _mm512_setzero_ps(), bu = bw, am = bw, av = bw;
+    for (int64_t j = 0; j < len; j += 16) {
+        const __mmask16 mask = v16_mask(j, len);
+        const __m512 w = v16_w(v, k, j, mask, plain);
+        __m512 mi, vi;
+        const __m512 u = v16_lamb_u(c, v, k, j, mask, plain, int8, w, &mi, &vi);
+        bw = _mm512_mask3_fmadd_ps(w, w, bw, mask);
+        bu = _mm512_mask3_fmadd_ps(u, u, bu, mask);
+        if (kept) {
+            _mm512_mask_storeu_ps(keep + j, mask, u);
+            v16_stage(c, k, int8, j, mask, mi, vi, &am, &av);
+        }
     }
+    if (kept) v16_store_moments(c, k, int8, am, av);
     sums[0] += _mm512_reduce_add_ps(bw);
     sums[1] += _mm512_reduce_add_ps(bu);
-V16_BLOCKS_END
+}
 
-V16_BLOCKS(lamb_apply_blocks)
-    const __m512 vwd_g = V16_SET(c.wd_g), vwd_u = V16_SET(c.wd_u);
-    const __m512 vlr = V16_SET(c.lr), vratio = V16_SET(c.ratio);
-    if (b >= c.keep_block) { /* the update kept by the first pass; the moments are stored */
-        const float *keep = c.keep + (at - c.keep_from);
-        for (int64_t j = 0; j < len; j += 16) {
-            const __mmask16 k = v16_mask(j, len);
-            V16_W(0);
-            const __m512 u = _mm512_maskz_loadu_ps(k, keep + j);
-            _mm512_mask_storeu_ps(wo + j, k, _mm512_fnmadd_ps(vlr, _mm512_mul_ps(vratio, u), w));
+V16_INLINE void v16_lamb_apply(const Blocks *c, const V16Scalars *v, const V16Block *k,
+                               int plain, int int8, int64_t len, int kept) {
+    const __m512 vlr = _mm512_set1_ps(c->lr), vratio = _mm512_set1_ps(c->ratio);
+    if (kept) { /* the update kept by the first pass; the moments are stored */
+        const float *keep = c->keep + (k->at - c->keep_from);
+        for (int64_t j = 0; j < k->len; j += 16) {
+            const __mmask16 mask = v16_mask(j, k->len);
+            const __m512 w = v16_w(v, k, j, mask, 0);
+            const __m512 u = _mm512_maskz_loadu_ps(mask, keep + j);
+            _mm512_mask_storeu_ps(k->wo + j, mask,
+                                  _mm512_fnmadd_ps(vlr, _mm512_mul_ps(vratio, u), w));
         }
-        V16_UNSTAGE;
-        continue;
+        v16_unstage(c, k);
+        return;
     }
-    V16_MAXIMA;
-    V16_EACH_CHUNK(
-        V16_LAMB_U;
-        _mm512_mask_storeu_ps(wo + j, k, _mm512_fnmadd_ps(vlr, _mm512_mul_ps(vratio, u), w));
-        V16_STAGE_MOMENTS)
-    V16_BLOCK_OUTPUTS;
-V16_BLOCKS_END
-
-/* LANS: the update r, and the normalised gradient's 1/(sqrt(v^) + eps) scaled part. */
-#define V16_LANS_R                                                                             \
-    V16_MOMENTS(gt);                                                                           \
-    const __m512 r = _mm512_fmadd_ps(_mm512_mul_ps(mi, vibc1), dinv, _mm512_mul_ps(vwd, w))
-
-/* LANS's sums of a block's lanes (r, and cc of the weights before the step). */
-#define V16_LANS_SUMS                                                                          \
-    const __m512 cc = _mm512_fmadd_ps(gt, dinv, _mm512_mul_ps(vwd, w));                       \
-    bw = _mm512_mask3_fmadd_ps(w, w, bw, k);                                                   \
-    br = _mm512_mask3_fmadd_ps(r, r, br, k);                                                   \
-    bc = _mm512_mask3_fmadd_ps(cc, cc, bc, k);                                                 \
-    brc = _mm512_mask3_fmadd_ps(r, cc, brc, k)
-
-/* LANS's first pass; blocks from c.keep_block on also store their moments and keep r and
- * 1/(sqrt(v^) + eps) in c.keep (the first and second half), as lamb_sums_blocks. */
-V16_BLOCKS(lans_sums_blocks)
-    const __m512 vwd = V16_SET(c.wd);
-    __m512 bw = _mm512_setzero_ps(), br = bw, bc = bw, brc = bw;
-    if (b < c.keep_block) {
-        V16_EACH_CHUNK(
-            V16_LANS_R;
-            V16_LANS_SUMS;)
-    } else {
-        float *keep = c.keep + (at - c.keep_from);
-        V16_MAXIMA;
-        V16_EACH_CHUNK(
-            V16_LANS_R;
-            V16_LANS_SUMS;
-            _mm512_mask_storeu_ps(keep + j, k, r);
-            _mm512_mask_storeu_ps(keep + c.keep_half + j, k, dinv);
-            V16_STAGE_MOMENTS)
-        V16_STORE_MOMENTS;
+    __m512 am = _mm512_setzero_ps(), av = am;
+    for (int64_t j = 0; j < len; j += 16) {
+        const __mmask16 mask = v16_mask(j, len);
+        const __m512 w = v16_w(v, k, j, mask, plain);
+        __m512 mi, vi;
+        const __m512 u = v16_lamb_u(c, v, k, j, mask, plain, int8, w, &mi, &vi);
+        _mm512_mask_storeu_ps(k->wo + j, mask, _mm512_fnmadd_ps(vlr, _mm512_mul_ps(vratio, u), w));
+        v16_stage(c, k, int8, j, mask, mi, vi, &am, &av);
     }
+    v16_unstage(c, k);
+    v16_store_moments(c, k, int8, am, av);
+}
+
+/* LANS's update r of lanes j .. j + 15 and 1/(sqrt(v^) + eps) (*dinv), and their new
+ * moments. */
+V16_INLINE __m512 v16_lans_r(const Blocks *c, const V16Scalars *v, const V16Block *k,
+                             int64_t j, __mmask16 mask, int int8, __m512 w, __m512 gt,
+                             __m512 *mi, __m512 *vi, __m512 *dinv) {
+    __m512 m0, v0;
+    v16_decode(&c->st, int8, k->at + j, mask, k->sm, k->sv, &m0, &v0);
+    *dinv = v16_moments(v, gt, m0, v0, mi, vi);
+    return _mm512_fmadd_ps(_mm512_mul_ps(*mi, v->ibc1), *dinv,
+                           _mm512_mul_ps(_mm512_set1_ps(c->wd), w));
+}
+
+/* LANS's first pass; kept blocks also store their moments and keep r and 1/(sqrt(v^) + eps)
+ * in c->keep (the first and second half), as v16_lamb_sums. */
+V16_INLINE void v16_lans_sums(const Blocks *c, const V16Scalars *v, const V16Block *k,
+                              int plain, int int8, int64_t len, int kept, double *sums) {
+    const __m512 vwd = _mm512_set1_ps(c->wd);
+    float *keep = kept ? c->keep + (k->at - c->keep_from) : NULL;
+    __m512 bw = _mm512_setzero_ps(), br = bw, bc = bw, brc = bw, am = bw, av = bw;
+    for (int64_t j = 0; j < len; j += 16) {
+        const __mmask16 mask = v16_mask(j, len);
+        const __m512 w = v16_w(v, k, j, mask, plain), gt = v16_gt(v, k, j, mask, plain);
+        __m512 mi, vi, dinv;
+        const __m512 r = v16_lans_r(c, v, k, j, mask, int8, w, gt, &mi, &vi, &dinv);
+        const __m512 cc = _mm512_fmadd_ps(gt, dinv, _mm512_mul_ps(vwd, w));
+        bw = _mm512_mask3_fmadd_ps(w, w, bw, mask);
+        br = _mm512_mask3_fmadd_ps(r, r, br, mask);
+        bc = _mm512_mask3_fmadd_ps(cc, cc, bc, mask);
+        brc = _mm512_mask3_fmadd_ps(r, cc, brc, mask);
+        if (kept) {
+            _mm512_mask_storeu_ps(keep + j, mask, r);
+            _mm512_mask_storeu_ps(keep + c->keep_half + j, mask, dinv);
+            v16_stage(c, k, int8, j, mask, mi, vi, &am, &av);
+        }
+    }
+    if (kept) v16_store_moments(c, k, int8, am, av);
     sums[0] += _mm512_reduce_add_ps(bw);
     sums[1] += _mm512_reduce_add_ps(br);
     sums[2] += _mm512_reduce_add_ps(bc);
     sums[3] += _mm512_reduce_add_ps(brc);
-V16_BLOCKS_END
+}
 
-/* LANS's weights from r and dinv. */
-#define V16_LANS_WEIGHTS                                                                       \
-    const __m512 w1 = _mm512_fnmadd_ps(vlr_r, _mm512_mul_ps(vratio_r, r), w);                  \
-    const __m512 cc = _mm512_fmadd_ps(gt, dinv, _mm512_mul_ps(vwd, c.moved ? w1 : w));         \
-    _mm512_mask_storeu_ps(wo + j, k, _mm512_fnmadd_ps(vlr_c, _mm512_mul_ps(vratio_c, cc), w1))
+/* LANS's new weights of lanes j .. j + 15 from w, gt, r and dinv. */
+V16_INLINE void v16_lans_weights(const Blocks *c, const V16Block *k, int64_t j, __mmask16 mask,
+                                 __m512 w, __m512 gt, __m512 r, __m512 dinv) {
+    const __m512 w1 = _mm512_fnmadd_ps(_mm512_set1_ps(c->lr_r),
+                                       _mm512_mul_ps(_mm512_set1_ps(c->ratio_r), r), w);
+    const __m512 cc = _mm512_fmadd_ps(gt, dinv,
+                                      _mm512_mul_ps(_mm512_set1_ps(c->wd), c->moved ? w1 : w));
+    _mm512_mask_storeu_ps(k->wo + j, mask,
+                          _mm512_fnmadd_ps(_mm512_set1_ps(c->lr_c),
+                                           _mm512_mul_ps(_mm512_set1_ps(c->ratio_c), cc), w1));
+}
 
-V16_BLOCKS(lans_apply_blocks)
-    const __m512 vwd = V16_SET(c.wd), vlr_r = V16_SET(c.lr_r), vlr_c = V16_SET(c.lr_c);
-    const __m512 vratio_r = V16_SET(c.ratio_r), vratio_c = V16_SET(c.ratio_c);
-    if (b >= c.keep_block) { /* r and dinv kept by the first pass; the moments are stored */
-        const float *keep = c.keep + (at - c.keep_from);
-        for (int64_t j = 0; j < len; j += 16) {
-            const __mmask16 k = v16_mask(j, len);
-            V16_W(0);
-            V16_GT(0);
-            const __m512 r = _mm512_maskz_loadu_ps(k, keep + j);
-            const __m512 dinv = _mm512_maskz_loadu_ps(k, keep + c.keep_half + j);
-            V16_LANS_WEIGHTS;
+V16_INLINE void v16_lans_apply(const Blocks *c, const V16Scalars *v, const V16Block *k,
+                               int plain, int int8, int64_t len, int kept) {
+    if (kept) { /* r and dinv kept by the first pass; the moments are stored */
+        const float *keep = c->keep + (k->at - c->keep_from);
+        for (int64_t j = 0; j < k->len; j += 16) {
+            const __mmask16 mask = v16_mask(j, k->len);
+            const __m512 w = v16_w(v, k, j, mask, 0), gt = v16_gt(v, k, j, mask, 0);
+            v16_lans_weights(c, k, j, mask, w, gt, _mm512_maskz_loadu_ps(mask, keep + j),
+                             _mm512_maskz_loadu_ps(mask, keep + c->keep_half + j));
         }
-        V16_UNSTAGE;
-        continue;
+        v16_unstage(c, k);
+        return;
     }
-    V16_MAXIMA;
-    V16_EACH_CHUNK(
-        V16_LANS_R;
-        V16_LANS_WEIGHTS;
-        V16_STAGE_MOMENTS)
-    V16_BLOCK_OUTPUTS;
-V16_BLOCKS_END
+    __m512 am = _mm512_setzero_ps(), av = am;
+    for (int64_t j = 0; j < len; j += 16) {
+        const __mmask16 mask = v16_mask(j, len);
+        const __m512 w = v16_w(v, k, j, mask, plain), gt = v16_gt(v, k, j, mask, plain);
+        __m512 mi, vi, dinv;
+        const __m512 r = v16_lans_r(c, v, k, j, mask, int8, w, gt, &mi, &vi, &dinv);
+        v16_lans_weights(c, k, j, mask, w, gt, r, dinv);
+        v16_stage(c, k, int8, j, mask, mi, vi, &am, &av);
+    }
+    v16_unstage(c, k);
+    v16_store_moments(c, k, int8, am, av);
+}
+
+/* Adam's, below (compiled without contraction). */
+V16_INLINE void v16_adam(const Blocks *c, const V16Scalars *v, const V16Block *k, int plain,
+                         int int8, int64_t len);
+
+/* What loop (LAMB_SUMS, ...; a constant) does with one block, the block's constants given. */
+V16_INLINE void v16_block(const Blocks *c, const V16Scalars *v, const V16Block *k, int loop,
+                          int plain, int int8, int64_t len, int kept, double *sums) {
+    if (loop == LAMB_SUMS)
+        v16_lamb_sums(c, v, k, plain, int8, len, kept, sums);
+    else if (loop == LAMB_APPLY)
+        v16_lamb_apply(c, v, k, plain, int8, len, kept);
+    else if (loop == LANS_SUMS)
+        v16_lans_sums(c, v, k, plain, int8, len, kept, sums);
+    else if (loop == LANS_APPLY)
+        v16_lans_apply(c, v, k, plain, int8, len, kept);
+    else
+        v16_adam(c, v, k, plain, int8, len);
+}
+
+/* A thread's blocks [first, last): each block's inputs, then loop on it. A whole block of int8
+ * codes with plain weights and gradients (the common case) runs a copy of the loop in which
+ * all that is constant (no masks, no scaling of w, no clamp, one form); the others the general
+ * one. Only LAMB's and LANS's passes keep (Adam's blocks are never from c->keep_block on). */
+V16_INLINE void v16_blocks(const Blocks *blocks, int64_t first, int64_t last, double *sums,
+                           int loop) {
+    const Blocks c = *blocks;
+    const V16Scalars v = v16_scalars(&c);
+    float wb[COMPACT_BLOCK], gb[COMPACT_BLOCK], mb[COMPACT_BLOCK], vb[COMPACT_BLOCK];
+    const int int8 = c.st.form == FORM_INT8, plain = v16_plain(&c);
+    for (int64_t b = first; b < last; b++) {
+        V16Block k = {b, 0, 0, NULL, NULL, NULL, mb, vb};
+        k.at = block_start(b, c.per_row, c.row_len, &k.len);
+        k.wp = (const float *)c.s.w + k.at, k.gp = (const float *)c.s.g + k.at;
+        if (c.s.lo) stage_w(&c.s, k.at, k.len, wb), k.wp = wb;
+        if (c.s.g_bf16) stage_g(&c.s, k.at, k.len, gb), k.gp = gb;
+        k.wo = c.in_place ? (float *)c.w + k.at : wb;
+        k.sm = _mm512_set1_ps(int8 ? c.st.m_scale[b] / FORMAT_SIGNED_SCALE : 0.0f);
+        k.sv = _mm512_set1_ps(int8 ? c.st.v_scale[b] / FORMAT_UNSIGNED_SCALE : 0.0f);
+        const int whole = int8 && k.len == COMPACT_BLOCK && plain;
+        if (b >= c.keep_block) {
+            if (whole)
+                v16_block(&c, &v, &k, loop, 1, 1, COMPACT_BLOCK, 1, sums);
+            else
+                v16_block(&c, &v, &k, loop, 0, int8, k.len, 1, sums);
+        } else if (whole) {
+            v16_block(&c, &v, &k, loop, 1, 1, COMPACT_BLOCK, 0, sums);
+        } else {
+            v16_block(&c, &v, &k, loop, 0, int8, k.len, 0, sums);
+        }
+    }
+}
+
+V16 static void lamb_sums_v16(const Blocks *c, int64_t i, int64_t j, double *s) { v16_blocks(c, i, j, s, LAMB_SUMS); }
+V16 static void lamb_apply_v16(const Blocks *c, int64_t i, int64_t j, double *s) { v16_blocks(c, i, j, s, LAMB_APPLY); }
+V16 static void lans_sums_v16(const Blocks *c, int64_t i, int64_t j, double *s) { v16_blocks(c, i, j, s, LANS_SUMS); }
+V16 static void lans_apply_v16(const Blocks *c, int64_t i, int64_t j, double *s) { v16_blocks(c, i, j, s, LANS_APPLY); }
 
 /* Adam (adam_compact): w * decay - step_size * n / (sqrt(v) / bc2_sqrt + eps). The moments
  * with torch's operations, unfused (the intrinsics are vector arithmetic, which GCC would
  * otherwise fuse). */
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
-V16_BLOCKS(adam_blocks)
-    const __m512 vbeta1 = V16_SET(c.beta1), vwd = V16_SET(c.wd);
-    const __m512 vdecay = V16_SET(c.decay), vstep = V16_SET(c.step_size);
-    V16_MAXIMA;
-    V16_EACH_CHUNK(
+V16_INLINE void v16_adam(const Blocks *c, const V16Scalars *v, const V16Block *k, int plain,
+                         int int8, int64_t len) {
+    const __m512 vwd = _mm512_set1_ps(c->wd);
+    const __m512 vdecay = _mm512_set1_ps(c->decay), vstep = _mm512_set1_ps(c->step_size);
+    __m512 am = _mm512_setzero_ps(), av = am;
+    for (int64_t j = 0; j < len; j += 16) {
+        const __mmask16 mask = v16_mask(j, len);
+        const __m512 w = v16_w(v, k, j, mask, plain), gt = v16_gt(v, k, j, mask, plain);
+        __m512 m0, v0;
+        v16_decode(&c->st, int8, k->at + j, mask, k->sm, k->sv, &m0, &v0);
         const __m512 gi = _mm512_add_ps(gt, _mm512_mul_ps(vwd, w));
-        const __m512 mi = _mm512_add_ps(m0, _mm512_mul_ps(vomb1, _mm512_sub_ps(gi, m0)));
-        const __m512 vi = _mm512_add_ps(_mm512_mul_ps(v0, vbeta2),
-                                        _mm512_mul_ps(_mm512_mul_ps(vomb2, gi), gi));
-        V16_DINV;
-        const __m512 num = c.nesterov ? _mm512_fmadd_ps(vbeta1, mi, _mm512_mul_ps(vomb1, gi)) : mi;
-        _mm512_mask_storeu_ps(wo + j, k, _mm512_fnmadd_ps(vstep, _mm512_mul_ps(num, dinv),
-                                                          _mm512_mul_ps(w, vdecay)));
-        V16_STAGE_MOMENTS)
-    V16_BLOCK_OUTPUTS;
-V16_BLOCKS_END
+        const __m512 mi = _mm512_add_ps(m0, _mm512_mul_ps(v->omb1, _mm512_sub_ps(gi, m0)));
+        const __m512 vi = _mm512_add_ps(_mm512_mul_ps(v0, v->beta2),
+                                        _mm512_mul_ps(_mm512_mul_ps(v->omb2, gi), gi));
+        const __m512 dinv = v16_recip(_mm512_fmadd_ps(v16_sqrt(vi), v->ibc2, v->eps));
+        const __m512 num =
+            c->nesterov ? _mm512_fmadd_ps(v->beta1, mi, _mm512_mul_ps(v->omb1, gi)) : mi;
+        _mm512_mask_storeu_ps(k->wo + j, mask, _mm512_fnmadd_ps(vstep, _mm512_mul_ps(num, dinv),
+                                                                _mm512_mul_ps(w, vdecay)));
+        v16_stage(c, k, int8, j, mask, mi, vi, &am, &av);
+    }
+    v16_unstage(c, k);
+    v16_store_moments(c, k, int8, am, av);
+}
+
+V16 static void adam_v16(const Blocks *c, int64_t i, int64_t j, double *s) { v16_blocks(c, i, j, s, ADAM_APPLY); }
 #pragma GCC pop_options
 
 /* The kept updates (lamb_sums_blocks, lans_sums_blocks): one buffer for the process, of up
@@ -503,9 +591,9 @@ static void keep_give(const Keep *keep) {
 
 /* The AVX-512 loop of which (LAMB_SUMS, ...) where they run, else the portable one. */
 static BlockLoop compact_loop(int which) {
-    static const BlockLoop V16_LOOPS[] = {lamb_sums_blocks, lamb_apply_blocks, lans_sums_blocks,
-                                          lans_apply_blocks, adam_blocks, adam_blocks,
-                                          adam_blocks, adam_blocks};
+    static const BlockLoop V16_LOOPS[] = {lamb_sums_v16, lamb_apply_v16, lans_sums_v16,
+                                          lans_apply_v16, adam_v16,      adam_v16,
+                                          adam_v16,      adam_v16};
     return v16_on() ? V16_LOOPS[which] : PORTABLE[which];
 }
 #else

@@ -360,18 +360,10 @@ INLINE void portable_blocks(const Blocks *blocks, int64_t first, int64_t last, d
     }
 }
 
-TARGETS static void lamb_sums_portable(const Blocks *c, int64_t i, int64_t j, double *s) {
-    portable_blocks(c, i, j, s, LAMB_SUMS);
-}
-TARGETS static void lamb_apply_portable(const Blocks *c, int64_t i, int64_t j, double *s) {
-    portable_blocks(c, i, j, s, LAMB_APPLY);
-}
-TARGETS static void lans_sums_portable(const Blocks *c, int64_t i, int64_t j, double *s) {
-    portable_blocks(c, i, j, s, LANS_SUMS);
-}
-TARGETS static void lans_apply_portable(const Blocks *c, int64_t i, int64_t j, double *s) {
-    portable_blocks(c, i, j, s, LANS_APPLY);
-}
+TARGETS static void lamb_sums_portable(const Blocks *c, int64_t i, int64_t j, double *s) { portable_blocks(c, i, j, s, LAMB_SUMS); }
+TARGETS static void lamb_apply_portable(const Blocks *c, int64_t i, int64_t j, double *s) { portable_blocks(c, i, j, s, LAMB_APPLY); }
+TARGETS static void lans_sums_portable(const Blocks *c, int64_t i, int64_t j, double *s) { portable_blocks(c, i, j, s, LANS_SUMS); }
+TARGETS static void lans_apply_portable(const Blocks *c, int64_t i, int64_t j, double *s) { portable_blocks(c, i, j, s, LANS_APPLY); }
 
 /* Adam's, in adam.h (compiled without contraction). */
 TARGETS static void adam_apply_portable(const Blocks *, int64_t, int64_t, double *);

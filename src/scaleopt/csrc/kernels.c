@@ -8,22 +8,24 @@
  *   phase 1 updates the moments and accumulates the squared norms the trust ratios need;
  *   phase 2 recomputes the update from the moments and writes the weights;
  * LANS first reads the gradient once for its norm. The passes alternate direction (see
- * backwards() in loops.h). LAMB moves about 40 bytes per parameter, LANS about 48, against 28 for
- * Adam. Reductions add float partial sums over blocks into doubles, and the per-element
+ * backwards() in loops.h). LAMB moves about 40 bytes per parameter, LANS about 48, against 28
+ * for Adam. Reductions add float partial sums over blocks into doubles, and the per-element
  * divisions are cut to one (reciprocals of the bias corrections), so the passes stay
- * memory-bound.
+ * memory-bound. Each loop is one always-inlined function; its specialisations for each kind
+ * of weight and gradient are plain functions, run by forwards(), backwards() or shares()
+ * (loops.h), or by run_blocks() over compact moments (compact_loops.h).
  *
- * For bfloat16 parameters with float32 master weights, the *_bf16g variants read the bfloat16
- * gradient directly. The master is either a float32 tensor (phase 2 then also writes the rounded
+ * For bfloat16 parameters with float32 master weights, the *_bf16g specialisations read the
+ * bfloat16 gradient directly. The master is either a float32 tensor (phase 2 then also writes the rounded
  * bfloat16 parameter, round to nearest even as torch's conversion) or split (lo != NULL): the
  * bfloat16 parameter holds its upper half and lo[] its lower 16 bits, read and written in place
  * (see split_join), 4 bytes per weight instead of 4 + 2: LAMB then moves about 38 bytes per
  * parameter, LANS about 42.
  *
  * Moments stored in bfloat16 or 8 bits (scaleopt._compact) are read and written in place by the
- * same passes, block by block (see "LAMB and LANS on compact moments"): no float32 copy of a
- * moment is made, and LAMB with int8 moments moves about 26 bytes per parameter. On CPUs with
- * AVX-512 those loops run 16 lanes at a time (see "Compact moments with AVX-512").
+ * same passes, block by block (compact_loops.h): no float32 copy of a moment is made, and LAMB
+ * with int8 moments moves about 26 bytes per parameter. On CPUs with AVX-512 those loops run
+ * 16 lanes at a time (avx512.h).
  *
  * The module is also a (empty) Python extension so that setuptools builds it like one; it uses
  * only the stable ABI of Python 3.10, so one build serves every CPython from 3.10 on.
@@ -220,7 +222,7 @@ TARGETS int any_nonfinite_bf16(const uint16_t *x, int64_t n, int nthreads) {
  * may exceed cap: then only the first cap were written). One read pass, no allocation. */
 /* Blocks of SELECT_BLOCK elements are first tested as a whole (a vectorised compare and OR);
    only the rare block holding a candidate is scanned element by element, in order. */
-#define SELECT_BLOCK 64
+enum { SELECT_BLOCK = 64 };
 
 TARGETS int64_t select_above(const float *v, int64_t n, float thr, int64_t *out, int64_t cap) {
     int64_t count = 0, i = 0;
@@ -239,21 +241,7 @@ TARGETS int64_t select_above(const float *v, int64_t n, float thr, int64_t *out,
     return count;
 }
 
-static struct PyModuleDef kernels_module = {PyModuleDef_HEAD_INIT, "_kernels",
-                                            "Fused CPU kernels (called through ctypes).", -1,
-                                            NULL};
-
-PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&kernels_module); }
-
 /* ---- compact optimizer state: whole tensors (scaleopt._compact's conversions) ------------ */
-
-/* Opens the loop over the blocks of rows x row_len, in parallel: block b, its first element
- * at, its length len. */
-#define EACH_BLOCK(rows, row_len)                                                              \
-    const int64_t blocks = ((row_len) + COMPACT_BLOCK - 1) / COMPACT_BLOCK;                   \
-    _Pragma("omp parallel for num_threads(nthreads) schedule(static) if (rows * row_len >= 65536)") \
-    for (int64_t b = 0; b < (rows) * blocks; b++)                                              \
-        for (int64_t len = 0, at = block_start(b, blocks, row_len, &len), once = 1; once; once = 0)
 
 TARGETS void int8_encode(const float *x, void *codes, float *scales, int64_t rows,
                          int64_t row_len, int32_t is_signed, int64_t offset, int64_t key,
@@ -265,7 +253,11 @@ TARGETS void int8_encode(const float *x, void *codes, float *scales, int64_t row
         return;
     }
 #endif
-    EACH_BLOCK(rows, row_len) {
+    const int64_t blocks = (row_len + COMPACT_BLOCK - 1) / COMPACT_BLOCK;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (rows * row_len >= 65536)
+    for (int64_t b = 0; b < rows * blocks; b++) {
+        int64_t len;
+        const int64_t at = block_start(b, blocks, row_len, &len);
         encode_block(codes, scales, FORM_INT8, is_signed, b, at, len, x + at,
                      block_max(x + at, len), offset, (uint32_t)key);
     }
@@ -273,7 +265,11 @@ TARGETS void int8_encode(const float *x, void *codes, float *scales, int64_t row
 
 TARGETS void int8_decode(const void *codes, const float *scales, float *x, int64_t rows,
                          int64_t row_len, int32_t is_signed, int32_t nthreads) {
-    EACH_BLOCK(rows, row_len) {
+    const int64_t blocks = (row_len + COMPACT_BLOCK - 1) / COMPACT_BLOCK;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (rows * row_len >= 65536)
+    for (int64_t b = 0; b < rows * blocks; b++) {
+        int64_t len;
+        const int64_t at = block_start(b, blocks, row_len, &len);
         decode_block(codes, scales, FORM_INT8, is_signed, b, at, len, x + at);
     }
 }
@@ -283,3 +279,9 @@ TARGETS void bf16_round_stochastic(const float *x, uint16_t *out, int64_t n, int
 #pragma omp parallel for simd num_threads(nthreads) schedule(static) if (n >= 65536)
     for (int64_t i = 0; i < n; i++) out[i] = round_stochastic(x[i], (uint32_t)(offset + i) + (uint32_t)key);
 }
+
+static struct PyModuleDef kernels_module = {PyModuleDef_HEAD_INIT, "_kernels",
+                                            "Fused CPU kernels (called through ctypes).", -1,
+                                            NULL};
+
+PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&kernels_module); }
