@@ -10,7 +10,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import _blocks, _compact
+from . import _compact, _foreach
 from ._base import ScaleOptimizer
 from ._loading import ADAM_STATE
 from ._masters import LocalPlacement, MasterView, MasterWeights
@@ -148,7 +148,7 @@ class AdamFamily(ScaleOptimizer):
                     amsgrad: bool = False) -> AdamState:
         """:meth:`_new_adam_state`, or the same state again where nothing it is made of has
         changed since the last step of the group (:class:`_Memo`)."""
-        if _blocks.compiling():
+        if _foreach.compiling():
             return self._new_adam_state(group, params, amsgrad)
         memos = _MEMOS.setdefault(self, {})
         memo = memos.get(id(group))

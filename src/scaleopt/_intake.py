@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from . import _blocks
+from . import _foreach
 from ._params import param_label
 from ._sharding import Phased, ShardSums, any_dtensor, local, on_any_rank, run_lockstep
 
@@ -40,8 +40,8 @@ def apply_grad_scalars(grads: List[Tensor], scalars: Optional[GradScalars]) -> L
         return grads
     mults = scalars.mults
     scaled = (torch._foreach_mul(grads, mults.tolist()) if mults.device.type == "cpu"
-              else _blocks.scale_each(grads, mults))
-    return _blocks.clip_by_value(scaled, scalars.clamp)
+              else _foreach.scale_each(grads, mults))
+    return _foreach.clip_by_value(scaled, scalars.clamp)
 
 
 class Deferral(NamedTuple):
@@ -206,15 +206,15 @@ def _collect(opt: Any, group: Dict[str, Any], value_clip: bool,
     elif grads:
         if group.get("maximize", False):
             grads = torch._foreach_neg(grads)
-        grads = _blocks.scale(grads, unscale)
-        grads = _blocks.clip_by_value(grads, clamp)
+        grads = _foreach.scale(grads, unscale)
+        grads = _foreach.clip_by_value(grads, clamp)
         if item.shard_sums is None:
-            item.grads = _blocks.clip_by_tensor_norm(grads, per_tensor)
+            item.grads = _foreach.clip_by_tensor_norm(grads, per_tensor)
         elif norm_clip:  # whole-tensor norms: one reduction, shared with the global clip
             norms = yield item.shard_sums.norms_request(grads)
             if per_tensor is not None:
-                coefs = _blocks.clip_coef(norms, per_tensor)
-                grads = _blocks.scale_each(grads, coefs)
+                coefs = _foreach.clip_coef(norms, per_tensor)
+                grads = _foreach.scale_each(grads, coefs)
                 norms = norms * coefs
             item.grads, item.grad_norms = grads, norms
         else:
@@ -236,14 +236,14 @@ def _deferred_scalars(group: Dict[str, Any], grads: List[Tensor], unscale: Any, 
     if per_tensor is not None or global_clip is not None:
         sums = defer.sums_of_squares(grads)
         if shard_sums is not None:  # over the whole tensors
-            local_sums = _blocks.sq_norms(grads).double() if sums is None else sums
+            local_sums = _foreach.sq_norms(grads).double() if sums is None else sums
             sums = yield shard_sums.request(local_sums, range(len(grads)))
-        norms = _blocks.norms(grads) if sums is None else sums.sqrt().to(torch.float32)
+        norms = _foreach.norms(grads) if sums is None else sums.sqrt().to(torch.float32)
     mults = (base.to(grads[0].device, torch.float64).expand(len(grads)).clone()
              if torch.is_tensor(base) else
              torch.full((len(grads),), base, dtype=torch.float64, device=grads[0].device))
     if per_tensor is not None:
-        mults = mults * _blocks.clip_coef(norms * unscale, per_tensor).to(mults)
+        mults = mults * _foreach.clip_coef(norms * unscale, per_tensor).to(mults)
     return GradScalars(mults, sums, clamp), norms
 
 
@@ -251,7 +251,7 @@ def _clip_by_global_norm(staged: List[GroupGrads]) -> Tensor:
     """``max_grad_norm``: scale the gradients of the groups that set it by ``c / max(||g||,
     c)``, ``||g||`` (returned) over every gradient of every group (deferred ones: into their
     scalars)."""
-    total = _blocks.global_norm([t for s in staged if not s.deferred and s.grad_norms is None
+    total = _foreach.global_norm([t for s in staged if not s.deferred and s.grad_norms is None
                                  for t in s.grads])
     scaled = [(s.norms * s.scalars.mults.to(s.norms).abs()).square().sum()
               for s in staged if s.deferred and s.norms is not None]
@@ -265,12 +265,12 @@ def _clip_by_global_norm(staged: List[GroupGrads]) -> Tensor:
     for s in staged:
         if s.group.get("max_grad_norm") is None or not s.grads:
             continue
-        coef = _blocks.clip_coef(total, s.group["max_grad_norm"])
+        coef = _foreach.clip_coef(total, s.group["max_grad_norm"])
         if s.deferred:  # float64, as the C kernels' multipliers always were
             s.scalars = dataclasses.replace(s.scalars,
                                             mults=s.scalars.mults * coef.to(s.scalars.mults))
         else:
-            s.grads = _blocks.scale(s.grads, coef)
+            s.grads = _foreach.scale(s.grads, coef)
             if s.grad_norms is not None:
                 s.grad_norms = s.grad_norms * coef
     return total

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from . import _native, _triton
 from ._adam import AdamFamily, AdamState
-from ._blocks import compiling
+from ._foreach import compiling
 from ._checks import check_bool, check_bounds
 from ._compile import eager
 from ._dispatch import Impl, check_implementation, implementation

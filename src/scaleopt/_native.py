@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from . import _blocks
+from . import _foreach
 from ._checks import check_same_sizes
 from ._compile import eager
 from ._sharding import Phased
@@ -207,7 +207,7 @@ def _layerwise_tensors(t: Any, layer: Any, grad_sq_sums: Optional[Tensor]):
 def _layerwise_config(o: Any, clip_grad_value: Any, mode: int = 0,
                       moved: bool = False) -> LayerwiseConfig:
     """A call's group options from an ``AdamOptions``."""
-    lo, hi = _blocks.clip_bounds(clip_grad_value)
+    lo, hi = _foreach.clip_bounds(clip_grad_value)
     return LayerwiseConfig(
         beta1=o.beta1, beta2=o.beta2, lower=o.lower_bound or 0.0, upper=o.upper_bound or 0.0,
         eps=o.eps, clip_lo=lo, clip_hi=hi, bias_correction=int(o.bias_correction),
@@ -273,7 +273,7 @@ def lamb_kernel(t: Any, layer: Any, o: Any) -> Phased:
     if not t.weights:
         return
     clamp = None if t.grad_scalars is None else t.grad_scalars.clamp
-    config = _layerwise_config(o, clamp, mode=_blocks.WEIGHT_DECAY_MODES[o.weight_decay_mode])
+    config = _layerwise_config(o, clamp, mode=_foreach.WEIGHT_DECAY_MODES[o.weight_decay_mode])
     yield from _kernel_phases("lamb", 2, t, _LayerwiseCall("lamb", t, layer, config))
 
 

@@ -56,7 +56,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import _blocks, _compact
+from . import _compact, _foreach
 from ._checks import check_same_sizes
 from ._compile import eager
 from ._sharding import Phased
@@ -299,7 +299,7 @@ def _grad_table(t: Any, device: torch.device) -> Tensor:
         _GRAD_TABLES.move_to_end(key)
         return table
     check_same_sizes("the Triton kernels", t.weights, t.grads)
-    table = _GRAD_TABLES[key] = _blocks.to_device(
+    table = _GRAD_TABLES[key] = _foreach.to_device(
         [torch.tensor(key[0], dtype=torch.int64)], device)[0]
     while len(_GRAD_TABLES) > 8:
         _GRAD_TABLES.popitem(last=False)
@@ -329,7 +329,7 @@ def _new_plan(kinds: Tuple, rows: Tuple, sizes: Tuple, device: torch.device) -> 
 
         out.append((kind, (table([rows[i] for i in idx], _ROW), table([sizes[i] for i in idx], 1),
                            table(chunks, 3))))
-    tables = _blocks.to_device([t for _, ts in out for t in ts]
+    tables = _foreach.to_device([t for _, ts in out for t in ts]
                                + [torch.tensor(spans, dtype=torch.int64)], device)
     return _Plan([(kind, tuple(tables[3 * j:3 * j + 3])) for j, (kind, _) in enumerate(out)],
                  tables[-1], base)
@@ -407,7 +407,7 @@ def _host_table(layer: Any, o: Any, steps: Tensor, one_lr: Any, pinned: bool) ->
     rate and the step (the usual case), one addition of a row to the template."""
     values = steps.tolist()
     distinct = sorted(set(values))
-    bc1, bc2 = _blocks.bias_corrections(distinct, o.beta1, o.beta2, o.bias_correction)
+    bc1, bc2 = _foreach.bias_corrections(distinct, o.beta1, o.beta2, o.bias_correction)
     template = _template(layer)
     table = torch.empty(template.shape, dtype=torch.float32, pin_memory=pinned)
     if one_lr is not None and len(distinct) == 1:
@@ -506,7 +506,7 @@ def _device_table(t: Any, layer: Any, o: Any, device: torch.device, steps: Tenso
     if static is None:
         rows = [(lr, wd, float(a), 1.0, 1.0, 1.0, 0.0)  # SCAL's columns
                 for lr, wd, a in zip(*key[:3])]
-        static = _STATIC[key] = _blocks.to_device([torch.tensor(rows, dtype=torch.float32)],
+        static = _STATIC[key] = _foreach.to_device([torch.tensor(rows, dtype=torch.float32)],
                                                   device)[0]
         while len(_STATIC) > 256:
             _STATIC.pop(next(iter(_STATIC)))
@@ -522,7 +522,7 @@ def _device_table(t: Any, layer: Any, o: Any, device: torch.device, steps: Tenso
                 table[i, _LR].copy_(lr.reshape(()))
     steps = steps.to(torch.float64)
     if steps.device != device:  # counters on the host, learning rates on the device
-        steps = _blocks.to_device([steps], device)[0]
+        steps = _foreach.to_device([steps], device)[0]
     table[:, _T] = steps
     if o.bias_correction:
         table[:, _BC1] = 1.0 - torch.pow(o.beta1, steps)
@@ -582,7 +582,7 @@ def _skip_flag(t: Any, device: torch.device) -> Tensor:
 
 
 def _options(o: Any, clip: Any) -> Dict[str, Any]:
-    lo, hi = _blocks.clip_bounds(clip)
+    lo, hi = _foreach.clip_bounds(clip)
     return dict(beta1=o.beta1, beta2=o.beta2, eps=o.eps, clip_lo=float(lo), clip_hi=float(hi),
                 CLIP=clip is not None,
                 lower=o.lower_bound or 0.0, upper=o.upper_bound or 0.0,
@@ -601,13 +601,13 @@ def lamb_triton(t: Any, layer: Any, o: Any) -> Phased:
     opts = _options(o, None if t.grad_scalars is None else t.grad_scalars.clamp)
     plan, grads, skip = _plan(t), _grad_table(t, device), _skip_flag(t, device)
     sums = _sums(plan, grads, 2, device, "lamb_sums", scal=scal, skip=skip,
-                 MODE=_blocks.WEIGHT_DECAY_MODES[o.weight_decay_mode], **opts)
+                 MODE=_foreach.WEIGHT_DECAY_MODES[o.weight_decay_mode], **opts)
     if t.shard_sums is not None:
         owners = [i for i in range(len(t.weights)) for _ in range(2)]
         sums = yield t.shard_sums.request(sums, owners)
     for kinds, tables in plan.sets:
         _launch("lamb_apply", kinds, tables, grads, scal=scal, skip=skip, sums=sums,
-                MODE=_blocks.WEIGHT_DECAY_MODES[o.weight_decay_mode], **opts)
+                MODE=_foreach.WEIGHT_DECAY_MODES[o.weight_decay_mode], **opts)
 
 
 def _grad_sums(t: Any, device: torch.device, plan: _Plan, grads: Tensor) -> Phased:

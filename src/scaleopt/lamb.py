@@ -7,8 +7,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from . import _blocks, _native, _triton
-from ._blocks import by_value
+from . import _foreach, _native, _triton
+from ._foreach import by_value
 from ._checks import check_choice
 from ._dispatch import Impl, resolve
 from ._group import GroupTensors, LayerwiseOptions, LayerOptions, pick
@@ -20,7 +20,7 @@ from ._sharding import Phased, in_one_phase, run_phases
 
 __all__ = ["LAMB", "lamb"]
 
-WEIGHT_DECAY_MODES = tuple(_blocks.WEIGHT_DECAY_MODES)
+WEIGHT_DECAY_MODES = tuple(_foreach.WEIGHT_DECAY_MODES)
 
 
 class LAMB(LayerwiseAdam):
@@ -245,21 +245,21 @@ def _single_tensor_lamb(t: GroupTensors, layer: LayerOptions, o: LayerwiseOption
         t.steps[i] += 1
         if mode == "l2" and wd != 0:
             g = g.add(p, alpha=wd)
-        _blocks.adam_moments_one(m, v, g, o.beta1, o.beta2)
-        (bc1,), (bc2_sqrt,) = _blocks.step_bias_corrections(
+        _foreach.adam_moments_one(m, v, g, o.beta1, o.beta2)
+        (bc1,), (bc2_sqrt,) = _foreach.step_bias_corrections(
             [t.steps[i]], o.beta1, o.beta2, o.bias_correction
         )
-        u = _blocks.adam_direction_one(m, bc1, _blocks.adam_denominator_one(v, bc2_sqrt, o.eps))
+        u = _foreach.adam_direction_one(m, bc1, _foreach.adam_denominator_one(v, bc2_sqrt, o.eps))
         if mode == "update" and wd != 0:
             u.add_(p, alpha=wd)
         elif mode == "decoupled" and wd != 0:
             p.mul_(1.0 - lr * wd)
         if layer.adapt[i]:
-            ratio = _blocks.trust_ratio(
-                _blocks.norm_one(p), _blocks.norm_one(u), o.lower_bound, o.upper_bound
+            ratio = _foreach.trust_ratio(
+                _foreach.norm_one(p), _foreach.norm_one(u), o.lower_bound, o.upper_bound
             )
             u.mul_(ratio.to(u.dtype))
-        _blocks.add_scaled_one_(p, u, -lr)
+        _foreach.add_scaled_one_(p, u, -lr)
 
 
 def _multi_tensor_lamb(t: GroupTensors, layer: LayerOptions, o: LayerwiseOptions) -> Phased:
@@ -274,39 +274,39 @@ def _multi_tensor_lamb(t: GroupTensors, layer: LayerOptions, o: LayerwiseOptions
     if o.weight_decay_mode == "l2" and decays:
         grads = list(grads)
         for wd, ids in decays:
-            for i, g in zip(ids, _blocks.add_l2_to_grad(pick(grads, ids), pick(params, ids), wd)):
+            for i, g in zip(ids, _foreach.add_l2_to_grad(pick(grads, ids), pick(params, ids), wd)):
                 grads[i] = g
-    _blocks.adam_moments(t.exp_avgs, t.exp_avg_sqs, grads, o.beta1, o.beta2)
-    bc1, bc2_sqrt = _blocks.step_bias_corrections(t.steps, o.beta1, o.beta2, o.bias_correction)
-    updates = _blocks.adam_direction(t.exp_avgs, bc1,
-                                     _blocks.adam_denominators(t.exp_avg_sqs, bc2_sqrt, o.eps))
+    _foreach.adam_moments(t.exp_avgs, t.exp_avg_sqs, grads, o.beta1, o.beta2)
+    bc1, bc2_sqrt = _foreach.step_bias_corrections(t.steps, o.beta1, o.beta2, o.bias_correction)
+    updates = _foreach.adam_direction(t.exp_avgs, bc1,
+                                     _foreach.adam_denominators(t.exp_avg_sqs, bc2_sqrt, o.eps))
     if o.weight_decay_mode == "update":
         for wd, ids in decays:
-            _blocks.add_decay_to_update(pick(updates, ids), pick(params, ids), wd)
+            _foreach.add_decay_to_update(pick(updates, ids), pick(params, ids), wd)
     elif o.weight_decay_mode == "decoupled" and decays:
         _decoupled_decay(params, lrs, weight_decays)
     adapting = [i for i, a in enumerate(layer.adapt) if a]
     if t.shard_sums is None:
-        _blocks.apply_trust_ratio_(pick(updates, adapting), _blocks.norms(pick(params, adapting)),
+        _foreach.apply_trust_ratio_(pick(updates, adapting), _foreach.norms(pick(params, adapting)),
                                    o.lower_bound, o.upper_bound)
     else:  # ||w||^2 and ||u||^2 over the whole tensors: one vector, reduced once
-        sums = _blocks.sq_norms(pick(params, adapting) + pick(updates, adapting))
+        sums = _foreach.sq_norms(pick(params, adapting) + pick(updates, adapting))
         totals = yield t.shard_sums.request(sums, adapting * 2)
         w_norms, u_norms = totals.sqrt().split(len(adapting))
-        _blocks.apply_trust_ratio_(pick(updates, adapting), w_norms, o.lower_bound,
+        _foreach.apply_trust_ratio_(pick(updates, adapting), w_norms, o.lower_bound,
                                    o.upper_bound, u_norms=u_norms)
-    _blocks.add_scaled_(params, updates, [-lr for lr in lrs])
+    _foreach.add_scaled_(params, updates, [-lr for lr in lrs])
 
 
 def _decoupled_decay(params: List[Tensor], lrs: Sequence[float],
                      weight_decays: Sequence[float]) -> None:
     """``w *= 1 - lr*wd`` (Keras' decay, before the step)."""
-    if _blocks.compiling():  # per tensor: the rates are inputs, not constants (add_scaled_)
+    if _foreach.compiling():  # per tensor: the rates are inputs, not constants (add_scaled_)
         for p, lr, wd in zip(params, lrs, weight_decays):
             p.mul_(1.0 - lr * wd)
     else:
         for (lr, wd), ids in by_value(list(zip(lrs, weight_decays))):
-            _blocks.decoupled_decay_(pick(params, ids), lr, wd)
+            _foreach.decoupled_decay_(pick(params, ids), lr, wd)
 
 
 #: LAMB by implementation (see ``scaleopt._dispatch``).

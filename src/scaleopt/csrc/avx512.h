@@ -552,7 +552,7 @@ V16_INLINE void v16_adam(const Blocks *c, const V16Scalars *v, const V16Block *k
 V16 static void adam_v16(const Blocks *c, int64_t i, int64_t j, double *s) { v16_blocks(c, i, j, s, ADAM_APPLY); }
 #pragma GCC pop_options
 
-/* The kept updates (lamb_sums_blocks, lans_sums_blocks): one buffer for the process, of up
+/* The kept updates (v16_lamb_sums, v16_lans_sums): one buffer for the process, of up
  * to KEEP_CAP floats, held by one *_multi call at a time. It covers the last elements of each
  * tensor, as many as it holds (half as many for LANS, which keeps two numbers per element).
  * Only *_multi, which runs both passes of a tensor back to back, keeps; the sharded calls

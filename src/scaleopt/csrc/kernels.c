@@ -9,7 +9,7 @@
  *   phase 2 recomputes the update from the moments and writes the weights;
  * LANS first reads the gradient once for its norm. The passes alternate direction (see
  * backwards() in loops.h). LAMB moves about 40 bytes per parameter, LANS about 48, against 28
- * for Adam. Reductions add float partial sums over blocks into doubles, and the per-element
+ * for Adam. Reductions add float partial sums over spans into doubles, and the per-element
  * divisions are cut to one (reciprocals of the bias corrections), so the passes stay
  * memory-bound. Each loop is one always-inlined function; its specialisations for each kind
  * of weight and gradient are plain functions, run by forwards(), backwards() or shares()
@@ -220,14 +220,14 @@ TARGETS int any_nonfinite_bf16(const uint16_t *x, int64_t n, int nthreads) {
 
 /* Indices i with |v[i]| >= thr, in order, into out[0..cap); returns how many there are (which
  * may exceed cap: then only the first cap were written). One read pass, no allocation. */
-/* Blocks of SELECT_BLOCK elements are first tested as a whole (a vectorised compare and OR);
-   only the rare block holding a candidate is scanned element by element, in order. */
-enum { SELECT_BLOCK = 64 };
+/* Spans of SELECT_SPAN elements are first tested as a whole (a vectorised compare and OR);
+   only the rare span holding a candidate is scanned element by element, in order. */
+enum { SELECT_SPAN = 64 };
 
 TARGETS int64_t select_above(const float *v, int64_t n, float thr, int64_t *out, int64_t cap) {
     int64_t count = 0, i = 0;
-    for (; i < n; i += SELECT_BLOCK) {
-        const int64_t end = i + SELECT_BLOCK < n ? i + SELECT_BLOCK : n;
+    for (; i < n; i += SELECT_SPAN) {
+        const int64_t end = i + SELECT_SPAN < n ? i + SELECT_SPAN : n;
         int hit = 0;
         for (int64_t j = i; j < end; j++) hit |= fabsf(v[j]) >= thr;
         if (!hit) continue;

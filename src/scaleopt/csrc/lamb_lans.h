@@ -4,7 +4,7 @@
  * Each pass is one loop, an always-inlined function whose last arguments say what kind of
  * weight and gradient it reads (constants): a specialisation per kind (a TARGETS function
  * that calls it with them, cloned for the CPU's vector units) is what forwards() or
- * backwards() runs over the tensor's blocks. The scalars a loop reads come in a struct that
+ * backwards() runs over the tensor's spans or chunks. The scalars a loop reads come in a struct that
  * it copies first, so that its stores to the moments cannot be taken to change them. */
 
 /* Index of the specialisation for a weight (split master or float32) and a gradient
@@ -122,11 +122,11 @@ static void lamb_phase2(const LayerwiseTensor *x, const LayerwiseConfig *cfg, do
 /* The gradient's sum of squares, LANS's first pass: backwards, so that phase 1 (forwards) starts
  * on the gradient this pass read last. */
 INLINE void squares(const void *x, int64_t from, int64_t to, double *sums, int bf16) {
-    for (int64_t blk = from; blk < to; blk += RBLOCK) {
-        const int64_t end = to - blk < RBLOCK ? to : blk + RBLOCK;
+    for (int64_t span = from; span < to; span += SUM_SPAN) {
+        const int64_t end = to - span < SUM_SPAN ? to : span + SUM_SPAN;
         float b = 0.0f;
 #pragma omp simd reduction(+ : b)
-        for (int64_t i = blk; i < end; i++) {
+        for (int64_t i = span; i < end; i++) {
             float xi = grad_at(x, i, bf16);
             b += xi * xi;
         }

@@ -1,28 +1,28 @@
-/* How the passes run: blocks for the reductions, threads' chunks backwards, where a
+/* How the passes run: spans for the reductions, threads' chunks backwards, where a
  * weight is read and written.
  * Part of kernels.c, which includes the parts in order as one translation unit. */
 
-/* Reductions run over blocks of RBLOCK elements: within a block the sums are float (vector
- * lanes, a few hundred terms each), and each block's sum is added to a double. That keeps the
+/* Reductions run over spans of SUM_SPAN elements: within a span the sums are float (vector
+ * lanes, a few hundred terms each), and each span's sum is added to a double. That keeps the
  * inner loop in single precision, where converting every term to double would make these
  * memory-bound passes compute-bound, and the result within ~1e-6 relative of a double sum. */
-enum { RBLOCK = 2048 };
+enum { SUM_SPAN = 2048 };
 
 /* A pass over elements [from, to) of one tensor: a specialisation of one of the loops below
- * for one kind of weight and gradient, called per block (forwards) or per chunk (backwards).
- * It adds what it sums (up to 4 values, in float within a block) to sums. */
+ * for one kind of weight and gradient, called per span (forwards) or per chunk (backwards).
+ * It adds what it sums (up to 4 values, in float within a span) to sums. */
 typedef void (*Pass)(const void *args, int64_t from, int64_t to, double *sums);
 
-/* Runs pass over blocks of RBLOCK elements, forwards, the threads taking the blocks in equal
- * shares in order; out[0 .. count) the totals: each block's sums added to a thread's doubles,
+/* Runs pass over spans of SUM_SPAN elements, forwards, the threads taking the spans in equal
+ * shares in order; out[0 .. count) the totals: each span's sums added to a thread's doubles,
  * those added together. */
 static void forwards(Pass pass, const void *args, int64_t n, int nthreads, double *out,
                      int count) {
     double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
 #pragma omp parallel for reduction(+ : s0, s1, s2, s3) num_threads(nthreads) schedule(static) if (n >= 32768)
-    for (int64_t blk = 0; blk < n; blk += RBLOCK) {
+    for (int64_t span = 0; span < n; span += SUM_SPAN) {
         double b[4] = {0.0, 0.0, 0.0, 0.0};
-        pass(args, blk, n - blk < RBLOCK ? n : blk + RBLOCK, b);
+        pass(args, span, n - span < SUM_SPAN ? n : span + SUM_SPAN, b);
         s0 += b[0];
         s1 += b[1];
         s2 += b[2];
@@ -42,14 +42,14 @@ static void forwards(Pass pass, const void *args, int64_t n, int nthreads, doubl
  * ones it covered in the forward pass, give or take one. */
 enum { CHUNK = 131072 };
 /* This thread's chunks [first, last) of *size elements: each thread gets an equal number of
- * chunks of at most CHUNK elements (multiples of RBLOCK), about n / threads elements in all. */
+ * chunks of at most CHUNK elements (multiples of SUM_SPAN), about n / threads elements in all. */
 static inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 static inline void thread_chunks(int64_t n, int64_t *size, int64_t *first, int64_t *last) {
     const int id = omp_get_thread_num(), nt = omp_get_num_threads();
-    int64_t share = round_up((n + nt - 1) / nt, RBLOCK);
-    if (share == 0) share = RBLOCK;
+    int64_t share = round_up((n + nt - 1) / nt, SUM_SPAN);
+    if (share == 0) share = SUM_SPAN;
     const int64_t per_thread = (share + CHUNK - 1) / CHUNK;
-    *size = round_up((share + per_thread - 1) / per_thread, RBLOCK);
+    *size = round_up((share + per_thread - 1) / per_thread, SUM_SPAN);
     const int64_t chunks = (n + *size - 1) / *size;
     *first = chunks * id / nt;
     *last = chunks * (id + 1) / nt;

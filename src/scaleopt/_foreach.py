@@ -1,6 +1,7 @@
-"""Building blocks over lists of tensors, shared by every scaleopt optimizer.
+"""Operations over lists of tensors (torch's ``_foreach_*`` kernels), each with its form on one
+tensor, shared by every scaleopt optimizer.
 
-Each block comes in the form the optimizers need:
+Each operation comes in the forms the optimizers need:
 
 * functions on one tensor (``*_one``) used by the reference single-tensor paths, and
 * functions on lists of tensors that run on ``torch._foreach_*`` kernels, used by the fast
@@ -8,7 +9,7 @@ Each block comes in the form the optimizers need:
 
 Both forms compute the same thing with the same elementwise operations, so the two paths agree to
 float round-off. Norms and trust ratios are computed in float32 (float64 for float64 tensors)
-whatever the parameter dtype, and a zero norm never produces NaN. No block reads a tensor value
+whatever the parameter dtype, and a zero norm never produces NaN. No operation reads a tensor value
 back to the host, so they can run on an accelerator without synchronising.
 """
 
