@@ -46,7 +46,7 @@ def stored_by_the_kernels(form, xm, xv, step=7.0, offset=0, qb=4, device="cpu"):
                  for k in ("exp_avg", "exp_avg_sq")}
         scales = {k: torch.zeros(0, device=device) for k in codes}
         tiles = -(-n // 64)
-    columns = dict(w=0, m=codes["exp_avg"].data_ptr(), v=codes["exp_avg_sq"].data_ptr(), low=0,
+    columns = dict(w=0, m=codes["exp_avg"].data_ptr(), v=codes["exp_avg_sq"].data_ptr(), w16=0,
                    index=0, m_scale=scales["exp_avg"].data_ptr(),
                    v_scale=scales["exp_avg_sq"].data_ptr(),
                    row_len=row_len if form == "int8" else 0, offset=offset)

@@ -73,10 +73,10 @@ def options(name, j=None):
     return [dict(zip(choices, values)) for values in itertools.product(*choices.values())]
 
 
-#: (W_SPLIT, G_KIND, LOW_KIND) of every tensor the kernels take (``_triton.applies``): a float32
+#: (W_SPLIT, G_KIND, W16_KIND) of every tensor the kernels take (``_triton.applies``): a float32
 #: weight with a float32, bfloat16 or float16 gradient and nothing, a bfloat16 or a float16
 #: rounded copy to write; a split master (bfloat16 upper halves, int16 lower ones)
-KINDS = [(0, g, low) for g in (0, 1, 2) for low in (0, 1, 2)] + [(1, g, 3) for g in (0, 1, 2)]
+KINDS = [(0, g, w16) for g in (0, 1, 2) for w16 in (0, 1, 2)] + [(1, g, 3) for g in (0, 1, 2)]
 #: four kinds that take every value of each of the three, in turn (the cover)
 COVER_KINDS = [(0, 0, 0), (0, 1, 1), (0, 2, 2), (1, 1, 3)]
 FORMS = (0, 1, 2)
@@ -103,7 +103,7 @@ def variants(every=False, light=False):
                 chosen = cover + [((1, 2, 3), options(name, -1)[0])]
             for kind, opts in chosen:
                 out.append((name, dict(opts, W_SPLIT=kind[0], G_KIND=kind[1],
-                                       LOW_KIND=kind[2], FORM=form)))
+                                       W16_KIND=kind[2], FORM=form)))
     out += [("totals", {"S": s}) for s in TOTALS]
     unique = {(n, tuple(sorted(c.items()))): (n, c) for n, c in out}
     return list(unique.values())
@@ -226,9 +226,9 @@ def label(row):
     c = row["constexprs"]
     if row["kernel"] == "totals":
         return f"totals S={c['S']}"
-    kind = ("split" if c["W_SPLIT"] else "f32") + f" g{c['G_KIND']} low{c['LOW_KIND']}"
+    kind = ("split" if c["W_SPLIT"] else "f32") + f" g{c['G_KIND']} w16{c['W16_KIND']}"
     options = " ".join(f"{k}={int(v)}" for k, v in sorted(c.items())
-                       if k not in ("W_SPLIT", "G_KIND", "LOW_KIND", "FORM"))
+                       if k not in ("W_SPLIT", "G_KIND", "W16_KIND", "FORM"))
     return f"{row['kernel']} form{c['FORM']} {kind} {options}".rstrip()
 
 

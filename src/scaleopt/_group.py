@@ -36,7 +36,7 @@ class GroupTensors:
     steps: List[Tensor]
     #: per tensor, the kernels' second tensor, or None: a split master's lower halves (int16,
     #: with a bfloat16 weight), or where the rounded weights of a float32 master go (bfloat16)
-    low: Optional[List[Optional[Tensor]]] = None
+    w16: Optional[List[Optional[Tensor]]] = None
     #: the gradients' deferred scalars (``scaleopt._intake``), to apply as they are read
     grad_scalars: Optional[GradScalars] = None
     #: for local shards: what totals their sums over the shards (``scaleopt._sharding``)
@@ -53,10 +53,10 @@ class GroupTensors:
 
     def for_torch(self) -> "GroupTensors":
         """The tensors as the PyTorch implementations take them: the gradients with their
-        deferred scalars applied and in the weights' dtypes, and no kernel ``low`` tensors."""
+        deferred scalars applied and in the weights' dtypes, and no kernel ``w16`` tensors."""
         grads = apply_grad_scalars(self.grads, self.grad_scalars)
         grads = [g if g.dtype == w.dtype else g.to(w.dtype) for g, w in zip(grads, self.weights)]
-        return dataclasses.replace(self, grads=grads, low=None, grad_scalars=None)
+        return dataclasses.replace(self, grads=grads, w16=None, grad_scalars=None)
 
 
 class LayerOptions(NamedTuple):

@@ -169,7 +169,7 @@ class LayerwiseAdam(AdamFamily):
         moments = [xs if not compiling() and not any_dtensor(xs) else local(xs)
                    for xs in (state.exp_avgs, state.exp_avg_sqs)]
         return GroupTensors(local(view.weights), item.grads, *moments, state.steps,
-                            local(view.kernel_low()), item.scalars, item.shard_sums,
+                            local(view.kernel_w16()), item.scalars, item.shard_sums,
                             item.grad_norms, skip_if, stored)
 
     def _kernels_take_stored(self, group: Dict[str, Any], params: List[Tensor],

@@ -168,15 +168,15 @@ class MasterView:
     def split(self) -> List[bool]:
         return [lo is not None for lo in self.lower_halves]
 
-    def kernel_low(self) -> List[Optional[Tensor]]:
-        """The kernels' second tensor per weight (``_native``'s ``low``): the lower halves of a
+    def kernel_w16(self) -> List[Optional[Tensor]]:
+        """The kernels' second tensor per weight (``w16``, 16 bits per element): the lower halves of a
         split master, or where the rounded weights of a float32 master go (made once per
         view: a step's view is given again while nothing changed, ``_adam._Memo``)."""
-        low = self.__dict__.get("_kernel_low")
-        if low is None:
-            low = self.__dict__["_kernel_low"] = [
+        w16 = self.__dict__.get("_kernel_w16")
+        if w16 is None:
+            w16 = self.__dict__["_kernel_w16"] = [
                 lo if lo is not None else r for lo, r in zip(self.lower_halves, self.rounded_into)]
-        return list(low)
+        return list(w16)
 
     def subset(self, indices: List[int]) -> "MasterView":
         return MasterView(*([xs[k] for k in indices] for xs in (

@@ -22,7 +22,7 @@ from ._compile import eager
 from ._sharding import Phased
 
 _TENSOR_FIELDS = [("w", c_void_p), ("g", c_void_p), ("m", c_void_p), ("v", c_void_p),
-                  ("low", c_void_p), ("step", c_void_p), ("n", c_int64), ("kind", c_int32),
+                  ("w16", c_void_p), ("step", c_void_p), ("n", c_int64), ("kind", c_int32),
                   ("gmul", c_float)]
 #: where the moments are stored in bfloat16 or 8 bits (``COMPACT_FIELDS`` in ``csrc/base.h``)
 _COMPACT_FIELDS = [("m_scale", c_void_p), ("v_scale", c_void_p), ("row_len", c_int64),
@@ -155,13 +155,13 @@ def sums_of_squares(tensors: Sequence[Tensor]) -> Optional[Tensor]:
 def applies(t: Any) -> bool:
     """Whether the LAMB/LANS kernels take a group's tensors (a ``GroupTensors``): what
     :func:`adam_applies` takes, except a bfloat16 gradient for a float32 weight that is no
-    master (no ``low``)."""
-    low = t.low or [None] * len(t.weights)
+    master (no ``w16``)."""
+    w16 = t.w16 or [None] * len(t.weights)
     stored = t.stored or [None] * len(t.weights)
     return _lib is not None and all(
         adam_applies(w, g, m, v, lo, st)
         and not (lo is None and w.dtype == torch.float32 and g.dtype != torch.float32)
-        for w, g, m, v, lo, st in zip(t.weights, t.grads, t.exp_avgs, t.exp_avg_sqs, low,
+        for w, g, m, v, lo, st in zip(t.weights, t.grads, t.exp_avgs, t.exp_avg_sqs, w16,
                                       stored))
 
 
@@ -189,9 +189,9 @@ def _layerwise_tensors(t: Any, layer: Any, grad_sq_sums: Optional[Tensor]):
     ``LayerOptions``. Each gradient is taken times its deferred multiplier (1 without);
     ``grad_sq_sums``: the gradients' sums of squares where already computed (LANS)."""
     count = len(t.weights)
-    low = t.low or [None] * count
+    w16 = t.w16 or [None] * count
     check_same_sizes("the LAMB/LANS C kernel", t.weights, t.grads, t.exp_avgs, t.exp_avg_sqs,
-                     low)
+                     w16)
     mults = [1.0] * count if t.grad_scalars is None else t.grad_scalars.mults.tolist()
     gsq = [-1.0] * count if grad_sq_sums is None else grad_sq_sums.tolist()
     stored = t.stored or [None] * count
@@ -200,7 +200,7 @@ def _layerwise_tensors(t: Any, layer: Any, grad_sq_sums: Optional[Tensor]):
                         s.data_ptr(), w.numel(), _kind(w, g), gm, lr, wd, sq, int(bool(a)),
                         **_compact(st))
         for w, g, m, v, lo, s, gm, lr, wd, sq, a, st in zip(
-            t.weights, t.grads, t.exp_avgs, t.exp_avg_sqs, low, t.steps, mults, layer.lrs,
+            t.weights, t.grads, t.exp_avgs, t.exp_avg_sqs, w16, t.steps, mults, layer.lrs,
             layer.weight_decays, gsq, layer.adapt, stored)])
 
 
@@ -264,9 +264,9 @@ def lamb_kernel(t: Any, layer: Any, o: Any) -> Phased:
     :func:`scaleopt.lamb.lamb` (``t`` a ``GroupTensors``, ``layer`` its ``LayerOptions``, ``o``
     the ``LambOptions``).
 
-    ``t.low[i]``, when given, is the bfloat16 parameter whose float32 master is
+    ``t.w16[i]``, when given, is the bfloat16 parameter whose float32 master is
     ``t.weights[i]``: it receives the rounded weights in the same pass. A bfloat16 weight is a
-    split master, whose lower halves are ``t.low[i]`` (int16). The gradients are read as they
+    split master, whose lower halves are ``t.w16[i]`` (int16). The gradients are read as they
     are, never copied, each taken times its deferred multiplier (sign, rescaling and clipping
     factors, see ``scaleopt._intake``), then clamped where the scalars say (LAMB's element-wise
     clipping). Local pieces of sharded tensors run in two phases (see :func:`_kernel_phases`)."""
@@ -296,11 +296,11 @@ def lans_kernel(t: Any, layer: Any, o: Any) -> Phased:
 
 
 def adam_applies(weight: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
-                 low: Optional[Tensor], stored: Any = None) -> bool:
+                 w16: Optional[Tensor], stored: Any = None) -> bool:
     """Whether :func:`adam` takes this tensor: float32 moments, contiguous on the CPU, or
     moments stored in bfloat16 or 8 bits as ``stored`` (a ``_compact.Stored``) says; a float32
-    or bfloat16 gradient; and either a float32 weight with an optional bfloat16 copy ``low``, or
-    split storage: a bfloat16 weight with the int16 low halves of its master in ``low``."""
+    or bfloat16 gradient; and either a float32 weight with an optional bfloat16 copy ``w16``, or
+    split storage: a bfloat16 weight with the int16 lower halves of its master in ``w16``."""
     if _lib is None:
         return False
     if not _moments_apply(exp_avg, exp_avg_sq, stored):
@@ -308,10 +308,10 @@ def adam_applies(weight: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tens
     if not grad_applies(grad):
         return False
     if weight.dtype == torch.bfloat16:
-        return _cpu_contiguous(weight, _BF16) and low is not None and _cpu_contiguous(low, _INT16)
+        return _cpu_contiguous(weight, _BF16) and w16 is not None and _cpu_contiguous(w16, _INT16)
     if not _cpu_contiguous(weight, _F32):
         return False
-    return low is None or _cpu_contiguous(low, _BF16)
+    return w16 is None or _cpu_contiguous(w16, _BF16)
 
 
 def _moments_apply(exp_avg: Tensor, exp_avg_sq: Tensor, stored: Any) -> bool:
@@ -332,7 +332,7 @@ _ADAM_GRADS = (torch.float32, torch.bfloat16)
 
 @eager
 def adam(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
-         exp_avg_sqs: Sequence[Tensor], low: Sequence[Optional[Tensor]],
+         exp_avg_sqs: Sequence[Tensor], w16: Sequence[Optional[Tensor]],
          state_steps: Sequence[Tensor], *,
          step_sizes: Sequence[float], bias_correction2_sqrts: Sequence[float],
          weight_decays_l2: Sequence[float], decays: Sequence[float], beta1: float, beta2: float,
@@ -340,8 +340,8 @@ def adam(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[T
          one_minus_betas: Optional[Tuple[float, float]] = None, threads: int,
          stored: Optional[Sequence[Any]] = None) -> None:
     """One Adam step on each tensor, one pass over memory each (see ``csrc/adam.h``), in one
-    call. For a float32 ``params[i]``, ``low[i]``, when given, receives the rounded bfloat16
-    weights; for a bfloat16 ``params[i]`` (split storage), ``low[i]`` holds the master's low
+    call. For a float32 ``params[i]``, ``w16[i]``, when given, receives the rounded bfloat16
+    weights; for a bfloat16 ``params[i]`` (split storage), ``w16[i]`` holds the master's lower
     halves. ``grad_multipliers[i]``: the scalar ``grads[i]`` is taken times.
     ``one_minus_betas`` overrides ``(1-beta1, 1-beta2)`` (computed in double by default).
     Each ``state_steps[i]`` (a float32 CPU scalar) is incremented; the scalars given are those
@@ -351,12 +351,12 @@ def adam(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[T
     count = len(params)
     if count == 0:
         return
-    check_same_sizes("the Adam C kernel", params, grads, exp_avgs, exp_avg_sqs, low)
+    check_same_sizes("the Adam C kernel", params, grads, exp_avgs, exp_avg_sqs, w16)
     tensors = (AdamTensor * count)(*[
         AdamTensor(w.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), _ptr(lo),
                    s.data_ptr(), w.numel(), _kind(w, g), gm, ss, bc, l2, dc, **_compact(st))
         for w, g, m, v, lo, s, gm, ss, bc, l2, dc, st in zip(
-            params, grads, exp_avgs, exp_avg_sqs, low, state_steps, grad_multipliers,
+            params, grads, exp_avgs, exp_avg_sqs, w16, state_steps, grad_multipliers,
             step_sizes, bias_correction2_sqrts, weight_decays_l2, decays,
             stored or [None] * count)])
     omb1, omb2 = one_minus_betas or (1.0 - beta1, 1.0 - beta2)

@@ -70,7 +70,7 @@ ITERS = 4
 LAUNCHES: collections.Counter = collections.Counter()
 
 _G_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_LOW_KINDS = {None: 0, torch.bfloat16: 1, torch.float16: 2, torch.int16: 3}
+_W16_KINDS = {None: 0, torch.bfloat16: 1, torch.float16: 2, torch.int16: 3}
 _FORMS = {None: 0, "bfloat16": 1, "int8": 2}
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _PLAIN_TYPES = set(_PLAIN)
@@ -123,7 +123,7 @@ def applies(t: Any) -> bool:
     f32, bf16 = torch.float32, torch.bfloat16
     stored = t.stored or [None] * len(t.weights)
     for w, g, m, v, lo, st in zip(t.weights, t.grads, t.exp_avgs, t.exp_avg_sqs,
-                                  t.low or [None] * len(t.weights), stored):
+                                  t.w16 or [None] * len(t.weights), stored):
         if not (all(_plain(x, device) for x in (w, g, m, v)) and _moments_fit(m, v, st)
                 and g.dtype in _G_KINDS and w.dtype in (f32, bf16)):
             return False
@@ -166,12 +166,12 @@ def _moments_fit(m: Tensor, v: Tensor, st: Any) -> bool:
 
 
 def _kind(t: Any, i: int) -> Tuple[int, int, int, int]:
-    """(weight: 0 float32 / 1 split master, gradient dtype, low dtype, the moments' form) of
+    """(weight: 0 float32 / 1 split master, gradient dtype, w16 dtype, the moments' form) of
     tensor ``i``."""
-    lo = t.low[i] if t.low else None
+    lo = t.w16[i] if t.w16 else None
     st = t.stored[i] if t.stored else None
     return (int(t.weights[i].dtype == torch.bfloat16), _G_KINDS[t.grads[i].dtype],
-            _LOW_KINDS[None if lo is None else lo.dtype], _FORMS[None if st is None else st.form])
+            _W16_KINDS[None if lo is None else lo.dtype], _FORMS[None if st is None else st.form])
 
 
 def _blocks_per_tile() -> int:
@@ -193,7 +193,7 @@ class _Plan(NamedTuple):
 def _plan(t: Any) -> _Plan:
     """The group's plan, found again for the same storages, sizes and dtypes (keyed by
     :func:`_signature`: a storage freed and handed to a tensor of another size or dtype has
-    another key), else made: the rows of ``ptrs`` (w, m, v, low, the tensor's place in the
+    another key), else made: the rows of ``ptrs`` (w, m, v, w16, the tensor's place in the
     group, and for stored moments the int8 scales of m and v, the length of a row of blocks,
     where the local piece starts in the whole tensor). The gradients' addresses are not in it
     (:func:`_grad_table`)."""
@@ -202,11 +202,11 @@ def _plan(t: Any) -> _Plan:
         return plan
     key = _signature(t)
     n = len(t.weights)
-    low = t.low or [None] * n
+    w16 = t.w16 or [None] * n
     stored = t.stored or [None] * n
-    check_same_sizes("the Triton kernels", t.weights, t.grads, t.exp_avgs, t.exp_avg_sqs, low)
+    check_same_sizes("the Triton kernels", t.weights, t.grads, t.exp_avgs, t.exp_avg_sqs, w16)
     rows = tuple((t.weights[i].data_ptr(), t.exp_avgs[i].data_ptr(),  # PTRS
-                  t.exp_avg_sqs[i].data_ptr(), 0 if low[i] is None else low[i].data_ptr(), i,
+                  t.exp_avg_sqs[i].data_ptr(), 0 if w16[i] is None else w16[i].data_ptr(), i,
                   *_stored_row(stored[i])) for i in range(n))
     plan = _PLANS[key] = _new_plan(tuple(_kind(t, i) for i in range(n)), rows,
                                    tuple(w.numel() for w in t.weights), t.weights[0].device)
@@ -242,14 +242,14 @@ def _signature(t: Any) -> tuple:
     if _LAST[0]() is t:
         return _LAST[1]
     ptr, dtype = Tensor.data_ptr, operator.attrgetter("dtype")
-    low = t.low
-    if low is not None and all(map(operator.is_, low, itertools.repeat(None))):
-        low = None  # (as when none is given)
-    elif low is not None and not any(map(operator.is_, low, itertools.repeat(None))):
-        low = (tuple(map(ptr, low)), tuple(map(dtype, low)))  # (each a pass in C)
-    elif low is not None:
-        low = tuple((0, None) if x is None else (x.data_ptr(), x.dtype) for x in low)
-    key = (tuple(map(ptr, t.weights)), _moment_addresses(t), low, _stored_rows(t.stored),
+    w16 = t.w16
+    if w16 is not None and all(map(operator.is_, w16, itertools.repeat(None))):
+        w16 = None  # (as when none is given)
+    elif w16 is not None and not any(map(operator.is_, w16, itertools.repeat(None))):
+        w16 = (tuple(map(ptr, w16)), tuple(map(dtype, w16)))  # (each a pass in C)
+    elif w16 is not None:
+        w16 = tuple((0, None) if x is None else (x.data_ptr(), x.dtype) for x in w16)
+    key = (tuple(map(ptr, t.weights)), _moment_addresses(t), w16, _stored_rows(t.stored),
            tuple(map(Tensor.numel, t.weights)), tuple(map(dtype, t.weights)),
            tuple(map(dtype, t.grads)), BLOCK * ITERS, t.weights[0].device)
     _LAST[:] = [weakref.ref(t), key]
@@ -542,9 +542,9 @@ def _launch(name: str, kinds: Tuple[int, int, int, int], tables: Tuple[Tensor, T
     ptrs, sizes, chunks = tables
     if chunks.shape[0] == 0:
         return
-    w_kind, g_kind, low_kind, form = kinds
+    w_kind, g_kind, w16_kind, form = kinds
     _run(name, chunks.shape[0], ptrs, grads, sizes, chunks, W_SPLIT=w_kind, G_KIND=g_kind,
-         LOW_KIND=low_kind, FORM=form, BLOCK=BLOCK, QB=_blocks_per_tile(), ITERS=ITERS, **args)
+         W16_KIND=w16_kind, FORM=form, BLOCK=BLOCK, QB=_blocks_per_tile(), ITERS=ITERS, **args)
 
 
 @eager
@@ -592,7 +592,7 @@ def _options(o: Any, clip: Any) -> Dict[str, Any]:
 def lamb_triton(t: Any, layer: Any, o: Any) -> Phased:
     """LAMB on the Triton kernels: the same update as :func:`scaleopt.lamb.lamb` (``t`` a
     ``GroupTensors``, ``layer`` its ``LayerOptions``, ``o`` the ``LayerwiseOptions``), in two
-    launches per set of tensors of the same dtypes. ``t.low`` and the gradients' deferred
+    launches per set of tensors of the same dtypes. ``t.w16`` and the gradients' deferred
     scalars as in :func:`scaleopt._native.lamb_kernel`."""
     if not t.weights:
         return

@@ -2,7 +2,7 @@
 
 Every kernel but ``totals`` runs one program per (tensor, chunk) pair: ``chunks[pid]`` is (k,
 where the chunk starts, its slot for partial sums), row k of ``ptrs`` holds the tensor's
-addresses (w, m, v, low), its place i in the group, and for stored moments the addresses of
+addresses (w, m, v, w16), its place i in the group, and for stored moments the addresses of
 the int8 scales of m and v, the length of a row of blocks and where the local piece starts in
 the whole tensor; ``sizes[k]`` its size; ``grads[i]`` the address of its gradient (a table of
 its own: a step's gradients may be elsewhere than the last step's). Row i of ``scal``: lr,
@@ -11,8 +11,8 @@ sqrt(1 - beta2^t) of its step, and the step t. The phases are the C kernels'
 (``csrc/``); the arithmetic is the reference's (``scaleopt.lamb``, ``scaleopt.lans``),
 each operation rounded once (compiled without contraction, with ``div_rn`` and ``sqrt_rn``).
 Kinds (compile-time): ``W_SPLIT`` a split master (the weight's bfloat16 upper halves at w,
-the int16 lower halves at low) or a float32 weight; ``G_KIND`` the gradient's dtype (0
-float32, 1 bfloat16, 2 float16); ``LOW_KIND`` what low holds (0 nothing, 1 / 2 the rounded
+the int16 lower halves at w16) or a float32 weight; ``G_KIND`` the gradient's dtype (0
+float32, 1 bfloat16, 2 float16); ``W16_KIND`` what w16 holds (0 nothing, 1 / 2 the rounded
 bfloat16 / float16 weights to write, 3 a split master's lower halves); ``FORM`` how the
 moments are stored (0 float32, 1 bfloat16, 2 int8 codes: ``_compact``).
 
@@ -57,7 +57,7 @@ _V_SALT = tl.constexpr(_format.salt_key("exp_avg_sq"))
 
 
 @triton.jit
-def _pointers(row, grads, W_SPLIT: tl.constexpr, G_KIND: tl.constexpr, LOW_KIND: tl.constexpr,
+def _pointers(row, grads, W_SPLIT: tl.constexpr, G_KIND: tl.constexpr, W16_KIND: tl.constexpr,
               FORM: tl.constexpr):
     if W_SPLIT:
         wp = tl.load(row + _W).to(tl.pointer_type(tl.int16))
@@ -79,9 +79,9 @@ def _pointers(row, grads, W_SPLIT: tl.constexpr, G_KIND: tl.constexpr, LOW_KIND:
     else:
         mp = tl.load(row + _M).to(tl.pointer_type(tl.float32))
         vp = tl.load(row + _V).to(tl.pointer_type(tl.float32))
-    if LOW_KIND == 1:
+    if W16_KIND == 1:
         lp = tl.load(row + _LOWP).to(tl.pointer_type(tl.bfloat16))
-    elif LOW_KIND == 2:
+    elif W16_KIND == 2:
         lp = tl.load(row + _LOWP).to(tl.pointer_type(tl.float16))
     else:
         lp = tl.load(row + _LOWP).to(tl.pointer_type(tl.int16))
@@ -229,9 +229,9 @@ def _load_w(wp, lp, offs, mask, W_SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _store_w(wp, lp, offs, mask, w, W_SPLIT: tl.constexpr, LOW_KIND: tl.constexpr):
+def _store_w(wp, lp, offs, mask, w, W_SPLIT: tl.constexpr, W16_KIND: tl.constexpr):
     """The new float32 weights: split again (``_masters.split_``), or stored with their rounded
-    copy where low asks for one."""
+    copy where w16 asks for one."""
     if W_SPLIT:
         bits = w.to(tl.uint32, bitcast=True)
         top = ((bits + 0x8000) >> 16) & 0xFFFF
@@ -239,9 +239,9 @@ def _store_w(wp, lp, offs, mask, w, W_SPLIT: tl.constexpr, LOW_KIND: tl.constexp
         tl.store(lp + offs, (bits & 0xFFFF).to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
     else:
         tl.store(wp + offs, w, mask=mask)
-        if LOW_KIND == 1:
+        if W16_KIND == 1:
             tl.store(lp + offs, w.to(tl.bfloat16), mask=mask)
-        elif LOW_KIND == 2:
+        elif W16_KIND == 2:
             tl.store(lp + offs, w.to(tl.float16), mask=mask)
 
 
@@ -307,11 +307,11 @@ def _decay_factor(lr, wd, MODE: tl.constexpr):
 
 @triton.jit
 def sum_squares(ptrs, grads, sizes, chunks, parts, W_SPLIT: tl.constexpr, G_KIND: tl.constexpr,
-                LOW_KIND: tl.constexpr, FORM: tl.constexpr, BLOCK: tl.constexpr,
+                W16_KIND: tl.constexpr, FORM: tl.constexpr, BLOCK: tl.constexpr,
                 QB: tl.constexpr, ITERS: tl.constexpr):
     """parts[slot] = the chunk's sum of g^2 (LANS's gradient norms; ``totals`` adds them up)."""
     row, n, start, slot = _chunk(ptrs, sizes, chunks)
-    _, gp, _, _, _ = _pointers(row, grads, W_SPLIT, G_KIND, LOW_KIND, FORM)
+    _, gp, _, _, _ = _pointers(row, grads, W_SPLIT, G_KIND, W16_KIND, FORM)
     acc = 0.0
     for it in tl.static_range(ITERS):
         offs, mask, _, _ = _tile(row, n, start, it, BLOCK, QB, FORM)
@@ -344,7 +344,7 @@ def _lamb_u(w, m, v, wd, bc1, bc2, eps, MODE: tl.constexpr):
 def lamb_sums(ptrs, grads, sizes, chunks, scal, skip, parts, beta1, beta2, eps, clip_lo, clip_hi,
               lower, upper, MODE: tl.constexpr, CLIP: tl.constexpr, HAS_LOWER: tl.constexpr,
               HAS_UPPER: tl.constexpr, W_SPLIT: tl.constexpr, G_KIND: tl.constexpr,
-              LOW_KIND: tl.constexpr, FORM: tl.constexpr, BLOCK: tl.constexpr, QB: tl.constexpr,
+              W16_KIND: tl.constexpr, FORM: tl.constexpr, BLOCK: tl.constexpr, QB: tl.constexpr,
               ITERS: tl.constexpr):
     """LAMB's first phase: the chunk's sum w^2 and sum u^2 into its slot of ``parts`` (u the
     full update, decay included; w decayed first in the decoupled mode, 1). float32 moments are
@@ -352,7 +352,7 @@ def lamb_sums(ptrs, grads, sizes, chunks, scal, skip, parts, beta1, beta2, eps, 
     store."""
     row, n, start, slot, _, lr, wd, _, mult, bc1, bc2, _ = _program(ptrs, sizes, chunks, scal,
                                                                     skip)
-    wp, gp, mp, vp, lp = _pointers(row, grads, W_SPLIT, G_KIND, LOW_KIND, FORM)
+    wp, gp, mp, vp, lp = _pointers(row, grads, W_SPLIT, G_KIND, W16_KIND, FORM)
     acc_w = 0.0
     acc_u = 0.0
     for it in tl.static_range(ITERS):
@@ -375,13 +375,13 @@ def lamb_sums(ptrs, grads, sizes, chunks, scal, skip, parts, beta1, beta2, eps, 
 def lamb_apply(ptrs, grads, sizes, chunks, scal, skip, sums, beta1, beta2, eps, clip_lo, clip_hi,
                lower, upper, MODE: tl.constexpr, CLIP: tl.constexpr, HAS_LOWER: tl.constexpr,
                HAS_UPPER: tl.constexpr, W_SPLIT: tl.constexpr, G_KIND: tl.constexpr,
-               LOW_KIND: tl.constexpr, FORM: tl.constexpr, BLOCK: tl.constexpr, QB: tl.constexpr,
+               W16_KIND: tl.constexpr, FORM: tl.constexpr, BLOCK: tl.constexpr, QB: tl.constexpr,
                ITERS: tl.constexpr):
     """LAMB's second phase: w - lr * ratio * u, the ratio from the (totalled) sums. Stored
     moments are updated again from the gradient, as the first phase did, and stored."""
     row, n, start, _, i, lr, wd, adapt, mult, bc1, bc2, step = _program(ptrs, sizes, chunks,
                                                                         scal, skip)
-    wp, gp, mp, vp, lp = _pointers(row, grads, W_SPLIT, G_KIND, LOW_KIND, FORM)
+    wp, gp, mp, vp, lp = _pointers(row, grads, W_SPLIT, G_KIND, W16_KIND, FORM)
     ratio = _trust_ratio(tl.load(sums + 2 * i), tl.load(sums + 2 * i + 1), lower, upper,
                          HAS_LOWER, HAS_UPPER)
     ratio = tl.where(adapt > 0.0, ratio, 1.0)
@@ -396,7 +396,7 @@ def lamb_apply(ptrs, grads, sizes, chunks, scal, skip, sums, beta1, beta2, eps, 
                                     m, v, lr, wd, beta1, beta2, MODE)
             _store_moments(row, mp, vp, offs, mask, b, bmask, m, v, step, FORM)
         u = _lamb_u(w, m, v, wd, bc1, bc2, eps, MODE)
-        _store_w(wp, lp, offs, mask, w - lr * (ratio * u), W_SPLIT, LOW_KIND)
+        _store_w(wp, lp, offs, mask, w - lr * (ratio * u), W_SPLIT, W16_KIND)
 
 
 @triton.jit
@@ -418,13 +418,13 @@ def _lans_r(w, m, v, wd, bc1, bc2, eps):
 def lans_sums(ptrs, grads, sizes, chunks, scal, skip, parts, gsq, beta1, beta2, eps, clip_lo,
               clip_hi, lower, upper, CLIP: tl.constexpr, HAS_LOWER: tl.constexpr,
               HAS_UPPER: tl.constexpr, W_SPLIT: tl.constexpr, G_KIND: tl.constexpr,
-              LOW_KIND: tl.constexpr, FORM: tl.constexpr, BLOCK: tl.constexpr, QB: tl.constexpr,
+              W16_KIND: tl.constexpr, FORM: tl.constexpr, BLOCK: tl.constexpr, QB: tl.constexpr,
               ITERS: tl.constexpr):
     """LANS's first phase: m, v updated from the normalised gradient (stored where float32);
     the chunk's sums of w^2, r^2, c^2 and r*c into its slot of ``parts``."""
     row, n, start, slot, i, lr, wd, _, mult, bc1, bc2, _ = _program(ptrs, sizes, chunks, scal,
                                                                     skip)
-    wp, gp, mp, vp, lp = _pointers(row, grads, W_SPLIT, G_KIND, LOW_KIND, FORM)
+    wp, gp, mp, vp, lp = _pointers(row, grads, W_SPLIT, G_KIND, W16_KIND, FORM)
     ginv = _normalising_factor(gsq, i, mult)
     acc_w = 0.0
     acc_r = 0.0
@@ -455,14 +455,14 @@ def lans_sums(ptrs, grads, sizes, chunks, scal, skip, parts, gsq, beta1, beta2, 
 def lans_apply(ptrs, grads, sizes, chunks, scal, skip, sums, gsq, beta1, beta2, eps, clip_lo,
                clip_hi, lower, upper, MOVED: tl.constexpr, CLIP: tl.constexpr,
                HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr, W_SPLIT: tl.constexpr,
-               G_KIND: tl.constexpr, LOW_KIND: tl.constexpr, FORM: tl.constexpr,
+               G_KIND: tl.constexpr, W16_KIND: tl.constexpr, FORM: tl.constexpr,
                BLOCK: tl.constexpr, QB: tl.constexpr, ITERS: tl.constexpr):
     """LANS's second phase: w1 = w - lr_r * ratio_r * r, then w1 - lr_c * ratio_c * c, where c
     decays w1 when MOVED and w otherwise (the rates of r and c: lr_r = lr * beta1, lr_c = lr *
     (1 - beta1)). Stored moments are updated again, as the first phase did, and stored."""
     row, n, start, _, i, lr, wd, adapt, mult, bc1, bc2, step = _program(ptrs, sizes, chunks,
                                                                         scal, skip)
-    wp, gp, mp, vp, lp = _pointers(row, grads, W_SPLIT, G_KIND, LOW_KIND, FORM)
+    wp, gp, mp, vp, lp = _pointers(row, grads, W_SPLIT, G_KIND, W16_KIND, FORM)
     ginv = _normalising_factor(gsq, i, mult)
     lr_r = lr * beta1
     lr_c = lr * (1.0 - beta1)
@@ -488,7 +488,7 @@ def lans_apply(ptrs, grads, sizes, chunks, scal, skip, sums, gsq, beta1, beta2, 
             c = g * dinv + wd * w1
         else:
             c = g * dinv + wd * w
-        _store_w(wp, lp, offs, mask, w1 - lr_c * (ratio_c * c), W_SPLIT, LOW_KIND)
+        _store_w(wp, lp, offs, mask, w1 - lr_c * (ratio_c * c), W_SPLIT, W16_KIND)
 
 
 @triton.jit

@@ -9,10 +9,10 @@
 """
 
 #: a tensor's row of ``ptrs``: the addresses of its weight (a split master's bfloat16 upper
-#: halves), moments and low part (0: none), its place in the group (its row of ``grads`` and
+#: halves), moments and 16-bit part w16 (0: none), its place in the group (its row of ``grads`` and
 #: of the step table), and for int8 moments the addresses of their scales, the length of a row
 #: of blocks and where the local piece starts in the whole tensor (the rounding's index)
-PTRS = ("w", "m", "v", "low", "index", "m_scale", "v_scale", "row_len", "offset")
+PTRS = ("w", "m", "v", "w16", "index", "m_scale", "v_scale", "row_len", "offset")
 #: a tensor's row of the step table: its learning rate, weight decay, whether it adapts, the
 #: gradient's multiplier, the bias corrections 1 - beta1^t and sqrt(1 - beta2^t), and t
 SCAL = ("lr", "weight_decay", "adapt", "grad_mult", "bc1", "bc2_sqrt", "step")

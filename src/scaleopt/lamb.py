@@ -223,8 +223,10 @@ def lamb(
 
     ``lrs``, ``weight_decays`` and ``adapt`` are per tensor. ``grads`` are read, never written.
     ``implementation``: ``"single"`` (the reference loop), ``"multi"`` (multi-tensor ops) or
-    ``"native"`` (the fused CPU kernels, see :func:`scaleopt._native.lamb_kernel` for ``low``); by
-    default ``foreach`` picks multi or single. ``grad_scalars``: per-tensor multipliers (and a
+    ``"native"`` (the fused CPU kernels); by default ``foreach`` picks multi or single. ``low``:
+    the kernels' 16-bit tensor per weight, or None (the lower halves of a split master, or
+    where a float32 master's rounded bfloat16 weights go; ``w16`` in
+    :func:`scaleopt._native.lamb_kernel`). ``grad_scalars``: per-tensor multipliers (and a
     clamp) to apply to the gradients as they are read. ``shard_sums``: for the local shards of
     sharded tensors (multi-tensor and kernels), the :class:`scaleopt._sharding.ShardSums` that
     totals their norms.

@@ -210,13 +210,13 @@ class OffloadAdam(AdamFamily):
         stored = state.stored or [None] * len(params)
         fast = [not group["amsgrad"] and _native.adam_applies(*row, st) for row, st in zip(
             zip(*(local(xs) for xs in (state.view.weights, item.grads, state.exp_avgs,
-                                      state.exp_avg_sqs, state.view.kernel_low()))), stored)]
+                                      state.exp_avg_sqs, state.view.kernel_w16()))), stored)]
         slow = [k for k, f in enumerate(fast) if not f]
         state = state.decoded(slow)  # float32 working tensors for the reference's tensors
         no_decay = self._rule_flags(group, "exclude_from_weight_decay")
         # sharded parameters: the local shards (the gradients already are)
         rows = [_Row(*row) for row in zip(
-            *(local(xs) for xs in (state.view.weights, state.view.kernel_low(),
+            *(local(xs) for xs in (state.view.weights, state.view.kernel_w16(),
                                    state.exp_avgs, state.exp_avg_sqs)),
             item.grads, state.steps,
             [1.0] * len(params) if item.scalars is None else item.scalars.mults.tolist(),
@@ -249,7 +249,7 @@ class OffloadAdam(AdamFamily):
         beta1, beta2 = group["betas"]
         _native.adam(
             [r.weight for r in rows], [r.grad for r in rows], [r.exp_avg for r in rows],
-            [r.exp_avg_sq for r in rows], [r.low for r in rows], [r.step for r in rows],
+            [r.exp_avg_sq for r in rows], [r.w16 for r in rows], [r.step for r in rows],
             step_sizes=[r.scalars[0] for r in rows],
             bias_correction2_sqrts=[r.scalars[1] for r in rows],
             weight_decays_l2=[0.0 if decoupled else r.decay for r in rows],
@@ -274,8 +274,8 @@ class _Row(NamedTuple):
     """One tensor of an OffloadAdam step (local shards of sharded ones)."""
 
     weight: Tensor
-    #: the kernel's second tensor (see ``MasterView.kernel_low``)
-    low: Optional[Tensor]
+    #: the kernel's second tensor (see ``MasterView.kernel_w16``)
+    w16: Optional[Tensor]
     exp_avg: Tensor
     exp_avg_sq: Tensor
     grad: Tensor

@@ -17,7 +17,7 @@
  * lr/bc1, ...) computed in double by the caller, as torch does.
  *
  * Where the weight lives:
- *  - float32 (adam_f32*): p[i]; the rounded weight also goes to low[] (bfloat16) if not NULL.
+ *  - float32 (adam_f32*): p[i]; the rounded weight also goes to w16[] (bfloat16) if not NULL.
  *  - split (adam_split*): a bfloat16 parameter and the low 16 bits of its float32 master.
  *    The master is stored exactly: its upper 16 bits are the parameter's bits, less one when
  *    the parameter was rounded up, i.e. when the low half is >= 0x8000. The parameter is the
@@ -26,7 +26,7 @@
  *    cache costs), with a handful of integer operations. */
 typedef struct {
     void *w;
-    uint16_t *lo;
+    uint16_t *w16;
     const void *g;
     float *m, *v;
     float step_size, beta1, one_m_b1, beta2, one_m_b2, bc2_sqrt, inv_bc2_sqrt, eps, wd_l2, decay,
@@ -45,7 +45,7 @@ INLINE void adam(const void *args, int64_t from, int64_t to, int store, int bf16
     const Adam a = *(const Adam *)args;
 #pragma omp simd
     for (int64_t i = from; i < to; i++) {
-        float w = weight_at(a.w, a.lo, i, store == STORE_SPLIT);
+        float w = weight_at(a.w, a.w16, i, store == STORE_SPLIT);
         float gi = grad_at(a.g, i, bf16) * a.gmul + a.wd_l2 * w;
         float mi = a.m[i] + a.one_m_b1 * (gi - a.m[i]);
         float vi = a.v[i] * a.beta2 + a.one_m_b2 * gi * gi;
@@ -53,22 +53,22 @@ INLINE void adam(const void *args, int64_t from, int64_t to, int store, int bf16
         a.v[i] = vi;
         float num = a.nesterov ? a.beta1 * mi + a.one_m_b1 * gi : mi;
         float den = adam_denom(vi, a.bc2_sqrt, a.inv_bc2_sqrt, a.eps, store == STORE_SPLIT);
-        weight_store(a.w, a.lo, i, w * a.decay - a.step_size * (num / den), store);
+        weight_store(a.w, a.w16, i, w * a.decay - a.step_size * (num / den), store);
     }
 }
 
 TARGETS static void adam_f32(const void *a, int64_t i, int64_t j, double *s) { (void)s, adam(a, i, j, STORE_F32, 0); }
 TARGETS static void adam_f32_bf16g(const void *a, int64_t i, int64_t j, double *s) { (void)s, adam(a, i, j, STORE_F32, 1); }
-TARGETS static void adam_f32_low(const void *a, int64_t i, int64_t j, double *s) { (void)s, adam(a, i, j, STORE_F32_LOW, 0); }
-TARGETS static void adam_f32_low_bf16g(const void *a, int64_t i, int64_t j, double *s) { (void)s, adam(a, i, j, STORE_F32_LOW, 1); }
+TARGETS static void adam_f32_copy(const void *a, int64_t i, int64_t j, double *s) { (void)s, adam(a, i, j, STORE_F32_COPY, 0); }
+TARGETS static void adam_f32_copy_bf16g(const void *a, int64_t i, int64_t j, double *s) { (void)s, adam(a, i, j, STORE_F32_COPY, 1); }
 TARGETS static void adam_split(const void *a, int64_t i, int64_t j, double *s) { (void)s, adam(a, i, j, STORE_SPLIT, 0); }
 TARGETS static void adam_split_bf16g(const void *a, int64_t i, int64_t j, double *s) { (void)s, adam(a, i, j, STORE_SPLIT, 1); }
-static const Pass ADAM[3][2] = {{adam_f32, adam_f32_bf16g}, {adam_f32_low, adam_f32_low_bf16g},
+static const Pass ADAM[3][2] = {{adam_f32, adam_f32_bf16g}, {adam_f32_copy, adam_f32_copy_bf16g},
                                 {adam_split, adam_split_bf16g}};
 
 static void adam_step(const AdamTensor *x, const AdamConfig *cfg) {
-    const int store = (x->kind & 2) ? STORE_SPLIT : x->low ? STORE_F32_LOW : STORE_F32;
-    const Adam a = {x->w, x->low, x->g, x->m, x->v, x->step_size, cfg->beta1, cfg->one_m_b1,
+    const int store = (x->kind & 2) ? STORE_SPLIT : x->w16 ? STORE_F32_COPY : STORE_F32;
+    const Adam a = {x->w, x->w16, x->g, x->m, x->v, x->step_size, cfg->beta1, cfg->one_m_b1,
                     cfg->beta2, cfg->one_m_b2, x->bc2_sqrt, 1.0f / x->bc2_sqrt, cfg->eps,
                     x->wd_l2, x->decay, x->gmul, cfg->nesterov};
     shares(ADAM[store][x->kind & 1], &a, x->n, cfg->nthreads);
@@ -101,9 +101,9 @@ TARGETS static void adam_apply_split_nesterov_portable(const Blocks *c, int64_t 
 /* An Adam tensor on compact moments: its weights as they are, its gradient times gmul, no
  * clipping. */
 static void adam_compact(const AdamTensor *x, const AdamConfig *cfg) {
-    const Staging s = {x->w, (x->kind & 2) ? x->low : NULL, x->g, x->kind & 1, 1.0f, x->gmul,
+    const Staging s = {x->w, (x->kind & 2) ? x->w16 : NULL, x->g, x->kind & 1, 1.0f, x->gmul,
                        -INFINITY, INFINITY};
-    Blocks c = blocks_of(x->w, x->low, x->kind, x->row_len, s,
+    Blocks c = blocks_of(x->w, x->w16, x->kind, x->row_len, s,
                          stored_of(x->m, x->v, x->m_scale, x->v_scale, x->form, x->offset,
                                    *x->step));
     c.one_m_b1 = cfg->one_m_b1, c.one_m_b2 = cfg->one_m_b2, c.beta1 = cfg->beta1;

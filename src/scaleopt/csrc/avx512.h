@@ -311,7 +311,7 @@ V16_INLINE void v16_store_moments(const Blocks *c, const V16Block *k, int int8, 
 
 /* After a second pass's loop: the new weights, where they were staged. */
 V16_INLINE void v16_unstage(const Blocks *c, const V16Block *k) {
-    if (!c->in_place) unstage_w(c->w, c->low, c->split, k->at, k->len, k->wo);
+    if (!c->in_place) unstage_w(c->w, c->w16, c->split, k->at, k->len, k->wo);
 }
 
 /* Each loop on one block: plain, int8 and len constants where known (len is the block's

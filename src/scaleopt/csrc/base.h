@@ -40,14 +40,14 @@ enum { MODE_UPDATE = 0, MODE_DECOUPLED = 1, MODE_L2 = 2 };
  * ctypes mirrors are in _native.py; struct_layout() below lets a test compare the two. */
 
 /* What every multi-tensor kernel reads of a tensor. kind: bit 0 = bfloat16 gradient, bit 1 =
- * split master (w the bfloat16 upper halves, low the int16 lower halves); otherwise w is the
- * float32 weight and low an optional bfloat16 copy to write in the same pass. */
+ * split master (w the bfloat16 upper halves, w16 the int16 lower halves); otherwise w is the
+ * float32 weight and w16 an optional bfloat16 copy to write in the same pass. */
 #define TENSOR_FIELDS                                                                          \
     void *w;          /* float32 weight, or a split master's bfloat16 upper halves */        \
     const void *g;    /* float32 or bfloat16 gradient */                                     \
     void *m;          /* first moment: float32, or as COMPACT_FIELDS say */                   \
     void *v;          /* second moment: likewise */                                           \
-    uint16_t *low;    /* see kind; NULL for none */                                          \
+    uint16_t *w16;    /* the weight's 16-bit tensor (see kind); NULL for none */                                          \
     float *step;      /* the step counter (a float32 scalar), incremented */                 \
     int64_t n;        /* elements */                                                         \
     int32_t kind;                                                                              \
@@ -95,7 +95,7 @@ typedef struct {
  * 2: AdamTensor, 3: AdamConfig), in declaration order, into out; returns how many. */
 int64_t struct_layout(int32_t which, int64_t *out) {
 #define TENSOR_OFFSETS(S)                                                                      \
-    FIELD(S, w), FIELD(S, g), FIELD(S, m), FIELD(S, v), FIELD(S, low), FIELD(S, step),         \
+    FIELD(S, w), FIELD(S, g), FIELD(S, m), FIELD(S, v), FIELD(S, w16), FIELD(S, step),         \
         FIELD(S, n), FIELD(S, kind), FIELD(S, gmul)
 #define COMPACT_OFFSETS(S)                                                                     \
     FIELD(S, m_scale), FIELD(S, v_scale), FIELD(S, row_len), FIELD(S, offset), FIELD(S, form)

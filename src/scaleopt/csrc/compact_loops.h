@@ -52,22 +52,22 @@ INLINE void stage_g(const Staging *s, int64_t at, int64_t len, float *gb) {
     for (int64_t i = 0; i < len; i++) gb[i] = bf16_to_f32(g[i]);
 }
 
-/* The new weights of a block, from wb: a split master's two halves (split != 0, low the lower
- * ones), or float32 rounded into the bfloat16 low[] as well. */
-INLINE void unstage_w(void *w, uint16_t *low, int split, int64_t at, int64_t len,
+/* The new weights of a block, from wb: a split master's two halves (split != 0, w16 the lower
+ * ones), or float32 rounded into the bfloat16 w16[] as well. */
+INLINE void unstage_w(void *w, uint16_t *w16, int split, int64_t at, int64_t len,
                       const float *wb) {
     if (split) {
-        uint16_t *hi = (uint16_t *)w + at, *lo = low + at;
+        uint16_t *hi = (uint16_t *)w + at, *lo = w16 + at;
         for (int64_t i = 0; i < len; i++) hi[i] = split_high(wb[i]), lo[i] = split_low(wb[i]);
         return;
     }
     float *p = (float *)w + at;
-    for (int64_t i = 0; i < len; i++) p[i] = wb[i], low[at + i] = f32_to_bf16(wb[i]);
+    for (int64_t i = 0; i < len; i++) p[i] = wb[i], w16[at + i] = f32_to_bf16(wb[i]);
 }
 
 static Staging staging_of(const LayerwiseTensor *x, const LayerwiseConfig *cfg, float wmul,
                           float gmul) {
-    return (Staging){x->w, (x->kind & 2) ? x->low : NULL, x->g, x->kind & 1, wmul, gmul,
+    return (Staging){x->w, (x->kind & 2) ? x->w16 : NULL, x->g, x->kind & 1, wmul, gmul,
                      cfg->clip ? cfg->clip_lo : -INFINITY, cfg->clip ? cfg->clip_hi : INFINITY};
 }
 
@@ -88,7 +88,7 @@ typedef struct {
     Staging s;
     Stored st;
     void *w;       /* the tensor's weights (written) */
-    uint16_t *low; /* as LayerwiseTensor */
+    uint16_t *w16; /* as LayerwiseTensor */
     int split, in_place, moved, nesterov;
     int64_t per_row, row_len;
     float one_m_b1, one_m_b2, beta1, beta2, eps, inv_bc1, inv_bc2_sqrt;
@@ -99,16 +99,16 @@ typedef struct {
     int64_t keep_block, keep_from, keep_half; /* LANS: its second numbers from keep_half on */
 } Blocks;
 
-static Blocks blocks_of(void *w, uint16_t *low, int kind, int64_t row_len, Staging s,
+static Blocks blocks_of(void *w, uint16_t *w16, int kind, int64_t row_len, Staging s,
                         Stored st) {
     Blocks c;
     memset(&c, 0, sizeof c);
     c.s = s;
     c.st = st;
     c.w = w;
-    c.low = low;
+    c.w16 = w16;
     c.split = (kind & 2) != 0;
-    c.in_place = !(kind & 2) && !low;
+    c.in_place = !(kind & 2) && !w16;
     c.row_len = row_len;
     c.per_row = (row_len + COMPACT_BLOCK - 1) / COMPACT_BLOCK;
     c.keep_block = INT64_MAX; /* none kept */
@@ -159,7 +159,7 @@ static void keep_range(Blocks *c, int64_t n, const Keep *keep, int64_t floats) {
  * compute them, its weights taken times wmul and its gradient times gmul. */
 static Blocks layerwise_blocks(const LayerwiseTensor *x, const LayerwiseConfig *cfg,
                                double bc1, double bc2_sqrt, float wmul, float gmul) {
-    Blocks c = blocks_of(x->w, x->low, x->kind, x->row_len, staging_of(x, cfg, wmul, gmul),
+    Blocks c = blocks_of(x->w, x->w16, x->kind, x->row_len, staging_of(x, cfg, wmul, gmul),
                          stored_of(x->m, x->v, x->m_scale, x->v_scale, x->form, x->offset,
                                    *x->step));
     c.beta2 = (float)cfg->beta2, c.one_m_b1 = 1.0f - (float)cfg->beta1;
@@ -215,7 +215,7 @@ INLINE float *block_inputs(const Blocks *c, int64_t b, int64_t at, int64_t len,
 INLINE void block_outputs(const Blocks *c, int64_t b, int64_t at, int64_t len,
                           const float *wb, const float *mb, const float *vb, float am,
                           float av) {
-    if (!c->in_place) unstage_w(c->w, c->low, c->split, at, len, wb);
+    if (!c->in_place) unstage_w(c->w, c->w16, c->split, at, len, wb);
     encode_block(c->st.m, c->st.m_scale, c->st.form, 1, b, at, len, mb, am, c->st.offset,
                  c->st.m_key);
     encode_block(c->st.v, c->st.v_scale, c->st.form, 0, b, at, len, vb, av, c->st.offset,

@@ -17,8 +17,8 @@
  *
  * For bfloat16 parameters with float32 master weights, the *_bf16g specialisations read the
  * bfloat16 gradient directly. The master is either a float32 tensor (phase 2 then also writes the rounded
- * bfloat16 parameter, round to nearest even as torch's conversion) or split (lo != NULL): the
- * bfloat16 parameter holds its upper half and lo[] its lower 16 bits, read and written in place
+ * bfloat16 parameter, round to nearest even as torch's conversion) or split (kind bit 1): the
+ * bfloat16 parameter holds its upper half and w16[] its lower 16 bits, read and written in place
  * (see split_join), 4 bytes per weight instead of 4 + 2: LAMB then moves about 38 bytes per
  * parameter, LANS about 42.
  *

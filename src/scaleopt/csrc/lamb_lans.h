@@ -13,7 +13,7 @@ static inline int reads(const LayerwiseTensor *x) { return ((x->kind & 2) ? 2 : 
 
 /* How phase 2 writes a tensor's weights (weight_store). */
 static inline int stores(const LayerwiseTensor *x) {
-    return (x->kind & 2) ? STORE_SPLIT : x->low ? STORE_F32_LOW : STORE_F32;
+    return (x->kind & 2) ? STORE_SPLIT : x->w16 ? STORE_F32_COPY : STORE_F32;
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -26,7 +26,7 @@ static inline int stores(const LayerwiseTensor *x) {
  * Sums: w^2 and u^2, u the full update (decay included). */
 typedef struct {
     const void *w, *g;
-    const uint16_t *lo;
+    const uint16_t *w16;
     float *m, *v;
     float gmul, glo, ghi, beta2, one_m_b1, one_m_b2, inv_bc1, inv_bc2_sqrt, eps, f, wd_g, wd_u;
 } Lamb1;
@@ -37,7 +37,7 @@ INLINE void lamb1(const void *args, int64_t from, int64_t to, double *sums, int 
     float bw = 0.0f, bu = 0.0f;
 #pragma omp simd reduction(+ : bw, bu)
     for (int64_t i = from; i < to; i++) {
-        float w = weight_at(a.w, a.lo, i, split) * a.f;
+        float w = weight_at(a.w, a.w16, i, split) * a.f;
         float g = grad_at(a.g, i, bf16) * a.gmul;
         if (clip) g = clampf(g, a.glo, a.ghi);
         float gi = g + a.wd_g * w;
@@ -76,7 +76,7 @@ static void lamb_decays(const LayerwiseTensor *x, const LayerwiseConfig *cfg, fl
 static void lamb_phase1(const LayerwiseTensor *x, const LayerwiseConfig *cfg, double bc1,
                         double bc2_sqrt, float decay, double *sums) {
     const float beta1 = (float)cfg->beta1, beta2 = (float)cfg->beta2;
-    Lamb1 a = {x->w, x->g, x->low, x->m, x->v, x->gmul, cfg->clip_lo, cfg->clip_hi, beta2,
+    Lamb1 a = {x->w, x->g, x->w16, x->m, x->v, x->gmul, cfg->clip_lo, cfg->clip_hi, beta2,
                1.0f - beta1, 1.0f - beta2, 1.0f / (float)bc1, 1.0f / (float)bc2_sqrt, cfg->eps};
     lamb_decays(x, cfg, decay, &a.f, &a.wd_g, &a.wd_u);
     forwards(LAMB1[reads(x) | (cfg->clip ? 4 : 0)], &a, x->n, cfg->nthreads, sums, 2);
@@ -85,7 +85,7 @@ static void lamb_phase1(const LayerwiseTensor *x, const LayerwiseConfig *cfg, do
 /* Phase 2: w = w*f - lr * (ratio * u). */
 typedef struct {
     void *w;
-    uint16_t *lo;
+    uint16_t *w16;
     const float *m, *v;
     float f, wd_u, inv_bc1, inv_bc2_sqrt, eps, lr, ratio;
 } Lamb2;
@@ -94,21 +94,21 @@ INLINE void lamb2(const void *args, int64_t from, int64_t to, int store) {
     const Lamb2 a = *(const Lamb2 *)args;
 #pragma omp simd
     for (int64_t i = from; i < to; i++) {
-        float w = weight_at(a.w, a.lo, i, store == STORE_SPLIT) * a.f;
+        float w = weight_at(a.w, a.w16, i, store == STORE_SPLIT) * a.f;
         float u = (a.m[i] * a.inv_bc1) / (sqrtf(a.v[i]) * a.inv_bc2_sqrt + a.eps) + a.wd_u * w;
-        weight_store(a.w, a.lo, i, w - a.lr * (a.ratio * u), store);
+        weight_store(a.w, a.w16, i, w - a.lr * (a.ratio * u), store);
     }
 }
 
 TARGETS static void lamb2_f32(const void *a, int64_t i, int64_t j, double *s) { (void)s, lamb2(a, i, j, STORE_F32); }
-TARGETS static void lamb2_f32_low(const void *a, int64_t i, int64_t j, double *s) { (void)s, lamb2(a, i, j, STORE_F32_LOW); }
+TARGETS static void lamb2_f32_copy(const void *a, int64_t i, int64_t j, double *s) { (void)s, lamb2(a, i, j, STORE_F32_COPY); }
 TARGETS static void lamb2_split(const void *a, int64_t i, int64_t j, double *s) { (void)s, lamb2(a, i, j, STORE_SPLIT); }
-static const Pass LAMB2[3] = {lamb2_f32, lamb2_f32_low, lamb2_split};
+static const Pass LAMB2[3] = {lamb2_f32, lamb2_f32_copy, lamb2_split};
 
 static void lamb_phase2(const LayerwiseTensor *x, const LayerwiseConfig *cfg, double bc1,
                         double bc2_sqrt, float decay, float lr, float ratio) {
     float wd_g;
-    Lamb2 a = {x->w, x->low, x->m, x->v};
+    Lamb2 a = {x->w, x->w16, x->m, x->v};
     lamb_decays(x, cfg, decay, &a.f, &wd_g, &a.wd_u);
     a.inv_bc1 = 1.0f / (float)bc1, a.inv_bc2_sqrt = 1.0f / (float)bc2_sqrt, a.eps = cfg->eps;
     a.lr = lr, a.ratio = ratio;
@@ -154,7 +154,7 @@ double sum_squares_bf16(const uint16_t *x, int64_t n, int nthreads) {
  * Sums: w^2, r^2, c^2, r*c. */
 typedef struct {
     const void *w, *g;
-    const uint16_t *lo;
+    const uint16_t *w16;
     float *m, *v;
     float ginv, glo, ghi, beta2, one_m_b1, one_m_b2, inv_bc1, inv_bc2_sqrt, eps, wd;
 } Lans1;
@@ -165,7 +165,7 @@ INLINE void lans1(const void *args, int64_t from, int64_t to, double *sums, int 
     float bw = 0.0f, br = 0.0f, bc = 0.0f, brc = 0.0f;
 #pragma omp simd reduction(+ : bw, br, bc, brc)
     for (int64_t i = from; i < to; i++) {
-        float w = weight_at(a.w, a.lo, i, split);
+        float w = weight_at(a.w, a.w16, i, split);
         float gt = grad_at(a.g, i, bf16) * a.ginv;
         if (clip) gt = clampf(gt, a.glo, a.ghi);
         float mi = a.m[i] + a.one_m_b1 * (gt - a.m[i]);
@@ -200,7 +200,7 @@ static const Pass LANS1[8] = {lans1_f32, lans1_f32_bf16g, lans1_split, lans1_spl
 static void lans_phase1(const LayerwiseTensor *x, const LayerwiseConfig *cfg, double bc1,
                         double bc2_sqrt, float ginv, double *sums) {
     const float beta1 = (float)cfg->beta1, beta2 = (float)cfg->beta2;
-    const Lans1 a = {x->w, x->g, x->low, x->m, x->v, ginv, cfg->clip_lo, cfg->clip_hi, beta2,
+    const Lans1 a = {x->w, x->g, x->w16, x->m, x->v, ginv, cfg->clip_lo, cfg->clip_hi, beta2,
                      1.0f - beta1, 1.0f - beta2, 1.0f / (float)bc1, 1.0f / (float)bc2_sqrt,
                      cfg->eps, (float)x->wd};
     forwards(LANS1[reads(x) | (cfg->clip ? 4 : 0)], &a, x->n, cfg->nthreads, sums, 4);
@@ -212,7 +212,7 @@ static void lans_phase1(const LayerwiseTensor *x, const LayerwiseConfig *cfg, do
 typedef struct {
     void *w;
     const void *g;
-    uint16_t *lo;
+    uint16_t *w16;
     const float *m, *v;
     float ginv, glo, ghi, inv_bc1, inv_bc2_sqrt, eps, wd, lr_r, lr_c, ratio_r, ratio_c;
     int moved;
@@ -222,38 +222,38 @@ INLINE void lans2(const void *args, int64_t from, int64_t to, int store, int bf1
     const Lans2 a = *(const Lans2 *)args;
 #pragma omp simd
     for (int64_t i = from; i < to; i++) {
-        float w = weight_at(a.w, a.lo, i, store == STORE_SPLIT);
+        float w = weight_at(a.w, a.w16, i, store == STORE_SPLIT);
         float gt = grad_at(a.g, i, bf16) * a.ginv;
         if (clip) gt = clampf(gt, a.glo, a.ghi);
         float dinv = 1.0f / (sqrtf(a.v[i]) * a.inv_bc2_sqrt + a.eps);
         float r = (a.m[i] * a.inv_bc1) * dinv + a.wd * w;
         float w1 = w - a.lr_r * (a.ratio_r * r);
         float c = gt * dinv + a.wd * (a.moved ? w1 : w);
-        weight_store(a.w, a.lo, i, w1 - a.lr_c * (a.ratio_c * c), store);
+        weight_store(a.w, a.w16, i, w1 - a.lr_c * (a.ratio_c * c), store);
     }
 }
 
 TARGETS static void lans2_f32(const void *a, int64_t i, int64_t j, double *s) { (void)s, lans2(a, i, j, STORE_F32, 0, 0); }
 TARGETS static void lans2_f32_bf16g(const void *a, int64_t i, int64_t j, double *s) { (void)s, lans2(a, i, j, STORE_F32, 1, 0); }
-TARGETS static void lans2_f32_low(const void *a, int64_t i, int64_t j, double *s) { (void)s, lans2(a, i, j, STORE_F32_LOW, 0, 0); }
-TARGETS static void lans2_f32_low_bf16g(const void *a, int64_t i, int64_t j, double *s) { (void)s, lans2(a, i, j, STORE_F32_LOW, 1, 0); }
+TARGETS static void lans2_f32_copy(const void *a, int64_t i, int64_t j, double *s) { (void)s, lans2(a, i, j, STORE_F32_COPY, 0, 0); }
+TARGETS static void lans2_f32_copy_bf16g(const void *a, int64_t i, int64_t j, double *s) { (void)s, lans2(a, i, j, STORE_F32_COPY, 1, 0); }
 TARGETS static void lans2_split(const void *a, int64_t i, int64_t j, double *s) { (void)s, lans2(a, i, j, STORE_SPLIT, 0, 0); }
 TARGETS static void lans2_split_bf16g(const void *a, int64_t i, int64_t j, double *s) { (void)s, lans2(a, i, j, STORE_SPLIT, 1, 0); }
 TARGETS static void lans2_f32_clip(const void *a, int64_t i, int64_t j, double *s) { (void)s, lans2(a, i, j, STORE_F32, 0, 1); }
 TARGETS static void lans2_f32_bf16g_clip(const void *a, int64_t i, int64_t j, double *s) { (void)s, lans2(a, i, j, STORE_F32, 1, 1); }
-TARGETS static void lans2_f32_low_clip(const void *a, int64_t i, int64_t j, double *s) { (void)s, lans2(a, i, j, STORE_F32_LOW, 0, 1); }
-TARGETS static void lans2_f32_low_bf16g_clip(const void *a, int64_t i, int64_t j, double *s) { (void)s, lans2(a, i, j, STORE_F32_LOW, 1, 1); }
+TARGETS static void lans2_f32_copy_clip(const void *a, int64_t i, int64_t j, double *s) { (void)s, lans2(a, i, j, STORE_F32_COPY, 0, 1); }
+TARGETS static void lans2_f32_copy_bf16g_clip(const void *a, int64_t i, int64_t j, double *s) { (void)s, lans2(a, i, j, STORE_F32_COPY, 1, 1); }
 TARGETS static void lans2_split_clip(const void *a, int64_t i, int64_t j, double *s) { (void)s, lans2(a, i, j, STORE_SPLIT, 0, 1); }
 TARGETS static void lans2_split_bf16g_clip(const void *a, int64_t i, int64_t j, double *s) { (void)s, lans2(a, i, j, STORE_SPLIT, 1, 1); }
 static const Pass LANS2[2][3][2] = {
-    {{lans2_f32, lans2_f32_bf16g}, {lans2_f32_low, lans2_f32_low_bf16g}, {lans2_split, lans2_split_bf16g}},
-    {{lans2_f32_clip, lans2_f32_bf16g_clip}, {lans2_f32_low_clip, lans2_f32_low_bf16g_clip}, {lans2_split_clip, lans2_split_bf16g_clip}},
+    {{lans2_f32, lans2_f32_bf16g}, {lans2_f32_copy, lans2_f32_copy_bf16g}, {lans2_split, lans2_split_bf16g}},
+    {{lans2_f32_clip, lans2_f32_bf16g_clip}, {lans2_f32_copy_clip, lans2_f32_copy_bf16g_clip}, {lans2_split_clip, lans2_split_bf16g_clip}},
 };
 
 static void lans_phase2(const LayerwiseTensor *x, const LayerwiseConfig *cfg, double bc1,
                         double bc2_sqrt, float ginv, float lr_r, float lr_c, float ratio_r,
                         float ratio_c) {
-    const Lans2 a = {x->w, x->g, x->low, x->m, x->v, ginv, cfg->clip_lo, cfg->clip_hi,
+    const Lans2 a = {x->w, x->g, x->w16, x->m, x->v, ginv, cfg->clip_lo, cfg->clip_hi,
                      1.0f / (float)bc1, 1.0f / (float)bc2_sqrt, cfg->eps, (float)x->wd, lr_r,
                      lr_c, ratio_r, ratio_c, cfg->moved};
     backwards(LANS2[cfg->clip != 0][stores(x)][x->kind & 1], &a, x->n, cfg->nthreads, NULL);

@@ -81,21 +81,21 @@ static void shares(Pass pass, const void *args, int64_t n, int nthreads) {
 }
 
 /* Where a pass reads a weight: float32 at w, or a split master (split != 0): the bfloat16
- * upper halves at w, the lower halves at lo. */
-INLINE float weight_at(const void *w, const uint16_t *lo, int64_t i, int split) {
-    return split ? split_join(((const uint16_t *)w)[i], lo[i]) : ((const float *)w)[i];
+ * upper halves at w, the lower halves at w16. */
+INLINE float weight_at(const void *w, const uint16_t *w16, int64_t i, int split) {
+    return split ? split_join(((const uint16_t *)w)[i], w16[i]) : ((const float *)w)[i];
 }
 
-/* How a pass writes a weight: float32 (STORE_F32), float32 and its bfloat16 rounding into lo
- * (STORE_F32_LOW: a bfloat16 parameter's float32 master), or a split master (STORE_SPLIT). */
-enum { STORE_F32 = 0, STORE_F32_LOW = 1, STORE_SPLIT = 2 };
-INLINE void weight_store(void *w, uint16_t *lo, int64_t i, float value, int store) {
+/* How a pass writes a weight: float32 (STORE_F32), float32 and its bfloat16 rounding into w16
+ * (STORE_F32_COPY: a bfloat16 parameter's float32 master), or a split master (STORE_SPLIT). */
+enum { STORE_F32 = 0, STORE_F32_COPY = 1, STORE_SPLIT = 2 };
+INLINE void weight_store(void *w, uint16_t *w16, int64_t i, float value, int store) {
     if (store == STORE_SPLIT) {
         ((uint16_t *)w)[i] = split_high(value);
-        lo[i] = split_low(value);
+        w16[i] = split_low(value);
     } else {
         ((float *)w)[i] = value;
-        if (store == STORE_F32_LOW) lo[i] = f32_to_bf16(value);
+        if (store == STORE_F32_COPY) w16[i] = f32_to_bf16(value);
     }
 }
 
