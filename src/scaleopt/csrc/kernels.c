@@ -31,8 +31,10 @@
  * only the stable ABI of Python 3.10, so one build serves every CPython from 3.10 on.
  *
  * One translation unit, in parts by concern (csrc/): base.h, compact.h, loops.h,
- * lamb_lans.h, compact_loops.h, avx512.h, adam.h; the entry points, which _native.py binds,
- * are here, after them.
+ * lamb_lans.h, compact_loops.h, avx512.h, adam.h. The entry points that _native.py binds are
+ * here, first after the parts (but struct_layout, next to the structs in base.h; sum_squares,
+ * LANS's first pass, in lamb_lans.h; compact_simd, the choice of loops, in avx512.h), then each
+ * tensor's half steps that they run, then the module.
  */
 #include "base.h"
 #include "compact.h"
@@ -46,57 +48,22 @@
 /* LAMB and LANS over all tensors of a group in one call                                     */
 /* ---------------------------------------------------------------------------------------- */
 
-/* The trust ratio ||w|| / ||u|| from squared norms, ||w|| clamped to [lower, upper] where
- * given; 1 when either norm is 0 or the ratio is not finite. */
-static double trust_ratio(double w2, double u2, const LayerwiseConfig *cfg) {
-    double w = sqrt(w2), u = sqrt(u2);
-    if (cfg->has_lower && w < cfg->lower) w = cfg->lower;
-    if (cfg->has_upper && w > cfg->upper) w = cfg->upper;
-    if (w > 0.0 && u > 0.0 && isfinite(w / u)) return w / u;
-    return 1.0;
-}
-
-/* Per tensor: its step counter (a float32 scalar) is incremented and the bias corrections
- * computed from it in double, as the Python side does (1 - beta^t, (1 - beta2^t) ** 0.5). */
-static void bias_corrections(float *step, int advance, const LayerwiseConfig *cfg, double *bc1,
-                             double *bc2_sqrt) {
-    if (advance) *step += 1.0f;
-    double t = (double)*step;
-    *bc1 = cfg->bias_correction ? 1.0 - pow(cfg->beta1, t) : 1.0;
-    *bc2_sqrt = cfg->bias_correction ? pow(1.0 - pow(cfg->beta2, t), 0.5) : 1.0;
-}
-
 /* Each multi-tensor update runs per tensor as sums (phase 1: the step counter advanced, the
  * moments updated, the sums the trust ratios need) and apply (phase 2: the weights). The *_multi
  * functions run both on one tensor after the other (the second pass finds the first one's data
  * in the caches); *_multi_sums and *_multi_apply run each over all tensors, so that the sums of
  * sharded tensors' local pieces can be totalled (one all-reduce) in between. */
 
-/* keep: where the AVX-512 loops may keep updates between the two passes (keep_take), or NULL. */
+/* Each tensor's half steps, below the entry points that run them. */
 static void lamb_sums(const LayerwiseTensor *x, const LayerwiseConfig *cfg, double *sums,
-                      const Keep *keep) {
-    double bc1, bc2_sqrt;
-    bias_corrections(x->step, 1, cfg, &bc1, &bc2_sqrt);
-    const float decay = (float)(1.0 - x->lr * x->wd);
-    if (x->form != FORM_F32) {
-        lamb_compact_sums(x, cfg, bc1, bc2_sqrt, decay, sums, keep);
-        return;
-    }
-    lamb_phase1(x, cfg, bc1, bc2_sqrt, decay, sums);
-}
-
+                      const Keep *keep);
 static void lamb_apply(const LayerwiseTensor *x, const LayerwiseConfig *cfg, const double *sums,
-                       const Keep *keep) {
-    double bc1, bc2_sqrt;
-    bias_corrections(x->step, 0, cfg, &bc1, &bc2_sqrt);
-    const float decay = (float)(1.0 - x->lr * x->wd);
-    const double ratio = x->adapt ? trust_ratio(sums[0], sums[1], cfg) : 1.0;
-    if (x->form != FORM_F32) {
-        lamb_compact_apply(x, cfg, bc1, bc2_sqrt, decay, (float)x->lr, (float)ratio, keep);
-        return;
-    }
-    lamb_phase2(x, cfg, bc1, bc2_sqrt, decay, (float)x->lr, (float)ratio);
-}
+                       const Keep *keep);
+static float lans_ginv(const LayerwiseTensor *x, const LayerwiseConfig *cfg);
+static void lans_sums(const LayerwiseTensor *x, const LayerwiseConfig *cfg, float ginv,
+                      double *sums, const Keep *keep);
+static void lans_apply(const LayerwiseTensor *x, const LayerwiseConfig *cfg, float ginv,
+                       const double *sums, const Keep *keep);
 
 void lamb_multi(const LayerwiseTensor *ts, int64_t count, const LayerwiseConfig *cfg) {
     double sums[2];
@@ -119,55 +86,6 @@ void lamb_multi_sums(const LayerwiseTensor *ts, int64_t count, const LayerwiseCo
 void lamb_multi_apply(const LayerwiseTensor *ts, int64_t count, const LayerwiseConfig *cfg,
                       const double *sums) {
     for (int64_t t = count - 1; t >= 0; t--) lamb_apply(&ts[t], cfg, sums + 2 * t, NULL);
-}
-
-/* LANS's gradient norm: x->gsq when given (>= 0: already computed by the same sum_squares, for
- * the clipping norms, so that pass is not run again), else one pass over the gradient. */
-static double grad_sum_squares(const LayerwiseTensor *x, int nthreads) {
-    if (x->gsq >= 0.0) return x->gsq;
-    return (x->kind & 1) ? sum_squares_bf16((const uint16_t *)x->g, x->n, nthreads)
-                         : sum_squares((const float *)x->g, x->n, nthreads);
-}
-
-/* The normalised gradient of g * gm is sign(gm) * g / ||g||: gm goes into this factor (0 for a
-   zero gradient; NaN for a non-finite one, which then propagates). */
-static float lans_ginv(const LayerwiseTensor *x, const LayerwiseConfig *cfg) {
-    const double gm = (double)x->gmul;
-    const double gnorm = fabs(gm) * sqrt(grad_sum_squares(x, cfg->nthreads));
-    return (float)(gnorm == 0.0 ? 0.0 : gm / gnorm);
-}
-
-static void lans_sums(const LayerwiseTensor *x, const LayerwiseConfig *cfg, float ginv,
-                      double *sums, const Keep *keep) {
-    double bc1, bc2_sqrt;
-    bias_corrections(x->step, 1, cfg, &bc1, &bc2_sqrt);
-    if (x->form != FORM_F32) {
-        lans_compact_sums(x, cfg, bc1, bc2_sqrt, ginv, sums, keep);
-        return;
-    }
-    lans_phase1(x, cfg, bc1, bc2_sqrt, ginv, sums);
-}
-
-static void lans_apply(const LayerwiseTensor *x, const LayerwiseConfig *cfg, float ginv,
-                       const double *sums, const Keep *keep) {
-    double bc1, bc2_sqrt;
-    bias_corrections(x->step, 0, cfg, &bc1, &bc2_sqrt);
-    const double lr_r = x->lr * cfg->beta1, lr_c = x->lr * (1.0 - cfg->beta1);
-    double c2 = sums[2];
-    const double ratio_r = x->adapt ? trust_ratio(sums[0], sums[1], cfg) : 1.0;
-    if (cfg->moved) { /* c' = c - wd*lr_r*ratio_r*r: ||c'||^2 from the sums of phase 1 */
-        const double k = x->wd * lr_r * ratio_r;
-        c2 = c2 - 2.0 * k * sums[3] + k * k * sums[1];
-        if (c2 < 0.0) c2 = 0.0;
-    }
-    const double ratio_c = x->adapt ? trust_ratio(sums[0], c2, cfg) : 1.0;
-    if (x->form != FORM_F32) {
-        lans_compact_apply(x, cfg, bc1, bc2_sqrt, ginv, (float)lr_r, (float)lr_c, (float)ratio_r,
-                           (float)ratio_c, keep);
-        return;
-    }
-    lans_phase2(x, cfg, bc1, bc2_sqrt, ginv, (float)lr_r, (float)lr_c, (float)ratio_r,
-                (float)ratio_c);
 }
 
 void lans_multi(const LayerwiseTensor *ts, int64_t count, const LayerwiseConfig *cfg) {
@@ -278,6 +196,105 @@ TARGETS void bf16_round_stochastic(const float *x, uint16_t *out, int64_t n, int
                                    int64_t key, int32_t nthreads) {
 #pragma omp parallel for simd num_threads(nthreads) schedule(static) if (n >= 65536)
     for (int64_t i = 0; i < n; i++) out[i] = round_stochastic(x[i], (uint32_t)(offset + i) + (uint32_t)key);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* One tensor's half steps: LAMB's and LANS's sums and apply                                  */
+/* ---------------------------------------------------------------------------------------- */
+
+/* The trust ratio ||w|| / ||u|| from squared norms, ||w|| clamped to [lower, upper] where
+ * given; 1 when either norm is 0 or the ratio is not finite. */
+static double trust_ratio(double w2, double u2, const LayerwiseConfig *cfg) {
+    double w = sqrt(w2), u = sqrt(u2);
+    if (cfg->has_lower && w < cfg->lower) w = cfg->lower;
+    if (cfg->has_upper && w > cfg->upper) w = cfg->upper;
+    if (w > 0.0 && u > 0.0 && isfinite(w / u)) return w / u;
+    return 1.0;
+}
+
+/* Per tensor: its step counter (a float32 scalar) is incremented and the bias corrections
+ * computed from it in double, as the Python side does (1 - beta^t, (1 - beta2^t) ** 0.5). */
+static void bias_corrections(float *step, int advance, const LayerwiseConfig *cfg, double *bc1,
+                             double *bc2_sqrt) {
+    if (advance) *step += 1.0f;
+    double t = (double)*step;
+    *bc1 = cfg->bias_correction ? 1.0 - pow(cfg->beta1, t) : 1.0;
+    *bc2_sqrt = cfg->bias_correction ? pow(1.0 - pow(cfg->beta2, t), 0.5) : 1.0;
+}
+
+/* keep: where the AVX-512 loops may keep updates between the two passes (keep_take), or NULL. */
+static void lamb_sums(const LayerwiseTensor *x, const LayerwiseConfig *cfg, double *sums,
+                      const Keep *keep) {
+    double bc1, bc2_sqrt;
+    bias_corrections(x->step, 1, cfg, &bc1, &bc2_sqrt);
+    const float decay = (float)(1.0 - x->lr * x->wd);
+    if (x->form != FORM_F32) {
+        lamb_compact_sums(x, cfg, bc1, bc2_sqrt, decay, sums, keep);
+        return;
+    }
+    lamb_phase1(x, cfg, bc1, bc2_sqrt, decay, sums);
+}
+
+static void lamb_apply(const LayerwiseTensor *x, const LayerwiseConfig *cfg, const double *sums,
+                       const Keep *keep) {
+    double bc1, bc2_sqrt;
+    bias_corrections(x->step, 0, cfg, &bc1, &bc2_sqrt);
+    const float decay = (float)(1.0 - x->lr * x->wd);
+    const double ratio = x->adapt ? trust_ratio(sums[0], sums[1], cfg) : 1.0;
+    if (x->form != FORM_F32) {
+        lamb_compact_apply(x, cfg, bc1, bc2_sqrt, decay, (float)x->lr, (float)ratio, keep);
+        return;
+    }
+    lamb_phase2(x, cfg, bc1, bc2_sqrt, decay, (float)x->lr, (float)ratio);
+}
+
+/* LANS's gradient norm: x->gsq when given (>= 0: already computed by the same sum_squares, for
+ * the clipping norms, so that pass is not run again), else one pass over the gradient. */
+static double grad_sum_squares(const LayerwiseTensor *x, int nthreads) {
+    if (x->gsq >= 0.0) return x->gsq;
+    return (x->kind & 1) ? sum_squares_bf16((const uint16_t *)x->g, x->n, nthreads)
+                         : sum_squares((const float *)x->g, x->n, nthreads);
+}
+
+/* The normalised gradient of g * gm is sign(gm) * g / ||g||: gm goes into this factor (0 for a
+   zero gradient; NaN for a non-finite one, which then propagates). */
+static float lans_ginv(const LayerwiseTensor *x, const LayerwiseConfig *cfg) {
+    const double gm = (double)x->gmul;
+    const double gnorm = fabs(gm) * sqrt(grad_sum_squares(x, cfg->nthreads));
+    return (float)(gnorm == 0.0 ? 0.0 : gm / gnorm);
+}
+
+static void lans_sums(const LayerwiseTensor *x, const LayerwiseConfig *cfg, float ginv,
+                      double *sums, const Keep *keep) {
+    double bc1, bc2_sqrt;
+    bias_corrections(x->step, 1, cfg, &bc1, &bc2_sqrt);
+    if (x->form != FORM_F32) {
+        lans_compact_sums(x, cfg, bc1, bc2_sqrt, ginv, sums, keep);
+        return;
+    }
+    lans_phase1(x, cfg, bc1, bc2_sqrt, ginv, sums);
+}
+
+static void lans_apply(const LayerwiseTensor *x, const LayerwiseConfig *cfg, float ginv,
+                       const double *sums, const Keep *keep) {
+    double bc1, bc2_sqrt;
+    bias_corrections(x->step, 0, cfg, &bc1, &bc2_sqrt);
+    const double lr_r = x->lr * cfg->beta1, lr_c = x->lr * (1.0 - cfg->beta1);
+    double c2 = sums[2];
+    const double ratio_r = x->adapt ? trust_ratio(sums[0], sums[1], cfg) : 1.0;
+    if (cfg->moved) { /* c' = c - wd*lr_r*ratio_r*r: ||c'||^2 from the sums of phase 1 */
+        const double k = x->wd * lr_r * ratio_r;
+        c2 = c2 - 2.0 * k * sums[3] + k * k * sums[1];
+        if (c2 < 0.0) c2 = 0.0;
+    }
+    const double ratio_c = x->adapt ? trust_ratio(sums[0], c2, cfg) : 1.0;
+    if (x->form != FORM_F32) {
+        lans_compact_apply(x, cfg, bc1, bc2_sqrt, ginv, (float)lr_r, (float)lr_c, (float)ratio_r,
+                           (float)ratio_c, keep);
+        return;
+    }
+    lans_phase2(x, cfg, bc1, bc2_sqrt, ginv, (float)lr_r, (float)lr_c, (float)ratio_r,
+                (float)ratio_c);
 }
 
 static struct PyModuleDef kernels_module = {PyModuleDef_HEAD_INIT, "_kernels",
