@@ -47,7 +47,7 @@ enum { MODE_UPDATE = 0, MODE_DECOUPLED = 1, MODE_L2 = 2 };
     const void *g;    /* float32 or bfloat16 gradient */                                     \
     void *m;          /* first moment: float32, or as COMPACT_FIELDS say */                   \
     void *v;          /* second moment: likewise */                                           \
-    uint16_t *w16;    /* the weight's 16-bit tensor (see kind); NULL for none */                                          \
+    uint16_t *w16;    /* the weight's 16 bits (see kind); NULL for none */                    \
     float *step;      /* the step counter (a float32 scalar), incremented */                 \
     int64_t n;        /* elements */                                                         \
     int32_t kind;                                                                              \
