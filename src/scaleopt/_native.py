@@ -1,4 +1,4 @@
-"""The fused CPU kernels (``csrc/kernels.c`` and its parts) for LAMB, LANS and Adam, called through ctypes.
+"""The fused CPU kernels (``csrc/``) for LAMB, LANS and Adam, called through ctypes.
 
 They apply to contiguous CPU tensors: float32 weights (or bfloat16 parameters with float32 or
 split masters), float32 or bfloat16 gradients, moments in float32, bfloat16 or 8-bit codes. When the extension was not built (no compiler at

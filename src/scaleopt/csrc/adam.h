@@ -47,8 +47,8 @@ INLINE void adam(const void *args, int64_t from, int64_t to, int store, int bf16
     for (int64_t i = from; i < to; i++) {
         float w = weight_at(a.w, a.w16, i, store == STORE_SPLIT);
         float gi = grad_at(a.g, i, bf16) * a.gmul + a.wd_l2 * w;
-        float mi = a.m[i] + a.one_m_b1 * (gi - a.m[i]);
-        float vi = a.v[i] * a.beta2 + a.one_m_b2 * gi * gi;
+        float mi, vi;
+        new_moments(gi, a.m[i], a.v[i], a.one_m_b1, a.beta2, a.one_m_b2, &mi, &vi);
         a.m[i] = mi;
         a.v[i] = vi;
         float num = a.nesterov ? a.beta1 * mi + a.one_m_b1 * gi : mi;
@@ -67,7 +67,7 @@ static const Pass ADAM[3][2] = {{adam_f32, adam_f32_bf16g}, {adam_f32_copy, adam
                                 {adam_split, adam_split_bf16g}};
 
 static void adam_step(const AdamTensor *x, const AdamConfig *cfg) {
-    const int store = (x->kind & 2) ? STORE_SPLIT : x->w16 ? STORE_F32_COPY : STORE_F32;
+    const int store = store_form(x->kind, x->w16);
     const Adam a = {x->w, x->w16, x->g, x->m, x->v, x->step_size, cfg->beta1, cfg->one_m_b1,
                     cfg->beta2, cfg->one_m_b2, x->bc2_sqrt, 1.0f / x->bc2_sqrt, cfg->eps,
                     x->wd_l2, x->decay, x->gmul, cfg->nesterov};
@@ -101,8 +101,7 @@ TARGETS static void adam_apply_split_nesterov_portable(const Blocks *c, int64_t 
 /* An Adam tensor on compact moments: its weights as they are, its gradient times gmul, no
  * clipping. */
 static void adam_compact(const AdamTensor *x, const AdamConfig *cfg) {
-    const Staging s = {x->w, (x->kind & 2) ? x->w16 : NULL, x->g, x->kind & 1, 1.0f, x->gmul,
-                       -INFINITY, INFINITY};
+    const Staging s = staging(x->w, x->w16, x->g, x->kind, 1.0f, x->gmul, -INFINITY, INFINITY);
     Blocks c = blocks_of(x->w, x->w16, x->kind, x->row_len, s,
                          stored_of(x->m, x->v, x->m_scale, x->v_scale, x->form, x->offset,
                                    *x->step));

@@ -65,10 +65,16 @@ INLINE void unstage_w(void *w, uint16_t *w16, int split, int64_t at, int64_t len
     for (int64_t i = 0; i < len; i++) p[i] = wb[i], w16[at + i] = f32_to_bf16(wb[i]);
 }
 
+/* A tensor's staging from its fields (kind, w16 as in the structs). */
+static Staging staging(const void *w, const uint16_t *w16, const void *g, int32_t kind,
+                       float wmul, float gmul, float glo, float ghi) {
+    return (Staging){w, (kind & 2) ? w16 : NULL, g, kind & 1, wmul, gmul, glo, ghi};
+}
+
 static Staging staging_of(const LayerwiseTensor *x, const LayerwiseConfig *cfg, float wmul,
                           float gmul) {
-    return (Staging){x->w, (x->kind & 2) ? x->w16 : NULL, x->g, x->kind & 1, wmul, gmul,
-                     cfg->clip ? cfg->clip_lo : -INFINITY, cfg->clip ? cfg->clip_hi : INFINITY};
+    return staging(x->w, x->w16, x->g, x->kind, wmul, gmul,
+                   cfg->clip ? cfg->clip_lo : -INFINITY, cfg->clip ? cfg->clip_hi : INFINITY);
 }
 
 /* The most floats of the buffer where LAMB and LANS keep updates between their passes
@@ -107,8 +113,8 @@ static Blocks blocks_of(void *w, uint16_t *w16, int kind, int64_t row_len, Stagi
     c.st = st;
     c.w = w;
     c.w16 = w16;
-    c.split = (kind & 2) != 0;
-    c.in_place = !(kind & 2) && !w16;
+    c.split = store_form(kind, w16) == STORE_SPLIT;
+    c.in_place = store_form(kind, w16) == STORE_F32;
     c.row_len = row_len;
     c.per_row = (row_len + COMPACT_BLOCK - 1) / COMPACT_BLOCK;
     c.keep_block = INT64_MAX; /* none kept */
@@ -223,10 +229,9 @@ INLINE void block_outputs(const Blocks *c, int64_t b, int64_t at, int64_t len,
 }
 
 /* One element's new moments mi, vi from the stored m0, v0 and its gradient g (LAMB's with
- * its L2 decay, LANS's normalised and clamped). */
+ * its L2 decay, LANS's normalised and clamped, Adam's). */
 INLINE void moments(const Blocks *c, float g, float m0, float v0, float *mi, float *vi) {
-    *mi = m0 + c->one_m_b1 * (g - m0);
-    *vi = v0 * c->beta2 + c->one_m_b2 * g * g;
+    new_moments(g, m0, v0, c->one_m_b1, c->beta2, c->one_m_b2, mi, vi);
 }
 
 /* LAMB's update u of one element (weight w, gradient g), its new moments in *mi, *vi. */
@@ -234,8 +239,7 @@ INLINE float lamb_update(const Blocks *c, float w, float g, float m0, float v0, 
                          float *vi) {
     const float gi = clampf(g * c->s.gmul, c->s.glo, c->s.ghi) + c->wd_g * w;
     moments(c, gi, m0, v0, mi, vi);
-    float rv = sqrtf(*vi);
-    return (*mi * c->inv_bc1) / (rv * c->inv_bc2_sqrt + c->eps) + c->wd_u * w;
+    return lamb_u(*mi, *vi, w, c->inv_bc1, c->inv_bc2_sqrt, c->eps, c->wd_u);
 }
 
 /* The new moments staged in a block's buffers mb, vb (encoded after the loop) and their
@@ -283,8 +287,7 @@ INLINE void lamb_apply_block(const Blocks *c, int64_t len, const float *wp, cons
 INLINE float lans_update(const Blocks *c, float w, float gt, float m0, float v0, float *mi,
                          float *vi, float *dinv) {
     moments(c, gt, m0, v0, mi, vi);
-    float rv = sqrtf(*vi);
-    *dinv = 1.0f / (rv * c->inv_bc2_sqrt + c->eps);
+    *dinv = lans_dinv(*vi, c->inv_bc2_sqrt, c->eps);
     return (*mi * c->inv_bc1) * *dinv + c->wd * w;
 }
 

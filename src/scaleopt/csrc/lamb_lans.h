@@ -7,14 +7,8 @@
  * backwards() runs over the tensor's spans or chunks. The scalars a loop reads come in a struct that
  * it copies first, so that its stores to the moments cannot be taken to change them. */
 
-/* Index of the specialisation for a weight (split master or float32) and a gradient
- * (bfloat16 or float32). */
-static inline int reads(const LayerwiseTensor *x) { return ((x->kind & 2) ? 2 : 0) | (x->kind & 1); }
-
-/* How phase 2 writes a tensor's weights (weight_store). */
-static inline int stores(const LayerwiseTensor *x) {
-    return (x->kind & 2) ? STORE_SPLIT : x->w16 ? STORE_F32_COPY : STORE_F32;
-}
+/* A first pass's specialisations are indexed by kind & 3 (bit 1: a split master, bit 0: a
+ * bfloat16 gradient), and 4 more with element-wise clipping. */
 
 /* ---------------------------------------------------------------------------------------- */
 /* LAMB                                                                                       */
@@ -41,11 +35,11 @@ INLINE void lamb1(const void *args, int64_t from, int64_t to, double *sums, int 
         float g = grad_at(a.g, i, bf16) * a.gmul;
         if (clip) g = clampf(g, a.glo, a.ghi);
         float gi = g + a.wd_g * w;
-        float mi = a.m[i] + a.one_m_b1 * (gi - a.m[i]);
-        float vi = a.v[i] * a.beta2 + a.one_m_b2 * gi * gi;
+        float mi, vi;
+        new_moments(gi, a.m[i], a.v[i], a.one_m_b1, a.beta2, a.one_m_b2, &mi, &vi);
         a.m[i] = mi;
         a.v[i] = vi;
-        float u = (mi * a.inv_bc1) / (sqrtf(vi) * a.inv_bc2_sqrt + a.eps) + a.wd_u * w;
+        float u = lamb_u(mi, vi, w, a.inv_bc1, a.inv_bc2_sqrt, a.eps, a.wd_u);
         bw += w * w;
         bu += u * u;
     }
@@ -79,7 +73,7 @@ static void lamb_phase1(const LayerwiseTensor *x, const LayerwiseConfig *cfg, do
     Lamb1 a = {x->w, x->g, x->w16, x->m, x->v, x->gmul, cfg->clip_lo, cfg->clip_hi, beta2,
                1.0f - beta1, 1.0f - beta2, 1.0f / (float)bc1, 1.0f / (float)bc2_sqrt, cfg->eps};
     lamb_decays(x, cfg, decay, &a.f, &a.wd_g, &a.wd_u);
-    forwards(LAMB1[reads(x) | (cfg->clip ? 4 : 0)], &a, x->n, cfg->nthreads, sums, 2);
+    forwards(LAMB1[(x->kind & 3) | (cfg->clip ? 4 : 0)], &a, x->n, cfg->nthreads, sums, 2);
 }
 
 /* Phase 2: w = w*f - lr * (ratio * u). */
@@ -95,7 +89,7 @@ INLINE void lamb2(const void *args, int64_t from, int64_t to, int store) {
 #pragma omp simd
     for (int64_t i = from; i < to; i++) {
         float w = weight_at(a.w, a.w16, i, store == STORE_SPLIT) * a.f;
-        float u = (a.m[i] * a.inv_bc1) / (sqrtf(a.v[i]) * a.inv_bc2_sqrt + a.eps) + a.wd_u * w;
+        float u = lamb_u(a.m[i], a.v[i], w, a.inv_bc1, a.inv_bc2_sqrt, a.eps, a.wd_u);
         weight_store(a.w, a.w16, i, w - a.lr * (a.ratio * u), store);
     }
 }
@@ -112,7 +106,7 @@ static void lamb_phase2(const LayerwiseTensor *x, const LayerwiseConfig *cfg, do
     lamb_decays(x, cfg, decay, &a.f, &wd_g, &a.wd_u);
     a.inv_bc1 = 1.0f / (float)bc1, a.inv_bc2_sqrt = 1.0f / (float)bc2_sqrt, a.eps = cfg->eps;
     a.lr = lr, a.ratio = ratio;
-    backwards(LAMB2[stores(x)], &a, x->n, cfg->nthreads, NULL);
+    backwards(LAMB2[store_form(x->kind, x->w16)], &a, x->n, cfg->nthreads, NULL);
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -168,11 +162,11 @@ INLINE void lans1(const void *args, int64_t from, int64_t to, double *sums, int 
         float w = weight_at(a.w, a.w16, i, split);
         float gt = grad_at(a.g, i, bf16) * a.ginv;
         if (clip) gt = clampf(gt, a.glo, a.ghi);
-        float mi = a.m[i] + a.one_m_b1 * (gt - a.m[i]);
-        float vi = a.v[i] * a.beta2 + a.one_m_b2 * gt * gt;
+        float mi, vi;
+        new_moments(gt, a.m[i], a.v[i], a.one_m_b1, a.beta2, a.one_m_b2, &mi, &vi);
         a.m[i] = mi;
         a.v[i] = vi;
-        float dinv = 1.0f / (sqrtf(vi) * a.inv_bc2_sqrt + a.eps);
+        float dinv = lans_dinv(vi, a.inv_bc2_sqrt, a.eps);
         float r = (mi * a.inv_bc1) * dinv + a.wd * w;
         float c = gt * dinv + a.wd * w;
         bw += w * w;
@@ -203,7 +197,7 @@ static void lans_phase1(const LayerwiseTensor *x, const LayerwiseConfig *cfg, do
     const Lans1 a = {x->w, x->g, x->w16, x->m, x->v, ginv, cfg->clip_lo, cfg->clip_hi, beta2,
                      1.0f - beta1, 1.0f - beta2, 1.0f / (float)bc1, 1.0f / (float)bc2_sqrt,
                      cfg->eps, (float)x->wd};
-    forwards(LANS1[reads(x) | (cfg->clip ? 4 : 0)], &a, x->n, cfg->nthreads, sums, 4);
+    forwards(LANS1[(x->kind & 3) | (cfg->clip ? 4 : 0)], &a, x->n, cfg->nthreads, sums, 4);
 }
 
 /* Phase 2: w1 = w - lr_r * (ratio_r * r); w2 = w1 - lr_c * (ratio_c * c), where c decays w1
@@ -225,7 +219,7 @@ INLINE void lans2(const void *args, int64_t from, int64_t to, int store, int bf1
         float w = weight_at(a.w, a.w16, i, store == STORE_SPLIT);
         float gt = grad_at(a.g, i, bf16) * a.ginv;
         if (clip) gt = clampf(gt, a.glo, a.ghi);
-        float dinv = 1.0f / (sqrtf(a.v[i]) * a.inv_bc2_sqrt + a.eps);
+        float dinv = lans_dinv(a.v[i], a.inv_bc2_sqrt, a.eps);
         float r = (a.m[i] * a.inv_bc1) * dinv + a.wd * w;
         float w1 = w - a.lr_r * (a.ratio_r * r);
         float c = gt * dinv + a.wd * (a.moved ? w1 : w);
@@ -256,5 +250,5 @@ static void lans_phase2(const LayerwiseTensor *x, const LayerwiseConfig *cfg, do
     const Lans2 a = {x->w, x->g, x->w16, x->m, x->v, ginv, cfg->clip_lo, cfg->clip_hi,
                      1.0f / (float)bc1, 1.0f / (float)bc2_sqrt, cfg->eps, (float)x->wd, lr_r,
                      lr_c, ratio_r, ratio_c, cfg->moved};
-    backwards(LANS2[cfg->clip != 0][stores(x)][x->kind & 1], &a, x->n, cfg->nthreads, NULL);
+    backwards(LANS2[cfg->clip != 0][store_form(x->kind, x->w16)][x->kind & 1], &a, x->n, cfg->nthreads, NULL);
 }

@@ -89,6 +89,11 @@ INLINE float weight_at(const void *w, const uint16_t *w16, int64_t i, int split)
 /* How a pass writes a weight: float32 (STORE_F32), float32 and its bfloat16 rounding into w16
  * (STORE_F32_COPY: a bfloat16 parameter's float32 master), or a split master (STORE_SPLIT). */
 enum { STORE_F32 = 0, STORE_F32_COPY = 1, STORE_SPLIT = 2 };
+
+/* How a tensor's weights are written, from its kind and its w16 (the structs' fields). */
+static inline int store_form(int32_t kind, const uint16_t *w16) {
+    return (kind & 2) ? STORE_SPLIT : w16 ? STORE_F32_COPY : STORE_F32;
+}
 INLINE void weight_store(void *w, uint16_t *w16, int64_t i, float value, int store) {
     if (store == STORE_SPLIT) {
         ((uint16_t *)w)[i] = split_high(value);
@@ -97,6 +102,26 @@ INLINE void weight_store(void *w, uint16_t *w16, int64_t i, float value, int sto
         ((float *)w)[i] = value;
         if (store == STORE_F32_COPY) w16[i] = f32_to_bf16(value);
     }
+}
+
+/* Each element's arithmetic, one definition for the float32 and the compact loops. */
+
+/* The new moments *mi, *vi from the gradient g and the old ones m0, v0 (LAMB, LANS, Adam). */
+INLINE void new_moments(float g, float m0, float v0, float one_m_b1, float beta2,
+                        float one_m_b2, float *mi, float *vi) {
+    *mi = m0 + one_m_b1 * (g - m0);
+    *vi = v0 * beta2 + one_m_b2 * g * g;
+}
+
+/* LAMB's update u of weight w from the moments mi, vi (wd_u: the decay added to it). */
+INLINE float lamb_u(float mi, float vi, float w, float inv_bc1, float inv_bc2_sqrt, float eps,
+                    float wd_u) {
+    return (mi * inv_bc1) / (sqrtf(vi) * inv_bc2_sqrt + eps) + wd_u * w;
+}
+
+/* LANS's 1 / (sqrt(v^) + eps). */
+INLINE float lans_dinv(float vi, float inv_bc2_sqrt, float eps) {
+    return 1.0f / (sqrtf(vi) * inv_bc2_sqrt + eps);
 }
 
 /* A gradient: float32, or bfloat16 (bf16 != 0). */
