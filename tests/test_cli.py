@@ -119,19 +119,22 @@ def test_bench_muon_times_muon_against_torch_muon_and_sharded_against_one_proces
     assert 0 < result["exchange_share"] < 1
 
 
-def test_study_large_batch_writes_a_table_and_a_plot(tmp_path, capsys):
+def test_study_large_batch_on_the_mlp_writes_a_table_and_a_plot(tmp_path, capsys):
     out = tmp_path / "study"
     assert main(["study", "large-batch", *[a for a in TINY if a not in ("--batch-size", "256")],
                  "--batch-sizes", "128", "512", "--optimizers", "lamb", "adamw", "--epochs", "1",
+                 "--grid", "1", "--extensions", "0", "--seeds", "1", "--jobs", "1",
                  "--out", str(out)]) == 0
     rows = json.loads((out / "study.json").read_text())["rows"]
     assert {(r["optimizer"], r["batch_size"]) for r in rows} == {
         ("lamb", 128), ("lamb", 512), ("adamw", 128), ("adamw", 512)}
     lamb = {r["batch_size"]: r for r in rows if r["optimizer"] == "lamb"}
-    assert lamb[512]["lr"] == pytest.approx(1e-2 * (512 / 1024) ** 0.5)  # sqrt scaling
+    assert lamb[128]["lr"] == pytest.approx(1e-2 * (128 / 1024) ** 0.5)  # sqrt from the default
+    assert lamb[512]["lr"] == pytest.approx(lamb[128]["lr"] * 2)  # and from batch 128's choice
     assert lamb[128]["steps"] == 4 * lamb[512]["steps"]  # same epochs
+    assert all(math.isfinite(r["dev_loss"]) and math.isfinite(r["test_accuracy"]) for r in rows)
     table = (out / "study.md").read_text()
-    assert "| 128 |" in table and "| 512 |" in table and "lamb" in table
+    assert "| 128 |" in table and "| 512 |" in table and "One seed per cell" in table
     assert (out / "study.png").read_bytes().startswith(PNG)
     assert "| 512 |" in capsys.readouterr().out
 
@@ -247,6 +250,11 @@ def test_dgc_between_hsdp_replicas_trains_resumes_bit_for_bit_and_reports_its_tr
     (["train", "--batch-size", "1000", "--workers", "3"], "multiple of --workers"),
     (["train", "--device", "tpu"], "--device"),
     (["study", "large-batch", "--optimizers", "lamb", "sgd9"], "unknown optimizer"),
+    (["study", "large-batch", "--grid", "1", "-2"], "--grid factors must be positive"),
+    (["study", "large-batch", "--jobs", "2", "--workers", "2"], "use it without --workers"),
+    (["train", "--max-grad-norm", "0"], "--max-grad-norm must be a positive"),
+    (["train", "--optimizer", "momentum", "--betas", "0.9", "0.95"], "--betas applies"),
+    (["train", "--betas", "0.9", "1.5"], "--betas takes two numbers in [0, 1)"),
     (["bench", "--rounds", "0"], "--rounds"),
     (["bench", "--only", "LAMB", "Lamb2000"], "--only Lamb2000: no optimizer's name contains it"),
     # far more than any machine has: refused before anything is allocated

@@ -31,6 +31,23 @@ def test_the_corpus_is_real_text_that_ships_with_python_and_names_itself():
     assert bytes(train[:100].tolist()) == data[:100] and bytes(test[-100:].tolist()) == data[-100:]
 
 
+def test_the_validation_bytes_split_into_a_development_and_a_test_part_at_a_topic():
+    from pydoc_data.topics import topics
+
+    _, validation = text.splits()
+    dev, test = text.heldout()
+    assert torch.equal(torch.cat([dev, test]), validation)
+    assert 0 < len(dev) <= len(validation) // 2 < len(test)
+    whole = bytes(test.tolist()).decode("utf-8")
+    starts = [t for t in topics.values() if whole.startswith(t[:200])]
+    assert len(starts) == 1  # the test part begins where a topic begins
+    assert whole.endswith(topics[sorted(topics)[-1]])  # and ends with the last topic
+    # a run with --dev-split evaluates along the run on the test part, at the end on the dev one
+    x, y, xt, yt, _ = text.load(64, 16, split="test")
+    assert torch.equal(xt.flatten(), test[:xt.numel()])
+    assert torch.equal(text.load(64, 16, split="dev")[2].flatten(), dev[:len(dev) // 16 * 16])
+
+
 def test_windows_are_the_same_for_a_seed_and_targets_are_the_next_bytes():
     train, test = text.splits()
     x, y = text.windows(train, 50, 16, seed=1)
@@ -174,45 +191,21 @@ def test_the_noise_scale_refuses_too_few_micro_batches():
     assert math.isnan(scaleopt.GradientNoiseScale(model.parameters()).b_simple)
 
 
-def test_study_on_the_transformer_sweeps_scales_and_reports_the_noise(tmp_path, capsys):
-    out = tmp_path / "study"
-    assert main(["study", "large-batch", *MODEL,
-                 "--batch-sizes", "8", "32", "--optimizers", "lamb", "adamw",
-                 "--sweep", "0.5", "2", "--out", str(out)]) == 0
-    study = json.loads((out / "study.json").read_text())
-    rows = study["rows"]
-    for name in ("lamb", "adamw"):
-        sweep = [r for r in rows if r["optimizer"] == name and r.get("sweep")]
-        cells = {r["batch_size"]: r for r in rows if r["optimizer"] == name and not r.get("sweep")}
-        assert [r["batch_size"] for r in sweep] == [8, 8] and set(cells) == {8, 32}
-        best = min(sweep, key=lambda r: r["test_loss"])
-        assert cells[8]["lr"] == best["lr"]  # the sweep chose the base rate
-        assert cells[32]["lr"] == pytest.approx(best["lr"] * 2)  # sqrt(32 / 8)
-        assert cells[8]["tokens"] == cells[32]["tokens"] == 1024 * 16  # the same tokens
-        assert cells[8]["steps"] == 4 * cells[32]["steps"]
-        summary = study["summary"][name]
-        for key in ("b_simple", "b_simple_mid"):  # NaN while the average |G|^2 is not positive
-            assert not cells[8][key] <= 0
-            assert summary[key] == cells[8][key] or math.isnan(summary[key]) and math.isnan(cells[8][key])
-        assert summary["bends_after"] in (8, 32)
-    table = (out / "study.md").read_text()
-    assert "validation bits per byte" in table and "B_simple" in table and "sweep" in table
-    assert "| 32 |" in capsys.readouterr().out
-
-
 def test_the_study_on_two_sharded_workers_computes_what_one_process_computes(tmp_path):
     rows = {}
     for workers in (1, 2):
         out = tmp_path / f"w{workers}"
         extra = ["--workers", "2", "--shard"] if workers > 1 else []
         assert main(["study", "large-batch", *MODEL, "--batch-sizes", "16", "--optimizers",
-                     "lans", "--sweep", "1", "--epochs", "1", *extra, "--out", str(out)]) == 0
-        rows[workers] = [r for r in json.loads((out / "study.json").read_text())["rows"]
-                         if not r.get("sweep")]
+                     "lans", "--grid", "1", "--extensions", "0", "--seeds", "1", "--jobs", "1",
+                     "--epochs", "1", *extra, "--out", str(out)]) == 0
+        rows[workers] = json.loads((out / "study.json").read_text())["rows"]
     (one,), (two,) = rows[1], rows[2]
     assert two["steps"] == one["steps"] == 1024 // 16
     assert two["test_bits_per_byte"] == pytest.approx(one["test_bits_per_byte"], rel=1e-4)
-    assert two["b_simple"] == pytest.approx(one["b_simple"], rel=1e-2)
+    assert two["dev_bits_per_byte"] == pytest.approx(one["dev_bits_per_byte"], rel=1e-4)
+    b_simple = [[trace / g2 for _, g2, trace in r["noise"]] for r in (one, two)]
+    assert b_simple[1] == pytest.approx(b_simple[0], rel=1e-2)
 
 
 @pytest.mark.parametrize("options", [["--state-dtype", "int8"], ["--offload"],

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import pathlib
 import sys
@@ -68,6 +69,9 @@ def _add_model_options(p: argparse.ArgumentParser, d: Config, gpt: dict) -> None
     g.add_argument("--measure-noise", action="store_true",
                    help="measure the gradient noise scale B_simple along the run (about 100 "
                         "times: the step's batch in two halves, from their gradients' norms)")
+    g.add_argument("--evals", type=_positive_int, default=d.evals,
+                   help=f"evaluations on the held-out data along the run (default: "
+                        f"{d.evals}; gpt: {gpt['evals']})")
 
 
 def _add_schedule_options(g: Any, d: Config, epochs: int) -> None:
@@ -82,6 +86,13 @@ def _add_schedule_options(g: Any, d: Config, epochs: int) -> None:
     g.add_argument("--schedule", choices=optimizers.SCHEDULES, default=d.schedule,
                    help=f"learning-rate decay after warm-up (default: {d.schedule})")
     g.add_argument("--seed", type=int, default=d.seed, help=f"model and batch order seed (default: {d.seed})")
+    g.add_argument("--max-grad-norm", type=float, metavar="NORM",
+                   help="clip the gradients to this global norm before each step (the "
+                        "optimizer's own max_grad_norm; for torch's, clip_grad_norm_) "
+                        "(default: no clipping)")
+    g.add_argument("--betas", type=float, nargs=2, metavar=("BETA1", "BETA2"),
+                   help="Adam's betas, for the optimizers with Adam moments (Muon: its AdamW "
+                        "part) (default: each optimizer's)")
 
 
 def _add_system_options(p: argparse.ArgumentParser) -> Any:
@@ -116,6 +127,11 @@ def _add_train_options(p: argparse.ArgumentParser) -> None:
                         f"gpt: {train.GPT_DEFAULTS['batch_size']} sequences)")
     g.add_argument("--steps", type=_positive_int, help="train this many steps instead of --epochs")
     _add_schedule_options(g, d, d.epochs)
+    g.add_argument("--dev-split", action="store_true",
+                   help="evaluate along the run on a test split and at the end on a "
+                        "development split held apart from it (text: the validation bytes cut "
+                        "in two at a topic boundary; the generated data: another draw), as "
+                        "the large-batch study does to select on one and report the other")
     g = _add_system_options(p)
     _add_state_dtype(g, d)
     g.add_argument("--offload", action=argparse.BooleanOptionalAction, default=False,
@@ -191,29 +207,42 @@ def _add_dgc_options(p: argparse.ArgumentParser) -> None:
 
 
 def _add_study_options(s: argparse.ArgumentParser) -> None:
-    """``study large-batch``'s options: the runs it compares, and what each is trained with."""
+    """``study large-batch``'s options: the protocol, and what each run is trained with."""
     gpt = f"; gpt: {' '.join(map(str, study.GPT_BATCH_SIZES))}"
-    s.add_argument("--batch-sizes", type=_positive_int, nargs="+",
+    g = s.add_argument_group("protocol")
+    g.add_argument("--batch-sizes", type=_positive_int, nargs="+",
                    default=[64, 256, 1024, 4096, 8192], metavar="B",
                    help=f"batch sizes (default: 64 256 1024 4096 8192{gpt})")
-    s.add_argument("--optimizers", nargs="+", default=["lamb", "lans", "adamw", "muon"], metavar="NAME",
-                   type=str.lower,
+    g.add_argument("--optimizers", nargs="+", default=["lamb", "lans", "adamw", "muon"],
+                   metavar="NAME", type=str.lower,
                    help=f"optimizers to compare (default: lamb lans adamw muon; gpt: "
                         f"{' '.join(study.GPT_OPTIMIZERS)})")
-    s.add_argument("--base-batch", type=_positive_int, default=1024,
-                   help="batch size at which each optimizer uses its default learning rate "
-                        "(default: 1024; gpt: 64); with --sweep, the smallest batch size and "
-                        "the rate the sweep chose")
-    s.add_argument("--scaling", choices=["sqrt", "linear"], default="sqrt",
-                   help="learning rate against batch size (default: sqrt)")
-    s.add_argument("--sweep", type=float, nargs="+", metavar="F",
-                   help="tune each optimizer's base rate first: its default rate, scaled to the "
-                        "smallest batch, times each factor F, at the smallest batch; the lowest "
-                        "final test loss wins (default: none; gpt: "
-                        f"{' '.join(f'{f:.3g}' for f in study.GPT_SWEEP)})")
+    g.add_argument("--base-batch", type=_positive_int, default=1024,
+                   help="the batch at which each optimizer's default rate is taken, scaled from "
+                        "there by its rule to centre the smallest batch's grid (default: 1024; "
+                        "gpt: 64)")
+    g.add_argument("--grid", type=float, nargs="+", default=[0.5, 1.0, 2.0], metavar="F",
+                   help="factors of each cell's centre rate tried at seed 0, log-spaced "
+                        "(default: 0.5 1 2)")
+    g.add_argument("--extensions", type=_non_negative_int, default=2, metavar="N",
+                   help="points added one by one where the best rate lies on the grid's edge, "
+                        "at most N per cell (default: 2)")
+    g.add_argument("--seeds", type=_positive_int, default=3,
+                   help="runs of each chosen rate, seeds 0 ... N-1 (default: 3)")
+    g.add_argument("--targets", type=float, nargs="*", metavar="LOSS",
+                   help="losses for the steps to a target, B_crit and B_simple (bits per byte "
+                        f"for text) (default: none; gpt: {' '.join(map(str, study.GPT_TARGETS))})")
+    g.add_argument("--jobs", type=_positive_int,
+                   help="runs at once, each in a process of its own with cores/jobs threads "
+                        "(default: the cores, one run per core; 1 with --workers)")
+    g.add_argument("--quick", action="store_true",
+                   help="the quick form: " + ", ".join(
+                       f"{k.replace('_', ' ')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+                       for k, v in study.QUICK.items()) + " (for the options not given): a "
+                   "smoke test of the protocol, labelled as such, not evidence")
     d = Config()
     _add_model_options(s, d, study.GPT_STUDY)
-    g = s.add_argument_group("training")
+    g = s.add_argument_group("training (every run)")
     _add_schedule_options(g, d, epochs=4)
     _add_state_dtype(g, d)
     g = _add_system_options(s)
@@ -296,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     studies.required = True
     p.studies = studies.choices  # name -> parser
     s = studies.add_parser(
-        "large-batch", help="final accuracy against batch size for LAMB, LANS and AdamW",
+        "large-batch", help="the optimizers against batch size, each tuned at each batch, with seeds",
         description=_plain(study.__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_study_options(s)
 
@@ -485,33 +514,55 @@ def _summary(cfg: Config, r: dict) -> None:
         print(report.results_line(cfg.out, ["result.json", "history.csv"], "curves.png"))
 
 
-def _study(args: argparse.Namespace, given: set) -> int:
+#: what every run of a study is trained with unless given (both models)
+STUDY_RUNS = dict(max_grad_norm=1.0, betas=list(study.STUDY_BETAS))
+
+
+def _study_protocol(args: argparse.Namespace, given: set) -> study.Protocol:
+    """The study's protocol from its options (the gpt model's and the quick form's defaults
+    for the options not given)."""
+    gpt = dict(study.GPT_STUDY, batch_sizes=study.GPT_BATCH_SIZES, optimizers=study.GPT_OPTIMIZERS,
+               base_batch=train.GPT_DEFAULTS["batch_size"], targets=study.GPT_TARGETS)
+    for key, value in STUDY_RUNS.items():
+        if key not in given:
+            setattr(args, key, value)
+    if args.quick:
+        gpt.update(study.QUICK)
+        for key, value in study.QUICK.items():
+            if key not in given:
+                setattr(args, key, value)
+    base = _config(args, given, gpt)
+    if base.model == "gpt":
+        for key in ("batch_sizes", "optimizers", "base_batch", "targets"):
+            if key not in given and not (args.quick and key in study.QUICK):
+                setattr(args, key, gpt[key])
     unknown = [n for n in args.optimizers if n not in optimizers.OPTIMIZERS]
     if unknown:
         raise ValueError(f"unknown optimizer(s) {unknown}; choose from {', '.join(optimizers.OPTIMIZERS)}")
-    gpt = dict(study.GPT_STUDY, batch_sizes=study.GPT_BATCH_SIZES, optimizers=study.GPT_OPTIMIZERS,
-               sweep=study.GPT_SWEEP, base_batch=train.GPT_DEFAULTS["batch_size"])
-    base = _config(args, given, gpt)
-    if base.model == "gpt":
-        for key in ("batch_sizes", "optimizers", "sweep", "base_batch"):
-            if key not in given:
-                setattr(args, key, gpt[key])
-    if args.sweep is not None and not all(f > 0 for f in args.sweep):
-        raise ValueError(f"--sweep factors must be positive, got {args.sweep}")
-    base = dataclasses.replace(base, optimizer=args.optimizers[0], batch_size=min(args.batch_sizes))
-    for b in args.batch_sizes:
-        train.check(dataclasses.replace(base, batch_size=b))
+    if not all(f > 0 and math.isfinite(f) for f in args.grid):
+        raise ValueError(f"--grid factors must be positive, got {args.grid}")
+    jobs = args.jobs or (1 if args.workers > 1 else os.cpu_count() or 1)
+    if jobs > 1 and args.workers > 1:
+        raise ValueError("--jobs runs several one-process runs at once: use it without --workers")
+    p = study.Protocol(sorted(args.batch_sizes), args.optimizers, base, args.base_batch,
+                       sorted(args.grid), args.extensions, args.seeds, args.targets or [], jobs,
+                       args.quick)
+    for name in p.names:
+        for b in p.batch_sizes:
+            train.check(p.config(name, b, p.default_lr(name), 0))
+    return p
+
+
+def _study(args: argparse.Namespace, given: set) -> int:
+    p = _study_protocol(args, given)
     out = args.out or train.new_folder(pathlib.Path("scaleopt-runs") / "study-large-batch")
     train.check_out(out, overwrite=args.overwrite)
-    plan = study.Plan(args.batch_sizes, args.optimizers, base, args.base_batch, args.scaling,
-                      args.sweep or ())
-    rows = study.large_batch(plan, out=out)
+    rows = study.large_batch(p, out=out)
     print(open(f"{out}/study.md").read())
     print(report.results_line(out, ["study.json", "study.csv", "study.md"], "study.png"))
-    cells = len(args.optimizers) * (len(args.batch_sizes) + max(0, len(args.sweep or ()) - 1))
     if launch.STOP.is_set():
-        runs = sum(1 for r in rows if "chosen_from" not in r)  # (the sweep's choice is a copy)
-        print(f"interrupted after {runs} of {cells} runs; the finished ones are written")
+        print(f"interrupted after {len(rows)} run{'s' if len(rows) != 1 else ''}; the finished ones "
+              f"are written")
         return EXIT_INTERRUPTED
     return EXIT_OK if rows else EXIT_FAILED
 

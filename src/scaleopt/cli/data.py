@@ -64,16 +64,21 @@ def topics(n: int, seed: int, vocab: int, length: int, classes: int, topic_words
     return torch.where(pick, topic, background), label
 
 
-def load(name: str, train_size: int, test_size: int = 16384, context: int = 64):
-    """``(x_train, y_train, x_test, y_test, classes)`` of a built-in dataset (``text``: windows
-    of ``context`` bytes, and the whole validation split)."""
+def load(name: str, train_size: int, test_size: int = 16384, context: int = 64,
+         split: str = "validation"):
+    """``(x_train, y_train, x_test, y_test, classes)`` of a built-in dataset, evaluated on
+    ``split``: ``"validation"`` (text: the whole validation bytes; the generated datasets: the
+    test set), or a study's ``"dev"`` split that selects and ``"test"`` split that reports
+    (text: :func:`text.heldout`'s parts; the generated datasets: a set drawn from another seed,
+    and the test set)."""
     if name == "text":
         from . import text
 
-        return text.load(train_size, context)
+        return text.load(train_size, context, split)
+    held_seed = 3 if split == "dev" else 2
     if name == "topics":
         x, y = topics(train_size, seed=1, **TOPICS)
-        xt, yt = topics(test_size, seed=2, **TOPICS)
+        xt, yt = topics(test_size, seed=held_seed, **TOPICS)
         return x, y, xt, yt, TOPICS["classes"]
     if name == "spirals":
         kw = dict(arms=5, turns=1.5, noise=0.02)
@@ -82,7 +87,7 @@ def load(name: str, train_size: int, test_size: int = 16384, context: int = 64):
     else:
         raise ValueError(f"unknown dataset {name!r} (choose one of {sorted(DATASETS)})")
     x, y = spirals(train_size, seed=1, **kw)
-    xt, yt = spirals(test_size, seed=2, **kw)
+    xt, yt = spirals(test_size, seed=held_seed, **kw)
     return x, y, xt, yt, kw["arms"]
 
 

@@ -22,10 +22,27 @@ class Choice(NamedTuple):
     compact_state: bool = False
     #: a learning rate that trains the gpt model (``--model gpt``) at its default batch of 64
     gpt_lr: float = 1e-2
+    #: whether it takes ``betas`` (Adam's moments; Muon's AdamW part)
+    betas: bool = False
+    #: how its learning rate usually grows with the batch size: "sqrt" (the adaptive
+    #: optimizers, as the LAMB paper scales them) or "linear" (SGD, Goyal et al. 2017)
+    scaling: str = "sqrt"
+    #: whether it clips the gradients itself (``max_grad_norm``); torch's optimizers do not,
+    #: and the trainer clips for them (``torch.nn.utils.clip_grad_norm_``)
+    clips: bool = True
 
 
 def _groups(model: nn.Module, cfg: Any):
     return scaleopt.param_groups(model, weight_decay=cfg.weight_decay)
+
+
+def _options(cfg: Any, **more: Any) -> Dict[str, Any]:
+    """The options every scaleopt optimizer of the command takes from ``cfg``: the rate, the
+    clipping, the betas where given (and ``more``)."""
+    options = dict(lr=cfg.resolved_lr(), max_grad_norm=cfg.max_grad_norm, **more)
+    if cfg.betas is not None:
+        options["betas"] = tuple(cfg.betas)
+    return options
 
 
 #: the choices of ``--state-dtype``
@@ -34,7 +51,7 @@ STATE_DTYPES = scaleopt.STATE_DTYPES
 
 def _layerwise(cls: type) -> Callable[[nn.Module, Any], torch.optim.Optimizer]:
     def make(model, cfg):
-        options = dict(lr=cfg.resolved_lr(), state_dtype=cfg.state_dtype)
+        options = _options(cfg, state_dtype=cfg.state_dtype)
         if cfg.offload:
             return scaleopt.offload(cls, _groups(model, cfg), **options)
         return cls(_groups(model, cfg), **options)
@@ -43,7 +60,7 @@ def _layerwise(cls: type) -> Callable[[nn.Module, Any], torch.optim.Optimizer]:
 
 def _adamw(model, cfg):
     cls = scaleopt.OffloadAdam if cfg.offload else scaleopt.AdamW
-    return cls(_groups(model, cfg), lr=cfg.resolved_lr(), state_dtype=cfg.state_dtype)
+    return cls(_groups(model, cfg), **_options(cfg, state_dtype=cfg.state_dtype))
 
 
 def _edge_matrices(model: nn.Module) -> list:
@@ -58,33 +75,36 @@ def _edge_matrices(model: nn.Module) -> list:
 def _muon(model, cfg):
     """Muon for the hidden matrices, AdamW for the rest, at one learning rate (the update
     scaled to AdamW's RMS, as Moonlight does)."""
-    return scaleopt.Muon(_groups(model, cfg), lr=cfg.resolved_lr(),
-                         adjust_lr_fn="match_rms_adamw", state_dtype=cfg.state_dtype,
-                         exclude_from_muon=_edge_matrices(model))
+    return scaleopt.Muon(_groups(model, cfg), **_options(
+        cfg, adjust_lr_fn="match_rms_adamw", state_dtype=cfg.state_dtype,
+        exclude_from_muon=_edge_matrices(model)))
 
 
 OPTIMIZERS: Dict[str, Choice] = {
     "lamb": Choice("scaleopt.LAMB (layer-wise trust ratio)", 1e-2, _layerwise(scaleopt.LAMB),
-                   True, True, gpt_lr=2e-2),
+                   True, True, gpt_lr=2e-2, betas=True),
     "lans": Choice("scaleopt.LANS (normalised gradients, two trust-ratio parts)", 1e-2,
-                   _layerwise(scaleopt.LANS), True, True, gpt_lr=2e-2),
-    "adamw": Choice("scaleopt.AdamW", 3e-3, _adamw, True, True, gpt_lr=1e-2),
+                   _layerwise(scaleopt.LANS), True, True, gpt_lr=2e-2, betas=True),
+    "adamw": Choice("scaleopt.AdamW", 3e-3, _adamw, True, True, gpt_lr=1e-2, betas=True),
     "muon": Choice("scaleopt.Muon (orthogonalized momentum for the hidden matrices, AdamW for "
-                   "the rest)", 3e-3, _muon, compact_state=True, gpt_lr=1e-2),
+                   "the rest)", 3e-3, _muon, compact_state=True, gpt_lr=1e-2, betas=True),
     "offload-adam": Choice("scaleopt.OffloadAdam (state and update on the host)", 3e-3,
                            lambda m, cfg: scaleopt.OffloadAdam(
-                               _groups(m, cfg), lr=cfg.resolved_lr(),
-                               state_dtype=cfg.state_dtype), compact_state=True, gpt_lr=1e-2),
+                               _groups(m, cfg), **_options(cfg, state_dtype=cfg.state_dtype)),
+                           compact_state=True, gpt_lr=1e-2, betas=True),
     "momentum": Choice("scaleopt.Momentum (heavy ball, coupled L2)", 0.1,
-                       lambda m, cfg: scaleopt.Momentum(_groups(m, cfg), lr=cfg.resolved_lr(),
-                                                        momentum=0.9), gpt_lr=0.1),
+                       lambda m, cfg: scaleopt.Momentum(_groups(m, cfg),
+                                                        **_options(cfg, momentum=0.9)),
+                       gpt_lr=0.1, scaling="linear"),
     "torch-adamw": Choice("torch.optim.AdamW, the baseline", 3e-3,
-                          lambda m, cfg: torch.optim.AdamW(_groups(m, cfg), lr=cfg.resolved_lr(),
-                                                           weight_decay=cfg.weight_decay),
-                          gpt_lr=1e-2),
+                          lambda m, cfg: torch.optim.AdamW(
+                              _groups(m, cfg), lr=cfg.resolved_lr(),
+                              weight_decay=cfg.weight_decay, betas=tuple(cfg.betas or (0.9, 0.999))),
+                          gpt_lr=1e-2, betas=True, clips=False),
     "torch-sgd": Choice("torch.optim.SGD with momentum 0.9, the baseline", 0.1,
                         lambda m, cfg: torch.optim.SGD(_groups(m, cfg), lr=cfg.resolved_lr(),
-                                                       momentum=0.9), gpt_lr=0.1),
+                                                       momentum=0.9),
+                        gpt_lr=0.1, scaling="linear", clips=False),
 }
 
 

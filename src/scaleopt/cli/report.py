@@ -5,12 +5,8 @@ from __future__ import annotations
 import csv
 import json
 import pathlib
-import textwrap
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
-
-#: a study's curve "bends" after the largest batch whose score is within this share of its best
-BEND_SHARE = 0.02
 
 NO_PLOTS = "no plots: matplotlib is not installed (pip install 'scaleopt[cli]')"
 
@@ -87,103 +83,6 @@ def write_run(result: Dict[str, Any], out: str) -> Dict[str, str]:
     fig.savefig(files["png"], dpi=100)
     plt.close(fig)
     return {k: str(v) for k, v in files.items()}
-
-
-def write_study(rows: List[Dict[str, Any]], out: str, title: str,
-                summary: Optional[Dict[str, Any]] = None) -> Dict[str, str]:
-    """``study.json``, ``study.csv``, ``study.md`` (a table) and ``study.png`` (the final score
-    against batch size, one line per optimizer): test accuracy, or for text the validation
-    bits per byte. ``summary``: per optimizer, where its curve bends and the gradient noise
-    scale (:func:`scaleopt.cli.study.summary`)."""
-    folder = pathlib.Path(out)
-    folder.mkdir(parents=True, exist_ok=True)
-    files = {"json": folder / "study.json", "csv": folder / "study.csv",
-             "md": folder / "study.md", "png": folder / "study.png"}
-    files["json"].write_text(json.dumps({"title": title, "rows": rows, "summary": summary or {}},
-                                        indent=2))
-    text = any("test_bits_per_byte" in r for r in rows)
-    score, label = (("test_bits_per_byte", "validation bits per byte") if text
-                    else ("test_accuracy", "test accuracy"))
-    keys = (["optimizer", "batch_size", "lr", "steps", "tokens", "test_bits_per_byte", "test_loss",
-             "test_accuracy", "time_s", "b_simple", "sweep"] if text else
-            ["optimizer", "batch_size", "lr", "steps", "test_accuracy", "test_loss", "time_s"])
-    with files["csv"].open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows)
-    cells = [r for r in rows if not r.get("sweep")]
-    md = [title, "", _study_table(cells, score, label, text)]
-    sweeps = [r for r in rows if r.get("sweep")]
-    if sweeps:
-        md += ["", "learning-rate sweep at the smallest batch (" + label + "; the lowest test "
-               "loss chose the base rate)", ""]
-        for name in dict.fromkeys(r["optimizer"] for r in sweeps):
-            md.append(f"- {name}: " + ", ".join(
-                f"lr {r['lr']:.3g}: " + ("diverged" if r.get("diverged") else f"{r[score]:.4f}")
-                for r in sweeps if r["optimizer"] == name))
-    if summary:
-        md += ["", _bends(summary, text)]
-    files["md"].write_text("\n".join(md) + "\n")
-    plt = _plt()
-    if plt is None:
-        del files["png"]
-        return {k: str(v) for k, v in files.items()}
-    _study_plot(plt, cells, score, label, title, files["png"])
-    return {k: str(v) for k, v in files.items()}
-
-
-def _study_table(cells: List[Dict[str, Any]], score: str, label: str, text: bool) -> str:
-    names = list(dict.fromkeys(r["optimizer"] for r in cells))
-    sizes = sorted({r["batch_size"] for r in cells})
-    at = {(r["optimizer"], r["batch_size"]): r for r in cells}
-    lines = [f"{label} (learning rate" + (", seconds" if text else "") + ")", "",
-             "| batch size | steps | " + ("tokens | " if text else "") + " | ".join(names) + " |",
-             "|---:|---:|" + ("---:|" if text else "") + "---:|" * len(names)]
-    for b in sizes:
-        first = next(r for r in cells if r["batch_size"] == b)
-        row = [str(b), str(first["steps"])] + ([f"{first['tokens']:,}"] if text else [])
-        for n in names:
-            r = at.get((n, b))
-            row.append("-" if r is None else "diverged" if r.get("diverged") else
-                       f"{r[score]:.4f} (lr {r['lr']:.3g}" + (f", {r['time_s']:.0f} s)" if text else ")"))
-        lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines)
-
-
-def _bends(summary: Dict[str, Any], text: bool) -> str:
-    """Where each optimizer's curve bends, and the gradient noise scale beside it."""
-    unit = " sequences" if text else ""
-    lines = [f"where the curves bend (the largest batch within {BEND_SHARE:.0%} of the "
-             "optimizer's best) and "
-             "the gradient noise scale B_simple halfway through and at the end of its "
-             "smallest-batch run:", ""]
-    for name, s in summary.items():
-        line = f"- {name}: " + (f"bends after batch {s['bends_after']}" if "bends_after" in s
-                                else "every run diverged")
-        if "b_simple" in s:
-            line += f"; B_simple {s['b_simple_mid']:.3g}{unit} halfway, {s['b_simple']:.3g} at the end"
-            if text:
-                line += f" ({s['b_simple_tokens']:,.0f} tokens)"
-        lines.append(line)
-    return "\n".join(lines)
-
-
-def _study_plot(plt: Any, cells: List[Dict[str, Any]], score: str, label: str, title: str,
-                path: pathlib.Path) -> None:
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for n in dict.fromkeys(r["optimizer"] for r in cells):
-        pts = sorted((r["batch_size"], r[score]) for r in cells
-                     if r["optimizer"] == n and not r.get("diverged"))
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=n)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("batch size (same examples, same number of epochs)")
-    ax.set_ylabel(f"final {label}")
-    ax.set_title(textwrap.fill(title, 80), fontsize=8)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def _bench_rows(result: Dict[str, Any]) -> List[Dict[str, Any]]:

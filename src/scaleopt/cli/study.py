@@ -1,141 +1,275 @@
-"""``scaleopt study large-batch``: the same model at several batch sizes, with LAMB, LANS, AdamW
-and the other optimizers.
+"""``scaleopt study large-batch``: which optimizer trains best at each batch size, each tuned
+at that batch size.
 
-Every run trains on the same examples for the same number of epochs, so a batch 8x larger takes
-8x fewer steps. The learning rate grows with the batch size from a base rate at
-``--base-batch`` (square-root scaling, as in the LAMB paper, or linear) and warms up over the
-first ``--warmup`` of the steps. With ``--sweep``, each optimizer's base rate is first tuned at
-the smallest batch: its default rate (scaled to that batch) times each factor, the best final
-test loss wins, and the sweep's runs are recorded too. The claim under test: layer-wise trust
-ratios keep large batches trainable with less loss than Adam(W).
+Every run trains on the same examples for the same number of epochs (a batch 4x larger takes 4x
+fewer steps), with the same gradient clipping, weight decay, warm-up over the first share of the
+examples and cosine decay; the Adam-family optimizers (LAMB, LANS, AdamW, Muon's AdamW part)
+with the same betas. Each optimizer's peak learning rate is tuned at every batch size: a grid of
+rates (factors of a centre rate, log-spaced) around its rate at the next smaller batch scaled by
+its usual rule (square root for the adaptive optimizers, linear for SGD; the smallest batch
+starts from the optimizer's default rate), extended by a point wherever the best lies on the
+grid's edge. The rate with the lowest loss on a development split wins; it is then run with
+more seeds, and the scores reported are those of a test split held apart from the development
+split: the mean and spread over seeds, and between optimizers the differences paired by seed,
+called a win only where they exceed their 95% interval. From the curves: the steps (and tokens)
+to target losses at each batch size, McCandlish et al.'s fit S = S_min (1 + B_crit / B), and
+the gradient noise scale B_simple measured at the same losses.
 
-On the transformer (``--model gpt``: bytes of real text) the score is the validation loss in
-bits per byte, and every run also measures the gradient noise scale B_simple (McCandlish et
-al., 2018), the batch size past which larger batches stop paying off.
+On the transformer (``--model gpt``: bytes of real text) the score is the loss in bits per byte.
+``--quick`` is a smoke form (two optimizers, two batch sizes, one seed): not evidence.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
 import math
+import multiprocessing
+import os
+import shlex
+import signal
 import sys
-from typing import Any, Dict, List, Optional, Sequence
+import time
+from typing import Any, Dict, Generator, List, Optional, Sequence, Tuple
 
-from . import launch, report
+from . import analysis, launch, optimizers, study_report
 from .train import Config, Diverged, run
 
-#: ``--model gpt``'s study: 16,384 windows of 64 bytes (1M tokens, one epoch) for each cell,
-#: on a 3-block model; batch sizes over a 64x range; each base rate tuned at the smallest
-GPT_STUDY = dict(train_size=16384, epochs=1, width=128, layers=3, context=64, evals=4,
+#: ``--model gpt``'s study: 8,192 windows of 64 bytes (0.5M tokens, one epoch) for each run,
+#: on a 3-block model; batch sizes over a 64x range
+GPT_STUDY = dict(train_size=8192, epochs=1, width=128, layers=3, context=64, evals=10,
                  measure_noise=True)
-GPT_BATCH_SIZES = [8, 32, 128, 512]
+GPT_BATCH_SIZES = [4, 16, 64, 256]
 GPT_OPTIMIZERS = ["lamb", "lans", "adamw", "muon", "momentum"]
-GPT_SWEEP = [1 / 3, 1.0, 3.0]
+#: the Adam-family optimizers' betas in the study (GPT-3's; every one the same)
+STUDY_BETAS = (0.9, 0.95)
+#: loss targets for the steps to a target, in bits per byte (gpt)
+GPT_TARGETS = [3.6, 3.2]
+#: the quick form: what it leaves out of the full protocol
+QUICK = dict(optimizers=["lamb", "adamw"], batch_sizes=[8, 64], seeds=1, train_size=4096,
+             layers=2)
 
 
-def scaled_lr(base_lr: float, batch: int, base_batch: int, rule: str) -> float:
-    ratio = batch / base_batch
-    return base_lr * (ratio ** 0.5 if rule == "sqrt" else ratio)
+def scaled_lr(lr: float, batch: int, from_batch: int, rule: str) -> float:
+    """``lr`` at ``from_batch`` scaled to ``batch`` by ``rule`` ("sqrt" or "linear")."""
+    ratio = batch / from_batch
+    return lr * (ratio ** 0.5 if rule == "sqrt" else ratio)
 
 
 @dataclasses.dataclass
-class Plan:
-    """What a study runs: each optimizer at each batch size, its rate from ``base_batch`` by
-    ``rule``; ``sweep``: factors of each optimizer's default rate tried at the smallest batch."""
+class Protocol:
+    """What a study runs. ``base``: every run's configuration but its optimizer, batch size,
+    rate and seed; ``base_batch``: the batch at which each optimizer's default rate is taken;
+    ``grid``: factors of a cell's centre rate (log-spaced); ``extensions``: points that may be
+    added at an edge of a cell's grid; ``seeds``: runs of each chosen rate; ``targets``: losses
+    (bits per byte for text) for the steps to a target; ``jobs``: runs at once."""
 
     batch_sizes: Sequence[int]
     names: Sequence[str]
     base: Config
     base_batch: int
-    rule: str
-    sweep: Sequence[float] = ()
+    grid: Sequence[float] = (0.5, 1.0, 2.0)
+    extensions: int = 2
+    seeds: int = 3
+    targets: Sequence[float] = ()
+    jobs: int = 1
+    quick: bool = False
 
     def default_lr(self, name: str) -> float:
         """``name``'s default rate, at ``base_batch``."""
         return dataclasses.replace(self.base, optimizer=name, lr=None).resolved_lr()
 
+    def config(self, name: str, batch: int, lr: float, seed: int) -> Config:
+        """One run's configuration (betas only for the optimizers that have them)."""
+        betas = self.base.betas if optimizers.OPTIMIZERS[name].betas else None
+        return dataclasses.replace(self.base, optimizer=name, batch_size=batch, lr=lr, seed=seed,
+                                   betas=betas, out=None, progress=False, dev_split=True)
 
-def large_batch(plan: Plan, out: Optional[str] = None) -> List[Dict[str, Any]]:
-    """Every cell's row (``sweep`` rows too, marked); written into ``out`` if given."""
-    rows: List[Dict[str, Any]] = []
-    launch.STOP.clear()
-    with launch.interruptible(launch.STOP):  # Ctrl-C: the runs so far are written
-        for name in plan.names:
-            if not _optimizer_runs(rows, plan, name):
+    def step(self) -> float:
+        """The ratio of neighbouring grid points (an extension's step)."""
+        grid = sorted(self.grid)
+        return grid[-1] / grid[-2] if len(grid) > 1 else 2.0
+
+    def describe(self) -> Dict[str, Any]:
+        """The protocol as the study's JSON records it."""
+        return {"batch_sizes": list(self.batch_sizes), "optimizers": list(self.names),
+                "base_batch": self.base_batch, "grid": list(self.grid),
+                "extensions": self.extensions, "seeds": self.seeds,
+                "targets": list(self.targets), "jobs": self.jobs, "quick": self.quick,
+                "scaling": {n: optimizers.OPTIMIZERS[n].scaling for n in self.names},
+                "default_lr": {n: self.default_lr(n) for n in self.names},
+                "config": dataclasses.asdict(self.base)}
+
+
+Wave = List[Config]
+Chain = Generator[Wave, List[Dict[str, Any]], None]
+
+
+def _chain(p: Protocol, name: str) -> Chain:
+    """``name``'s runs, batch size by batch size: each yield is a wave of runs that can run at
+    once, answered by their rows. A batch's seed runs go out with the next batch's grid."""
+    centre, prev = p.default_lr(name), p.base_batch
+    rule, seeds_out, batches = optimizers.OPTIMIZERS[name].scaling, [], sorted(p.batch_sizes)
+    for b in batches:
+        centre = scaled_lr(centre, b, prev, rule)
+        grid = [p.config(name, b, centre * f, 0) for f in p.grid]
+        tried = yield seeds_out + grid
+        tried = tried[len(seeds_out):]
+        for _ in range(p.extensions):
+            edge = _edge(tried)
+            if edge == 0:
                 break
-    if out:
-        base = plan.base
-        title = (f"{base.dataset}, {base.epochs} epoch{'s' if base.epochs != 1 else ''}, "
-                 f"{plan.rule} LR scaling"
-                 + (f" from the rate tuned at batch {min(plan.batch_sizes)}" if plan.sweep
-                    else f" from batch {plan.base_batch}")
-                 + f", warm-up {base.warmup:g}, {base.schedule} decay")
-        report.write_study(rows, out, title, summary(rows))
-    return rows
+            rate = (max if edge > 0 else min)(r["lr"] for r in tried) * p.step() ** edge
+            tried = tried + (yield [p.config(name, b, rate, 0)])
+        best = min(tried, key=_dev_score)
+        centre, prev = best["lr"], b
+        seeds_out = [p.config(name, b, best["lr"], s) for s in range(1, p.seeds)]
+    if seeds_out:
+        yield seeds_out
 
 
-def _optimizer_runs(rows: List[Dict[str, Any]], plan: Plan, name: str) -> bool:
-    """``name``'s cells (after its sweep); False if interrupted."""
-    smallest, base_lr, base_batch = min(plan.batch_sizes), plan.default_lr(name), plan.base_batch
-    done: Dict[int, Dict[str, Any]] = {}
-    if plan.sweep:
-        tried = []
-        for factor in plan.sweep:
-            row = _cell(plan, name, smallest, factor * scaled_lr(base_lr, smallest, base_batch,
-                                                                  plan.rule))
-            if row is None:
-                return False
-            tried.append(dict(row, sweep=True, factor=factor))
-            rows.append(tried[-1])
-        best = min(tried, key=_score)
-        base_lr, base_batch = best["lr"], smallest
-        done[smallest] = dict(best, sweep=False, chosen_from=[r["lr"] for r in tried])
-        rows.append(done[smallest])
-    for b in plan.batch_sizes:
-        if b in done:
-            continue
-        row = _cell(plan, name, b, scaled_lr(base_lr, b, base_batch, plan.rule))
-        if row is None:
-            return False
-        rows.append(row)
-    return True
+def _edge(tried: List[Dict[str, Any]]) -> int:
+    """+1 if the best of ``tried`` (by the development loss) has the highest rate, -1 the
+    lowest, 0 otherwise (inside, or every run diverged)."""
+    best = min(tried, key=_dev_score)
+    if not math.isfinite(_dev_score(best)):
+        return 0
+    rates = sorted(r["lr"] for r in tried)
+    return 1 if best["lr"] == rates[-1] else -1 if best["lr"] == rates[0] else 0
 
 
-def _score(row: Dict[str, Any]) -> float:
-    """Lower is better: the final test loss (inf where the run diverged)."""
-    loss = row["test_loss"]
+def _dev_score(row: Dict[str, Any]) -> float:
+    loss = row.get("dev_loss", math.nan)
     return loss if math.isfinite(loss) else math.inf
 
 
-def _cell(plan: Plan, name: str, batch: int, lr: float) -> Optional[Dict[str, Any]]:
+def large_batch(p: Protocol, out: Optional[str] = None) -> List[Dict[str, Any]]:
+    """Every run's row, in a fixed order; the study written into ``out`` if given (also when
+    interrupted: the runs finished so far)."""
+    start = time.perf_counter()
+    launch.STOP.clear()
+    with launch.interruptible(launch.STOP):
+        rows = (_run_inline if p.jobs == 1 else _run_pool)(p)
+    rows.sort(key=lambda r: (list(p.names).index(r["optimizer"]), r["batch_size"], r["seed"],
+                             r["lr"]))
+    if out:
+        study = {"title": title(p), "protocol": p.describe(), "rows": rows,
+                 "complete": not launch.STOP.is_set(),
+                 "time_s": time.perf_counter() - start}
+        study["analysis"] = analysis.analyse(study)
+        study_report.write(study, out)
+    return rows
+
+
+def title(p: Protocol) -> str:
+    base = p.base
+    return (("QUICK FORM (one seed, few cells: not evidence): " if p.quick else "")
+            + f"{base.dataset}, {base.train_size * base.epochs:,} examples per run, each "
+            f"optimizer's rate tuned at each batch size, {p.seeds} seed"
+            f"{'s' if p.seeds != 1 else ''} per chosen rate, warm-up {base.warmup:g}, "
+            f"{base.schedule} decay")
+
+
+def _run_inline(p: Protocol) -> List[Dict[str, Any]]:
+    """The chains one after another, each run in this process."""
+    rows: List[Dict[str, Any]] = []
+    for name in p.names:
+        chain, wave = _chain(p, name), None
+        try:
+            wave = next(chain)
+            while True:
+                done = []
+                for cfg in wave:
+                    if launch.STOP.is_set():
+                        return rows
+                    row = cell(cfg)
+                    if row is None:
+                        return rows
+                    done.append(row)
+                rows += done
+                wave = chain.send(done)
+        except StopIteration:
+            pass
+    return rows
+
+
+def _pool_start(threads: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the study's: it stops the pool
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def _run_pool(p: Protocol) -> List[Dict[str, Any]]:
+    """Every chain at once, ``p.jobs`` runs at a time in processes of their own (one thread
+    each unless ``--threads`` says otherwise)."""
+    rows: List[Dict[str, Any]] = []
+    threads = p.base.threads or max(1, (os.cpu_count() or 1) // p.jobs)
+    pool = cf.ProcessPoolExecutor(p.jobs, mp_context=multiprocessing.get_context("spawn"),
+                                  initializer=_pool_start, initargs=(threads,))
+    waves: Dict[str, Tuple[Chain, List[Any]]] = {}
+    running: Dict[cf.Future, Tuple[str, int]] = {}
+
+    def submit(name: str, chain: Chain, wave: Wave) -> None:
+        waves[name] = (chain, [None] * len(wave))
+        for i, cfg in enumerate(wave):
+            running[pool.submit(cell, dataclasses.replace(cfg, threads=threads))] = (name, i)
+
+    try:
+        for name in p.names:
+            chain = _chain(p, name)
+            submit(name, chain, next(chain))
+        while running and not launch.STOP.is_set():
+            done, _ = cf.wait(list(running), timeout=0.5, return_when=cf.FIRST_COMPLETED)
+            for future in done:
+                name, i = running.pop(future)
+                chain, results = waves[name]
+                results[i] = future.result()
+                rows.append(results[i])
+                if all(r is not None for r in results):
+                    try:
+                        submit(name, chain, chain.send(results))
+                    except StopIteration:
+                        pass
+    finally:
+        for process in list(getattr(pool, "_processes", {}).values()):
+            if launch.STOP.is_set():
+                process.kill()
+        pool.shutdown(wait=True, cancel_futures=True)
+    return rows
+
+
+def cell(cfg: Config) -> Optional[Dict[str, Any]]:
     """One run's row, or None if the study was interrupted during it."""
-    cfg = dataclasses.replace(plan.base, optimizer=name, batch_size=batch, out=None, lr=lr)
-    print(f"{name:8s} batch {batch:5d}  lr {cfg.lr:.4g}  {cfg.total_steps()} steps",
-          file=sys.stderr, flush=True)
-    keys = ("lr", "steps", "test_accuracy", "test_loss", "time_s", "tokens", "test_bits_per_byte")
+    print(f"{cfg.optimizer:8s} batch {cfg.batch_size:5d}  lr {cfg.lr:.4g}  seed {cfg.seed}  "
+          f"{cfg.total_steps()} steps", file=sys.stderr, flush=True)
+    row: Dict[str, Any] = {"optimizer": cfg.optimizer, "batch_size": cfg.batch_size,
+                           "lr": cfg.lr, "seed": cfg.seed, "steps": cfg.total_steps(),
+                           "command": command_line(cfg)}
+    if cfg.dataset == "text":
+        row["tokens"] = cfg.total_steps() * cfg.batch_size * cfg.context
     try:
         r = _train(cfg)
-        if r["interrupted"]:
-            return None  # the interrupted run's partial result is not a study point
-        row = {k: r[k] for k in keys if k in r}
-        if "noise_scale" in r:
-            noise = r["noise_scale"]
-            row["b_simple"], row["b_simple_tokens"] = noise["b_simple"], noise["b_simple_tokens"]
-            row["b_simple_mid"] = noise["history"][len(noise["history"]) // 2]["b_simple"]
     except Diverged:
-        row = {"lr": cfg.lr, "steps": cfg.total_steps(), "test_accuracy": math.nan,
-               "test_loss": math.nan, "time_s": math.nan, "diverged": True}
-        if cfg.dataset == "text":
-            row["tokens"], row["test_bits_per_byte"] = cfg.total_steps() * batch * cfg.context, math.nan
-    row = {"optimizer": name, "batch_size": batch, **row}
-    score = (f"bits per byte {row['test_bits_per_byte']:.4f}" if "test_bits_per_byte" in row
-             else f"test accuracy {row['test_accuracy']:.4f}")
-    print(f"          {score}", file=sys.stderr, flush=True)
+        row.update(diverged=True, dev_loss=math.nan, test_loss=math.nan)
+        return row
+    if r["interrupted"]:
+        return None  # the interrupted run's partial result is not a study point
+    keys = ("dev_loss", "test_loss", "dev_bits_per_byte", "test_bits_per_byte", "test_accuracy",
+            "time_s", "threads")
+    row.update({k: r[k] for k in keys if k in r})
+    row["curve"] = [[h["step"], h["test_loss"]] for h in r["history"]]
+    score = (f"test bits per byte {r['test_bits_per_byte']:.4f}" if "test_bits_per_byte" in r
+             else f"test accuracy {r['test_accuracy']:.4f}")
+    print(f"{cfg.optimizer:8s} batch {cfg.batch_size:5d}  lr {cfg.lr:.4g}  seed {cfg.seed}  "
+          f"{score}", file=sys.stderr, flush=True)
+    if "noise_scale" in r:
+        row["noise"] = [[m["step"], m["g2"], m["trace"]] for m in r["noise_scale"]["history"]]
     return row
 
 
 def _train(cfg: Config) -> Dict[str, Any]:
-    """One cell's run: in this process, or in ``cfg.workers`` processes started here."""
+    """One run: in this process, or in ``cfg.workers`` processes started here."""
     if cfg.workers == 1:
         return run(cfg)
     from .train import _workers
@@ -143,24 +277,23 @@ def _train(cfg: Config) -> Dict[str, Any]:
     return _workers(cfg)
 
 
-def summary(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """Per optimizer: the largest batch whose score is within ``report.BEND_SHARE`` of its best
-    (its curve bends after it), and the gradient noise scale halfway through and at the end of
-    its smallest-batch run (where it has the most measurements), where measured."""
-    out: Dict[str, Any] = {}
-    cells = [r for r in rows if not r.get("sweep")]
-    for name in dict.fromkeys(r["optimizer"] for r in cells):
-        mine = sorted((r for r in cells if r["optimizer"] == name), key=lambda r: r["batch_size"])
-        key = "test_bits_per_byte" if "test_bits_per_byte" in mine[0] else "test_loss"
-        finite = [r for r in mine if math.isfinite(r[key])]
-        entry: Dict[str, Any] = {}
-        if finite:
-            best = min(r[key] for r in finite)
-            bound = best * (1 + report.BEND_SHARE)
-            within = [r["batch_size"] for r in finite if r[key] <= bound]
-            entry["bends_after"] = max(within)
-        if "b_simple" in mine[0]:
-            for key in ("b_simple", "b_simple_tokens", "b_simple_mid"):
-                entry[key] = mine[0][key]
-        out[name] = entry
-    return out
+#: the options of ``scaleopt train`` that a study's run sets, by Config field
+_OPTIONS = ("model", "dataset", "optimizer", "lr", "batch_size", "train_size", "epochs",
+            "width", "layers", "context", "evals", "weight_decay", "warmup", "schedule", "seed",
+            "max_grad_norm", "betas", "state_dtype", "workers", "threads")
+
+
+def command_line(cfg: Config) -> str:
+    """The ``scaleopt train`` command that repeats ``cfg``'s run by hand."""
+    args = ["scaleopt", "train"]
+    for name in _OPTIONS:
+        value = getattr(cfg, name)
+        if value is None:
+            continue
+        flag = "--" + name.replace("_", "-")
+        args += [flag, *map(repr, value)] if isinstance(value, (list, tuple)) else [flag, str(
+            repr(value) if isinstance(value, float) else value)]
+    for name in ("measure_noise", "dev_split", "shard"):
+        if getattr(cfg, name):
+            args.append("--" + name.replace("_", "-"))
+    return shlex.join(args)

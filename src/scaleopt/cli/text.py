@@ -5,7 +5,11 @@ The corpus is Python's own reference documentation as ``pydoc`` shows it (the mo
 ``pydoc_data.topics``, in every CPython install, under the Python Software Foundation License):
 about 0.45 MB of prose and code examples in UTF-8. Its bytes are the same on every run of the same
 install; :func:`corpus` gives them with their identity (name, size, SHA-256), which a run records.
-The first 90% of the bytes train, the last 10% (other topics) validate.
+The first 90% of the bytes train; the last 10% (cut where the 90% falls, mid-topic) validate.
+For a study that selects on one split and reports another, :func:`heldout` cuts the validation
+bytes in two at the last topic boundary before their middle: a development part (which starts
+mid-topic; about a quarter of them) and a test part of whole topics that no training window
+touches.
 """
 
 from __future__ import annotations
@@ -55,6 +59,28 @@ def splits() -> Tuple[Tensor, Tensor]:
     return data[:cut], data[cut:]
 
 
+def heldout() -> Tuple[Tensor, Tensor]:
+    """The validation bytes in two: the development part (up to the last topic boundary
+    before their middle) and the test part (whole topics from that boundary on)."""
+    _, validation = splits()
+    begin = len(corpus()[0]) - len(validation)
+    starts = [s for s in _topic_starts() if s > begin]
+    cut = max(s for s in starts if s <= begin + len(validation) // 2) - begin
+    return validation[:cut], validation[cut:]
+
+
+@functools.lru_cache(maxsize=1)
+def _topic_starts() -> Tuple[int, ...]:
+    """The byte offsets at which the corpus's topics begin."""
+    from pydoc_data.topics import topics
+
+    starts, at = [], 0
+    for k in sorted(topics):
+        starts.append(at)
+        at += len(topics[k].encode("utf-8")) + 2  # the "\n\n" between topics
+    return tuple(starts)
+
+
 def windows(source: Tensor, n: int, context: int, seed: int) -> Tuple[Tensor, Tensor]:
     """``n`` windows of ``context + 1`` bytes at random offsets of ``source`` (the same for a
     seed): inputs ``(n, context)`` and next-byte targets ``(n, context)``."""
@@ -72,12 +98,16 @@ def tiled(source: Tensor, context: int) -> Tuple[Tensor, Tensor]:
     return x, y
 
 
-def load(train_size: int, context: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, int]:
+def load(train_size: int, context: int,
+         split: str = "validation") -> Tuple[Tensor, Tensor, Tensor, Tensor, int]:
     """``(x, y, x_test, y_test, classes)`` as :func:`scaleopt.cli.data.load` gives them:
-    ``train_size`` training windows and the whole validation split."""
-    train, test = splits()
+    ``train_size`` training windows and the evaluation split ``split``: the whole validation
+    bytes (``"validation"``), or :func:`heldout`'s ``"dev"`` or ``"test"`` part."""
+    train, validation = splits()
     x, y = windows(train, train_size, context, seed=1)
-    return (x, y) + tiled(test, context) + (VOCAB,)
+    if split != "validation":
+        validation = heldout()[split != "dev"]
+    return (x, y) + tiled(validation, context) + (VOCAB,)
 
 
 def unigram_bits_per_byte() -> float:

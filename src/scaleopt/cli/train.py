@@ -40,6 +40,14 @@ class Config:
     steps: Optional[int] = None  # overrides epochs
     lr: Optional[float] = None  # None: the optimizer's default
     weight_decay: float = 0.01
+    #: clip the gradients to this global norm (None: no clipping)
+    max_grad_norm: Optional[float] = None
+    #: (beta1, beta2) of the optimizers that have them (None: each optimizer's default)
+    betas: Optional[Tuple[float, float]] = None
+    #: evaluate along the run on a test split and once at the end on a development split
+    #: held apart from it (data.load's "test" and "dev"), for a study that selects on one
+    #: and reports the other
+    dev_split: bool = False
     warmup: float = 0.1  # a fraction of the steps (< 1) or a number of steps
     schedule: str = "cosine"
     width: int = 256
@@ -128,6 +136,7 @@ def check(cfg: Config) -> None:
         raise ValueError(f"--lr must be a positive number, got {lr}")
     if not (math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0):
         raise ValueError(f"--weight-decay must be >= 0, got {cfg.weight_decay}")
+    _check_clipping_and_betas(cfg)
     if not cfg.warmup >= 0:
         raise ValueError(f"--warmup must be >= 0, got {cfg.warmup}")
     if cfg.schedule not in optimizers.SCHEDULES:
@@ -165,6 +174,23 @@ def check(cfg: Config) -> None:
         raise ValueError(f"--device must be cpu or cuda, got {cfg.device!r}")
     if cfg.threads is not None and cfg.threads < 1:
         raise ValueError(f"--threads must be at least 1, got {cfg.threads}")
+
+
+def _check_clipping_and_betas(cfg: Config) -> None:
+    if cfg.max_grad_norm is not None and not (math.isfinite(cfg.max_grad_norm)
+                                              and cfg.max_grad_norm > 0):
+        raise ValueError(f"--max-grad-norm must be a positive number, got {cfg.max_grad_norm}")
+    if cfg.max_grad_norm is not None and cfg.dgc:
+        raise ValueError("--max-grad-norm clips the averaged gradient, which DGC never forms "
+                         "(each worker sends its own largest values): use one without the other")
+    if cfg.betas is None:
+        return
+    if not optimizers.OPTIMIZERS[cfg.optimizer].betas:
+        raise ValueError(f"--betas applies to the optimizers with Adam moments "
+                         f"({', '.join(n for n, c in optimizers.OPTIMIZERS.items() if c.betas)}), "
+                         f"not {cfg.optimizer}")
+    if len(cfg.betas) != 2 or not all(0 <= b < 1 for b in cfg.betas):
+        raise ValueError(f"--betas takes two numbers in [0, 1), got {list(cfg.betas)}")
 
 
 def _check_model(cfg: Config) -> None:
@@ -363,6 +389,9 @@ class Trainer:
     noise: Any = None
     noise_history: List[Dict[str, float]] = dataclasses.field(default_factory=list)
     reached: Any = None  # a shared integer: the step rank 0 has finished (launch.shared_step)
+    #: with ``cfg.dev_split``: the development split's x and y, and its loss at the end
+    dev: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+    dev_loss: Optional[float] = None
 
 
 def run(cfg: Config, rank: int = 0, world: int = 1, write: bool = True,
@@ -408,7 +437,8 @@ def build(cfg: Config, rank: int, world: int) -> Trainer:
     ``cfg.resume``), on this rank's device."""
     device = torch.device(cfg.device if not cfg.device.startswith("cuda") or world == 1
                           else f"cuda:{rank % torch.cuda.device_count()}")
-    x, y, xt, yt, classes = data.load(cfg.dataset, cfg.train_size, context=cfg.context)
+    x, y, xt, yt, classes = data.load(cfg.dataset, cfg.train_size, context=cfg.context,
+                                      split="test" if cfg.dev_split else "validation")
     model = make_model(cfg, x.shape[1], classes).to(device)
     mesh = hsdp_mesh(cfg, world, device) if cfg.shard else None
     if cfg.shard:  # with DGC, FSDP2 inside each replica and DGC between them
@@ -421,6 +451,9 @@ def build(cfg: Config, rank: int, world: int) -> Trainer:
             model, device_ids=[device.index] if device.type == "cuda" else None)
     trainer = Trainer(cfg, rank, world, tuple(t.to(device) for t in (x, y, xt, yt)), model, net,
                       opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule))
+    if cfg.dev_split:
+        trainer.dev = tuple(t.to(device) for t in data.load(
+            cfg.dataset, cfg.train_size, context=cfg.context, split="dev")[2:4])
     if cfg.measure_noise:
         trainer.noise = GradientNoiseScale(model.parameters())
     if cfg.resume:
@@ -458,6 +491,8 @@ def _train_step(t: Trainer, batch: torch.Tensor) -> torch.Tensor:
         idx = batch.view(t.world, -1)[t.rank]
         loss = _loss(t.net(x[idx]), y[idx])
         loss.backward()
+    if t.cfg.max_grad_norm is not None and not optimizers.OPTIMIZERS[t.cfg.optimizer].clips:
+        torch.nn.utils.clip_grad_norm_(t.model.parameters(), t.cfg.max_grad_norm)
     t.opt.step()
     t.sched.step()
     t.step += 1
@@ -566,6 +601,8 @@ def loop(t: Trainer, stop: Any) -> None:
             break
     if t.evaluated_at != t.step:  # stopped between evaluations
         _evaluated(t, loss_value, start)
+    if t.dev is not None and (t.rank == 0 or cfg.shard):
+        t.dev_loss = _evaluate(t.model, *t.dev)[0]
     t.elapsed = time.perf_counter() - start
     if bar is not None:
         bar.close()
@@ -631,8 +668,19 @@ def results(t: Trainer) -> Dict[str, Any]:
         "history": t.history, "train_curve": t.curve, "torch": torch.__version__,
         "threads": torch.get_num_threads(), "workers": t.world, "sharded": cfg.shard,
         "checkpoints": t.checkpoints, "checkpoint_error": t.checkpoint_error,
-        **sizes, **_traffic(t), **_torchrun_restarts(), **_text(t), **_noise(t),
+        **sizes, **_traffic(t), **_torchrun_restarts(), **_text(t), **_noise(t), **_dev(t),
     }
+
+
+def _dev(t: Trainer) -> Dict[str, Any]:
+    """The development split's loss at the end (with ``--dev-split``), in bits per byte too
+    for text."""
+    if t.dev_loss is None:
+        return {}
+    from . import text
+
+    return {"dev_loss": t.dev_loss, **({"dev_bits_per_byte": text.bits_per_byte(t.dev_loss)}
+                                       if t.cfg.dataset == "text" else {})}
 
 
 def _text(t: Trainer) -> Dict[str, Any]:

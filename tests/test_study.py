@@ -1,0 +1,113 @@
+"""``scaleopt study large-batch``: the protocol (every batch tuned on a development split,
+grids extended at their edges, seeds of each chosen rate, runs repeatable from their recorded
+command), its statistics (paired differences, steps to a target, B_crit's fit, B_simple at a
+loss), and the large-batch page, whose results are made from the study's committed JSON."""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import shlex
+
+import pytest
+
+from scaleopt.cli import analysis, main, study, study_report
+
+DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
+#: a gpt model small enough for tests: 1 block of width 32 on 16-byte windows
+MODEL = ["--model", "gpt", "--width", "32", "--layers", "1", "--context", "16",
+         "--train-size", "512", "--no-progress"]
+
+
+def test_the_fit_recovers_b_crit_and_s_min_from_the_trade_off_curve():
+    points = [(b, 300 * (1 + 40 / b)) for b in (4, 16, 64, 256)]
+    s_min, b_crit = analysis.fit_bcrit(points)
+    assert s_min == pytest.approx(300, rel=1e-4) and b_crit == pytest.approx(40, rel=1e-4)
+    # steps that halve with every doubling of the batch: B_crit beyond anything measured
+    assert analysis.fit_bcrit([(b, 4096 / b) for b in (4, 16, 64)])[1] > 64 * 100
+
+
+def test_steps_to_a_target_are_read_between_evaluations():
+    unit = math.log(2)  # curves hold nats; targets are bits per byte
+    curve = [[10, 4.0 * unit], [20, 3.0 * unit], [30, 2.0 * unit]]
+    assert analysis.crossing(curve, 2.5, unit) == pytest.approx(25)
+    assert analysis.crossing(curve, 4.5, unit) == 10  # reached by the first evaluation
+    assert analysis.crossing(curve, 1.0, unit) is None
+
+
+def test_a_paired_difference_is_clear_only_beyond_its_interval():
+    clear = analysis.paired([2.0, 2.1, 2.2], [1.5, 1.61, 1.69])
+    assert clear["mean"] == pytest.approx(0.5) and clear["clear"]
+    noisy = analysis.paired([2.0, 2.5, 1.6], [1.9, 1.9, 2.0])
+    assert not noisy["clear"] and noisy["half_width"] > abs(noisy["mean"])
+    assert not analysis.paired([2.0], [1.0])["clear"]  # one seed tells nothing apart
+
+
+def test_b_simple_at_a_loss_takes_the_measurements_around_the_crossing():
+    unit = 1.0
+    curve = [[0, 5.0], [100, 3.0], [200, 1.0]]
+    # the noise scale is 10 until step 100 and 50 after: the crossing of 2.0 is at step 150
+    noise = [[s, 1.0, 10.0 if s < 100 else 50.0] for s in range(0, 200, 5)]
+    got = analysis.b_simple([{"curve": curve, "noise": noise}], 2.0, unit)
+    assert got["b_simple"] == pytest.approx(50) and got["measurements"] == analysis.NOISE_NEAR
+    early = analysis.b_simple([{"curve": curve, "noise": noise}], 4.5, unit)
+    assert early["b_simple"] == pytest.approx(10)
+    assert early["b_simple_95"][0] <= early["b_simple"] <= early["b_simple_95"][1]
+
+
+@pytest.fixture(scope="module")
+def tiny_study(tmp_path_factory):
+    out = tmp_path_factory.mktemp("study")
+    assert main(["study", "large-batch", *MODEL, "--batch-sizes", "8", "32", "--optimizers",
+                 "lamb", "adamw", "momentum", "--seeds", "2", "--extensions", "1",
+                 "--targets", "5", "--jobs", "2", "--out", str(out)]) == 0
+    return out, json.loads((out / "study.json").read_text())
+
+
+def test_every_batch_is_tuned_on_the_development_split_and_its_choice_run_with_seeds(tiny_study):
+    _, s = tiny_study
+    rows, grid = s["rows"], s["protocol"]["grid"]
+    for name in ("lamb", "adamw", "momentum"):
+        rule = "linear" if name == "momentum" else "sqrt"
+        centre = study.scaled_lr(s["protocol"]["default_lr"][name], 8, 64, rule)
+        for b in (8, 32):
+            tried = sorted(r["lr"] for r in rows
+                           if r["optimizer"] == name and r["batch_size"] == b and r["seed"] == 0)
+            # the grid around the centre, at most one extension beyond it
+            assert all(any(t == pytest.approx(centre * f) for t in tried) for f in grid)
+            assert len(grid) <= len(tried) <= len(grid) + 1
+            mine = [r for r in rows if r["optimizer"] == name and r["batch_size"] == b]
+            best = min((r for r in mine if r["seed"] == 0), key=lambda r: r["dev_loss"])
+            # the best on the edge only where the one extension allowed was spent
+            edge = best["lr"] in (tried[0], tried[-1])
+            assert not edge or len(tried) == len(grid) + 1
+            assert sorted(r["seed"] for r in mine if r["lr"] == best["lr"]) == [0, 1]
+            assert all(r["lr"] == best["lr"] for r in mine if r["seed"] == 1)
+            centre = study.scaled_lr(best["lr"], 32, b, rule)  # the next batch's centre
+    assert all(r["threads"] == 1 and "curve" in r and "noise" in r for r in rows)
+
+
+def test_a_studys_run_is_the_run_its_recorded_command_repeats(tiny_study, tmp_path):
+    _, s = tiny_study
+    row = next(r for r in s["rows"] if r["optimizer"] == "adamw" and r["seed"] == 1)
+    argv = shlex.split(row["command"])
+    assert argv[:2] == ["scaleopt", "train"] and "--dev-split" in argv
+    assert argv[argv.index("--betas") + 1:argv.index("--betas") + 3] == ["0.9", "0.95"]
+    assert main(argv[1:] + ["--no-progress", "--out", str(tmp_path / "again")]) == 0
+    again = json.loads((tmp_path / "again" / "result.json").read_text())
+    assert again["dev_loss"] == row["dev_loss"] and again["test_loss"] == row["test_loss"]
+
+
+def test_the_studys_sentences_come_from_its_json(tiny_study):
+    out, s = tiny_study
+    md = (out / "study.md").read_text()
+    assert md == study_report.markdown(s)
+    a = analysis.analyse(s)
+    for b in ("8", "32"):
+        ranking = a["batches"][b]
+        best = ranking["order"][0]
+        cell = a["cells"][best][b]
+        assert f"- Batch {b} ({cell['steps']} steps): lowest {best} ({cell['mean']:.3f})" in md
+        assert cell["mean"] == min(a["cells"][n][b]["mean"] for n in ranking["order"])
+    assert "LAMB minus AdamW" in md and "target 5" in md
