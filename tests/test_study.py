@@ -111,3 +111,33 @@ def test_the_studys_sentences_come_from_its_json(tiny_study):
         assert f"- Batch {b} ({cell['steps']} steps): lowest {best} ({cell['mean']:.3f})" in md
         assert cell["mean"] == min(a["cells"][n][b]["mean"] for n in ranking["order"])
     assert "LAMB minus AdamW" in md and "target 5" in md
+
+
+@pytest.mark.parametrize("name", ["lamb", "lans", "adamw", "muon", "offload-adam", "momentum"])
+def test_every_optimizer_takes_the_commands_clipping_and_the_adam_family_its_betas(name):
+    import torch
+
+    from scaleopt.cli import optimizers
+    from scaleopt.cli.train import Config
+
+    betas = (0.9, 0.95) if optimizers.OPTIMIZERS[name].betas else None
+    cfg = Config(optimizer=name, max_grad_norm=0.5, betas=betas)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    opt = optimizers.build(model, cfg)
+    for group in opt.param_groups:
+        assert group["max_grad_norm"] == 0.5
+        if betas:
+            assert tuple(group["betas"]) == betas
+
+
+def test_the_trainer_clips_for_torchs_optimizers(tmp_path):
+    """torch.optim.SGD has no max_grad_norm: the trainer clips its gradients, and a tight clip
+    slows it down (SGD's step is the gradient's size)."""
+    losses = []
+    for clip in ([], ["--max-grad-norm", "1e-3"]):
+        out = tmp_path / f"run{len(losses)}"
+        assert main(["train", *MODEL, "--batch-size", "32", "--steps", "6", "--optimizer",
+                     "torch-sgd", "--lr", "0.5", *clip, "--out", str(out)]) == 0
+        losses.append(json.loads((out / "result.json").read_text())["test_loss"])
+    start = math.log(256)  # the model starts near a uniform guess over the bytes
+    assert losses[0] < start - 0.5 and abs(losses[1] - start) < 0.05, losses
