@@ -11,6 +11,7 @@ import os
 import pathlib
 import shutil
 import subprocess
+import time
 import sys
 
 import pytest
@@ -192,7 +193,6 @@ def test_ctrl_c_stops_cleanly_writes_the_results_so_far_and_leaves_no_process(tm
     result marked interrupted (and a checkpoint to resume from), exits 130, and no worker
     process is left."""
     import signal
-    import time
 
     run = tmp_path / "run"
     proc = subprocess.Popen(
@@ -251,3 +251,34 @@ def test_ctrl_c_in_a_study_writes_the_finished_runs(tmp_path):
     assert "interrupted after 1 run;" in printed and "INTERRUPTED" in printed
     rows = json.loads((out / "study.json").read_text())["rows"]
     assert [(r["optimizer"], r["batch_size"]) for r in rows] == [("lamb", 4096)]
+
+
+def test_ctrl_c_in_a_study_of_parallel_runs_writes_the_finished_ones_and_leaves_no_process(tmp_path):
+    """With --jobs 2 the runs go in processes of their own: Ctrl-C after the first has finished
+    ends the others at once, writes the finished runs, and leaves no process behind."""
+    import signal
+
+    out = tmp_path / "study"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from scaleopt.cli import main; sys.exit(main())",
+         "study", "large-batch", "--model", "gpt", "--width", "32", "--layers", "1", "--context",
+         "16", "--train-size", "1024", "--batch-sizes", "8", "32", "--optimizers", "lamb",
+         "adamw", "--jobs", "2", "--no-progress", "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        for line in proc.stderr:  # a run's result line
+            if "bits per byte" in line:
+                break
+        os.killpg(proc.pid, signal.SIGINT)
+        printed, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130 and "INTERRUPTED" in printed
+    study = json.loads((out / "study.json").read_text())
+    assert not study["complete"] and 1 <= len(study["rows"]) < 8
+    assert all(r["seed"] == 0 and r["batch_size"] == 8 for r in study["rows"])
+    with pytest.raises(ProcessLookupError):  # the pool's processes are gone too
+        for _ in range(50):
+            os.killpg(proc.pid, 0)
+            time.sleep(0.1)
