@@ -110,7 +110,7 @@ def test_the_studys_sentences_come_from_its_json(tiny_study):
         cell = a["cells"][best][b]
         assert f"- Batch {b} ({cell['steps']} steps): lowest {best} ({cell['mean']:.3f})" in md
         assert cell["mean"] == min(a["cells"][n][b]["mean"] for n in ranking["order"])
-    assert "LAMB minus AdamW" in md and "target 5" in md
+    assert "lamb minus AdamW, each tuned at each batch: batch 8: " in md and "target 5" in md
 
 
 @pytest.mark.parametrize("name", ["lamb", "lans", "adamw", "muon", "offload-adam", "momentum"])

@@ -212,8 +212,8 @@ def _ranking(by: Dict[str, Dict[int, Dict[str, Any]]], b: int) -> Dict[str, Any]
     for n in order[1:]:
         k = min(len(done[n]["scores"]), len(best["scores"]))
         against[n] = paired(done[n]["scores"][:k], best["scores"][:k])
-    lamb_adamw = (paired(done["lamb"]["scores"], done["adamw"]["scores"])
-                  if {"lamb", "adamw"} <= set(done)
-                  and len(done["lamb"]["scores"]) == len(done["adamw"]["scores"]) else None)
-    return {"order": order, "against_best": against, "lamb_minus_adamw": lamb_adamw,
+    against_adamw = {n: paired(done[n]["scores"], done["adamw"]["scores"])
+                     for n in order if n != "adamw" and "adamw" in done
+                     and len(done[n]["scores"]) == len(done["adamw"]["scores"])}
+    return {"order": order, "against_best": against, "against_adamw": against_adamw,
             "diverged": sorted(n for n, c in by.items() if b in c and "mean" not in c[b])}

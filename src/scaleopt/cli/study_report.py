@@ -48,7 +48,7 @@ def _g(x: float) -> str:
 def markdown(study: Dict[str, Any]) -> str:
     """The study's tables and its sentences of results, from its JSON alone."""
     a = analysis.analyse(study)
-    md = [study["title"], "", *_table(study, a), "", *_findings(study, a), "",
+    md = [study["title"], "", *_table(study, a), *_baseline(a), "", *_findings(study, a), "",
           *_rates(study, a), "", *_targets(study, a), "", _cost(study)]
     return "\n".join(md) + "\n"
 
@@ -75,6 +75,15 @@ def _table(study: Dict[str, Any], a: Dict[str, Any]) -> List[str]:
     return lines
 
 
+def _baseline(a: Dict[str, Any]) -> List[str]:
+    if a["score"] != "test_bits_per_byte":
+        return []
+    from . import text
+
+    return ["", f"The test split's unigram baseline (the bytes' frequencies alone): "
+                f"{text.unigram_bits_per_byte('test'):.3f} bits per byte."]
+
+
 def _findings(study: Dict[str, Any], a: Dict[str, Any]) -> List[str]:
     """Per batch: who is lowest, who is within the uncertainty, who is behind beyond it; LAMB
     against AdamW where both ran."""
@@ -98,20 +107,26 @@ def _findings(study: Dict[str, Any], a: Dict[str, Any]) -> List[str]:
         if r["diverged"]:
             line += f" Diverged at every rate kept: {', '.join(r['diverged'])}."
         out.append(line)
-    out += [""] + _lamb_adamw(a)
+    out += [""] + _against_adamw(a)
     return out
 
 
-def _lamb_adamw(a: Dict[str, Any]) -> List[str]:
-    pairs = {b: r["lamb_minus_adamw"] for b, r in a["batches"].items() if r.get("lamb_minus_adamw")}
-    if not pairs:
-        return []
-    parts = []
-    for b, d in pairs.items():
-        verdict = ("LAMB lower" if d["mean"] < 0 else "AdamW lower") if d["clear"] else "no difference"
-        half = f" ± {d['half_width']:.3f}" if math.isfinite(d["half_width"]) else ""
-        parts.append(f"batch {b}: {d['mean']:+.3f}{half} ({verdict})")
-    return ["- LAMB minus AdamW, each tuned at each batch: " + "; ".join(parts) + "."]
+def _against_adamw(a: Dict[str, Any]) -> List[str]:
+    """Each optimizer minus AdamW, both tuned at each batch, paired by seed."""
+    names = list(dict.fromkeys(n for r in a["batches"].values() for n in r["against_adamw"]))
+    out = []
+    for n in names:
+        parts = []
+        for b, r in a["batches"].items():
+            d = r["against_adamw"].get(n)
+            if d is None:
+                continue
+            verdict = ((f"{n} lower" if d["mean"] < 0 else "AdamW lower") if d["clear"]
+                       else "not told apart")
+            half = f" ± {d['half_width']:.3f}" if math.isfinite(d["half_width"]) else ""
+            parts.append(f"batch {b}: {d['mean']:+.3f}{half} ({verdict})")
+        out.append(f"- {n} minus AdamW, each tuned at each batch: " + "; ".join(parts) + ".")
+    return out
 
 
 def _rates(study: Dict[str, Any], a: Dict[str, Any]) -> List[str]:
@@ -185,19 +200,28 @@ def _cost(study: Dict[str, Any]) -> str:
 
 
 def _plot(plt: Any, study: Dict[str, Any], path: pathlib.Path) -> None:
-    """Each optimizer's mean test score (bars: its seeds' spread) against batch size."""
+    """Left: each optimizer's mean test score against batch size (bars: its seeds' standard
+    deviation); right: its tuned rate against batch size, beside the square-root rule."""
     a = analysis.analyse(study)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for n, cs in a["cells"].items():
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for i, (n, cs) in enumerate(a["cells"].items()):
         pts = [(int(b), c["mean"], c["sd"]) for b, c in cs.items() if "mean" in c]
-        ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts],
-                    marker="o", capsize=3, label=n)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("batch size (same examples; each rate tuned at each batch)")
-    ax.set_ylabel(f"test {_unit(a['score'])}")
-    ax.set_title(textwrap.fill(study["title"], 80), fontsize=8)
-    ax.grid(alpha=0.3)
-    ax.legend()
+        left.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts],
+                      marker="o", capsize=3, label=n, color=f"C{i}")
+        rates = [(int(b), c["lr"]) for b, c in cs.items()]
+        right.plot([r[0] for r in rates], [r[1] / rates[0][1] for r in rates], marker="o",
+                   label=n, color=f"C{i}")
+    batches = sorted(int(b) for b in a["batches"])
+    right.plot(batches, [(b / batches[0]) ** 0.5 for b in batches], "k--", label="square root")
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size (same examples; each rate tuned at each batch)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    left.set_ylabel(f"test {_unit(a['score'])}")
+    right.set_yscale("log", base=2)
+    right.set_ylabel("tuned rate / tuned rate at the smallest batch")
+    fig.suptitle(textwrap.fill(study["title"], 120), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

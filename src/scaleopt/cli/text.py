@@ -110,10 +110,13 @@ def load(train_size: int, context: int,
     return (x, y) + tiled(validation, context) + (VOCAB,)
 
 
-def unigram_bits_per_byte() -> float:
-    """The baseline: bits per byte of the validation split under the training split's byte
-    frequencies (add-one smoothed), i.e. a model that ignores all context."""
+def unigram_bits_per_byte(split: str = "validation") -> float:
+    """The baseline: bits per byte of an evaluation split (``"validation"``, or
+    :func:`heldout`'s ``"dev"`` or ``"test"``) under the training split's byte frequencies
+    (add-one smoothed), i.e. a model that ignores all context."""
     train, test = splits()
+    if split != "validation":
+        test = heldout()[split != "dev"]
     p = torch.bincount(train, minlength=VOCAB).double() + 1
     return float(-(p / p.sum()).log2()[test[1:]].mean())
 
