@@ -28,12 +28,24 @@ def test_the_fit_recovers_b_crit_and_s_min_from_the_trade_off_curve():
     assert analysis.fit_bcrit([(b, 4096 / b) for b in (4, 16, 64)])[1] > 64 * 100
 
 
-def test_steps_to_a_target_are_read_between_evaluations():
+def test_steps_to_a_target_are_read_between_evaluations_in_log_steps():
     unit = math.log(2)  # curves hold nats; targets are bits per byte
-    curve = [[10, 4.0 * unit], [20, 3.0 * unit], [30, 2.0 * unit]]
-    assert analysis.crossing(curve, 2.5, unit) == pytest.approx(25)
-    assert analysis.crossing(curve, 4.5, unit) == 10  # reached by the first evaluation
-    assert analysis.crossing(curve, 1.0, unit) is None
+    curve = [[10, 4.0 * unit], [20, 3.0 * unit], [40, 2.0 * unit]]
+    assert analysis.crossing(curve, 2.5, unit) == pytest.approx(800 ** 0.5)  # halfway in log
+    assert analysis.crossing(curve, 3.5, unit) == pytest.approx(200 ** 0.5)
+    assert analysis.crossing(curve, 4.5, unit) is None  # below it at the first evaluation
+    assert analysis.crossing(curve, 1.0, unit) is None  # never reached
+
+
+def test_log_spaced_evaluations_are_a_third_of_an_octave_apart_and_end_at_the_last_step():
+    from scaleopt.cli.train import Config
+
+    cfg = Config(train_size=2048, batch_size=1, epochs=1, evals=16, eval_spacing="log")
+    steps = sorted(cfg.eval_steps())
+    assert steps[-1] == 2048 and steps[0] == 64 and len(steps) == 16
+    assert all(1.2 < b / a < 1.32 for a, b in zip(steps, steps[1:]))
+    even = sorted(Config(train_size=2048, batch_size=1, epochs=1, evals=16).eval_steps())
+    assert even == list(range(128, 2049, 128))
 
 
 def test_a_paired_difference_is_clear_only_beyond_its_interval():
@@ -46,8 +58,8 @@ def test_a_paired_difference_is_clear_only_beyond_its_interval():
 
 def test_b_simple_at_a_loss_takes_the_measurements_around_the_crossing():
     unit = 1.0
-    curve = [[0, 5.0], [100, 3.0], [200, 1.0]]
-    # the noise scale is 10 until step 100 and 50 after: the crossing of 2.0 is at step 150
+    curve = [[50, 5.0], [100, 3.0], [200, 1.0]]
+    # the noise scale is 10 until step 100 and 50 after: 2.0 is crossed at step 141
     noise = [[s, 1.0, 10.0 if s < 100 else 50.0] for s in range(0, 200, 5)]
     got = analysis.b_simple([{"curve": curve, "noise": noise}], 2.0, unit)
     assert got["b_simple"] == pytest.approx(50) and got["measurements"] == analysis.NOISE_NEAR

@@ -72,6 +72,12 @@ def _add_model_options(p: argparse.ArgumentParser, d: Config, gpt: dict) -> None
     g.add_argument("--evals", type=_positive_int, default=d.evals,
                    help=f"evaluations on the held-out data along the run (default: "
                         f"{d.evals}; gpt: {gpt['evals']})")
+    g.add_argument("--eval-spacing", choices=train.EVAL_SPACINGS, default=d.eval_spacing,
+                   help="evaluate every total/evals steps (even), or at total * 2^(-i/3) for "
+                        "i = 0 ... evals - 1 (log: a third of an octave apart, for curves read "
+                        f"early, as the study does) (default: {d.eval_spacing}"
+                        + (f"; gpt: {gpt['eval_spacing']}" if "eval_spacing" in gpt else "")
+                        + ")")
 
 
 def _add_schedule_options(g: Any, d: Config, epochs: int) -> None:

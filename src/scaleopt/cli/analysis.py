@@ -84,15 +84,18 @@ def cells(study: Dict[str, Any]) -> Dict[str, Dict[int, Dict[str, Any]]]:
 
 def crossing(curve: Sequence[Sequence[float]], target: float, unit: float) -> Optional[float]:
     """The step at which a curve of (step, loss) first reaches ``target`` (in the score's
-    unit), linear between evaluations; None if it never does."""
+    unit), read between the evaluations around it linearly in log(step) (loss curves are
+    closer to straight there); None if it never does, or already had at the first evaluation
+    (the step is then only bounded)."""
     prev = None
     for step, loss in curve:
         value = loss / unit
         if value <= target:
             if prev is None:
-                return float(step)
+                return None
             s0, v0 = prev
-            return s0 + (step - s0) * (v0 - target) / (v0 - value)
+            share = (v0 - target) / (v0 - value)
+            return math.exp(math.log(s0) + share * (math.log(step) - math.log(s0)))
         prev = (step, value)
     return None
 

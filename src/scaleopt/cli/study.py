@@ -37,8 +37,8 @@ from .train import Config, Diverged, run
 
 #: ``--model gpt``'s study: 8,192 windows of 64 bytes (0.5M tokens, one epoch) for each run,
 #: on a 3-block model; batch sizes over a 64x range
-GPT_STUDY = dict(train_size=8192, epochs=1, width=128, layers=3, context=64, evals=10,
-                 measure_noise=True)
+GPT_STUDY = dict(train_size=8192, epochs=1, width=128, layers=3, context=64, evals=16,
+                 eval_spacing="log", measure_noise=True)
 GPT_BATCH_SIZES = [4, 16, 64, 256]
 GPT_OPTIMIZERS = ["lamb", "lans", "adamw", "muon", "momentum"]
 #: the Adam-family optimizers' betas in the study (GPT-3's; every one the same)
@@ -279,7 +279,7 @@ def _train(cfg: Config) -> Dict[str, Any]:
 
 #: the options of ``scaleopt train`` that a study's run sets, by Config field
 _OPTIONS = ("model", "dataset", "optimizer", "lr", "batch_size", "train_size", "epochs",
-            "width", "layers", "context", "evals", "weight_decay", "warmup", "schedule", "seed",
+            "width", "layers", "context", "evals", "eval_spacing", "weight_decay", "warmup", "schedule", "seed",
             "max_grad_norm", "betas", "state_dtype", "workers", "threads")
 
 

@@ -69,6 +69,9 @@ class Config:
     out: Optional[str] = None
     progress: bool = True
     evals: int = 16  # test-set evaluations over the run
+    #: "even": every total/evals steps; "log": at total * 2^(-i/3), i = 0 ... evals - 1 (a
+    #: third of an octave apart, the first at total/2^((evals-1)/3)), for curves read early
+    eval_spacing: str = "even"
     measure_noise: bool = False  # the gradient noise scale along the run (scaleopt.noise)
     dgc: bool = False  # Deep Gradient Compression momentum (with --optimizer momentum)
     dgc_sparsity: Optional[List[float]] = None  # None: the paper's warm-up list
@@ -102,10 +105,21 @@ class Config:
         """Steps between measurements of the gradient noise scale (about 100 in a run)."""
         return max(1, self.total_steps() // 100)
 
+    def eval_steps(self) -> set:
+        """The steps after which the run evaluates (the last step always)."""
+        total = self.total_steps()
+        if self.eval_spacing == "log":
+            return {max(1, round(total * 2 ** (-i / 3))) for i in range(self.evals)}
+        every = max(1, total // self.evals)
+        return set(range(every, total + 1, every)) | {total}
+
     def warmup_steps(self) -> int:
         total = self.total_steps()
         return int(self.warmup * total) if self.warmup < 1 else min(int(self.warmup), total)
 
+
+#: the choices of ``--eval-spacing``
+EVAL_SPACINGS = ("even", "log")
 
 #: the gpt model's defaults, where they differ from the MLP's (the command takes them for the
 #: options not given): 512 steps of 64 sequences of 64 bytes, about a minute on 2 cores
@@ -139,6 +153,9 @@ def check(cfg: Config) -> None:
     _check_clipping_and_betas(cfg)
     if not cfg.warmup >= 0:
         raise ValueError(f"--warmup must be >= 0, got {cfg.warmup}")
+    if cfg.eval_spacing not in EVAL_SPACINGS:
+        raise ValueError(f"unknown --eval-spacing {cfg.eval_spacing!r}; choose one of "
+                         f"{', '.join(EVAL_SPACINGS)}")
     if cfg.schedule not in optimizers.SCHEDULES:
         raise ValueError(f"unknown schedule {cfg.schedule!r}; choose one of {optimizers.SCHEDULES}")
     if cfg.offload and not optimizers.OPTIMIZERS[cfg.optimizer].offloadable:
@@ -555,7 +572,7 @@ def loop(t: Trainer, stop: Any) -> None:
     cfg, total = t.cfg, t.cfg.total_steps()
     steps_per_epoch = cfg.steps_per_epoch()
     g = torch.Generator().manual_seed(cfg.seed)  # the same batches on every rank
-    eval_every, log_every = max(1, total // cfg.evals), max(1, total // 200)
+    evals, log_every = cfg.eval_steps(), max(1, total // 200)
     end = min(total, cfg.stop_after or total)
     bar = _progress_bar(t, total)
     for _ in range(1 + max(0, t.step - 1) // steps_per_epoch):  # the epochs' orders so far
@@ -572,7 +589,7 @@ def loop(t: Trainer, stop: Any) -> None:
         if t.reached is not None:
             t.reached.value = step
         stopping = t.world == 1 and stop.is_set()  # one process: every step
-        if step % log_every == 0 or step % eval_every == 0 or step == total:
+        if step % log_every == 0 or step in evals or step == total:
             loss_value, stopping = _mean_over_ranks(loss, t.world, stop.is_set())
             if t.rank == 0:
                 t.curve.append((step, loss_value))
@@ -588,7 +605,7 @@ def loop(t: Trainer, stop: Any) -> None:
                 rate = (step - t.first) * cfg.batch_size / (time.perf_counter() - start - t.before)
                 bar.set_postfix(loss=f"{loss_value:.4f}", samples_per_s=f"{rate:,.0f}")
         t.interrupted = stopping and step < end
-        if step % eval_every == 0 or step == total or t.interrupted:
+        if step in evals or step == total or t.interrupted:
             _evaluated(t, loss_value, start)
         if cfg.out and ((cfg.checkpoint_every and (step % cfg.checkpoint_every == 0
                                                    or t.interrupted))
