@@ -127,15 +127,27 @@ def _interval(values: List[float]) -> Tuple[float, float]:
     return values[int(0.025 * len(values))], values[min(len(values) - 1, int(0.975 * len(values)))]
 
 
-def bcrit(cell_of: Dict[int, Dict[str, Any]], target: float, unit: float) -> Optional[Dict[str, Any]]:
-    """The fit over the batch sizes whose every seed reached ``target``, with a bootstrap 95%
-    interval (seeds resampled within each batch size); None with fewer than three such
-    batch sizes."""
+def _seed_steps(cell_of: Dict[int, Dict[str, Any]], target: float,
+                unit: float) -> Dict[int, List[float]]:
+    """batch -> each seed's steps to ``target``, at the batch sizes where every seed has one."""
     steps: Dict[int, List[float]] = {}
     for b, c in sorted(cell_of.items()):
         s = [crossing(r.get("curve", ()), target, unit) for r in c["runs"]]
         if s and all(x is not None for x in s):
             steps[b] = s
+    return steps
+
+
+def steps_to(cell_of: Dict[int, Dict[str, Any]], target: float, unit: float) -> Dict[str, float]:
+    """batch (as a string) -> the seeds' mean steps to ``target``, where every seed has one."""
+    return {str(b): statistics.fmean(s) for b, s in _seed_steps(cell_of, target, unit).items()}
+
+
+def bcrit(cell_of: Dict[int, Dict[str, Any]], target: float, unit: float) -> Optional[Dict[str, Any]]:
+    """The fit over the batch sizes whose every seed reached ``target``, with a bootstrap 95%
+    interval (seeds resampled within each batch size); None with fewer than three such
+    batch sizes."""
+    steps = _seed_steps(cell_of, target, unit)
     if len(steps) < 3:
         return None
     smin, bc = fit_bcrit([(b, x) for b, s in steps.items() for x in s])
@@ -194,7 +206,7 @@ def analyse(study: Dict[str, Any]) -> Dict[str, Any]:
         smallest = cell_of.get(min(cell_of)) if cell_of else None
         out["optimizers"][name] = {
             "rate_exponent": rate_exponent(cell_of), "scaling": proto["scaling"][name],
-            "targets": [{"fit": bcrit(cell_of, t, unit),
+            "targets": [{"fit": bcrit(cell_of, t, unit), "steps": steps_to(cell_of, t, unit),
                          "noise": b_simple(smallest["runs"], t, unit) if smallest else None,
                          "noise_batch": min(cell_of) if cell_of else None, "target": t}
                         for t in proto["targets"]]}

@@ -178,13 +178,11 @@ def _run_inline(p: Protocol) -> List[Dict[str, Any]]:
         try:
             wave = next(chain)
             while True:
-                done = []
+                done: List[Dict[str, Any]] = []
                 for cfg in wave:
-                    if launch.STOP.is_set():
-                        return rows
-                    row = cell(cfg)
-                    if row is None:
-                        return rows
+                    row = None if launch.STOP.is_set() else cell(cfg)
+                    if row is None:  # interrupted: the wave's finished runs are kept
+                        return rows + done
                     done.append(row)
                 rows += done
                 wave = chain.send(done)

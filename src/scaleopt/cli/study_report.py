@@ -84,11 +84,47 @@ def _baseline(a: Dict[str, Any]) -> List[str]:
                 f"{text.unigram_bits_per_byte('test'):.3f} bits per byte."]
 
 
+def _listed(items: List[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def headline(study: Dict[str, Any]) -> str:
+    """The study's results in one sentence (the README's): who is lowest at each batch size,
+    and where each optimizer is lower than AdamW, higher, or not told apart from it."""
+    a = analysis.analyse(study)
+    batches = {b: r for b, r in a["batches"].items() if r["order"]}
+    best = {b: r["order"][0] for b, r in batches.items()}
+    clear = all(d["clear"] for r in batches.values() for d in r["against_best"].values())
+    if len(set(best.values())) == 1:
+        parts = [f"{next(iter(best.values()))} has the lowest test {_unit(a['score'])} at every "
+                 f"batch size" + (", beyond the uncertainty" if clear else "")]
+    else:
+        parts = ["the lowest test " + _unit(a["score"]) + ": "
+                 + _listed([f"{n} at batch {b}" for b, n in best.items()])]
+    for n in study["protocol"]["optimizers"]:
+        if n == "adamw":
+            continue
+        verdicts: Dict[str, List[str]] = {"lower than": [], "higher than": [],
+                                          "not told apart from": []}
+        for b, r in batches.items():
+            d = r["against_adamw"].get(n)
+            if d is not None:
+                key = ("not told apart from" if not d["clear"] else
+                       "lower than" if d["mean"] < 0 else "higher than")
+                verdicts[key].append(b)
+        said = [f"{k} AdamW at batch{'es' if len(v) > 1 else ''} {_listed(v)}"
+                for k, v in verdicts.items() if v]
+        if said:
+            parts.append(f"{n} is " + ", and ".join(said))
+    return "; ".join(parts) + "."
+
+
 def _findings(study: Dict[str, Any], a: Dict[str, Any]) -> List[str]:
     """Per batch: who is lowest, who is within the uncertainty, who is behind beyond it; LAMB
     against AdamW where both ran."""
     seeds = study["protocol"]["seeds"]
-    out = ["What the runs say (differences paired by seed, ± the half-width of their 95% "
+    out = ["In short: " + headline(study), "",
+           "What the runs say (differences paired by seed, ± the half-width of their 95% "
            "interval; a difference counts only where it exceeds it):", ""]
     if seeds < 2:
         out += ["- One seed per cell: no difference can be told from noise, so none is "
@@ -107,13 +143,14 @@ def _findings(study: Dict[str, Any], a: Dict[str, Any]) -> List[str]:
         if r["diverged"]:
             line += f" Diverged at every rate kept: {', '.join(r['diverged'])}."
         out.append(line)
-    out += [""] + _against_adamw(a)
+    out += [""] + _against_adamw(study, a) + [""] + _growth(study, a)
     return out
 
 
-def _against_adamw(a: Dict[str, Any]) -> List[str]:
+def _against_adamw(study: Dict[str, Any], a: Dict[str, Any]) -> List[str]:
     """Each optimizer minus AdamW, both tuned at each batch, paired by seed."""
-    names = list(dict.fromkeys(n for r in a["batches"].values() for n in r["against_adamw"]))
+    names = [n for n in study["protocol"]["optimizers"]
+             if any(n in r["against_adamw"] for r in a["batches"].values())]
     out = []
     for n in names:
         parts = []
@@ -127,6 +164,27 @@ def _against_adamw(a: Dict[str, Any]) -> List[str]:
             parts.append(f"batch {b}: {d['mean']:+.3f}{half} ({verdict})")
         out.append(f"- {n} minus AdamW, each tuned at each batch: " + "; ".join(parts) + ".")
     return out
+
+
+def _growth(study: Dict[str, Any], a: Dict[str, Any]) -> List[str]:
+    """How much each optimizer's score worsens from the smallest to the largest batch (the
+    same examples), paired by seed."""
+    sizes = [str(b) for b in sorted(study["protocol"]["batch_sizes"])]
+    parts = []
+    for n in study["protocol"]["optimizers"]:
+        ends = [a["cells"].get(n, {}).get(b, {}) for b in (sizes[0], sizes[-1])]
+        if len(sizes) < 2 or not all("mean" in c for c in ends):
+            continue
+        d = analysis.paired(ends[1]["scores"], ends[0]["scores"])
+        half = f" ± {d['half_width']:.3f}" if math.isfinite(d["half_width"]) else ""
+        parts.append((d["mean"], f"{n} {d['mean']:+.3f}{half}"))
+    if not parts:
+        return []
+    return [f"- From batch {sizes[0]} to batch {sizes[-1]} (the same examples in "
+            f"{a['cells'][study['protocol']['optimizers'][0]][sizes[-1]]['steps']} steps instead of "
+            f"{a['cells'][study['protocol']['optimizers'][0]][sizes[0]]['steps']}), the test "
+            f"{_unit(a['score'])} rose by, least first: "
+            + ", ".join(p for _, p in sorted(parts)) + "."]
 
 
 def _rates(study: Dict[str, Any], a: Dict[str, Any]) -> List[str]:
@@ -159,35 +217,51 @@ def _grid_step(study: Dict[str, Any]) -> float:
 
 
 def _targets(study: Dict[str, Any], a: Dict[str, Any]) -> List[str]:
-    """Steps to each target, B_crit's fit and B_simple at the same loss."""
+    """Steps (and tokens) to each target, B_crit's fit and B_simple at the same loss."""
     if not study["protocol"]["targets"]:
         return []
     text = a["score"] == "test_bits_per_byte"
     per = study["protocol"]["config"]["context"] if text else 1
     unit = " sequences" if text else " examples"
-    out = [f"Steps to a target (mean over the seeds, all of which reached it) and the fit "
-           f"S = S_min (1 + B_crit / B) over the batch sizes that reached it (95% bootstrap "
-           f"interval over seeds); B_simple at the same {_unit(a['score'])} from the "
-           f"smallest batch's runs ({analysis.NOISE_NEAR} measurements nearest the crossing "
-           f"per run, 95% bootstrap interval):", ""]
-    for n, o in a["optimizers"].items():
-        for t in o["targets"]:
-            fit, noise = t["fit"], t["noise"]
-            line = f"- {n}, target {t['target']:g}: "
-            if fit is None:
-                line += "fewer than three batch sizes reached it: no fit"
-            else:
-                lo, hi = fit["b_crit_95"]
-                line += ("steps " + ", ".join(f"{s:.0f} at {b}" for b, s in fit["steps"].items())
-                         + f"; B_crit {_g(fit['b_crit'])}{unit} [{_g(lo)}, {_g(hi)}], "
-                         f"S_min {fit['s_min']:.0f} steps")
-            if noise is not None:
-                lo, hi = noise["b_simple_95"]
-                line += (f"; B_simple {_g(noise['b_simple'])}{unit} [{_g(lo)}, {_g(hi)}]"
-                         + (f" ({noise['b_simple'] * per:,.0f} tokens)"
-                            if text and math.isfinite(noise["b_simple"]) else ""))
-            out.append(line)
+    out = [f"Steps to a target loss in {_unit(a['score'])} (the mean over the seeds, where every seed "
+           f"reached it after its first evaluation" + ("; in brackets, tokens" if text else "")
+           + "), the fit S = S_min (1 + B_crit / B) over the batch sizes where they did (with "
+           "its 95% bootstrap interval over seeds), and B_simple at the same loss from the "
+           f"smallest batch's runs ({analysis.NOISE_NEAR} measurements nearest each run's "
+           "crossing, 95% bootstrap interval):"]
+    names = study["protocol"]["optimizers"]
+    for i, t in enumerate(study["protocol"]["targets"]):
+        out += ["", f"target {t:g}:", "", "| batch | " + " | ".join(names) + " |",
+                "|---:|" + "---:|" * len(names)]
+        fits = {n: a["optimizers"][n]["targets"][i] for n in names}
+        for b in study["protocol"]["batch_sizes"]:
+            row = []
+            for n in names:
+                s = fits[n]["steps"].get(str(b))
+                row.append("-" if s is None else f"{s:.0f}" + (f" ({s * b * per:,.0f})" if text else ""))
+            out.append(f"| {b} | " + " | ".join(row) + " |")
+        out.append("")
+        out += [_fit_line(n, f, unit, per, text) for n, f in fits.items()]
     return out
+
+
+def _fit_line(name: str, t: Dict[str, Any], unit: str, per: int, text: bool) -> str:
+    fit, noise = t["fit"], t["noise"]
+    line = f"- {name}: "
+    if fit is None:
+        line += "fewer than three batch sizes reached it: no fit"
+    else:
+        lo, hi = fit["b_crit_95"]
+        line += (f"B_crit {_g(fit['b_crit'])}{unit} [{_g(lo)}, {_g(hi)}] over batches "
+                 f"{', '.join(map(str, fit['batches']))}, S_min {fit['s_min']:.0f} steps")
+    if noise is not None:
+        lo, hi = noise["b_simple_95"]
+        line += (f"; B_simple {_g(noise['b_simple'])}"
+                 + (unit if math.isfinite(noise["b_simple"]) else "")
+                 + f" [{_g(lo)}, {_g(hi)}]"
+                 + (f" ({noise['b_simple'] * per:,.0f} tokens)"
+                    if text and math.isfinite(noise["b_simple"]) else ""))
+    return line
 
 
 def _cost(study: Dict[str, Any]) -> str:
