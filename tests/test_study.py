@@ -153,3 +153,107 @@ def test_the_trainer_clips_for_torchs_optimizers(tmp_path):
         losses.append(json.loads((out / "result.json").read_text())["test_loss"])
     start = math.log(256)  # the model starts near a uniform guess over the bytes
     assert losses[0] < start - 0.5 and abs(losses[1] - start) < 0.05, losses
+def _committed():
+    return (json.loads((DOCS / "large_batch_gpt.json").read_text()),
+            (DOCS / "large_batch.md").read_text())
+
+
+def test_the_large_batch_page_shows_what_the_committed_study_says():
+    """Every result in docs/large_batch.md's Results section is the study's own text, made
+    again here from the committed JSON: nothing there can drift from the runs."""
+    s, page = _committed()
+    begin, end = "<!-- study: begin -->\n", "<!-- study: end -->"
+    block = page[page.index(begin) + len(begin):page.index(end)]
+    assert block == study_report.markdown(s)
+    proto = s["protocol"]
+    assert not proto["quick"] and s["complete"] and proto["seeds"] >= 3
+    assert proto["optimizers"] == ["lamb", "lans", "adamw", "muon", "momentum"]
+    assert max(proto["batch_sizes"]) == 64 * min(proto["batch_sizes"])
+
+
+def test_the_pages_description_of_the_protocol_is_the_committed_studys():
+    from scaleopt.cli import text
+
+    s, page = _committed()
+    cfg, proto = s["protocol"]["config"], s["protocol"]
+    model = text.GPT(cfg["width"], cfg["layers"], cfg["context"])
+    assert f"{sum(p.numel() for p in model.parameters()):,} parameters" in page
+    assert (f"{cfg['train_size']:,}\nwindows of {cfg['context']} bytes" in page
+            and f"({cfg['train_size'] * cfg['context']:,} tokens, one epoch)" in page)
+    dev, test = text.heldout()
+    assert f"({len(dev):,}\nbytes, starting mid-topic)" in page and f"({len(test):,} bytes" in page
+    assert cfg["max_grad_norm"] == 1.0 and cfg["betas"] == [0.9, 0.95] and cfg["warmup"] == 0.1
+    assert proto["grid"] == [0.5, 1.0, 2.0] and proto["extensions"] == 2
+    assert proto["targets"] == [3.6, 3.2] and cfg["evals"] == 16 and cfg["eval_spacing"] == "log"
+    steps = sorted({r["steps"] for r in s["rows"]}, reverse=True)
+    assert ", ".join(f"{n:,}" for n in steps[:-1]) + f" and {steps[-1]} steps" in page
+
+
+def test_the_pages_sentences_of_results_hold_in_the_committed_study():
+    """The sentences of docs/large_batch.md's "What it shows" and docs/choosing.md, against the
+    runs: who is lowest, LAMB and LANS against AdamW, how the losses rise, the tuned rates."""
+    s, _ = _committed()
+    a = analysis.analyse(s)
+    sizes = [str(b) for b in sorted(s["protocol"]["batch_sizes"])]
+    vs = {n: {b: a["batches"][b]["against_adamw"][n] for b in sizes}
+          for n in ("lamb", "lans", "muon", "momentum")}
+    for b in sizes:  # Muon lowest everywhere, every other optimizer behind beyond the interval
+        assert a["batches"][b]["order"][0] == "muon"
+        assert all(d["clear"] for d in a["batches"][b]["against_best"].values())
+    lamb, lans = vs["lamb"], vs["lans"]
+    assert lamb["4"]["clear"] and -0.1 < lamb["4"]["mean"] < 0
+    assert not any(lamb[b]["clear"] for b in sizes[1:])
+    assert not lans["4"]["clear"]
+    assert all(lans[b]["clear"] and lans[b]["mean"] < 0 for b in sizes[1:])
+    assert lans["16"]["mean"] > lans["64"]["mean"] > lans["256"]["mean"]  # a growing margin
+    assert all(vs["momentum"][b]["clear"] and vs["momentum"][b]["mean"] > 0 for b in sizes)
+    rise = {n: analysis.paired(c[sizes[-1]]["scores"], c[sizes[0]]["scores"])["mean"]
+            for n, c in a["cells"].items()}
+    assert min(rise, key=rise.get) == "lans"
+    rates = {n: [a["cells"][n][b]["lr"] for b in sizes] for n in a["cells"]}
+    for n in ("lamb", "lans"):  # the square-root rule: x2 for every 4x batch
+        assert [r / q for q, r in zip(rates[n], rates[n][1:])] == pytest.approx([2, 2, 2])
+    adamw = rates["adamw"]
+    assert adamw[0] == adamw[2] == adamw[3] and adamw[1] == pytest.approx(2 * adamw[0])
+    muon = rates["muon"]
+    assert muon[0] < muon[1] < muon[2] and muon[3] < muon[2]
+    momentum = rates["momentum"]
+    assert momentum[-1] / momentum[0] < int(sizes[-1]) / int(sizes[0])  # less than linear
+    assert not any(c["edge"] for cs in a["cells"].values() for c in cs.values())
+
+
+def test_the_readme_states_the_studys_own_headline_and_cost():
+    s, _ = _committed()
+    readme = " ".join((DOCS.parent / "README.md").read_text().split())
+    assert " ".join(study_report.headline(s).split()) in readme
+    assert f"{len(s['rows'])} runs in {s['time_s'] / 60:.0f} minutes" in readme
+    from scaleopt.cli import text
+
+    cfg, sizes = s["protocol"]["config"], s["protocol"]["batch_sizes"]
+    model = text.GPT(cfg["width"], cfg["layers"], cfg["context"])
+    assert f"a {sum(p.numel() for p in model.parameters()):,}-parameter transformer" in readme
+    assert f"from {min(sizes)} to {max(sizes)} sequences" in readme and s["protocol"]["seeds"] == 3
+
+
+def test_the_pages_sentences_on_the_critical_batch_hold_in_the_committed_study():
+    s, _ = _committed()
+    a = analysis.analyse(s)
+    fits = {(n, t["target"]): t for n, o in a["optimizers"].items() for t in o["targets"]}
+    for t in fits.values():  # each 4x larger batch divides the steps by less than the one before
+        steps = [t["steps"][b] for b in sorted(t["steps"], key=int)]
+        ratios = [x / y for x, y in zip(steps, steps[1:])]
+        assert len(ratios) >= 1 and all(r2 < r1 for r1, r2 in zip(ratios, ratios[1:]))
+    fitted = {k: t for k, t in fits.items() if t["fit"] is not None}
+    assert len(fitted) == 9
+    crit = sorted(t["fit"]["b_crit"] for t in fitted.values())
+    assert 10 <= crit[0] < 12 and 140 < crit[-1] <= 150  # "between about 10 and 150"
+    for target in (3.6, 3.2):  # LANS's and Muon's intervals above LAMB's
+        lamb_hi = fits["lamb", target]["fit"]["b_crit_95"][1]
+        assert all(fits[n, target]["fit"]["b_crit_95"][0] > lamb_hi for n in ("lans", "muon"))
+    below = {k for k, t in fitted.items() if t["noise"]["b_simple"] < t["fit"]["b_crit"]}
+    assert set(fitted) - below == {("momentum", 3.6)}
+    apart = {k for k, t in fitted.items()
+             if t["noise"]["b_simple_95"][1] < t["fit"]["b_crit_95"][0]}
+    assert len(apart) == 4
+    factor = {k: t["fit"]["b_crit"] / t["noise"]["b_simple"] for k, t in fitted.items()}
+    assert max(factor, key=factor.get) == ("muon", 3.6) and 11 < factor["muon", 3.6] < 13

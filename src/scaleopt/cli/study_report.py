@@ -223,8 +223,8 @@ def _targets(study: Dict[str, Any], a: Dict[str, Any]) -> List[str]:
     text = a["score"] == "test_bits_per_byte"
     per = study["protocol"]["config"]["context"] if text else 1
     unit = " sequences" if text else " examples"
-    out = [f"Steps to a target loss in {_unit(a['score'])} (the mean over the seeds, where every seed "
-           f"reached it after its first evaluation" + ("; in brackets, tokens" if text else "")
+    out = [f"Steps to a target loss in {_unit(a['score'])} (the mean over the seeds, where "
+           f"every seed reached it after its first evaluation" + ("; in brackets, tokens" if text else "")
            + "), the fit S = S_min (1 + B_crit / B) over the batch sizes where they did (with "
            "its 95% bootstrap interval over seeds), and B_simple at the same loss from the "
            f"smallest batch's runs ({analysis.NOISE_NEAR} measurements nearest each run's "
@@ -242,7 +242,26 @@ def _targets(study: Dict[str, Any], a: Dict[str, Any]) -> List[str]:
             out.append(f"| {b} | " + " | ".join(row) + " |")
         out.append("")
         out += [_fit_line(n, f, unit, per, text) for n, f in fits.items()]
+        out += _simple_against_crit(fits)
     return out
+
+
+def _simple_against_crit(fits: Dict[str, Dict[str, Any]]) -> List[str]:
+    """Where B_simple lies against the fitted B_crit at a target: below or above, and whether
+    their intervals are apart."""
+    said: Dict[str, List[str]] = {"below": [], "above": []}
+    for n, t in fits.items():
+        if t["fit"] is None or t["noise"] is None:
+            continue
+        crit, simple = t["fit"], t["noise"]
+        side = "below" if simple["b_simple"] < crit["b_crit"] else "above"
+        apart = (simple["b_simple_95"][1] < crit["b_crit_95"][0] if side == "below"
+                 else simple["b_simple_95"][0] > crit["b_crit_95"][1])
+        said[side].append(n + (" (intervals apart)" if apart else ""))
+    if not any(said.values()):
+        return []
+    return ["- B_simple against B_crit: " + "; ".join(
+        f"{side} it for {_listed(names)}" for side, names in said.items() if names) + "."]
 
 
 def _fit_line(name: str, t: Dict[str, Any], unit: str, per: int, text: bool) -> str:
