@@ -257,3 +257,13 @@ def test_the_pages_sentences_on_the_critical_batch_hold_in_the_committed_study()
     assert len(apart) == 4
     factor = {k: t["fit"]["b_crit"] / t["noise"]["b_simple"] for k, t in fitted.items()}
     assert max(factor, key=factor.get) == ("muon", 3.6) and 11 < factor["muon", 3.6] < 13
+
+
+def test_the_report_of_an_interrupted_study_says_what_finished(tiny_study):
+    """A study stopped early has cells, optimizers or batch sizes without runs: its report
+    still writes, and says so."""
+    _, s = tiny_study
+    for keep in (1, 4, 9, len(s["rows"]) - 1):
+        part = dict(s, rows=s["rows"][:keep], complete=False)
+        md = study_report.markdown(part)
+        assert "INTERRUPTED" in md and md.startswith(s["title"])

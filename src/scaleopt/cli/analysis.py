@@ -220,8 +220,8 @@ def _ranking(by: Dict[str, Dict[int, Dict[str, Any]]], b: int) -> Dict[str, Any]
     (paired by seed)."""
     done = {n: c[b] for n, c in by.items() if b in c and "mean" in c[b]}
     order = sorted(done, key=lambda n: done[n]["mean"])
-    if not order:
-        return {"order": [], "against_best": {}}
+    if not order:  # (an interrupted study: nothing finished at this batch)
+        return {"order": [], "against_best": {}, "against_adamw": {}, "diverged": []}
     best = done[order[0]]
     against = {}
     for n in order[1:]:

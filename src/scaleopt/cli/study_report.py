@@ -178,12 +178,11 @@ def _growth(study: Dict[str, Any], a: Dict[str, Any]) -> List[str]:
         d = analysis.paired(ends[1]["scores"], ends[0]["scores"])
         half = f" ± {d['half_width']:.3f}" if math.isfinite(d["half_width"]) else ""
         parts.append((d["mean"], f"{n} {d['mean']:+.3f}{half}"))
+        steps = (ends[1]["steps"], ends[0]["steps"])
     if not parts:
         return []
-    return [f"- From batch {sizes[0]} to batch {sizes[-1]} (the same examples in "
-            f"{a['cells'][study['protocol']['optimizers'][0]][sizes[-1]]['steps']} steps instead of "
-            f"{a['cells'][study['protocol']['optimizers'][0]][sizes[0]]['steps']}), the test "
-            f"{_unit(a['score'])} rose by, least first: "
+    return [f"- From batch {sizes[0]} to batch {sizes[-1]} (the same examples in {steps[0]} "
+            f"steps instead of {steps[1]}), the test {_unit(a['score'])} rose by, least first: "
             + ", ".join(p for _, p in sorted(parts)) + "."]
 
 
@@ -229,7 +228,7 @@ def _targets(study: Dict[str, Any], a: Dict[str, Any]) -> List[str]:
            "its 95% bootstrap interval over seeds), and B_simple at the same loss from the "
            f"smallest batch's runs ({analysis.NOISE_NEAR} measurements nearest each run's "
            "crossing, 95% bootstrap interval):"]
-    names = study["protocol"]["optimizers"]
+    names = [n for n in study["protocol"]["optimizers"] if n in a["optimizers"]]
     for i, t in enumerate(study["protocol"]["targets"]):
         out += ["", f"target {t:g}:", "", "| batch | " + " | ".join(names) + " |",
                 "|---:|" + "---:|" * len(names)]
