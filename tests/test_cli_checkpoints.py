@@ -225,28 +225,35 @@ def test_ctrl_c_stops_cleanly_writes_the_results_so_far_and_leaves_no_process(tm
             time.sleep(0.1)
 
 
-def test_ctrl_c_in_a_study_writes_the_finished_runs(tmp_path):
-    """The study's first run finishes (2,000 steps of batch 4096, seed 0), Ctrl-C comes during
-    the second (seed 1): the table holds the first, the command exits 130."""
+def _study_interrupted(args, after: str):
+    """``scaleopt study large-batch ARGS`` in a process group of its own, Ctrl-C (SIGINT to the
+    group) once its stderr shows a line containing ``after``; the process and what it printed."""
     import signal
 
-    out = tmp_path / "study"
     proc = subprocess.Popen(
         [sys.executable, "-c", "import sys; from scaleopt.cli import main; sys.exit(main())",
-         "study", "large-batch", "--batch-sizes", "4096", "--optimizers", "lamb", "--grid", "1",
-         "--extensions", "0", "--seeds", "2", "--jobs", "1",
-         "--train-size", "4096", "--width", "16", "--epochs", "2000", "--threads", "1",
-         "--no-progress", "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, start_new_session=True)
+         "study", "large-batch", *args, "--no-progress"], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        for line in proc.stderr:  # the first run's result line
-            if "test accuracy" in line:
+        for line in proc.stderr:  # a run's result line
+            if after in line:
                 break
         os.killpg(proc.pid, signal.SIGINT)
         printed, _ = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+    return proc, printed
+
+
+def test_ctrl_c_in_a_study_writes_the_finished_runs(tmp_path):
+    """The study's first run finishes (2,000 steps of batch 4096, seed 0), Ctrl-C comes during
+    the second (seed 1): the table holds the first, the command exits 130."""
+    out = tmp_path / "study"
+    proc, printed = _study_interrupted(
+        ["--batch-sizes", "4096", "--optimizers", "lamb", "--grid", "1", "--extensions", "0",
+         "--seeds", "2", "--jobs", "1", "--train-size", "4096", "--width", "16", "--epochs",
+         "2000", "--threads", "1", "--out", str(out)], after="test accuracy")
     assert proc.returncode == 130
     assert "interrupted after 1 run;" in printed and "INTERRUPTED" in printed
     rows = json.loads((out / "study.json").read_text())["rows"]
@@ -256,24 +263,11 @@ def test_ctrl_c_in_a_study_writes_the_finished_runs(tmp_path):
 def test_ctrl_c_in_a_study_of_parallel_runs_writes_the_finished_ones_and_leaves_no_process(tmp_path):
     """With --jobs 2 the runs go in processes of their own: Ctrl-C after the first has finished
     ends the others at once, writes the finished runs, and leaves no process behind."""
-    import signal
-
     out = tmp_path / "study"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from scaleopt.cli import main; sys.exit(main())",
-         "study", "large-batch", "--model", "gpt", "--width", "32", "--layers", "1", "--context",
-         "16", "--train-size", "1024", "--batch-sizes", "8", "32", "--optimizers", "lamb",
-         "adamw", "--jobs", "2", "--no-progress", "--out", str(out)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        for line in proc.stderr:  # a run's result line
-            if "bits per byte" in line:
-                break
-        os.killpg(proc.pid, signal.SIGINT)
-        printed, _ = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    proc, printed = _study_interrupted(
+        ["--model", "gpt", "--width", "32", "--layers", "1", "--context", "16", "--train-size",
+         "1024", "--batch-sizes", "8", "32", "--optimizers", "lamb", "adamw", "--jobs", "2",
+         "--out", str(out)], after="bits per byte")
     assert proc.returncode == 130 and "INTERRUPTED" in printed
     study = json.loads((out / "study.json").read_text())
     assert not study["complete"] and 1 <= len(study["rows"]) < 8
