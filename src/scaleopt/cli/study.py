@@ -32,7 +32,7 @@ import sys
 import time
 from typing import Any, Dict, Generator, List, Optional, Sequence, Tuple
 
-from . import analysis, launch, optimizers, study_report
+from . import launch, optimizers, study_report
 from .train import Config, Diverged, run
 
 #: ``--model gpt``'s study: 8,192 windows of 64 bytes (0.5M tokens, one epoch) for each run,
@@ -156,7 +156,6 @@ def large_batch(p: Protocol, out: Optional[str] = None) -> List[Dict[str, Any]]:
         study = {"title": title(p), "protocol": p.describe(), "rows": rows,
                  "complete": not launch.STOP.is_set(),
                  "time_s": time.perf_counter() - start}
-        study["analysis"] = analysis.analyse(study)
         study_report.write(study, out)
     return rows
 

@@ -9,18 +9,18 @@ import json
 import math
 import pathlib
 import textwrap
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from . import analysis, report
 
 
 def write(study: Dict[str, Any], out: str) -> Dict[str, str]:
-    """The study's files in ``out``; their paths."""
+    """The study's files in ``out`` (its analysis added to ``study`` and the JSON); their
+    paths."""
     folder = pathlib.Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     files = {"json": folder / "study.json", "csv": folder / "study.csv",
              "md": folder / "study.md", "png": folder / "study.png"}
-    files["json"].write_text(json.dumps(study, indent=1))
     keys = ["optimizer", "batch_size", "lr", "seed", "steps", "tokens", "dev_loss", "test_loss",
             "dev_bits_per_byte", "test_bits_per_byte", "test_accuracy", "diverged", "time_s",
             "command"]
@@ -28,12 +28,14 @@ def write(study: Dict[str, Any], out: str) -> Dict[str, str]:
         w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
         w.writeheader()
         w.writerows(study["rows"])
-    files["md"].write_text(markdown(study))
+    a = study["analysis"] = analysis.analyse(study)
+    files["json"].write_text(json.dumps(study, indent=1))
+    files["md"].write_text(markdown(study, a))
     plt = report._plt()
     if plt is None:
         del files["png"]
     else:
-        _plot(plt, study, files["png"])
+        _plot(plt, study, a, files["png"])
     return {k: str(v) for k, v in files.items()}
 
 
@@ -45,9 +47,9 @@ def _g(x: float) -> str:
     return f"{x:.3g}" if math.isfinite(x) else "unbounded"
 
 
-def markdown(study: Dict[str, Any]) -> str:
+def markdown(study: Dict[str, Any], a: Optional[Dict[str, Any]] = None) -> str:
     """The study's tables and its sentences of results, from its JSON alone."""
-    a = analysis.analyse(study)
+    a = a if a is not None else analysis.analyse(study)
     md = [study["title"], "", *_table(study, a), *_baseline(a), "", *_findings(study, a), "",
           *_rates(study, a), "", *_targets(study, a), "", _cost(study)]
     return "\n".join(md) + "\n"
@@ -88,10 +90,10 @@ def _listed(items: List[str]) -> str:
     return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
 
-def headline(study: Dict[str, Any]) -> str:
+def headline(study: Dict[str, Any], a: Optional[Dict[str, Any]] = None) -> str:
     """The study's results in one sentence (the README's): who is lowest at each batch size,
     and where each optimizer is lower than AdamW, higher, or not told apart from it."""
-    a = analysis.analyse(study)
+    a = a if a is not None else analysis.analyse(study)
     batches = {b: r for b, r in a["batches"].items() if r["order"]}
     best = {b: r["order"][0] for b, r in batches.items()}
     clear = all(d["clear"] for r in batches.values() for d in r["against_best"].values())
@@ -123,7 +125,7 @@ def _findings(study: Dict[str, Any], a: Dict[str, Any]) -> List[str]:
     """Per batch: who is lowest, who is within the uncertainty, who is behind beyond it; LAMB
     against AdamW where both ran."""
     seeds = study["protocol"]["seeds"]
-    out = ["In short: " + headline(study), "",
+    out = ["In short: " + headline(study, a), "",
            "What the runs say (differences paired by seed, ± the half-width of their 95% "
            "interval; a difference counts only where it exceeds it):", ""]
     if seeds < 2:
@@ -291,10 +293,9 @@ def _cost(study: Dict[str, Any]) -> str:
             + ".")
 
 
-def _plot(plt: Any, study: Dict[str, Any], path: pathlib.Path) -> None:
+def _plot(plt: Any, study: Dict[str, Any], a: Dict[str, Any], path: pathlib.Path) -> None:
     """Left: each optimizer's mean test score against batch size (bars: its seeds' standard
     deviation); right: its tuned rate against batch size, beside the square-root rule."""
-    a = analysis.analyse(study)
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for i, (n, cs) in enumerate(a["cells"].items()):
         pts = [(int(b), c["mean"], c["sd"]) for b, c in cs.items() if "mean" in c]
