@@ -10,6 +10,9 @@ import tempfile
 
 import pytest
 
+#: the benchmark scripts run whole: the slow run (pytest -m slow)
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

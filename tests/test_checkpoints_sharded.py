@@ -3,6 +3,7 @@ resharded between world sizes, on real gloo process groups."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from scaleopt import _compact
@@ -20,6 +21,7 @@ def _rank0(results):
     return out
 
 
+@pytest.mark.slow
 def test_saved_at_two_ranks_resumed_at_three_continues_the_run(tmp_path):
     keys = W.run_workers(D.save_after, 2, tmp_path / "save", NAMES, 2, str(tmp_path / "ck"),
                          timeout=240)[0]

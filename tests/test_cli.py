@@ -100,6 +100,7 @@ def test_muon_on_two_sharded_workers_computes_what_one_process_computes(tmp_path
     assert runs[2]["test_loss"] == pytest.approx(runs[1]["test_loss"], rel=1e-3)
 
 
+@pytest.mark.slow
 def test_bench_muon_times_muon_against_torch_muon_and_sharded_against_one_process(tmp_path):
     small = ["--hidden", "32", "--layers", "1", "--vocab", "500", "--rounds", "2"]
     out = tmp_path / "one.json"
@@ -218,6 +219,7 @@ def _curve(result):
     return [{k: v for k, v in h.items() if k != "time_s"} for h in result["history"]]
 
 
+@pytest.mark.slow
 def test_dgc_between_hsdp_replicas_trains_resumes_bit_for_bit_and_reports_its_traffic(
         tmp_path, hsdp_whole):
     whole = hsdp_whole
@@ -334,6 +336,7 @@ def test_the_console_script_is_installed():
     assert done.returncode == 0 and "train" in done.stdout and "bench" in done.stdout
 
 
+@pytest.mark.slow
 def test_a_torchrun_launch_trains_as_one_job(tmp_path):
     """``torchrun`` (as ``python -m torch.distributed.run``, torchrun's own module, so that a
     venv that is not activated runs it too) starts two ranks that train as one job."""
@@ -406,6 +409,7 @@ def test_summaries_and_plot_titles_say_how_the_run_trained():
             == "sharded, DGC, 4 workers in 2 replicas")
 
 
+@pytest.mark.slow
 def test_two_torchrun_launches_train_dgc_between_their_nodes_as_one_machine_does(tmp_path,
                                                                                  hsdp_whole):
     """2 nodes x 2 processes, a c10d rendezvous on 127.0.0.1: --replicas 2 puts one replica on

@@ -186,7 +186,7 @@ def test_shard_with_dgc_or_one_worker_is_an_error(capsys):
     assert "--workers 2 or more" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("workers", ["1", "2"])
+@pytest.mark.parametrize("workers", ["1", pytest.param("2", marks=pytest.mark.slow)])
 def test_ctrl_c_stops_cleanly_writes_the_results_so_far_and_leaves_no_process(tmp_path, workers):
     """SIGINT to the command's process group, as Ctrl-C in a terminal sends it, once the run
     has written its first checkpoint: it stops after its current step, writes the history and a
@@ -246,6 +246,7 @@ def _study_interrupted(args, after: str):
     return proc, printed
 
 
+@pytest.mark.slow
 def test_ctrl_c_in_a_study_writes_the_finished_runs(tmp_path):
     """The study's first run finishes (2,000 steps of batch 4096, seed 0), Ctrl-C comes during
     the second (seed 1): the table holds the first, the command exits 130."""
@@ -260,6 +261,7 @@ def test_ctrl_c_in_a_study_writes_the_finished_runs(tmp_path):
     assert [(r["optimizer"], r["batch_size"]) for r in rows] == [("lamb", 4096)]
 
 
+@pytest.mark.slow
 def test_ctrl_c_in_a_study_of_parallel_runs_writes_the_finished_ones_and_leaves_no_process(tmp_path):
     """With --jobs 2 the runs go in processes of their own: Ctrl-C after the first has finished
     ends the others at once, writes the finished runs, and leaves no process behind."""

@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+#: every code block in a fresh interpreter: the slow run (pytest -m slow)
+pytestmark = pytest.mark.slow
+
 MODULES = [
     "scaleopt.lamb",
     "scaleopt.lans",

@@ -319,7 +319,14 @@ def test_device_path_reads_no_tensor_value_on_the_host(info, monkeypatch):
     assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
-@pytest.mark.parametrize("info", [i for i in REGISTRY if not i.host_step], ids=str)
+def _variants_slow(infos):
+    """Each optimizer's plain entry in the default run, its variants and front-ends (the ids
+    with an option or a framework's name) in the slow one."""
+    return [pytest.param(i, id=str(i), marks=[pytest.mark.slow] if set(str(i)) & set("-.(") else [])
+            for i in infos]
+
+
+@pytest.mark.parametrize("info", _variants_slow(i for i in REGISTRY if not i.host_step))
 def test_compiled_step_does_not_recompile_as_the_step_and_lr_change(info):
     """``torch.compile(opt.step)`` under an LR schedule: after the first steps (state
     allocation, the learning rate turning from a constant into an input), no step recompiles:

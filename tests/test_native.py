@@ -187,6 +187,7 @@ def test_without_kernels_the_pytorch_path_runs():
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_installing_without_a_compiler_gives_the_same_numbers(tmp_path):
     """A machine with no C compiler: the install succeeds without the kernels, and LAMB and LANS
     compute what they compute here (with the kernels, when built)."""

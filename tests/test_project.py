@@ -27,6 +27,16 @@ def test_quickstart_is_two_commands_and_ci_runs_the_test_one():
     assert cmds[1] in ci
 
 
+def test_the_default_run_leaves_out_the_slow_tests_and_ci_runs_them_after_it():
+    """The README's test command is the default run (``-m 'not slow'`` from pyproject.toml);
+    .ci/run runs it and then the tests marked slow, so CI runs every test."""
+    ini = (ROOT / "pyproject.toml").read_text().split("[tool.pytest.ini_options]", 1)[1]
+    assert re.search(r"""^addopts = ".*-m 'not slow'.*"$""", ini, flags=re.M)
+    assert re.search(r'^markers = \[\n\s+"slow: ', ini, flags=re.M)
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert ci.index("python -m pytest -q -m slow") > ci.index(readme_commands()[1])
+
+
 def test_constraints_pin_torch():
     assert "torch==2.13.0" in (ROOT / "constraints.txt").read_text().split()
 
@@ -59,6 +69,7 @@ def test_the_kernels_use_the_stable_abi_so_one_wheel_serves_every_python():
     assert scaleopt._kernels.__file__.endswith(".abi3.so")
 
 
+@pytest.mark.slow
 def test_the_sdist_carries_its_tests_and_they_run(tmp_path):
     """The source distribution holds the license, the tests with their helpers and golden
     cases, and the recipes they run; a test file runs from the unpacked sdist."""

@@ -20,6 +20,9 @@ import pytest
 
 from scaleopt.cli import main
 
+#: kills workers and torchrun launches: the slow run (pytest -m slow)
+pytestmark = pytest.mark.slow
+
 RUN = ["--workers", "2", "--shard", "--steps", "60", "--checkpoint-every", "10",
        "--train-size", "8192", "--batch-size", "256", "--width", "64", "--no-progress",
        "--threads", "1"]

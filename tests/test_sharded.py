@@ -20,7 +20,7 @@ def references():
     return {name: S.train_reference(name, steps=4) for name in NAMES}
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_every_optimizer_on_fsdp2_equals_one_process(world, references, tmp_path):
     # 63 rows over 2 and 3 ranks (uneven), a 2-element bias over 3 ranks (an empty shard)
     (got,) = [r for r in W.run_workers(S.train_sharded, world, tmp_path, NAMES, 4, timeout=180)
@@ -201,6 +201,7 @@ def test_the_path_gpu_shards_take_reads_no_value_back(name, tmp_path):
     assert reads == []
 
 
+@pytest.mark.slow
 def test_the_readme_sharded_example_runs_under_torchrun_on_two_processes(tmp_path):
     """The README's FSDP2 example, as written, under ``torchrun --nproc-per-node 2``: it trains,
     each rank holds half of the parameters, and it prints what the README says it prints."""

@@ -15,6 +15,9 @@ import sys
 
 import pytest
 
+#: builds the Sphinx site: the slow run (pytest -m slow)
+pytestmark = pytest.mark.slow
+
 DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
 
 #: what a browser fetches by itself as it shows a page (links the reader may follow are not)

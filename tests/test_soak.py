@@ -14,6 +14,9 @@ import dgc_workers as W
 import sharded_workers as S
 from registry import REGISTRY
 
+#: 300-step runs of every registry entry, and a sharded one: the slow run (pytest -m slow)
+pytestmark = pytest.mark.slow
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "benchmarks"))
 import bench_soak  # noqa: E402

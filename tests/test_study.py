@@ -77,6 +77,7 @@ def tiny_study(tmp_path_factory):
     return out, json.loads((out / "study.json").read_text())
 
 
+@pytest.mark.slow
 def test_every_batch_is_tuned_on_the_development_split_and_its_choice_run_with_seeds(tiny_study):
     _, s = tiny_study
     rows, grid = s["rows"], s["protocol"]["grid"]
@@ -100,6 +101,7 @@ def test_every_batch_is_tuned_on_the_development_split_and_its_choice_run_with_s
     assert all(r["threads"] == 1 and "curve" in r and "noise" in r for r in rows)
 
 
+@pytest.mark.slow
 def test_a_studys_run_is_the_run_its_recorded_command_repeats(tiny_study, tmp_path):
     _, s = tiny_study
     row = next(r for r in s["rows"] if r["optimizer"] == "adamw" and r["seed"] == 1)
@@ -111,6 +113,7 @@ def test_a_studys_run_is_the_run_its_recorded_command_repeats(tiny_study, tmp_pa
     assert again["dev_loss"] == row["dev_loss"] and again["test_loss"] == row["test_loss"]
 
 
+@pytest.mark.slow
 def test_the_studys_sentences_come_from_its_json(tiny_study):
     out, s = tiny_study
     md = (out / "study.md").read_text()
@@ -259,6 +262,7 @@ def test_the_pages_sentences_on_the_critical_batch_hold_in_the_committed_study()
     assert max(factor, key=factor.get) == ("muon", 3.6) and 11 < factor["muon", 3.6] < 13
 
 
+@pytest.mark.slow
 def test_the_report_of_an_interrupted_study_says_what_finished(tiny_study):
     """A study stopped early has cells, optimizers or batch sizes without runs: its report
     still writes, and says so."""

@@ -191,6 +191,7 @@ def test_the_noise_scale_refuses_too_few_micro_batches():
     assert math.isnan(scaleopt.GradientNoiseScale(model.parameters()).b_simple)
 
 
+@pytest.mark.slow
 def test_the_study_on_two_sharded_workers_computes_what_one_process_computes(tmp_path):
     rows = {}
     for workers in (1, 2):

@@ -235,6 +235,7 @@ SHARDED = ["LAMB", "LAMB(bounds, always_adapt, decoupled)", "LAMB(two groups)", 
            "LANS(bfloat16 state)", "LAMB(bf16, master_weights, int8 state)"]
 
 
+@pytest.mark.slow
 def test_on_fsdp2_shards_the_kernels_equal_one_process(tmp_path):
     """The kernels on each rank's local shards, the sums totalled between the phases: the
     numbers of one process on the whole tensors, one collective per step (LANS: two, the
@@ -262,6 +263,7 @@ def test_on_fsdp2_shards_the_kernels_equal_one_process(tmp_path):
         assert got[name + " collectives"] == (2 if kind == "lans" else 1), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_gpu_benchmark_times_each_candidate_against_fused_adamw(dtype, capsys,
                                                                    monkeypatch):
@@ -556,11 +558,9 @@ def test_the_kernels_round_bfloat16_as_the_reference(offset):
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
 
 
-@pytest.fixture(scope="module")
-def compiled(tmp_path_factory):
-    """tools/triton_compile.py's rows for the suite's cover (sm_90: each kernel and form in
-    four variants that give each kind and option each value, and the heaviest; sm_80: the
-    heaviest), compiled in a process without the interpreter."""
+def _compile(tmp_path_factory, *args):
+    """tools/triton_compile.py's rows for ``args``, compiled in a process without the
+    interpreter."""
     pytest.importorskip("triton.backends.nvidia.compiler")
     out = tmp_path_factory.mktemp("compiled") / "rows.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -568,11 +568,37 @@ def compiled(tmp_path_factory):
     # path in its line info, where the "# estimate:" marks are looked up
     env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton-cache"))
     done = subprocess.run([sys.executable, str(TOOLS / "triton_compile.py"), "--json", str(out),
-                           "-j", "2"], capture_output=True, text=True, env=env, timeout=900)
+                           "-j", "2", *args], capture_output=True, text=True, env=env, timeout=900)
     assert done.returncode in (0, 1), done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads(out.read_text())
 
 
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """The suite's cover (sm_90: each kernel and form in four variants that give each kind and
+    option each value, and the heaviest; sm_80: the heaviest)."""
+    return _compile(tmp_path_factory)
+
+
+RULES = ("fma", "unrounded", "atomics", "approx")
+
+
+def test_the_heaviest_variant_of_each_kernel_compiles_for_sm90_by_the_rules(tmp_path_factory):
+    """The quick part of the cover: the heaviest variant of each kernel in each state form (a
+    split master, float16 gradients, every option on) compiles for sm_90 with no spill and
+    breaks none of the numerical rules (the whole cover: the slow run)."""
+    rows = _compile(tmp_path_factory, "90", "--heaviest")
+    kernels = {"sum_squares", "lamb_sums", "lamb_apply", "lans_sums", "lans_apply"}
+    assert [r for r in rows if "error" in r] == []
+    assert {(r["kernel"], r["constexprs"].get("FORM")) for r in rows} == (
+        {(k, f) for k in kernels for f in (0, 1, 2)} | {("totals", None)})
+    assert all(r["arch"] == "sm_90" and r["constexprs"].get("W_SPLIT", 1) == 1 for r in rows)
+    assert all(r["spills"] == 0 and 0 < r["registers"] <= 255 for r in rows)
+    for rule in RULES:
+        assert [(r["kernel"], r["constexprs"]) for r in rows if r[rule]] == [], rule
+
+
+@pytest.mark.slow
 def test_every_kernel_compiles_for_sm80_and_sm90_without_spills(compiled):
     """Triton's compiler, unlike its interpreter, refuses code such as a global that is not
     a constexpr; ptxas reports the registers and spills: every kernel in every form compiles
@@ -586,13 +612,14 @@ def test_every_kernel_compiles_for_sm80_and_sm90_without_spills(compiled):
     assert all(r["spills"] == 0 and 0 < r["registers"] <= 255 for r in compiled)
 
 
+@pytest.mark.slow
 def test_compiled_kernels_round_each_operation_once_and_use_no_float_atomics(compiled):
     """What LLVM and ptxas made of the kernels: no fused multiply-add (it would round the int8
     codes' product and their 2^-31 offset once, where the codes round each), every float
     multiplication and addition explicitly rounded (so ptxas fuses none), no float atomics
     (deterministic sums), and correctly rounded square roots and divisions but for the signed
     codes' root estimate, which an exact comparison corrects."""
-    for rule in ("fma", "unrounded", "atomics", "approx"):
+    for rule in RULES:
         assert [(r["kernel"], r["arch"], r["constexprs"]) for r in compiled if r[rule]] == [], rule
     apply_int8 = [r for r in compiled if r["kernel"] == "lamb_apply" and r["constexprs"]["FORM"] == 2]
     assert all(r["ops"].get("sqrt.rn.f32") and r["ops"].get("div.rn.f32") for r in apply_int8)

@@ -254,10 +254,10 @@ def markdown(rows):
     return "\n".join(lines)
 
 
-def jobs(capabilities, every):
+def jobs(capabilities, every, heaviest=False):
     out = []
     for capability in capabilities:
-        light = not every and capability != max(capabilities)
+        light = heaviest or (not every and capability != max(capabilities))
         out += [(n, c, capability) for n, c in variants(every, light=light)]
     return out
 
@@ -271,13 +271,16 @@ def main(argv=None):
     ap.add_argument("--all", action="store_true", dest="every",
                     help="every specialization the optimizers can launch (thousands: "
                          "about a second each)")
+    ap.add_argument("--heaviest", action="store_true",
+                    help="only the heaviest variant of each kernel and form on every capability "
+                         "(the suite's quick cover)")
     ap.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1,
                     help="compiling processes (default: the CPU count)")
     ap.add_argument("--json", metavar="FILE", help="write every row to FILE")
     ap.add_argument("--markdown", action="store_true",
                     help="print the table summarised per kernel, arch and state form")
     args = ap.parse_args(argv)
-    todo = jobs(args.capabilities or CAPABILITIES, args.every)
+    todo = jobs(args.capabilities or CAPABILITIES, args.every, args.heaviest)
     if args.jobs > 1:
         with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
             rows = pool.map(inspect, todo, chunksize=1)
