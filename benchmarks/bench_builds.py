@@ -11,7 +11,7 @@ Cases: LAMB, LANS, AdamW and OffloadAdam with float32 state, LAMB and LANS with 
 parameters (split float32 masters), and each with int8 state on the portable and on the
 AVX-512 loops (``scaleopt._native.compact_simd``). The table gives each build's median step and
 the median over rounds of this build's step divided by the other's in the same round
-(:func:`scaleopt.cli.paramsets.paired_ratio`): 1.00 is no change; below 1, this build is
+(:func:`scaleopt.benchmarking.paired_ratio`): 1.00 is no change; below 1, this build is
 faster. With ``--bits`` each case first takes three steps with each build from the same
 parameters and gradients (and, for LAMB and LANS, with element-wise clipping, and LANS with
 ``decay_moved_weight``; OffloadAdam with Nesterov momentum), and the parameters and every tensor
@@ -31,7 +31,7 @@ import torch
 
 import scaleopt
 from scaleopt import _native
-from scaleopt.cli.paramsets import (cpu_options, cpu_shapes, interleaved, make_params,
+from scaleopt.benchmarking import (cpu_options, cpu_shapes, interleaved, make_params,
                                     paired_ratio)
 
 #: (case, optimizer, parameters' dtype, state_dtype, whether the AVX-512 compact loops run)

@@ -53,7 +53,7 @@ import torch  # noqa: E402
 
 import scaleopt  # noqa: E402
 from scaleopt import _triton  # noqa: E402
-from scaleopt.cli.paramsets import NO_DECAY, bert_shapes, make_params  # noqa: E402
+from scaleopt.benchmarking import NO_DECAY, bert_shapes, make_params  # noqa: E402
 
 SHAPES = bert_shapes(64, 25, 1000, 256)  # 407 tensors
 

@@ -23,7 +23,7 @@ import torch
 
 import scaleopt
 from scaleopt import _native
-from scaleopt.cli.paramsets import cpu_options, cpu_shapes, make_params, paired_ratio
+from scaleopt.benchmarking import cpu_options, cpu_shapes, make_params, paired_ratio
 
 
 def main() -> None:

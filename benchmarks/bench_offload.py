@@ -22,7 +22,7 @@ import time
 import torch
 
 import scaleopt
-from scaleopt.cli.paramsets import SIZES, bert_shapes, make_params, sync
+from scaleopt.benchmarking import SIZES, bert_shapes, make_params, sync
 
 
 def candidates(device: str):

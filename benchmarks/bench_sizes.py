@@ -17,7 +17,7 @@ import time
 import torch
 
 import scaleopt
-from scaleopt.cli.paramsets import paired_ratio
+from scaleopt.benchmarking import paired_ratio
 
 
 def tensors(numel: int, count: int, seed: int):

@@ -28,8 +28,8 @@ from typing import Any, Callable, Dict, List
 import torch
 
 import scaleopt
-from scaleopt.cli import optimizers, train
-from scaleopt.cli.paramsets import SIZES, make_params, shapes_of, size_options
+from scaleopt.cli import config, optimizers, trainer
+from scaleopt.benchmarking import SIZES, make_params, shapes_of, size_options
 
 LR, WD = 3e-3, 0.01
 
@@ -101,12 +101,12 @@ def step_times(names: List[str], rounds: int, shapes: Any) -> Dict[str, Dict[str
 
 def accuracy(name: str, steps: int) -> float:
     """Test accuracy of ``scaleopt train``'s run with the candidate as its optimizer."""
-    cfg = train.Config(optimizer="adamw", steps=steps, lr=LR, weight_decay=WD, progress=False)
-    t = train.build(cfg, 0, 1)
+    cfg = config.Config(optimizer="adamw", steps=steps, lr=LR, weight_decay=WD, progress=False)
+    t = trainer.build(cfg, 0, 1)
     t.opt = candidates()[name](scaleopt.param_groups(t.model, weight_decay=WD))
     t.sched = torch.optim.lr_scheduler.LambdaLR(t.opt, optimizers.schedule(
         cfg.schedule, cfg.total_steps(), cfg.warmup_steps()))
-    train.loop(t, threading.Event())
+    trainer.loop(t, threading.Event())
     return t.history[-1]["test_accuracy"]
 
 

@@ -190,7 +190,7 @@ def test_dgc_on_two_workers_reports_its_traffic(tmp_path, capsys):
     assert tel["bytes_sent"] < tel["dense_bytes"] / 2
     # this rank's message: float16 values + int32 indices for the tensors of >= 1000 elements,
     # the float32 values of the others; against the float32 gradient
-    from scaleopt.cli.data import make_model
+    from scaleopt.cli.models import mlp as make_model
     from scaleopt.dgc.select import k_of
 
     numels = [p.numel() for p in make_model(2, 5, 32).parameters()]

@@ -10,6 +10,7 @@ import json
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import time
 import sys
@@ -186,15 +187,10 @@ def test_shard_with_dgc_or_one_worker_is_an_error(capsys):
     assert "--workers 2 or more" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("workers", ["1", pytest.param("2", marks=pytest.mark.slow)])
-def test_ctrl_c_stops_cleanly_writes_the_results_so_far_and_leaves_no_process(tmp_path, workers):
-    """SIGINT to the command's process group, as Ctrl-C in a terminal sends it, once the run
-    has written its first checkpoint: it stops after its current step, writes the history and a
-    result marked interrupted (and a checkpoint to resume from), exits 130, and no worker
-    process is left."""
-    import signal
-
-    run = tmp_path / "run"
+def _signalled_after_a_checkpoint(run, workers, send):
+    """A long ``scaleopt train --workers WORKERS`` into ``run``, in a process group of its own,
+    and ``send(pid)`` once it has written its first checkpoint; the process, its output and
+    its errors."""
     proc = subprocess.Popen(
         [sys.executable, "-c", "import sys; from scaleopt.cli import main; sys.exit(main())",
          "train", *SMALL, "--steps", "1000000", "--workers", workers, "--checkpoint-every", "5",
@@ -206,11 +202,23 @@ def test_ctrl_c_stops_cleanly_writes_the_results_so_far_and_leaves_no_process(tm
             assert proc.poll() is None, proc.communicate()
             assert time.monotonic() < deadline, "no checkpoint written"
             time.sleep(0.1)
-        os.killpg(proc.pid, signal.SIGINT)
+        send(proc.pid)
         out, err = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+    return proc, out, err
+
+
+@pytest.mark.parametrize("workers", ["1", pytest.param("2", marks=pytest.mark.slow)])
+def test_ctrl_c_stops_cleanly_writes_the_results_so_far_and_leaves_no_process(tmp_path, workers):
+    """SIGINT to the command's process group, as Ctrl-C in a terminal sends it, once the run
+    has written its first checkpoint: it stops after its current step, writes the history and a
+    result marked interrupted (and a checkpoint to resume from), exits 130, and no worker
+    process is left."""
+    run = tmp_path / "run"
+    proc, out, err = _signalled_after_a_checkpoint(run, workers,
+                                                   lambda pid: os.killpg(pid, signal.SIGINT))
     assert proc.returncode == 130, err
     assert "interrupted at step" in out and "--resume" in out
     result = json.loads((run / "result.json").read_text())
@@ -225,11 +233,29 @@ def test_ctrl_c_stops_cleanly_writes_the_results_so_far_and_leaves_no_process(tm
             time.sleep(0.1)
 
 
+@pytest.mark.parametrize("workers, group", [("1", False), ("2", False),
+                                             pytest.param("2", True, marks=pytest.mark.slow)])
+def test_sigterm_stops_as_ctrl_c_does_and_the_run_resumes(tmp_path, workers, group):
+    """SIGTERM, as a cluster sends before it ends a job (to the command's pid, or to every
+    process of the job), once the run has written its first checkpoint: the run stops after its
+    current step with a checkpoint there, says how to continue, exits 130 (not 143); resumed,
+    it goes on from that step."""
+    run = tmp_path / "run"
+    proc, out, err = _signalled_after_a_checkpoint(
+        run, workers, lambda pid: (os.killpg if group else os.kill)(pid, signal.SIGTERM))
+    assert proc.returncode == 130, err
+    assert "SIGTERM: stopping after this step" in err
+    assert "interrupted at step" in out and f"--resume {run}" in out
+    stopped = json.loads((run / "result.json").read_text())["steps"]
+    assert (run / "checkpoints" / "latest").read_text().strip() == f"step-{stopped:08d}"
+    assert main(["train", "--resume", str(run), "--stop-after", str(stopped + 5)]) == 0
+    resumed = json.loads((run / "result.json").read_text())
+    assert resumed["resumed_at"] == stopped and resumed["steps"] == stopped + 5
+
+
 def _study_interrupted(args, after: str):
     """``scaleopt study large-batch ARGS`` in a process group of its own, Ctrl-C (SIGINT to the
     group) once its stderr shows a line containing ``after``; the process and what it printed."""
-    import signal
-
     proc = subprocess.Popen(
         [sys.executable, "-c", "import sys; from scaleopt.cli import main; sys.exit(main())",
          "study", "large-batch", *args, "--no-progress"], stdout=subprocess.PIPE,

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from scaleopt.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, bench, checkpoint, launch, main
-from scaleopt.cli import _how_to_continue
+from scaleopt.cli.report import how_to_continue as _how_to_continue
 
 SMALL = ["--train-size", "3072", "--batch-size", "384", "--width", "32", "--no-progress",
          "--threads", "1", "--steps", "12"]

@@ -96,3 +96,35 @@ def test_no_function_is_too_long_to_read():
                 if lines > limit:
                     long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines})")
     assert long == []
+
+
+def test_no_module_of_the_command_is_too_long_to_read():
+    """Each module of ``cli/`` holds one concern: none over 450 lines."""
+    long = {str(p.relative_to(ROOT)): n for p in (PACKAGE / "cli").glob("*.py")
+            if (n := len(p.read_text().splitlines())) > 450}
+    assert long == {}
+
+
+def test_the_command_reads_no_private_argparse_attribute():
+    """Which options were given is known from the values (every default None), not from
+    argparse's internals, which change between Python releases."""
+    private = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in (
+                    "_actions", "_action_groups", "_group_actions", "_option_string_actions",
+                    "_subparsers", "_defaults"):
+                private.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.attr}")
+    assert private == []
+
+
+def test_each_option_of_the_command_is_defined_once():
+    """An option the commands share comes from one builder (cli/options.py, or the run options
+    of cli/config.py): no flag is written out in two places."""
+    import re
+
+    seen: Dict[str, List[str]] = {}
+    for path in sorted((PACKAGE / "cli").glob("*.py")):
+        for flag in re.findall(r"add_argument\(\s*\"(--[a-z0-9-]+)\"", path.read_text()):
+            seen.setdefault(flag, []).append(path.name)
+    assert {f: where for f, where in seen.items() if len(where) > 1} == {}

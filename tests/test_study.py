@@ -12,7 +12,7 @@ import shlex
 
 import pytest
 
-from scaleopt.cli import analysis, main, study, study_report
+from scaleopt.cli import analysis, main, models, study, study_report
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
 #: a gpt model small enough for tests: 1 block of width 32 on 16-byte windows
@@ -38,7 +38,7 @@ def test_steps_to_a_target_are_read_between_evaluations_in_log_steps():
 
 
 def test_log_spaced_evaluations_are_a_third_of_an_octave_apart_and_end_at_the_last_step():
-    from scaleopt.cli.train import Config
+    from scaleopt.cli.config import Config
 
     cfg = Config(train_size=2048, batch_size=1, epochs=1, evals=16, eval_spacing="log")
     steps = sorted(cfg.eval_steps())
@@ -133,7 +133,7 @@ def test_every_optimizer_takes_the_commands_clipping_and_the_adam_family_its_bet
     import torch
 
     from scaleopt.cli import optimizers
-    from scaleopt.cli.train import Config
+    from scaleopt.cli.config import Config
 
     betas = (0.9, 0.95) if optimizers.OPTIMIZERS[name].betas else None
     cfg = Config(optimizer=name, max_grad_norm=0.5, betas=betas)
@@ -179,7 +179,7 @@ def test_the_pages_description_of_the_protocol_is_the_committed_studys():
 
     s, page = _committed()
     cfg, proto = s["protocol"]["config"], s["protocol"]
-    model = text.GPT(cfg["width"], cfg["layers"], cfg["context"])
+    model = models.GPT(cfg["width"], cfg["layers"], cfg["context"])
     assert f"{sum(p.numel() for p in model.parameters()):,} parameters" in page
     assert (f"{cfg['train_size']:,}\nwindows of {cfg['context']} bytes" in page
             and f"({cfg['train_size'] * cfg['context']:,} tokens, one epoch)" in page)
@@ -233,7 +233,7 @@ def test_the_readme_states_the_studys_own_headline_and_cost():
     from scaleopt.cli import text
 
     cfg, sizes = s["protocol"]["config"], s["protocol"]["batch_sizes"]
-    model = text.GPT(cfg["width"], cfg["layers"], cfg["context"])
+    model = models.GPT(cfg["width"], cfg["layers"], cfg["context"])
     assert f"a {sum(p.numel() for p in model.parameters()):,}-parameter transformer" in readme
     assert f"from {min(sizes)} to {max(sizes)} sequences" in readme and s["protocol"]["seeds"] == 3
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import scaleopt
-from scaleopt.cli import main, text
+from scaleopt.cli import main, models, text
 
 #: a gpt model small enough for tests: 1 block of width 32 on 16-byte windows
 MODEL = ["--model", "gpt", "--width", "32", "--layers", "1", "--context", "16",
@@ -70,7 +70,7 @@ def test_the_unigram_baseline_is_the_cross_entropy_of_the_byte_frequencies():
 
 def test_the_gpt_model_is_causal_and_meets_every_kind_of_layer():
     torch.manual_seed(0)
-    model = text.GPT(width=64, layers=2, context=16)
+    model = models.GPT(width=64, layers=2, context=16)
     x = torch.randint(0, 256, (2, 16))
     out = model(x)
     assert out.shape == (2, 16, 256)
@@ -85,7 +85,7 @@ def test_the_gpt_model_is_causal_and_meets_every_kind_of_layer():
     assert "blocks.0.qkv.weight" in names and "head.weight" in names
     assert not any(n.endswith("bias") or ".ln" in n or n.startswith("ln") for n in names)
     with pytest.raises(ValueError, match="multiple of 32"):
-        text.GPT(width=48, layers=1, context=8)
+        models.GPT(width=48, layers=1, context=8)
 
 
 def test_train_gpt_learns_the_text_and_records_the_corpus(tmp_path, capsys):
@@ -153,7 +153,7 @@ def test_the_noise_scale_from_two_batch_sizes_matches_a_direct_estimate():
     torch.manual_seed(0)
     train, _ = text.splits()
     x, y = text.windows(train, 256, 16, seed=3)
-    model = text.GPT(width=32, layers=1, context=16)
+    model = models.GPT(width=32, layers=1, context=16)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for i in range(60):  # past the first steps, where |G| dwarfs the noise
         b = torch.randint(0, len(x), (32,))
@@ -220,11 +220,11 @@ def test_gpt_trains_with_compact_state_offload_and_muon(tmp_path, options):
 
 def test_muon_leaves_the_gpt_models_embeddings_and_head_to_adamw():
     from scaleopt.cli import optimizers
-    from scaleopt.cli.train import Config
+    from scaleopt.cli.config import Config
 
     cfg = Config(optimizer="muon", dataset="text", model="gpt", width=32, layers=2)
     torch.manual_seed(0)
-    model = text.GPT(32, 2, 16)
+    model = models.GPT(32, 2, 16)
     opt = optimizers.build(model, cfg)
     names = {id(p): n for n, p in model.named_parameters()}
     muon = {names[id(p)] for g in opt.param_groups if g["algorithm"] == "muon" for p in g["params"]}

@@ -223,7 +223,7 @@ def graph_part(scratch: Path) -> Dict[str, Any]:
 
     import scaleopt
     from scaleopt.cli.bench_gpu import _timed
-    from scaleopt.cli.paramsets import NO_DECAY, bert_shapes, make_params
+    from scaleopt.benchmarking import NO_DECAY, bert_shapes, make_params
 
     shapes = bert_shapes(256, 25, 8192, 1024)  # 407 tensors
     twins = []

@@ -19,17 +19,17 @@ import pathlib
 import platform
 import statistics
 import time
-from typing import Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 
 import scaleopt
 
-from . import bench_fsdp, bench_gpu, bench_muon
-from .paramsets import (NO_DECAY, SIZES, held_bytes, interleaved, make_params, paired_ratio,
+from . import bench_fsdp, bench_gpu, bench_muon, options
+from ..benchmarking import (NO_DECAY, SIZES, held_bytes, interleaved, make_params, paired_ratio,
                         shapes_of, size_options, sync)
 from .report import NO_PLOTS, write_bench_plot
-from .train import check_out, new_folder
+from .config import check_out, new_folder
 
 # the float32-parameter row each bfloat16 row is set against ("no slower than the fp32 step")
 FP32_ROW = {
@@ -135,29 +135,42 @@ def bandwidth_reference(named) -> float:
     return time.perf_counter() - t
 
 
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser("bench", help="optimizer step time as ratios to torch's fused AdamW",
+                       description=options.plain(__doc__),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(func=command)
+    return p
+
+
+def command(args: argparse.Namespace) -> int:
+    check_arguments(args)
+    run(args)
+    return 0
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--size", choices=sorted(SIZES),
-                    help="BERT-like shapes: small = hidden 512, 4 layers (28.8M parameters, about "
-                         "6 GiB with every optimizer); base = BERT-base (109.5M, about 22 GiB; "
-                         "checked against the memory available before anything runs); 1b = "
-                         "hidden 2048, 19 layers (1.02B; with --device cuda) (default: small, "
-                         "base with --device cuda)")
+    options.add_size(ap, SIZES,
+                     help="BERT-like shapes: small = hidden 512, 4 layers (28.8M parameters, about "
+                          "6 GiB with every optimizer); base = BERT-base (109.5M, about 22 GiB; "
+                          "checked against the memory available before anything runs); 1b = "
+                          "hidden 2048, 19 layers (1.02B; with --device cuda) (default: small, "
+                          "base with --device cuda)")
     size_options(ap)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="parameter dtype of the main rows (default: float32)")
-    ap.add_argument("--threads", type=int,
-                    help="intra-op threads (per process with --world; default: 2, 1 with --world)")
-    ap.add_argument("--world", type=int, default=1,
-                    help="shard the set with FSDP2 over this many processes (gloo on 127.0.0.1) "
-                         "and time LAMB, LANS and AdamW on the shards against torch's fused "
-                         "AdamW on the same local shards (default: 1, no sharding)")
-    ap.add_argument("--device", default="cpu",
-                    help="cpu or cuda: on cuda, LAMB and LANS by the Triton kernels, torch's "
-                         "multi-tensor ops and those compiled, one at a time against the fused "
-                         "AdamW, with host time, bandwidth against a copy and peak memory "
-                         "(default: cpu)")
-    ap.add_argument("--rounds", type=int, default=10,
-                    help="timed steps per optimizer, interleaved (default: 10)")
+    options.add_threads(ap, "intra-op threads (per process with --world; default: 2, 1 with "
+                            "--world)")
+    options.add_world(ap, 1,
+                      help="shard the set with FSDP2 over this many processes (gloo on 127.0.0.1) "
+                           "and time LAMB, LANS and AdamW on the shards against torch's fused "
+                           "AdamW on the same local shards (default: 1, no sharding)")
+    options.add_device(ap, "cpu or cuda: on cuda, LAMB and LANS by the Triton kernels, torch's "
+                           "multi-tensor ops and those compiled, one at a time against the fused "
+                           "AdamW, with host time, bandwidth against a copy and peak memory "
+                           "(default: cpu)", default="cpu")
+    options.add_rounds(ap, 10, "timed steps per optimizer, interleaved")
     ap.add_argument("--muon", action="store_true",
                     help="time Muon instead: against torch.optim.Muon and the fused AdamW in one "
                          "process, or with --world N sharded against one process on the same "
@@ -166,10 +179,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="time only optimizers whose name contains one of these (the fused "
                          "AdamW baseline always runs)")
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
-    ap.add_argument("--out", help="folder for bench.json (default: scaleopt-runs/bench-<size>, a "
-                                  "new folder for each run)")
-    ap.add_argument("--overwrite", action="store_true",
-                    help="write into --out even if it holds an earlier run's results")
+    options.add_output(ap, "bench.json")
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -177,12 +187,11 @@ def check_arguments(args: argparse.Namespace) -> None:
         args.threads = 2 if args.world == 1 else 1
     if args.size is None:
         args.size = "base" if args.device.startswith("cuda") else "small"
-    for name in ("hidden", "layers", "vocab", "threads", "rounds", "world"):
+    for name in ("hidden", "layers", "vocab", "rounds", "world"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name} must be at least 1, got {value}")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device here")
+    options.check_device(args.device)
     if args.muon and (args.dtype != "float32" or args.only
                       or (args.world > 1 and args.device != "cpu")):
         raise ValueError("--muon times float32 steps of a fixed set of optimizers (sharded: on "

@@ -24,8 +24,10 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import scaleopt
-from scaleopt.cli.launch import TIMEOUT, end_group, free_port
-from scaleopt.cli.paramsets import NO_DECAY, SIZES, bert_shapes, interleaved, muon, paired_ratio
+from scaleopt.cli import options
+from scaleopt.cli.launch import free_port
+from scaleopt.cli.world import TIMEOUT, end_group
+from scaleopt.benchmarking import NO_DECAY, SIZES, bert_shapes, interleaved, muon, paired_ratio
 
 
 def sharded_params(shapes, world):
@@ -177,10 +179,10 @@ def run(shapes, world: int, threads: int, rounds: int, label: str,
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--world", type=int, default=2, help="processes")
-    ap.add_argument("--threads", type=int, default=1, help="intra-op threads per process")
-    ap.add_argument("--rounds", type=int, default=10)
-    ap.add_argument("--size", choices=sorted(SIZES), default="small")
+    options.add_world(ap, 2, "processes (default: 2)")
+    options.add_threads(ap, "intra-op threads per process (default: 1)", default=1)
+    options.add_rounds(ap, 10)
+    options.add_size(ap, SIZES, default="small", help="the parameter set (default: small)")
     args = ap.parse_args(argv)
     run(bert_shapes(*SIZES[args.size]), args.world, args.threads, args.rounds, repr(args.size))
 

@@ -27,7 +27,7 @@ import torch
 
 import scaleopt
 
-from .paramsets import NO_DECAY, held_bytes, interleaved, make_params, paired_ratio, sync
+from ..benchmarking import NO_DECAY, held_bytes, interleaved, make_params, paired_ratio, sync
 
 #: the bytes each algorithm must move per parameter in one step: float32 (parameters,
 #: gradients, moments), and bfloat16 parameters and gradients with split float32 masters

@@ -24,7 +24,7 @@ from typing import Callable, Dict
 import torch
 
 from . import bench_fsdp
-from .paramsets import held_bytes, interleaved, make_params, muon, paired_ratio
+from ..benchmarking import held_bytes, interleaved, make_params, muon, paired_ratio
 
 
 class TorchPair:

@@ -6,7 +6,7 @@ import math
 from typing import Tuple
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 #: dataset name -> description (for --help)
 DATASETS = {
@@ -90,19 +90,3 @@ def load(name: str, train_size: int, test_size: int = 16384, context: int = 64,
     xt, yt = spirals(test_size, seed=held_seed, **kw)
     return x, y, xt, yt, kw["arms"]
 
-
-def make_model(inputs: int, classes: int, width: int = 256, seed: int = 0,
-               vocab: int = 0) -> nn.Module:
-    """A small MLP (two hidden layers with LayerNorm and GELU) on ``inputs`` features; with
-    ``vocab``, a bag-of-words model instead: the sum of the words' ``width``-dimensional
-    embeddings, then a linear layer."""
-    torch.manual_seed(seed)
-    if vocab:
-        bag = nn.EmbeddingBag(vocab, width, mode="sum")
-        nn.init.normal_(bag.weight, std=0.02)
-        return nn.Sequential(bag, nn.Linear(width, classes))
-    return nn.Sequential(
-        nn.Linear(inputs, width), nn.LayerNorm(width), nn.GELU(),
-        nn.Linear(width, width), nn.LayerNorm(width), nn.GELU(),
-        nn.Linear(width, classes),
-    )

@@ -1,26 +1,27 @@
-"""Launching a run's workers: a port on 127.0.0.1, the spawned processes, the stop flag that
-Ctrl-C sets, and the end of a process group."""
+"""Starting and supervising a run's processes: ``--workers N`` spawned here (a port on
+127.0.0.1, the stop flag, restarts from the newest checkpoint when a worker dies, the workers'
+process ids in the run folder), and a rank of a ``torchrun`` launch. A worker's failure reaches
+this process as a record it writes (its error's class and message), never read from text."""
 
 from __future__ import annotations
 
 import contextlib
-import datetime
-import gc
+import dataclasses
+import json
 import os
+import pathlib
 import signal
 import socket
 import sys
-import threading
-from typing import Any, Callable, Iterator, Optional
+import tempfile
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-#: set when a run in this process is asked to stop (Ctrl-C): its loop ends at a step boundary
-STOP = threading.Event()
-
-#: how long a collective may wait for the other ranks
-TIMEOUT = datetime.timedelta(seconds=120)
+from . import checkpoint, config, resume, trainer, world
+from .config import Config
 
 
 def busy_cores_hint(threads: Optional[int], workers: int, load: Optional[float] = None,
@@ -50,64 +51,69 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def backend(device: str) -> str:
-    return "nccl" if device.startswith("cuda") else "gloo"
+# ------------------------------------------------------------------------------------------------
+# workers spawned here
+# ------------------------------------------------------------------------------------------------
 
 
-def under_torchrun() -> bool:
-    """Whether this process is one rank of a ``torchrun`` launch."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+#: the markers of an error that says another worker died: its collectives lost their peer
+#: (gloo's and NCCL's errors), not an error of the worker's own
+LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "NCCL communicator was aborted",
+             "Broken pipe")
 
 
-def end_group() -> None:
-    """Destroy the process group once what held it is gone: an FSDP2 model and optimizer, freed
-    on return but kept by reference cycles until a collection, would otherwise take the group's
-    gloo threads down at interpreter exit, which can abort the process."""
-    gc.collect()
-    dist.destroy_process_group()
+def lost_a_peer(error: BaseException) -> bool:
+    """Whether a worker's own ``error`` says that another worker died (its collectives lost it):
+    torch.distributed's backend and network errors, and gloo's and NCCL's words for it."""
+    lost = (getattr(dist, "DistBackendError", ()), getattr(dist, "DistNetworkError", ()))
+    return isinstance(error, lost) or any(m in str(error) for m in LOST_PEER)
 
 
-@contextlib.contextmanager
-def interruptible(event: Any) -> Iterator[None]:
-    """The first Ctrl-C (SIGINT) sets ``event``: the run ends after its current step, writes its
-    results so far (and a checkpoint with --checkpoint-every) and the command exits 130. A
-    second Ctrl-C raises KeyboardInterrupt at once."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum, frame):
-        if event.is_set():
-            raise KeyboardInterrupt
-        event.set()
-        print("\nstopping after this step (Ctrl-C again to abort) ...", file=sys.stderr)
-
-    previous = signal.signal(signal.SIGINT, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
+def _failure_file(folder: str, rank: int) -> pathlib.Path:
+    return pathlib.Path(folder) / f"failure-{rank}.json"
 
 
-def _worker(rank: int, target: Callable[..., None], world: int, port: int, device: str,
-            stop: Any, args: tuple) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it sets ``stop``
+def _worker(rank: int, target: Callable[..., None], world_size: int, port: int, device: str,
+            stop: Any, folder: str, args: tuple) -> None:
+    """One spawned worker: Ctrl-C is the parent's (it sets ``stop``); SIGTERM (a cluster ending
+    the job sends it to every process) sets ``stop`` too, a second one ends the worker. An
+    error is recorded in ``folder`` for the parent (its class, message, and whether it only
+    says that another worker died) and raised."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    received = []
+
+    def on_term(signum, frame):
+        received.append(signum)
+        if len(received) > 1:
+            raise SystemExit(128 + signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_term)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group(backend(device), rank=rank, world_size=world, timeout=TIMEOUT)
     try:
-        target(rank, world, stop, *args)
-        dist.barrier()  # no rank leaves the group while another still uses it
-    finally:
-        end_group()
+        dist.init_process_group(world.backend(device), rank=rank, world_size=world_size,
+                                timeout=world.TIMEOUT)
+        try:
+            target(rank, world_size, stop, *args)
+            dist.barrier()  # no rank leaves the group while another still uses it
+        finally:
+            world.end_group()
+    except BaseException as exc:
+        record = {"type": type(exc).__name__, "message": str(exc), "lost_peer": lost_a_peer(exc)}
+        _failure_file(folder, rank).write_text(json.dumps(record))
+        raise
 
 
 def start_method() -> str:
     """How the workers start: on Linux from a fork server that has imported torch and scaleopt
     once (each worker starts in a fraction of a fresh interpreter's time; nothing in the server
-    has started a thread or CUDA), elsewhere as fresh interpreters."""
+    has started a thread or CUDA; it ignores SIGTERM: :mod:`.forkserver`), elsewhere as fresh
+    interpreters."""
     if sys.platform.startswith("linux"):
-        mp.set_forkserver_preload(["torch", "torch.distributed", "scaleopt", "scaleopt.cli"])
+        mp.set_forkserver_preload(["scaleopt.cli.forkserver", "torch", "torch.distributed",
+                                   "scaleopt", "scaleopt.cli"])
         return "forkserver"
     return "spawn"
 
@@ -118,18 +124,163 @@ def shared_step() -> Any:
     return mp.get_context(start_method()).Value("q", -1, lock=False)
 
 
-def torchrun_restart() -> int:
-    """How many times ``torchrun`` has restarted this launch's workers (0 on the first start,
-    and outside torchrun)."""
-    if not under_torchrun():
-        return 0
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+def spawn(target: Callable[..., None], world_size: int, device: str, *args: Any,
+          started: Optional[Callable[[list], None]] = None, folder: Optional[str] = None) -> None:
+    """Run ``target(rank, world, stop, *args)`` in ``world_size`` new processes, each one rank
+    of a process group on 127.0.0.1 (gloo, or NCCL on ``cuda``). ``stop`` is an event that the
+    first Ctrl-C or SIGTERM here sets; a second one ends the workers and raises
+    KeyboardInterrupt. A worker's error comes back as
+    ``torch.multiprocessing.ProcessRaisedException`` (and its record in ``folder``, see
+    :func:`failure`), a worker that dies as ``ProcessExitedException`` (the others are ended).
+    ``started(pids)``: called with the workers' process ids once they run."""
+    method = start_method()
+    stop = mp.get_context(method).Event()
+    context = None
+    with contextlib.ExitStack() as stack:
+        folder = folder or stack.enter_context(tempfile.TemporaryDirectory())
+        try:
+            with world.interruptible(stop):
+                context = mp.start_processes(
+                    _worker, args=(target, world_size, free_port(), device, stop, folder, args),
+                    nprocs=world_size, join=False, start_method=method)
+                if started is not None:
+                    started([p.pid for p in context.processes])
+                while not context.join(timeout=1.0):
+                    pass
+        except KeyboardInterrupt:  # a second Ctrl-C: no worker is left behind
+            for p in context.processes if context is not None else ():
+                p.kill()
+            raise
 
 
-#: the markers of a worker that failed because another one died: its collectives lost their
-#: peer (gloo's and NCCL's errors), not an error of its own
-LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "DistBackendError",
-             "DistNetworkError", "NCCL communicator was aborted", "Broken pipe")
+def failure(folder: str, error: BaseException) -> Optional[Dict[str, Any]]:
+    """The record of the worker that ``error`` (from :func:`spawn`) names, or None (a worker
+    killed, or ended by an exit code, leaves none)."""
+    path = _failure_file(folder, getattr(error, "error_index", -1))
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+class WorkersLost(RuntimeError):
+    """Workers died more often than ``--max-restarts`` allows; the message says when and how."""
+
+
+#: where a run's workers' process ids are written while they run (``scaleopt train
+#: --workers N``): {"pids": [...], "restart": n}
+WORKERS_FILE = "workers.json"
+
+
+def _rank(rank: int, world_size: int, stop: Any, cfg: Config, result_file: str,
+          reached: Any = None) -> None:
+    """One of the command's workers (see :func:`spawn`)."""
+    if cfg.threads is None:  # share the cores between the processes
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    result = trainer.run(cfg, rank, world_size, write=False, stop=stop, reached=reached)
+    if rank == 0:
+        pathlib.Path(result_file).write_text(json.dumps(result))
+
+
+def _how_it_died(exc: BaseException) -> str:
+    if isinstance(exc, mp.ProcessExitedException):
+        how = (f"killed by {exc.signal_name}" if exc.signal_name
+               else f"ended with exit code {exc.exit_code}")
+        return f"worker {exc.error_index} (pid {exc.error_pid}) was {how}"
+    return (f"worker {exc.error_index} (pid {exc.error_pid}) lost its connection to another worker "
+            f"(which died)")
+
+
+def workers(cfg: Config) -> Dict[str, Any]:
+    """``cfg`` in ``cfg.workers`` processes started here; rank 0's results. A worker that dies
+    (killed, out of memory) ends the others; they are started again from the newest checkpoint
+    that verifies (or from the start of the run where there is none yet), at most
+    ``cfg.max_restarts`` times, and ``restarts`` in the results says when and what was redone."""
+    try:
+        return _workers_restarted(cfg)
+    finally:
+        _remove_pids(cfg)  # (also when the run ends with an error)
+
+
+def _attempt(cfg: Config, attempt: Config, reached: Any,
+             restart: int) -> Tuple[Optional[Dict[str, Any]], str]:
+    """One start of the workers: rank 0's results, or None and how a worker died. A worker
+    that failed by itself raises its error here, as this process's (divergence and checkpoint
+    errors by their classes)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result_file = os.path.join(tmp, "result.json")
+        try:
+            spawn(_rank, cfg.workers, cfg.device, attempt, result_file, reached,
+                  started=lambda pids: _write_pids(cfg, pids, restart), folder=tmp)
+            return json.loads(pathlib.Path(result_file).read_text()), ""
+        except mp.ProcessExitedException as exc:
+            return None, _how_it_died(exc)
+        except mp.ProcessRaisedException as exc:
+            record = failure(tmp, exc)
+            if record is None:
+                raise
+            if record["lost_peer"]:
+                return None, _how_it_died(exc)
+            if record["type"] == "Diverged":
+                raise trainer.Diverged(record["message"]) from None
+            if record["type"] == "CheckpointError":
+                raise checkpoint.CheckpointError(record["message"]) from None
+            raise
+
+
+def _workers_restarted(cfg: Config) -> Dict[str, Any]:
+    reached, restarts, attempt = shared_step(), [], cfg
+    while True:
+        result, died = _attempt(cfg, attempt, reached, len(restarts))
+        if result is not None:
+            break
+        at = reached.value
+        if len(restarts) >= cfg.max_restarts:
+            raise WorkersLost(
+                f"{died} at step {at}, after {len(restarts)} restart"
+                f"{'s' if len(restarts) != 1 else ''} (--max-restarts {cfg.max_restarts}): the "
+                f"run ends here" + (f"; continue it with --resume {cfg.out}" if cfg.out else ""))
+        attempt, start = _restart_point(cfg)
+        restarts.append({"cause": died, "at_step": at, "from_step": start,
+                         "redone_steps": max(0, at - start)})
+        checkpoint._note(f"{died} at step {at}; restarting the {cfg.workers} workers from "
+                         + (f"the checkpoint of step {start}" if attempt.resume else "the start")
+                         + f" (restart {len(restarts)} of at most {cfg.max_restarts})")
+    if restarts:
+        result["restarts"] = restarts
+        result["redone_steps"] = sum(r["redone_steps"] for r in restarts)
+        result["resumed_at"] = (resume.read_meta(pathlib.Path(cfg.resume))["step"]
+                                if cfg.resume else None)
+    return result
+
+
+def _restart_point(cfg: Config) -> Tuple[Config, int]:
+    """Where workers that died start again: the newest checkpoint of the run folder that
+    verifies, else where the run began (its ``--resume`` checkpoint, or step 0)."""
+    if cfg.out:
+        try:
+            path = resume.find(cfg.out)
+        except checkpoint.CheckpointError:
+            path = None
+        if path is not None:
+            return dataclasses.replace(cfg, resume=str(path)), resume.read_meta(path)["step"]
+    start = resume.read_meta(pathlib.Path(cfg.resume))["step"] if cfg.resume else 0
+    return cfg, start
+
+
+def _write_pids(cfg: Config, pids: List[int], restart: int) -> None:
+    if cfg.out:
+        with contextlib.suppress(OSError):
+            checkpoint._write_atomically(pathlib.Path(cfg.out) / WORKERS_FILE,
+                                         json.dumps({"pids": pids, "restart": restart}))
+
+
+def _remove_pids(cfg: Config) -> None:
+    if cfg.out:
+        with contextlib.suppress(OSError):
+            (pathlib.Path(cfg.out) / WORKERS_FILE).unlink()
+
+
+# ------------------------------------------------------------------------------------------------
+# torchrun
+# ------------------------------------------------------------------------------------------------
 
 
 def init_torchrun_group(backend_name: str) -> None:
@@ -137,45 +288,31 @@ def init_torchrun_group(backend_name: str) -> None:
     restarted the workers, the group's keys in torchrun's store are put under a prefix of
     their own: the store outlives the workers, and a new group that read the first group's
     entries would try to connect to the addresses of workers that are gone."""
-    restart = torchrun_restart()
+    restart = world.torchrun_restart()
     if not restart:
-        dist.init_process_group(backend_name, timeout=TIMEOUT)
+        dist.init_process_group(backend_name, timeout=world.TIMEOUT)
         return
-    store, rank, world = next(dist.rendezvous("env://", timeout=TIMEOUT))
+    store, rank, size = next(dist.rendezvous("env://", timeout=world.TIMEOUT))
     dist.init_process_group(backend_name, store=dist.PrefixStore(f"restart-{restart}", store),
-                            rank=rank, world_size=world, timeout=TIMEOUT)
+                            rank=rank, world_size=size, timeout=world.TIMEOUT)
 
 
-def lost_a_peer(error: BaseException) -> bool:
-    """Whether a worker's ``error`` (from :func:`spawn`) says that a worker died: one killed or
-    ended by a signal or an exit code (out of memory, a lost node), or one whose collectives
-    lost the other."""
-    if isinstance(error, mp.ProcessExitedException):
-        return True
-    return isinstance(error, mp.ProcessRaisedException) and any(m in str(error) for m in LOST_PEER)
-
-
-def spawn(target: Callable[..., None], world: int, device: str, *args: Any,
-          started: Optional[Callable[[list], None]] = None) -> None:
-    """Run ``target(rank, world, stop, *args)`` in ``world`` new processes, each one rank of a
-    process group on 127.0.0.1 (gloo, or NCCL on ``cuda``). ``stop`` is an event that the first
-    Ctrl-C here sets; a second one ends the workers and raises KeyboardInterrupt. A worker's
-    error comes back as ``torch.multiprocessing.ProcessRaisedException``, a worker that dies
-    as ``ProcessExitedException`` (the others are ended). ``started(pids)``: called with the
-    workers' process ids once they run."""
-    method = start_method()
-    stop = mp.get_context(method).Event()
-    context = None
+def torchrun_rank(cfg: Config) -> Dict[str, Any]:
+    """``cfg`` as one rank of a ``torchrun`` launch."""
+    init_torchrun_group(world.backend(cfg.device))
     try:
-        with interruptible(stop):
-            context = mp.start_processes(
-                _worker, args=(target, world, free_port(), device, stop, args), nprocs=world,
-                join=False, start_method=method)
-            if started is not None:
-                started([p.pid for p in context.processes])
-            while not context.join(timeout=1.0):
-                pass
-    except KeyboardInterrupt:  # a second Ctrl-C: no worker is left behind
-        for p in context.processes if context is not None else ():
-            p.terminate()
-        raise
+        rank, size = dist.get_rank(), dist.get_world_size()
+        cfg = dataclasses.replace(cfg, workers=size)
+        config.check(cfg)
+        pids: List[Any] = [None] * size
+        dist.all_gather_object(pids, os.getpid())  # this node's and the others' (their ids)
+        if rank == 0:
+            _write_pids(cfg, pids, world.torchrun_restart())
+        with world.interruptible(world.STOP):
+            result = trainer.run(cfg, rank, size)
+        dist.barrier()  # no rank leaves the group while another still uses it
+        if rank == 0:
+            _remove_pids(cfg)
+        return result
+    finally:
+        world.end_group()

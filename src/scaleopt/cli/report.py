@@ -7,6 +7,8 @@ import json
 import pathlib
 from typing import Any, Dict, List
 
+from .checkpoint import CHECKPOINTS, LATEST
+
 
 NO_PLOTS = "no plots: matplotlib is not installed (pip install 'scaleopt[cli]')"
 
@@ -156,3 +158,69 @@ def write_bench_plot(result: Dict[str, Any], path: str):
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def how_to_continue(out: str) -> str:
+    if (pathlib.Path(out) / CHECKPOINTS / LATEST).is_file():
+        return f"continue with --resume {out}"
+    return "no checkpoint was written, so it cannot be resumed (pass --checkpoint-every K)"
+
+
+def summary(cfg: Any, r: dict) -> None:
+    """The lines a finished (or stopped) run prints."""
+    how = describe(r["config"], r["workers"])
+    score = (f"validation {r['test_bits_per_byte']:.3f} bits per byte (the unigram baseline's "
+             f"{r['unigram_bits_per_byte']:.3f}: {r['test_bits_per_byte'] / r['unigram_bits_per_byte']:.0%}), "
+             f"next-byte accuracy {r['test_accuracy']:.4f}," if "test_bits_per_byte" in r else
+             f"test accuracy {r['test_accuracy']:.4f}, test loss {r['test_loss']:.4f}")
+    print(f"{cfg.optimizer}{f' ({how})' if how else ''} on {cfg.dataset}: {score} after "
+          f"{r['steps']} steps ({r['epochs']:.1f} epochs) of batch {cfg.batch_size}, lr {r['lr']:g}"
+          + (f"; resumed at step {r['resumed_at']}" if r["resumed_at"] is not None else "")
+          + ("" if r["complete"] else f"; stopped before step {r['total_steps']}: "
+             + how_to_continue(cfg.out)))
+    rate = (f"{r['samples_per_s'] * cfg.context:,.0f} tokens/s" if "tokens" in r
+            else f"{r['samples_per_s']:,.0f} samples/s")
+    line = (f"{r['time_s']:.1f} s, {r['steps_per_s']:.1f} steps/s, {rate}, "
+            f"{r['parameters']:,} parameters, {r['threads']} thread{'s' if r['threads'] != 1 else ''}")
+    if "dgc_density" in r:
+        dense, sent = r["dense_bytes_sent_per_rank_per_step"], r["dgc_bytes_sent_per_rank_per_step"]
+        grad, msg = (r["dense_payload_bytes_per_rank_per_step"],
+                     r["dgc_payload_bytes_per_rank_per_step"])
+        last = r["dgc_final_telemetry"]
+        sent = r.get("dgc_bytes_sent_measured_per_rank_per_step", sent)
+        line += (f"; DGC between {r.get('dgc_between', str(r['workers']) + ' workers')}: "
+                 f"density {r['dgc_density']:.4f}, {sent:,.0f} bytes sent per rank per step "
+                 f"(counted from the buffers sent) vs {dense:,.0f} for a dense all-reduce "
+                 f"of the same tensors "
+                 f"({dense / max(sent, 1):.0f}x fewer); payload {msg:,.0f} bytes per rank per "
+                 f"step vs a {grad:,.0f}-byte gradient ({grad / max(msg, 1):.0f}x smaller); "
+                 f"last step: {last['dense_bytes'] / max(last['bytes_sent'], 1):.0f}x fewer "
+                 f"bytes sent, payload {last['dense_payload_bytes'] / max(last['payload_bytes'], 1):.0f}x "
+                 f"smaller")
+    elif "replica_allreduce_bytes_per_step" in r:
+        line += (f"; {r['config']['replicas']} replicas: {r['replica_allreduce_bytes_per_step']:,} "
+                 f"bytes of gradient shards all-reduced between them per step (about "
+                 f"{r['replica_bytes_sent_per_rank_per_step']:,} sent per rank)")
+    elif "allreduce_bytes_per_step" in r:
+        line += (f"; {r['workers']} workers, {r['allreduce_bytes_per_step']:,} gradient bytes "
+                 f"all-reduced per step (about {r['bytes_sent_per_rank_per_step']:,} sent per rank)")
+    print(line)
+    per_param = r["unsharded_optimizer_state_bytes"] / max(r["parameters"], 1)
+    print(f"per rank: {r['param_bytes_per_rank']:,} bytes of parameters and "
+          f"{r['optimizer_state_bytes_per_rank']:,} of optimizer state "
+          f"({per_param:.2f} bytes per parameter, state_dtype {cfg.state_dtype})"
+          + (f" ({r['workers']} shards; unsharded: {r['unsharded_param_bytes']:,} and "
+             f"{r['unsharded_optimizer_state_bytes']:,})" if r["sharded"] else ""))
+    if "noise_scale" in r:
+        n = r["noise_scale"]
+        print(f"gradient noise scale B_simple {n['b_simple']:.3g} examples"
+              + (f" ({n['b_simple_tokens']:,.0f} tokens)" if "tokens" in r else "")
+              + f" at the end (moving average of {len(n['history'])} measurements, one every "
+                f"{n['every']} steps): batches well below it use their examples efficiently")
+    for i, restart in enumerate(r.get("restarts", []), 1):
+        print(f"restart {i}: {restart['cause']} at step {restart['at_step']}; resumed from "
+              f"step {restart['from_step']}, {restart['redone_steps']} steps done again")
+    if r["checkpoints"]:
+        print(f"checkpoints: {len(r['checkpoints'])}, the last {r['checkpoints'][-1]}")
+    if not r.get("write_error"):
+        print(results_line(cfg.out, ["result.json", "history.csv"], "curves.png"))

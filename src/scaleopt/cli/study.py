@@ -21,19 +21,22 @@ On the transformer (``--model gpt``: bytes of real text) the score is the loss i
 
 from __future__ import annotations
 
+import argparse
 import concurrent.futures as cf
 import dataclasses
 import math
 import multiprocessing
 import os
+import pathlib
 import shlex
 import signal
 import sys
 import time
 from typing import Any, Dict, Generator, List, Optional, Sequence, Tuple
 
-from . import launch, optimizers, study_report
-from .train import Config, Diverged, run
+from . import config, optimizers, options, report, study_report, world
+from .config import Config
+from .trainer import Diverged, run
 
 #: ``--model gpt``'s study: 8,192 windows of 64 bytes (0.5M tokens, one epoch) for each run,
 #: on a 3-block model; batch sizes over a 64x range
@@ -147,14 +150,14 @@ def large_batch(p: Protocol, out: Optional[str] = None) -> List[Dict[str, Any]]:
     """Every run's row, in a fixed order; the study written into ``out`` if given (also when
     interrupted: the runs finished so far)."""
     start = time.perf_counter()
-    launch.STOP.clear()
-    with launch.interruptible(launch.STOP):
+    world.STOP.clear()
+    with world.interruptible(world.STOP):
         rows = (_run_inline if p.jobs == 1 else _run_pool)(p)
     rows.sort(key=lambda r: (list(p.names).index(r["optimizer"]), r["batch_size"], r["seed"],
                              r["lr"]))
     if out:
         study = {"title": title(p), "protocol": p.describe(), "rows": rows,
-                 "complete": not launch.STOP.is_set(),
+                 "complete": not world.STOP.is_set(),
                  "time_s": time.perf_counter() - start}
         study_report.write(study, out)
     return rows
@@ -179,7 +182,7 @@ def _run_inline(p: Protocol) -> List[Dict[str, Any]]:
             while True:
                 done: List[Dict[str, Any]] = []
                 for cfg in wave:
-                    row = None if launch.STOP.is_set() else cell(cfg)
+                    row = None if world.STOP.is_set() else cell(cfg)
                     if row is None:  # interrupted: the wave's finished runs are kept
                         return rows + done
                     done.append(row)
@@ -216,7 +219,7 @@ def _run_pool(p: Protocol) -> List[Dict[str, Any]]:
         for name in p.names:
             chain = _chain(p, name)
             submit(name, chain, next(chain))
-        while running and not launch.STOP.is_set():
+        while running and not world.STOP.is_set():
             done, _ = cf.wait(list(running), timeout=0.5, return_when=cf.FIRST_COMPLETED)
             for future in done:
                 name, i = running.pop(future)
@@ -230,7 +233,7 @@ def _run_pool(p: Protocol) -> List[Dict[str, Any]]:
                         pass
     finally:
         for process in list(getattr(pool, "_processes", {}).values()):
-            if launch.STOP.is_set():
+            if world.STOP.is_set():
                 process.kill()
         pool.shutdown(wait=True, cancel_futures=True)
     return rows
@@ -269,9 +272,9 @@ def _train(cfg: Config) -> Dict[str, Any]:
     """One run: in this process, or in ``cfg.workers`` processes started here."""
     if cfg.workers == 1:
         return run(cfg)
-    from .train import _workers
+    from .launch import workers
 
-    return _workers(cfg)
+    return workers(cfg)
 
 
 #: the options of ``scaleopt train`` that a study's run sets, by Config field
@@ -294,3 +297,117 @@ def command_line(cfg: Config) -> str:
         if getattr(cfg, name):
             args.append("--" + name.replace("_", "-"))
     return shlex.join(args)
+
+
+# ------------------------------------------------------------------------------------------------
+# the command
+# ------------------------------------------------------------------------------------------------
+
+
+#: the protocol's options' defaults, and what every run of a study is trained with unless given
+#: (both models)
+DEFAULTS = dict(batch_sizes=[64, 256, 1024, 4096, 8192], optimizers=["lamb", "lans", "adamw", "muon"],
+                base_batch=1024, grid=[0.5, 1.0, 2.0], extensions=2, seeds=3, epochs=4,
+                max_grad_norm=1.0, betas=list(STUDY_BETAS))
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser("study", help="studies: large-batch",
+                       description="Run a study and write a table and a plot.")
+    studies = p.add_subparsers(dest="study", metavar="STUDY")
+    studies.required = True
+    s = studies.add_parser(
+        "large-batch", help="the optimizers against batch size, each tuned at each batch, with seeds",
+        description=options.plain(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_protocol_options(s)
+    config.add_model_options(s, GPT_STUDY)
+    g = s.add_argument_group("training (every run)")
+    config.add_schedule_options(g, epochs=DEFAULTS["epochs"])
+    config.add_state_dtype(g)
+    g = config.add_system_options(s)
+    options.add_workers(g, "train each run in N processes (as scaleopt train --workers)")
+    config.add_run_output(s)
+    s.set_defaults(func=command)
+    return s
+
+
+def _add_protocol_options(s: argparse.ArgumentParser) -> None:
+    gpt = f"; gpt: {' '.join(map(str, GPT_BATCH_SIZES))}"
+    g = s.add_argument_group("protocol")
+    g.add_argument("--batch-sizes", type=options.positive_int, nargs="+", metavar="B",
+                   help=f"batch sizes (default: 64 256 1024 4096 8192{gpt})")
+    g.add_argument("--optimizers", nargs="+", metavar="NAME", type=str.lower,
+                   help=f"optimizers to compare (default: lamb lans adamw muon; gpt: "
+                        f"{' '.join(GPT_OPTIMIZERS)})")
+    g.add_argument("--base-batch", type=options.positive_int,
+                   help="the batch at which each optimizer's default rate is taken, scaled from "
+                        "there by its rule to centre the smallest batch's grid (default: 1024; "
+                        "gpt: 64)")
+    g.add_argument("--grid", type=float, nargs="+", metavar="F",
+                   help="factors of each cell's centre rate tried at seed 0, log-spaced "
+                        "(default: 0.5 1 2)")
+    g.add_argument("--extensions", type=options.non_negative_int, metavar="N",
+                   help="points added one by one where the best rate lies on the grid's edge, "
+                        "at most N per cell (default: 2)")
+    g.add_argument("--seeds", type=options.positive_int,
+                   help="runs of each chosen rate, seeds 0 ... N-1 (default: 3)")
+    g.add_argument("--targets", type=float, nargs="*", metavar="LOSS",
+                   help="losses for the steps to a target, B_crit and B_simple (bits per byte "
+                        f"for text) (default: none; gpt: {' '.join(map(str, GPT_TARGETS))})")
+    g.add_argument("--jobs", type=options.positive_int,
+                   help="runs at once, each in a process of its own with cores/jobs threads "
+                        "(default: the cores, one run per core; 1 with --workers)")
+    g.add_argument("--quick", action="store_true", default=None,
+                   help="the quick form: " + ", ".join(
+                       f"{k.replace('_', ' ')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+                       for k, v in QUICK.items()) + " (for the options not given): a "
+                   "smoke test of the protocol, labelled as such, not evidence")
+
+
+def protocol_of(args: argparse.Namespace) -> Protocol:
+    """The study's protocol from its options (the gpt model's and the quick form's defaults
+    for the options not given)."""
+    from .train import configured
+
+    given = options.given(args)
+    gpt = dict(GPT_STUDY, batch_sizes=GPT_BATCH_SIZES, optimizers=GPT_OPTIMIZERS,
+               base_batch=config.GPT_DEFAULTS["batch_size"], targets=GPT_TARGETS)
+    if args.quick:
+        gpt.update(QUICK)
+        options.fill(args, QUICK)
+    options.fill(args, {k: v for k, v in DEFAULTS.items()
+                        if k in ("epochs", "max_grad_norm", "betas")})
+    base = configured(args, given, gpt)
+    if base.model == "gpt":
+        options.fill(args, {k: gpt[k] for k in ("batch_sizes", "optimizers", "base_batch", "targets")})
+    options.fill(args, DEFAULTS)
+    unknown = [n for n in args.optimizers if n not in optimizers.OPTIMIZERS]
+    if unknown:
+        raise ValueError(f"unknown optimizer(s) {unknown}; choose from {', '.join(optimizers.OPTIMIZERS)}")
+    if not all(f > 0 and math.isfinite(f) for f in args.grid):
+        raise ValueError(f"--grid factors must be positive, got {args.grid}")
+    workers = args.workers or 1
+    jobs = args.jobs or (1 if workers > 1 else os.cpu_count() or 1)
+    if jobs > 1 and workers > 1:
+        raise ValueError("--jobs runs several one-process runs at once: use it without --workers")
+    p = Protocol(sorted(args.batch_sizes), args.optimizers, base, args.base_batch,
+                 sorted(args.grid), args.extensions, args.seeds, args.targets or [], jobs,
+                 bool(args.quick))
+    for name in p.names:
+        for b in p.batch_sizes:
+            config.check(p.config(name, b, p.default_lr(name), 0))
+    return p
+
+
+def command(args: argparse.Namespace) -> int:
+    p = protocol_of(args)
+    out = args.out or config.new_folder(pathlib.Path("scaleopt-runs") / "study-large-batch")
+    config.check_out(out, overwrite=bool(args.overwrite))
+    rows = large_batch(p, out=out)
+    print(open(f"{out}/study.md").read())
+    print(report.results_line(out, ["study.json", "study.csv", "study.md"], "study.png"))
+    if world.STOP.is_set():
+        print(f"interrupted after {len(rows)} run{'s' if len(rows) != 1 else ''}; the finished ones "
+              f"are written")
+        return 130
+    return 0 if rows else 1

@@ -20,8 +20,7 @@ import math
 from typing import Any, Dict, Tuple
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 #: the share of the corpus's bytes that trains (the rest, at the end, validates)
 TRAIN_SHARE = 0.9
@@ -125,50 +124,3 @@ def bits_per_byte(loss: float) -> float:
     """A cross-entropy in nats per byte, in bits per byte."""
     return loss / math.log(2)
 
-
-class Block(nn.Module):
-    """A pre-LayerNorm decoder block: causal self-attention and a 4x GELU MLP, each added to
-    the residual stream."""
-
-    def __init__(self, width: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
-        self.fc, self.out = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
-
-    def forward(self, h: Tensor) -> Tensor:
-        b, t, d = h.shape
-        q, k, v = self.qkv(self.ln1(h)).view(b, t, 3, self.heads, d // self.heads).permute(
-            2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        h = h + self.proj(a.transpose(1, 2).reshape(b, t, d))
-        return h + self.out(F.gelu(self.fc(self.ln2(h))))
-
-
-class GPT(nn.Module):
-    """A byte-level GPT-2-style language model: token and position embeddings, ``layers``
-    pre-LN blocks of ``width`` (heads of 32 dimensions), a final LayerNorm and a separate
-    linear head onto the 256 bytes. Outputs ``(batch, context, 256)`` logits."""
-
-    def __init__(self, width: int, layers: int, context: int):
-        super().__init__()
-        if width % 32:
-            raise ValueError(f"--width of the gpt model must be a multiple of 32 (heads of 32 "
-                             f"dimensions), got {width}")
-        self.tok, self.pos = nn.Embedding(VOCAB, width), nn.Embedding(context, width)
-        self.blocks = nn.ModuleList(Block(width, width // 32) for _ in range(layers))
-        self.ln = nn.LayerNorm(width)
-        self.head = nn.Linear(width, VOCAB, bias=False)
-        for name, p in self.named_parameters():
-            if p.ndim == 2:  # GPT-2's initialisation; residual projections scaled by depth
-                std = 0.02 / math.sqrt(2 * layers) if name.endswith(("proj.weight", "out.weight")) else 0.02
-                nn.init.normal_(p, std=std)
-            elif name.endswith("bias"):
-                nn.init.zeros_(p)
-
-    def forward(self, x: Tensor) -> Tensor:
-        h = self.tok(x) + self.pos(torch.arange(x.shape[1], device=x.device))
-        for block in self.blocks:
-            h = block(h)
-        return self.head(self.ln(h))

@@ -1,5 +1,6 @@
-"""The parameter sets both benchmarks time (``bench`` in one process, ``bench_fsdp`` on FSDP2
-shards): BERT-like shapes by size, their parameters with gradients, and the paired ratio."""
+"""The benchmark harness that ``scaleopt bench`` and the scripts in ``benchmarks/`` share: BERT-like
+parameter sets by size, their parameters with gradients, rounds of steps timed interleaved,
+the paired ratio against a baseline, and the bytes an optimizer holds."""
 
 from __future__ import annotations
 
@@ -31,14 +32,16 @@ def cpu_options(ap: Any, rounds: int) -> None:
     """:func:`size_options`, and ``--threads`` (2) and ``--rounds``: a benchmark of one process
     on the CPU (:func:`cpu_shapes`)."""
     size_options(ap)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=rounds)
+    from .cli import options
+
+    options.add_threads(ap, "intra-op threads (default: 2)", default=2)
+    options.add_rounds(ap, rounds)
 
 
 def cpu_shapes(args: Any, native: bool = False) -> List[Tuple[str, Tuple[int, ...]]]:
     """:func:`shapes_of`, torch set to ``args.threads`` threads; with ``native``, a benchmark
     of the C kernels, which stops with a message where they are not built."""
-    from .. import _native
+    from . import _native
 
     if native and not _native.available():
         raise SystemExit("the C kernels are not built")
