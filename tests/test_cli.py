@@ -340,11 +340,9 @@ def test_the_console_script_is_installed():
 def test_a_torchrun_launch_trains_as_one_job(tmp_path):
     """``torchrun`` (as ``python -m torch.distributed.run``, torchrun's own module, so that a
     venv that is not activated runs it too) starts two ranks that train as one job."""
-    import socket
+    from scaleopt.cli.launch import free_port
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     out = tmp_path / "run"
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),

@@ -79,13 +79,12 @@ def test_every_code_block_of_the_docs_runs(code, tmp_path):
     import os
     import re
     import signal
-    import socket
     import subprocess
     import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from scaleopt.cli.launch import free_port
+
+    port = free_port()
     env = dict(os.environ)
     if "torch.distributed" in code:
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",

@@ -1,4 +1,4 @@
-"""Generic behaviour every optimizer owes its users, driven by tests/registry.py."""
+"""Generic behaviour every optimizer owes its users, driven by tests/helpers/registry.py."""
 
 from __future__ import annotations
 

@@ -212,7 +212,7 @@ def test_installing_without_a_compiler_gives_the_same_numbers(tmp_path):
         "    p = named(); run(cls(p, lr=1e-2, weight_decay=0.01), p); out[cls.__name__] = [q for _, q in p]\n"
         "torch.save(out, sys.argv[2])"
     )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), os.path.dirname(__file__)]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), os.path.dirname(__file__), os.path.join(os.path.dirname(__file__), "helpers")]))
     env.pop("SCALEOPT_NATIVE", None)
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "site"), str(tmp_path / "out.pt")],
                    env=env, check=True, timeout=120, cwd=tmp_path)

@@ -95,8 +95,8 @@ def test_the_sdist_carries_its_tests_and_they_run(tmp_path):
         names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
         tar.extractall(tmp_path / "unpacked", filter="data")
     for needed in ("LICENSE", "constraints.txt", "src/scaleopt/csrc/kernels.c", "tests/conftest.py",
-                   "tests/registry.py", "tests/oracle.py", "tests/dgc_workers.py",
-                   "tests/sharded_workers.py", "docs/recipes/hf_trainer.py"):
+                   "tests/helpers/registry.py", "tests/helpers/oracle.py",
+                   "tests/helpers/dgc_workers.py", "tests/helpers/sharded_workers.py", "docs/recipes/hf_trainer.py"):
         assert needed in names, needed
     assert any(n.startswith("tests/data/oracle/") for n in names)
     assert not [n for n in names if n.startswith("docs/_build") or n.endswith((".so", ".pyc"))]

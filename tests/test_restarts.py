@@ -11,7 +11,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import time
 import pytest
 
 from scaleopt.cli import main
+from scaleopt.cli.launch import free_port
 
 #: kills workers and torchrun launches: the slow run (pytest -m slow)
 pytestmark = pytest.mark.slow
@@ -143,9 +143,7 @@ def test_a_worker_that_dies_again_and_again_ends_the_run_after_the_limit(tmp_pat
 
 def test_a_torchrun_launch_restarted_by_torchrun_resumes_from_its_run_folder(tmp_path,
                                                                              never_failed):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     rng = random.Random()
     run = tmp_path / "run"
     # (torchrun's store outlives the workers it restarts: the restarted group must not read

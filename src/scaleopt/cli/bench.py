@@ -179,7 +179,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="time only optimizers whose name contains one of these (the fused "
                          "AdamW baseline always runs)")
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
-    options.add_output(ap, "bench.json")
+    options.add_output(ap, "bench.json", "bench-<size>")
 
 
 def check_arguments(args: argparse.Namespace) -> None:

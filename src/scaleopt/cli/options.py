@@ -95,9 +95,9 @@ def add_world(g: Any, default: int, help: str) -> None:
     g.add_argument("--world", type=int, default=default, help=help)
 
 
-def add_output(g: Any, what: str = "the results") -> None:
+def add_output(g: Any, what: str = "the results", folder: str = "<run>") -> None:
     """``--out`` and ``--overwrite``."""
-    g.add_argument("--out", help=f"folder for {what} (default: scaleopt-runs/<run>, a new "
+    g.add_argument("--out", help=f"folder for {what} (default: scaleopt-runs/{folder}, a new "
                                  f"folder for each run)")
     g.add_argument("--overwrite", action="store_true", default=None,
                    help="write into --out even if it holds an earlier run's results")

@@ -17,13 +17,11 @@ from scaleopt.dgc import DGCHookState, ddp_comm_hook
 def run_workers(fn, world: int, tmp, *args, timeout: float = 60.0):
     """Run ``fn(rank, world, tmp, *args)`` in ``world`` processes; return each rank's result
     (what it saved), or raise with the failing rank's traceback."""
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from scaleopt.cli.launch import free_port
+
+    port = free_port()
     os.makedirs(str(tmp), exist_ok=True)
     # a fork server that has imported torch and scaleopt once starts each worker in a fraction
     # of a fresh interpreter's time (nothing in it has started a thread)

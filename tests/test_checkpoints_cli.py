@@ -18,15 +18,8 @@ import sys
 import pytest
 
 from scaleopt.cli import EXIT_USAGE, main
-
 # 384 = 2 x 192 = 3 x 128: a global batch that 1, 2 and 3 workers split; 8 steps an epoch
-SMALL = ["--train-size", "3072", "--batch-size", "384", "--width", "32", "--no-progress",
-         "--threads", "1", "--steps", "12"]
-
-
-def _train(out, *argv):
-    assert main(["train", *SMALL, *argv, "--out", str(out)]) == 0
-    return json.loads((pathlib.Path(out) / "result.json").read_text())
+from runs import SMALL, train as _train
 
 
 def _same_history(a, b, rel=1e-4):

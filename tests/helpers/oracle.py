@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, List
 import pytest
 import torch
 
-HERE = pathlib.Path(__file__).resolve().parent
+HERE = pathlib.Path(__file__).resolve().parent.parent  # tests/
 BUNDLED = HERE / "data" / "oracle"
 SHARED = HERE.parent.parent / "shared" / "oracle" / "cases"
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
 import shutil
 import subprocess
 import sys
@@ -16,28 +15,7 @@ import pytest
 
 from scaleopt.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, bench, checkpoint, launch, main
 from scaleopt.cli.report import how_to_continue as _how_to_continue
-
-SMALL = ["--train-size", "3072", "--batch-size", "384", "--width", "32", "--no-progress",
-         "--threads", "1", "--steps", "12"]
-
-
-def _train(out, *argv):
-    assert main(["train", *SMALL, *argv, "--out", str(out)]) == EXIT_OK
-    return json.loads((pathlib.Path(out) / "result.json").read_text())
-
-
-@pytest.fixture(scope="module")
-def stopped(tmp_path_factory):
-    """A LAMB run stopped at step 4 of 12 with checkpoints at steps 2 and 4."""
-    run = tmp_path_factory.mktemp("trust") / "lamb"
-    _train(run, "--checkpoint-every", "2", "--stop-after", "4")
-    return run
-
-
-def _copy(stopped, tmp_path):
-    run = tmp_path / "run"
-    shutil.copytree(stopped, run)
-    return run
+from runs import SMALL, copied as _copy, train as _train
 
 
 def _data_file(ckpt):

@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as torch_dcp
 
 import scaleopt.dcp
 from scaleopt.cli import EXIT_OK, checkpoint, main
-from test_cli_trust import _copy, stopped  # noqa: F401 (a fixture: a run stopped at step 4)
+from runs import copied as _copy
 
 SMALL = ["--train-size", "3072", "--batch-size", "384", "--width", "32", "--no-progress",
          "--threads", "1", "--steps", "8"]
