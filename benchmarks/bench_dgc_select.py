@@ -17,14 +17,15 @@ import time
 import torch
 
 from scaleopt.dgc import k_of, topk_exact, topk_sampled
+from scaleopt.cli import options
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--numel", type=int, default=25_000_000)
     ap.add_argument("--density", type=float, default=0.001)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=7)
+    options.add_threads(ap, "intra-op threads (default: 2)", default=2)
+    options.add_rounds(ap, 7)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)

@@ -54,6 +54,7 @@ import torch  # noqa: E402
 import scaleopt  # noqa: E402
 from scaleopt import _triton  # noqa: E402
 from scaleopt.benchmarking import NO_DECAY, bert_shapes, make_params  # noqa: E402
+from scaleopt.cli import options  # noqa: E402
 
 SHAPES = bert_shapes(64, 25, 1000, 256)  # 407 tensors
 
@@ -118,7 +119,7 @@ def time_steps(build, steps, profile=None, new_grads=False):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=50)
-    ap.add_argument("--threads", type=int, default=1)
+    options.add_threads(ap, "intra-op threads (default: 1)", default=1)
     ap.add_argument("--json", metavar="FILE")
     _device_option(ap)
     ap.add_argument("--only", action="append", default=[],

@@ -23,6 +23,7 @@ import torch
 
 import scaleopt
 from scaleopt.benchmarking import SIZES, bert_shapes, make_params, sync
+from scaleopt.cli import options
 
 
 def candidates(device: str):
@@ -47,10 +48,10 @@ def candidates(device: str):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", choices=sorted(SIZES), default="small")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=41)
-    ap.add_argument("--device", default="cpu")
+    options.add_size(ap, SIZES, default="small", help="the parameter set (default: small)")
+    options.add_threads(ap, "intra-op threads (default: 2)", default=2)
+    options.add_rounds(ap, 41)
+    options.add_device(ap, "cpu or cuda (default: cpu)", default="cpu")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

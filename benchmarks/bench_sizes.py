@@ -18,6 +18,7 @@ import torch
 
 import scaleopt
 from scaleopt.benchmarking import paired_ratio
+from scaleopt.cli import options
 
 
 def tensors(numel: int, count: int, seed: int):
@@ -33,8 +34,8 @@ def main(argv=None) -> None:
     ap.add_argument("--sizes", type=int, nargs="+",
                     default=[65536, 262144, 1048576, 2359296, 4194304, 15627264])
     ap.add_argument("--total", type=int, default=16_000_000, help="parameters per row")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=15)
+    options.add_threads(ap, "intra-op threads (default: 2)", default=2)
+    options.add_rounds(ap, 15)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} threads, {args.rounds} rounds, paired ratios")

@@ -43,6 +43,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import scaleopt
+from scaleopt.cli import options
 
 NO_DECAY = ["bias", r"\.2\.", r"\.5\."]  # biases and the two LayerNorms
 
@@ -223,9 +224,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--warm", type=int, default=200, help="steps before the first measurement")
-    ap.add_argument("--world", type=int, default=2,
-                    help="ranks of the FSDP2 soak (1: only the one-process soak)")
-    ap.add_argument("--threads", type=int, default=1)
+    options.add_world(ap, 2, "ranks of the FSDP2 soak (1: only the one-process soak) (default: 2)")
+    options.add_threads(ap, "intra-op threads (default: 1)", default=1)
     ap.add_argument("--only", action="append", default=[],
                     help="the optimizers whose name contains this (repeatable)")
     ap.add_argument("--timeout", type=float, default=1800.0,

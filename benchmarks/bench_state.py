@@ -30,6 +30,7 @@ import torch
 import scaleopt
 from scaleopt.cli import config, optimizers, trainer
 from scaleopt.benchmarking import SIZES, make_params, shapes_of, size_options
+from scaleopt.cli import options
 
 LR, WD = 3e-3, 0.01
 
@@ -113,10 +114,10 @@ def accuracy(name: str, steps: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", choices=sorted(SIZES), default="small")
+    options.add_size(ap, SIZES, default="small", help="the parameter set (default: small)")
     size_options(ap)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=9)
+    options.add_threads(ap, "intra-op threads (default: 2)", default=2)
+    options.add_rounds(ap, 9)
     ap.add_argument("--steps", type=int, default=1024, help="training steps for the accuracy")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()

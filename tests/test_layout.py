@@ -128,3 +128,13 @@ def test_each_option_of_the_command_is_defined_once():
         for flag in re.findall(r"add_argument\(\s*\"(--[a-z0-9-]+)\"", path.read_text()):
             seen.setdefault(flag, []).append(path.name)
     assert {f: where for f, where in seen.items() if len(where) > 1} == {}
+    # and the options the benchmark scripts share with the command come from the same builders
+    shared = {"--threads", "--rounds", "--size", "--device", "--world", "--out", "--overwrite",
+              "--workers", "--optimizer", "--offload"}
+    scripts = [*ROOT.parent.joinpath("benchmarks").glob("*.py"), PACKAGE / "benchmarking.py"]
+    written = [(path.name, flag) for path in scripts
+               for flag in re.findall(r"add_argument\(\s*\"(--[a-z0-9-]+)\"", path.read_text())
+               if flag in shared]
+    # bench_host.py reads --device before torch and Triton are imported (the Triton
+    # interpreter must be set first), so before the command's builders can be
+    assert written == [("bench_host.py", "--device")]
