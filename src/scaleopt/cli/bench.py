@@ -18,7 +18,6 @@ import json
 import pathlib
 import platform
 import statistics
-import time
 from typing import Any, Callable, Dict, List, Tuple
 
 import torch
@@ -27,7 +26,7 @@ import scaleopt
 
 from . import bench_fsdp, bench_gpu, bench_muon, options
 from ..benchmarking import (NO_DECAY, SIZES, held_bytes, interleaved, make_params, paired_ratio,
-                        shapes_of, size_options, sync)
+                            shapes_of, size_options)
 from .report import NO_PLOTS, write_bench_plot
 from .config import check_out, new_folder
 
@@ -123,16 +122,16 @@ def _compact_rows() -> Dict[str, Callable]:
 
 
 def bandwidth_reference(named) -> float:
-    """Seconds for one in-place ``p += g`` over all tensors (12 bytes per fp32 parameter)."""
+    """Seconds for one in-place ``p += g`` over all tensors (12 bytes per fp32 parameter): the
+    median of ``torch.utils.benchmark``'s blocks (it warms up and waits for the device)."""
+    from torch.utils import benchmark
+
     params = [p.detach() for _, p in named]
     grads = [p.grad for _, p in named]
-    device = str(params[0].device)
-    torch._foreach_add_(params, grads, alpha=0.0)
-    sync(device)
-    t = time.perf_counter()
-    torch._foreach_add_(params, grads, alpha=0.0)
-    sync(device)
-    return time.perf_counter() - t
+    timer = benchmark.Timer("torch._foreach_add_(params, grads, alpha=0.0)",
+                            globals={"torch": torch, "params": params, "grads": grads},
+                            num_threads=torch.get_num_threads())
+    return timer.blocked_autorange(min_run_time=0.2).median
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
