@@ -12,6 +12,7 @@ import scaleopt
 from scaleopt import _native
 
 from registry import REGISTRY, set_foreach
+from steps import on_loss
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -24,13 +25,14 @@ def model(device="cuda", dtype=torch.float32, seed=0):
 def run(m, opt, steps, start=0):
     dev = next(m.parameters()).device
     dtype = next(m.parameters()).dtype
-    for t in range(start, start + steps):
+
+    def loss(t):
         g = torch.Generator().manual_seed(t)
         x = torch.randn(64, 32, generator=g).to(dev, dtype)
         y = torch.randn(64, 8, generator=g).to(dev, dtype)
-        opt.zero_grad()
-        (m(x) - y).square().mean().backward()
-        opt.step()
+        return (m(x) - y).square().mean()
+
+    on_loss(opt, range(start, start + steps), loss)
 
 
 def run_on_given_gradients(pairs, steps):

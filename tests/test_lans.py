@@ -11,6 +11,7 @@ from torch import nn
 
 import scaleopt
 from scaleopt.compat import mxnet, paddle
+from steps import on_gradients
 
 
 def one_step_by_hand(w0, g, lr, wd, beta1=0.9, beta2=0.999, eps=1e-6, moved=False):
@@ -162,10 +163,7 @@ def test_bf16_master_resume_is_bit_identical(name):
     oa = MAKERS[name](pa, master_weights=True)
 
     def run(ps, opt, ts):
-        for t in ts:
-            for p, g in zip(ps, bf16_representable_grads(SHAPES, t)):
-                p.grad = g
-            opt.step()
+        on_gradients(opt, ps, ts, lambda t: bf16_representable_grads(SHAPES, t))
 
     run(pa, oa, range(5))
     buf = io.BytesIO()

@@ -12,6 +12,7 @@ from torch import nn
 
 import scaleopt
 from scaleopt import _orthogonal
+from steps import on_gradients
 
 SHAPES = [(24, 40), (40, 24), (32, 32)]  # wide, tall (iterated transposed), square
 
@@ -35,10 +36,7 @@ def _grads(params, t):
 
 
 def _run(opt, params, steps, first=0):
-    for t in range(first, first + steps):
-        for p, g in zip(params, _grads(params, t)):
-            p.grad = g
-        opt.step()
+    on_gradients(opt, params, range(first, first + steps), lambda t: _grads(params, t))
 
 
 @pytest.mark.parametrize("options", OPTIONS, ids=str)

@@ -18,6 +18,7 @@ from torch import nn
 import scaleopt
 from scaleopt import _native
 from scaleopt._dispatch import Impl
+from steps import on_gradients
 
 needs_kernels = pytest.mark.skipif(not _native.available(), reason="kernels not built")
 
@@ -35,12 +36,15 @@ def named(seed=0, dtype=torch.float32):
 
 
 def run(opt, params, steps=8, zero_at=None):
-    for t in range(steps):
+    def grads(t):
         g = torch.Generator().manual_seed(t)
+        out = []
         for k, (_, p) in enumerate(params):
             grad = torch.randn(p.shape, generator=g) * (10.0 if t % 3 == 0 else 0.1)
-            p.grad = torch.zeros_like(p) if (zero_at is not None and k == zero_at) else grad.to(p.dtype)
-        opt.step()
+            out.append(torch.zeros_like(p) if (zero_at is not None and k == zero_at) else grad.to(p.dtype))
+        return out
+
+    on_gradients(opt, [p for _, p in params], range(steps), grads)
 
 
 LAMB_CONFIGS = [

@@ -16,6 +16,7 @@ from torch import nn
 import scaleopt
 from scaleopt import _native
 from scaleopt.offload import OffloadAdam, offload
+from steps import on_loss
 
 
 def model_of(seed=0, dtype=torch.float32):
@@ -62,18 +63,17 @@ def clip_(model, max_norm):
 
 def run(model, opt, steps=20, accumulate=False, clip=None, sched=True, first=0):
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5) if sched else None
-    for t in range(first, first + steps):
-        opt.zero_grad()
-        if accumulate:
-            loss_of(model, t, 0).backward()
-            loss_of(model, t, 1).backward()
-        else:
-            loss_of(model, t).backward()
-        if clip is not None:
-            clip_(model, clip)
-        opt.step()
-        if scheduler:
-            scheduler.step()
+
+    def loss(t):
+        if not accumulate:
+            return loss_of(model, t)
+        loss_of(model, t, 0).backward()
+        loss_of(model, t, 1).backward()
+        return None
+
+    on_loss(opt, range(first, first + steps), loss,
+            before_step=(lambda: clip_(model, clip)) if clip is not None else None,
+            scheduler=scheduler)
     return [p.detach().clone() for p in model.parameters()]
 
 

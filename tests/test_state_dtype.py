@@ -15,6 +15,7 @@ import torch
 
 import scaleopt
 from scaleopt import _compact, _native
+from steps import on_loss
 
 FORMS = ("float32", "bfloat16", "int8")
 #: the compact kernels' loops: portable C, and AVX-512 where the CPU has it
@@ -397,12 +398,13 @@ def _run(cls, form, steps, opt_state=None, weights=None, **kw):
     if opt_state is not None:
         opt.load_state_dict(opt_state)
     start = 0 if opt_state is None else int(opt.state[model[0].weight]["step"])
-    for t in range(start, start + steps):
+
+    def loss(t):
         g = torch.Generator().manual_seed(t)
         x, y = torch.randn(32, 48, generator=g), torch.randint(0, 3, (32,), generator=g)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
+        return torch.nn.functional.cross_entropy(model(x), y)
+
+    on_loss(opt, range(start, start + steps), loss)
     return model, opt
 
 
