@@ -9,9 +9,6 @@ from pathlib import Path
 
 import pytest
 
-#: every code block in a fresh interpreter: the slow run (pytest -m slow)
-pytestmark = pytest.mark.slow
-
 MODULES = [
     "scaleopt.lamb",
     "scaleopt.lans",
@@ -70,6 +67,7 @@ def _snippets():
 OPTIONAL = ("transformers", "lightning", "accelerate")
 
 
+@pytest.mark.slow  # every code block in a fresh interpreter
 @pytest.mark.parametrize("code", list(_snippets()))
 def test_every_code_block_of_the_docs_runs(code, tmp_path):
     """Each Python block of docs/*.md and README.md, as written, in a fresh process (a
