@@ -32,18 +32,25 @@ def run_workers(fn, world: int, tmp, *args, timeout: float = 60.0):
         p.start()
     for p in procs:
         p.join(timeout)
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
+    alive = [r for r, p in enumerate(procs) if p.is_alive()]
+    for r in alive:
+        procs[r].kill()
+    errors = {r: open(e).read() for r in range(world)
+              if os.path.exists(e := os.path.join(str(tmp), f"rank{r}.err"))}
+    if alive:  # the others' errors (a lost peer) follow from it
+        raise AssertionError(f"rank(s) {alive} still running after {timeout} s and killed; the "
+                             f"others' errors: {errors}")
+    died = [r for r, p in enumerate(procs) if p.exitcode and r not in errors]
+    if died:  # ended by a signal (a crash) before writing an error
+        raise AssertionError(f"rank(s) {died} ended with exit codes "
+                             f"{[procs[r].exitcode for r in died]}; the others' errors: {errors}")
+    if errors:
+        r = min(errors)
+        raise AssertionError(f"rank {r} failed:\n{errors[r]}")
     results = []
     for r in range(world):
         path = os.path.join(str(tmp), f"rank{r}.pt")
-        err = os.path.join(str(tmp), f"rank{r}.err")
-        if os.path.exists(err):
-            raise AssertionError(f"rank {r} failed:\n{open(err).read()}")
         results.append(torch.load(path, weights_only=False) if os.path.exists(path) else None)
-    if alive:
-        raise AssertionError(f"{len(alive)} worker(s) still running after {timeout} s")
     return results
 
 
