@@ -110,25 +110,37 @@ def resident_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+#: the consecutive steps after which the live tensors are counted (the fewest is taken)
+COUNTS = 3
+
+
 def soak(make: Callable[[List], torch.optim.Optimizer], model: nn.Module,
          backward: Callable[[int], None], steps: int, warm: int,
          window: Optional[int] = None) -> Dict[str, Any]:
     """``steps`` steps of ``make(model.named_parameters())``: the live tensors and resident
     bytes after ``warm`` steps and at the end, and the median host time of a step (``step()``
-    alone, in ms) over the ``window`` steps after the warm-up and the last ``window``."""
+    alone, in ms) over the ``window`` steps after the warm-up and the last ``window``. The live
+    tensors are the fewest counted after each of ``COUNTS`` consecutive steps: a tensor that a
+    collective in flight holds for a moment is not held per step (a tensor held per step
+    shows in every count)."""
     window = window or max(1, min(200, (steps - warm) // 4))
     opt = make(list(model.named_parameters()))
     times: List[float] = []
     start: Dict[str, int] = {}
+    counts: List[int] = []
     for t in range(steps):
         opt.zero_grad(set_to_none=True)
         backward(t)
         began = time.perf_counter()
         opt.step()
         times.append(time.perf_counter() - began)
+        if warm <= t + 1 < warm + COUNTS or t + 1 > steps - COUNTS:
+            counts.append(live_tensors())
         if t + 1 == warm:
-            start = {"tensors": live_tensors(), "rss": resident_bytes()}
-    end = {"tensors": live_tensors(), "rss": resident_bytes()}
+            start = {"rss": resident_bytes()}
+        if t + 1 == warm + COUNTS - 1:
+            start["tensors"], counts = min(counts), []
+    end = {"tensors": min(counts), "rss": resident_bytes()}
     return {"steps": steps, "warm": warm, "window": window,
             "tensors_start": start["tensors"], "tensors_end": end["tensors"],
             "rss_start": start["rss"], "rss_end": end["rss"],
