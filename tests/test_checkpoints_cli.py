@@ -60,6 +60,7 @@ def test_every_optimizer_trains_sharded_as_in_one_process(tmp_path, name):
     assert fsdp["optimizer_state_bytes_per_rank"] < 0.55 * one["optimizer_state_bytes_per_rank"]
 
 
+@pytest.mark.slow
 def test_a_run_stopped_and_resumed_at_another_world_size_continues_the_run(tmp_path, one_process,
                                                                           capsys):
     run = tmp_path / "run"

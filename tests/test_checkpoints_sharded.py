@@ -91,6 +91,7 @@ def test_a_full_state_dict_of_a_sharded_run_resumes_in_one_process(tmp_path):
         _close(list(model.parameters()), name, 4)
 
 
+@pytest.mark.slow
 def test_a_one_process_checkpoint_resumes_in_a_sharded_run(tmp_path):
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 

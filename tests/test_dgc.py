@@ -251,7 +251,7 @@ def _simulate(world, steps, opts):
     return out
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_n_processes_equal_the_simulation_and_stay_identical(world, tmp_path):
     steps = 5
     opts = dict(W.OPTIONS)

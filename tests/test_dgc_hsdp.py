@@ -15,6 +15,9 @@ import torch
 import dgc_workers as W
 import hsdp_workers as H
 
+#: HSDP on 4 gloo processes (2 replicas x 2 shards): the slow run (pytest -m slow)
+pytestmark = pytest.mark.slow
+
 SHAPE = (2, 2)  # (replicas, shards)
 OPTIONS = dict(lr=0.05, momentum=0.9, sparsity=[0.9, 0.99], rampup_begin_step=1, rampup_step=2,
                min_numel=4096, selection="topk", local_grad_clip_norm=0.02)

@@ -18,7 +18,7 @@ def references():
     return {name: M.train_reference(name, 3) for name in NAMES}
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_sharded_muon_is_one_process_bit_for_bit_with_one_exchange_each_way(
         world, references, tmp_path):
     """63 and 96 rows over 2 and 3 ranks (uneven; the 40-row embedding and head, AdamW's, too):
@@ -58,6 +58,7 @@ def test_compact_momentum_is_stored_as_one_process_stores_it(tmp_path):
         assert buf.dtype == (torch.int8 if "int8" in name else torch.bfloat16)
 
 
+@pytest.mark.slow
 def test_hsdp_replicas_of_sharded_muon_are_one_process(tmp_path):
     """A (2 replicas x 2 shards) mesh: the exchange runs inside each replica's shard group."""
     want = M.train_reference("Muon", 3)
@@ -66,6 +67,7 @@ def test_hsdp_replicas_of_sharded_muon_are_one_process(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_two_ranks_resumes_on_three_as_one_process_goes_on(tmp_path):
     """DCP reshards the int8 momentum (codes and scales laid out as the matrix) 2 -> 3 ranks."""
     name = "Muon(int8 state)"

@@ -137,6 +137,7 @@ def _element_offsets(view, storage):
 HSDP = ["LAMB", "LANS(decay_moved_weight, bounds)", "LAMB(clipping)", "OffloadAdam"]
 
 
+@pytest.mark.slow
 def test_hsdp_on_a_2x2_mesh_keeps_replicas_identical_and_equals_one_process(tmp_path):
     ranks = W.run_workers(S.train_hsdp, 4, tmp_path, HSDP, 3, timeout=240)
     for name in HSDP:
