@@ -9,6 +9,7 @@ from torch.distributed.tensor import DTensor
 
 import scaleopt
 from scaleopt.compat import keras, mindspore, mxnet, paddle, tf1
+from steps import on_loss
 
 def two_groups(ps):
     """HF Trainer's groups: decayed weights, and undecayed biases at another learning rate."""
@@ -132,22 +133,21 @@ def train_reference(name, steps):
     """The optimizer in one process on the full tensors and the full batch."""
     model = model_of(name)
     opt = OPTIMIZERS[name](list(model.named_parameters()))
-    for t in range(steps):
-        opt.zero_grad()
-        backward(model, t)
-        opt.step()
+    on_loss(opt, range(steps), lambda t: backward(model, t))
     return [p.detach().clone() for p in model.parameters()], (
         [opt.master(p).clone() for p in model.parameters()] if hasattr(opt, "master") else []), (
         [dict(opt.state[p]) for p in model.parameters()])
 
 
-def shard(model):
+def shard(model, mesh=None):
+    """FSDP2 on each layer with parameters, then the whole model (over the world, or on
+    ``mesh``)."""
     from torch.distributed.fsdp import fully_shard
 
     for m in model:
         if any(True for _ in m.parameters()):
-            fully_shard(m)
-    fully_shard(model)
+            fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 
@@ -158,10 +158,7 @@ def train_sharded(rank, world, tmp, names, steps):
     for name in names:
         model = shard(model_of(name))
         opt = OPTIMIZERS[name](list(model.named_parameters()))
-        for t in range(steps):
-            opt.zero_grad()
-            backward(model, t, rank, world, sharded=True)
-            opt.step()
+        on_loss(opt, range(steps), lambda t: backward(model, t, rank, world, sharded=True))
         out[name] = [p.full_tensor().detach().clone() for p in model.parameters()]
         out[name + " masters"] = [opt.master(p).full_tensor().clone()
                                   for p in model.parameters()] if hasattr(opt, "master") else []
@@ -228,21 +225,13 @@ def train_hsdp(rank, world, tmp, names, steps):
     """HSDP: each optimizer on a 2x2 mesh (replicate x shard); every rank's local shards and
     its place on the mesh, and rank 0's full parameters."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     out = {"coordinate": mesh.get_coordinate()}
     for name in names:
-        model = model_of(name)
-        for m in model:
-            if any(True for _ in m.parameters()):
-                fully_shard(m, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        model = shard(model_of(name), mesh)
         opt = OPTIMIZERS[name](list(model.named_parameters()))
-        for t in range(steps):
-            opt.zero_grad()
-            backward(model, t, rank, world, sharded=True)
-            opt.step()
+        on_loss(opt, range(steps), lambda t: backward(model, t, rank, world, sharded=True))
         out[name] = [p.to_local().detach().clone() for p in model.parameters()]
         out[name + " full"] = [p.full_tensor().detach().clone() for p in model.parameters()]
     return out
