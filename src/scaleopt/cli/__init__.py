@@ -16,9 +16,8 @@ from typing import List, Optional
 from .. import __version__
 from . import bench, info, study, train
 from .launch import WorkersLost
+from .options import EXIT_DIVERGED, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 from .trainer import Diverged
-
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_DIVERGED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -146,7 +146,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 def command(args: argparse.Namespace) -> int:
     check_arguments(args)
     run(args)
-    return 0
+    return options.EXIT_OK
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:

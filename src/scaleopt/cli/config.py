@@ -102,6 +102,26 @@ class Config:
         return int(self.warmup * total) if self.warmup < 1 else min(int(self.warmup), total)
 
 
+#: the fields of a run's configuration (the options that make one)
+FIELDS = frozenset(f.name for f in dataclasses.fields(Config))
+
+
+def configured(args: argparse.Namespace, given: set, gpt: Dict[str, Any], **over: Any) -> Config:
+    """The run's configuration from the options (those not given take Config's defaults); a
+    model or a dataset given alone brings the other, and the gpt model takes ``gpt``'s values
+    for the options not given."""
+    values = {k: v for k, v in vars(args).items() if k in FIELDS and v is not None}
+    values["progress"] = not args.no_progress
+    if "model" in given and "dataset" not in given:
+        values["dataset"] = "text" if args.model == "gpt" else Config.dataset
+    elif "model" not in given:
+        values["model"] = data.model_of(values.get("dataset", Config.dataset))
+    if values["model"] == "gpt":
+        values.update({k: v for k, v in gpt.items() if k not in given and k in FIELDS})
+    values.update(over)
+    return Config(**values)
+
+
 #: the choices of ``--eval-spacing``
 EVAL_SPACINGS = ("even", "log")
 

@@ -45,4 +45,4 @@ def command(args: argparse.Namespace) -> int:
     print(f"{cfg.optimizer}{' (offloaded)' if cfg.offload else ''} on the built-in model "
           f"({cfg.device}): " + "; ".join(f"group {i}: {impl}"
                                           for i, impl in enumerate(r["groups"])))
-    return 0
+    return options.EXIT_OK

@@ -13,6 +13,9 @@ from __future__ import annotations
 import argparse
 from typing import Any, Dict, Iterable, Set
 
+#: the commands' exit codes (the epilog of ``scaleopt --help`` says them)
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_DIVERGED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+
 #: the namespace entries that are not options: the command, the study and the function
 #: that runs the command
 NOT_OPTIONS = frozenset({"command", "study", "func"})

@@ -367,8 +367,6 @@ def _add_protocol_options(s: argparse.ArgumentParser) -> None:
 def protocol_of(args: argparse.Namespace) -> Protocol:
     """The study's protocol from its options (the gpt model's and the quick form's defaults
     for the options not given)."""
-    from .train import configured
-
     given = options.given(args)
     gpt = dict(GPT_STUDY, batch_sizes=GPT_BATCH_SIZES, optimizers=GPT_OPTIMIZERS,
                base_batch=config.GPT_DEFAULTS["batch_size"], targets=GPT_TARGETS)
@@ -377,7 +375,7 @@ def protocol_of(args: argparse.Namespace) -> Protocol:
         options.fill(args, QUICK)
     options.fill(args, {k: v for k, v in DEFAULTS.items()
                         if k in ("epochs", "max_grad_norm", "betas")})
-    base = configured(args, given, gpt)
+    base = config.configured(args, given, gpt)
     if base.model == "gpt":
         options.fill(args, {k: gpt[k] for k in ("batch_sizes", "optimizers", "base_batch", "targets")})
     options.fill(args, DEFAULTS)
@@ -409,5 +407,5 @@ def command(args: argparse.Namespace) -> int:
     if world.STOP.is_set():
         print(f"interrupted after {len(rows)} run{'s' if len(rows) != 1 else ''}; the finished ones "
               f"are written")
-        return 130
-    return 0 if rows else 1
+        return options.EXIT_INTERRUPTED
+    return options.EXIT_OK if rows else options.EXIT_FAILED

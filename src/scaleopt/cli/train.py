@@ -11,10 +11,9 @@ import sys
 from typing import Any, Dict, Optional
 
 from ..dgc import PAPER_SPARSITY
-from . import checkpoint, config, data, launch, optimizers, options, report, resume, trainer, world
+from . import checkpoint, config, launch, optimizers, options, report, resume, trainer, world
 from .config import Config
-
-EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
+from .options import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -102,37 +101,18 @@ def _add_dgc_options(p: argparse.ArgumentParser) -> None:
                         "the local residual (default: float32)")
 
 
-FIELDS = frozenset(f.name for f in dataclasses.fields(Config))
-
-
-def configured(args: argparse.Namespace, given: set, gpt: Dict[str, Any], **over: Any) -> Config:
-    """The run's configuration from the options (those not given take Config's defaults); a
-    model or a dataset given alone brings the other, and the gpt model takes ``gpt``'s values
-    for the options not given."""
-    values = {k: v for k, v in vars(args).items() if k in FIELDS and v is not None}
-    values["progress"] = not args.no_progress
-    if "model" in given and "dataset" not in given:
-        values["dataset"] = "text" if args.model == "gpt" else Config.dataset
-    elif "model" not in given:
-        values["model"] = data.model_of(values.get("dataset", Config.dataset))
-    if values["model"] == "gpt":
-        values.update({k: v for k, v in gpt.items() if k not in given and k in FIELDS})
-    values.update(over)
-    return Config(**values)
-
-
 def _resumed(args: argparse.Namespace, given: set) -> Config:
     """The configuration of ``train --resume``: the checkpoint's, with the options given."""
-    values = {k: v for k, v in vars(args).items() if k in given and k in FIELDS}
+    values = {k: v for k, v in vars(args).items() if k in given and k in config.FIELDS}
     if "no_progress" in given:
         values["progress"] = False
     merged = resume.resumed_config(args.resume, values, _effective)
-    return Config(**{k: v for k, v in merged.items() if k in FIELDS})
+    return Config(**{k: v for k, v in merged.items() if k in config.FIELDS})
 
 
 def _effective(saved: dict) -> dict:
     """The values a run's options left at None took (compared with values given at resume)."""
-    cfg = Config(**{k: v for k, v in saved.items() if k in FIELDS})
+    cfg = Config(**{k: v for k, v in saved.items() if k in config.FIELDS})
     return {"lr": cfg.resolved_lr(), "steps": cfg.total_steps(),
             "dgc_rampup_steps": cfg.dgc_rampup(), "dgc_sparsity": list(PAPER_SPARSITY)}
 
@@ -141,7 +121,7 @@ def command(args: argparse.Namespace) -> int:
     """``scaleopt train``: check, train, print the summary; the exit code."""
     given = options.given(args)
     restarted = _restarted_by_torchrun(args, given)
-    cfg = _resumed(args, given) if args.resume else configured(args, given, config.GPT_DEFAULTS)
+    cfg = _resumed(args, given) if args.resume else config.configured(args, given, config.GPT_DEFAULTS)
     config.check(cfg)
     if cfg.out is None:
         cfg = dataclasses.replace(cfg, out=config.default_out(cfg))
