@@ -124,33 +124,31 @@ def shared_step() -> Any:
     return mp.get_context(start_method()).Value("q", -1, lock=False)
 
 
-def spawn(target: Callable[..., None], world_size: int, device: str, *args: Any,
-          started: Optional[Callable[[list], None]] = None, folder: Optional[str] = None) -> None:
+def spawn(target: Callable[..., None], world_size: int, device: str, folder: str, *args: Any,
+          started: Optional[Callable[[list], None]] = None) -> None:
     """Run ``target(rank, world, stop, *args)`` in ``world_size`` new processes, each one rank
     of a process group on 127.0.0.1 (gloo, or NCCL on ``cuda``). ``stop`` is an event that the
     first Ctrl-C or SIGTERM here sets; a second one ends the workers and raises
     KeyboardInterrupt. A worker's error comes back as
-    ``torch.multiprocessing.ProcessRaisedException`` (and its record in ``folder``, see
-    :func:`failure`), a worker that dies as ``ProcessExitedException`` (the others are ended).
-    ``started(pids)``: called with the workers' process ids once they run."""
+    ``torch.multiprocessing.ProcessRaisedException`` (and its record in the folder ``folder``,
+    see :func:`failure`), a worker that dies as ``ProcessExitedException`` (the others are
+    ended). ``started(pids)``: called with the workers' process ids once they run."""
     method = start_method()
     stop = mp.get_context(method).Event()
     context = None
-    with contextlib.ExitStack() as stack:
-        folder = folder or stack.enter_context(tempfile.TemporaryDirectory())
-        try:
-            with world.interruptible(stop):
-                context = mp.start_processes(
-                    _worker, args=(target, world_size, free_port(), device, stop, folder, args),
-                    nprocs=world_size, join=False, start_method=method)
-                if started is not None:
-                    started([p.pid for p in context.processes])
-                while not context.join(timeout=1.0):
-                    pass
-        except KeyboardInterrupt:  # a second Ctrl-C: no worker is left behind
-            for p in context.processes if context is not None else ():
-                p.kill()
-            raise
+    try:
+        with world.interruptible(stop):
+            context = mp.start_processes(
+                _worker, args=(target, world_size, free_port(), device, stop, folder, args),
+                nprocs=world_size, join=False, start_method=method)
+            if started is not None:
+                started([p.pid for p in context.processes])
+            while not context.join(timeout=1.0):
+                pass
+    except KeyboardInterrupt:  # a second Ctrl-C: no worker is left behind
+        for p in context.processes if context is not None else ():
+            p.kill()
+        raise
 
 
 def failure(folder: str, error: BaseException) -> Optional[Dict[str, Any]]:
@@ -207,8 +205,8 @@ def _attempt(cfg: Config, attempt: Config, reached: Any,
     with tempfile.TemporaryDirectory() as tmp:
         result_file = os.path.join(tmp, "result.json")
         try:
-            spawn(_rank, cfg.workers, cfg.device, attempt, result_file, reached,
-                  started=lambda pids: _write_pids(cfg, pids, restart), folder=tmp)
+            spawn(_rank, cfg.workers, cfg.device, tmp, attempt, result_file, reached,
+                  started=lambda pids: _write_pids(cfg, pids, restart))
             return json.loads(pathlib.Path(result_file).read_text()), ""
         except mp.ProcessExitedException as exc:
             return None, _how_it_died(exc)

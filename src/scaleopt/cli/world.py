@@ -54,11 +54,11 @@ def end_group() -> None:
 
 
 @contextlib.contextmanager
-def interruptible(event: Any, quiet: bool = False) -> Iterator[None]:
+def interruptible(event: Any) -> Iterator[None]:
     """The first Ctrl-C (SIGINT) or SIGTERM sets ``event``: the run ends after its current step,
     writes its results so far (and a checkpoint with --checkpoint-every) and the command exits
-    130. A second one here raises KeyboardInterrupt at once. ``quiet``: no message (the workers of a
-    command, whose parent says it)."""
+    130. A second one here raises KeyboardInterrupt at once (a spawned worker takes SIGTERM
+    itself: :func:`launch._worker`)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -70,9 +70,8 @@ def interruptible(event: Any, quiet: bool = False) -> Iterator[None]:
         if len(received) > 1:
             raise KeyboardInterrupt
         event.set()
-        if not quiet:
-            why = "" if signum == signal.SIGINT else f"{signal.Signals(signum).name}: "
-            print(f"\n{why}stopping after this step (Ctrl-C again to abort) ...", file=sys.stderr)
+        why = "" if signum == signal.SIGINT else f"{signal.Signals(signum).name}: "
+        print(f"\n{why}stopping after this step (Ctrl-C again to abort) ...", file=sys.stderr)
 
     previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
     try:
