@@ -292,9 +292,15 @@ def test_state_dtype_stores_the_moments_in_fewer_bytes_and_says_how_many(tmp_pat
     assert per_param["int8"] < 0.5 * per_param["float32"]
 
 
-def test_divergence_exits_3(tmp_path, capsys):
-    assert main(["train", *TINY, "--lr", "1e6", "--steps", "30", "--out", str(tmp_path)]) == EXIT_DIVERGED
-    assert "diverged" in capsys.readouterr().err
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_divergence_exits_3(tmp_path, capsys, workers):
+    """In one process, and in workers: a worker's divergence reaches the command by the record
+    it writes (its error's class), not by the restarts meant for a worker that died."""
+    assert main(["train", *TINY, "--lr", "1e6", "--steps", "30", "--workers", workers,
+                 "--out", str(tmp_path)]) == EXIT_DIVERGED
+    err = capsys.readouterr().err
+    assert "training diverged: the training loss is" in err and "lower --lr" in err
+    assert "restart" not in err
 
 
 def _subparsers(parser):
