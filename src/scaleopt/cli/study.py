@@ -384,9 +384,8 @@ def protocol_of(args: argparse.Namespace) -> Protocol:
         raise ValueError(f"unknown optimizer(s) {unknown}; choose from {', '.join(optimizers.OPTIMIZERS)}")
     if not all(f > 0 and math.isfinite(f) for f in args.grid):
         raise ValueError(f"--grid factors must be positive, got {args.grid}")
-    workers = args.workers or 1
-    jobs = args.jobs or (1 if workers > 1 else os.cpu_count() or 1)
-    if jobs > 1 and workers > 1:
+    jobs = args.jobs or (1 if base.workers > 1 else os.cpu_count() or 1)
+    if jobs > 1 and base.workers > 1:
         raise ValueError("--jobs runs several one-process runs at once: use it without --workers")
     p = Protocol(sorted(args.batch_sizes), args.optimizers, base, args.base_batch,
                  sorted(args.grid), args.extensions, args.seeds, args.targets or [], jobs,
