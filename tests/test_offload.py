@@ -514,7 +514,10 @@ def test_offloaded_fp16_parameters_are_rounded_from_the_master():
     (dict(check_finite=None), TypeError, "check_finite"),
     (dict(overlap="no"), TypeError, "overlap"),
     (dict(exclude_from_weight_decay="("), ValueError, "exclude_from_weight_decay"),
-    (dict(foreach=True), TypeError, "foreach"),
+    (dict(foreach=True), ValueError, "foreach=True: OffloadAdam has no multi-tensor path"),
+    (dict(foreach="yes"), TypeError, "foreach"),
+    (dict(fused=True, amsgrad=True), ValueError, "fused=True.*amsgrad"),
+    (dict(fused=True, foreach=True), ValueError, "cannot be set together"),
 ])
 def test_bad_options_are_clear_errors(kwargs, error, match):
     with pytest.raises(error, match=match):

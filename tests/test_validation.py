@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -131,13 +132,23 @@ def test_bad_param_group_is_rejected_and_not_added(cls):
     opt = cls(named())
     with pytest.raises(ValueError, match="lr"):
         opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))], "param_names": ["x"], "lr": -1.0})
-    with pytest.raises(ValueError, match="Unknown option.*'wieght_decay'"):
-        opt.add_param_group(
-            {"params": [nn.Parameter(torch.zeros(2))], "param_names": ["x"], "wieght_decay": 0.1}
-        )
-    with pytest.raises(ValueError, match="Unknown option"):
-        cls([{"params": named(), "learning_rate": 0.1}])
     assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("cls", CORE, ids=lambda c: c.__name__)
+def test_a_misspelt_group_key_is_kept_with_a_warning_naming_the_option(cls):
+    opt = cls(named())
+    with pytest.warns(UserWarning, match="'wieght_decay'.*did you mean 'weight_decay'"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))], "param_names": ["x"],
+                             "wieght_decay": 0.1})
+    with warnings.catch_warnings():  # once per optimizer and key
+        warnings.simplefilter("error")
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))], "param_names": ["y"],
+                             "wieght_decay": 0.2})
+    assert [g.get("wieght_decay") for g in opt.param_groups] == [None, 0.1, 0.2]
+    assert opt.param_groups[1]["weight_decay"] == opt.defaults["weight_decay"]
+    with pytest.warns(UserWarning, match="did you mean 'lr'.*'learning_rate' is its name in other"):
+        cls([{"params": named(), "learning_rate": 0.1}])
 
 
 def test_paddle_front_end_errors():

@@ -91,7 +91,7 @@ class _Memo(NamedTuple):
     @staticmethod
     def options_of(group: Dict[str, Any], amsgrad: bool) -> tuple:
         return (group["state_dtype"], group.get("capturable", False), group.get("master_weights"),
-                group.get("implementation"), group.get("foreach"), amsgrad)
+                group.get("implementation"), group.get("foreach"), group.get("fused"), amsgrad)
 
     @classmethod
     def of(cls, opt: Any, group: Dict[str, Any], params: List[Tensor], amsgrad: bool,

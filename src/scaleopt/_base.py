@@ -7,14 +7,16 @@ The rooms beside it: ``_checks`` (argument checks), ``_params`` (parameters in, 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
+import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from ._checks import (check_betas, check_bool, check_choice, check_name_rule, check_number,
-                      check_optional_bool, checked_value_clip)
+                      check_optional_bool, checked_value_clip, near_misses)
 from . import _compact
 from ._compact import STATE_DTYPES
 from ._compile import eager
@@ -68,6 +70,32 @@ def lr_number(group: Dict[str, Any]) -> float:
     return float(lr_of(group))
 
 
+def _options_by_optimizer() -> Dict[str, Tuple[str, ...]]:
+    """Each public scaleopt optimizer's keyword arguments, by class name (the classes of
+    ``scaleopt``'s own modules, not the front-ends of :mod:`scaleopt.compat`)."""
+    out, todo = {}, [ScaleOptimizer]
+    while todo:
+        cls = todo.pop()
+        todo.extend(cls.__subclasses__())
+        module = cls.__module__
+        if (module.startswith("scaleopt.") and ".compat" not in module
+                and not module.rsplit(".", 1)[1].startswith("_")
+                and not cls.__name__.startswith("_")):
+            out[cls.__name__] = tuple(k for k in inspect.signature(cls.__init__).parameters
+                                      if k not in ("self", "params"))
+    return dict(sorted(out.items()))
+
+
+#: Names other frameworks (and scaleopt's front-ends for them) give options.
+PORTED_NAMES = {"learning_rate": "lr", "epsilon": "eps", "wd": "weight_decay",
+                "weight_decay_rate": "weight_decay", "use_nesterov": "nesterov",
+                "multi_precision": "master_weights", "clip_gradient": "clip_grad_value",
+                "clipvalue": "clip_grad_value", "clipnorm": "clip_grad_norm_per_tensor",
+                "global_clipnorm": "max_grad_norm", "beta1": "betas", "beta2": "betas",
+                "beta_1": "betas", "beta_2": "betas",
+                "exclude_from_weight_decay_fn": "exclude_from_weight_decay"}
+
+
 def _read_by_grad_scaler(frame: Any) -> bool:
     """Whether ``frame`` is a :class:`torch.amp.GradScaler`'s ``step`` (or a subclass's)."""
     return (frame is not None and frame.f_code.co_name == "step"
@@ -82,8 +110,16 @@ class ScaleOptimizer(torch.optim.Optimizer):
     * ``params`` as tensors, ``(name, tensor)`` pairs (``model.named_parameters()``) or group
       dicts; names are kept in each group's ``param_names`` as torch does;
     * validation of every hyperparameter of every group, at construction and in
-      :meth:`add_param_group`, raising ``ValueError``/``TypeError`` that name the argument; an
-      unknown group key is an error, not silently kept;
+      :meth:`add_param_group`, raising ``ValueError``/``TypeError`` that name the argument;
+    * group keys that are not options kept as :mod:`torch.optim` keeps them (``lr_scale``,
+      ``layer_id``, ``name``: trainers annotate their groups and their schedulers read them),
+      saved and loaded with the group and unused by the update; a key that looks like a
+      misspelt option, or that is an option of another scaleopt optimizer only, is warned about
+      once per optimizer, naming the option it may have meant;
+    * ``foreach`` and ``fused`` in every group, as :mod:`torch.optim` means them (``None``: the
+      optimizer chooses; ``foreach=True``: multi-tensor ops; ``foreach=False`` with ``fused``
+      not True: the per-tensor loop; ``fused=True``: the fused kernels, an error where none can
+      run); an optimizer without such a path says so when asked for it;
     * name rules (``exclude_from_*``): a regex, a list of regexes (``re.search`` on the name) or a
       callable on the name. A callable is written into :meth:`state_dict` as the equivalent list of
       anchored names, so checkpoints load with ``weights_only=True``;
@@ -104,6 +140,10 @@ class ScaleOptimizer(torch.optim.Optimizer):
     _extra_defaults: Dict[str, Any] = {}
     #: Option -> the argument name users of a subclass know it by (front-ends), for errors.
     _arg_names: Dict[str, str] = {}
+    #: Whether the optimizer has a multi-tensor path (``foreach=True``) and fused kernels
+    #: (``fused=True``); asking for one it lacks is a ``ValueError``.
+    _multi_tensor = True
+    _fused_kernels = False
     #: Whether the step takes a GradScaler's scale and inf flag (``grad_scale``, ``found_inf``)
     #: instead of gradients the scaler unscaled in place (see :meth:`_intake`).
     _takes_amp_scale = False
@@ -145,7 +185,8 @@ class ScaleOptimizer(torch.optim.Optimizer):
         self.nonfinite = nonfinite
         #: steps skipped for an inf/NaN gradient under ``nonfinite="skip"``
         self.skipped_steps = 0
-        super().__init__(groups, {**defaults, **self._extra_defaults})
+        super().__init__(groups, {"foreach": None, "fused": None, **defaults,
+                                  **self._extra_defaults})
         self._attach()
 
     @property
@@ -172,12 +213,8 @@ class ScaleOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         group = normalize_group(param_group)
-        unknown = set(group) - set(self.defaults) - BOOKKEEPING_KEYS
-        if unknown:
-            raise ValueError(
-                f"Unknown option(s) {sorted(unknown)} in param group for "
-                f"{type(self).__name__}; known options: {sorted(self.defaults)}"
-            )
+        for key in sorted(set(group) - set(self.defaults) - BOOKKEEPING_KEYS):
+            self._hint(key)
         filled = dict(self.defaults)
         filled.update(group)
         for i, p in enumerate(filled["params"]):
@@ -200,6 +237,32 @@ class ScaleOptimizer(torch.optim.Optimizer):
         super().add_param_group(group)
         self._grad_source.track(self.param_groups[-1]["params"])
 
+    def _hint(self, key: Any) -> None:
+        """Warn, once per optimizer, where a group key that is not one of this optimizer's
+        options looks like a misspelling of one or is an option of another scaleopt optimizer;
+        the key is kept either way."""
+        hinted = self.__dict__.setdefault("_hinted", set())  # the keys warned about
+        if not isinstance(key, str) or key in hinted:
+            return
+        name = type(self).__name__
+        close = near_misses(key, [k for k in self.defaults if k not in self._not_options])
+        owners = [cls for cls, options in _options_by_optimizer().items() if key in options]
+        ported = PORTED_NAMES.get(key)
+        if close:
+            why = f"did you mean {close[0]!r}?"
+        elif ported in self.defaults:
+            why = f"did you mean {ported!r}? ({key!r} is its name in other frameworks)"
+        elif owners:
+            why = f"it is an option of {', '.join(owners)}, not of {name}"
+        else:
+            return
+        hinted.add(key)
+        warnings.warn(f"param group key {key!r} is not an option of {name} and is kept in the "
+                      f"group, unused by the update: {why}", UserWarning, stacklevel=3)
+
+    #: Defaults that are bookkeeping rather than options a user would misspell.
+    _not_options: Tuple[str, ...] = ("algorithm",)
+
     def _validate_group(self, group: Dict[str, Any]) -> None:
         """Check a group's hyperparameters (defaults filled in): the learning rate, the gradient
         options :meth:`_intake` reads where the optimizer has them, ``maximize``, ``foreach``
@@ -221,10 +284,23 @@ class ScaleOptimizer(torch.optim.Optimizer):
             group["clip_grad_value"] = checked_value_clip(group["clip_grad_value"])
         if "maximize" in group:
             check_bool(self._arg("maximize"), group["maximize"])
-        if "foreach" in group:
-            check_optional_bool("foreach", group["foreach"])
+        self._validate_paths(group)
         for key in self._name_rule_keys:
             check_name_rule(self._arg(key), group.get(key))
+
+    def _validate_paths(self, group: Dict[str, Any]) -> None:
+        """``foreach`` and ``fused``: each None or a bool, not both True, and only for a path
+        this optimizer has (subclasses check that the fused kernels can take the group)."""
+        for key in ("foreach", "fused"):
+            check_optional_bool(key, group.get(key))
+        name = type(self).__name__
+        if group.get("fused") and group.get("foreach"):
+            raise ValueError("fused=True and foreach=True cannot be set together")
+        if group.get("foreach") and not self._multi_tensor:
+            raise ValueError(f"foreach=True: {name} has no multi-tensor path (its update runs "
+                             f"one tensor at a time); pass foreach=None or False")
+        if group.get("fused") and not self._fused_kernels:
+            raise ValueError(f"fused=True: {name} has no fused kernels; pass fused=None or False")
 
     def _validate_adam_group(self, group: Dict[str, Any]) -> None:
         """Checks shared by the Adam-family optimizers: betas, eps, weight_decay and
@@ -286,7 +362,7 @@ class ScaleOptimizer(torch.optim.Optimizer):
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
         for st in self.state.values():  # checkpoints of torch < 1.12 and of many ports
-            if "step" in st and not torch.is_tensor(st["step"]):
+            if isinstance(st, dict) and "step" in st and not torch.is_tensor(st["step"]):
                 st["step"] = torch.tensor(float(st["step"]), dtype=torch.float32)
         if unpickled:
             self._attach()
@@ -307,8 +383,10 @@ class ScaleOptimizer(torch.optim.Optimizer):
         entry saying which class saved it and the kind of state it holds."""
         sd = super().state_dict()
         sd[TAG] = dict(tag(self), skipped_steps=self.skipped_steps)
-        for k, st in sd["state"].items():  # counters that point into one buffer (the Triton
-            step = st.get("step")            # path's) are saved as tensors of their own
+        # counters that point into one buffer (the Triton path's) are saved as tensors of their
+        # own; a value that is not a parameter's dict (a hook's) passes through as torch's does
+        for k, st in sd["state"].items():
+            step = st.get("step") if isinstance(st, dict) else None
             if torch.is_tensor(step) and step.untyped_storage().nbytes() != step.element_size():
                 sd["state"][k] = dict(st, step=step.clone())
         for g in sd["param_groups"]:

@@ -127,3 +127,26 @@ def check_num_threads(num_threads: Any) -> None:
     if num_threads is not None and (isinstance(num_threads, bool)
                                     or not isinstance(num_threads, int) or num_threads < 1):
         raise ValueError(f"Invalid num_threads: {num_threads!r} (a positive int or None)")
+
+
+def edit_distance(a: str, b: str) -> int:
+    """The number of single-character insertions, deletions, substitutions and swaps of two
+    neighbours that turn ``a`` into ``b`` (the optimal string alignment distance)."""
+    prev2: list = []
+    prev = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        row = [i] + [0] * len(b)
+        for j, cb in enumerate(b, 1):
+            row[j] = min(prev[j] + 1, row[j - 1] + 1, prev[j - 1] + (ca != cb))
+            if i > 1 and j > 1 and ca == b[j - 2] and a[i - 2] == cb:
+                row[j] = min(row[j], prev2[j - 2] + 1)
+        prev2, prev = prev, row
+    return prev[-1]
+
+
+def near_misses(key: str, options: Sequence[str]) -> list:
+    """The options that ``key`` is a likely misspelling of: at most one edit away (two for keys
+    of more than six characters), ignoring case, nearest first."""
+    allowed = 2 if len(key) > 6 else 1
+    scored = sorted((edit_distance(key.lower(), o.lower()), o) for o in options)
+    return [o for d, o in scored if d <= allowed]

@@ -47,8 +47,10 @@ def implementation(group: Dict[str, Any], params: Sequence[Tensor], *, kernels: 
                    on_host: bool = False, tensors: Optional[GroupTensors] = None) -> Impl:
     """The implementation of a group's update.
 
-    ``foreach=True``/``False`` (the group's option) asks for ``MULTI``/``SINGLE``. With
-    ``foreach=None``: ``NATIVE`` for an optimizer with ``kernels`` when they are built, the
+    ``fused=True`` (the group's option) asks for the fused kernels: ``NATIVE`` in host memory,
+    ``TRITON`` on CUDA, ``ValueError`` where neither can take the group (:func:`fused`).
+    ``foreach=True``/``False`` asks for ``MULTI``/``SINGLE``. ``fused=False`` leaves the fused
+    kernels out of the choice below. With neither set: ``NATIVE`` for an optimizer with ``kernels`` when they are built, the
     update runs in host memory (CPU parameters, or ``on_host``: an offloaded optimizer) and,
     when ``tensors`` are given, the kernels take every one of them (:func:`_native.applies`:
     contiguous float32 weights, or bfloat16 ones with master weights); without ``tensors`` the
@@ -69,15 +71,16 @@ def implementation(group: Dict[str, Any], params: Sequence[Tensor], *, kernels: 
     if not all(map(operator.is_, map(_LAYOUT, params), itertools.repeat(torch.strided))):
         return Impl.SINGLE
     sharded = any_dtensor(params)
-    foreach = group.get("foreach")
+    foreach, asked = group.get("foreach"), group.get("fused")
+    if asked and kernels:
+        return fused(params, on_host, tensors)
     if foreach is not None and not sharded:
         return Impl.MULTI if foreach else Impl.SINGLE
-    if (foreach is None and kernels and _native.available()
-            and (on_host or all(map(_IS_CPU, params)))
+    choose = foreach is None and asked is None and kernels
+    if (choose and _native.available() and (on_host or all(map(_IS_CPU, params)))
             and (tensors is None or _native.applies(tensors))):
         return Impl.NATIVE
-    if (foreach is None and kernels and not on_host and _triton.available()
-            and all(map(_IS_CUDA, params))
+    if (choose and not on_host and _triton.available() and all(map(_IS_CUDA, params))
             and (tensors is None or _triton.applies(tensors))):
         return Impl.TRITON
     if sharded:  # on the local shards, the norms totalled in one reduction
@@ -90,16 +93,36 @@ _IS_CPU = operator.attrgetter("is_cpu")
 _IS_CUDA = operator.attrgetter("is_cuda")
 
 
+def fused(params: Sequence[Tensor], on_host: bool, tensors: Optional[GroupTensors]) -> Impl:
+    """The fused kernels that ``fused=True`` asks for: ``NATIVE`` where the update runs in host
+    memory, ``TRITON`` on CUDA; ``ValueError`` where they are not installed or cannot take the
+    tensors (``tensors`` None: before the group's state exists, only the device is asked)."""
+    if on_host or all(map(_IS_CPU, params)):
+        impl, have = Impl.NATIVE, _native.available()
+        missing = "the C kernels are not built in this install (no C compiler at install time, " \
+                  "or SCALEOPT_NATIVE=0)"
+    elif all(map(_IS_CUDA, params)):
+        impl, have = Impl.TRITON, _triton.available()
+        missing = "Triton is not installed (pip install triton)"
+    else:
+        raise ValueError("fused=True: the fused kernels run on CPU tensors (C) or on CUDA tensors "
+                         f"(Triton), not on {sorted({p.device.type for p in params})} tensors")
+    if not have:
+        raise ValueError(f"fused=True: {missing}")
+    return _explicit(impl, params, tensors, asked="fused=True")
+
+
 def check_implementation(group: Dict[str, Any]) -> None:
     """A group's ``implementation`` option: None, or an implementation this install has, not
-    together with ``foreach``."""
+    together with ``foreach`` or ``fused``."""
     name = group.get("implementation")
     if name is None:
         return
     impl = resolve(name, True)
-    if group.get("foreach") is not None:
-        raise ValueError(f"implementation={name!r} and foreach={group['foreach']!r} cannot be "
-                         f"set together: implementation names the path itself")
+    for key in ("foreach", "fused"):
+        if group.get(key) is not None:
+            raise ValueError(f"implementation={name!r} and {key}={group[key]!r} cannot be "
+                             f"set together: implementation names the path itself")
     if impl is Impl.NATIVE and not _native.available():
         raise ValueError("implementation='native': the C kernels are not built in this install "
                          "(no C compiler at install time, or SCALEOPT_NATIVE=0)")
@@ -128,13 +151,15 @@ _TAKES = {
 }
 
 
-def _explicit(impl: Impl, params: Sequence[Tensor], tensors: Optional[GroupTensors]) -> Impl:
-    """``impl``, asked for by a group's ``implementation`` option, where it takes the tensors."""
+def _explicit(impl: Impl, params: Sequence[Tensor], tensors: Optional[GroupTensors], *,
+              asked: Optional[str] = None) -> Impl:
+    """``impl``, asked for by a group's ``implementation`` option (or as ``asked`` says), where
+    it takes the tensors."""
     if impl is Impl.SINGLE and any_dtensor(params):
         raise ValueError("implementation='single' cannot run on sharded (DTensor) parameters: "
                          "there is no per-tensor loop over shards; use 'multi'")
     test = _TAKES.get(impl)
     if test is not None and tensors is not None and not test[0](tensors):
-        raise ValueError(f"implementation={impl.value!r} cannot take this group's tensors: it "
-                         f"takes {test[1]}")
+        raise ValueError(f"{asked or f'implementation={impl.value!r}'}: the {impl.value} "
+                         f"kernels cannot take this group's tensors: they take {test[1]}")
     return impl

@@ -54,11 +54,15 @@ def group_implementations(optimizer: torch.optim.Optimizer) -> List[str]:
         if not isinstance(optimizer, ScaleOptimizer):
             out.append(f"{type(optimizer).__module__}.{type(optimizer).__name__}'s own step")
         elif isinstance(optimizer, OffloadAdam):
-            out.append("native (host)" if _native.available() else "single (host)")
+            kernel = (_native.available() and group["fused"] is not False
+                      and group["foreach"] is None)
+            out.append("native (host)" if kernel else "single (host)")
         elif isinstance(optimizer, AdamW) or group.get("algorithm") == "adamw":
             group = group if isinstance(optimizer, AdamW) else _as_adamw(group)  # Muon's part
             out.append("fused (torch)" if takes_fused(group, params) else
-                       "multi (torch foreach)" if group["foreach"] else "torch's choice")
+                       "multi (torch foreach)" if group["foreach"] else
+                       "single (torch for-loop)" if group["foreach"] is False else
+                       "torch's choice")
         elif group.get("algorithm") == "muon":
             out.append("Newton-Schulz (bfloat16 matmuls), matrices whole on one rank each")
         else:

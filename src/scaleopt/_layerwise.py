@@ -47,6 +47,7 @@ class LayerwiseAdam(AdamFamily):
     #: multipliers (on the device for the Triton kernels); an inf skips the step (decided on
     #: the device where every group is ``capturable``)
     _takes_amp_scale = True
+    _fused_kernels = True  # the C kernels in host memory, the Triton kernels on CUDA
 
     def _validate_group(self, group: Dict[str, Any]) -> None:
         super()._validate_group(group)
@@ -57,6 +58,8 @@ class LayerwiseAdam(AdamFamily):
         check_bool(a("master_weights"), group["master_weights"])
         check_bounds(group["lower_bound"], group["upper_bound"], a("lower_bound"), a("upper_bound"))
         check_implementation(group)
+        if group["fused"]:  # the kernels are there for the group's device (ValueError if not)
+            implementation(group, group["params"], on_host=self._grad_source.on_host)
         check_bool(a("capturable"), group["capturable"])
         if group["capturable"] and group["implementation"] not in (None, "triton"):
             raise ValueError(f"capturable=True runs on the Triton kernels, not "

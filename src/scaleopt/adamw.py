@@ -11,7 +11,7 @@ from torch.optim.adamw import adamw as _torch_adamw
 from . import _compact, _foreach, _native
 from ._sharding import local_piece
 from ._base import ScaleOptimizer
-from ._checks import check_bool, check_optional_bool
+from ._checks import check_bool
 from ._loading import ADAM_STATE
 from ._params import NameRule
 
@@ -42,12 +42,21 @@ def fused_supported(params: List[Tensor]) -> bool:
 
 def takes_fused(group: Dict[str, Any], params: List[Tensor]) -> bool:
     """Whether a group's step runs torch's fused kernel: as its ``fused`` option says, or by
-    default where ``foreach`` does not ask for the multi-tensor path and the kernel takes every
-    parameter."""
+    default where ``foreach`` asks for no path (True: torch's multi-tensor ops, False: its
+    per-tensor loop) and the kernel takes every parameter."""
     fused = group["fused"]
     if fused is None:
-        fused = group["foreach"] is not True and fused_supported(params)
+        fused = group["foreach"] is None and fused_supported(params)
     return fused
+
+
+def check_fused(group: Dict[str, Any]) -> None:
+    """``fused=True``: torch's fused Adam kernel takes every parameter of the group."""
+    if group["fused"] and not fused_supported(group["params"]):
+        raise ValueError(
+            "fused=True needs floating-point parameters on a device with torch's fused Adam "
+            f"kernel ({', '.join(_fused_devices())})"
+        )
 
 
 def _beside(steps: List[Tensor], params: List[Tensor]) -> List[Tensor]:
@@ -87,8 +96,11 @@ class AdamW(ScaleOptimizer):
         max_grad_norm (float or None, default None): global gradient-norm clipping.
         clip_grad_value, clip_grad_norm_per_tensor, rescale_grad: as in :class:`LAMB`.
         maximize (bool, default False): maximize the objective.
-        foreach (bool or None, default None), fused (bool or None, default None): the kernel;
-            ``None`` picks the fused kernel when supported.
+        foreach (bool or None, default None), fused (bool or None, default None): the path, as
+            in :class:`torch.optim.AdamW`: ``fused=True`` torch's fused kernel (and the C
+            kernels for ``bfloat16``/``int8`` state on the CPU), ``foreach=True`` torch's
+            multi-tensor ops, ``foreach=False`` its per-tensor loop; both ``None`` pick the
+            fused kernel where it takes every parameter.
         nonfinite (``"propagate"`` or ``"skip"``, default ``"propagate"``): what a step does
             with an inf/NaN gradient (see :doc:`/robustness`): let it flow into the update, as
             torch's optimizers do, or skip the whole step, counted in ``skipped_steps``.
@@ -107,6 +119,7 @@ class AdamW(ScaleOptimizer):
 
     _name_rule_keys = ("exclude_from_weight_decay",)
     _state_spec = ADAM_STATE
+    _fused_kernels = True  # torch's fused Adam kernel
 
     def __init__(
         self,
@@ -128,8 +141,6 @@ class AdamW(ScaleOptimizer):
         nonfinite: str = "propagate",
         state_dtype: str = "float32",
     ) -> None:
-        if fused and foreach:
-            raise ValueError("fused=True and foreach=True cannot be set together")
         defaults = dict(
             lr=lr,
             betas=tuple(betas) if isinstance(betas, list) else betas,
@@ -153,14 +164,7 @@ class AdamW(ScaleOptimizer):
         self._validate_adam_group(group)
         a = self._arg
         check_bool(a("amsgrad"), group["amsgrad"])
-        check_optional_bool("fused", group["fused"])
-        if group["fused"] and group["foreach"]:
-            raise ValueError("fused=True and foreach=True cannot be set together")
-        if group["fused"] and not fused_supported(group["params"]):
-            raise ValueError(
-                "fused=True needs floating-point parameters on a device with torch's fused Adam "
-                f"kernel ({', '.join(_fused_devices())})"
-            )
+        check_fused(group)
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
@@ -270,8 +274,9 @@ def _native_row(group: Dict[str, Any], p: Tensor, grad: Tensor, state: Dict[str,
     """``(weight, grad, exp_avg, exp_avg_sq, step, stored)`` of a parameter whose moments
     are stored in ``form`` (bfloat16 or 8 bits), for the C kernel, which updates them in
     place in one pass (no float32 copies): where it takes the tensor (float32 on the CPU,
-    the kernels built, no amsgrad, not under ``torch.compile``), else None."""
-    if (group["amsgrad"] or p.dtype != torch.float32 or not _native.available()
+    the kernels built, no amsgrad, not under ``torch.compile``, no path other than the fused
+    ones asked for), else None."""
+    if (group["amsgrad"] or group["fused"] is False or group["foreach"] is not None or p.dtype != torch.float32 or not _native.available()
             or _foreach.compiling() or not state["step"].is_cpu):
         return None
     stored = _compact.stored(state, form, p)

@@ -88,7 +88,13 @@ class LAMB(LayerwiseAdam):
             where Triton is installed (the multi-tensor path otherwise) and, on the CPU, the
             fused C kernels for contiguous float32 tensors and bfloat16 ones with master
             weights (the loop otherwise). All give the same numbers up to float round-off.
-        implementation (str or None, default None): the path by name, instead of ``foreach``:
+        fused (bool or None, default None): ``True`` runs the fused kernels (the C kernels in
+            host memory, the Triton kernels on CUDA; an error where they are not installed or
+            cannot take the group's tensors), ``False`` leaves them out of ``None``'s choice.
+            ``foreach`` and ``fused`` mean what they mean in :mod:`torch.optim` (see
+            :doc:`/migrating`).
+        implementation (str or None, default None): the path by name, instead of ``foreach``
+            and ``fused``:
             ``"single"``, ``"multi"``, ``"native"`` (the C kernels) or ``"triton"`` (the
             Triton kernels, also on CPU tensors under ``TRITON_INTERPRET=1``); an error where
             it cannot take the tensors.
@@ -145,6 +151,7 @@ class LAMB(LayerwiseAdam):
         master_weights: bool = False,
         maximize: bool = False,
         foreach: Optional[bool] = None,
+        fused: Optional[bool] = None,
         implementation: Optional[str] = None,
         capturable: bool = False,
         nonfinite: str = "propagate",
@@ -167,8 +174,7 @@ class LAMB(LayerwiseAdam):
             exclude_from_layer_adaptation=exclude_from_layer_adaptation,
             master_weights=master_weights,
             maximize=maximize,
-            foreach=foreach,
-            implementation=implementation,
+            foreach=foreach, fused=fused, implementation=implementation,
             capturable=capturable, state_dtype=state_dtype,
         )
         super().__init__(params, defaults, nonfinite=nonfinite)

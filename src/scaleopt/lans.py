@@ -68,7 +68,8 @@ class LANS(LayerwiseAdam):
         master_weights (bool, default False): float32 master weights for float16/bfloat16
             params, as in :class:`~scaleopt.LAMB` (split for bfloat16 where the kernels run).
         maximize (bool, default False): maximize the objective.
-        foreach (bool or None, default None), implementation (str or None, default None):
+        foreach (bool or None, default None), fused (bool or None, default None),
+        implementation (str or None, default None):
             which path runs the update, as in :class:`~scaleopt.LAMB` (on CUDA the Triton
             kernels, on the CPU the C kernels, by default). All give the same numbers up to
             float round-off.
@@ -115,6 +116,7 @@ class LANS(LayerwiseAdam):
         master_weights: bool = False,
         maximize: bool = False,
         foreach: Optional[bool] = None,
+        fused: Optional[bool] = None,
         implementation: Optional[str] = None,
         capturable: bool = False,
         nonfinite: str = "propagate",
@@ -137,8 +139,7 @@ class LANS(LayerwiseAdam):
             exclude_from_layer_adaptation=exclude_from_layer_adaptation,
             master_weights=master_weights,
             maximize=maximize,
-            foreach=foreach,
-            implementation=implementation,
+            foreach=foreach, fused=fused, implementation=implementation,
             capturable=capturable, state_dtype=state_dtype,
         )
         super().__init__(params, defaults, nonfinite=nonfinite)

@@ -42,6 +42,8 @@ class Momentum(ScaleOptimizer):
             for the matching names.
         max_grad_norm, clip_grad_value, clip_grad_norm_per_tensor, rescale_grad, maximize, foreach:
             as in :class:`scaleopt.LAMB`.
+        fused (None or False, default None): there are no fused kernels for this update
+            (``fused=True`` is an error, as for torch's SGD on a device without them).
         nonfinite (``"propagate"`` or ``"skip"``, default ``"propagate"``): what a step does
             with an inf/NaN gradient (see :doc:`/robustness`): let it flow into the update, as
             torch's optimizers do, or skip the whole step, counted in ``skipped_steps``.
@@ -73,6 +75,7 @@ class Momentum(ScaleOptimizer):
         rescale_grad: float = 1.0,
         maximize: bool = False,
         foreach: Optional[bool] = None,
+        fused: Optional[bool] = None,
         nonfinite: str = "propagate",
     ) -> None:
         defaults = dict(
@@ -88,6 +91,7 @@ class Momentum(ScaleOptimizer):
             rescale_grad=rescale_grad,
             maximize=maximize,
             foreach=foreach,
+            fused=fused,
         )
         super().__init__(params, defaults, nonfinite=nonfinite)
 

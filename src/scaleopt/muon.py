@@ -90,6 +90,9 @@ class Muon(ScaleOptimizer):
         nonfinite (``"propagate"`` or ``"skip"``): as in :class:`LAMB` (see :doc:`/robustness`).
         state_dtype (``"float32"``, ``"bfloat16"`` or ``"int8"``, default ``"float32"``): how
             the momentum and AdamW's moments are stored (see :doc:`/state`).
+        foreach (bool or None, default None), fused (bool or None, default None): the AdamW
+            part's path, as in :class:`AdamW` (torch's fused kernel, multi-tensor ops or
+            per-tensor loop); the matrices' iteration has one form and ignores them.
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
@@ -106,6 +109,7 @@ class Muon(ScaleOptimizer):
 
     _name_rule_keys = ("exclude_from_muon", "exclude_from_weight_decay")
     _state_spec = StateSpec("muon", (), ("momentum_buffer", "exp_avg", "exp_avg_sq"))
+    _fused_kernels = True  # torch's fused Adam kernel, for the AdamW part
 
     def __init__(
         self,
@@ -128,6 +132,8 @@ class Muon(ScaleOptimizer):
         max_grad_norm: Optional[float] = None,
         nonfinite: str = "propagate",
         state_dtype: str = "float32",
+        foreach: Optional[bool] = None,
+        fused: Optional[bool] = None,
     ) -> None:
         defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
@@ -137,7 +143,7 @@ class Muon(ScaleOptimizer):
             betas=tuple(betas) if isinstance(betas, list) else betas, adamw_eps=adamw_eps,
             adamw_lr=adamw_lr, exclude_from_muon=exclude_from_muon,
             exclude_from_weight_decay=exclude_from_weight_decay, max_grad_norm=max_grad_norm,
-            state_dtype=state_dtype, algorithm=None,
+            state_dtype=state_dtype, foreach=foreach, fused=fused, algorithm=None,
         )
         super().__init__(params, defaults, nonfinite=nonfinite)
 
@@ -192,6 +198,8 @@ class Muon(ScaleOptimizer):
         check_number("adamw_lr", group["adamw_lr"], allow_none=True)
         check_choice("algorithm", group["algorithm"], ALGORITHMS)
         self._check_state_dtype(group)
+        if group["algorithm"] == "adamw":
+            adamw.check_fused(group)
         if group["algorithm"] == "muon":
             for i, p in enumerate(group["params"]):
                 if p.ndim != 2:
@@ -300,4 +308,4 @@ def _move(w: Tensor, update: Tensor, group: Dict[str, Any], shape: Any) -> None:
 
 def _as_adamw(group: Dict[str, Any]) -> Dict[str, Any]:
     """A Muon group's AdamW options under :class:`scaleopt.AdamW`'s keys."""
-    return dict(group, eps=group["adamw_eps"], amsgrad=False, foreach=None, fused=None)
+    return dict(group, eps=group["adamw_eps"], amsgrad=False)

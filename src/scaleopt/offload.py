@@ -25,7 +25,7 @@ from ._compile import eager
 from ._host import HostPipeline, attach_host
 from ._intake import Deferral, GroupGrads
 from ._layerwise import LayerwiseAdam
-from ._params import NameRule
+from ._params import NameRule, param_label
 from ._sharding import local
 
 __all__ = ["OffloadAdam", "HostPipeline", "offload"]
@@ -85,6 +85,10 @@ class OffloadAdam(AdamFamily):
             step copies again a gradient changed after its copy by an operation that bumps
             its version counter (``clip_grad_norm_``, ``p.grad.mul_()``, ``unscale_``), not one
             changed through ``p.grad.data``: such loops pass ``overlap=False``.
+        foreach (None or False), fused (bool or None, default None): the path, as in
+            :mod:`torch.optim`: ``fused=True`` the host kernel for every parameter (an error
+            where it cannot run), ``fused=False`` or ``foreach=False`` the per-tensor
+            reference; there is no multi-tensor path (``foreach=True`` is an error).
 
     After a step, ``opt.skipped`` tells whether it was skipped for a non-finite gradient.
 
@@ -100,6 +104,8 @@ class OffloadAdam(AdamFamily):
 
     _name_rule_keys = ("exclude_from_weight_decay",)
     _takes_amp_scale = True
+    _multi_tensor = False  # the host kernel or the per-tensor reference
+    _fused_kernels = True
 
     def __init__(
         self,
@@ -122,6 +128,8 @@ class OffloadAdam(AdamFamily):
         num_threads: Optional[int] = None,
         overlap: bool = True,
         state_dtype: str = "float32",
+        foreach: Optional[bool] = None,
+        fused: Optional[bool] = None,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -137,6 +145,8 @@ class OffloadAdam(AdamFamily):
             max_grad_norm=max_grad_norm,
             loss_scale=loss_scale,
             state_dtype=state_dtype,
+            foreach=foreach,
+            fused=fused,
         )
         check_bool("check_finite", check_finite)
         self.skipped = False
@@ -158,6 +168,11 @@ class OffloadAdam(AdamFamily):
         check_bool(a("amsgrad"), group["amsgrad"])
         check_bool(a("nesterov"), group["nesterov"])
         check_choice("eps_mode", group["eps_mode"], ("standard", "hat"))
+        if group["fused"] and (group["amsgrad"] or not _native.available()):
+            raise ValueError("fused=True runs the host kernel, which "
+                             + ("has no amsgrad" if group["amsgrad"] else
+                                "is not built in this install (no C compiler at install time, "
+                                "or SCALEOPT_NATIVE=0)"))
         if group["amsgrad"] and group["nesterov"]:
             raise ValueError("amsgrad=True and nesterov=True cannot be combined")
         for p in group["params"]:
@@ -208,10 +223,15 @@ class OffloadAdam(AdamFamily):
         group, params = item.group, item.params
         state = self._adam_state(group, params, amsgrad=group["amsgrad"])
         stored = state.stored or [None] * len(params)
-        fast = [not group["amsgrad"] and _native.adam_applies(*row, st) for row, st in zip(
+        kernel = not group["amsgrad"] and group["fused"] is not False and group["foreach"] is None
+        fast = [kernel and _native.adam_applies(*row, st) for row, st in zip(
             zip(*(local(xs) for xs in (state.view.weights, item.grads, state.exp_avgs,
                                       state.exp_avg_sqs, state.view.kernel_w16()))), stored)]
         slow = [k for k, f in enumerate(fast) if not f]
+        if slow and group["fused"]:
+            raise ValueError(f"fused=True: the host kernel cannot take parameter "
+                             f"{param_label(group, item.idx[slow[0]])} (it takes contiguous "
+                             f"float32 masters, moments and gradients)")
         state = state.decoded(slow)  # float32 working tensors for the reference's tensors
         no_decay = self._rule_flags(group, "exclude_from_weight_decay")
         # sharded parameters: the local shards (the gradients already are)

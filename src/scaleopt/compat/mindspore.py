@@ -40,8 +40,6 @@ _MS_ARGS = {
     "nesterov": "use_nesterov",
 }
 
-#: Group keys MindSpore knows; ``grad_centralization`` is not supported by AdamOffload here.
-_GROUP_KEYS = {"params", "lr", "weight_decay", "order_params"}
 
 LRSource = Union[float, List[float], Callable[[int], Any]]
 
@@ -268,11 +266,9 @@ class AdamOffload(OffloadAdam):
             if "order_params" in d:
                 order = list(d["order_params"])
                 continue
-            unknown = set(d) - _GROUP_KEYS
-            if unknown:
-                raise ValueError(f"For 'AdamOffload', unsupported group key(s) {sorted(unknown)}; "
-                                 f"known: {sorted(_GROUP_KEYS - {'order_params'})}")
-            groups.append(normalize_group(d))
+            if d.get("grad_centralization"):
+                raise ValueError("For 'AdamOffload', grad_centralization is not supported")
+            groups.append(normalize_group(d))  # other keys are kept, as torch.optim keeps them
         if order is not None:
             groups = AdamOffload._apply_order(groups, order)
         return groups, True

@@ -85,6 +85,9 @@ class DGCMomentum(ScaleOptimizer):
         nonfinite (``"propagate"`` or ``"skip"``, default ``"propagate"``): what a step does
             with an inf/NaN gradient (see :doc:`/robustness`): let it flow into the update, as
             torch's optimizers do, or skip the whole step, counted in ``skipped_steps``.
+        foreach, fused (None or False, default None): accepted as :mod:`torch.optim` trainers
+            pass them; the update is one tensor at a time (each tensor's selection is its
+            own), so ``True`` for either is an error.
 
     ``opt.telemetry`` holds, for the last step, host-side counts (no device sync):
     ``bytes_sent``, the bytes this rank puts on the wire (``(N-1) * k * (index + value bytes)``
@@ -106,6 +109,7 @@ class DGCMomentum(ScaleOptimizer):
     """
 
     _state_spec = StateSpec("dgc", ("step", "u", "v"), ("u", "v"))
+    _multi_tensor = False
 
     def __init__(
         self,
@@ -130,6 +134,7 @@ class DGCMomentum(ScaleOptimizer):
         clip_grad_norm_per_tensor: Optional[float] = None,
         nonfinite: str = "propagate",
         mesh: Optional[Any] = None,
+        foreach: Optional[bool] = None, fused: Optional[bool] = None,
     ) -> None:
         self.mesh = replicas.check_mesh(mesh, process_group)
         if self.mesh is not None:
@@ -145,8 +150,7 @@ class DGCMomentum(ScaleOptimizer):
             rampup_begin_step=rampup_begin_step, rampup_step=rampup_step,
             local_grad_clip_norm=local_grad_clip_norm, clip_mode=clip_mode,
             min_numel=min_numel, momentum_masking=momentum_masking, selection=selection,
-            clip_grad_norm_per_tensor=clip_grad_norm_per_tensor,
-        )
+            clip_grad_norm_per_tensor=clip_grad_norm_per_tensor, foreach=foreach, fused=fused)
         if value_dtype not in (None, torch.float16, torch.bfloat16, torch.float32):
             raise ValueError(f"Invalid value_dtype: {value_dtype!r} (float16, bfloat16, float32 or None)")
         self.value_dtype = value_dtype
