@@ -1,0 +1,2 @@
+"""scaleopt in other trainers: :mod:`scaleopt.integrations.torchtitan`. Each module imports
+without its trainer installed."""
