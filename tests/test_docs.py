@@ -64,7 +64,7 @@ def _snippets():
             yield pytest.param(code, id=f"{page.name}-{i}")
 
 
-OPTIONAL = ("transformers", "lightning", "accelerate")
+OPTIONAL = ("transformers", "lightning", "accelerate", "torchtitan")
 
 
 @pytest.mark.slow  # every code block in a fresh interpreter
@@ -104,7 +104,8 @@ def test_every_code_block_of_the_docs_runs(code, tmp_path):
             proc.wait()
     missing = [m for m in OPTIONAL if f"No module named '{m}'" in stderr]
     if missing:
-        pytest.skip(f"needs the frameworks extra ({missing[0]})")
+        pytest.skip(f"needs the {'torchtitan' if missing[0] == 'torchtitan' else 'frameworks'} "
+                    f"extra ({missing[0]})")
     assert proc.returncode == 0, stderr[-3000:]
 
 

@@ -266,3 +266,24 @@ def test_a_group_with_a_higher_rate_moves_further(info):
     moved_fast = [(p - q).norm() for p, q in zip(faster.parameters(), start.parameters())]
     first = len(o1.param_groups[0]["params"])
     assert all(f > b for f, b in zip(moved_fast[:first], moved[:first]))
+
+
+def test_muons_adamw_part_takes_the_flags_as_torchs_adamw():
+    """Muon's parameters that are not matrices step on AdamW by the path the flags name."""
+    for flags in (dict(foreach=False), dict(foreach=True), dict(fused=True)):
+        torch.manual_seed(0)
+        norms = [nn.LayerNorm(6), nn.LayerNorm(6)]
+        twins = copy.deepcopy(norms)
+        mine = scaleopt.Muon([p for m in norms for p in m.parameters()], lr=0.02,
+                             adamw_lr=1e-2, weight_decay=0.1, **flags)
+        torchs = torch.optim.AdamW([p for m in twins for p in m.parameters()], lr=1e-2,
+                                   betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, **flags)
+        assert [g["algorithm"] for g in mine.param_groups] == ["adamw"]
+        x = torch.randn(8, 6, generator=torch.Generator().manual_seed(1))
+        for opt, layers in ((mine, norms), (torchs, twins)):
+            for _ in range(3):
+                opt.zero_grad()
+                layers[1](layers[0](x)).sin().sum().backward()
+                opt.step()
+        for a, b in zip(norms, twins):
+            assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters())), flags
