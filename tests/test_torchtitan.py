@@ -66,6 +66,15 @@ def test_the_integration_imports_and_names_scaleopts_optimizers(titan):
     exact = torchtitan.optimizer_config("LAMB", lr=1e-3, implementation="single")
     (lamb,) = exact.build(model_parts=[model]).optimizers
     assert lamb.param_groups[0]["implementation"] == "single"
+    (offloaded,) = torchtitan.optimizer_config("OffloadLAMB", lr=1e-3).build(
+        model_parts=[model]).optimizers
+    assert isinstance(offloaded, scaleopt.LAMB) and offloaded.host is not None
+    momentum = torchtitan.optimizer_config("Momentum", lr=0.1)
+    with pytest.raises(ValueError, match="fused=True: Momentum has no fused kernels"):
+        momentum.build(model_parts=[model])
+    momentum = torchtitan.optimizer_config("Momentum", lr=0.1, titan_implementation="foreach")
+    (sgd,) = momentum.build(model_parts=[model]).optimizers
+    assert sgd.param_groups[0]["foreach"] is True
 
 
 def make_assets(folder: pathlib.Path) -> None:
