@@ -114,8 +114,9 @@ class ScaleOptimizer(torch.optim.Optimizer):
     * group keys that are not options kept as :mod:`torch.optim` keeps them (``lr_scale``,
       ``layer_id``, ``name``: trainers annotate their groups and their schedulers read them),
       saved and loaded with the group and unused by the update; a key that looks like a
-      misspelt option, or that is an option of another scaleopt optimizer only, is warned about
-      once per optimizer, naming the option it may have meant;
+      misspelt option, that is another framework's name for one (``learning_rate``), or that is
+      an option of another scaleopt optimizer only, is warned about once per optimizer and key,
+      naming the option it may have meant;
     * ``foreach`` and ``fused`` in every group, as :mod:`torch.optim` means them (``None``: the
       optimizer chooses; ``foreach=True``: multi-tensor ops; ``foreach=False`` with ``fused``
       not True: the per-tensor loop; ``fused=True``: the fused kernels, an error where none can
@@ -238,9 +239,10 @@ class ScaleOptimizer(torch.optim.Optimizer):
         self._grad_source.track(self.param_groups[-1]["params"])
 
     def _hint(self, key: Any) -> None:
-        """Warn, once per optimizer, where a group key that is not one of this optimizer's
-        options looks like a misspelling of one or is an option of another scaleopt optimizer;
-        the key is kept either way."""
+        """Warn, once per optimizer and key, where a group key that is not one of this
+        optimizer's options looks like a misspelling of one, is another framework's name for
+        one (:data:`PORTED_NAMES`) or is an option of another scaleopt optimizer; the key is
+        kept either way."""
         hinted = self.__dict__.setdefault("_hinted", set())  # the keys warned about
         if not isinstance(key, str) or key in hinted:
             return
