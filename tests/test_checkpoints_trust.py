@@ -168,10 +168,12 @@ def test_checkpoints_are_pruned_to_the_newest_n(tmp_path):
 def _limited(argv, limit, cwd):
     """``scaleopt`` in a process that cannot write a file past ``limit`` bytes (writes beyond
     it fail with EFBIG, as on a full disk)."""
+    # the limit starts after the imports: importing torch may write (where dill is installed,
+    # torch imports it, and dill probes the temporary folder with a file)
     code = ("import resource, signal, sys\n"
+            "from scaleopt.cli import main\n"
             "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
             f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))\n"
-            "from scaleopt.cli import main\n"
             "sys.exit(main(sys.argv[1:]))\n")
     return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
                           timeout=300, cwd=cwd)
