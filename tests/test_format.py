@@ -99,3 +99,29 @@ def test_the_checks_find_literals_in_either_language():
     c = "/* 0.47f */ float a = 0x1p-31f; // 768\nuint32_t h = x * 0x45D9F3Bu; char *s = \"1.875\";\n"
     assert [(n, v) for n, _, v in _c_literals(c)] == [(1, 2.0 ** -31), (2, 0x45D9F3B)]
     assert {2.0 ** -31, 0x45D9F3B, 16129.0} <= _format_values()
+
+
+def test_each_enumeration_is_defined_once():
+    """The weight-decay modes, moment forms, kinds and store forms: numbered in ``_format``
+    alone. The C sources take them from the generated header (no ``enum`` of their own, no
+    ``kind & <number>``), the Triton kernels compare with named constants of ``_format``'s
+    values (no ``FORM == 2``), and no other Python module writes the table again."""
+    prefixes = "|".join(_format.C_ENUMS)
+    for path in sorted(SRC.glob("csrc/*.[ch]")):
+        text = path.read_text()
+        assert not re.search(rf"enum\s*\{{\s*({prefixes})_", text), path.name
+        assert not re.search(r"kind\s*&\s*\d", text), path.name
+    kernels = (SRC / "_triton_kernels.py").read_text()
+    assert not re.findall(r"\b(?:G_KIND|W16_KIND|FORM|MODE)\s*[=!]=\s*\d", kernels)
+    tables = [_format.WEIGHT_DECAY_MODES, _format.MOMENT_FORMS, _format.GRAD_KINDS,
+              _format.W16_KINDS, _format.KIND_BITS, _format.STORE_FORMS]
+    entries = [f'"{name}": {value}' for table in tables for name, value in table.items()
+               if value]  # (a code 0 alone says nothing)
+    for path in sorted(SRC.rglob("*.py")):
+        if path.name != "_format.py":
+            text = path.read_text()
+            assert not [e for e in entries if e in text], path.name
+    header = _format.header()
+    for prefix, table in _format.C_ENUMS.items():
+        for name, value in table.items():
+            assert f"{prefix}_{name.upper()} = {value}" in header

@@ -45,7 +45,7 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 from triton.compiler import ASTSource
 
-from scaleopt import _triton
+from scaleopt import _format, _triton
 
 #: the kernels' arguments that are pointers (the rest not constexpr are float32 scalars)
 POINTERS = {"ptrs": "*i64", "grads": "*i64", "sizes": "*i64", "chunks": "*i64", "scal": "*fp32",
@@ -56,7 +56,7 @@ POINTERS = {"ptrs": "*i64", "grads": "*i64", "sizes": "*i64", "chunks": "*i64", 
 #: each kernel's options besides the tensors' kinds, and the values the launcher can pass
 CHOICES = {
     "sum_squares": {},
-    "lamb_sums": dict(MODE=(0, 1, 2), CLIP=(False, True), HAS_LOWER=(False, True),
+    "lamb_sums": dict(MODE=tuple(_format.WEIGHT_DECAY_MODES.values()), CLIP=(False, True), HAS_LOWER=(False, True),
                       HAS_UPPER=(False, True)),
     "lans_sums": dict(CLIP=(False, True), HAS_LOWER=(False, True), HAS_UPPER=(False, True)),
 }
@@ -76,10 +76,13 @@ def options(name, j=None):
 #: (W_SPLIT, G_KIND, W16_KIND) of every tensor the kernels take (``_triton.applies``): a float32
 #: weight with a float32, bfloat16 or float16 gradient and nothing, a bfloat16 or a float16
 #: rounded copy to write; a split master (bfloat16 upper halves, int16 lower ones)
-KINDS = [(0, g, w16) for g in (0, 1, 2) for w16 in (0, 1, 2)] + [(1, g, 3) for g in (0, 1, 2)]
+_G, _W16 = _format.GRAD_KINDS, _format.W16_KINDS
+KINDS = ([(0, g, _W16[w16]) for g in _G.values() for w16 in ("none", "bfloat16", "float16")]
+         + [(1, g, _W16["split"]) for g in _G.values()])
 #: four kinds that take every value of each of the three, in turn (the cover)
-COVER_KINDS = [(0, 0, 0), (0, 1, 1), (0, 2, 2), (1, 1, 3)]
-FORMS = (0, 1, 2)
+COVER_KINDS = [(0, _G["float32"], _W16["none"]), (0, _G["bfloat16"], _W16["bfloat16"]),
+               (0, _G["float16"], _W16["float16"]), (1, _G["bfloat16"], _W16["split"])]
+FORMS = tuple(_format.MOMENT_FORMS.values())
 #: the partial sums per slot that ``totals`` adds up (sum_squares 1, LAMB 2, LANS 4)
 TOTALS = (1, 2, 4)
 #: the suite's default: every rule on the cover for sm_90, the heaviest variants for sm_80
@@ -100,7 +103,7 @@ def variants(every=False, light=False):
             else:
                 cover = [] if light else [(kind, options(name, j)[0])
                                           for j, kind in enumerate(COVER_KINDS)]
-                chosen = cover + [((1, 2, 3), options(name, -1)[0])]
+                chosen = cover + [((1, _G["float16"], _W16["split"]), options(name, -1)[0])]
             for kind, opts in chosen:
                 out.append((name, dict(opts, W_SPLIT=kind[0], G_KIND=kind[1],
                                        W16_KIND=kind[2], FORM=form)))

@@ -236,10 +236,6 @@ def adam_direction(ms: TensorList, bc1: List[float], denom: TensorList) -> Tenso
 # weight decay
 # --------------------------------------------------------------------------------------------
 
-#: LAMB's ``weight_decay_mode`` choices, and the code the C and Triton kernels take for each
-WEIGHT_DECAY_MODES = {"update": 0, "decoupled": 1, "l2": 2}
-
-
 def add_decay_to_update(updates: TensorList, params: TensorList, weight_decay: float) -> None:
     """``u += wd * w`` (decay inside the trust ratio: LAMB paper, Paddle, MXNet, TF1)."""
     if updates and weight_decay != 0:

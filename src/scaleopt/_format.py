@@ -1,8 +1,10 @@
-"""The compact state's format, defined once: the constants that its Python reference
-(``_compact``), the C kernels (``csrc/``, through ``_format.h``, generated from this
-table) and the Triton kernels (``_triton_kernels``) share. What they mean is docs/state.md's
-"The formats"; each implementation names them from here, and ``tests/test_format.py`` fails
-where one writes a literal of its own or the header differs from the table.
+"""The kernels' shared vocabulary, defined once: the compact state's constants that its
+Python reference (``_compact``), the C kernels (``csrc/``, through ``_format.h``, generated
+from this table) and the Triton kernels (``_triton_kernels``) share, and the enumerations the
+Python side hands the kernels (weight-decay mode, moment form, gradient and weight kinds, how
+a weight is stored). What the constants mean is docs/state.md's "The formats"; each
+implementation names them from here, and ``tests/test_format.py`` fails where one writes a
+literal of its own, defines an enumeration again, or the header differs from the table.
 
 ``python -m scaleopt._format`` prints the header (``src/scaleopt/_format.h``).
 """
@@ -40,6 +42,26 @@ SALTS = {"exp_avg": 1, "exp_avg_sq": 2, "max_exp_avg_sq": 3, "momentum_buffer": 
 
 MASK32 = 0xFFFFFFFF
 
+# -- enumerations: the Python side's names -> the numbers the kernels take ------------------------
+
+#: how a decoupled-or-not weight decay enters LAMB's step (its ``weight_decay_mode``)
+WEIGHT_DECAY_MODES = {"update": 0, "decoupled": 1, "l2": 2}
+#: how the moments are stored between steps (``_compact``'s forms: a ``state_dtype``)
+MOMENT_FORMS = {"float32": 0, "bfloat16": 1, "int8": 2}
+#: a gradient's dtype (the Triton kernels' ``G_KIND``; the C kernels take float32 or bfloat16)
+GRAD_KINDS = {"float32": 0, "bfloat16": 1, "float16": 2}
+#: what a weight's 16-bit tensor holds (the Triton kernels' ``W16_KIND``): nothing, the rounded
+#: bfloat16 or float16 weights to write, or a split master's lower halves
+W16_KINDS = {"none": 0, "bfloat16": 1, "float16": 2, "split": 3}
+#: the bits of a tensor's ``kind`` in the C kernels: a bfloat16 gradient, a split master
+KIND_BITS = {"bf16_grad": 1, "split": 2}
+#: how the C kernels write a weight: float32; float32 and its 16-bit copy; a split master
+STORE_FORMS = {"f32": 0, "f32_copy": 1, "split": 2}
+
+#: the enumerations the C header defines, by their prefix there
+C_ENUMS = {"MODE": WEIGHT_DECAY_MODES, "FORM": MOMENT_FORMS, "KIND": KIND_BITS,
+           "STORE": STORE_FORMS}
+
 
 def salt_key(moment: str) -> int:
     """A moment's part of the rounding key, salt * SALT_MUL in 32 bits."""
@@ -73,6 +95,9 @@ def header() -> str:
         f"#define FORMAT_SALT_MUL {SALT_MUL:#X}u".replace("0X", "0x"),
     ]
     lines += [f"#define FORMAT_SALT_{name.upper()} {salt}u" for name, salt in SALTS.items()]
+    lines += ["enum { " + ", ".join(f"{prefix}_{name.upper()} = {value}"
+                                    for name, value in table.items()) + " };"
+              for prefix, table in C_ENUMS.items()]
     return "\n".join(lines + ["#endif", ""])
 
 

@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from . import _foreach
+from . import _foreach, _format
 from ._checks import check_same_sizes
 from ._compile import eager
 from ._sharding import Phased
@@ -27,7 +27,6 @@ _TENSOR_FIELDS = [("w", c_void_p), ("g", c_void_p), ("m", c_void_p), ("v", c_voi
 #: where the moments are stored in bfloat16 or 8 bits (``COMPACT_FIELDS`` in ``csrc/base.h``)
 _COMPACT_FIELDS = [("m_scale", c_void_p), ("v_scale", c_void_p), ("row_len", c_int64),
                    ("offset", c_int64), ("form", c_int32)]
-_FORMS = {"float32": 0, "bfloat16": 1, "int8": 2}
 
 
 class LayerwiseTensor(ctypes.Structure):
@@ -172,12 +171,14 @@ def _compact(st: Any) -> dict:
         return {}
     m_scale, v_scale = st.scales
     return dict(m_scale=_ptr(m_scale), v_scale=_ptr(v_scale), row_len=st.row_len,
-                offset=st.offset, form=_FORMS[st.form])
+                offset=st.offset, form=_format.MOMENT_FORMS[st.form])
 
 
 def _kind(weight: Tensor, grad: Tensor) -> int:
-    """Bit 0: a bfloat16 gradient; bit 1: a bfloat16 weight, i.e. a split master."""
-    return int(grad.dtype == torch.bfloat16) + 2 * int(weight.dtype == torch.bfloat16)
+    """The tensor's kind (``_format.KIND_BITS``): a bfloat16 gradient; a bfloat16 weight, i.e.
+    a split master."""
+    return ((_format.KIND_BITS["bf16_grad"] if grad.dtype == torch.bfloat16 else 0)
+            | (_format.KIND_BITS["split"] if weight.dtype == torch.bfloat16 else 0))
 
 
 def _ptr(t: Optional[Tensor]) -> int:
@@ -273,7 +274,7 @@ def lamb_kernel(t: Any, layer: Any, o: Any) -> Phased:
     if not t.weights:
         return
     clamp = None if t.grad_scalars is None else t.grad_scalars.clamp
-    config = _layerwise_config(o, clamp, mode=_foreach.WEIGHT_DECAY_MODES[o.weight_decay_mode])
+    config = _layerwise_config(o, clamp, mode=_format.WEIGHT_DECAY_MODES[o.weight_decay_mode])
     yield from _kernel_phases("lamb", 2, t, _LayerwiseCall("lamb", t, layer, config))
 
 

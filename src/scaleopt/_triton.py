@@ -56,7 +56,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import _compact, _foreach
+from . import _compact, _foreach, _format
 from ._checks import check_same_sizes
 from ._compile import eager
 from ._sharding import Phased
@@ -69,9 +69,12 @@ ITERS = 4
 #: launches per kernel name since the start (the tests count a step's)
 LAUNCHES: collections.Counter = collections.Counter()
 
-_G_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_W16_KINDS = {None: 0, torch.bfloat16: 1, torch.float16: 2, torch.int16: 3}
-_FORMS = {None: 0, "bfloat16": 1, "int8": 2}
+#: the kernels' G_KIND and W16_KIND by dtype (``_format``)
+_G_KINDS = {torch.float32: _format.GRAD_KINDS["float32"],
+            torch.bfloat16: _format.GRAD_KINDS["bfloat16"],
+            torch.float16: _format.GRAD_KINDS["float16"]}
+_W16_KINDS = {None: _format.W16_KINDS["none"], torch.bfloat16: _format.W16_KINDS["bfloat16"],
+              torch.float16: _format.W16_KINDS["float16"], torch.int16: _format.W16_KINDS["split"]}
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _PLAIN_TYPES = set(_PLAIN)
 _PLANS: "collections.OrderedDict[tuple, _Plan]" = collections.OrderedDict()
@@ -171,7 +174,7 @@ def _kind(t: Any, i: int) -> Tuple[int, int, int, int]:
     lo = t.w16[i] if t.w16 else None
     st = t.stored[i] if t.stored else None
     return (int(t.weights[i].dtype == torch.bfloat16), _G_KINDS[t.grads[i].dtype],
-            _W16_KINDS[None if lo is None else lo.dtype], _FORMS[None if st is None else st.form])
+            _W16_KINDS[None if lo is None else lo.dtype], _format.MOMENT_FORMS["float32" if st is None else st.form])
 
 
 def _blocks_per_tile() -> int:
@@ -601,13 +604,13 @@ def lamb_triton(t: Any, layer: Any, o: Any) -> Phased:
     opts = _options(o, None if t.grad_scalars is None else t.grad_scalars.clamp)
     plan, grads, skip = _plan(t), _grad_table(t, device), _skip_flag(t, device)
     sums = _sums(plan, grads, 2, device, "lamb_sums", scal=scal, skip=skip,
-                 MODE=_foreach.WEIGHT_DECAY_MODES[o.weight_decay_mode], **opts)
+                 MODE=_format.WEIGHT_DECAY_MODES[o.weight_decay_mode], **opts)
     if t.shard_sums is not None:
         owners = [i for i in range(len(t.weights)) for _ in range(2)]
         sums = yield t.shard_sums.request(sums, owners)
     for kinds, tables in plan.sets:
         _launch("lamb_apply", kinds, tables, grads, scal=scal, skip=skip, sums=sums,
-                MODE=_foreach.WEIGHT_DECAY_MODES[o.weight_decay_mode], **opts)
+                MODE=_format.WEIGHT_DECAY_MODES[o.weight_decay_mode], **opts)
 
 
 def _grad_sums(t: Any, device: torch.device, plan: _Plan, grads: Tensor) -> Phased:

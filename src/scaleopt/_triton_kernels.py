@@ -10,11 +10,12 @@ weight decay, adapt, gradient multiplier, the bias corrections 1 - beta1^t and
 sqrt(1 - beta2^t) of its step, and the step t. The phases are the C kernels'
 (``csrc/``); the arithmetic is the reference's (``scaleopt.lamb``, ``scaleopt.lans``),
 each operation rounded once (compiled without contraction, with ``div_rn`` and ``sqrt_rn``).
-Kinds (compile-time): ``W_SPLIT`` a split master (the weight's bfloat16 upper halves at w,
-the int16 lower halves at w16) or a float32 weight; ``G_KIND`` the gradient's dtype (0
-float32, 1 bfloat16, 2 float16); ``W16_KIND`` what w16 holds (0 nothing, 1 / 2 the rounded
-bfloat16 / float16 weights to write, 3 a split master's lower halves); ``FORM`` how the
-moments are stored (0 float32, 1 bfloat16, 2 int8 codes: ``_compact``).
+Kinds (compile-time, their codes ``_format``'s): ``W_SPLIT`` a split master (the weight's
+bfloat16 upper halves at w, the int16 lower halves at w16) or a float32 weight; ``G_KIND`` the
+gradient's dtype (``GRAD_KINDS``); ``W16_KIND`` what w16 holds (``W16_KINDS``: nothing, the
+rounded bfloat16 / float16 weights to write, a split master's lower halves); ``FORM`` how the
+moments are stored (``MOMENT_FORMS``: float32, bfloat16, int8 codes: ``_compact``); ``MODE``
+LAMB's weight-decay mode (``WEIGHT_DECAY_MODES``).
 
 A chunk of float32 or bfloat16 moments is ``ITERS`` runs of ``BLOCK`` elements from its first
 element. A chunk of int8 moments is ``ITERS`` tiles of ``QB`` whole blocks of 256 (a block's
@@ -54,6 +55,17 @@ _HASH_MUL = tl.constexpr(_format.HASH_MUL)
 _STEP_MUL = tl.constexpr(_format.STEP_MUL)
 _M_SALT = tl.constexpr(_format.salt_key("exp_avg"))  # salt * SALT_MUL, in 32 bits
 _V_SALT = tl.constexpr(_format.salt_key("exp_avg_sq"))
+# the kinds' and modes' codes (``_format``)
+_G_BFLOAT16 = tl.constexpr(_format.GRAD_KINDS["bfloat16"])
+_G_FLOAT16 = tl.constexpr(_format.GRAD_KINDS["float16"])
+_W16_BFLOAT16 = tl.constexpr(_format.W16_KINDS["bfloat16"])
+_W16_FLOAT16 = tl.constexpr(_format.W16_KINDS["float16"])
+_FORM_FLOAT32 = tl.constexpr(_format.MOMENT_FORMS["float32"])
+_FORM_BFLOAT16 = tl.constexpr(_format.MOMENT_FORMS["bfloat16"])
+_FORM_INT8 = tl.constexpr(_format.MOMENT_FORMS["int8"])
+_MODE_UPDATE = tl.constexpr(_format.WEIGHT_DECAY_MODES["update"])
+_MODE_DECOUPLED = tl.constexpr(_format.WEIGHT_DECAY_MODES["decoupled"])
+_MODE_L2 = tl.constexpr(_format.WEIGHT_DECAY_MODES["l2"])
 
 
 @triton.jit
@@ -64,24 +76,24 @@ def _pointers(row, grads, W_SPLIT: tl.constexpr, G_KIND: tl.constexpr, W16_KIND:
     else:
         wp = tl.load(row + _W).to(tl.pointer_type(tl.float32))
     g = grads + tl.load(row + _INDEX)  # the gradients' addresses: a table of the step's
-    if G_KIND == 1:
+    if G_KIND == _G_BFLOAT16:
         gp = tl.load(g).to(tl.pointer_type(tl.bfloat16))
-    elif G_KIND == 2:
+    elif G_KIND == _G_FLOAT16:
         gp = tl.load(g).to(tl.pointer_type(tl.float16))
     else:
         gp = tl.load(g).to(tl.pointer_type(tl.float32))
-    if FORM == 1:
+    if FORM == _FORM_BFLOAT16:
         mp = tl.load(row + _M).to(tl.pointer_type(tl.uint16))
         vp = tl.load(row + _V).to(tl.pointer_type(tl.uint16))
-    elif FORM == 2:
+    elif FORM == _FORM_INT8:
         mp = tl.load(row + _M).to(tl.pointer_type(tl.int8))
         vp = tl.load(row + _V).to(tl.pointer_type(tl.uint8))
     else:
         mp = tl.load(row + _M).to(tl.pointer_type(tl.float32))
         vp = tl.load(row + _V).to(tl.pointer_type(tl.float32))
-    if W16_KIND == 1:
+    if W16_KIND == _W16_BFLOAT16:
         lp = tl.load(row + _LOWP).to(tl.pointer_type(tl.bfloat16))
-    elif W16_KIND == 2:
+    elif W16_KIND == _W16_FLOAT16:
         lp = tl.load(row + _LOWP).to(tl.pointer_type(tl.float16))
     else:
         lp = tl.load(row + _LOWP).to(tl.pointer_type(tl.int16))
@@ -95,7 +107,7 @@ def _tile(row, n, start, it, BLOCK: tl.constexpr, QB: tl.constexpr, FORM: tl.con
     of 256 lanes: block b is in row b // per_row of the tensor, from column
     (b % per_row) * 256, and shorter where the row ends; the chunk starts at block ``start``.
     Otherwise BLOCK elements from element ``start + it * BLOCK`` (the blocks: the elements)."""
-    if FORM == 2:
+    if FORM == _FORM_INT8:
         row_len = tl.maximum(tl.load(row + _ROW_LEN), 1)
         per_row = ((row_len + 255) // 256).to(tl.int32)
         b = (start + it * QB + tl.arange(0, QB)).to(tl.int32)
@@ -117,7 +129,7 @@ def _load_moments(row, mp, vp, offs, mask, b, bmask, FORM: tl.constexpr):
     """The stored moments as float32: as they are; bfloat16 widened; int8 codes decoded with
     their blocks' scales, (q |q|) (s / 127^2) and (F(q) - 2^-31) (s / 1.875), F(q) the float
     of bits (q + 768) << 20 (``_compact``)."""
-    if FORM == 2:
+    if FORM == _FORM_INT8:
         m_scales = tl.load(row + _M_SCALE).to(tl.pointer_type(tl.float32))
         v_scales = tl.load(row + _V_SCALE).to(tl.pointer_type(tl.float32))
         sm = tl.load(m_scales + b, mask=bmask, other=0.0)
@@ -127,7 +139,7 @@ def _load_moments(row, mp, vp, offs, mask, b, bmask, FORM: tl.constexpr):
         fv = ((qv + _CODE_OFFSET) << _CODE_SHIFT).to(tl.float32, bitcast=True)
         m = (qm * tl.abs(qm)).to(tl.float32) * tl.math.div_rn(sm, _SIGNED_SCALE)[:, None]
         v = (fv - _CODE_LOW) * tl.math.div_rn(sv, _UNSIGNED_SCALE)[:, None]
-    elif FORM == 1:
+    elif FORM == _FORM_BFLOAT16:
         m = (tl.load(mp + offs, mask=mask, other=0).to(tl.uint32) << 16).to(tl.float32,
                                                                              bitcast=True)
         v = (tl.load(vp + offs, mask=mask, other=0).to(tl.uint32) << 16).to(tl.float32,
@@ -203,12 +215,12 @@ def _store_moments(row, mp, vp, offs, mask, b, bmask, m, v, step, FORM: tl.const
     bits of salt 2)."""
     index = (tl.load(row + _OFFSET) + offs).to(tl.uint32)
     key = step.to(tl.int64).to(tl.uint32) * _STEP_MUL
-    if FORM == 2:
+    if FORM == _FORM_INT8:
         _store_codes(mp, tl.load(row + _M_SCALE).to(tl.pointer_type(tl.float32)), offs, mask, b,
                      bmask, m, index, True)
         _store_codes(vp, tl.load(row + _V_SCALE).to(tl.pointer_type(tl.float32)), offs, mask, b,
                      bmask, v, index + (key + _V_SALT), False)
-    elif FORM == 1:
+    elif FORM == _FORM_BFLOAT16:
         tl.store(mp + offs, _round_bf16(m, index + (key + _M_SALT)), mask=mask)
         tl.store(vp + offs, _round_bf16(v, index + (key + _V_SALT)), mask=mask)
     else:
@@ -239,9 +251,9 @@ def _store_w(wp, lp, offs, mask, w, W_SPLIT: tl.constexpr, W16_KIND: tl.constexp
         tl.store(lp + offs, (bits & 0xFFFF).to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
     else:
         tl.store(wp + offs, w, mask=mask)
-        if W16_KIND == 1:
+        if W16_KIND == _W16_BFLOAT16:
             tl.store(lp + offs, w.to(tl.bfloat16), mask=mask)
-        elif W16_KIND == 2:
+        elif W16_KIND == _W16_FLOAT16:
             tl.store(lp + offs, w.to(tl.float16), mask=mask)
 
 
@@ -299,7 +311,7 @@ def _chunk(ptrs, sizes, chunks):
 @triton.jit
 def _decay_factor(lr, wd, MODE: tl.constexpr):
     """The decoupled mode's (1) weight decay before the step, w * (1 - lr * wd); else 1."""
-    if MODE == 1:
+    if MODE == _MODE_DECOUPLED:
         return 1.0 - lr * wd
     else:
         return lr * 0.0 + 1.0
@@ -325,7 +337,7 @@ def _lamb_moments(w, g, m, v, lr, wd, beta1, beta2, MODE: tl.constexpr):
     """w decayed first in the decoupled mode (1), and LAMB's new moments from the old ones and
     the gradient (with w's L2 term in mode 2)."""
     w = w * _decay_factor(lr, wd, MODE)
-    if MODE == 2:
+    if MODE == _MODE_L2:
         g = g + wd * w
     m, v = _moments(m, v, g, beta1, beta2)
     return w, m, v
@@ -335,7 +347,7 @@ def _lamb_moments(w, g, m, v, lr, wd, beta1, beta2, MODE: tl.constexpr):
 def _lamb_u(w, m, v, wd, bc1, bc2, eps, MODE: tl.constexpr):
     """LAMB's update u from the new moments, decay included (mode 0)."""
     u = tl.div_rn(tl.div_rn(m, bc1), tl.div_rn(tl.sqrt_rn(v), bc2) + eps)
-    if MODE == 0:
+    if MODE == _MODE_UPDATE:
         u = u + wd * w
     return u
 
@@ -361,7 +373,7 @@ def lamb_sums(ptrs, grads, sizes, chunks, scal, skip, parts, beta1, beta2, eps, 
         w, m, v = _lamb_moments(_load_w(wp, lp, offs, mask, W_SPLIT),
                                 _load_g(gp, offs, mask, mult, clip_lo, clip_hi, CLIP), m, v,
                                 lr, wd, beta1, beta2, MODE)
-        if FORM == 0:
+        if FORM == _FORM_FLOAT32:
             tl.store(mp + offs, m, mask=mask)
             tl.store(vp + offs, v, mask=mask)
         u = _lamb_u(w, m, v, wd, bc1, bc2, eps, MODE)
@@ -389,7 +401,7 @@ def lamb_apply(ptrs, grads, sizes, chunks, scal, skip, sums, beta1, beta2, eps, 
         offs, mask, b, bmask = _tile(row, n, start, it, BLOCK, QB, FORM)
         m, v = _load_moments(row, mp, vp, offs, mask, b, bmask, FORM)
         w = _load_w(wp, lp, offs, mask, W_SPLIT)
-        if FORM == 0:  # the moments the first phase stored
+        if FORM == _FORM_FLOAT32:  # the moments the first phase stored
             w = w * _decay_factor(lr, wd, MODE)
         else:
             w, m, v = _lamb_moments(w, _load_g(gp, offs, mask, mult, clip_lo, clip_hi, CLIP),
@@ -436,7 +448,7 @@ def lans_sums(ptrs, grads, sizes, chunks, scal, skip, parts, gsq, beta1, beta2, 
         w = _load_w(wp, lp, offs, mask, W_SPLIT)
         g = _load_g(gp, offs, mask, ginv, clip_lo, clip_hi, CLIP)
         m, v = _moments(m, v, g, beta1, beta2)
-        if FORM == 0:
+        if FORM == _FORM_FLOAT32:
             tl.store(mp + offs, m, mask=mask)
             tl.store(vp + offs, v, mask=mask)
         dinv, r = _lans_r(w, m, v, wd, bc1, bc2, eps)
@@ -479,7 +491,7 @@ def lans_apply(ptrs, grads, sizes, chunks, scal, skip, sums, gsq, beta1, beta2, 
         m, v = _load_moments(row, mp, vp, offs, mask, b, bmask, FORM)
         w = _load_w(wp, lp, offs, mask, W_SPLIT)
         g = _load_g(gp, offs, mask, ginv, clip_lo, clip_hi, CLIP)
-        if FORM != 0:  # else the moments the first phase stored
+        if FORM != _FORM_FLOAT32:  # else the moments the first phase stored
             m, v = _moments(m, v, g, beta1, beta2)
             _store_moments(row, mp, vp, offs, mask, b, bmask, m, v, step, FORM)
         dinv, r = _lans_r(w, m, v, wd, bc1, bc2, eps)

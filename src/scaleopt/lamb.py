@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from . import _foreach, _native, _triton
+from . import _foreach, _format, _native, _triton
 from ._foreach import by_value
 from ._checks import check_choice
 from ._dispatch import Impl, resolve
@@ -20,7 +20,7 @@ from ._sharding import Phased, in_one_phase, run_phases
 
 __all__ = ["LAMB", "lamb"]
 
-WEIGHT_DECAY_MODES = tuple(_foreach.WEIGHT_DECAY_MODES)
+WEIGHT_DECAY_MODES = tuple(_format.WEIGHT_DECAY_MODES)
 
 
 class LAMB(LayerwiseAdam):

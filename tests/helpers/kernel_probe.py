@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from scaleopt import _triton
+from scaleopt import _format, _triton
 from scaleopt import _triton_kernels as K
 from scaleopt._triton_layout import PTRS
 
@@ -55,7 +55,7 @@ def stored_by_the_kernels(form, xm, xv, step=7.0, offset=0, qb=4, device="cpu"):
     back = {k: torch.zeros(shape, device=device) for k in codes}
     _store_then_load[(tiles,)](row, no_grads, n, xm.contiguous(), xv.contiguous(), back["exp_avg"],
                                back["exp_avg_sq"], torch.tensor([step], device=device),
-                               FORM=2 if form == "int8" else 1, BLOCK=64, QB=qb,
+                               FORM=_format.MOMENT_FORMS[form], BLOCK=64, QB=qb,
                                **_triton.COMPILE_OPTIONS)
     return {k: (codes[k].cpu(), scales[k].cpu() if form == "int8" else None, back[k].cpu())
             for k in codes}

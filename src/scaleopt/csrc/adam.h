@@ -71,7 +71,7 @@ static void adam_step(const AdamTensor *x, const AdamConfig *cfg) {
     const Adam a = {x->w, x->w16, x->g, x->m, x->v, x->step_size, cfg->beta1, cfg->one_m_b1,
                     cfg->beta2, cfg->one_m_b2, x->bc2_sqrt, 1.0f / x->bc2_sqrt, cfg->eps,
                     x->wd_l2, x->decay, x->gmul, cfg->nesterov};
-    shares(ADAM[store][x->kind & 1], &a, x->n, cfg->nthreads);
+    shares(ADAM[store][x->kind & KIND_BF16_GRAD], &a, x->n, cfg->nthreads);
 }
 
 /* Adam on compact moments (see compact_loops.h): one pass, block by block; split: the
@@ -117,7 +117,7 @@ void adam_multi(const AdamTensor *ts, int64_t count, const AdamConfig *cfg) {
     for (int64_t t = 0; t < count; t++) {
         const AdamTensor *x = &ts[t];
         *x->step += 1.0f; /* the state's step counter (a float32 scalar tensor) */
-        if (x->form != FORM_F32) {
+        if (x->form != FORM_FLOAT32) {
             adam_compact(x, cfg);
             continue;
         }

@@ -568,7 +568,7 @@ static const Keep *keep_take(const LayerwiseTensor *ts, int64_t count, int64_t f
                              Keep *keep) {
     int64_t need = 0;
     for (int64_t t = 0; t < count; t++)
-        if (ts[t].form != FORM_F32 && ts[t].n * floats > need) need = ts[t].n * floats;
+        if (ts[t].form != FORM_FLOAT32 && ts[t].n * floats > need) need = ts[t].n * floats;
     need = need < KEEP_CAP ? need : KEEP_CAP;
     if (need == 0 || !v16_on() || __atomic_test_and_set(&keep_busy, __ATOMIC_ACQUIRE))
         return NULL;

@@ -33,14 +33,13 @@ static int omp_get_thread_num(void) { return 0; }
 #define TARGETS
 #endif
 
-/* weight-decay modes (LAMB) */
-enum { MODE_UPDATE = 0, MODE_DECOUPLED = 1, MODE_L2 = 2 };
+/* weight-decay modes (LAMB): MODE_UPDATE, MODE_DECOUPLED, MODE_L2 (_format.h) */
 
 /* The arguments of the multi-tensor calls, one struct per tensor and one per call. Their
  * ctypes mirrors are in _native.py; struct_layout() below lets a test compare the two. */
 
-/* What every multi-tensor kernel reads of a tensor. kind: bit 0 = bfloat16 gradient, bit 1 =
- * split master (w the bfloat16 upper halves, w16 the int16 lower halves); otherwise w is the
+/* What every multi-tensor kernel reads of a tensor. kind: KIND_BF16_GRAD = bfloat16 gradient,
+ * KIND_SPLIT = split master (w the bfloat16 upper halves, w16 the int16 lower halves); otherwise w is the
  * float32 weight and w16 an optional bfloat16 copy to write in the same pass. */
 #define TENSOR_FIELDS                                                                          \
     void *w;          /* float32 weight, or a split master's bfloat16 upper halves */        \
@@ -53,14 +52,14 @@ enum { MODE_UPDATE = 0, MODE_DECOUPLED = 1, MODE_L2 = 2 };
     int32_t kind;                                                                              \
     float gmul;       /* the scalar the gradient is taken times */
 
-/* The moments' storage (scaleopt._compact): form FORM_F32 (m and v are float32), FORM_BF16
+/* The moments' storage (scaleopt._compact): form FORM_FLOAT32 (m and v are float32), FORM_BFLOAT16
  * (bfloat16) or FORM_INT8 (m int8 codes, v uint8 codes, with float32 scales, one per block of
  * 256 within a row). The compact forms are read and written block by block inside the update's
  * passes, with no float32 copy of the moments. */
 #define COMPACT_FIELDS                                                                         \
     float *m_scale, *v_scale; /* FORM_INT8: the scales, rows x blocks */                      \
-    int64_t row_len;          /* FORM_INT8: elements per row; FORM_BF16: n */                 \
-    int64_t offset;           /* FORM_BF16: element 0's index in the whole tensor */          \
+    int64_t row_len;          /* FORM_INT8: elements per row; FORM_BFLOAT16: n */                 \
+    int64_t offset;           /* FORM_BFLOAT16: element 0's index in the whole tensor */          \
     int32_t form;
 
 typedef struct {

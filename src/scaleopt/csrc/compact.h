@@ -13,7 +13,7 @@
  * 2^-31 either way, so that no compiler fuses it with the product. */
 
 #define COMPACT_BLOCK FORMAT_BLOCK
-enum { FORM_F32 = 0, FORM_BF16 = 1, FORM_INT8 = 2 };
+/* the moments' forms: FORM_FLOAT32, FORM_BFLOAT16, FORM_INT8 (_format.h) */
 #define INLINE static inline __attribute__((always_inline))
 
 /* Block b of rows of row_len elements (blocks per row): where it starts in the flat tensor,
@@ -66,7 +66,7 @@ static inline uint32_t rounding_key(float step, uint32_t salt) {
 /* Block b of a stored moment (len elements from element at) decoded into out[0..len). */
 INLINE void decode_block(const void *codes, const float *scales, int form, int is_signed,
                          int64_t b, int64_t at, int64_t len, float *out) {
-    if (form == FORM_BF16) {
+    if (form == FORM_BFLOAT16) {
         const uint16_t *in = (const uint16_t *)codes + at;
         for (int64_t i = 0; i < len; i++) out[i] = bf16_to_f32(in[i]);
     } else if (is_signed) {
@@ -124,7 +124,7 @@ static inline int32_t code_unsigned(float y, uint32_t r) {
 INLINE void encode_block(void *codes, float *scales, int form, int is_signed, int64_t b,
                          int64_t at, int64_t len, const float *in, float s, int64_t offset,
                          uint32_t key) {
-    if (form == FORM_BF16) {
+    if (form == FORM_BFLOAT16) {
         uint16_t *out = (uint16_t *)codes + at;
         for (int64_t i = 0; i < len; i++)
             out[i] = round_stochastic(in[i], (uint32_t)(offset + at + i) + key);

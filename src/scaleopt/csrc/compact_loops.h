@@ -68,7 +68,7 @@ INLINE void unstage_w(void *w, uint16_t *w16, int split, int64_t at, int64_t len
 /* A tensor's staging from its fields (kind, w16 as in the structs). */
 static Staging staging(const void *w, const uint16_t *w16, const void *g, int32_t kind,
                        float wmul, float gmul, float glo, float ghi) {
-    return (Staging){w, (kind & 2) ? w16 : NULL, g, kind & 1, wmul, gmul, glo, ghi};
+    return (Staging){w, (kind & KIND_SPLIT) ? w16 : NULL, g, kind & KIND_BF16_GRAD, wmul, gmul, glo, ghi};
 }
 
 static Staging staging_of(const LayerwiseTensor *x, const LayerwiseConfig *cfg, float wmul,

@@ -228,7 +228,7 @@ static void lamb_sums(const LayerwiseTensor *x, const LayerwiseConfig *cfg, doub
     double bc1, bc2_sqrt;
     bias_corrections(x->step, 1, cfg, &bc1, &bc2_sqrt);
     const float decay = (float)(1.0 - x->lr * x->wd);
-    if (x->form != FORM_F32) {
+    if (x->form != FORM_FLOAT32) {
         lamb_compact_sums(x, cfg, bc1, bc2_sqrt, decay, sums, keep);
         return;
     }
@@ -241,7 +241,7 @@ static void lamb_apply(const LayerwiseTensor *x, const LayerwiseConfig *cfg, con
     bias_corrections(x->step, 0, cfg, &bc1, &bc2_sqrt);
     const float decay = (float)(1.0 - x->lr * x->wd);
     const double ratio = x->adapt ? trust_ratio(sums[0], sums[1], cfg) : 1.0;
-    if (x->form != FORM_F32) {
+    if (x->form != FORM_FLOAT32) {
         lamb_compact_apply(x, cfg, bc1, bc2_sqrt, decay, (float)x->lr, (float)ratio, keep);
         return;
     }
@@ -252,7 +252,7 @@ static void lamb_apply(const LayerwiseTensor *x, const LayerwiseConfig *cfg, con
  * the clipping norms, so that pass is not run again), else one pass over the gradient. */
 static double grad_sum_squares(const LayerwiseTensor *x, int nthreads) {
     if (x->gsq >= 0.0) return x->gsq;
-    return (x->kind & 1) ? sum_squares_bf16((const uint16_t *)x->g, x->n, nthreads)
+    return (x->kind & KIND_BF16_GRAD) ? sum_squares_bf16((const uint16_t *)x->g, x->n, nthreads)
                          : sum_squares((const float *)x->g, x->n, nthreads);
 }
 
@@ -268,7 +268,7 @@ static void lans_sums(const LayerwiseTensor *x, const LayerwiseConfig *cfg, floa
                       double *sums, const Keep *keep) {
     double bc1, bc2_sqrt;
     bias_corrections(x->step, 1, cfg, &bc1, &bc2_sqrt);
-    if (x->form != FORM_F32) {
+    if (x->form != FORM_FLOAT32) {
         lans_compact_sums(x, cfg, bc1, bc2_sqrt, ginv, sums, keep);
         return;
     }
@@ -288,7 +288,7 @@ static void lans_apply(const LayerwiseTensor *x, const LayerwiseConfig *cfg, flo
         if (c2 < 0.0) c2 = 0.0;
     }
     const double ratio_c = x->adapt ? trust_ratio(sums[0], c2, cfg) : 1.0;
-    if (x->form != FORM_F32) {
+    if (x->form != FORM_FLOAT32) {
         lans_compact_apply(x, cfg, bc1, bc2_sqrt, ginv, (float)lr_r, (float)lr_c, (float)ratio_r,
                            (float)ratio_c, keep);
         return;

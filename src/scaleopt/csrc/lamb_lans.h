@@ -7,8 +7,8 @@
  * backwards() runs over the tensor's spans or chunks. The scalars a loop reads come in a struct that
  * it copies first, so that its stores to the moments cannot be taken to change them. */
 
-/* A first pass's specialisations are indexed by kind & 3 (bit 1: a split master, bit 0: a
- * bfloat16 gradient), and 4 more with element-wise clipping. */
+/* A first pass's specialisations are indexed by the kind's bits (KIND_SPLIT: a split master,
+ * KIND_BF16_GRAD: a bfloat16 gradient), and 4 more with element-wise clipping. */
 
 /* ---------------------------------------------------------------------------------------- */
 /* LAMB                                                                                       */
@@ -73,7 +73,7 @@ static void lamb_phase1(const LayerwiseTensor *x, const LayerwiseConfig *cfg, do
     Lamb1 a = {x->w, x->g, x->w16, x->m, x->v, x->gmul, cfg->clip_lo, cfg->clip_hi, beta2,
                1.0f - beta1, 1.0f - beta2, 1.0f / (float)bc1, 1.0f / (float)bc2_sqrt, cfg->eps};
     lamb_decays(x, cfg, decay, &a.f, &a.wd_g, &a.wd_u);
-    forwards(LAMB1[(x->kind & 3) | (cfg->clip ? 4 : 0)], &a, x->n, cfg->nthreads, sums, 2);
+    forwards(LAMB1[(x->kind & (KIND_SPLIT | KIND_BF16_GRAD)) | (cfg->clip ? 4 : 0)], &a, x->n, cfg->nthreads, sums, 2);
 }
 
 /* Phase 2: w = w*f - lr * (ratio * u). */
@@ -197,7 +197,7 @@ static void lans_phase1(const LayerwiseTensor *x, const LayerwiseConfig *cfg, do
     const Lans1 a = {x->w, x->g, x->w16, x->m, x->v, ginv, cfg->clip_lo, cfg->clip_hi, beta2,
                      1.0f - beta1, 1.0f - beta2, 1.0f / (float)bc1, 1.0f / (float)bc2_sqrt,
                      cfg->eps, (float)x->wd};
-    forwards(LANS1[(x->kind & 3) | (cfg->clip ? 4 : 0)], &a, x->n, cfg->nthreads, sums, 4);
+    forwards(LANS1[(x->kind & (KIND_SPLIT | KIND_BF16_GRAD)) | (cfg->clip ? 4 : 0)], &a, x->n, cfg->nthreads, sums, 4);
 }
 
 /* Phase 2: w1 = w - lr_r * (ratio_r * r); w2 = w1 - lr_c * (ratio_c * c), where c decays w1
@@ -250,5 +250,5 @@ static void lans_phase2(const LayerwiseTensor *x, const LayerwiseConfig *cfg, do
     const Lans2 a = {x->w, x->g, x->w16, x->m, x->v, ginv, cfg->clip_lo, cfg->clip_hi,
                      1.0f / (float)bc1, 1.0f / (float)bc2_sqrt, cfg->eps, (float)x->wd, lr_r,
                      lr_c, ratio_r, ratio_c, cfg->moved};
-    backwards(LANS2[cfg->clip != 0][store_form(x->kind, x->w16)][x->kind & 1], &a, x->n, cfg->nthreads, NULL);
+    backwards(LANS2[cfg->clip != 0][store_form(x->kind, x->w16)][x->kind & KIND_BF16_GRAD], &a, x->n, cfg->nthreads, NULL);
 }

@@ -86,13 +86,11 @@ INLINE float weight_at(const void *w, const uint16_t *w16, int64_t i, int split)
     return split ? split_join(((const uint16_t *)w)[i], w16[i]) : ((const float *)w)[i];
 }
 
-/* How a pass writes a weight: float32 (STORE_F32), float32 and its bfloat16 rounding into w16
- * (STORE_F32_COPY: a bfloat16 parameter's float32 master), or a split master (STORE_SPLIT). */
-enum { STORE_F32 = 0, STORE_F32_COPY = 1, STORE_SPLIT = 2 };
-
-/* How a tensor's weights are written, from its kind and its w16 (the structs' fields). */
+/* How a pass writes a weight (_format.h): float32 (STORE_F32), float32 and its bfloat16
+ * rounding into w16 (STORE_F32_COPY: a bfloat16 parameter's float32 master), or a split master
+ * (STORE_SPLIT); from a tensor's kind and its w16 (the structs' fields). */
 static inline int store_form(int32_t kind, const uint16_t *w16) {
-    return (kind & 2) ? STORE_SPLIT : w16 ? STORE_F32_COPY : STORE_F32;
+    return (kind & KIND_SPLIT) ? STORE_SPLIT : w16 ? STORE_F32_COPY : STORE_F32;
 }
 INLINE void weight_store(void *w, uint16_t *w16, int64_t i, float value, int store) {
     if (store == STORE_SPLIT) {
