@@ -10,7 +10,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import _compact, _foreach
+from . import _compact, _foreach, _format
 from ._base import ScaleOptimizer
 from ._loading import ADAM_STATE
 from ._masters import LocalPlacement, MasterView, MasterWeights
@@ -32,7 +32,7 @@ class AdamState(NamedTuple):
     pending: Optional[List[_compact.Pending]] = None
     #: per tensor, its moments as stored in bfloat16 or 8 bits where they are given so (the
     #: stored tensors above, for the C kernels to update in place; see :meth:`decoded`)
-    stored: Optional[List[Optional[_compact.Stored]]] = None
+    stored: Optional[List[Optional[_format.Stored]]] = None
 
     def decoded(self, which: Optional[Sequence[int]] = None) -> "AdamState":
         """The state with float32 working tensors in place of the stored moments of the
@@ -173,7 +173,7 @@ class AdamFamily(ScaleOptimizer):
         steps: List[Tensor] = []
         moments: List[List[Tensor]] = [_Listed() for _ in keys]
         pending: List[_compact.Pending] = []
-        stored: List[Optional[_compact.Stored]] = _Listed()
+        stored: List[Optional[_format.Stored]] = _Listed()
         for p, w, split in zip(params, view.weights, view.split):
             state = self.state[p]
             step = state.get("step")

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _format, _native
+from ._format import Stored
 from ._sharding import is_dtensor, like, local_piece
 
 #: the choices of ``state_dtype``
@@ -329,21 +330,6 @@ def write(state: Dict[str, Any], key: str, form: str, value: Tensor, template: T
         codes, new_scales = quantize(value, SIGNED[key], bits)
         stored.copy_(codes)
         scales.copy_(new_scales)
-
-
-class Stored(NamedTuple):
-    """A tensor's moments as stored in bfloat16 or 8 bits, for the C kernels that update them
-    in place, block by block (``_native``), with no float32 working tensors: the state and
-    its layout, the int8 scales' local pieces, the length of a row of blocks, and where the
-    local piece starts in the whole tensor (the rounding's index; None when it is no run of
-    it)."""
-
-    form: str
-    state: Dict[str, Any]
-    template: Tensor
-    scales: Tuple[Optional[Tensor], Optional[Tensor]]
-    row_len: int
-    offset: Optional[int]
 
 
 def stored(state: Dict[str, Any], form: str, template: Tensor) -> Stored:

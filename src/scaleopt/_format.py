@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import struct
 import sys
+from typing import TYPE_CHECKING, Any, Dict, NamedTuple, Optional, Tuple
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 #: tensors with fewer elements keep float32 state
 MIN_NUMEL = 4096
@@ -61,6 +65,21 @@ STORE_FORMS = {"f32": 0, "f32_copy": 1, "split": 2}
 #: the enumerations the C header defines, by their prefix there
 C_ENUMS = {"MODE": WEIGHT_DECAY_MODES, "FORM": MOMENT_FORMS, "KIND": KIND_BITS,
            "STORE": STORE_FORMS}
+
+
+class Stored(NamedTuple):
+    """A tensor's moments as stored in bfloat16 or 8 bits, for the C kernels that update them
+    in place, block by block (``_native``), with no float32 working tensors: the state and
+    its layout, the int8 scales' local pieces, the length of a row of blocks, and where the
+    local piece starts in the whole tensor (the rounding's index; None when it is no run of
+    it)."""
+
+    form: str
+    state: Dict[str, Any]
+    template: Tensor
+    scales: Tuple[Optional[Tensor], Optional[Tensor]]
+    row_len: int
+    offset: Optional[int]
 
 
 def salt_key(moment: str) -> int:

@@ -47,7 +47,7 @@ class GroupTensors:
     #: nothing and the step counters go back (the Triton kernels, with ``capturable``)
     skip_if: Optional[Tensor] = None
     #: per tensor, how its moments are stored where in bfloat16 or 8 bits (a
-    #: ``_compact.Stored``; ``exp_avgs``/``exp_avg_sqs`` are then the stored tensors, which
+    #: ``_format.Stored``; ``exp_avgs``/``exp_avg_sqs`` are then the stored tensors, which
     #: only the C kernels take), else None
     stored: Optional[List[Any]] = None
 

@@ -19,6 +19,7 @@ from torch import Tensor
 from . import _foreach, _format
 from ._checks import check_same_sizes
 from ._compile import eager
+from ._group import GroupTensors, LayerOptions, LayerwiseOptions
 from ._sharding import Phased
 
 _TENSOR_FIELDS = [("w", c_void_p), ("g", c_void_p), ("m", c_void_p), ("v", c_void_p),
@@ -151,7 +152,7 @@ def sums_of_squares(tensors: Sequence[Tensor]) -> Optional[Tensor]:
     return torch.tensor([sum_squares(t, threads) for t in tensors], dtype=torch.float64)
 
 
-def applies(t: Any) -> bool:
+def applies(t: GroupTensors) -> bool:
     """Whether the LAMB/LANS kernels take a group's tensors (a ``GroupTensors``): what
     :func:`adam_applies` takes, except a bfloat16 gradient for a float32 weight that is no
     master (no ``w16``)."""
@@ -164,9 +165,9 @@ def applies(t: Any) -> bool:
                                       stored))
 
 
-def _compact(st: Any) -> dict:
+def _stored_fields(st: Optional[_format.Stored]) -> dict:
     """The ``_COMPACT_FIELDS`` of a tensor whose moments are stored as ``st`` (a
-    ``_compact.Stored``, or None for float32 moments)."""
+    ``_format.Stored``, or None for float32 moments)."""
     if st is None:
         return {}
     m_scale, v_scale = st.scales
@@ -185,7 +186,7 @@ def _ptr(t: Optional[Tensor]) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-def _layerwise_tensors(t: Any, layer: Any, grad_sq_sums: Optional[Tensor]):
+def _layerwise_tensors(t: GroupTensors, layer: LayerOptions, grad_sq_sums: Optional[Tensor]):
     """The per-tensor array of a ``lamb_*`` / ``lans_*`` call: a ``GroupTensors`` and its
     ``LayerOptions``. Each gradient is taken times its deferred multiplier (1 without);
     ``grad_sq_sums``: the gradients' sums of squares where already computed (LANS)."""
@@ -199,15 +200,15 @@ def _layerwise_tensors(t: Any, layer: Any, grad_sq_sums: Optional[Tensor]):
     return (LayerwiseTensor * count)(*[
         LayerwiseTensor(w.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), _ptr(lo),
                         s.data_ptr(), w.numel(), _kind(w, g), gm, lr, wd, sq, int(bool(a)),
-                        **_compact(st))
+                        **_stored_fields(st))
         for w, g, m, v, lo, s, gm, lr, wd, sq, a, st in zip(
             t.weights, t.grads, t.exp_avgs, t.exp_avg_sqs, w16, t.steps, mults, layer.lrs,
             layer.weight_decays, gsq, layer.adapt, stored)])
 
 
-def _layerwise_config(o: Any, clip_grad_value: Any, mode: int = 0,
+def _layerwise_config(o: LayerwiseOptions, clip_grad_value: Any, mode: int = 0,
                       moved: bool = False) -> LayerwiseConfig:
-    """A call's group options from an ``AdamOptions``."""
+    """A call's group options from the group's ``LayerwiseOptions``."""
     lo, hi = _foreach.clip_bounds(clip_grad_value)
     return LayerwiseConfig(
         beta1=o.beta1, beta2=o.beta2, lower=o.lower_bound or 0.0, upper=o.upper_bound or 0.0,
@@ -221,7 +222,7 @@ class _LayerwiseCall:
     """The arguments of a ``lamb_*`` / ``lans_*`` kernel call over a group's tensors."""
 
     @eager
-    def __init__(self, name: str, t: Any, layer: Any, config: LayerwiseConfig,
+    def __init__(self, name: str, t: GroupTensors, layer: LayerOptions, config: LayerwiseConfig,
                  grad_sq_sums: Optional[Tensor] = None) -> None:
         self.name, self.count = name, len(t.weights)
         self.tensors = _layerwise_tensors(t, layer, grad_sq_sums)
@@ -260,10 +261,10 @@ def _kernel_phases(name: str, sums_per_tensor: int, t: Any, call: _LayerwiseCall
     call.apply((yield t.shard_sums.request(call.sums(sums_per_tensor), owners)))
 
 
-def lamb_kernel(t: Any, layer: Any, o: Any) -> Phased:
+def lamb_kernel(t: GroupTensors, layer: LayerOptions, o: LayerwiseOptions) -> Phased:
     """LAMB on the fused kernels, all tensors of a group in one call: the same update as
     :func:`scaleopt.lamb.lamb` (``t`` a ``GroupTensors``, ``layer`` its ``LayerOptions``, ``o``
-    the ``LambOptions``).
+    the group's ``LayerwiseOptions``).
 
     ``t.w16[i]``, when given, is the bfloat16 parameter whose float32 master is
     ``t.weights[i]``: it receives the rounded weights in the same pass. A bfloat16 weight is a
@@ -278,10 +279,10 @@ def lamb_kernel(t: Any, layer: Any, o: Any) -> Phased:
     yield from _kernel_phases("lamb", 2, t, _LayerwiseCall("lamb", t, layer, config))
 
 
-def lans_kernel(t: Any, layer: Any, o: Any) -> Phased:
+def lans_kernel(t: GroupTensors, layer: LayerOptions, o: LayerwiseOptions) -> Phased:
     """LANS on the fused kernels, all tensors of a group in one call: the same update as
     :func:`scaleopt.lans.lans` (``t``, ``layer`` as in :func:`lamb_kernel`, ``o`` the
-    ``LansOptions``). The gradients' sums of squares, where the intake computed them (for
+    group's ``LayerwiseOptions``). The gradients' sums of squares, where the intake computed them (for
     clipping: the scalars' ``sq_sums``, or ``t.grad_norms``), are not computed again. For the
     local pieces of sharded tensors, the whole gradients' sums are totalled first (a reduction
     of their own) where not given."""
@@ -297,9 +298,9 @@ def lans_kernel(t: Any, layer: Any, o: Any) -> Phased:
 
 
 def adam_applies(weight: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
-                 w16: Optional[Tensor], stored: Any = None) -> bool:
+                 w16: Optional[Tensor], stored: Optional[_format.Stored] = None) -> bool:
     """Whether :func:`adam` takes this tensor: float32 moments, contiguous on the CPU, or
-    moments stored in bfloat16 or 8 bits as ``stored`` (a ``_compact.Stored``) says; a float32
+    moments stored in bfloat16 or 8 bits as ``stored`` (a ``_format.Stored``) says; a float32
     or bfloat16 gradient; and either a float32 weight with an optional bfloat16 copy ``w16``, or
     split storage: a bfloat16 weight with the int16 lower halves of its master in ``w16``."""
     if _lib is None:
@@ -315,7 +316,7 @@ def adam_applies(weight: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tens
     return w16 is None or _cpu_contiguous(w16, _BF16)
 
 
-def _moments_apply(exp_avg: Tensor, exp_avg_sq: Tensor, stored: Any) -> bool:
+def _moments_apply(exp_avg: Tensor, exp_avg_sq: Tensor, stored: Optional[_format.Stored]) -> bool:
     if stored is None:
         return _cpu_contiguous(exp_avg, _F32) and _cpu_contiguous(exp_avg_sq, _F32)
     return stored.offset is not None and takes_compact(
@@ -347,7 +348,7 @@ def adam(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[T
     ``one_minus_betas`` overrides ``(1-beta1, 1-beta2)`` (computed in double by default).
     Each ``state_steps[i]`` (a float32 CPU scalar) is incremented; the scalars given are those
     of the incremented step. ``stored[i]``, where given and not None, says how
-    ``exp_avgs[i]`` and ``exp_avg_sqs[i]`` are stored (a ``_compact.Stored``): the kernel
+    ``exp_avgs[i]`` and ``exp_avg_sqs[i]`` are stored (a ``_format.Stored``): the kernel
     updates them in place as stored."""
     count = len(params)
     if count == 0:
@@ -355,7 +356,7 @@ def adam(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[T
     check_same_sizes("the Adam C kernel", params, grads, exp_avgs, exp_avg_sqs, w16)
     tensors = (AdamTensor * count)(*[
         AdamTensor(w.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), _ptr(lo),
-                   s.data_ptr(), w.numel(), _kind(w, g), gm, ss, bc, l2, dc, **_compact(st))
+                   s.data_ptr(), w.numel(), _kind(w, g), gm, ss, bc, l2, dc, **_stored_fields(st))
         for w, g, m, v, lo, s, gm, ss, bc, l2, dc, st in zip(
             params, grads, exp_avgs, exp_avg_sqs, w16, state_steps, grad_multipliers,
             step_sizes, bias_correction2_sqrts, weight_decays_l2, decays,

@@ -57,6 +57,7 @@ import torch
 from torch import Tensor
 
 from . import _compact, _foreach, _format
+from ._group import GroupTensors, LayerOptions, LayerwiseOptions
 from ._checks import check_same_sizes
 from ._compile import eager
 from ._sharding import Phased
@@ -106,7 +107,7 @@ def runs_on(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def applies(t: Any) -> bool:
+def applies(t: GroupTensors) -> bool:
     """Whether the kernels take a group's tensors (a ``GroupTensors``): on one device where they
     run (:func:`runs_on`), plain (not a tensor subclass) and contiguous; float32 moments, or
     moments stored in bfloat16 or 8 bits (``t.stored``); a float32 weight (with, optionally,
@@ -148,8 +149,8 @@ def _plain(x: Tensor, device: torch.device) -> bool:
             and x.device == device)
 
 
-def _moments_fit(m: Tensor, v: Tensor, st: Any) -> bool:
-    """float32 moments, or moments stored as ``st`` (a ``_compact.Stored``) says: bfloat16, or
+def _moments_fit(m: Tensor, v: Tensor, st: Optional[_format.Stored]) -> bool:
+    """float32 moments, or moments stored as ``st`` (a ``_format.Stored``) says: bfloat16, or
     int8 and uint8 codes with their float32 scales; a local piece that is one run of the whole
     tensor (the rounding's index, ``st.offset``)."""
     if st is None:
@@ -174,7 +175,8 @@ def _kind(t: Any, i: int) -> Tuple[int, int, int, int]:
     lo = t.w16[i] if t.w16 else None
     st = t.stored[i] if t.stored else None
     return (int(t.weights[i].dtype == torch.bfloat16), _G_KINDS[t.grads[i].dtype],
-            _W16_KINDS[None if lo is None else lo.dtype], _format.MOMENT_FORMS["float32" if st is None else st.form])
+            _W16_KINDS[None if lo is None else lo.dtype],
+            _format.MOMENT_FORMS["float32" if st is None else st.form])
 
 
 def _blocks_per_tile() -> int:
@@ -193,7 +195,7 @@ class _Plan(NamedTuple):
     slots: int
 
 
-def _plan(t: Any) -> _Plan:
+def _plan(t: GroupTensors) -> _Plan:
     """The group's plan, found again for the same storages, sizes and dtypes (keyed by
     :func:`_signature`: a storage freed and handed to a tensor of another size or dtype has
     another key), else made: the rows of ``ptrs`` (w, m, v, w16, the tensor's place in the
@@ -219,7 +221,7 @@ def _plan(t: Any) -> _Plan:
     return plan
 
 
-def _known_plan(t: Any) -> Optional[_Plan]:
+def _known_plan(t: GroupTensors) -> Optional[_Plan]:
     """The plan made before for the signature of ``t``, or None (looked up once per group's
     tensors: a step asks for it twice)."""
     key = _signature(t)
@@ -237,7 +239,7 @@ def _known_plan(t: Any) -> Optional[_Plan]:
 _LAST: List[Any] = [lambda: None, None]
 
 
-def _signature(t: Any) -> tuple:
+def _signature(t: GroupTensors) -> tuple:
     """What a group's plan depends on, as one tuple: the addresses, dtypes and sizes of its
     tensors (the gradients' dtypes, not their addresses), the stored moments' forms and rows,
     the chunk size and the device (one pass per list; the moments' dtypes are their
@@ -279,7 +281,7 @@ _MOMENTS: List[Any] = []
 _STORED: List[Any] = []
 
 
-def _moment_addresses(t: Any) -> Tuple[tuple, tuple]:
+def _moment_addresses(t: GroupTensors) -> Tuple[tuple, tuple]:
     """The addresses of the moments (read again only for other lists of them)."""
     lists = (t.exp_avgs, t.exp_avg_sqs)
     return _of_state_lists(_MOMENTS, lists, lambda: tuple(
@@ -356,7 +358,7 @@ def _stored_rows(stored: Optional[List[Any]]) -> Optional[tuple]:
         (None, _NOTHING_STORED) if st is None else (st.form, _stored_row(st)) for st in stored))
 
 
-def _stored_row(st: Any) -> Tuple[int, int, int, int]:
+def _stored_row(st: Optional[_format.Stored]) -> Tuple[int, int, int, int]:
     """The stored moments' part of a row of ``ptrs``: the int8 scales' addresses (0 for
     others), the length of a row of blocks (0 for float32 moments), the local piece's
     offset."""
@@ -378,7 +380,8 @@ def _chunk_starts(n: int, row_len: int, chunk: int) -> range:
                  _blocks_per_tile() * ITERS)
 
 
-def _step_table(t: Any, layer: Any, o: Any, device: torch.device) -> Tensor:
+def _step_table(t: GroupTensors, layer: LayerOptions, o: LayerwiseOptions,
+                device: torch.device) -> Tensor:
     """Per tensor: lr, weight decay, adapt, gradient multiplier, the bias corrections of its
     step, and the step (float32, on ``device``). The step counters are incremented, all in one
     operation (:func:`counters`). With float learning rates and the counters on the CPU
@@ -498,7 +501,8 @@ def counters(steps: List[Tensor]) -> Tensor:
 _LAST_COUNTERS: List[Any] = [None]
 
 
-def _device_table(t: Any, layer: Any, o: Any, device: torch.device, steps: Tensor) -> Tensor:
+def _device_table(t: GroupTensors, layer: LayerOptions, o: LayerwiseOptions,
+                device: torch.device, steps: Tensor) -> Tensor:
     """The step table made by device operations alone, so that a CUDA graph replays them: its
     constant columns from a table kept per set of values (made at the first step, before any
     capture), the learning rates read from their tensors, the bias corrections (in float64, as
@@ -592,7 +596,7 @@ def _options(o: Any, clip: Any) -> Dict[str, Any]:
                 HAS_LOWER=o.lower_bound is not None, HAS_UPPER=o.upper_bound is not None)
 
 
-def lamb_triton(t: Any, layer: Any, o: Any) -> Phased:
+def lamb_triton(t: GroupTensors, layer: LayerOptions, o: LayerwiseOptions) -> Phased:
     """LAMB on the Triton kernels: the same update as :func:`scaleopt.lamb.lamb` (``t`` a
     ``GroupTensors``, ``layer`` its ``LayerOptions``, ``o`` the ``LayerwiseOptions``), in two
     launches per set of tensors of the same dtypes. ``t.w16`` and the gradients' deferred
@@ -628,7 +632,7 @@ def _grad_sums(t: Any, device: torch.device, plan: _Plan, grads: Tensor) -> Phas
     return out
 
 
-def lans_triton(t: Any, layer: Any, o: Any) -> Phased:
+def lans_triton(t: GroupTensors, layer: LayerOptions, o: LayerwiseOptions) -> Phased:
     """LANS on the Triton kernels: the same update as :func:`scaleopt.lans.lans` (arguments as
     in :func:`lamb_triton`), in three launches per set of tensors (two where the gradients'
     norms are known)."""
