@@ -1,6 +1,6 @@
 """What one param group's update works on, by name: its tensors (:class:`GroupTensors`), the
-per-tensor options of the layer-wise optimizers (:class:`LayerOptions`) and their group options
-(:class:`LayerwiseOptions`). Named tuples and a plain dataclass: ``torch.compile`` traces them.
+per-tensor options of the layer-wise optimizers (:class:`TensorOptions`) and their group options
+(:class:`GroupOptions`). Named tuples and a plain dataclass: ``torch.compile`` traces them.
 
 Every implementation of LAMB and LANS (``lamb._IMPLEMENTATIONS``, ``lans._IMPLEMENTATIONS``) is
 one function of these three.
@@ -59,16 +59,18 @@ class GroupTensors:
         return dataclasses.replace(self, grads=grads, w16=None, grad_scalars=None)
 
 
-class LayerOptions(NamedTuple):
-    """Per tensor of a group: learning rate, weight decay, and whether it takes the trust ratio."""
+class TensorOptions(NamedTuple):
+    """Per tensor of a group (one entry each): learning rate, weight decay, and whether it
+    takes the trust ratio. The group's own options are :class:`GroupOptions`."""
 
     lrs: Sequence[float]
     weight_decays: Sequence[float]
     adapt: Sequence[bool]
 
 
-class LayerwiseOptions(NamedTuple):
-    """A LAMB or LANS group's options. Each optimizer reads its own of the last three:
+class GroupOptions(NamedTuple):
+    """A LAMB or LANS group's options (one value for all its tensors; the per-tensor ones are
+    :class:`TensorOptions`). Each optimizer reads its own of the last three:
     ``weight_decay_mode`` is LAMB's; ``clip_grad_value`` (of the normalised gradient) and
     ``decay_moved_weight`` are LANS's."""
 
@@ -89,7 +91,7 @@ class LayerwiseOptions(NamedTuple):
     capturable: bool = False
 
     @classmethod
-    def of(cls, group: Dict[str, Any], **own: Any) -> "LayerwiseOptions":
+    def of(cls, group: Dict[str, Any], **own: Any) -> "GroupOptions":
         """The options a param group holds, with the optimizer's ``own`` ones."""
         beta1, beta2 = group["betas"]
         return cls(beta1, beta2, group["eps"], group["bias_correction"], group["lower_bound"],

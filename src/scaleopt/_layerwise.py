@@ -14,7 +14,7 @@ from ._foreach import compiling
 from ._checks import check_bool, check_bounds
 from ._compile import eager
 from ._dispatch import Impl, check_implementation, implementation
-from ._group import GroupTensors, LayerOptions
+from ._group import GroupTensors, TensorOptions
 from ._intake import Deferral, GroupGrads
 from ._sharding import Phased, any_dtensor, local, run_lockstep
 
@@ -24,7 +24,7 @@ class LayerwiseAdam(AdamFamily):
 
     A subclass's ``step`` is :meth:`_step_in_lockstep` with its functional form, which it
     calls once per group with the group's tensors (:class:`~scaleopt._group.GroupTensors`),
-    their per-layer options (:class:`~scaleopt._group.LayerOptions`) and the implementation
+    their per-layer options (:class:`~scaleopt._group.TensorOptions`) and the implementation
     that :func:`scaleopt._dispatch.implementation` picks.
 
     With ``master_weights=True``, a float16/bfloat16 parameter keeps float32 master weights and
@@ -73,7 +73,7 @@ class LayerwiseAdam(AdamFamily):
         """Per-parameter (lr, weight-decay) multipliers; ``None`` means all 1. Front-ends override."""
         return None, None
 
-    def _layer_options(self, group: Dict[str, Any], idx: Sequence[int]) -> LayerOptions:
+    def _layer_options(self, group: Dict[str, Any], idx: Sequence[int]) -> TensorOptions:
         """Per parameter of ``idx``: learning rate, weight decay, and whether it takes the ratio.
 
         A parameter excluded from weight decay has decay 0. It takes the trust ratio unless it is
@@ -88,9 +88,9 @@ class LayerwiseAdam(AdamFamily):
         if wd_mult is not None:
             wds = [w * m for w, m in zip(wds, wd_mult)]
         adapt = [not no_adapt[i] and (w != 0 or group["always_adapt"]) for i, w in zip(idx, wds)]
-        return LayerOptions(lrs, wds, adapt)
+        return TensorOptions(lrs, wds, adapt)
 
-    def _step_layer_options(self, group: Dict[str, Any], idx: Sequence[int]) -> LayerOptions:
+    def _step_layer_options(self, group: Dict[str, Any], idx: Sequence[int]) -> TensorOptions:
         """:meth:`_layer_options`, whose decays and flags are made again only when what they
         are made of changed (eagerly: the same tuples are given again otherwise, by which the
         Triton path keeps its table columns)."""

@@ -19,7 +19,7 @@ from torch import Tensor
 from . import _foreach, _format
 from ._checks import check_same_sizes
 from ._compile import eager
-from ._group import GroupTensors, LayerOptions, LayerwiseOptions
+from ._group import GroupTensors, TensorOptions, GroupOptions
 from ._sharding import Phased
 
 _TENSOR_FIELDS = [("w", c_void_p), ("g", c_void_p), ("m", c_void_p), ("v", c_void_p),
@@ -186,9 +186,9 @@ def _ptr(t: Optional[Tensor]) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-def _layerwise_tensors(t: GroupTensors, layer: LayerOptions, grad_sq_sums: Optional[Tensor]):
+def _layerwise_tensors(t: GroupTensors, layer: TensorOptions, grad_sq_sums: Optional[Tensor]):
     """The per-tensor array of a ``lamb_*`` / ``lans_*`` call: a ``GroupTensors`` and its
-    ``LayerOptions``. Each gradient is taken times its deferred multiplier (1 without);
+    ``TensorOptions``. Each gradient is taken times its deferred multiplier (1 without);
     ``grad_sq_sums``: the gradients' sums of squares where already computed (LANS)."""
     count = len(t.weights)
     w16 = t.w16 or [None] * count
@@ -206,9 +206,9 @@ def _layerwise_tensors(t: GroupTensors, layer: LayerOptions, grad_sq_sums: Optio
             layer.weight_decays, gsq, layer.adapt, stored)])
 
 
-def _layerwise_config(o: LayerwiseOptions, clip_grad_value: Any, mode: int = 0,
+def _layerwise_config(o: GroupOptions, clip_grad_value: Any, mode: int = 0,
                       moved: bool = False) -> LayerwiseConfig:
-    """A call's group options from the group's ``LayerwiseOptions``."""
+    """A call's group options from the group's ``GroupOptions``."""
     lo, hi = _foreach.clip_bounds(clip_grad_value)
     return LayerwiseConfig(
         beta1=o.beta1, beta2=o.beta2, lower=o.lower_bound or 0.0, upper=o.upper_bound or 0.0,
@@ -222,7 +222,7 @@ class _LayerwiseCall:
     """The arguments of a ``lamb_*`` / ``lans_*`` kernel call over a group's tensors."""
 
     @eager
-    def __init__(self, name: str, t: GroupTensors, layer: LayerOptions, config: LayerwiseConfig,
+    def __init__(self, name: str, t: GroupTensors, layer: TensorOptions, config: LayerwiseConfig,
                  grad_sq_sums: Optional[Tensor] = None) -> None:
         self.name, self.count = name, len(t.weights)
         self.tensors = _layerwise_tensors(t, layer, grad_sq_sums)
@@ -261,10 +261,10 @@ def _kernel_phases(name: str, sums_per_tensor: int, t: Any, call: _LayerwiseCall
     call.apply((yield t.shard_sums.request(call.sums(sums_per_tensor), owners)))
 
 
-def lamb_kernel(t: GroupTensors, layer: LayerOptions, o: LayerwiseOptions) -> Phased:
+def lamb_kernel(t: GroupTensors, layer: TensorOptions, o: GroupOptions) -> Phased:
     """LAMB on the fused kernels, all tensors of a group in one call: the same update as
-    :func:`scaleopt.lamb.lamb` (``t`` a ``GroupTensors``, ``layer`` its ``LayerOptions``, ``o``
-    the group's ``LayerwiseOptions``).
+    :func:`scaleopt.lamb.lamb` (``t`` a ``GroupTensors``, ``layer`` its ``TensorOptions``, ``o``
+    the group's ``GroupOptions``).
 
     ``t.w16[i]``, when given, is the bfloat16 parameter whose float32 master is
     ``t.weights[i]``: it receives the rounded weights in the same pass. A bfloat16 weight is a
@@ -279,10 +279,10 @@ def lamb_kernel(t: GroupTensors, layer: LayerOptions, o: LayerwiseOptions) -> Ph
     yield from _kernel_phases("lamb", 2, t, _LayerwiseCall("lamb", t, layer, config))
 
 
-def lans_kernel(t: GroupTensors, layer: LayerOptions, o: LayerwiseOptions) -> Phased:
+def lans_kernel(t: GroupTensors, layer: TensorOptions, o: GroupOptions) -> Phased:
     """LANS on the fused kernels, all tensors of a group in one call: the same update as
     :func:`scaleopt.lans.lans` (``t``, ``layer`` as in :func:`lamb_kernel`, ``o`` the
-    group's ``LayerwiseOptions``). The gradients' sums of squares, where the intake computed them (for
+    group's ``GroupOptions``). The gradients' sums of squares, where the intake computed them (for
     clipping: the scalars' ``sq_sums``, or ``t.grad_norms``), are not computed again. For the
     local pieces of sharded tensors, the whole gradients' sums are totalled first (a reduction
     of their own) where not given."""

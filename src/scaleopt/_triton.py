@@ -57,7 +57,7 @@ import torch
 from torch import Tensor
 
 from . import _compact, _foreach, _format
-from ._group import GroupTensors, LayerOptions, LayerwiseOptions
+from ._group import GroupTensors, TensorOptions, GroupOptions
 from ._checks import check_same_sizes
 from ._compile import eager
 from ._sharding import Phased
@@ -380,7 +380,7 @@ def _chunk_starts(n: int, row_len: int, chunk: int) -> range:
                  _blocks_per_tile() * ITERS)
 
 
-def _step_table(t: GroupTensors, layer: LayerOptions, o: LayerwiseOptions,
+def _step_table(t: GroupTensors, layer: TensorOptions, o: GroupOptions,
                 device: torch.device) -> Tensor:
     """Per tensor: lr, weight decay, adapt, gradient multiplier, the bias corrections of its
     step, and the step (float32, on ``device``). The step counters are incremented, all in one
@@ -501,7 +501,7 @@ def counters(steps: List[Tensor]) -> Tensor:
 _LAST_COUNTERS: List[Any] = [None]
 
 
-def _device_table(t: GroupTensors, layer: LayerOptions, o: LayerwiseOptions,
+def _device_table(t: GroupTensors, layer: TensorOptions, o: GroupOptions,
                 device: torch.device, steps: Tensor) -> Tensor:
     """The step table made by device operations alone, so that a CUDA graph replays them: its
     constant columns from a table kept per set of values (made at the first step, before any
@@ -596,9 +596,9 @@ def _options(o: Any, clip: Any) -> Dict[str, Any]:
                 HAS_LOWER=o.lower_bound is not None, HAS_UPPER=o.upper_bound is not None)
 
 
-def lamb_triton(t: GroupTensors, layer: LayerOptions, o: LayerwiseOptions) -> Phased:
+def lamb_triton(t: GroupTensors, layer: TensorOptions, o: GroupOptions) -> Phased:
     """LAMB on the Triton kernels: the same update as :func:`scaleopt.lamb.lamb` (``t`` a
-    ``GroupTensors``, ``layer`` its ``LayerOptions``, ``o`` the ``LayerwiseOptions``), in two
+    ``GroupTensors``, ``layer`` its ``TensorOptions``, ``o`` the ``GroupOptions``), in two
     launches per set of tensors of the same dtypes. ``t.w16`` and the gradients' deferred
     scalars as in :func:`scaleopt._native.lamb_kernel`."""
     if not t.weights:
@@ -632,7 +632,7 @@ def _grad_sums(t: Any, device: torch.device, plan: _Plan, grads: Tensor) -> Phas
     return out
 
 
-def lans_triton(t: GroupTensors, layer: LayerOptions, o: LayerwiseOptions) -> Phased:
+def lans_triton(t: GroupTensors, layer: TensorOptions, o: GroupOptions) -> Phased:
     """LANS on the Triton kernels: the same update as :func:`scaleopt.lans.lans` (arguments as
     in :func:`lamb_triton`), in three launches per set of tensors (two where the gradients'
     norms are known)."""

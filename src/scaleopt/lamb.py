@@ -11,7 +11,7 @@ from . import _foreach, _format, _native, _triton
 from ._foreach import by_value
 from ._checks import check_choice
 from ._dispatch import Impl, resolve
-from ._group import GroupTensors, LayerwiseOptions, LayerOptions, pick
+from ._group import GroupTensors, GroupOptions, TensorOptions, pick
 from ._intake import GradScalars
 from ._layerwise import LayerwiseAdam
 from ._loading import ADAM_STATE
@@ -187,11 +187,11 @@ class LAMB(LayerwiseAdam):
     def step(self, closure=None):  # type: ignore[override]
         """Perform one optimization step. ``closure`` re-evaluates the model and returns the loss."""
         return self._step_in_lockstep(closure, lambda group, t, layer, impl: lamb_phases(
-            t, layer, LayerwiseOptions.of(group, weight_decay_mode=group["weight_decay_mode"]),
+            t, layer, GroupOptions.of(group, weight_decay_mode=group["weight_decay_mode"]),
             impl))
 
 
-def lamb_phases(t: GroupTensors, layer: LayerOptions, o: LayerwiseOptions,
+def lamb_phases(t: GroupTensors, layer: TensorOptions, o: GroupOptions,
                 implementation: Impl) -> Phased:
     """LAMB on one group's tensors by ``implementation``, in phases (see
     ``scaleopt._sharding``): on the local shards of sharded tensors (``t.shard_sums``), the
@@ -239,13 +239,13 @@ def lamb(
     """
     t = GroupTensors(params, grads, exp_avgs, exp_avg_sqs, state_steps, low, grad_scalars,
                      shard_sums)
-    o = LayerwiseOptions(beta1, beta2, eps, bias_correction, lower_bound, upper_bound,
+    o = GroupOptions(beta1, beta2, eps, bias_correction, lower_bound, upper_bound,
                          weight_decay_mode)
-    run_phases(lamb_phases(t, LayerOptions(lrs, weight_decays, adapt), o,
+    run_phases(lamb_phases(t, TensorOptions(lrs, weight_decays, adapt), o,
                            resolve(implementation, foreach)))
 
 
-def _single_tensor_lamb(t: GroupTensors, layer: LayerOptions, o: LayerwiseOptions) -> None:
+def _single_tensor_lamb(t: GroupTensors, layer: TensorOptions, o: GroupOptions) -> None:
     """The reference path: one tensor at a time, the algorithm as written in the docstring."""
     mode = o.weight_decay_mode
     for i, p in enumerate(t.weights):
@@ -270,7 +270,7 @@ def _single_tensor_lamb(t: GroupTensors, layer: LayerOptions, o: LayerwiseOption
         _foreach.add_scaled_one_(p, u, -lr)
 
 
-def _multi_tensor_lamb(t: GroupTensors, layer: LayerOptions, o: LayerwiseOptions) -> Phased:
+def _multi_tensor_lamb(t: GroupTensors, layer: TensorOptions, o: GroupOptions) -> Phased:
     """The fast path: the same algorithm as a few multi-tensor kernels per group. On local
     shards, ``t.shard_sums`` totals the norms (the reduction this yields)."""
     params, lrs, weight_decays = t.weights, layer.lrs, layer.weight_decays

@@ -11,7 +11,7 @@ from . import _foreach, _native, _triton
 from ._foreach import by_value
 from ._checks import check_bool
 from ._dispatch import Impl, resolve
-from ._group import GroupTensors, LayerwiseOptions, LayerOptions, pick
+from ._group import GroupTensors, GroupOptions, TensorOptions, pick
 from ._intake import GradScalars
 from ._layerwise import LayerwiseAdam
 from ._loading import ADAM_STATE
@@ -152,12 +152,12 @@ class LANS(LayerwiseAdam):
     def step(self, closure=None):  # type: ignore[override]
         """Perform one optimization step. ``closure`` re-evaluates the model and returns the loss."""
         return self._step_in_lockstep(closure, lambda group, t, layer, impl: lans_phases(
-            t, layer, LayerwiseOptions.of(group, clip_grad_value=group["clip_grad_value"],
+            t, layer, GroupOptions.of(group, clip_grad_value=group["clip_grad_value"],
                                           decay_moved_weight=group["decay_moved_weight"]),
             impl))
 
 
-def lans_phases(t: GroupTensors, layer: LayerOptions, o: LayerwiseOptions,
+def lans_phases(t: GroupTensors, layer: TensorOptions, o: GroupOptions,
                 implementation: Impl) -> Phased:
     """LANS on one group's tensors by ``implementation``, in phases, as
     :func:`scaleopt.lamb.lamb_phases`: on local shards, the gradients' norms are totalled
@@ -199,9 +199,9 @@ def lans(
     ``sq_sums`` (their sums of squares), when given, are not computed again."""
     t = GroupTensors(params, grads, exp_avgs, exp_avg_sqs, state_steps, low, grad_scalars,
                      shard_sums, grad_norms)
-    o = LayerwiseOptions(beta1, beta2, eps, bias_correction, lower_bound, upper_bound,
+    o = GroupOptions(beta1, beta2, eps, bias_correction, lower_bound, upper_bound,
                          clip_grad_value=clip_grad_value, decay_moved_weight=decay_moved_weight)
-    run_phases(lans_phases(t, LayerOptions(lrs, weight_decays, adapt), o,
+    run_phases(lans_phases(t, TensorOptions(lrs, weight_decays, adapt), o,
                            resolve(implementation, foreach)))
 
 
@@ -213,7 +213,7 @@ def _inverse_norms(norms: Tensor) -> Tensor:
                        1.0 / torch.where(zero, torch.ones_like(norms), norms))
 
 
-def _single_tensor_lans(t: GroupTensors, layer: LayerOptions, o: LayerwiseOptions) -> None:
+def _single_tensor_lans(t: GroupTensors, layer: TensorOptions, o: GroupOptions) -> None:
     """The reference path: one tensor at a time, the algorithm as written in the docstring."""
     lower, upper, beta1 = o.lower_bound, o.upper_bound, o.beta1
     for i, p in enumerate(t.weights):
@@ -244,7 +244,7 @@ def _single_tensor_lans(t: GroupTensors, layer: LayerOptions, o: LayerwiseOption
         _foreach.add_scaled_one_(p, c, -lr * (1.0 - beta1))
 
 
-def _multi_tensor_lans(t: GroupTensors, layer: LayerOptions, o: LayerwiseOptions) -> Phased:
+def _multi_tensor_lans(t: GroupTensors, layer: TensorOptions, o: GroupOptions) -> Phased:
     """The fast path: the same algorithm as a few multi-tensor kernels per group. On local
     shards, ``t.shard_sums`` totals the norms: the gradients' in one reduction, the weights'
     and both parts' in another (the reductions this yields)."""
@@ -285,7 +285,7 @@ def _multi_tensor_lans(t: GroupTensors, layer: LayerOptions, o: LayerwiseOptions
     _foreach.add_scaled_(params, c, [-lr * (1.0 - beta1) for lr in lrs])
 
 
-def _sharded_two_parts(t: GroupTensors, layer: LayerOptions, o: LayerwiseOptions, r, c, decays,
+def _sharded_two_parts(t: GroupTensors, layer: TensorOptions, o: GroupOptions, r, c, decays,
                        adapting) -> Phased:
     """LANS's two trust-ratio-scaled parts on local shards, with the four sums the ratios need
     (||w||^2, ||r||^2, ||c||^2 and, when the second part decays the moved weight, <c, r>) in one
