@@ -301,3 +301,23 @@ def test_a_lamb_whose_tensors_all_skip_the_trust_ratio_warns_once_that_it_is_ada
     (message,) = steps()
     assert "always_adapt" in message and "weight_decay" in message
     assert steps(wd=0.01) == [] and steps(always_adapt=True) == []
+
+
+def test_the_step_memo_is_the_optimizers_own_and_goes_with_it():
+    """What a step keeps for the next (each group's state lists) belongs to the optimizer: a
+    copy starts without it, and a deleted optimizer's state is freed with it."""
+    import copy
+    import gc
+    import weakref
+
+    model = torch.nn.Linear(8, 4)
+    opt = scaleopt.LAMB(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        model(torch.randn(4, 8)).square().sum().backward()
+        opt.step()
+    assert len(opt.__dict__["_adam_memos"]) == 1
+    assert "_adam_memos" not in copy.deepcopy(opt).__dict__
+    moment = weakref.ref(opt.state[model.weight]["exp_avg"])
+    del opt
+    gc.collect()
+    assert moment() is None

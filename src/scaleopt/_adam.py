@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import operator
-import weakref
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 import torch
@@ -57,10 +56,6 @@ class _Listed(list):
     read from the last ones (the stored moments' rows, the moments' addresses:
     ``_triton._stored_rows``, ``_triton._moment_addresses``), while the memo gives them again
     (a state tensor replaced: new lists)."""
-
-
-#: per optimizer, per group (by id), the last step's state (:class:`_Memo`)
-_MEMOS: "weakref.WeakKeyDictionary[Any, Dict[int, _Memo]]" = weakref.WeakKeyDictionary()
 
 
 def _entries(dicts: List[Dict[str, Any]]) -> List[Any]:
@@ -134,6 +129,9 @@ class AdamFamily(ScaleOptimizer):
     """
 
     _state_spec = ADAM_STATE
+    #: per group (by id), the last step's state (:class:`_Memo`), the optimizer's own: no
+    #: other optimizer reads it, a copy starts without it, and it goes with the optimizer
+    _not_pickled = ScaleOptimizer._not_pickled + ("_adam_memos",)
 
     def _attach(self) -> None:
         super()._attach()
@@ -150,7 +148,7 @@ class AdamFamily(ScaleOptimizer):
         changed since the last step of the group (:class:`_Memo`)."""
         if _foreach.compiling():
             return self._new_adam_state(group, params, amsgrad)
-        memos = _MEMOS.setdefault(self, {})
+        memos = self.__dict__.setdefault("_adam_memos", {})
         memo = memos.get(id(group))
         if memo is not None and memo.holds(self, group, params, amsgrad):
             return memo.state
