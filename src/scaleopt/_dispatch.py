@@ -50,8 +50,8 @@ def implementation(group: Dict[str, Any], params: Sequence[Tensor], *, kernels: 
     ``fused=True`` (the group's option) asks for the fused kernels: ``NATIVE`` in host memory,
     ``TRITON`` on CUDA, ``ValueError`` where neither can take the group (:func:`fused`).
     ``foreach=True``/``False`` asks for ``MULTI``/``SINGLE``. ``fused=False`` leaves the fused
-    kernels out of the choice below. With neither set: ``NATIVE`` for an optimizer with ``kernels`` when they are built, the
-    update runs in host memory (CPU parameters, or ``on_host``: an offloaded optimizer) and,
+    kernels out of the choice below. With neither set: ``NATIVE`` for an optimizer with
+    ``kernels`` when they are built, the update runs in host memory (CPU parameters, or ``on_host``: an offloaded optimizer) and,
     when ``tensors`` are given, the kernels take every one of them (:func:`_native.applies`:
     contiguous float32 weights, or bfloat16 ones with master weights); without ``tensors`` the
     answer says whether the kernels may take the group (before its state exists). Otherwise
@@ -76,7 +76,7 @@ def implementation(group: Dict[str, Any], params: Sequence[Tensor], *, kernels: 
         return fused(params, on_host, tensors)
     if foreach is not None and not sharded:
         return Impl.MULTI if foreach else Impl.SINGLE
-    choose = foreach is None and asked is None and kernels
+    choose = kernels and _native.kernels_allowed(group)  # (fused=True returned above)
     if (choose and _native.available() and (on_host or all(map(_IS_CPU, params)))
             and (tensors is None or _native.applies(tensors))):
         return Impl.NATIVE
@@ -98,12 +98,9 @@ def fused(params: Sequence[Tensor], on_host: bool, tensors: Optional[GroupTensor
     memory, ``TRITON`` on CUDA; ``ValueError`` where they are not installed or cannot take the
     tensors (``tensors`` None: before the group's state exists, only the device is asked)."""
     if on_host or all(map(_IS_CPU, params)):
-        impl, have = Impl.NATIVE, _native.available()
-        missing = "the C kernels are not built in this install (no C compiler at install time, " \
-                  "or SCALEOPT_NATIVE=0)"
+        impl, have, missing = Impl.NATIVE, _native.available(), _native.NOT_BUILT
     elif all(map(_IS_CUDA, params)):
-        impl, have = Impl.TRITON, _triton.available()
-        missing = "Triton is not installed (pip install triton)"
+        impl, have, missing = Impl.TRITON, _triton.available(), _triton.NOT_INSTALLED
     else:
         raise ValueError("fused=True: the fused kernels run on CPU tensors (C) or on CUDA tensors "
                          f"(Triton), not on {sorted({p.device.type for p in params})} tensors")
@@ -124,10 +121,9 @@ def check_implementation(group: Dict[str, Any]) -> None:
             raise ValueError(f"implementation={name!r} and {key}={group[key]!r} cannot be "
                              f"set together: implementation names the path itself")
     if impl is Impl.NATIVE and not _native.available():
-        raise ValueError("implementation='native': the C kernels are not built in this install "
-                         "(no C compiler at install time, or SCALEOPT_NATIVE=0)")
+        raise ValueError(f"implementation='native': {_native.NOT_BUILT}")
     if impl is Impl.TRITON and not _triton.available():
-        raise ValueError("implementation='triton': Triton is not installed (pip install triton)")
+        raise ValueError(f"implementation='triton': {_triton.NOT_INSTALLED}")
 
 
 def resolve(impl: Optional[str], foreach: bool) -> Impl:

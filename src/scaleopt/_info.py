@@ -54,8 +54,7 @@ def group_implementations(optimizer: torch.optim.Optimizer) -> List[str]:
         if not isinstance(optimizer, ScaleOptimizer):
             out.append(f"{type(optimizer).__module__}.{type(optimizer).__name__}'s own step")
         elif isinstance(optimizer, OffloadAdam):
-            kernel = (_native.available() and group["fused"] is not False
-                      and group["foreach"] is None)
+            kernel = _native.available() and _native.kernels_allowed(group)
             out.append("native (host)" if kernel else "single (host)")
         elif isinstance(optimizer, AdamW) or group.get("algorithm") == "adamw":
             group = group if isinstance(optimizer, AdamW) else _as_adamw(group)  # Muon's part

@@ -103,7 +103,7 @@ def _kernels_take_split(group: Dict[str, Any], p: Tensor) -> bool:
     asked = group.get("implementation")
     if asked is not None:
         return asked == "triton" or (asked == "native" and p.device.type == "cpu")
-    if group.get("foreach") is not None or group.get("fused") is False:
+    if not _native.kernels_allowed(group):
         return False
     if p.device.type == "cpu":
         return _native.available()

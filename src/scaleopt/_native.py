@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 import os
 from ctypes import POINTER, c_double, c_float, c_int32, c_int64, c_void_p
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -109,6 +109,16 @@ def struct_layout(struct: type) -> Tuple[int, ...]:
     out = (c_int64 * 32)()
     count = _lib.struct_layout(STRUCTS.index(struct), ctypes.addressof(out))
     return tuple(out[:count])
+
+#: why the kernels do not run where :func:`available` says False
+NOT_BUILT = ("the C kernels are not built in this install (no C compiler at install time, or "
+             "SCALEOPT_NATIVE=0)")
+
+
+def kernels_allowed(group: Dict[str, Any]) -> bool:
+    """Whether a group's ``foreach``/``fused`` leave the fused kernels in the choice: no
+    ``foreach`` path asked for, and not ``fused=False``."""
+    return group.get("foreach") is None and group.get("fused") is not False
 
 
 def available() -> bool:

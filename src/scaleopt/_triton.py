@@ -92,6 +92,9 @@ COMPILE_OPTIONS = {"enable_fp_fusion": False}
 _STATIC: Dict[tuple, Tensor] = {}
 _ZERO: Dict[torch.device, Tensor] = {}
 
+#: why the kernels do not run where :func:`available` says False
+NOT_INSTALLED = "Triton is not installed (pip install triton)"
+
 
 def available() -> bool:
     """Whether Triton can be imported (the kernels then run on CUDA tensors, and on CPU tensors

@@ -276,8 +276,8 @@ def _native_row(group: Dict[str, Any], p: Tensor, grad: Tensor, state: Dict[str,
     place in one pass (no float32 copies): where it takes the tensor (float32 on the CPU,
     the kernels built, no amsgrad, not under ``torch.compile``, no path other than the fused
     ones asked for), else None."""
-    if (group["amsgrad"] or group["fused"] is False or group["foreach"] is not None or p.dtype != torch.float32 or not _native.available()
-            or _foreach.compiling() or not state["step"].is_cpu):
+    if (group["amsgrad"] or not _native.kernels_allowed(group) or p.dtype != torch.float32
+            or not _native.available() or _foreach.compiling() or not state["step"].is_cpu):
         return None
     stored = _compact.stored(state, form, p)
     row = (local_piece(p), grad, local_piece(state["exp_avg"]),

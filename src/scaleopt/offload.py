@@ -169,10 +169,8 @@ class OffloadAdam(AdamFamily):
         check_bool(a("nesterov"), group["nesterov"])
         check_choice("eps_mode", group["eps_mode"], ("standard", "hat"))
         if group["fused"] and (group["amsgrad"] or not _native.available()):
-            raise ValueError("fused=True runs the host kernel, which "
-                             + ("has no amsgrad" if group["amsgrad"] else
-                                "is not built in this install (no C compiler at install time, "
-                                "or SCALEOPT_NATIVE=0)"))
+            raise ValueError("fused=True runs the host kernel: " + (
+                "it has no amsgrad" if group["amsgrad"] else _native.NOT_BUILT))
         if group["amsgrad"] and group["nesterov"]:
             raise ValueError("amsgrad=True and nesterov=True cannot be combined")
         for p in group["params"]:
@@ -223,7 +221,7 @@ class OffloadAdam(AdamFamily):
         group, params = item.group, item.params
         state = self._adam_state(group, params, amsgrad=group["amsgrad"])
         stored = state.stored or [None] * len(params)
-        kernel = not group["amsgrad"] and group["fused"] is not False and group["foreach"] is None
+        kernel = not group["amsgrad"] and _native.kernels_allowed(group)
         fast = [kernel and _native.adam_applies(*row, st) for row, st in zip(
             zip(*(local(xs) for xs in (state.view.weights, item.grads, state.exp_avgs,
                                       state.exp_avg_sqs, state.view.kernel_w16()))), stored)]
