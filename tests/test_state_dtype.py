@@ -628,11 +628,11 @@ def test_layerwise_steps_keep_updates_between_passes_without_changing_a_bit(cls,
                   torch.nn.Parameter(torch.randn(300, 70) * 0.1)]
         opt = cls(params, lr=1e-2, weight_decay=0.01, state_dtype=form)
         g = torch.Generator().manual_seed(5)
-        per_tensor = 2 if cls is scaleopt.LAMB else 4
         with monkeypatch.context() as patch:
             if not whole:  # the sharded tensors' calls: each pass over all tensors
-                patch.setattr(_native._LayerwiseCall, "whole",
-                              lambda call: call.apply(call.sums(per_tensor)))
+                real = _native.LayerwiseKernel.apply
+                patch.setattr(_native.LayerwiseKernel, "apply", lambda kernel, totals: real(
+                    kernel, kernel.first_pass() if totals is None else totals))
             for _ in range(3):
                 for p in params:
                     p.grad = torch.randn(p.shape, generator=g)

@@ -9,7 +9,10 @@
 
 All four compute the same numbers up to float round-off. The functional forms pick theirs
 from a table (``lamb._IMPLEMENTATIONS``, ``lans._IMPLEMENTATIONS``): adding one is an enum
-member here, a line in :func:`implementation`, and one function per optimizer.
+member here, a line in :func:`implementation` (and, for fused kernels, their test in
+``_TAKES``), and one function per optimizer. An optimizer's step asks once per group:
+:func:`implementation` before the group's state exists (``LayerwiseAdam._plan_step``), and
+:func:`confirmed` with its tensors.
 """
 
 from __future__ import annotations
@@ -91,6 +94,26 @@ def implementation(group: Dict[str, Any], params: Sequence[Tensor], *, kernels: 
 _LAYOUT = operator.attrgetter("layout")
 _IS_CPU = operator.attrgetter("is_cpu")
 _IS_CUDA = operator.attrgetter("is_cuda")
+
+
+def takes(impl: Impl, tensors: GroupTensors) -> bool:
+    """Whether the fused kernels ``impl`` take a group's tensors (their state made)."""
+    return _TAKES[impl][0](tensors)
+
+
+def confirmed(impl: Impl, group: Dict[str, Any], params: Sequence[Tensor],
+              tensors: GroupTensors, *, on_host: bool = False) -> Impl:
+    """The implementation :func:`implementation` chose for a group before its state existed,
+    now that its tensors are known: the fused kernels where they take every tensor; where they
+    do not, ``ValueError`` if they were asked for (``implementation`` or ``fused=True``), else
+    the choice without them. (What :func:`implementation` with ``tensors`` answers, asking
+    the kernels' test once.)"""
+    if not impl.fused or takes(impl, tensors):
+        return impl
+    if group.get("implementation") is not None or group.get("fused"):
+        return _explicit(impl, params, tensors,
+                         asked=None if group.get("implementation") else "fused=True")
+    return implementation(group, params, kernels=False, on_host=on_host)
 
 
 def fused(params: Sequence[Tensor], on_host: bool, tensors: Optional[GroupTensors]) -> Impl:

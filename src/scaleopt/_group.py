@@ -3,18 +3,19 @@ per-tensor options of the layer-wise optimizers (:class:`TensorOptions`) and the
 (:class:`GroupOptions`). Named tuples and a plain dataclass: ``torch.compile`` traces them.
 
 Every implementation of LAMB and LANS (``lamb._IMPLEMENTATIONS``, ``lans._IMPLEMENTATIONS``) is
-one function of these three.
+one function of these three that returns an :class:`Update`: the update in the phases of a step,
+which the optimizer's ``step`` calls in order for all its groups.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol, Sequence
 
 from torch import Tensor
 
 from ._intake import GradScalars, apply_grad_scalars
-from ._sharding import ShardSums
+from ._sharding import Reduction, ShardSums
 
 
 def pick(xs: Sequence[Any], idx: Sequence[int]) -> List[Any]:
@@ -96,3 +97,38 @@ class GroupOptions(NamedTuple):
         beta1, beta2 = group["betas"]
         return cls(beta1, beta2, group["eps"], group["bias_correction"], group["lower_bound"],
                    group["upper_bound"], capturable=group.get("capturable", False), **own)
+
+
+class Update(Protocol):
+    """One group's update in the phases of a step. The optimizer calls, for all its groups in
+    turn, :meth:`grad_sums`, then :meth:`sums` with those totals, then :meth:`apply` with the
+    totals of those; between two phases, the sums every group asks for (on the local shards of
+    sharded tensors) are totalled in one all-reduce (``scaleopt._sharding.total``). On whole
+    tensors no phase asks for anything and nothing is reduced."""
+
+    def grad_sums(self) -> Optional[Reduction]:
+        """LANS: the gradients' sums of squares to total, where nothing gave their norms."""
+
+    def sums(self, grad_totals: Optional[Tensor] = None) -> Optional[Reduction]:
+        """The work before the trust ratios, and their sums to total."""
+
+    def apply(self, totals: Optional[Tensor]) -> None:
+        """The rest of the update, on the totals (None where nothing was asked)."""
+
+
+class WholeUpdate:
+    """An :class:`Update` that asks for no sums (a reference loop over whole tensors): all of
+    it runs in :meth:`apply`."""
+
+    def __init__(self, update: Callable[..., None], t: GroupTensors, layer: TensorOptions,
+                 o: GroupOptions) -> None:
+        self.update, self.args = update, (t, layer, o)
+
+    def grad_sums(self) -> None:
+        return None
+
+    def sums(self, grad_totals: Optional[Tensor] = None) -> None:
+        return None
+
+    def apply(self, totals: Optional[Tensor]) -> None:
+        self.update(*self.args)

@@ -7,14 +7,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import operator
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
+from typing import Any, Callable, Collection, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from . import _foreach
 from ._params import param_label
-from ._sharding import Phased, ShardSums, any_dtensor, local, on_any_rank, run_lockstep
+from ._sharding import Reduction, ShardSums, any_dtensor, local, on_any_rank, total
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,8 +47,8 @@ def apply_grad_scalars(grads: List[Tensor], scalars: Optional[GradScalars]) -> L
 class Deferral(NamedTuple):
     """A consumer that applies the gradients' scalar transforms itself as it reads them."""
 
-    #: ``(group, params) -> bool``: whether it does for this group
-    accepts: Callable[[Dict[str, Any], List[Tensor]], bool]
+    #: the ids of the param groups it takes (None: all)
+    groups: Optional[Collection[int]]
     #: ``grads -> float64 vector or None``: its sum of squares, for the norms the clippings
     #: need (None where it does not take these tensors; the norms then come from torch)
     sums_of_squares: Callable[[List[Tensor]], Optional[Tensor]]
@@ -77,6 +77,10 @@ class GroupGrads:
     #: a sharded group's gradients' norms (whole tensors) as handed over, where a clipping
     #: computed them
     grad_norms: Optional[Tensor] = None
+    #: while the intake runs: the sums this group's clipping needs totalled over the shards,
+    #: and the factor that unscales its gradients
+    pending: Optional[Reduction] = None
+    unscale: Any = 1.0
 
 
 class Intake(list):
@@ -116,14 +120,16 @@ def take(opt: Any, value_clip: bool = True, defer: Optional[Deferral] = None, *,
     opt._refresh_hyperparameters()
     if amp_skip and _found_inf(opt):
         return _skipped()
-    staged = run_lockstep([_collect(opt, group, value_clip, defer)
-                           for group in opt.param_groups])
+    staged = [_collect(opt, group, value_clip, defer) for group in opt.param_groups]
+    for item, totals in zip(staged, total([s.pending for s in staged])):
+        if totals is not None:  # sharded gradients: the clippings' norms over whole tensors
+            _clip_by_tensor_norms(item, totals)
     skip = opt.nonfinite == "skip"
     finite = True
-    if any(s.group.get("max_grad_norm") is not None for s in staged):
-        total = _clip_by_global_norm(staged)
-        if skip and not any(s.group.get("clip_grad_value") is not None for s in staged):
-            finite = bool(torch.isfinite(total))  # a host read: opted into
+    if any([s.group.get("max_grad_norm") is not None for s in staged]):
+        global_norm = _clip_by_global_norm(staged)
+        if skip and not any([s.group.get("clip_grad_value") is not None for s in staged]):
+            finite = bool(torch.isfinite(global_norm))  # a host read: opted into
             skip = False  # decided: the norm is finite exactly where every gradient is
     if skip:
         finite = not _step_has_nonfinite(opt, staged, defer)
@@ -185,10 +191,11 @@ def _present(opt: Any, group: Dict[str, Any]) -> Tuple[List[int], List[Tensor], 
 
 
 def _collect(opt: Any, group: Dict[str, Any], value_clip: bool,
-             defer: Optional[Deferral]) -> Phased:
+             defer: Optional[Deferral]) -> GroupGrads:
     """One group's gradients, transformed (or, deferred, their scalars) but for the global
-    clipping (a :class:`GroupGrads`), in phases: for sharded parameters, the gradients' sums
-    are totalled over the shards between them (see ``scaleopt._sharding``)."""
+    clipping (a :class:`GroupGrads`). For sharded parameters whose clipping needs norms of
+    whole tensors, ``pending`` asks for the local sums' totals, and
+    :func:`_clip_by_tensor_norms` finishes with them."""
     idx, params, grads = _present(opt, group)
     item = GroupGrads(group, idx, params, grads)
     if any_dtensor(params):  # from here on the local shards, norms totalled over them
@@ -197,54 +204,65 @@ def _collect(opt: Any, group: Dict[str, Any], value_clip: bool,
     clamp = group.get("clip_grad_value") if value_clip else None
     per_tensor = group.get("clip_grad_norm_per_tensor")
     norm_clip = per_tensor is not None or group.get("max_grad_norm") is not None
-    item.deferred = (bool(grads) and defer is not None and defer.accepts(group, params)
+    item.deferred = (bool(grads) and defer is not None and (defer.groups is None or id(group) in defer.groups)
                      and not (clamp is not None and norm_clip))
-    unscale = _unscale(opt, group)
+    item.unscale = unscale = _unscale(opt, group)
     if item.deferred:
-        item.scalars, item.norms = yield from _deferred_scalars(
-            group, grads, unscale, clamp, defer, item.shard_sums)
+        base = (-1.0 if group.get("maximize", False) else 1.0) * unscale
+        if not (torch.is_tensor(base) or base != 1.0 or norm_clip or clamp is not None):
+            return item  # nothing scales or clips
+        item.scalars = GradScalars(_full(base, len(grads), grads[0].device), None, clamp)
+        if norm_clip:
+            sums = defer.sums_of_squares(grads)
+            if item.shard_sums is not None:  # over the whole tensors
+                local_sums = _foreach.sq_norms(grads).double() if sums is None else sums
+                item.pending = item.shard_sums.request(local_sums, range(len(grads)))
+            else:
+                _scale_by_tensor_norms(item, sums, unscale)
     elif grads:
         if group.get("maximize", False):
             grads = torch._foreach_neg(grads)
         grads = _foreach.scale(grads, unscale)
-        grads = _foreach.clip_by_value(grads, clamp)
+        item.grads = grads = _foreach.clip_by_value(grads, clamp)
         if item.shard_sums is None:
             item.grads = _foreach.clip_by_tensor_norm(grads, per_tensor)
         elif norm_clip:  # whole-tensor norms: one reduction, shared with the global clip
-            norms = yield item.shard_sums.norms_request(grads)
-            if per_tensor is not None:
-                coefs = _foreach.clip_coef(norms, per_tensor)
-                grads = _foreach.scale_each(grads, coefs)
-                norms = norms * coefs
-            item.grads, item.grad_norms = grads, norms
-        else:
-            item.grads = grads
+            item.pending = item.shard_sums.norms_request(grads)
     return item
 
 
-def _deferred_scalars(group: Dict[str, Any], grads: List[Tensor], unscale: Any, clamp: Any,
-                      defer: Deferral, shard_sums: Optional[ShardSums] = None) -> Phased:
-    """A deferred group's scalars before global clipping (None when all multipliers are 1 and
-    nothing clips), and the raw gradients' norms where a clipping needs them, in phases (which
-    return them)."""
-    base = (-1.0 if group.get("maximize", False) else 1.0) * unscale
-    per_tensor, global_clip = group.get("clip_grad_norm_per_tensor"), group.get("max_grad_norm")
-    if (not torch.is_tensor(base) and base == 1.0 and per_tensor is None and global_clip is None
-            and clamp is None):
-        return None, None
-    sums = norms = None
-    if per_tensor is not None or global_clip is not None:
-        sums = defer.sums_of_squares(grads)
-        if shard_sums is not None:  # over the whole tensors
-            local_sums = _foreach.sq_norms(grads).double() if sums is None else sums
-            sums = yield shard_sums.request(local_sums, range(len(grads)))
-        norms = _foreach.norms(grads) if sums is None else sums.sqrt().to(torch.float32)
-    mults = (base.to(grads[0].device, torch.float64).expand(len(grads)).clone()
-             if torch.is_tensor(base) else
-             torch.full((len(grads),), base, dtype=torch.float64, device=grads[0].device))
+def _full(base: Any, n: int, device: torch.device) -> Tensor:
+    """``n`` multipliers equal to ``base`` (a number, or a 0-d tensor), float64 on ``device``."""
+    if torch.is_tensor(base):
+        return base.to(device, torch.float64).expand(n).clone()
+    return torch.full((n,), base, dtype=torch.float64, device=device)
+
+
+def _clip_by_tensor_norms(item: GroupGrads, totals: Tensor) -> None:
+    """A sharded group's norm clippings, with its sums totalled over the shards (``pending``)."""
+    item.pending = None
+    if item.deferred:
+        _scale_by_tensor_norms(item, totals, item.unscale)
+        return
+    norms, per_tensor = totals, item.group.get("clip_grad_norm_per_tensor")
     if per_tensor is not None:
-        mults = mults * _foreach.clip_coef(norms * unscale, per_tensor).to(mults)
-    return GradScalars(mults, sums, clamp), norms
+        coefs = _foreach.clip_coef(norms, per_tensor)
+        item.grads = _foreach.scale_each(item.grads, coefs)
+        norms = norms * coefs
+    item.grad_norms = norms
+
+
+def _scale_by_tensor_norms(item: GroupGrads, sums: Optional[Tensor], unscale: Any) -> None:
+    """A deferred group's raw gradients' norms (from ``sums``, their sums of squares over whole
+    tensors, or from torch where None), and its multipliers times ``clip_grad_norm_per_tensor``'s
+    coefficients."""
+    grads, scalars = item.grads, item.scalars
+    item.norms = _foreach.norms(grads) if sums is None else sums.sqrt().to(torch.float32)
+    mults = scalars.mults
+    per_tensor = item.group.get("clip_grad_norm_per_tensor")
+    if per_tensor is not None:
+        mults = mults * _foreach.clip_coef(item.norms * unscale, per_tensor).to(mults)
+    item.scalars = GradScalars(mults, sums, scalars.clamp)
 
 
 def _clip_by_global_norm(staged: List[GroupGrads]) -> Tensor:

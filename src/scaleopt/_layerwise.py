@@ -1,31 +1,33 @@
-"""What LAMB and LANS share: per-layer options, the step over the groups in lockstep."""
+"""What LAMB and LANS share: per-layer options, and each group's plan for a step."""
 
 from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from torch import Tensor
 
-from . import _native, _triton
+from . import _native
 from ._adam import AdamFamily, AdamState
 from ._foreach import compiling
 from ._checks import check_bool, check_bounds
 from ._compile import eager
-from ._dispatch import Impl, check_implementation, implementation
-from ._group import GroupTensors, TensorOptions
+from ._dispatch import Impl, check_implementation, confirmed, implementation
+from ._dispatch import takes as takes_tensors
+from ._group import GroupOptions, GroupTensors, TensorOptions
 from ._intake import Deferral, GroupGrads
-from ._sharding import Phased, any_dtensor, local, run_lockstep
+from ._sharding import any_dtensor, local
 
 
 class LayerwiseAdam(AdamFamily):
     """Base of the layer-wise adaptive optimizers (LAMB, LANS).
 
-    A subclass's ``step`` is :meth:`_step_in_lockstep` with its functional form, which it
-    calls once per group with the group's tensors (:class:`~scaleopt._group.GroupTensors`),
-    their per-layer options (:class:`~scaleopt._group.TensorOptions`) and the implementation
-    that :func:`scaleopt._dispatch.implementation` picks.
+    A subclass's ``step`` reads top to bottom: :meth:`_plan_step` (the gradients in, and per
+    group a :class:`GroupPlan`: its tensors, :class:`~scaleopt._group.GroupTensors`, their
+    per-layer options, :class:`~scaleopt._group.TensorOptions`, and the implementation), the
+    update of each group as its functional form gives it (a :class:`~scaleopt._group.Update`)
+    in phases, the sums of all groups totalled between them, then :meth:`_finish_step`.
 
     With ``master_weights=True``, a float16/bfloat16 parameter keeps float32 master weights and
     float32 moments; the update runs in float32 on the master, which is then rounded into the
@@ -41,6 +43,8 @@ class LayerwiseAdam(AdamFamily):
 
     _name_rule_keys = ("exclude_from_weight_decay", "exclude_from_layer_adaptation")
 
+    #: the group's options of a subclass's own in its :class:`~scaleopt._group.GroupOptions`
+    _own_options: Tuple[str, ...] = ()
     #: Keyword arguments of :meth:`_intake` (LANS clips values itself).
     _intake_options: Dict[str, Any] = {}
     #: A GradScaler hands the step its scale and inf flag: the scale goes into the gradients'
@@ -110,57 +114,64 @@ class LayerwiseAdam(AdamFamily):
 
     # -- the step --------------------------------------------------------------------------------
 
-    def _step_in_lockstep(self, closure: Any, update: Callable[..., Phased]) -> Any:
-        """A step: the gradients in, then each group's ``update(group, tensors, layer,
-        implementation)`` (the optimizer's functional form), the groups in lockstep, so that the
-        sums they ask to total over the shards travel in one reduction."""
-        loss = self._closure_loss(closure)
+    @eager  # host bookkeeping: under torch.compile the updates are traced, not this
+    def _plan_step(self) -> List["GroupPlan"]:
+        """Nothing on a step that a GradScaler skips (on the host). Otherwise each group's
+        implementation chosen (before its state exists), the gradients in
+        (``scaleopt._intake``: their scalar transforms left to the fused kernels, for the
+        groups that chose them), then each group's :class:`GroupPlan`: its tensors (state made
+        where new), their options, and the implementation confirmed with the tensors."""
         found = getattr(self, "found_inf", None)  # a GradScaler's, during its step
-        on_device = all(group.get("capturable") for group in self.param_groups)
-        if found is not None and not on_device and float(found) != 0.0:
-            return loss  # skipped, as a GradScaler skips any optimizer's step
+        if found is not None and not all([g.get("capturable") for g in self.param_groups]) \
+                and float(found) != 0.0:
+            return []  # skipped on the host (every group capturable: on the device)
         skip_if = found.reshape(()) if found is not None else None
-        with self._grad_source.stepping():
-            defer = Deferral(self._kernels_may_take, _native.sums_of_squares)
-            intake = self._intake(defer=defer, **self._intake_options)
-            adapted = run_lockstep([self._group_update(item, update, skip_if)
-                                    for item in intake])
-        if adapted and not any(adapted):
+        on_host = self._grad_source.on_host
+        chosen = {id(group): implementation(group, group["params"], on_host=on_host)
+                  for group in self.param_groups}
+        fused = [key for key, impl in chosen.items() if impl.fused]  # their scalars deferred
+        intake = self._intake(defer=Deferral(fused, _native.sums_of_squares),
+                              **self._intake_options)
+        plans = []
+        for item in intake:
+            group = item.group
+            first = chosen[id(group)]
+            state = self._adam_state(group, item.params)
+            t = self._tensors(state, item, skip_if if group.get("capturable") else None)
+            takes = first.fused and takes_tensors(first, t)
+            if t.stored and not takes:
+                state = state.decoded()  # float32 working tensors for the other paths
+                t = self._tensors(state, item, t.skip_if)
+            impl = first if takes else confirmed(first, group, item.params, t, on_host=on_host)
+            if group.get("capturable") and impl is not Impl.TRITON:
+                raise ValueError(f"capturable=True needs the Triton kernels (CUDA tensors and "
+                                 f"Triton installed), and this group's step runs on "
+                                 f"{impl.value!r}")
+            joined = None
+            if not impl.fused:  # the PyTorch paths: on float32 masters, split ones joined
+                joined = self._master_weights.joined(state.view)
+                # (plain lists: torch.compile traces a list subclass as an object of its own)
+                t = dataclasses.replace(t, weights=local(joined), exp_avgs=list(t.exp_avgs),
+                                        exp_avg_sqs=list(t.exp_avg_sqs),
+                                        steps=list(t.steps)).for_torch()
+            options = GroupOptions.of(group, **{key: group[key] for key in self._own_options})
+            plans.append(GroupPlan(group, impl, t, self._step_layer_options(group, item.idx),
+                                   options, state, joined))
+        return plans
+
+    def _finish_step(self, plans: List["GroupPlan"]) -> None:
+        """After the updates: split masters split again, the parameters brought up to date
+        with their masters, moments stored back in bfloat16 or 8 bits."""
+        adapted = False
+        for plan in plans:
+            view = plan.state.view
+            if plan.joined is not None:
+                self._master_weights.split_back(view, plan.joined)
+            self._master_weights.commit(view, rounded_written=plan.impl.fused)
+            self._store_moments(plan.state)
+            adapted = adapted or any(plan.layer.adapt)
+        if plans and not adapted:
             self._warn_no_trust_ratio()
-        return loss
-
-    def _kernels_may_take(self, group: Dict[str, Any], params: List[Tensor]) -> bool:
-        """Whether kernels that apply the gradients' scalar transforms as they read them (the C
-        or Triton kernels) may take the group's step, so that those transforms are left to them
-        (the intake's deferral: per-tensor multipliers made where the gradients are)."""
-        return implementation(group, params, on_host=self._grad_source.on_host).fused
-
-    def _group_update(self, item: GroupGrads, update: Callable[..., Phased],
-                      skip_if: Optional[Tensor] = None) -> Phased:
-        """One group's update, in phases: its tensors (state made where new), the
-        implementation picked for them, the update on the masters as that implementation takes
-        them (split ones joined into float32 for the PyTorch paths, split again after), and
-        the parameters brought up to date. Returns whether any tensor took the trust ratio."""
-        group = item.group
-        state = self._adam_state(group, item.params)
-        t = self._tensors(state, item, skip_if if group.get("capturable") else None)
-        if t.stored and not self._kernels_take_stored(group, item.params, t):
-            state = state.decoded()  # float32 working tensors for the other paths
-            t = self._tensors(state, item, t.skip_if)
-        view = state.view
-        layer = self._step_layer_options(group, item.idx)
-        impl = implementation(group, item.params, on_host=self._grad_source.on_host, tensors=t)
-        if group.get("capturable") and impl is not Impl.TRITON:
-            raise ValueError(f"capturable=True needs the Triton kernels (CUDA tensors and Triton "
-                             f"installed), and this group's step runs on {impl.value!r}")
-        if impl.fused:
-            yield from update(group, t, layer, impl)
-        else:
-            with self._master_weights.as_float32(view) as full:
-                yield from update(group, dataclasses.replace(t, weights=local(full)), layer, impl)
-        self._master_weights.commit(view, rounded_written=impl.fused)
-        self._store_moments(state)
-        return any(layer.adapt)
 
     @staticmethod
     def _tensors(state: AdamState, item: GroupGrads, skip_if: Optional[Tensor]) -> GroupTensors:
@@ -175,15 +186,6 @@ class LayerwiseAdam(AdamFamily):
                             local(view.kernel_w16()), item.scalars, item.shard_sums,
                             item.grad_norms, skip_if, stored)
 
-    def _kernels_take_stored(self, group: Dict[str, Any], params: List[Tensor],
-                             t: GroupTensors) -> bool:
-        """Whether the group's update runs on kernels that update moments stored in bfloat16 or
-        8 bits in place, block by block, with no float32 copies: the C kernels, or the Triton
-        kernels."""
-        impl = implementation(group, params, on_host=self._grad_source.on_host)
-        return ((impl is Impl.NATIVE and _native.applies(t))
-                or (impl is Impl.TRITON and _triton.applies(t)))
-
     @eager
     def _warn_no_trust_ratio(self) -> None:
         """Once per optimizer: no tensor took the trust ratio, so the step was Adam's (e.g. a
@@ -197,3 +199,22 @@ class LayerwiseAdam(AdamFamily):
             f"every tensor has weight_decay 0 with always_adapt=False, or is excluded from layer "
             f"adaptation. Give the tensors that should adapt a weight_decay > 0, or pass "
             f"always_adapt=True", UserWarning, stacklevel=4)
+
+
+@dataclasses.dataclass
+class GroupPlan:
+    """One group's step, as :meth:`LayerwiseAdam._plan_step` makes it."""
+
+    group: Dict[str, Any]
+    #: the implementation that runs the update
+    impl: Impl
+    #: the tensors the update works on (``scaleopt._group``), as its implementation takes
+    #: them (:meth:`~scaleopt._group.GroupTensors.for_torch` for the PyTorch paths)
+    tensors: GroupTensors
+    #: their learning rates, decays and adapt flags
+    layer: TensorOptions
+    #: the group's options
+    options: GroupOptions
+    state: AdamState
+    #: for the PyTorch paths: the float32 masters the update works on, split ones joined
+    joined: Optional[List[Tensor]] = None

@@ -11,7 +11,7 @@ A parameter's master is stored in one of three ways (:class:`Storage`):
 
 :class:`MasterWeights` owns those state entries for one optimizer: it gives the tensors an
 update runs on (:meth:`MasterWeights.view`), joins and re-splits them for the PyTorch paths
-(:meth:`MasterWeights.as_float32`), commits the result to the parameters
+(:meth:`MasterWeights.joined`, :meth:`MasterWeights.split_back`), commits the result to the parameters
 (:meth:`MasterWeights.commit`), and converts checkpoints through the optimizer's state-dict
 hooks: a state dict always holds a float32 ``master_param``, and loading one keeps the saved
 float32 values (torch's loader would round them to the parameter's dtype) and splits them where
@@ -21,7 +21,6 @@ this optimizer splits. A :class:`Placement` says where masters live: beside thei
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 import operator
@@ -228,13 +227,14 @@ class MasterWeights:
             view.rounded_into.append(rounded)
         return view
 
-    @contextlib.contextmanager
-    def as_float32(self, view: MasterView) -> Iterator[List[Tensor]]:
-        """The view's working tensors with split masters joined into float32 tensors, split
-        again when the body is done (the PyTorch paths run on these)."""
-        full = [w if lo is None else split_join(local_piece(w).detach(), local_piece(lo))
+    def joined(self, view: MasterView) -> List[Tensor]:
+        """The view's working tensors with split masters joined into float32 tensors (the
+        PyTorch paths run on these; :meth:`split_back` splits them again after)."""
+        return [w if lo is None else split_join(local_piece(w).detach(), local_piece(lo))
                 for w, lo in zip(view.weights, view.lower_halves)]
-        yield full  # a sharded split master: its local shard, joined
+
+    def split_back(self, view: MasterView, full: List[Tensor]) -> None:
+        """Split the float32 tensors that :meth:`joined` made into the split masters' halves."""
         for w, f, lo in zip(view.weights, full, view.lower_halves):
             if lo is not None:
                 split_(f, local_piece(w).detach(), local_piece(lo))

@@ -20,7 +20,7 @@ from . import _foreach, _format
 from ._checks import check_same_sizes
 from ._compile import eager
 from ._group import GroupTensors, TensorOptions, GroupOptions
-from ._sharding import Phased
+from ._sharding import Reduction
 
 _TENSOR_FIELDS = [("w", c_void_p), ("g", c_void_p), ("m", c_void_p), ("v", c_void_p),
                   ("w16", c_void_p), ("step", c_void_p), ("n", c_int64), ("kind", c_int32),
@@ -166,13 +166,15 @@ def applies(t: GroupTensors) -> bool:
     """Whether the LAMB/LANS kernels take a group's tensors (a ``GroupTensors``): what
     :func:`adam_applies` takes, except a bfloat16 gradient for a float32 weight that is no
     master (no ``w16``)."""
+    if _lib is None:
+        return False
     w16 = t.w16 or [None] * len(t.weights)
     stored = t.stored or [None] * len(t.weights)
-    return _lib is not None and all(
-        adam_applies(w, g, m, v, lo, st)
-        and not (lo is None and w.dtype == torch.float32 and g.dtype != torch.float32)
-        for w, g, m, v, lo, st in zip(t.weights, t.grads, t.exp_avgs, t.exp_avg_sqs, w16,
-                                      stored))
+    for w, g, m, v, lo, st in zip(t.weights, t.grads, t.exp_avgs, t.exp_avg_sqs, w16, stored):
+        if not adam_applies(w, g, m, v, lo, st) or (
+                lo is None and w.dtype == torch.float32 and g.dtype != torch.float32):
+            return False
+    return True
 
 
 def _stored_fields(st: Optional[_format.Stored]) -> dict:
@@ -228,50 +230,68 @@ def _layerwise_config(o: GroupOptions, clip_grad_value: Any, mode: int = 0,
         moved=int(moved))
 
 
-class _LayerwiseCall:
-    """The arguments of a ``lamb_*`` / ``lans_*`` kernel call over a group's tensors."""
+class LayerwiseKernel:
+    """A ``lamb_*`` / ``lans_*`` call over a group's tensors, in the phases of a step (see
+    ``scaleopt._sharding``): :meth:`grad_sums` (LANS on local shards: the whole gradients'
+    sums of squares, where the intake did not give them), :meth:`sums` and :meth:`apply`. On
+    whole tensors the first two ask for nothing, and :meth:`apply` runs ``{name}_multi``, both
+    passes one tensor after the other; on local shards, ``{name}_multi_sums`` runs the first
+    pass over all of them, and ``{name}_multi_apply`` the second on the sums totalled over the
+    shards."""
 
     @eager
-    def __init__(self, name: str, t: GroupTensors, layer: TensorOptions, config: LayerwiseConfig,
-                 grad_sq_sums: Optional[Tensor] = None) -> None:
-        self.name, self.count = name, len(t.weights)
-        self.tensors = _layerwise_tensors(t, layer, grad_sq_sums)
+    def __init__(self, name: str, per_tensor: int, t: GroupTensors, layer: TensorOptions,
+                 config: LayerwiseConfig, grad_sq_sums: Optional[Tensor] = None) -> None:
+        self.name, self.per_tensor, self.count = name, per_tensor, len(t.weights)
+        self.t, self.layer, self.grad_sq_sums = t, layer, grad_sq_sums
         self.config = ctypes.byref(config)
+        self.tensors: Any = None
+
+    @eager
+    def grad_sums(self) -> Optional[Reduction]:
+        """LANS on local shards without the gradients' sums: the local ones to total."""
+        t = self.t
+        if self.name != "lans" or not self.count or t.shard_sums is None or \
+                self.grad_sq_sums is not None:
+            return None
+        return t.shard_sums.request(sums_of_squares(t.grads), range(self.count))
 
     @eager  # host code calling C: nothing for dynamo to trace
-    def whole(self) -> None:
-        """``{name}_multi``: both passes, one tensor after the other."""
-        getattr(_lib, f"{self.name}_multi")(self.tensors, self.count, self.config)
+    def sums(self, grad_totals: Optional[Tensor] = None) -> Optional[Reduction]:
+        """The per-tensor array of the call; on local shards, the first pass (``per_tensor``
+        sums each) and its sums to total."""
+        if not self.count:
+            return None
+        if grad_totals is not None:
+            self.grad_sq_sums = grad_totals
+        self.tensors = _layerwise_tensors(self.t, self.layer, self.grad_sq_sums)
+        if self.t.shard_sums is None:
+            return None
+        owners = [i for i in range(self.count) for _ in range(self.per_tensor)]
+        return self.t.shard_sums.request(self.first_pass(), owners)
 
     @eager
-    def sums(self, per_tensor: int) -> Tensor:
-        """``{name}_multi_sums``: the first pass over all tensors; ``per_tensor`` sums each."""
-        out = torch.zeros(self.count * per_tensor, dtype=torch.float64)
+    def first_pass(self) -> Tensor:
+        """``{name}_multi_sums``: the first pass over all tensors, ``per_tensor`` sums each."""
+        out = torch.zeros(self.count * self.per_tensor, dtype=torch.float64)
         getattr(_lib, f"{self.name}_multi_sums")(self.tensors, self.count, self.config,
                                                  out.data_ptr())
         return out
 
     @eager
-    def apply(self, totals: Tensor) -> None:
-        """``{name}_multi_apply``: the second pass, on the sums totalled over the shards."""
+    def apply(self, totals: Optional[Tensor]) -> None:
+        """The update: both passes, or on local shards the second on ``totals``."""
+        if not self.count:
+            return
+        if totals is None:
+            getattr(_lib, f"{self.name}_multi")(self.tensors, self.count, self.config)
+            return
         totals = totals.contiguous()
         getattr(_lib, f"{self.name}_multi_apply")(self.tensors, self.count, self.config,
                                                   totals.data_ptr())
 
 
-def _kernel_phases(name: str, sums_per_tensor: int, t: Any, call: _LayerwiseCall) -> Phased:
-    """``{name}_multi`` on all tensors, or, for the local pieces of sharded tensors (with
-    ``t.shard_sums``, see ``scaleopt._sharding``), two phases: ``{name}_multi_sums`` on all,
-    the sums totalled over the pieces (the one reduction this yields), and
-    ``{name}_multi_apply``."""
-    if t.shard_sums is None:
-        call.whole()
-        return
-    owners = [i for i in range(call.count) for _ in range(sums_per_tensor)]
-    call.apply((yield t.shard_sums.request(call.sums(sums_per_tensor), owners)))
-
-
-def lamb_kernel(t: GroupTensors, layer: TensorOptions, o: GroupOptions) -> Phased:
+def lamb_kernel(t: GroupTensors, layer: TensorOptions, o: GroupOptions) -> LayerwiseKernel:
     """LAMB on the fused kernels, all tensors of a group in one call: the same update as
     :func:`scaleopt.lamb.lamb` (``t`` a ``GroupTensors``, ``layer`` its ``TensorOptions``, ``o``
     the group's ``GroupOptions``).
@@ -281,30 +301,22 @@ def lamb_kernel(t: GroupTensors, layer: TensorOptions, o: GroupOptions) -> Phase
     split master, whose lower halves are ``t.w16[i]`` (int16). The gradients are read as they
     are, never copied, each taken times its deferred multiplier (sign, rescaling and clipping
     factors, see ``scaleopt._intake``), then clamped where the scalars say (LAMB's element-wise
-    clipping). Local pieces of sharded tensors run in two phases (see :func:`_kernel_phases`)."""
-    if not t.weights:
-        return
+    clipping)."""
     clamp = None if t.grad_scalars is None else t.grad_scalars.clamp
     config = _layerwise_config(o, clamp, mode=_format.WEIGHT_DECAY_MODES[o.weight_decay_mode])
-    yield from _kernel_phases("lamb", 2, t, _LayerwiseCall("lamb", t, layer, config))
+    return LayerwiseKernel("lamb", 2, t, layer, config)
 
 
-def lans_kernel(t: GroupTensors, layer: TensorOptions, o: GroupOptions) -> Phased:
+def lans_kernel(t: GroupTensors, layer: TensorOptions, o: GroupOptions) -> LayerwiseKernel:
     """LANS on the fused kernels, all tensors of a group in one call: the same update as
     :func:`scaleopt.lans.lans` (``t``, ``layer`` as in :func:`lamb_kernel`, ``o`` the
     group's ``GroupOptions``). The gradients' sums of squares, where the intake computed them (for
-    clipping: the scalars' ``sq_sums``, or ``t.grad_norms``), are not computed again. For the
-    local pieces of sharded tensors, the whole gradients' sums are totalled first (a reduction
-    of their own) where not given."""
-    if not t.weights:
-        return
+    clipping: the scalars' ``sq_sums``, or ``t.grad_norms``), are not computed again."""
     sq_sums = None if t.grad_scalars is None else t.grad_scalars.sq_sums
     if sq_sums is None and t.grad_norms is not None:
         sq_sums = t.grad_norms.double().square()
-    if t.shard_sums is not None and sq_sums is None:  # the whole gradients' sums first
-        sq_sums = yield t.shard_sums.request(sums_of_squares(t.grads), range(len(t.grads)))
     config = _layerwise_config(o, o.clip_grad_value, moved=o.decay_moved_weight)
-    yield from _kernel_phases("lans", 4, t, _LayerwiseCall("lans", t, layer, config, sq_sums))
+    return LayerwiseKernel("lans", 4, t, layer, config, sq_sums)
 
 
 def adam_applies(weight: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,

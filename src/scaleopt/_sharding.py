@@ -8,34 +8,33 @@ that vector is all-reduced once per mesh dimension that shards the tensors, not 
 tensor. A mesh dimension that replicates a tensor (HSDP's ``Replicate()``) holds the whole
 tensor along it and adds nothing.
 
-An update that needs such totals runs in phases (:data:`Phased`): a generator whose phases
-are separated by the :class:`Reduction` s it yields, each answered with its totals. The C
-kernels are cut the same way (a sums pass, then an apply pass). :func:`run_phases` runs one
-phased update, each reduction on its own; :func:`run_lockstep` runs those of all parameter
-groups in lockstep, so that the reductions they ask for at the same point of the step travel in
-one all-reduce per process group: a step's collectives do not grow with the number of groups.
+An update that needs such totals asks for them between two of its phases, which are plain
+calls: each phase returns a :class:`Reduction` (or None), and :func:`total` totals the
+reductions of all param groups of a step together, one all-reduce per process group, so that a
+step's collectives do not grow with the number of groups. The optimizer's ``step`` calls the
+phases in order (``scaleopt._group.Update``); the C kernels are cut the same way (a sums pass,
+then an apply pass).
 
-Every place that yields a reduction:
+Every place that asks for a reduction:
 
-* ``_intake._collect`` and ``_intake._deferred_scalars``: the gradients' norms for
-  ``clip_grad_norm_per_tensor`` and ``max_grad_norm`` (one reduction, before the update);
-* ``lamb._multi_tensor_lamb``: ||w||^2 and ||u||^2 of the tensors that take the trust ratio;
-* ``lans._multi_tensor_lans``: the gradients' norms (unless the intake's clipping gave them),
-  then, in ``lans._sharded_two_parts``, ||w||^2, ||r||^2, ||c||^2 (and <c, r>);
-* ``_native._kernel_phases``: the sums pass's per-tensor sums (LAMB 2, LANS 4 per tensor),
-  and ``_native.lans_kernel``: the gradients' sums of squares first, unless given.
-
-The drivers are :func:`run_lockstep` (the optimizers' ``step``, the intake) and
-:func:`run_phases` (the functional ``lamb()`` / ``lans()``).
+* ``_intake._collect``: the gradients' norms for ``clip_grad_norm_per_tensor`` and
+  ``max_grad_norm`` (one reduction, before the update);
+* ``lamb._MultiTensorLamb.sums``: ||w||^2 and ||u||^2 of the tensors that take the trust ratio;
+* ``lans._MultiTensorLans``: the gradients' norms (``grad_sums``, unless the intake's clipping
+  gave them), then ||w||^2, ||r||^2, ||c||^2 (and <c, r>) (``sums``);
+* ``_native.LayerwiseKernel`` and ``_triton.TritonStep``: the sums pass's per-tensor sums
+  (LAMB 2, LANS 4 per tensor), and for LANS the gradients' sums of squares first, unless given;
+* ``noise.GradientNoiseScale``: the micro-batches' squared norms.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import sys
 import weakref
-from typing import Any, Callable, Dict, Generator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -73,7 +72,8 @@ def is_dtensor(t: Any) -> bool:
 def any_dtensor(tensors: Sequence[Tensor]) -> bool:
     """Whether any of ``tensors`` is a DTensor (a set of their types: one pass in C)."""
     cls = _dtensor()
-    return cls is not _NoDTensor and any(issubclass(k, cls) for k in set(map(type, tensors)))
+    return cls is not _NoDTensor and any(map(issubclass, set(map(type, tensors)),
+                                             itertools.repeat(cls)))
 
 
 def local_piece(t: Tensor) -> Tensor:
@@ -169,52 +169,21 @@ class Reduction(NamedTuple):
     root: bool = False
 
 
-#: An update (or part of one) in phases: it yields a :class:`Reduction` between two phases and
-#: receives its totals; its return value is the update's.
-Phased = Generator[Reduction, Tensor, Any]
+def total(requests: Sequence[Optional[Reduction]]) -> List[Optional[Tensor]]:
+    """Each request's totals over the shards (None for a None request), all requests in one
+    all-reduce per process group that shards any of their entries: a step's collectives do not
+    grow with its number of groups. No collective where no request is sharded."""
+    asked = [i for i, r in enumerate(requests) if r is not None]
+    out: List[Optional[Tensor]] = [None] * len(requests)
+    if asked:
+        for i, totals in zip(asked, _total([requests[i] for i in asked])):
+            out[i] = totals
+    return out
 
 
-def in_one_phase(update: Callable[..., None]) -> Callable[..., Phased]:
-    """A phased form of an update that needs no totals (it yields nothing)."""
-
-    @functools.wraps(update)
-    def phased(*args: Any, **kwargs: Any) -> Phased:
-        yield from ()
-        update(*args, **kwargs)
-
-    return phased
-
-
-def run_phases(phased: Phased) -> Any:
-    """Run a phased update to its end, totalling each reduction it asks for; its return value."""
-    return run_lockstep([phased])[0]
-
-
-def run_lockstep(updates: Sequence[Phased]) -> List[Any]:
-    """Run phased updates in lockstep: each time all those not yet done have asked for a
-    reduction, all the reductions are totalled together (one all-reduce per process group);
-    their return values."""
-    results: List[Any] = [None] * len(updates)
-    waiting: Dict[int, Reduction] = {}
-
-    def advance(i: int, totals: Optional[Tensor]) -> None:
-        try:
-            waiting[i] = updates[i].send(totals)  # type: ignore[arg-type]
-        except StopIteration as stop:
-            waiting.pop(i, None)
-            results[i] = stop.value
-
-    try:
-        for i in range(len(updates)):
-            advance(i, None)
-        while waiting:
-            asked = list(waiting)
-            for i, totals in zip(asked, _total([waiting[i] for i in asked])):
-                advance(i, totals)
-    finally:  # after an error, the others end here (their context managers exit), not in gc
-        for i in list(waiting):
-            updates[i].close()
-    return results
+def total_one(request: Optional[Reduction]) -> Optional[Tensor]:
+    """One request's totals (:func:`total` of one)."""
+    return None if request is None else _total([request])[0]
 
 
 def _total(reductions: Sequence[Reduction]) -> List[Tensor]:

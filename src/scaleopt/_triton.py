@@ -60,7 +60,7 @@ from . import _compact, _foreach, _format
 from ._group import GroupTensors, TensorOptions, GroupOptions
 from ._checks import check_same_sizes
 from ._compile import eager
-from ._sharding import Phased
+from ._sharding import Reduction
 from ._triton_layout import PTRS, SCAL
 
 #: elements per block of a program, and blocks per program (a program's chunk: their product)
@@ -599,60 +599,83 @@ def _options(o: Any, clip: Any) -> Dict[str, Any]:
                 HAS_LOWER=o.lower_bound is not None, HAS_UPPER=o.upper_bound is not None)
 
 
-def lamb_triton(t: GroupTensors, layer: TensorOptions, o: GroupOptions) -> Phased:
+class TritonStep:
+    """LAMB's or LANS's launches over a group's tensors, in the phases of a step (see
+    ``scaleopt._sharding``): :meth:`grad_sums` (LANS: each whole gradient's sum of squares,
+    unless the intake's clipping gave them; on local shards, the sums to total), :meth:`sums`
+    (the trust ratios' sums, one launch per set of tensors of the same dtypes; on local shards,
+    to total) and :meth:`apply` (one launch per set)."""
+
+    def __init__(self, name: str, per_tensor: int, t: GroupTensors, layer: TensorOptions,
+                 o: GroupOptions, clip: Any, options: Dict[str, Any],
+                 apply_options: Dict[str, Any]) -> None:
+        self.name, self.per_tensor, self.t, self.layer, self.o = name, per_tensor, t, layer, o
+        self.apply_options = apply_options
+        self.count = len(t.weights)
+        if not self.count:
+            return
+        self.device = device = t.weights[0].device
+        self.plan, self.grads = _plan(t), _grad_table(t, device)
+        self.options = dict(_options(o, clip), **options)  # of both phases' launches
+        self.local: Optional[Tensor] = None
+
+    def grad_sums(self) -> Optional[Reduction]:
+        if self.name != "lans" or not self.count:
+            return None
+        t = self.t
+        sq = None if t.grad_scalars is None else t.grad_scalars.sq_sums
+        if sq is not None:
+            self.options["gsq"] = sq.to(self.device, torch.float32)
+        elif t.grad_norms is not None:
+            self.options["gsq"] = t.grad_norms.to(self.device, torch.float32).square()
+        else:
+            out = _sums(self.plan, self.grads, 1, self.device, "sum_squares")
+            if t.shard_sums is None:
+                self.options["gsq"] = out
+            else:
+                return t.shard_sums.request(out, range(self.count))
+        return None
+
+    def sums(self, grad_totals: Optional[Tensor] = None) -> Optional[Reduction]:
+        if not self.count:
+            return None
+        if grad_totals is not None:
+            self.options["gsq"] = grad_totals
+        t, device = self.t, self.device
+        self.options["scal"] = _step_table(t, self.layer, self.o, device)
+        self.options["skip"] = _skip_flag(t, device)
+        self.local = _sums(self.plan, self.grads, self.per_tensor, device, f"{self.name}_sums",
+                           **self.options)
+        if t.shard_sums is None:
+            return None
+        owners = [i for i in range(self.count) for _ in range(self.per_tensor)]
+        return t.shard_sums.request(self.local, owners)
+
+    def apply(self, totals: Optional[Tensor]) -> None:
+        if not self.count:
+            return
+        sums = self.local if totals is None else totals
+        for kinds, tables in self.plan.sets:
+            _launch(f"{self.name}_apply", kinds, tables, self.grads, sums=sums, **self.options,
+                    **self.apply_options)
+
+
+def lamb_triton(t: GroupTensors, layer: TensorOptions, o: GroupOptions) -> TritonStep:
     """LAMB on the Triton kernels: the same update as :func:`scaleopt.lamb.lamb` (``t`` a
     ``GroupTensors``, ``layer`` its ``TensorOptions``, ``o`` the ``GroupOptions``), in two
     launches per set of tensors of the same dtypes. ``t.w16`` and the gradients' deferred
     scalars as in :func:`scaleopt._native.lamb_kernel`."""
-    if not t.weights:
-        return
-    device = t.weights[0].device
-    scal = _step_table(t, layer, o, device)
-    opts = _options(o, None if t.grad_scalars is None else t.grad_scalars.clamp)
-    plan, grads, skip = _plan(t), _grad_table(t, device), _skip_flag(t, device)
-    sums = _sums(plan, grads, 2, device, "lamb_sums", scal=scal, skip=skip,
-                 MODE=_format.WEIGHT_DECAY_MODES[o.weight_decay_mode], **opts)
-    if t.shard_sums is not None:
-        owners = [i for i in range(len(t.weights)) for _ in range(2)]
-        sums = yield t.shard_sums.request(sums, owners)
-    for kinds, tables in plan.sets:
-        _launch("lamb_apply", kinds, tables, grads, scal=scal, skip=skip, sums=sums,
-                MODE=_format.WEIGHT_DECAY_MODES[o.weight_decay_mode], **opts)
+    clamp = None if t.grad_scalars is None else t.grad_scalars.clamp
+    return TritonStep("lamb", 2, t, layer, o, clamp,
+                      dict(MODE=_format.WEIGHT_DECAY_MODES[o.weight_decay_mode]), {})
 
 
-def _grad_sums(t: Any, device: torch.device, plan: _Plan, grads: Tensor) -> Phased:
-    """Each whole gradient's sum of squares (float32, on ``device``): the intake's, where its
-    clipping computed them, else one launch per set of tensors (totalled over the shards for
-    local pieces: a reduction of its own)."""
-    sq = None if t.grad_scalars is None else t.grad_scalars.sq_sums
-    if sq is not None:
-        return sq.to(device, torch.float32)
-    if t.grad_norms is not None:
-        return t.grad_norms.to(device, torch.float32).square()
-    out = _sums(plan, grads, 1, device, "sum_squares")
-    if t.shard_sums is not None:
-        out = yield t.shard_sums.request(out, range(len(t.weights)))
-    return out
-
-
-def lans_triton(t: GroupTensors, layer: TensorOptions, o: GroupOptions) -> Phased:
+def lans_triton(t: GroupTensors, layer: TensorOptions, o: GroupOptions) -> TritonStep:
     """LANS on the Triton kernels: the same update as :func:`scaleopt.lans.lans` (arguments as
     in :func:`lamb_triton`), in three launches per set of tensors (two where the gradients'
     norms are known)."""
-    if not t.weights:
-        return
-    device = t.weights[0].device
-    plan, grads = _plan(t), _grad_table(t, device)
-    gsq = yield from _grad_sums(t, device, plan, grads)
-    scal = _step_table(t, layer, o, device)
-    opts, skip = _options(o, o.clip_grad_value), _skip_flag(t, device)
-    sums = _sums(plan, grads, 4, device, "lans_sums", scal=scal, skip=skip, gsq=gsq, **opts)
-    if t.shard_sums is not None:
-        owners = [i for i in range(len(t.weights)) for _ in range(4)]
-        sums = yield t.shard_sums.request(sums, owners)
-    for kinds, tables in plan.sets:
-        _launch("lans_apply", kinds, tables, grads, scal=scal, skip=skip, sums=sums, gsq=gsq,
-                MOVED=bool(o.decay_moved_weight), **opts)
+    return TritonStep("lans", 4, t, layer, o, o.clip_grad_value, {},
+                      dict(MOVED=bool(o.decay_moved_weight)))
 
 
 @functools.lru_cache(maxsize=1)

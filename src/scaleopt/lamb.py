@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -11,12 +12,12 @@ from . import _foreach, _format, _native, _triton
 from ._foreach import by_value
 from ._checks import check_choice
 from ._dispatch import Impl, resolve
-from ._group import GroupTensors, GroupOptions, TensorOptions, pick
+from ._group import GroupTensors, GroupOptions, TensorOptions, WholeUpdate, pick
 from ._intake import GradScalars
 from ._layerwise import LayerwiseAdam
 from ._loading import ADAM_STATE
 from ._params import NameRule
-from ._sharding import Phased, in_one_phase, run_phases
+from ._sharding import Reduction, total, total_one
 
 __all__ = ["LAMB", "lamb"]
 
@@ -128,6 +129,7 @@ class LAMB(LayerwiseAdam):
 
     _name_rule_keys = ("exclude_from_weight_decay", "exclude_from_layer_adaptation")
     _state_spec = ADAM_STATE._replace(kind="lamb")
+    _own_options = ("weight_decay_mode",)  # of GroupOptions
 
     def __init__(
         self,
@@ -186,20 +188,16 @@ class LAMB(LayerwiseAdam):
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
         """Perform one optimization step. ``closure`` re-evaluates the model and returns the loss."""
-        return self._step_in_lockstep(closure, lambda group, t, layer, impl: lamb_phases(
-            t, layer, GroupOptions.of(group, weight_decay_mode=group["weight_decay_mode"]),
-            impl))
-
-
-def lamb_phases(t: GroupTensors, layer: TensorOptions, o: GroupOptions,
-                implementation: Impl) -> Phased:
-    """LAMB on one group's tensors by ``implementation``, in phases (see
-    ``scaleopt._sharding``): on the local shards of sharded tensors (``t.shard_sums``), the
-    trust ratios' sums are totalled between them. The PyTorch implementations take the
-    tensors as :meth:`GroupTensors.for_torch` gives them."""
-    if not implementation.fused:
-        t = t.for_torch()
-    yield from _IMPLEMENTATIONS[implementation](t, layer, o)
+        loss = self._closure_loss(closure)
+        with self._grad_source.stepping():
+            plans = self._plan_step()  # the gradients in; each group's tensors and path
+            updates = [_IMPLEMENTATIONS[p.impl](p.tensors, p.layer, p.options) for p in plans]
+            # on local shards: the trust ratios' sums of all groups totalled in one all-reduce
+            totals = total([u.sums() for u in updates])
+            for update, group_totals in zip(updates, totals):
+                update.apply(group_totals)
+            self._finish_step(plans)
+        return loss
 
 
 def lamb(
@@ -241,8 +239,10 @@ def lamb(
                      shard_sums)
     o = GroupOptions(beta1, beta2, eps, bias_correction, lower_bound, upper_bound,
                          weight_decay_mode)
-    run_phases(lamb_phases(t, TensorOptions(lrs, weight_decays, adapt), o,
-                           resolve(implementation, foreach)))
+    impl = resolve(implementation, foreach)
+    update = _IMPLEMENTATIONS[impl](t if impl.fused else t.for_torch(),
+                                    TensorOptions(lrs, weight_decays, adapt), o)
+    update.apply(total_one(update.sums()))
 
 
 def _single_tensor_lamb(t: GroupTensors, layer: TensorOptions, o: GroupOptions) -> None:
@@ -270,48 +270,72 @@ def _single_tensor_lamb(t: GroupTensors, layer: TensorOptions, o: GroupOptions) 
         _foreach.add_scaled_one_(p, u, -lr)
 
 
-def _multi_tensor_lamb(t: GroupTensors, layer: TensorOptions, o: GroupOptions) -> Phased:
+class _MultiTensorLamb:
     """The fast path: the same algorithm as a few multi-tensor kernels per group. On local
-    shards, ``t.shard_sums`` totals the norms (the reduction this yields)."""
-    params, lrs, weight_decays = t.weights, layer.lrs, layer.weight_decays
-    if not params:
-        return
-    torch._foreach_add_(t.steps, 1)
-    decays = [(wd, ids) for wd, ids in by_value(weight_decays) if wd != 0]
-    grads = t.grads
-    if o.weight_decay_mode == "l2" and decays:
-        grads = list(grads)
-        for wd, ids in decays:
-            for i, g in zip(ids, _foreach.add_l2_to_grad(pick(grads, ids), pick(params, ids), wd)):
-                grads[i] = g
-    _foreach.adam_moments(t.exp_avgs, t.exp_avg_sqs, grads, o.beta1, o.beta2)
-    bc1, bc2_sqrt = _foreach.step_bias_corrections(t.steps, o.beta1, o.beta2, o.bias_correction)
-    updates = _foreach.adam_direction(t.exp_avgs, bc1,
-                                     _foreach.adam_denominators(t.exp_avg_sqs, bc2_sqrt, o.eps))
-    if o.weight_decay_mode == "update":
-        for wd, ids in decays:
-            _foreach.add_decay_to_update(pick(updates, ids), pick(params, ids), wd)
-    elif o.weight_decay_mode == "decoupled" and decays:
-        _decoupled_decay(params, lrs, weight_decays)
-    adapting = [i for i, a in enumerate(layer.adapt) if a]
-    if t.shard_sums is None:
-        _foreach.apply_trust_ratio_(pick(updates, adapting), _foreach.norms(pick(params, adapting)),
-                                   o.lower_bound, o.upper_bound)
-    else:  # ||w||^2 and ||u||^2 over the whole tensors: one vector, reduced once
-        sums = _foreach.sq_norms(pick(params, adapting) + pick(updates, adapting))
-        totals = yield t.shard_sums.request(sums, adapting * 2)
-        w_norms, u_norms = totals.sqrt().split(len(adapting))
-        _foreach.apply_trust_ratio_(pick(updates, adapting), w_norms, o.lower_bound,
-                                   o.upper_bound, u_norms=u_norms)
-    _foreach.add_scaled_(params, updates, [-lr for lr in lrs])
+    shards, ``t.shard_sums`` totals the norms (the one reduction :meth:`sums` asks for)."""
+
+    def __init__(self, t: GroupTensors, layer: TensorOptions, o: GroupOptions) -> None:
+        self.t, self.layer, self.o = t, layer, o
+
+    def grad_sums(self) -> None:
+        return None
+
+    def sums(self, grad_totals: Optional[Tensor] = None) -> Optional[Reduction]:
+        """The Adam directions plus decay; on local shards, ||w||^2 and ||u||^2 of the tensors
+        that take the trust ratio, in one vector to total."""
+        t, layer, o = self.t, self.layer, self.o
+        params, lrs, weight_decays = t.weights, layer.lrs, layer.weight_decays
+        if not params:
+            return None
+        torch._foreach_add_(t.steps, 1)
+        decays = [(wd, ids) for wd, ids in by_value(weight_decays) if wd != 0]
+        grads = t.grads
+        if o.weight_decay_mode == "l2" and decays:
+            grads = list(grads)
+            for wd, ids in decays:
+                for i, g in zip(ids, _foreach.add_l2_to_grad(pick(grads, ids), pick(params, ids),
+                                                            wd)):
+                    grads[i] = g
+        _foreach.adam_moments(t.exp_avgs, t.exp_avg_sqs, grads, o.beta1, o.beta2)
+        bc1, bc2_sqrt = _foreach.step_bias_corrections(t.steps, o.beta1, o.beta2,
+                                                       o.bias_correction)
+        self.updates = updates = _foreach.adam_direction(
+            t.exp_avgs, bc1, _foreach.adam_denominators(t.exp_avg_sqs, bc2_sqrt, o.eps))
+        if o.weight_decay_mode == "update":
+            for wd, ids in decays:
+                _foreach.add_decay_to_update(pick(updates, ids), pick(params, ids), wd)
+        elif o.weight_decay_mode == "decoupled" and decays:
+            _decoupled_decay(params, lrs, weight_decays)
+        adapting = [i for i, a in enumerate(layer.adapt) if a]
+        self.adapting = (pick(params, adapting), pick(updates, adapting))
+        if t.shard_sums is None:
+            return None
+        sums = _foreach.sq_norms(self.adapting[0] + self.adapting[1])
+        return t.shard_sums.request(sums, adapting * 2)
+
+    def apply(self, totals: Optional[Tensor]) -> None:
+        """The trust ratios (of the whole tensors' norms: ``totals`` on local shards) and the
+        step."""
+        t, o = self.t, self.o
+        if not t.weights:
+            return
+        weights, updates = self.adapting  # of the tensors that take the trust ratio
+        if totals is None:
+            _foreach.apply_trust_ratio_(updates, _foreach.norms(weights), o.lower_bound,
+                                       o.upper_bound)
+        else:
+            w_norms, u_norms = totals.sqrt().split(len(weights))
+            _foreach.apply_trust_ratio_(updates, w_norms, o.lower_bound, o.upper_bound,
+                                       u_norms=u_norms)
+        _foreach.add_scaled_(t.weights, self.updates, [-lr for lr in self.layer.lrs])
 
 
 def _decoupled_decay(params: List[Tensor], lrs: Sequence[float],
                      weight_decays: Sequence[float]) -> None:
     """``w *= 1 - lr*wd`` (Keras' decay, before the step)."""
-    if _foreach.compiling():  # per tensor: the rates are inputs, not constants (add_scaled_)
-        for p, lr, wd in zip(params, lrs, weight_decays):
-            p.mul_(1.0 - lr * wd)
+    if _foreach.compiling():  # per tensor, the rate as a tensor's factor: an input of the
+        for p, lr, wd in zip(params, lrs, weight_decays):  # graph, not a constant (add_scaled_)
+            p.add_(p * lr, alpha=-wd)
     else:
         for (lr, wd), ids in by_value(list(zip(lrs, weight_decays))):
             _foreach.decoupled_decay_(pick(params, ids), lr, wd)
@@ -319,8 +343,8 @@ def _decoupled_decay(params: List[Tensor], lrs: Sequence[float],
 
 #: LAMB by implementation (see ``scaleopt._dispatch``).
 _IMPLEMENTATIONS = {
-    Impl.SINGLE: in_one_phase(_single_tensor_lamb),
-    Impl.MULTI: _multi_tensor_lamb,
+    Impl.SINGLE: functools.partial(WholeUpdate, _single_tensor_lamb),
+    Impl.MULTI: _MultiTensorLamb,
     Impl.NATIVE: _native.lamb_kernel,
     Impl.TRITON: _triton.lamb_triton,
 }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -11,12 +12,12 @@ from . import _foreach, _native, _triton
 from ._foreach import by_value
 from ._checks import check_bool
 from ._dispatch import Impl, resolve
-from ._group import GroupTensors, GroupOptions, TensorOptions, pick
+from ._group import GroupTensors, GroupOptions, TensorOptions, WholeUpdate, pick
 from ._intake import GradScalars
 from ._layerwise import LayerwiseAdam
 from ._loading import ADAM_STATE
 from ._params import NameRule
-from ._sharding import Phased, in_one_phase, run_phases
+from ._sharding import Reduction, total, total_one
 
 __all__ = ["LANS", "lans"]
 
@@ -93,6 +94,7 @@ class LANS(LayerwiseAdam):
 
     _intake_options = {"value_clip": False}
     _state_spec = ADAM_STATE._replace(kind="lans")
+    _own_options = ("clip_grad_value", "decay_moved_weight")  # of GroupOptions
 
     def __init__(
         self,
@@ -151,21 +153,19 @@ class LANS(LayerwiseAdam):
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
         """Perform one optimization step. ``closure`` re-evaluates the model and returns the loss."""
-        return self._step_in_lockstep(closure, lambda group, t, layer, impl: lans_phases(
-            t, layer, GroupOptions.of(group, clip_grad_value=group["clip_grad_value"],
-                                          decay_moved_weight=group["decay_moved_weight"]),
-            impl))
-
-
-def lans_phases(t: GroupTensors, layer: TensorOptions, o: GroupOptions,
-                implementation: Impl) -> Phased:
-    """LANS on one group's tensors by ``implementation``, in phases, as
-    :func:`scaleopt.lamb.lamb_phases`: on local shards, the gradients' norms are totalled
-    first (unless ``t.grad_norms`` or the scalars' ``sq_sums`` give them), then the sums of
-    both trust ratios."""
-    if not implementation.fused:
-        t = t.for_torch()
-    yield from _IMPLEMENTATIONS[implementation](t, layer, o)
+        loss = self._closure_loss(closure)
+        with self._grad_source.stepping():
+            plans = self._plan_step()  # the gradients in; each group's tensors and path
+            updates = [_IMPLEMENTATIONS[p.impl](p.tensors, p.layer, p.options) for p in plans]
+            # on local shards, each totalled in one all-reduce for all groups: the gradients'
+            # sums of squares (where the intake's clipping did not give them), then the sums
+            # of both trust ratios
+            grad_totals = total([u.grad_sums() for u in updates])
+            totals = total([u.sums(g) for u, g in zip(updates, grad_totals)])
+            for update, group_totals in zip(updates, totals):
+                update.apply(group_totals)
+            self._finish_step(plans)
+        return loss
 
 
 def lans(
@@ -201,8 +201,10 @@ def lans(
                      shard_sums, grad_norms)
     o = GroupOptions(beta1, beta2, eps, bias_correction, lower_bound, upper_bound,
                          clip_grad_value=clip_grad_value, decay_moved_weight=decay_moved_weight)
-    run_phases(lans_phases(t, TensorOptions(lrs, weight_decays, adapt), o,
-                           resolve(implementation, foreach)))
+    impl = resolve(implementation, foreach)
+    update = _IMPLEMENTATIONS[impl](t if impl.fused else t.for_torch(),
+                                    TensorOptions(lrs, weight_decays, adapt), o)
+    update.apply(total_one(update.sums(total_one(update.grad_sums()))))
 
 
 def _inverse_norms(norms: Tensor) -> Tensor:
@@ -244,85 +246,108 @@ def _single_tensor_lans(t: GroupTensors, layer: TensorOptions, o: GroupOptions) 
         _foreach.add_scaled_one_(p, c, -lr * (1.0 - beta1))
 
 
-def _multi_tensor_lans(t: GroupTensors, layer: TensorOptions, o: GroupOptions) -> Phased:
+class _MultiTensorLans:
     """The fast path: the same algorithm as a few multi-tensor kernels per group. On local
     shards, ``t.shard_sums`` totals the norms: the gradients' in one reduction, the weights'
-    and both parts' in another (the reductions this yields)."""
-    params, grads, lrs, beta1 = t.weights, t.grads, layer.lrs, o.beta1
-    if not params:
-        return
-    torch._foreach_add_(t.steps, 1)
-    if t.grad_norms is not None:
-        g_norms = t.grad_norms
-    elif t.shard_sums is None:
-        g_norms = _foreach.norms(grads)
-    else:
-        g_norms = yield t.shard_sums.norms_request(grads)
-    g = _foreach.clip_by_value(_foreach.scale_each(grads, _inverse_norms(g_norms)),
-                              o.clip_grad_value)
-    _foreach.adam_moments(t.exp_avgs, t.exp_avg_sqs, g, beta1, o.beta2)
-    bc1, bc2_sqrt = _foreach.step_bias_corrections(t.steps, beta1, o.beta2, o.bias_correction)
-    denom = _foreach.adam_denominators(t.exp_avg_sqs, bc2_sqrt, o.eps)
-    r = _foreach.adam_direction(t.exp_avgs, bc1, denom)
-    c = torch._foreach_div(g, denom)
-    decays = [(wd, ids) for wd, ids in by_value(layer.weight_decays) if wd != 0]
-    adapting = [i for i, a in enumerate(layer.adapt) if a]
-    if t.shard_sums is not None:
-        yield from _sharded_two_parts(t, layer, o, r, c, decays, adapting)
-        return
-    w_norms = _foreach.norms(pick(params, adapting))
-    bounds = (o.lower_bound, o.upper_bound)
-    for wd, ids in decays:
-        _foreach.add_decay_to_update(pick(r, ids), pick(params, ids), wd)
-    _foreach.apply_trust_ratio_(pick(r, adapting), w_norms, *bounds)
-    if o.decay_moved_weight:
-        _foreach.add_scaled_(params, r, [-lr * beta1 for lr in lrs])
-    for wd, ids in decays:
-        _foreach.add_decay_to_update(pick(c, ids), pick(params, ids), wd)
-    _foreach.apply_trust_ratio_(pick(c, adapting), w_norms, *bounds)
-    if not o.decay_moved_weight:
-        _foreach.add_scaled_(params, r, [-lr * beta1 for lr in lrs])
-    _foreach.add_scaled_(params, c, [-lr * (1.0 - beta1) for lr in lrs])
+    and both parts' in another (see :meth:`sums`)."""
 
+    def __init__(self, t: GroupTensors, layer: TensorOptions, o: GroupOptions) -> None:
+        self.t, self.layer, self.o = t, layer, o
 
-def _sharded_two_parts(t: GroupTensors, layer: TensorOptions, o: GroupOptions, r, c, decays,
-                       adapting) -> Phased:
-    """LANS's two trust-ratio-scaled parts on local shards, with the four sums the ratios need
-    (||w||^2, ||r||^2, ||c||^2 and, when the second part decays the moved weight, <c, r>) in one
-    reduction. The moved weight's decay is ``c - wd*lr*beta1*ratio_r*r``, whose squared norm
-    follows from those sums."""
-    params, lrs, weight_decays, beta1 = t.weights, layer.lrs, layer.weight_decays, o.beta1
-    for wd, ids in decays:  # both parts decay the weight from before the step here
-        _foreach.add_decay_to_update(pick(r, ids), pick(params, ids), wd)
-        _foreach.add_decay_to_update(pick(c, ids), pick(params, ids), wd)
-    ws, rs, cs = (pick(xs, adapting) for xs in (params, r, c))
-    parts = [_foreach.sq_norms(ws), _foreach.sq_norms(rs), _foreach.sq_norms(cs)]
-    if o.decay_moved_weight:
-        parts.append(_foreach.dots(cs, rs).to(parts[0].dtype))
-    totals = yield t.shard_sums.request(torch.cat(parts), adapting * len(parts))
-    sums = totals.split(len(adapting))
-    w_norms, r2, c2 = sums[0].sqrt(), sums[1], sums[2]
-    ratio_r = _foreach.trust_ratio(w_norms, r2.sqrt(), o.lower_bound, o.upper_bound)
-    if o.decay_moved_weight:
-        lr_wd = _foreach.to_device([torch.tensor([lrs[i] * weight_decays[i] for i in adapting],
-                                                dtype=r2.dtype)], r2.device)[0]
-        k = lr_wd * beta1 * ratio_r
-        c2 = (c2 - 2.0 * k * sums[3] + k * k * r2).clamp(min=0.0)
-    ratio_c = _foreach.trust_ratio(w_norms, c2.sqrt(), o.lower_bound, o.upper_bound)
-    _foreach.scale_each_(pick(r, adapting), ratio_r)
-    if o.decay_moved_weight:  # c = c - wd*lr*beta1*r: the decay of the weight moved by r
-        for i, (lr, wd) in enumerate(zip(lrs, weight_decays)):
-            if wd != 0:
-                c[i].add_(r[i], alpha=-wd * lr * beta1)
-    _foreach.scale_each_(pick(c, adapting), ratio_c)
-    _foreach.add_scaled_(params, r, [-lr * beta1 for lr in lrs])
-    _foreach.add_scaled_(params, c, [-lr * (1.0 - beta1) for lr in lrs])
+    def grad_sums(self) -> Optional[Reduction]:
+        t = self.t
+        if not t.weights or t.grad_norms is not None or t.shard_sums is None:
+            return None
+        return t.shard_sums.norms_request(t.grads)
+
+    def sums(self, grad_totals: Optional[Tensor] = None) -> Optional[Reduction]:
+        """The normalised gradients, the moments and both parts; on local shards, the sums
+        their trust ratios need: ||w||^2, ||r||^2, ||c||^2 and, when the second part decays
+        the moved weight, <c, r>, in one vector to total. (The moved weight's decay is
+        ``c - wd*lr*beta1*ratio_r*r``, whose squared norm follows from those sums.)"""
+        t, layer, o = self.t, self.layer, self.o
+        params, grads, beta1 = t.weights, t.grads, o.beta1
+        if not params:
+            return None
+        torch._foreach_add_(t.steps, 1)
+        if t.grad_norms is not None:
+            g_norms = t.grad_norms
+        elif grad_totals is None:
+            g_norms = _foreach.norms(grads)
+        else:
+            g_norms = grad_totals
+        g = _foreach.clip_by_value(_foreach.scale_each(grads, _inverse_norms(g_norms)),
+                                  o.clip_grad_value)
+        _foreach.adam_moments(t.exp_avgs, t.exp_avg_sqs, g, beta1, o.beta2)
+        bc1, bc2_sqrt = _foreach.step_bias_corrections(t.steps, beta1, o.beta2,
+                                                       o.bias_correction)
+        denom = _foreach.adam_denominators(t.exp_avg_sqs, bc2_sqrt, o.eps)
+        self.r = r = _foreach.adam_direction(t.exp_avgs, bc1, denom)
+        self.c = c = torch._foreach_div(g, denom)
+        self.decays = decays = [(wd, ids) for wd, ids in by_value(layer.weight_decays) if wd != 0]
+        self.adapting = adapting = [i for i, a in enumerate(layer.adapt) if a]
+        if t.shard_sums is None:
+            return None
+        for wd, ids in decays:  # both parts decay the weight from before the step here
+            _foreach.add_decay_to_update(pick(r, ids), pick(params, ids), wd)
+            _foreach.add_decay_to_update(pick(c, ids), pick(params, ids), wd)
+        ws, rs, cs = (pick(xs, adapting) for xs in (params, r, c))
+        parts = [_foreach.sq_norms(ws), _foreach.sq_norms(rs), _foreach.sq_norms(cs)]
+        if o.decay_moved_weight:
+            parts.append(_foreach.dots(cs, rs).to(parts[0].dtype))
+        return t.shard_sums.request(torch.cat(parts), adapting * len(parts))
+
+    def apply(self, totals: Optional[Tensor]) -> None:
+        """Both parts scaled by their trust ratios (from ``totals`` on local shards), and the
+        step."""
+        if not self.t.weights:
+            return
+        if totals is None:
+            self._apply_whole()
+            return
+        t, layer, o, r, c, adapting = self.t, self.layer, self.o, self.r, self.c, self.adapting
+        params, lrs, weight_decays, beta1 = t.weights, layer.lrs, layer.weight_decays, o.beta1
+        sums = totals.split(len(adapting))
+        w_norms, r2, c2 = sums[0].sqrt(), sums[1], sums[2]
+        ratio_r = _foreach.trust_ratio(w_norms, r2.sqrt(), o.lower_bound, o.upper_bound)
+        if o.decay_moved_weight:
+            lr_wd = _foreach.to_device([torch.tensor([lrs[i] * weight_decays[i] for i in adapting],
+                                                    dtype=r2.dtype)], r2.device)[0]
+            k = lr_wd * beta1 * ratio_r
+            c2 = (c2 - 2.0 * k * sums[3] + k * k * r2).clamp(min=0.0)
+        ratio_c = _foreach.trust_ratio(w_norms, c2.sqrt(), o.lower_bound, o.upper_bound)
+        _foreach.scale_each_(pick(r, adapting), ratio_r)
+        if o.decay_moved_weight:  # c = c - wd*lr*beta1*r: the decay of the weight moved by r
+            for i, (lr, wd) in enumerate(zip(lrs, weight_decays)):
+                if wd != 0:
+                    c[i].add_(r[i], alpha=-wd * lr * beta1)
+        _foreach.scale_each_(pick(c, adapting), ratio_c)
+        _foreach.add_scaled_(params, r, [-lr * beta1 for lr in lrs])
+        _foreach.add_scaled_(params, c, [-lr * (1.0 - beta1) for lr in lrs])
+
+    def _apply_whole(self) -> None:
+        """:meth:`apply` on whole tensors: the norms taken here."""
+        t, layer, o, r, c, adapting = self.t, self.layer, self.o, self.r, self.c, self.adapting
+        params, lrs, beta1 = t.weights, layer.lrs, o.beta1
+        w_norms = _foreach.norms(pick(params, adapting))
+        bounds = (o.lower_bound, o.upper_bound)
+        for wd, ids in self.decays:
+            _foreach.add_decay_to_update(pick(r, ids), pick(params, ids), wd)
+        _foreach.apply_trust_ratio_(pick(r, adapting), w_norms, *bounds)
+        if o.decay_moved_weight:
+            _foreach.add_scaled_(params, r, [-lr * beta1 for lr in lrs])
+        for wd, ids in self.decays:
+            _foreach.add_decay_to_update(pick(c, ids), pick(params, ids), wd)
+        _foreach.apply_trust_ratio_(pick(c, adapting), w_norms, *bounds)
+        if not o.decay_moved_weight:
+            _foreach.add_scaled_(params, r, [-lr * beta1 for lr in lrs])
+        _foreach.add_scaled_(params, c, [-lr * (1.0 - beta1) for lr in lrs])
 
 
 #: LANS by implementation (see ``scaleopt._dispatch``).
 _IMPLEMENTATIONS = {
-    Impl.SINGLE: in_one_phase(_single_tensor_lans),
-    Impl.MULTI: _multi_tensor_lans,
+    Impl.SINGLE: functools.partial(WholeUpdate, _single_tensor_lans),
+    Impl.MULTI: _MultiTensorLans,
     Impl.NATIVE: _native.lans_kernel,
     Impl.TRITON: _triton.lans_triton,
 }

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from . import _foreach
-from ._sharding import ShardSums, local, run_phases
+from ._sharding import ShardSums, local, total_one
 
 __all__ = ["GradientNoiseScale"]
 
@@ -144,6 +144,4 @@ class GradientNoiseScale:
 
 def _total(shard_sums: ShardSums, sums: Tensor, owners: List[int]) -> Tensor:
     """``sums`` totalled over the shards of the parameters they belong to."""
-    def phased():
-        return (yield shard_sums.request(sums, owners))
-    return run_phases(phased())
+    return total_one(shard_sums.request(sums, owners))

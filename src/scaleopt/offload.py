@@ -184,7 +184,7 @@ class OffloadAdam(AdamFamily):
         """Perform one optimization step. ``closure`` re-evaluates the model and returns the loss."""
         loss = self._closure_loss(closure)
         with self.host.stepping() as threads:
-            host_kernels = Deferral(lambda group, params: True, _native.sums_of_squares,
+            host_kernels = Deferral(None, _native.sums_of_squares,
                                     lambda g: _native.any_nonfinite(g, threads))
             intake = self._intake(defer=host_kernels, amp_skip=True)
             self.skipped = intake.skipped
@@ -241,9 +241,11 @@ class OffloadAdam(AdamFamily):
             [0.0 if no_decay[i] else group["weight_decay"] for i in item.idx],
             self._steps_scalars(group, state.steps), state.stored or [None] * len(params))]
         vmaxes = local(state.max_exp_avg_sqs or [None] * len(params))
-        with self._master_weights.as_float32(state.view.subset(slow)) as masters:
-            for k, master in zip(slow, local(masters)):
-                self._reference_step(group, rows[k], master, vmaxes[k])
+        slow_view = state.view.subset(slow)
+        masters = self._master_weights.joined(slow_view)
+        for k, master in zip(slow, local(masters)):
+            self._reference_step(group, rows[k], master, vmaxes[k])
+        self._master_weights.split_back(slow_view, masters)
         self._kernel_step(group, [row for row, f in zip(rows, fast) if f], threads)
         self._master_weights.commit(state.view, fast)
         self._store_moments(state)

@@ -183,13 +183,13 @@ def count_collectives(rank, world, tmp, name):
     from scaleopt import _native
 
     ran = []
-    real = _native._kernel_phases
+    real = _native.LayerwiseKernel.sums
 
-    def recorded(name, per_tensor, t, call):
-        ran.append((name, t.shard_sums is not None))
-        return (yield from real(name, per_tensor, t, call))
+    def recorded(kernel, grad_totals=None):
+        ran.append((kernel.name, kernel.t.shard_sums is not None))
+        return real(kernel, grad_totals)
 
-    _native._kernel_phases = recorded
+    _native.LayerwiseKernel.sums = recorded
     model = shard(model_of(name))
     opt = OPTIMIZERS[name](list(model.named_parameters()))
     counts = []
