@@ -8,6 +8,7 @@ interpreter tests skip."""
 
 from __future__ import annotations
 
+import collections
 import copy
 import json
 import math
@@ -47,10 +48,12 @@ def use(opt, implementation=None, foreach=None):
     return opt
 
 
-def counter_buffers():
-    """The tensors that the step counters point into (``_triton.counters``): reading them on
-    the host is reading the counters, which live on the CPU as in torch.optim."""
-    return [buf for buf, _ in _triton._COUNTERS.values()]
+def counter_buffers(opt):
+    """The tensors that the optimizer's step counters point into (``_triton.counters``, kept
+    with each group's plan): reading them on the host is reading the counters, which live on
+    the CPU as in torch.optim."""
+    return [plan.tensors.cache["counters"][1] for plan in opt._plans.values()
+            if plan.tensors.cache and "counters" in plan.tensors.cache]
 
 
 def launches_of(step):
@@ -158,31 +161,38 @@ def test_bfloat16_gradients_of_float32_weights(functional):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_the_address_tables_are_built_once_per_set_of_storages():
+def test_the_address_tables_are_built_once_per_set_of_storages(monkeypatch):
     """The plan (the weights', moments' and states' addresses, the chunks) is made once while
     they stay where they are; gradients in new storages at each step (as a backward that
     allocates them anew gives them) make only a table of their addresses, found again when
-    they are where they were."""
+    they are where they were. Both are the optimizer's own: another optimizer makes its own."""
+    made = collections.Counter()
+    for name in ("_new_plan", "_grad_table"):
+        real = getattr(_triton, name)
+        monkeypatch.setattr(_triton, name, lambda *a, _real=real, _name=name: (
+            made.update([_name]), _real(*a))[1])
     params = [nn.Parameter(torch.randn(5, 3)), nn.Parameter(torch.randn(4))]
     opt = scaleopt.LAMB(params, implementation="triton")
-    _triton._PLANS.clear()
-    _triton._GRAD_TABLES.clear()
     kept = []
     for _ in range(3):
         for p in params:
             p.grad = torch.randn(p.shape)  # a new gradient storage: a new gradient table
             kept.append(p.grad)  # (kept, so that no address is handed out again)
         opt.step()
-    assert (len(_triton._PLANS), len(_triton._GRAD_TABLES)) == (1, 3)
+    (cache,) = [plan.tensors.cache for plan in opt._plans.values()]
+    assert made["_new_plan"] == 1 and len(cache["grad tables"]) == 3
     grads = [p.grad for p in params]
     for _ in range(3):  # the same storages: the tables are found again
         for p, gr in zip(params, grads):
             p.grad = gr
         opt.step()
-    assert (len(_triton._PLANS), len(_triton._GRAD_TABLES)) == (1, 3)
+    assert made["_new_plan"] == 1 and len(cache["grad tables"]) == 3
     opt.state[params[0]]["exp_avg"] = opt.state[params[0]]["exp_avg"].clone()  # moved
     opt.step()
-    assert (len(_triton._PLANS), len(_triton._GRAD_TABLES)) == (2, 3)
+    assert made["_new_plan"] == 2
+    other = scaleopt.LAMB(params, implementation="triton")
+    other.step()
+    assert made["_new_plan"] == 3  # its own plan, not the first optimizer's
 
 
 @pytest.mark.parametrize("cls", [scaleopt.LAMB, scaleopt.LANS])
@@ -309,7 +319,7 @@ def test_the_triton_path_reads_no_tensor_value_on_the_host(info, monkeypatch):
         p.grad = torch.randn_like(p)
     launched = []
     monkeypatch.setattr(_triton, "_run", lambda name, *a, **k: launched.append(name))
-    reads = record_host_reads(monkeypatch, allowed=steps + counter_buffers())
+    reads = record_host_reads(monkeypatch, allowed=steps + counter_buffers(opt))
     opt.step()
     monkeypatch.undo()
     assert reads == [] and launched
@@ -469,7 +479,7 @@ def test_compact_state_on_the_kernels_equals_the_loop_and_reads_nothing_back(cls
         torch.int8 if form == "int8" else torch.bfloat16)
     steps = [s["step"] for s in opt.state.values()]
     monkeypatch.setattr(_triton, "_run", lambda name, *a, **k: None)
-    reads = record_host_reads(monkeypatch, allowed=steps + counter_buffers())
+    reads = record_host_reads(monkeypatch, allowed=steps + counter_buffers(opt))
     opt.step()
     assert reads == []
 
@@ -666,7 +676,6 @@ def test_the_order_the_programs_run_in_changes_no_bit(cls, monkeypatch):
     other order, as a GPU may schedule them, and the weights and moments are the same bits."""
     def train_with(chunk_table):
         monkeypatch.setattr(_triton, "_chunk_table", chunk_table)
-        _triton._PLANS.clear()
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(24, 20), nn.Tanh(), nn.Linear(20, 3))
         opt = cls(model.parameters(), lr=0.1, weight_decay=0.01, implementation="triton")

@@ -9,7 +9,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import _compact, _foreach, _format
+from . import _compact, _format
 from ._base import ScaleOptimizer
 from ._loading import ADAM_STATE
 from ._masters import LocalPlacement, MasterView, MasterWeights
@@ -49,13 +49,6 @@ class AdamState(NamedTuple):
                 stored[i] = None
         return self._replace(exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, pending=pending,
                              stored=stored)
-
-
-class _Listed(list):
-    """A list of a group's state that can be referred to weakly: the Triton path keeps what it
-    read from the last ones (the stored moments' rows, the moments' addresses:
-    ``_triton._stored_rows``, ``_triton._moment_addresses``), while the memo gives them again
-    (a state tensor replaced: new lists)."""
 
 
 def _entries(dicts: List[Dict[str, Any]]) -> List[Any]:
@@ -146,7 +139,7 @@ class AdamFamily(ScaleOptimizer):
                     amsgrad: bool = False) -> AdamState:
         """:meth:`_new_adam_state`, or the same state again where nothing it is made of has
         changed since the last step of the group (:class:`_Memo`)."""
-        if _foreach.compiling():
+        if torch.compiler.is_compiling():
             return self._new_adam_state(group, params, amsgrad)
         memos = self.__dict__.setdefault("_adam_memos", {})
         memo = memos.get(id(group))
@@ -169,9 +162,9 @@ class AdamFamily(ScaleOptimizer):
         on_device = group.get("capturable", False)  # the step counters where the weights are
         cpu, f32 = torch.device("cpu"), torch.float32
         steps: List[Tensor] = []
-        moments: List[List[Tensor]] = [_Listed() for _ in keys]
+        moments: List[List[Tensor]] = [[] for _ in keys]
         pending: List[_compact.Pending] = []
-        stored: List[Optional[_format.Stored]] = _Listed()
+        stored: List[Optional[_format.Stored]] = []
         for p, w, split in zip(params, view.weights, view.split):
             state = self.state[p]
             step = state.get("step")

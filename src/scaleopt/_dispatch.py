@@ -36,14 +36,14 @@ class Impl(str, enum.Enum):
     NATIVE = "native"
     TRITON = "triton"
 
-    @property
-    def fused(self) -> bool:
-        """Whether it is one of the fused kernels (C or Triton), which take a group's tensors
-        as the optimizer holds them: split masters in their two halves, moments in bfloat16 or
-        8 bits, the gradients' deferred scalars applied as they read them, a float32 master's
-        rounded weights written in their pass. The others run on float32 masters and moments
-        and gradients with their scalars applied (:meth:`GroupTensors.for_torch`)."""
-        return self in (Impl.NATIVE, Impl.TRITON)
+    def __init__(self, value: str) -> None:
+        #: Whether it is one of the fused kernels (C or Triton), which take a group's tensors
+        #: as the optimizer holds them: split masters in their two halves, moments in bfloat16
+        #: or 8 bits, the gradients' deferred scalars applied as they read them, a float32
+        #: master's rounded weights written in their pass. The others run on float32 masters
+        #: and moments and gradients with their scalars applied
+        #: (:meth:`GroupTensors.for_torch`). (An attribute: a step reads it per group.)
+        self.fused = value in ("native", "triton")
 
 
 def implementation(group: Dict[str, Any], params: Sequence[Tensor], *, kernels: bool = True,

@@ -51,13 +51,17 @@ class GroupTensors:
     #: ``_format.Stored``; ``exp_avgs``/``exp_avg_sqs`` are then the stored tensors, which
     #: only the C kernels take), else None
     stored: Optional[List[Any]] = None
+    #: what the fused kernels keep from one step to the next for these tensors (the tables
+    #: of their addresses, say): a dict the group's plan owns, made anew with the plan (when
+    #: anything the tensors are made of changed), or None (nothing kept)
+    cache: Optional[Dict[str, Any]] = None
 
     def for_torch(self) -> "GroupTensors":
         """The tensors as the PyTorch implementations take them: the gradients with their
         deferred scalars applied and in the weights' dtypes, and no kernel ``w16`` tensors."""
         grads = apply_grad_scalars(self.grads, self.grad_scalars)
         grads = [g if g.dtype == w.dtype else g.to(w.dtype) for g, w in zip(grads, self.weights)]
-        return dataclasses.replace(self, grads=grads, w16=None, grad_scalars=None)
+        return dataclasses.replace(self, grads=grads, w16=None, grad_scalars=None, cache=None)
 
 
 class TensorOptions(NamedTuple):

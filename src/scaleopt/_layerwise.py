@@ -3,21 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import torch
 from torch import Tensor
 
 from . import _native
 from ._adam import AdamFamily, AdamState
-from ._foreach import compiling
 from ._checks import check_bool, check_bounds
 from ._compile import eager
 from ._dispatch import Impl, check_implementation, confirmed, implementation
 from ._dispatch import takes as takes_tensors
 from ._group import GroupOptions, GroupTensors, TensorOptions
 from ._intake import Deferral, GroupGrads
-from ._sharding import any_dtensor, local
+from ._sharding import local
 
 
 class LayerwiseAdam(AdamFamily):
@@ -45,6 +46,8 @@ class LayerwiseAdam(AdamFamily):
 
     #: the group's options of a subclass's own in its :class:`~scaleopt._group.GroupOptions`
     _own_options: Tuple[str, ...] = ()
+    #: per group (by id), the last step's :class:`GroupPlan`: the optimizer's own, not copied
+    _not_pickled = AdamFamily._not_pickled + ("_plans",)
     #: Keyword arguments of :meth:`_intake` (LANS clips values itself).
     _intake_options: Dict[str, Any] = {}
     #: A GradScaler hands the step its scale and inf flag: the scale goes into the gradients'
@@ -94,82 +97,133 @@ class LayerwiseAdam(AdamFamily):
         adapt = [not no_adapt[i] and (w != 0 or group["always_adapt"]) for i, w in zip(idx, wds)]
         return TensorOptions(lrs, wds, adapt)
 
-    def _step_layer_options(self, group: Dict[str, Any], idx: Sequence[int]) -> TensorOptions:
-        """:meth:`_layer_options`, whose decays and flags are made again only when what they
-        are made of changed (eagerly: the same tuples are given again otherwise, by which the
-        Triton path keeps its table columns)."""
-        if compiling():
-            return self._layer_options(group, idx)
-        lr, wd = group["lr"], group["weight_decay"]
-        made_of = (self._rule_flags(group, "exclude_from_weight_decay"),
-                   self._rule_flags(group, "exclude_from_layer_adaptation"),
-                   self._param_multipliers(group, idx), lr, wd, group["always_adapt"], list(idx))
-        memo = self.__dict__.setdefault("_layer_memo", {})
-        last = memo.get(id(group))
-        if last is None or last[0] != made_of:
-            layer = self._layer_options(group, idx)
-            last = memo[id(group)] = (made_of, layer._replace(
-                weight_decays=tuple(layer.weight_decays), adapt=tuple(layer.adapt)))
-        return last[1]
-
     # -- the step --------------------------------------------------------------------------------
 
     @eager  # host bookkeeping: under torch.compile the updates are traced, not this
     def _plan_step(self) -> List["GroupPlan"]:
         """Nothing on a step that a GradScaler skips (on the host). Otherwise each group's
-        implementation chosen (before its state exists), the gradients in
+        implementation (the last step's plan's while the group's options and parameters are the
+        same objects, else chosen before the group's state exists), the gradients in
         (``scaleopt._intake``: their scalar transforms left to the fused kernels, for the
-        groups that chose them), then each group's :class:`GroupPlan`: its tensors (state made
-        where new), their options, and the implementation confirmed with the tensors."""
+        groups that chose them), then each group's :class:`GroupPlan`: the last step's again
+        with this step's gradients where nothing it is made of changed (:meth:`_kept_plan`),
+        else a new one (:meth:`_new_plan`)."""
         found = getattr(self, "found_inf", None)  # a GradScaler's, during its step
         if found is not None and not all([g.get("capturable") for g in self.param_groups]) \
                 and float(found) != 0.0:
             return []  # skipped on the host (every group capturable: on the device)
         skip_if = found.reshape(()) if found is not None else None
         on_host = self._grad_source.on_host
-        chosen = {id(group): implementation(group, group["params"], on_host=on_host)
-                  for group in self.param_groups}
-        fused = [key for key, impl in chosen.items() if impl.fused]  # their scalars deferred
+        kept: Dict[int, GroupPlan] = self.__dict__.setdefault("_plans", {})
+        chosen, fused = {}, []
+        for group in self.param_groups:
+            plan = kept.get(id(group))
+            if plan is not None and not plan.holds_options(group):
+                del kept[id(group)]  # another group, or its options changed
+                plan = None
+            impl = chosen[id(group)] = (plan.first if plan is not None else
+                                        implementation(group, group["params"], on_host=on_host))
+            if impl.fused:
+                fused.append(id(group))  # its gradients' scalars deferred to the kernels
         intake = self._intake(defer=Deferral(fused, _native.sums_of_squares),
                               **self._intake_options)
         plans = []
         for item in intake:
             group = item.group
-            first = chosen[id(group)]
-            state = self._adam_state(group, item.params)
-            t = self._tensors(state, item, skip_if if group.get("capturable") else None)
-            takes = first.fused and takes_tensors(first, t)
-            if t.stored and not takes:
-                state = state.decoded()  # float32 working tensors for the other paths
-                t = self._tensors(state, item, t.skip_if)
-            impl = first if takes else confirmed(first, group, item.params, t, on_host=on_host)
-            if group.get("capturable") and impl is not Impl.TRITON:
-                raise ValueError(f"capturable=True needs the Triton kernels (CUDA tensors and "
-                                 f"Triton installed), and this group's step runs on "
-                                 f"{impl.value!r}")
-            joined = None
-            if not impl.fused:  # the PyTorch paths: on float32 masters, split ones joined
-                joined = self._master_weights.joined(state.view)
-                # (plain lists: torch.compile traces a list subclass as an object of its own)
-                t = dataclasses.replace(t, weights=local(joined), exp_avgs=list(t.exp_avgs),
-                                        exp_avg_sqs=list(t.exp_avg_sqs),
-                                        steps=list(t.steps)).for_torch()
-            options = GroupOptions.of(group, **{key: group[key] for key in self._own_options})
-            plans.append(GroupPlan(group, impl, t, self._step_layer_options(group, item.idx),
-                                   options, state, joined))
+            step_skip = skip_if if group.get("capturable") else None
+            plan = self._kept_plan(kept.get(id(group)), item, step_skip)
+            if plan is None:
+                plan = self._new_plan(item, chosen[id(group)], step_skip, on_host)
+                if plan.impl.fused and not plan.state.pending:
+                    kept[id(group)] = plan  # (the PyTorch paths: made again each step)
+            plans.append(plan)
         return plans
+
+    def _kept_plan(self, plan: Optional["GroupPlan"], item: GroupGrads,
+                   skip_if: Optional[Tensor]) -> Optional["GroupPlan"]:
+        """The last step's plan of the group with this step's gradients, where its options,
+        the parameters that have a gradient, their state (the same objects:
+        :meth:`_adam_state`) and the gradients' dtypes, sizes, devices and layout are as they
+        were; else None. What the kernels keep in ``tensors.cache`` is checked by the kernels
+        against the addresses it was made for."""
+        if (plan is None or item.idx != plan.idx
+                or not plan.holds_options(item.group)):  # (a front-end's schedule, say)
+            return None
+        grads = item.grads
+        if not (all(map(operator.is_, item.params, plan.state.view.params))
+                and list(map(_DTYPE, grads)) == plan.grad_dtypes
+                and list(map(Tensor.numel, grads)) == plan.numels
+                and set(map(_DEVICE, grads)) == plan.grad_devices
+                and set(map(type, grads)) <= _PLAIN and all(map(Tensor.is_contiguous, grads))
+                and self._adam_state(item.group, item.params) is plan.state):
+            return None
+        group = item.group
+        layer = plan.layer
+        if group["lr"] is not plan.lr:  # a schedule's new rate
+            lr = plan.lr = group["lr"]
+            layer = plan.layer = layer._replace(lrs=[lr] * len(grads) if plan.lr_mult is None
+                                                else [lr * m for m in plan.lr_mult])
+        if item.shard_sums is None:
+            plan.tensors = dataclasses.replace(plan.tensors, grads=grads,
+                                               grad_scalars=item.scalars, skip_if=skip_if)
+        else:  # local shards: taken again (a shard may have moved), what is kept kept
+            plan.tensors = dataclasses.replace(self._tensors(plan.state, item, skip_if),
+                                               cache=plan.tensors.cache)
+        return plan
+
+    def _new_plan(self, item: GroupGrads, first: Impl, skip_if: Optional[Tensor],
+                  on_host: bool) -> "GroupPlan":
+        """A group's plan made anew: its state (made where new), tensors, options, and the
+        implementation ``first`` confirmed with the tensors."""
+        group = item.group
+        state = self._adam_state(group, item.params)
+        t = self._tensors(state, item, skip_if)
+        takes = first.fused and takes_tensors(first, t)
+        if t.stored and not takes:
+            state = state.decoded()  # float32 working tensors for the other paths
+            t = self._tensors(state, item, t.skip_if)
+        impl = first if takes else confirmed(first, group, item.params, t, on_host=on_host)
+        if group.get("capturable") and impl is not Impl.TRITON:
+            raise ValueError(f"capturable=True needs the Triton kernels (CUDA tensors and "
+                             f"Triton installed), and this group's step runs on "
+                             f"{impl.value!r}")
+        joined = None
+        if not impl.fused:  # the PyTorch paths: on float32 masters, split ones joined
+            joined = self._master_weights.joined(state.view)
+            t = dataclasses.replace(t, weights=local(joined)).for_torch()
+        else:
+            t = dataclasses.replace(t, cache={})
+        view = state.view
+        grads = item.grads
+        layer = self._layer_options(group, item.idx)  # (tuples: the Triton path keeps them)
+        layer = layer._replace(weight_decays=tuple(layer.weight_decays), adapt=tuple(layer.adapt))
+        return GroupPlan(
+            group, impl, t, layer,
+            GroupOptions.of(group, **{key: group[key] for key in self._own_options}), state,
+            joined, first=first, values=list(group.values()), lr_at=list(group).index("lr"),
+            idx=list(item.idx),
+            lr=group["lr"], lr_mult=self._param_multipliers(group, item.idx)[0],
+            masters=not all(map(operator.is_, view.params, view.weights)),
+            grad_dtypes=list(map(_DTYPE, grads)), numels=list(map(Tensor.numel, grads)),
+            grad_devices=set(map(_DEVICE, grads)))
 
     def _finish_step(self, plans: List["GroupPlan"]) -> None:
         """After the updates: split masters split again, the parameters brought up to date
-        with their masters, moments stored back in bfloat16 or 8 bits."""
+        with their masters, moments stored back in bfloat16 or 8 bits, and the plans let go of
+        the step's gradients."""
         adapted = False
         for plan in plans:
             view = plan.state.view
             if plan.joined is not None:
                 self._master_weights.split_back(view, plan.joined)
-            self._master_weights.commit(view, rounded_written=plan.impl.fused)
-            self._store_moments(plan.state)
+            if plan.masters:
+                self._master_weights.commit(view, rounded_written=plan.impl.fused)
+            if plan.state.pending:
+                self._store_moments(plan.state)
             adapted = adapted or any(plan.layer.adapt)
+            # a kept plan holds no tensor of the step: gradients set to None are freed
+            plan.tensors = dataclasses.replace(plan.tensors, grads=[], grad_scalars=None,
+                                               shard_sums=None, grad_norms=None, skip_if=None)
         if plans and not adapted:
             self._warn_no_trust_ratio()
 
@@ -178,13 +232,9 @@ class LayerwiseAdam(AdamFamily):
         """A group's tensors for its update (local shards of sharded ones)."""
         view = state.view
         stored = state.stored if state.stored and any(state.stored) else None
-        # eagerly the state's own lists, which the Triton path keeps; copies (plain lists)
-        # under torch.compile, which would trace a list subclass as an object of its own
-        moments = [xs if not compiling() and not any_dtensor(xs) else local(xs)
-                   for xs in (state.exp_avgs, state.exp_avg_sqs)]
-        return GroupTensors(local(view.weights), item.grads, *moments, state.steps,
-                            local(view.kernel_w16()), item.scalars, item.shard_sums,
-                            item.grad_norms, skip_if, stored)
+        return GroupTensors(local(view.weights), item.grads, local(state.exp_avgs),
+                            local(state.exp_avg_sqs), state.steps, local(view.kernel_w16()),
+                            item.scalars, item.shard_sums, item.grad_norms, skip_if, stored)
 
     @eager
     def _warn_no_trust_ratio(self) -> None:
@@ -218,3 +268,34 @@ class GroupPlan:
     state: AdamState
     #: for the PyTorch paths: the float32 masters the update works on, split ones joined
     joined: Optional[List[Tensor]] = None
+    #: what the plan was made of, to find it again at the next step (:meth:`_kept_plan`): the
+    #: implementation chosen before the state existed, the group's values, the positions of
+    #: the parameters that had a gradient, the learning rate and its per-tensor multipliers
+    first: Impl = Impl.SINGLE
+    values: List[Any] = dataclasses.field(default_factory=list)
+    lr_at: int = 0
+    idx: List[int] = dataclasses.field(default_factory=list)
+    lr: Any = None
+    lr_mult: Optional[List[float]] = None
+    #: whether any parameter has a master (else nothing to bring up to date)
+    masters: bool = True
+    #: the gradients' dtypes, sizes and devices
+    grad_dtypes: List[Any] = dataclasses.field(default_factory=list)
+    numels: List[int] = dataclasses.field(default_factory=list)
+    grad_devices: Any = None
+
+
+    def holds_options(self, group: Dict[str, Any]) -> bool:
+        """Whether ``group`` is the plan's, holding the same objects as its values but for
+        the learning rate (which a schedule changes every step: :meth:`_kept_plan`)."""
+        if self.group is not group or len(group) != len(self.values):
+            return False
+        same = list(map(operator.is_, group.values(), self.values))
+        same[self.lr_at] = True
+        return all(same)
+
+
+_DTYPE = operator.attrgetter("dtype")
+_DEVICE = operator.attrgetter("device")
+#: the gradient types the kernels take as they are
+_PLAIN = {Tensor, torch.nn.Parameter}

@@ -226,8 +226,7 @@ def _layerwise_config(o: GroupOptions, clip_grad_value: Any, mode: int = 0,
         beta1=o.beta1, beta2=o.beta2, lower=o.lower_bound or 0.0, upper=o.upper_bound or 0.0,
         eps=o.eps, clip_lo=lo, clip_hi=hi, bias_correction=int(o.bias_correction),
         has_lower=int(o.lower_bound is not None), has_upper=int(o.upper_bound is not None),
-        clip=int(clip_grad_value is not None), nthreads=torch.get_num_threads(), mode=mode,
-        moved=int(moved))
+        clip=int(clip_grad_value is not None), nthreads=0, mode=mode, moved=int(moved))
 
 
 class LayerwiseKernel:
@@ -244,6 +243,7 @@ class LayerwiseKernel:
                  config: LayerwiseConfig, grad_sq_sums: Optional[Tensor] = None) -> None:
         self.name, self.per_tensor, self.count = name, per_tensor, len(t.weights)
         self.t, self.layer, self.grad_sq_sums = t, layer, grad_sq_sums
+        config.nthreads = torch.get_num_threads()
         self.config = ctypes.byref(config)
         self.tensors: Any = None
 
@@ -264,11 +264,35 @@ class LayerwiseKernel:
             return None
         if grad_totals is not None:
             self.grad_sq_sums = grad_totals
-        self.tensors = _layerwise_tensors(self.t, self.layer, self.grad_sq_sums)
+        self.tensors = self._rows()
         if self.t.shard_sums is None:
             return None
         owners = [i for i in range(self.count) for _ in range(self.per_tensor)]
         return self.t.shard_sums.request(self.first_pass(), owners)
+
+    def _rows(self) -> Any:
+        """The per-tensor array of the call: the last step's, kept in ``t.cache`` (the group's
+        plan's) with this step's gradients, multipliers, learning rates (and LANS's gradients'
+        sums) written in, while the other tensors are where they were; else made anew."""
+        t, cache = self.t, self.t.cache
+        fixed = [t.weights, t.exp_avgs, t.exp_avg_sqs, t.steps,
+                 [x for x in t.w16 or () if x is not None]]
+        kept = None if cache is None else cache.get(self.name)
+        addresses = [list(map(Tensor.data_ptr, xs)) for xs in fixed] if cache is not None \
+            else None
+        if kept is None or kept[0] != addresses:
+            rows = _layerwise_tensors(t, self.layer, self.grad_sq_sums)
+            if cache is not None:
+                cache[self.name] = (addresses, rows)
+            return rows
+        rows = kept[1]
+        mults = [1.0] * self.count if t.grad_scalars is None else t.grad_scalars.mults.tolist()
+        for row, g, gm, lr in zip(rows, t.grads, mults, self.layer.lrs):
+            row.g, row.gmul, row.lr = g.data_ptr(), gm, lr
+        gsq = [-1.0] * self.count if self.grad_sq_sums is None else self.grad_sq_sums.tolist()
+        for row, sq in zip(rows, gsq):
+            row.gsq = sq
+        return rows
 
     @eager
     def first_pass(self) -> Tensor:
@@ -303,7 +327,11 @@ def lamb_kernel(t: GroupTensors, layer: TensorOptions, o: GroupOptions) -> Layer
     factors, see ``scaleopt._intake``), then clamped where the scalars say (LAMB's element-wise
     clipping)."""
     clamp = None if t.grad_scalars is None else t.grad_scalars.clamp
-    config = _layerwise_config(o, clamp, mode=_format.WEIGHT_DECAY_MODES[o.weight_decay_mode])
+    config = t.cache.get("config") if t.cache is not None else None
+    if config is None:  # (the group's options: the same while its plan is)
+        config = _layerwise_config(o, clamp, mode=_format.WEIGHT_DECAY_MODES[o.weight_decay_mode])
+        if t.cache is not None:
+            t.cache["config"] = config
     return LayerwiseKernel("lamb", 2, t, layer, config)
 
 
@@ -315,7 +343,11 @@ def lans_kernel(t: GroupTensors, layer: TensorOptions, o: GroupOptions) -> Layer
     sq_sums = None if t.grad_scalars is None else t.grad_scalars.sq_sums
     if sq_sums is None and t.grad_norms is not None:
         sq_sums = t.grad_norms.double().square()
-    config = _layerwise_config(o, o.clip_grad_value, moved=o.decay_moved_weight)
+    config = t.cache.get("config") if t.cache is not None else None
+    if config is None:  # (the group's options: the same while its plan is)
+        config = _layerwise_config(o, o.clip_grad_value, moved=o.decay_moved_weight)
+        if t.cache is not None:
+            t.cache["config"] = config
     return LayerwiseKernel("lans", 4, t, layer, config, sq_sums)
 
 

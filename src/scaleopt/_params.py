@@ -86,6 +86,8 @@ def rule_is_set(rule: NameRule) -> bool:
     return rule is not None and not (isinstance(rule, (list, tuple)) and len(rule) == 0)
 
 
+# process-wide: a pure function of a rule and names (hashable: tuples and strings), which
+# every optimizer with that rule may share
 @functools.lru_cache(maxsize=1024)
 def _match_names(rule: Any, names: Tuple[str, ...]) -> Tuple[bool, ...]:
     if rule is None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import operator
 import math
 import sys
 import weakref
@@ -48,6 +49,7 @@ class _NoDTensor:
 
 
 _DTENSOR_MODULES = ("torch.distributed.tensor._api", "torch.distributed._tensor.api")  # 2.4
+#: the DTensor class once its module is imported (a class: process-wide by nature)
 _dtensor_class: Any = None
 
 
@@ -106,7 +108,9 @@ def local(tensors: Sequence[Tensor]) -> List[Tensor]:
 
 
 #: id(mesh) -> {placements: the process groups that split a tensor so placed}, while the mesh
-#: lives (looking the groups up by name costs more than the rest of a step's bookkeeping)
+#: lives (looking the groups up by name costs more than the rest of a step's bookkeeping).
+#: Process-wide, as meshes are: every optimizer over a mesh's tensors finds the same groups,
+#: and an entry goes with its mesh
 _SHARDING_GROUPS: Dict[int, Dict[Any, List[Any]]] = {}
 
 
@@ -143,9 +147,9 @@ class ShardSums:
     """Sums over whole tensors from the local shards' partial sums of ``params``'s tensors.
 
     :meth:`request` takes a vector of partial sums and, for each entry, the index of the
-    parameter the summed quantity is shaped like, as a :class:`Reduction` for a phased update to yield;
-    its totals come back after one all-reduce per ``(mesh, dimension)`` that shards any of
-    those parameters (FSDP2: one).
+    parameter the summed quantity is shaped like, as a :class:`Reduction` for a phase of an
+    update to return; :func:`total` gives its totals after one all-reduce per ``(mesh,
+    dimension)`` that shards any of those parameters (FSDP2: one).
     """
 
     def __init__(self, params: Sequence[Tensor]) -> None:
@@ -173,11 +177,12 @@ def total(requests: Sequence[Optional[Reduction]]) -> List[Optional[Tensor]]:
     """Each request's totals over the shards (None for a None request), all requests in one
     all-reduce per process group that shards any of their entries: a step's collectives do not
     grow with its number of groups. No collective where no request is sharded."""
-    asked = [i for i, r in enumerate(requests) if r is not None]
     out: List[Optional[Tensor]] = [None] * len(requests)
-    if asked:
-        for i, totals in zip(asked, _total([requests[i] for i in asked])):
-            out[i] = totals
+    if not any(map(operator.is_not, requests, itertools.repeat(None))):
+        return out  # nothing sharded: nothing to reduce
+    asked = [i for i, r in enumerate(requests) if r is not None]
+    for i, totals in zip(asked, _total([requests[i] for i in asked])):
+        out[i] = totals
     return out
 
 

@@ -11,7 +11,7 @@ tensors with the same dtypes):
   float32 vector. No float atomics: two runs give the same bits, however the GPU scheduled
   the programs;
 * between the two, for the local shards of sharded tensors, ``scaleopt._sharding`` totals that
-  vector over the shards (the one reduction these phases yield);
+  vector over the shards (the one reduction between these phases: :class:`TritonStep`);
 * ``apply``: each tensor's trust ratios from the totals, on the device, and the new weights
   (and a float32 master's rounded weights, or a split master's two halves). Moments stored
   in bfloat16 or 8 bits (``state_dtype``) are updated here, from the stored ones and the
@@ -30,7 +30,9 @@ reads its tensor's addresses and size from int64 tables (``tl.load(table).to(poi
 once per set of storages, sizes and dtypes (keyed by ``data_ptr()``, not by tensor identity: a
 DTensor's ``to_local()`` is a new tensor each step) and rebuilt only when one of them changes;
 the gradients' addresses are a table of their own, since a backward may put them elsewhere at
-each step (a new one is one small copy, the rest stays).
+each step (a new one is one small copy, the rest stays). The tables, and the step counters'
+buffer, are kept in the group's plan (``GroupTensors.cache``, the optimizer's own: two
+optimizers share nothing, and ``del opt`` frees them); a functional call keeps nothing.
 The per-tensor numbers of a step (learning rate, decay, the bias corrections of its step
 counter, the gradient's multiplier) go to the device in one table, from pinned memory without
 a wait. Loop bounds are compile-time constants or ``while`` loops, so that the kernels run
@@ -50,7 +52,6 @@ import itertools
 import math
 import operator
 import os
-import weakref
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -67,7 +68,8 @@ from ._triton_layout import PTRS, SCAL
 BLOCK = 1024
 ITERS = 4
 
-#: launches per kernel name since the start (the tests count a step's)
+#: launches per kernel name since the start (the tests count a step's): a counter of the
+#: process, as Triton's own, not a cache
 LAUNCHES: collections.Counter = collections.Counter()
 
 #: the kernels' G_KIND and W16_KIND by dtype (``_format``)
@@ -78,7 +80,6 @@ _W16_KINDS = {None: _format.W16_KINDS["none"], torch.bfloat16: _format.W16_KINDS
               torch.float16: _format.W16_KINDS["float16"], torch.int16: _format.W16_KINDS["split"]}
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _PLAIN_TYPES = set(_PLAIN)
-_PLANS: "collections.OrderedDict[tuple, _Plan]" = collections.OrderedDict()
 _ROW = len(PTRS)  # int64 entries per row of ``ptrs``
 _ROW_LEN = PTRS.index("row_len")
 # the step table's columns (``_triton_layout.SCAL``)
@@ -89,8 +90,6 @@ TOTALS_LANES = 64
 #: multiplication rounds on its own, as written and as the interpreter runs it (``fma`` would
 #: round a product and a sum once: docs/gpu.md)
 COMPILE_OPTIONS = {"enable_fp_fusion": False}
-_STATIC: Dict[tuple, Tensor] = {}
-_ZERO: Dict[torch.device, Tensor] = {}
 
 #: why the kernels do not run where :func:`available` says False
 NOT_INSTALLED = "Triton is not installed (pip install triton)"
@@ -116,17 +115,11 @@ def applies(t: GroupTensors) -> bool:
     moments stored in bfloat16 or 8 bits (``t.stored``); a float32 weight (with, optionally,
     where its rounded bfloat16 or float16 values go) or a split master (a bfloat16 weight and
     its int16 lower halves); a float32, bfloat16 or float16 gradient on the weight's device."""
-    if _TAKEN[0]() is t:  # asked again in the same step (the dispatch, then the update)
-        return True
     if not available() or not t.weights:
         return False
     device = t.weights[0].device
     if not runs_on(device):
         return False
-    if (_known_plan(t) is not None and set(map(type, t.grads)) <= _PLAIN_TYPES
-            and all(map(Tensor.is_contiguous, t.grads))):  # these storages, sizes and dtypes
-        _TAKEN[0] = weakref.ref(t)
-        return True  # took the kernels before, and the gradients are plain and contiguous
     f32, bf16 = torch.float32, torch.bfloat16
     stored = t.stored or [None] * len(t.weights)
     for w, g, m, v, lo, st in zip(t.weights, t.grads, t.exp_avgs, t.exp_avg_sqs,
@@ -138,12 +131,7 @@ def applies(t: GroupTensors) -> bool:
         if (None if lo is None else lo.dtype) not in wanted or not (
                 lo is None or _plain(lo, device)):
             return False
-    _TAKEN[0] = weakref.ref(t)
     return True
-
-
-#: the last group's tensors (weakly) that :func:`applies` took
-_TAKEN: List[Any] = [lambda: None]
 
 
 def _plain(x: Tensor, device: torch.device) -> bool:
@@ -198,17 +186,17 @@ class _Plan(NamedTuple):
     slots: int
 
 
-def _plan(t: GroupTensors) -> _Plan:
-    """The group's plan, found again for the same storages, sizes and dtypes (keyed by
-    :func:`_signature`: a storage freed and handed to a tensor of another size or dtype has
-    another key), else made: the rows of ``ptrs`` (w, m, v, w16, the tensor's place in the
-    group, and for stored moments the int8 scales of m and v, the length of a row of blocks,
-    where the local piece starts in the whole tensor). The gradients' addresses are not in it
-    (:func:`_grad_table`)."""
-    plan = _known_plan(t)
-    if plan is not None:
-        return plan
-    key = _signature(t)
+def _plan(t: GroupTensors, cache: Dict[str, Any]) -> _Plan:
+    """The group's plan: the one in ``cache`` (the group's) while the tensors' signature is
+    the same (:func:`_signature`: a storage freed and handed to a tensor of another size or
+    dtype has another), else made: the rows of ``ptrs`` (w, m, v, w16, the tensor's place in
+    the group, and for stored moments the int8 scales of m and v, the length of a row of
+    blocks, where the local piece starts in the whole tensor). The gradients' addresses are
+    not in it (:func:`_grad_table`)."""
+    key = _signature(t, cache)
+    kept = cache.get("plan")
+    if kept is not None and kept[0] == key:
+        return kept[1]
     n = len(t.weights)
     w16 = t.w16 or [None] * n
     stored = t.stored or [None] * n
@@ -216,39 +204,17 @@ def _plan(t: GroupTensors) -> _Plan:
     rows = tuple((t.weights[i].data_ptr(), t.exp_avgs[i].data_ptr(),  # PTRS
                   t.exp_avg_sqs[i].data_ptr(), 0 if w16[i] is None else w16[i].data_ptr(), i,
                   *_stored_row(stored[i])) for i in range(n))
-    plan = _PLANS[key] = _new_plan(tuple(_kind(t, i) for i in range(n)), rows,
-                                   tuple(w.numel() for w in t.weights), t.weights[0].device)
-    while len(_PLANS) > 256:
-        _PLANS.popitem(last=False)
-    _LAST[2:] = [plan]
+    plan = _new_plan(tuple(_kind(t, i) for i in range(n)), rows,
+                     tuple(w.numel() for w in t.weights), t.weights[0].device)
+    cache["plan"] = (key, plan)
     return plan
 
 
-def _known_plan(t: GroupTensors) -> Optional[_Plan]:
-    """The plan made before for the signature of ``t``, or None (looked up once per group's
-    tensors: a step asks for it twice)."""
-    key = _signature(t)
-    if len(_LAST) > 2:
-        return _LAST[2]
-    plan = _PLANS.get(key)
-    if plan is not None:
-        _PLANS.move_to_end(key)
-        _LAST[2:] = [plan]
-    return plan
-
-
-#: the last group's tensors (weakly: they hold the step's gradients), their signature (a step
-#: asks for it more than once) and, once found, their plan
-_LAST: List[Any] = [lambda: None, None]
-
-
-def _signature(t: GroupTensors) -> tuple:
+def _signature(t: GroupTensors, cache: Dict[str, Any]) -> tuple:
     """What a group's plan depends on, as one tuple: the addresses, dtypes and sizes of its
     tensors (the gradients' dtypes, not their addresses), the stored moments' forms and rows,
     the chunk size and the device (one pass per list; the moments' dtypes are their
     forms')."""
-    if _LAST[0]() is t:
-        return _LAST[1]
     ptr, dtype = Tensor.data_ptr, operator.attrgetter("dtype")
     w16 = t.w16
     if w16 is not None and all(map(operator.is_, w16, itertools.repeat(None))):
@@ -257,60 +223,49 @@ def _signature(t: GroupTensors) -> tuple:
         w16 = (tuple(map(ptr, w16)), tuple(map(dtype, w16)))  # (each a pass in C)
     elif w16 is not None:
         w16 = tuple((0, None) if x is None else (x.data_ptr(), x.dtype) for x in w16)
-    key = (tuple(map(ptr, t.weights)), _moment_addresses(t), w16, _stored_rows(t.stored),
-           tuple(map(Tensor.numel, t.weights)), tuple(map(dtype, t.weights)),
-           tuple(map(dtype, t.grads)), BLOCK * ITERS, t.weights[0].device)
-    _LAST[:] = [weakref.ref(t), key]
-    return key
+    return (tuple(map(ptr, t.weights)), _moment_addresses(t, cache), w16,
+            _stored_rows(t.stored, cache), tuple(map(Tensor.numel, t.weights)),
+            tuple(map(dtype, t.weights)), tuple(map(dtype, t.grads)), BLOCK * ITERS,
+            t.weights[0].device)
 
 
-def _of_state_lists(memo: List[Any], lists: Tuple[List[Any], ...], read: Any) -> Any:
-    """``read()``, or what it gave for the same list objects last time: the Adam state's own
-    lists (``_adam._Listed``, referred to weakly), which it gives again while none of its
-    tensors was replaced (and the optimizer's state tensors keep their storage). A caller's
-    plain lists, which it may change in place, are read every time."""
-    if memo and all(map(operator.is_, (ref() for ref in memo[0]), lists)):
-        return memo[1]
+def _of_state_lists(cache: Dict[str, Any], name: str, lists: Tuple[List[Any], ...],
+                    read: Any) -> Any:
+    """``read()``, or what it gave for the same list objects last time (kept in ``cache`` as
+    ``name``): the Adam state's own lists, which the optimizer gives again while none of its
+    tensors was replaced (and its state tensors keep their storage)."""
+    kept = cache.get(name)
+    if kept is not None and all(map(operator.is_, kept[0], lists)):
+        return kept[1]
     value = read()
-    try:
-        memo[:] = [tuple(map(weakref.ref, lists)), value]
-    except TypeError:  # plain lists: not kept
-        pass
+    cache[name] = (lists, value)
     return value
 
 
-#: what :func:`_moment_addresses` and :func:`_stored_rows` read last, and of which lists
-_MOMENTS: List[Any] = []
-_STORED: List[Any] = []
-
-
-def _moment_addresses(t: GroupTensors) -> Tuple[tuple, tuple]:
+def _moment_addresses(t: GroupTensors, cache: Dict[str, Any]) -> Tuple[tuple, tuple]:
     """The addresses of the moments (read again only for other lists of them)."""
     lists = (t.exp_avgs, t.exp_avg_sqs)
-    return _of_state_lists(_MOMENTS, lists, lambda: tuple(
+    return _of_state_lists(cache, "moments", lists, lambda: tuple(
         tuple(map(Tensor.data_ptr, xs)) for xs in lists))
 
 
-#: the gradients' address tables (on their device) by the addresses: a few, as a step's
-#: gradients are often where an earlier step's were
-_GRAD_TABLES: "collections.OrderedDict[tuple, Tensor]" = collections.OrderedDict()
-
-
-def _grad_table(t: Any, device: torch.device) -> Tensor:
+def _grad_table(t: Any, device: torch.device, cache: Dict[str, Any]) -> Tensor:
     """The address of each gradient of the group (int64, on ``device``, in the group's order),
-    which the kernels read a tensor's gradient from: found again for the same addresses, else
-    made (one small copy; the plan, which holds everything else, stays). A backward that
+    which the kernels read a tensor's gradient from: found again in ``cache`` for the same
+    addresses (a few are kept, as a step's gradients are often where an earlier step's were),
+    else made (one small copy; the plan, which holds everything else, stays). A backward that
     allocates the gradients anew may put them elsewhere at each step."""
     key = (tuple(map(Tensor.data_ptr, t.grads)), device)
-    table = _GRAD_TABLES.get(key)
+    tables = cache.setdefault("grad tables", collections.OrderedDict())
+    table = tables.get(key)
     if table is not None:
-        _GRAD_TABLES.move_to_end(key)
+        tables.move_to_end(key)
         return table
     check_same_sizes("the Triton kernels", t.weights, t.grads)
-    table = _GRAD_TABLES[key] = _foreach.to_device(
-        [torch.tensor(key[0], dtype=torch.int64)], device)[0]
-    while len(_GRAD_TABLES) > 8:
-        _GRAD_TABLES.popitem(last=False)
+    table = tables[key] = _foreach.to_device([torch.tensor(key[0], dtype=torch.int64)],
+                                             device)[0]
+    while len(tables) > 8:
+        tables.popitem(last=False)
     return table
 
 
@@ -352,12 +307,12 @@ def _chunk_table(tensors: List[Tuple[int, int]], chunk: int, base: int) -> List[
     return [(k, s, base + j) for j, (k, s) in enumerate(starts)]
 
 
-def _stored_rows(stored: Optional[List[Any]]) -> Optional[tuple]:
+def _stored_rows(stored: Optional[List[Any]], cache: Dict[str, Any]) -> Optional[tuple]:
     """The form and :func:`_stored_row` of each tensor's stored moments (None where none are
     stored: float32 moments; read again only for another list of them)."""
     if not stored:
         return None
-    return _of_state_lists(_STORED, (stored,), lambda: tuple(
+    return _of_state_lists(cache, "stored", (stored,), lambda: tuple(
         (None, _NOTHING_STORED) if st is None else (st.form, _stored_row(st)) for st in stored))
 
 
@@ -384,14 +339,14 @@ def _chunk_starts(n: int, row_len: int, chunk: int) -> range:
 
 
 def _step_table(t: GroupTensors, layer: TensorOptions, o: GroupOptions,
-                device: torch.device) -> Tensor:
+                device: torch.device, cache: Dict[str, Any]) -> Tensor:
     """Per tensor: lr, weight decay, adapt, gradient multiplier, the bias corrections of its
     step, and the step (float32, on ``device``). The step counters are incremented, all in one
     operation (:func:`counters`). With float learning rates and the counters on the CPU
     (float32 scalars, as in torch.optim), the table is made on the host, column by column, and
     copied from pinned memory without waiting; with ``o.capturable`` or learning rates that
     are device tensors, it is made on the device (:func:`_device_table`)."""
-    steps = counters(t.steps)
+    steps = counters(t.steps, cache)
     steps.add_(1)
     if t.skip_if is not None:  # a skipped step leaves its counters as they were
         steps.sub_(t.skip_if.to(steps.device, torch.float32))
@@ -400,16 +355,18 @@ def _step_table(t: GroupTensors, layer: TensorOptions, o: GroupOptions,
     on_device = o.capturable or any(torch.is_tensor(lr) and lr.device.type != "cpu"
                                     for lr in (lrs[:1] if one_lr else lrs))
     if on_device:
-        table = _device_table(t, layer, o, device, steps)
+        table = _device_table(t, layer, o, device, steps, cache)
     else:
-        table = _host_table(layer, o, steps, lrs[0] if one_lr else None, device.type == "cuda")
+        table = _host_table(layer, o, steps, lrs[0] if one_lr else None, device.type == "cuda",
+                            cache)
         table = table.to(device, non_blocking=True) if device.type == "cuda" else table
     if t.grad_scalars is not None:  # the gradients' multipliers, where they are (the device)
         table[:, _GRAD_MULT] = t.grad_scalars.mults.to(device, torch.float32)
     return table
 
 
-def _host_table(layer: Any, o: Any, steps: Tensor, one_lr: Any, pinned: bool) -> Tensor:
+def _host_table(layer: Any, o: Any, steps: Tensor, one_lr: Any, pinned: bool,
+                cache: Dict[str, Any]) -> Tensor:
     """The step table made on the host (in pinned memory for a CUDA device): the constant
     columns of :func:`_template`, and the learning rates (``one_lr`` where all are that one),
     the bias corrections and the steps of the counters ``steps``. Where all tensors share the
@@ -417,7 +374,7 @@ def _host_table(layer: Any, o: Any, steps: Tensor, one_lr: Any, pinned: bool) ->
     values = steps.tolist()
     distinct = sorted(set(values))
     bc1, bc2 = _foreach.bias_corrections(distinct, o.beta1, o.beta2, o.bias_correction)
-    template = _template(layer)
+    template = _template(layer, cache)
     table = torch.empty(template.shape, dtype=torch.float32, pin_memory=pinned)
     if one_lr is not None and len(distinct) == 1:
         row = [0.0] * len(SCAL)
@@ -434,92 +391,64 @@ def _host_table(layer: Any, o: Any, steps: Tensor, one_lr: Any, pinned: bool) ->
     return table
 
 
-#: step tables with the columns of weight decay, adapt and gradient multiplier filled and
-#: zeros in the others, per set of values
-_TEMPLATES: "collections.OrderedDict[tuple, Tensor]" = collections.OrderedDict()
-
-
-def _template(layer: Any) -> Tensor:
+def _template(layer: Any, cache: Dict[str, Any]) -> Tensor:
     """A step table (float32, on the CPU) whose columns of weight decays, adapt flags and
-    gradients' multipliers (ones, where they are not given) are filled, the others zero, made
-    once per set of values."""
+    gradients' multipliers (ones, where they are not given) are filled, the others zero: the
+    one in ``cache`` for the same tuples of decays and flags (as the group's plan gives them
+    while they stay the same) or the same values, else made."""
     wds, adapt = layer.weight_decays, layer.adapt
-    last = _LAST_TEMPLATE[0]
-    if last is not None and last[0] is wds and last[1] is adapt:  # the same tuples again
-        return last[2]
+    kept = cache.get("template")
+    if kept is not None and kept[0] is wds and kept[1] is adapt:  # the same tuples again
+        return kept[3]
     key = (tuple(wds), tuple(map(bool, adapt)))
-    template = _TEMPLATES.get(key)
-    if template is None:
+    if kept is not None and kept[2] == key:
+        template = kept[3]
+    else:
         template = torch.zeros((len(wds), len(SCAL)), dtype=torch.float32)
         template[:, _WD:_GRAD_MULT + 1] = torch.tensor(
             [(wd, float(a), 1.0) for wd, a in zip(*key)], dtype=torch.float32).reshape(-1, 3)
-        _TEMPLATES[key] = template
-        while len(_TEMPLATES) > 64:
-            _TEMPLATES.popitem(last=False)
-    if isinstance(wds, tuple) and isinstance(adapt, tuple):  # (lists may change in place)
-        _LAST_TEMPLATE[0] = (wds, adapt, template)
+    # (lists may change in place: only tuples are known again by identity)
+    same = isinstance(wds, tuple) and isinstance(adapt, tuple)
+    cache["template"] = (wds if same else None, adapt if same else None, key, template)
     return template
 
 
-#: the last decays and flags (tuples: as ``LayerwiseAdam._layer_options`` gives them while
-#: they stay the same) and their template
-_LAST_TEMPLATE: List[Any] = [None]
-
-
-#: the step counters' buffers and the counters' addresses in them, by the identities of the
-#: counters (a counter freed and its identity taken by another tensor: that one's address is
-#: not in the buffer, which is kept here)
-_COUNTERS: "collections.OrderedDict[tuple, Tuple[Tensor, List[int]]]" = collections.OrderedDict()
-
-
-def counters(steps: List[Tensor]) -> Tensor:
+def counters(steps: List[Tensor], cache: Dict[str, Any]) -> Tensor:
     """One float32 tensor whose elements are the step counters ``steps`` (0-d float32 tensors
     on one device), in order: the first time a set of counters steps here, each is made to
     point into a new buffer (``Tensor.set_``: the same tensor objects, so the optimizer's state
     keeps them, with their values), so that a step adds 1 to all of them in one operation
-    instead of one per tensor."""
-    last = _LAST_COUNTERS[0]
-    if (last is not None and len(steps) == len(last[0])
-            and all(map(operator.is_, steps, last[0]))):  # the same counters again
-        return last[1]
-    key = tuple(map(id, steps))
-    found = _COUNTERS.get(key)
-    if found is not None and list(map(Tensor.data_ptr, steps)) == found[1]:
-        _COUNTERS.move_to_end(key)
-        _LAST_COUNTERS[0] = (list(steps), found[0])
-        return found[0]
+    instead of one per tensor. The buffer is kept in ``cache`` (the group's) with the
+    counters, and found again while they are the same objects pointing into it."""
+    kept = cache.get("counters")
+    if (kept is not None and len(steps) == len(kept[0])
+            and all(map(operator.is_, steps, kept[0]))
+            and list(map(Tensor.data_ptr, steps)) == kept[2]):  # the same counters again
+        return kept[1]
     buf = torch.stack([s.detach().reshape(()) for s in steps]).to(torch.float32)
     storage = buf.untyped_storage()
     for i, s in enumerate(steps):
         s.set_(storage, i, (), ())
-    _COUNTERS[key] = (buf, list(map(Tensor.data_ptr, steps)))
-    while len(_COUNTERS) > 64:
-        _COUNTERS.popitem(last=False)
-    _LAST_COUNTERS[0] = (list(steps), buf)
+    cache["counters"] = (list(steps), buf, list(map(Tensor.data_ptr, steps)))
     return buf
 
 
-#: the counters that stepped here last (held: no other tensor takes their identities) and
-#: their buffer
-_LAST_COUNTERS: List[Any] = [None]
-
-
 def _device_table(t: GroupTensors, layer: TensorOptions, o: GroupOptions,
-                device: torch.device, steps: Tensor) -> Tensor:
+                device: torch.device, steps: Tensor, cache: Dict[str, Any]) -> Tensor:
     """The step table made by device operations alone, so that a CUDA graph replays them: its
     constant columns from a table kept per set of values (made at the first step, before any
     capture), the learning rates read from their tensors, the bias corrections (in float64, as
     on the host) from the step counters."""
     floats = tuple(0.0 if torch.is_tensor(lr) else float(lr) for lr in layer.lrs)
     key = (floats, tuple(layer.weight_decays), tuple(map(bool, layer.adapt)), device)
-    static = _STATIC.get(key)
-    if static is None:
+    kept = cache.get("static")
+    if kept is not None and kept[0] == key:
+        static = kept[1]
+    else:  # (made at the first step, before any capture)
         rows = [(lr, wd, float(a), 1.0, 1.0, 1.0, 0.0)  # SCAL's columns
                 for lr, wd, a in zip(*key[:3])]
-        static = _STATIC[key] = _foreach.to_device([torch.tensor(rows, dtype=torch.float32)],
-                                                  device)[0]
-        while len(_STATIC) > 256:
-            _STATIC.pop(next(iter(_STATIC)))
+        static = _foreach.to_device([torch.tensor(rows, dtype=torch.float32)], device)[0]
+        cache["static"] = (key, static)
     table = static.clone()
     lrs = list(layer.lrs)
     if lrs and all(lr is lrs[0] for lr in lrs) and torch.is_tensor(lrs[0]):  # a group's lr
@@ -580,14 +509,14 @@ def _sums(plan: _Plan, grads: Tensor, width: int, device: torch.device, name: st
     return out
 
 
-def _skip_flag(t: Any, device: torch.device) -> Tensor:
-    """The kernels' skip flag: the group's (a GradScaler's found_inf), else a zero kept per
-    device."""
+def _skip_flag(t: Any, device: torch.device, cache: Dict[str, Any]) -> Tensor:
+    """The kernels' skip flag: the group's (a GradScaler's found_inf), else a zero kept in
+    ``cache``."""
     if t.skip_if is not None:
         return t.skip_if.reshape(1).to(device, torch.float32)
-    flag = _ZERO.get(device)
-    if flag is None:
-        flag = _ZERO[device] = torch.zeros(1, dtype=torch.float32, device=device)
+    flag = cache.get("zero")
+    if flag is None or flag.device != device:
+        flag = cache["zero"] = torch.zeros(1, dtype=torch.float32, device=device)
     return flag
 
 
@@ -615,7 +544,9 @@ class TritonStep:
         if not self.count:
             return
         self.device = device = t.weights[0].device
-        self.plan, self.grads = _plan(t), _grad_table(t, device)
+        # what is kept from step to step: the group's plan's, or nothing (a functional call)
+        self.cache = cache = t.cache if t.cache is not None else {}
+        self.plan, self.grads = _plan(t, cache), _grad_table(t, device, cache)
         self.options = dict(_options(o, clip), **options)  # of both phases' launches
         self.local: Optional[Tensor] = None
 
@@ -642,8 +573,8 @@ class TritonStep:
         if grad_totals is not None:
             self.options["gsq"] = grad_totals
         t, device = self.t, self.device
-        self.options["scal"] = _step_table(t, self.layer, self.o, device)
-        self.options["skip"] = _skip_flag(t, device)
+        self.options["scal"] = _step_table(t, self.layer, self.o, device, self.cache)
+        self.options["skip"] = _skip_flag(t, device, self.cache)
         self.local = _sums(self.plan, self.grads, self.per_tensor, device, f"{self.name}_sums",
                            **self.options)
         if t.shard_sums is None:
@@ -680,7 +611,10 @@ def lans_triton(t: GroupTensors, layer: TensorOptions, o: GroupOptions) -> Trito
 
 @functools.lru_cache(maxsize=1)
 def _kernels() -> Any:
-    """The jitted kernels (Triton imported, and ``TRITON_INTERPRET`` read, at the first use)."""
+    """The jitted kernels (Triton imported, and ``TRITON_INTERPRET`` read, at the first use):
+    a module, process-wide as Triton's compiled kernels are. Everything kept from one step to
+    the next for a group's tensors (plans, tables, counters) is the group's plan's
+    (``GroupTensors.cache``), not the module's."""
     from . import _triton_kernels
 
     return _triton_kernels
