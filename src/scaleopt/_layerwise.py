@@ -153,7 +153,7 @@ class LayerwiseAdam(AdamFamily):
         if not (all(map(operator.is_, item.params, plan.state.view.params))
                 and list(map(_DTYPE, grads)) == plan.grad_dtypes
                 and list(map(Tensor.numel, grads)) == plan.numels
-                and set(map(_DEVICE, grads)) == plan.grad_devices
+                and list(map(Tensor.get_device, grads)) == plan.grad_devices
                 and set(map(type, grads)) <= _PLAIN and all(map(Tensor.is_contiguous, grads))
                 and self._adam_state(item.group, item.params) is plan.state):
             return None
@@ -163,9 +163,9 @@ class LayerwiseAdam(AdamFamily):
             lr = plan.lr = group["lr"]
             layer = plan.layer = layer._replace(lrs=[lr] * len(grads) if plan.lr_mult is None
                                                 else [lr * m for m in plan.lr_mult])
-        if item.shard_sums is None:
-            plan.tensors = dataclasses.replace(plan.tensors, grads=grads,
-                                               grad_scalars=item.scalars, skip_if=skip_if)
+        if item.shard_sums is None:  # (the plan's own object: no update holds it now)
+            t = plan.tensors
+            t.grads, t.grad_scalars, t.skip_if = grads, item.scalars, skip_if
         else:  # local shards: taken again (a shard may have moved), what is kept kept
             plan.tensors = dataclasses.replace(self._tensors(plan.state, item, skip_if),
                                                cache=plan.tensors.cache)
@@ -205,7 +205,7 @@ class LayerwiseAdam(AdamFamily):
             lr=group["lr"], lr_mult=self._param_multipliers(group, item.idx)[0],
             masters=not all(map(operator.is_, view.params, view.weights)),
             grad_dtypes=list(map(_DTYPE, grads)), numels=list(map(Tensor.numel, grads)),
-            grad_devices=set(map(_DEVICE, grads)))
+            grad_devices=list(map(Tensor.get_device, grads)))
 
     def _finish_step(self, plans: List["GroupPlan"]) -> None:
         """After the updates: split masters split again, the parameters brought up to date
@@ -222,8 +222,9 @@ class LayerwiseAdam(AdamFamily):
                 self._store_moments(plan.state)
             adapted = adapted or any(plan.layer.adapt)
             # a kept plan holds no tensor of the step: gradients set to None are freed
-            plan.tensors = dataclasses.replace(plan.tensors, grads=[], grad_scalars=None,
-                                               shard_sums=None, grad_norms=None, skip_if=None)
+            t = plan.tensors
+            t.grads, t.grad_scalars, t.shard_sums, t.grad_norms, t.skip_if = \
+                [], None, None, None, None
         if plans and not adapted:
             self._warn_no_trust_ratio()
 
@@ -279,10 +280,10 @@ class GroupPlan:
     lr_mult: Optional[List[float]] = None
     #: whether any parameter has a master (else nothing to bring up to date)
     masters: bool = True
-    #: the gradients' dtypes, sizes and devices
+    #: the gradients' dtypes, sizes and devices (``Tensor.get_device``: -1 for the CPU)
     grad_dtypes: List[Any] = dataclasses.field(default_factory=list)
     numels: List[int] = dataclasses.field(default_factory=list)
-    grad_devices: Any = None
+    grad_devices: List[int] = dataclasses.field(default_factory=list)
 
 
     def holds_options(self, group: Dict[str, Any]) -> bool:
@@ -296,6 +297,5 @@ class GroupPlan:
 
 
 _DTYPE = operator.attrgetter("dtype")
-_DEVICE = operator.attrgetter("device")
 #: the gradient types the kernels take as they are
 _PLAIN = {Tensor, torch.nn.Parameter}
