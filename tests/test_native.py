@@ -167,15 +167,41 @@ def test_kernel_rounding_to_bf16_matches_torch_on_every_kind_of_value():
     ])  # (an infinite weight itself turns NaN in the kernels: 0 * inf in the decay term)
     values = values[values.isfinite() | values.isnan()]
     master = values.clone()
-    low = torch.zeros_like(master, dtype=torch.bfloat16)
+    w16 = torch.zeros_like(master, dtype=torch.bfloat16)
     grad, m, v = (torch.zeros_like(master) for _ in range(3))
-    # lr = 0 and a zero gradient: the master stays as it is, and its rounding goes into low
+    # lr = 0 and a zero gradient: the master stays as it is, and its rounding goes into w16
     scaleopt.lamb.lamb([master], [grad], [m], [v], [torch.tensor(0.0)], lrs=[0.0],
-                       weight_decays=[0.0], adapt=[False], low=[low], weight_decay_mode="update",
+                       weight_decays=[0.0], adapt=[False], w16=[w16], weight_decay_mode="update",
                        beta1=0.9, beta2=0.999, eps=1e-8, implementation="native")
     expected = values.to(torch.bfloat16)
-    same = (low == expected) | (low.isnan() & expected.isnan())
+    same = (w16 == expected) | (w16.isnan() & expected.isnan())
     assert same.all(), values[~same][:5]
+
+
+@needs_kernels
+@pytest.mark.parametrize("fn", [scaleopt.lamb.lamb, scaleopt.lans.lans])
+def test_the_functional_forms_former_low_argument_still_works_with_a_warning(fn):
+    """``low=`` (the kernels' 16-bit tensor's former name) gives what ``w16=`` gives, with a
+    FutureWarning; both at once is an error."""
+    outs = []
+    for name in ("w16", "low"):
+        torch.manual_seed(0)
+        master, grad = torch.randn(50), torch.randn(50)
+        w16 = torch.zeros(50, dtype=torch.bfloat16)
+        m, v = torch.zeros(50), torch.zeros(50)
+        kwargs = dict(lrs=[0.1], weight_decays=[0.01], adapt=[True], beta1=0.9, beta2=0.999,
+                      eps=1e-6, implementation="native", **{name: [w16]})
+        if name == "low":
+            with pytest.warns(FutureWarning, match="w16="):
+                fn([master], [grad], [m], [v], [torch.tensor(0.0)], **kwargs)
+        else:
+            fn([master], [grad], [m], [v], [torch.tensor(0.0)], **kwargs)
+        outs.append((master, w16))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert torch.equal(outs[0][1], outs[0][0].bfloat16())
+    with pytest.raises(TypeError, match="once"):
+        fn([master], [grad], [m], [v], [torch.tensor(0.0)], lrs=[0.1], weight_decays=[0.01],
+           adapt=[True], beta1=0.9, beta2=0.999, eps=1e-6, w16=[w16], low=[w16])
 
 
 def test_without_kernels_the_pytorch_path_runs():

@@ -10,6 +10,7 @@ which the optimizer's ``step`` calls in order for all its groups.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol, Sequence
 
 from torch import Tensor
@@ -20,6 +21,18 @@ from ._sharding import Reduction, ShardSums
 
 def pick(xs: Sequence[Any], idx: Sequence[int]) -> List[Any]:
     return [xs[i] for i in idx]
+
+
+def w16_argument(w16: Optional[List[Optional[Tensor]]],
+                 low: Optional[List[Optional[Tensor]]]) -> Optional[List[Optional[Tensor]]]:
+    """The functional forms' ``w16``, or ``low``, its former name (a ``FutureWarning``)."""
+    if low is None:
+        return w16
+    if w16 is not None:
+        raise TypeError("give w16= (the kernels' 16-bit tensors) once: low= is its former name")
+    warnings.warn("low= is now w16= (the kernels' 16-bit tensor per weight, as the kernels, "
+                  "the Triton path and the docs name it)", FutureWarning, stacklevel=3)
+    return low
 
 
 @dataclasses.dataclass

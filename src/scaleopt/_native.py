@@ -168,11 +168,11 @@ def applies(t: GroupTensors) -> bool:
     master (no ``w16``)."""
     if _lib is None:
         return False
-    w16 = t.w16 or [None] * len(t.weights)
+    w16s = t.w16 or [None] * len(t.weights)
     stored = t.stored or [None] * len(t.weights)
-    for w, g, m, v, lo, st in zip(t.weights, t.grads, t.exp_avgs, t.exp_avg_sqs, w16, stored):
-        if not adam_applies(w, g, m, v, lo, st) or (
-                lo is None and w.dtype == torch.float32 and g.dtype != torch.float32):
+    for w, g, m, v, w16, st in zip(t.weights, t.grads, t.exp_avgs, t.exp_avg_sqs, w16s, stored):
+        if not adam_applies(w, g, m, v, w16, st) or (
+                w16 is None and w.dtype == torch.float32 and g.dtype != torch.float32):
             return False
     return True
 
@@ -203,18 +203,18 @@ def _layerwise_tensors(t: GroupTensors, layer: TensorOptions, grad_sq_sums: Opti
     ``TensorOptions``. Each gradient is taken times its deferred multiplier (1 without);
     ``grad_sq_sums``: the gradients' sums of squares where already computed (LANS)."""
     count = len(t.weights)
-    w16 = t.w16 or [None] * count
+    w16s = t.w16 or [None] * count
     check_same_sizes("the LAMB/LANS C kernel", t.weights, t.grads, t.exp_avgs, t.exp_avg_sqs,
-                     w16)
+                     w16s)
     mults = [1.0] * count if t.grad_scalars is None else t.grad_scalars.mults.tolist()
     gsq = [-1.0] * count if grad_sq_sums is None else grad_sq_sums.tolist()
     stored = t.stored or [None] * count
     return (LayerwiseTensor * count)(*[
-        LayerwiseTensor(w.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), _ptr(lo),
+        LayerwiseTensor(w.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), _ptr(w16),
                         s.data_ptr(), w.numel(), _kind(w, g), gm, lr, wd, sq, int(bool(a)),
                         **_stored_fields(st))
-        for w, g, m, v, lo, s, gm, lr, wd, sq, a, st in zip(
-            t.weights, t.grads, t.exp_avgs, t.exp_avg_sqs, w16, t.steps, mults, layer.lrs,
+        for w, g, m, v, w16, s, gm, lr, wd, sq, a, st in zip(
+            t.weights, t.grads, t.exp_avgs, t.exp_avg_sqs, w16s, t.steps, mults, layer.lrs,
             layer.weight_decays, gsq, layer.adapt, stored)])
 
 
@@ -388,7 +388,7 @@ _ADAM_GRADS = (torch.float32, torch.bfloat16)
 
 @eager
 def adam(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
-         exp_avg_sqs: Sequence[Tensor], w16: Sequence[Optional[Tensor]],
+         exp_avg_sqs: Sequence[Tensor], w16s: Sequence[Optional[Tensor]],
          state_steps: Sequence[Tensor], *,
          step_sizes: Sequence[float], bias_correction2_sqrts: Sequence[float],
          weight_decays_l2: Sequence[float], decays: Sequence[float], beta1: float, beta2: float,
@@ -396,8 +396,8 @@ def adam(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[T
          one_minus_betas: Optional[Tuple[float, float]] = None, threads: int,
          stored: Optional[Sequence[Any]] = None) -> None:
     """One Adam step on each tensor, one pass over memory each (see ``csrc/adam.h``), in one
-    call. For a float32 ``params[i]``, ``w16[i]``, when given, receives the rounded bfloat16
-    weights; for a bfloat16 ``params[i]`` (split storage), ``w16[i]`` holds the master's lower
+    call. For a float32 ``params[i]``, ``w16s[i]``, when given, receives the rounded bfloat16
+    weights; for a bfloat16 ``params[i]`` (split storage), ``w16s[i]`` holds the master's lower
     halves. ``grad_multipliers[i]``: the scalar ``grads[i]`` is taken times.
     ``one_minus_betas`` overrides ``(1-beta1, 1-beta2)`` (computed in double by default).
     Each ``state_steps[i]`` (a float32 CPU scalar) is incremented; the scalars given are those
@@ -407,12 +407,12 @@ def adam(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[T
     count = len(params)
     if count == 0:
         return
-    check_same_sizes("the Adam C kernel", params, grads, exp_avgs, exp_avg_sqs, w16)
+    check_same_sizes("the Adam C kernel", params, grads, exp_avgs, exp_avg_sqs, w16s)
     tensors = (AdamTensor * count)(*[
-        AdamTensor(w.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), _ptr(lo),
+        AdamTensor(w.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), _ptr(w16),
                    s.data_ptr(), w.numel(), _kind(w, g), gm, ss, bc, l2, dc, **_stored_fields(st))
-        for w, g, m, v, lo, s, gm, ss, bc, l2, dc, st in zip(
-            params, grads, exp_avgs, exp_avg_sqs, w16, state_steps, grad_multipliers,
+        for w, g, m, v, w16, s, gm, ss, bc, l2, dc, st in zip(
+            params, grads, exp_avgs, exp_avg_sqs, w16s, state_steps, grad_multipliers,
             step_sizes, bias_correction2_sqrts, weight_decays_l2, decays,
             stored or [None] * count)])
     omb1, omb2 = one_minus_betas or (1.0 - beta1, 1.0 - beta2)

@@ -122,14 +122,14 @@ def applies(t: GroupTensors) -> bool:
         return False
     f32, bf16 = torch.float32, torch.bfloat16
     stored = t.stored or [None] * len(t.weights)
-    for w, g, m, v, lo, st in zip(t.weights, t.grads, t.exp_avgs, t.exp_avg_sqs,
-                                  t.w16 or [None] * len(t.weights), stored):
+    for w, g, m, v, w16, st in zip(t.weights, t.grads, t.exp_avgs, t.exp_avg_sqs,
+                                   t.w16 or [None] * len(t.weights), stored):
         if not (all(_plain(x, device) for x in (w, g, m, v)) and _moments_fit(m, v, st)
                 and g.dtype in _G_KINDS and w.dtype in (f32, bf16)):
             return False
         wanted = (torch.int16,) if w.dtype == bf16 else (None, bf16, torch.float16)
-        if (None if lo is None else lo.dtype) not in wanted or not (
-                lo is None or _plain(lo, device)):
+        if (None if w16 is None else w16.dtype) not in wanted or not (
+                w16 is None or _plain(w16, device)):
             return False
     return True
 
@@ -163,10 +163,10 @@ def _moments_fit(m: Tensor, v: Tensor, st: Optional[_format.Stored]) -> bool:
 def _kind(t: Any, i: int) -> Tuple[int, int, int, int]:
     """(weight: 0 float32 / 1 split master, gradient dtype, w16 dtype, the moments' form) of
     tensor ``i``."""
-    lo = t.w16[i] if t.w16 else None
+    w16 = t.w16[i] if t.w16 else None
     st = t.stored[i] if t.stored else None
     return (int(t.weights[i].dtype == torch.bfloat16), _G_KINDS[t.grads[i].dtype],
-            _W16_KINDS[None if lo is None else lo.dtype],
+            _W16_KINDS[None if w16 is None else w16.dtype],
             _format.MOMENT_FORMS["float32" if st is None else st.form])
 
 

@@ -37,7 +37,7 @@ _ROW = tl.constexpr(len(PTRS))  # int64 entries per row of ``ptrs``
 _SCAL = tl.constexpr(len(SCAL))  # float32 entries per row of ``scal``
 _CHUNK = tl.constexpr(len(CHUNKS))  # int64 entries per row of ``chunks``
 # the columns of a row of ``ptrs`` (``_triton_layout``)
-_W, _M, _V, _LOWP, _INDEX, _M_SCALE, _V_SCALE, _ROW_LEN, _OFFSET = map(
+_W, _M, _V, _W16, _INDEX, _M_SCALE, _V_SCALE, _ROW_LEN, _OFFSET = map(
     tl.constexpr, range(len(PTRS)))
 # of the step table
 _LR, _WD, _ADAPT, _GRAD_MULT, _BC1, _BC2, _T = map(tl.constexpr, range(len(SCAL)))
@@ -92,12 +92,12 @@ def _pointers(row, grads, W_SPLIT: tl.constexpr, G_KIND: tl.constexpr, W16_KIND:
         mp = tl.load(row + _M).to(tl.pointer_type(tl.float32))
         vp = tl.load(row + _V).to(tl.pointer_type(tl.float32))
     if W16_KIND == _W16_BFLOAT16:
-        lp = tl.load(row + _LOWP).to(tl.pointer_type(tl.bfloat16))
+        w16p = tl.load(row + _W16).to(tl.pointer_type(tl.bfloat16))
     elif W16_KIND == _W16_FLOAT16:
-        lp = tl.load(row + _LOWP).to(tl.pointer_type(tl.float16))
+        w16p = tl.load(row + _W16).to(tl.pointer_type(tl.float16))
     else:
-        lp = tl.load(row + _LOWP).to(tl.pointer_type(tl.int16))
-    return wp, gp, mp, vp, lp
+        w16p = tl.load(row + _W16).to(tl.pointer_type(tl.int16))
+    return wp, gp, mp, vp, w16p
 
 
 @triton.jit
@@ -229,11 +229,11 @@ def _store_moments(row, mp, vp, offs, mask, b, bmask, m, v, step, FORM: tl.const
 
 
 @triton.jit
-def _load_w(wp, lp, offs, mask, W_SPLIT: tl.constexpr):
+def _load_w(wp, w16p, offs, mask, W_SPLIT: tl.constexpr):
     """The float32 weights: a split master joined (``_masters.split_join``), or as stored."""
     if W_SPLIT:
         hi = tl.load(wp + offs, mask=mask, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
-        lo = tl.load(lp + offs, mask=mask, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
+        lo = tl.load(w16p + offs, mask=mask, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
         top = (hi - (lo >> 15)) & 0xFFFF
         return ((top << 16) | lo).to(tl.float32, bitcast=True)
     else:
@@ -241,20 +241,20 @@ def _load_w(wp, lp, offs, mask, W_SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _store_w(wp, lp, offs, mask, w, W_SPLIT: tl.constexpr, W16_KIND: tl.constexpr):
+def _store_w(wp, w16p, offs, mask, w, W_SPLIT: tl.constexpr, W16_KIND: tl.constexpr):
     """The new float32 weights: split again (``_masters.split_``), or stored with their rounded
     copy where w16 asks for one."""
     if W_SPLIT:
         bits = w.to(tl.uint32, bitcast=True)
         top = ((bits + 0x8000) >> 16) & 0xFFFF
         tl.store(wp + offs, top.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
-        tl.store(lp + offs, (bits & 0xFFFF).to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
+        tl.store(w16p + offs, (bits & 0xFFFF).to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
     else:
         tl.store(wp + offs, w, mask=mask)
         if W16_KIND == _W16_BFLOAT16:
-            tl.store(lp + offs, w.to(tl.bfloat16), mask=mask)
+            tl.store(w16p + offs, w.to(tl.bfloat16), mask=mask)
         elif W16_KIND == _W16_FLOAT16:
-            tl.store(lp + offs, w.to(tl.float16), mask=mask)
+            tl.store(w16p + offs, w.to(tl.float16), mask=mask)
 
 
 @triton.jit
@@ -364,13 +364,13 @@ def lamb_sums(ptrs, grads, sizes, chunks, scal, skip, parts, beta1, beta2, eps, 
     store."""
     row, n, start, slot, _, lr, wd, _, mult, bc1, bc2, _ = _program(ptrs, sizes, chunks, scal,
                                                                     skip)
-    wp, gp, mp, vp, lp = _pointers(row, grads, W_SPLIT, G_KIND, W16_KIND, FORM)
+    wp, gp, mp, vp, w16p = _pointers(row, grads, W_SPLIT, G_KIND, W16_KIND, FORM)
     acc_w = 0.0
     acc_u = 0.0
     for it in tl.static_range(ITERS):
         offs, mask, b, bmask = _tile(row, n, start, it, BLOCK, QB, FORM)
         m, v = _load_moments(row, mp, vp, offs, mask, b, bmask, FORM)
-        w, m, v = _lamb_moments(_load_w(wp, lp, offs, mask, W_SPLIT),
+        w, m, v = _lamb_moments(_load_w(wp, w16p, offs, mask, W_SPLIT),
                                 _load_g(gp, offs, mask, mult, clip_lo, clip_hi, CLIP), m, v,
                                 lr, wd, beta1, beta2, MODE)
         if FORM == _FORM_FLOAT32:
@@ -393,14 +393,14 @@ def lamb_apply(ptrs, grads, sizes, chunks, scal, skip, sums, beta1, beta2, eps, 
     moments are updated again from the gradient, as the first phase did, and stored."""
     row, n, start, _, i, lr, wd, adapt, mult, bc1, bc2, step = _program(ptrs, sizes, chunks,
                                                                         scal, skip)
-    wp, gp, mp, vp, lp = _pointers(row, grads, W_SPLIT, G_KIND, W16_KIND, FORM)
+    wp, gp, mp, vp, w16p = _pointers(row, grads, W_SPLIT, G_KIND, W16_KIND, FORM)
     ratio = _trust_ratio(tl.load(sums + 2 * i), tl.load(sums + 2 * i + 1), lower, upper,
                          HAS_LOWER, HAS_UPPER)
     ratio = tl.where(adapt > 0.0, ratio, 1.0)
     for it in tl.static_range(ITERS):
         offs, mask, b, bmask = _tile(row, n, start, it, BLOCK, QB, FORM)
         m, v = _load_moments(row, mp, vp, offs, mask, b, bmask, FORM)
-        w = _load_w(wp, lp, offs, mask, W_SPLIT)
+        w = _load_w(wp, w16p, offs, mask, W_SPLIT)
         if FORM == _FORM_FLOAT32:  # the moments the first phase stored
             w = w * _decay_factor(lr, wd, MODE)
         else:
@@ -408,7 +408,7 @@ def lamb_apply(ptrs, grads, sizes, chunks, scal, skip, sums, beta1, beta2, eps, 
                                     m, v, lr, wd, beta1, beta2, MODE)
             _store_moments(row, mp, vp, offs, mask, b, bmask, m, v, step, FORM)
         u = _lamb_u(w, m, v, wd, bc1, bc2, eps, MODE)
-        _store_w(wp, lp, offs, mask, w - lr * (ratio * u), W_SPLIT, W16_KIND)
+        _store_w(wp, w16p, offs, mask, w - lr * (ratio * u), W_SPLIT, W16_KIND)
 
 
 @triton.jit
@@ -436,7 +436,7 @@ def lans_sums(ptrs, grads, sizes, chunks, scal, skip, parts, gsq, beta1, beta2, 
     the chunk's sums of w^2, r^2, c^2 and r*c into its slot of ``parts``."""
     row, n, start, slot, i, lr, wd, _, mult, bc1, bc2, _ = _program(ptrs, sizes, chunks, scal,
                                                                     skip)
-    wp, gp, mp, vp, lp = _pointers(row, grads, W_SPLIT, G_KIND, W16_KIND, FORM)
+    wp, gp, mp, vp, w16p = _pointers(row, grads, W_SPLIT, G_KIND, W16_KIND, FORM)
     ginv = _normalising_factor(gsq, i, mult)
     acc_w = 0.0
     acc_r = 0.0
@@ -445,7 +445,7 @@ def lans_sums(ptrs, grads, sizes, chunks, scal, skip, parts, gsq, beta1, beta2, 
     for it in tl.static_range(ITERS):
         offs, mask, b, bmask = _tile(row, n, start, it, BLOCK, QB, FORM)
         m, v = _load_moments(row, mp, vp, offs, mask, b, bmask, FORM)
-        w = _load_w(wp, lp, offs, mask, W_SPLIT)
+        w = _load_w(wp, w16p, offs, mask, W_SPLIT)
         g = _load_g(gp, offs, mask, ginv, clip_lo, clip_hi, CLIP)
         m, v = _moments(m, v, g, beta1, beta2)
         if FORM == _FORM_FLOAT32:
@@ -474,7 +474,7 @@ def lans_apply(ptrs, grads, sizes, chunks, scal, skip, sums, gsq, beta1, beta2, 
     (1 - beta1)). Stored moments are updated again, as the first phase did, and stored."""
     row, n, start, _, i, lr, wd, adapt, mult, bc1, bc2, step = _program(ptrs, sizes, chunks,
                                                                         scal, skip)
-    wp, gp, mp, vp, lp = _pointers(row, grads, W_SPLIT, G_KIND, W16_KIND, FORM)
+    wp, gp, mp, vp, w16p = _pointers(row, grads, W_SPLIT, G_KIND, W16_KIND, FORM)
     ginv = _normalising_factor(gsq, i, mult)
     lr_r = lr * beta1
     lr_c = lr * (1.0 - beta1)
@@ -489,7 +489,7 @@ def lans_apply(ptrs, grads, sizes, chunks, scal, skip, sums, gsq, beta1, beta2, 
     for it in tl.static_range(ITERS):
         offs, mask, b, bmask = _tile(row, n, start, it, BLOCK, QB, FORM)
         m, v = _load_moments(row, mp, vp, offs, mask, b, bmask, FORM)
-        w = _load_w(wp, lp, offs, mask, W_SPLIT)
+        w = _load_w(wp, w16p, offs, mask, W_SPLIT)
         g = _load_g(gp, offs, mask, ginv, clip_lo, clip_hi, CLIP)
         if FORM != _FORM_FLOAT32:  # else the moments the first phase stored
             m, v = _moments(m, v, g, beta1, beta2)
@@ -500,7 +500,7 @@ def lans_apply(ptrs, grads, sizes, chunks, scal, skip, sums, gsq, beta1, beta2, 
             c = g * dinv + wd * w1
         else:
             c = g * dinv + wd * w
-        _store_w(wp, lp, offs, mask, w1 - lr_c * (ratio_c * c), W_SPLIT, W16_KIND)
+        _store_w(wp, w16p, offs, mask, w1 - lr_c * (ratio_c * c), W_SPLIT, W16_KIND)
 
 
 @triton.jit

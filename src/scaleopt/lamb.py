@@ -12,7 +12,7 @@ from . import _foreach, _format, _native, _triton
 from ._foreach import by_value
 from ._checks import check_choice
 from ._dispatch import Impl, resolve
-from ._group import GroupTensors, GroupOptions, TensorOptions, WholeUpdate, pick
+from ._group import GroupTensors, GroupOptions, TensorOptions, WholeUpdate, pick, w16_argument
 from ._intake import GradScalars
 from ._layerwise import LayerwiseAdam
 from ._loading import ADAM_STATE
@@ -219,24 +219,25 @@ def lamb(
     upper_bound: Optional[float] = None,
     foreach: bool = True,
     implementation: Optional[str] = None,
-    low: Optional[List[Optional[Tensor]]] = None,
+    w16: Optional[List[Optional[Tensor]]] = None,
     grad_scalars: Optional[GradScalars] = None,
     shard_sums: Any = None,
+    low: Optional[List[Optional[Tensor]]] = None,
 ) -> None:
     """Functional LAMB over lists of tensors; see :class:`LAMB`.
 
     ``lrs``, ``weight_decays`` and ``adapt`` are per tensor. ``grads`` are read, never written.
     ``implementation``: ``"single"`` (the reference loop), ``"multi"`` (multi-tensor ops) or
-    ``"native"`` (the fused CPU kernels); by default ``foreach`` picks multi or single. ``low``:
+    ``"native"`` (the fused CPU kernels); by default ``foreach`` picks multi or single. ``w16``:
     the kernels' 16-bit tensor per weight, or None (the lower halves of a split master, or
-    where a float32 master's rounded bfloat16 weights go; ``w16`` in
-    :func:`scaleopt._native.lamb_kernel`). ``grad_scalars``: per-tensor multipliers (and a
+    where a float32 master's rounded bfloat16 weights go; ``low``, its former name, still
+    works, with a ``FutureWarning``). ``grad_scalars``: per-tensor multipliers (and a
     clamp) to apply to the gradients as they are read. ``shard_sums``: for the local shards of
     sharded tensors (multi-tensor and kernels), the :class:`scaleopt._sharding.ShardSums` that
     totals their norms.
     """
-    t = GroupTensors(params, grads, exp_avgs, exp_avg_sqs, state_steps, low, grad_scalars,
-                     shard_sums)
+    t = GroupTensors(params, grads, exp_avgs, exp_avg_sqs, state_steps, w16_argument(w16, low),
+                     grad_scalars, shard_sums)
     o = GroupOptions(beta1, beta2, eps, bias_correction, lower_bound, upper_bound,
                          weight_decay_mode)
     impl = resolve(implementation, foreach)

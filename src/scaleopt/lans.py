@@ -12,7 +12,7 @@ from . import _foreach, _native, _triton
 from ._foreach import by_value
 from ._checks import check_bool
 from ._dispatch import Impl, resolve
-from ._group import GroupTensors, GroupOptions, TensorOptions, WholeUpdate, pick
+from ._group import GroupTensors, GroupOptions, TensorOptions, WholeUpdate, pick, w16_argument
 from ._intake import GradScalars
 from ._layerwise import LayerwiseAdam
 from ._loading import ADAM_STATE
@@ -188,17 +188,18 @@ def lans(
     decay_moved_weight: bool = False,
     foreach: bool = True,
     implementation: Optional[str] = None,
-    low: Optional[List[Optional[Tensor]]] = None,
+    w16: Optional[List[Optional[Tensor]]] = None,
     grad_scalars: Optional[GradScalars] = None,
     shard_sums: Any = None,
     grad_norms: Optional[Tensor] = None,
+    low: Optional[List[Optional[Tensor]]] = None,
 ) -> None:
     """Functional LANS over lists of tensors; see :class:`LANS`. ``grads`` are read only.
-    ``implementation``, ``low``, ``grad_scalars`` and ``shard_sums`` as in
+    ``implementation``, ``w16``, ``grad_scalars`` and ``shard_sums`` as in
     :func:`scaleopt.lamb.lamb`. ``grad_norms`` (the gradients' norms) and the scalars'
     ``sq_sums`` (their sums of squares), when given, are not computed again."""
-    t = GroupTensors(params, grads, exp_avgs, exp_avg_sqs, state_steps, low, grad_scalars,
-                     shard_sums, grad_norms)
+    t = GroupTensors(params, grads, exp_avgs, exp_avg_sqs, state_steps, w16_argument(w16, low),
+                     grad_scalars, shard_sums, grad_norms)
     o = GroupOptions(beta1, beta2, eps, bias_correction, lower_bound, upper_bound,
                          clip_grad_value=clip_grad_value, decay_moved_weight=decay_moved_weight)
     impl = resolve(implementation, foreach)
