@@ -68,3 +68,69 @@ def test_sums_of_unsharded_tensors_come_back_as_they_are(one_rank_mesh):
         got = total_one(ShardSums([replicated, torch.randn(2)]).request(sums, [0, 1]))
     assert sum(mode.get_comm_counts().values()) == 0  # nothing sharded: no collective
     assert got.tolist() == [3.0, 1.5]
+
+
+def _functional_case(n=3):
+    torch.manual_seed(0)
+    shapes = [(6, 4), (5,), (2, 3)][:n]
+    return ([torch.randn(s) for s in shapes], [torch.randn(s) for s in shapes])
+
+
+def _run_functional(fn, weights, grads, **kwargs):
+    m = [torch.zeros_like(w) for w in weights]
+    v = [torch.zeros_like(w) for w in weights]
+    fn(weights, grads, m, v, [torch.tensor(0.0) for _ in weights], lrs=[0.1] * len(weights),
+       weight_decays=[0.01] * len(weights), adapt=[True] * len(weights), beta1=0.9,
+       beta2=0.999, eps=1e-6, **kwargs)
+    return weights + m + v
+
+
+@pytest.mark.parametrize("name", ["lamb", "lans"])
+@pytest.mark.parametrize("implementation", ["multi", "native"])
+def test_the_functional_forms_total_local_shards_over_the_dtensors_given(one_rank_mesh, name,
+                                                                         implementation):
+    """``sharded_as``: the lists are local shards of these DTensors, whose trust ratios' norms
+    are totalled over the shards, in one all-reduce for LAMB (two for LANS: the gradients'
+    norms first): on one rank, the numbers of the whole tensors."""
+    import scaleopt
+
+    if implementation == "native" and not scaleopt._native.available():
+        pytest.skip("kernels not built")
+    fn = getattr(getattr(scaleopt, name), name)
+    weights, grads = _functional_case()
+    whole = _run_functional(fn, [w.clone() for w in weights], grads,
+                            implementation=implementation)
+    dtensors = [distribute_tensor(w.clone(), one_rank_mesh, [Shard(0)]) for w in weights]
+    pieces = [d.to_local() for d in dtensors]
+    mode = CommDebugMode()
+    with mode:
+        sharded = _run_functional(fn, pieces, grads, implementation=implementation,
+                                  sharded_as=dtensors)
+    assert sum(mode.get_comm_counts().values()) == (1 if name == "lamb" else 2)
+    for a, b in zip(whole, sharded):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="sharded_as: 1 tensors for 3"):
+        _run_functional(fn, pieces, grads, sharded_as=dtensors[:1])
+
+
+@pytest.mark.parametrize("name", ["lamb", "lans"])
+@pytest.mark.parametrize("implementation", ["single", "multi", "native"])
+def test_the_functional_forms_take_each_gradient_times_its_multiplier(name, implementation):
+    """``grad_multipliers``: the update of the gradients times those numbers (powers of two:
+    exactly), however the path applies them (the kernels as they read the gradients)."""
+    import scaleopt
+
+    if implementation == "native" and not scaleopt._native.available():
+        pytest.skip("kernels not built")
+    fn = getattr(getattr(scaleopt, name), name)
+    weights, grads = _functional_case()
+    factors = [0.5, 4.0, -2.0]
+    scaled = _run_functional(fn, [w.clone() for w in weights],
+                             [g * f for g, f in zip(grads, factors)],
+                             implementation=implementation)
+    deferred = _run_functional(fn, [w.clone() for w in weights], grads,
+                               implementation=implementation, grad_multipliers=factors)
+    for a, b in zip(scaled, deferred):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="grad_multipliers: 2 numbers for 3"):
+        _run_functional(fn, weights, grads, grad_multipliers=factors[:2])

@@ -13,6 +13,7 @@ import dataclasses
 import warnings
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol, Sequence
 
+import torch
 from torch import Tensor
 
 from ._intake import GradScalars, apply_grad_scalars
@@ -21,6 +22,28 @@ from ._sharding import Reduction, ShardSums
 
 def pick(xs: Sequence[Any], idx: Sequence[int]) -> List[Any]:
     return [xs[i] for i in idx]
+
+
+def functional_tensors(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor],
+                       exp_avg_sqs: List[Tensor], steps: List[Tensor],
+                       w16: Optional[List[Optional[Tensor]]], grad_multipliers: Any,
+                       sharded_as: Optional[Sequence[Tensor]],
+                       grad_norms: Optional[Tensor] = None) -> "GroupTensors":
+    """The :class:`GroupTensors` of the functional forms' arguments (public types): the
+    multipliers as the gradients' deferred scalars, and for local shards what totals their
+    sums over the DTensors ``sharded_as``."""
+    scalars = None
+    if grad_multipliers is not None:
+        device = grads[0].device if grads else None
+        scalars = GradScalars(torch.as_tensor(grad_multipliers, dtype=torch.float64)
+                              .reshape(-1).to(device), None)
+        if scalars.mults.numel() != len(grads):
+            raise ValueError(f"grad_multipliers: {scalars.mults.numel()} numbers for "
+                             f"{len(grads)} gradients")
+    if sharded_as is not None and len(sharded_as) != len(params):
+        raise ValueError(f"sharded_as: {len(sharded_as)} tensors for {len(params)} parameters")
+    return GroupTensors(params, grads, exp_avgs, exp_avg_sqs, steps, w16, scalars,
+                        None if sharded_as is None else ShardSums(sharded_as), grad_norms)
 
 
 def w16_argument(w16: Optional[List[Optional[Tensor]]],

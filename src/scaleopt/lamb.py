@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -12,8 +12,8 @@ from . import _foreach, _format, _native, _triton
 from ._foreach import by_value
 from ._checks import check_choice
 from ._dispatch import Impl, resolve
-from ._group import GroupTensors, GroupOptions, TensorOptions, WholeUpdate, pick, w16_argument
-from ._intake import GradScalars
+from ._group import GroupTensors, GroupOptions, TensorOptions, WholeUpdate, pick
+from ._group import functional_tensors, w16_argument
 from ._layerwise import LayerwiseAdam
 from ._loading import ADAM_STATE
 from ._params import NameRule
@@ -220,8 +220,8 @@ def lamb(
     foreach: bool = True,
     implementation: Optional[str] = None,
     w16: Optional[List[Optional[Tensor]]] = None,
-    grad_scalars: Optional[GradScalars] = None,
-    shard_sums: Any = None,
+    grad_multipliers: Union[Sequence[float], Tensor, None] = None,
+    sharded_as: Optional[Sequence[Tensor]] = None,
     low: Optional[List[Optional[Tensor]]] = None,
 ) -> None:
     """Functional LAMB over lists of tensors; see :class:`LAMB`.
@@ -231,13 +231,14 @@ def lamb(
     ``"native"`` (the fused CPU kernels); by default ``foreach`` picks multi or single. ``w16``:
     the kernels' 16-bit tensor per weight, or None (the lower halves of a split master, or
     where a float32 master's rounded bfloat16 weights go; ``low``, its former name, still
-    works, with a ``FutureWarning``). ``grad_scalars``: per-tensor multipliers (and a
-    clamp) to apply to the gradients as they are read. ``shard_sums``: for the local shards of
-    sharded tensors (multi-tensor and kernels), the :class:`scaleopt._sharding.ShardSums` that
-    totals their norms.
+    works, with a ``FutureWarning``). ``grad_multipliers``: a number per tensor that its
+    gradient is taken times (the fused kernels as they read it, the others before). For lists
+    of local shards (multi-tensor and kernels), ``sharded_as``: the DTensors whose local shards
+    they are, over which the trust ratios' norms are totalled (one all-reduce per mesh
+    dimension that shards them).
     """
-    t = GroupTensors(params, grads, exp_avgs, exp_avg_sqs, state_steps, w16_argument(w16, low),
-                     grad_scalars, shard_sums)
+    t = functional_tensors(params, grads, exp_avgs, exp_avg_sqs, state_steps,
+                           w16_argument(w16, low), grad_multipliers, sharded_as)
     o = GroupOptions(beta1, beta2, eps, bias_correction, lower_bound, upper_bound,
                          weight_decay_mode)
     impl = resolve(implementation, foreach)

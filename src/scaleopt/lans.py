@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -12,8 +12,8 @@ from . import _foreach, _native, _triton
 from ._foreach import by_value
 from ._checks import check_bool
 from ._dispatch import Impl, resolve
-from ._group import GroupTensors, GroupOptions, TensorOptions, WholeUpdate, pick, w16_argument
-from ._intake import GradScalars
+from ._group import GroupTensors, GroupOptions, TensorOptions, WholeUpdate, pick
+from ._group import functional_tensors, w16_argument
 from ._layerwise import LayerwiseAdam
 from ._loading import ADAM_STATE
 from ._params import NameRule
@@ -189,17 +189,18 @@ def lans(
     foreach: bool = True,
     implementation: Optional[str] = None,
     w16: Optional[List[Optional[Tensor]]] = None,
-    grad_scalars: Optional[GradScalars] = None,
-    shard_sums: Any = None,
+    grad_multipliers: Union[Sequence[float], Tensor, None] = None,
+    sharded_as: Optional[Sequence[Tensor]] = None,
     grad_norms: Optional[Tensor] = None,
     low: Optional[List[Optional[Tensor]]] = None,
 ) -> None:
     """Functional LANS over lists of tensors; see :class:`LANS`. ``grads`` are read only.
-    ``implementation``, ``w16``, ``grad_scalars`` and ``shard_sums`` as in
-    :func:`scaleopt.lamb.lamb`. ``grad_norms`` (the gradients' norms) and the scalars'
-    ``sq_sums`` (their sums of squares), when given, are not computed again."""
-    t = GroupTensors(params, grads, exp_avgs, exp_avg_sqs, state_steps, w16_argument(w16, low),
-                     grad_scalars, shard_sums, grad_norms)
+    ``implementation``, ``w16``, ``grad_multipliers`` and ``sharded_as`` as in
+    :func:`scaleopt.lamb.lamb`. ``grad_norms``: the norms of the gradients as the update takes
+    them (times their multipliers; of the whole tensors, for local shards), not computed
+    again when given."""
+    t = functional_tensors(params, grads, exp_avgs, exp_avg_sqs, state_steps,
+                           w16_argument(w16, low), grad_multipliers, sharded_as, grad_norms)
     o = GroupOptions(beta1, beta2, eps, bias_correction, lower_bound, upper_bound,
                          clip_grad_value=clip_grad_value, decay_moved_weight=decay_moved_weight)
     impl = resolve(implementation, foreach)
