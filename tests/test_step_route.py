@@ -173,3 +173,24 @@ def test_a_kept_plan_is_made_again_when_what_it_was_made_of_changes():
         st["exp_avg"] = st["exp_avg"].clone()
 
     assert step_both(replace_moment) is not second
+
+
+def test_the_bits_tool_names_each_configuration_that_differs():
+    """tools/step_bits.py's verdict: equal runs pass; one bit flipped in one tensor, or a
+    configuration on one side only, is named."""
+    sys.path.insert(0, str(TOOLS))
+    import step_bits
+
+    sys.path.remove(str(TOOLS))
+    a = {"x": [torch.ones(3), torch.zeros(2)], "y": [torch.ones(1)]}
+    b = {k: [t.clone() for t in v] for k, v in a.items()}
+    assert step_bits.compare(a, b) == []
+    b["x"][1] = torch.tensor([0.0, -0.0])  # -0.0: equal as a number, not bit for bit
+    assert step_bits.compare(a, b) == ["x"]
+    b["x"][1] = torch.zeros(2)
+    b["x"][1].view(torch.int32)[1] = 1  # the smallest subnormal
+    assert step_bits.compare(a, b) == ["x"]
+    nan = torch.tensor([float("nan")])
+    assert step_bits.compare({"z": [nan]}, {"z": [nan.clone()]}) == []  # the same NaN
+    del b["y"]
+    assert step_bits.compare(a, b) == ["x", "y"]

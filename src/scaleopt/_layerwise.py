@@ -106,7 +106,7 @@ class LayerwiseAdam(AdamFamily):
         same objects, else chosen before the group's state exists), the gradients in
         (``scaleopt._intake``: their scalar transforms left to the fused kernels, for the
         groups that chose them), then each group's :class:`GroupPlan`: the last step's again
-        with this step's gradients where nothing it is made of changed (:meth:`_kept_plan`),
+        with this step's gradients where nothing it is made of changed (:meth:`LayerwiseAdam._kept_plan`),
         else a new one (:meth:`_new_plan`)."""
         found = getattr(self, "found_inf", None)  # a GradScaler's, during its step
         if found is not None and not all([g.get("capturable") for g in self.param_groups]) \
@@ -269,9 +269,10 @@ class GroupPlan:
     state: AdamState
     #: for the PyTorch paths: the float32 masters the update works on, split ones joined
     joined: Optional[List[Tensor]] = None
-    #: what the plan was made of, to find it again at the next step (:meth:`_kept_plan`): the
-    #: implementation chosen before the state existed, the group's values, the positions of
-    #: the parameters that had a gradient, the learning rate and its per-tensor multipliers
+    #: what the plan was made of, to find it again at the next step
+    #: (:meth:`LayerwiseAdam._kept_plan`): the implementation chosen before the state existed,
+    #: the group's values, the positions of the parameters that had a gradient, the learning
+    #: rate and its per-tensor multipliers
     first: Impl = Impl.SINGLE
     values: List[Any] = dataclasses.field(default_factory=list)
     lr_at: int = 0
@@ -285,10 +286,10 @@ class GroupPlan:
     numels: List[int] = dataclasses.field(default_factory=list)
     grad_devices: List[int] = dataclasses.field(default_factory=list)
 
-
     def holds_options(self, group: Dict[str, Any]) -> bool:
         """Whether ``group`` is the plan's, holding the same objects as its values but for
-        the learning rate (which a schedule changes every step: :meth:`_kept_plan`)."""
+        the learning rate (which a schedule changes every step:
+        :meth:`LayerwiseAdam._kept_plan`)."""
         if self.group is not group or len(group) != len(self.values):
             return False
         same = list(map(operator.is_, group.values(), self.values))
