@@ -106,7 +106,7 @@ class LayerwiseAdam(AdamFamily):
         same objects, else chosen before the group's state exists), the gradients in
         (``scaleopt._intake``: their scalar transforms left to the fused kernels, for the
         groups that chose them), then each group's :class:`GroupPlan`: the last step's again
-        with this step's gradients where nothing it is made of changed (:meth:`LayerwiseAdam._kept_plan`),
+        with this step's gradients where nothing it is made of changed (:meth:`_kept_plan`),
         else a new one (:meth:`_new_plan`)."""
         found = getattr(self, "found_inf", None)  # a GradScaler's, during its step
         if found is not None and not all([g.get("capturable") for g in self.param_groups]) \
@@ -201,8 +201,8 @@ class LayerwiseAdam(AdamFamily):
             group, impl, t, layer,
             GroupOptions.of(group, **{key: group[key] for key in self._own_options}), state,
             joined, first=first, values=list(group.values()), lr_at=list(group).index("lr"),
-            idx=list(item.idx),
-            lr=group["lr"], lr_mult=self._param_multipliers(group, item.idx)[0],
+            idx=list(item.idx), lr=group["lr"],
+            lr_mult=self._param_multipliers(group, item.idx)[0],
             masters=not all(map(operator.is_, view.params, view.weights)),
             grad_dtypes=list(map(_DTYPE, grads)), numels=list(map(Tensor.numel, grads)),
             grad_devices=list(map(Tensor.get_device, grads)))
