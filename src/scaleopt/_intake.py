@@ -12,7 +12,7 @@ from typing import Any, Callable, Collection, Dict, List, NamedTuple, Optional, 
 import torch
 from torch import Tensor
 
-from . import _foreach
+from . import _ops
 from ._params import param_label
 from ._sharding import Reduction, ShardSums, any_dtensor, local, on_any_rank, total
 
@@ -40,8 +40,8 @@ def apply_grad_scalars(grads: List[Tensor], scalars: Optional[GradScalars]) -> L
         return grads
     mults = scalars.mults
     scaled = (torch._foreach_mul(grads, mults.tolist()) if mults.device.type == "cpu"
-              else _foreach.scale_each(grads, mults))
-    return _foreach.clip_by_value(scaled, scalars.clamp)
+              else _ops.scale_each(grads, mults))
+    return _ops.clip_by_value(scaled, scalars.clamp)
 
 
 class Deferral(NamedTuple):
@@ -215,17 +215,17 @@ def _collect(opt: Any, group: Dict[str, Any], value_clip: bool,
         if norm_clip:
             sums = defer.sums_of_squares(grads)
             if item.shard_sums is not None:  # over the whole tensors
-                local_sums = _foreach.sq_norms(grads).double() if sums is None else sums
+                local_sums = _ops.sq_norms(grads).double() if sums is None else sums
                 item.pending = item.shard_sums.request(local_sums, range(len(grads)))
             else:
                 _scale_by_tensor_norms(item, sums, unscale)
     elif grads:
         if group.get("maximize", False):
             grads = torch._foreach_neg(grads)
-        grads = _foreach.scale(grads, unscale)
-        item.grads = grads = _foreach.clip_by_value(grads, clamp)
+        grads = _ops.scale(grads, unscale)
+        item.grads = grads = _ops.clip_by_value(grads, clamp)
         if item.shard_sums is None:
-            item.grads = _foreach.clip_by_tensor_norm(grads, per_tensor)
+            item.grads = _ops.clip_by_tensor_norm(grads, per_tensor)
         elif norm_clip:  # whole-tensor norms: one reduction, shared with the global clip
             item.pending = item.shard_sums.norms_request(grads)
     return item
@@ -246,8 +246,8 @@ def _clip_by_tensor_norms(item: GroupGrads, totals: Tensor) -> None:
         return
     norms, per_tensor = totals, item.group.get("clip_grad_norm_per_tensor")
     if per_tensor is not None:
-        coefs = _foreach.clip_coef(norms, per_tensor)
-        item.grads = _foreach.scale_each(item.grads, coefs)
+        coefs = _ops.clip_coef(norms, per_tensor)
+        item.grads = _ops.scale_each(item.grads, coefs)
         norms = norms * coefs
     item.grad_norms = norms
 
@@ -257,11 +257,11 @@ def _scale_by_tensor_norms(item: GroupGrads, sums: Optional[Tensor], unscale: An
     tensors, or from torch where None), and its multipliers times ``clip_grad_norm_per_tensor``'s
     coefficients."""
     grads, scalars = item.grads, item.scalars
-    item.norms = _foreach.norms(grads) if sums is None else sums.sqrt().to(torch.float32)
+    item.norms = _ops.norms(grads) if sums is None else sums.sqrt().to(torch.float32)
     mults = scalars.mults
     per_tensor = item.group.get("clip_grad_norm_per_tensor")
     if per_tensor is not None:
-        mults = mults * _foreach.clip_coef(item.norms * unscale, per_tensor).to(mults)
+        mults = mults * _ops.clip_coef(item.norms * unscale, per_tensor).to(mults)
     item.scalars = GradScalars(mults, sums, scalars.clamp)
 
 
@@ -269,7 +269,7 @@ def _clip_by_global_norm(staged: List[GroupGrads]) -> Tensor:
     """``max_grad_norm``: scale the gradients of the groups that set it by ``c / max(||g||,
     c)``, ``||g||`` (returned) over every gradient of every group (deferred ones: into their
     scalars)."""
-    total = _foreach.global_norm([t for s in staged if not s.deferred and s.grad_norms is None
+    total = _ops.global_norm([t for s in staged if not s.deferred and s.grad_norms is None
                                  for t in s.grads])
     scaled = [(s.norms * s.scalars.mults.to(s.norms).abs()).square().sum()
               for s in staged if s.deferred and s.norms is not None]
@@ -283,12 +283,12 @@ def _clip_by_global_norm(staged: List[GroupGrads]) -> Tensor:
     for s in staged:
         if s.group.get("max_grad_norm") is None or not s.grads:
             continue
-        coef = _foreach.clip_coef(total, s.group["max_grad_norm"])
+        coef = _ops.clip_coef(total, s.group["max_grad_norm"])
         if s.deferred:  # float64, as the C kernels' multipliers always were
             s.scalars = dataclasses.replace(s.scalars,
                                             mults=s.scalars.mults * coef.to(s.scalars.mults))
         else:
-            s.grads = _foreach.scale(s.grads, coef)
+            s.grads = _ops.scale(s.grads, coef)
             if s.grad_norms is not None:
                 s.grad_norms = s.grad_norms * coef
     return total

@@ -16,7 +16,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from . import _foreach, _format
+from . import _ops, _format
 from ._checks import check_same_sizes
 from ._compile import eager
 from ._group import GroupTensors, TensorOptions, GroupOptions
@@ -221,7 +221,7 @@ def _layerwise_tensors(t: GroupTensors, layer: TensorOptions, grad_sq_sums: Opti
 def _layerwise_config(o: GroupOptions, clip_grad_value: Any, mode: int = 0,
                       moved: bool = False) -> LayerwiseConfig:
     """A call's group options from the group's ``GroupOptions``."""
-    lo, hi = _foreach.clip_bounds(clip_grad_value)
+    lo, hi = _ops.clip_bounds(clip_grad_value)
     return LayerwiseConfig(
         beta1=o.beta1, beta2=o.beta2, lower=o.lower_bound or 0.0, upper=o.upper_bound or 0.0,
         eps=o.eps, clip_lo=lo, clip_hi=hi, bias_correction=int(o.bias_correction),

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import _foreach
+from . import _ops
 
 
 class _NoDTensor:
@@ -160,7 +160,7 @@ class ShardSums:
 
     def norms_request(self, pieces: Sequence[Tensor]) -> "Reduction":
         """The whole norm of each tensor whose local piece is ``pieces[i]``."""
-        return Reduction(self, _foreach.sq_norms(pieces), range(len(pieces)), root=True)
+        return Reduction(self, _ops.sq_norms(pieces), range(len(pieces)), root=True)
 
 
 class Reduction(NamedTuple):

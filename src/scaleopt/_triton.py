@@ -57,7 +57,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import _compact, _foreach, _format
+from . import _compact, _ops, _format
 from ._group import GroupTensors, TensorOptions, GroupOptions
 from ._checks import check_same_sizes
 from ._compile import eager
@@ -262,7 +262,7 @@ def _grad_table(t: Any, device: torch.device, cache: Dict[str, Any]) -> Tensor:
         tables.move_to_end(key)
         return table
     check_same_sizes("the Triton kernels", t.weights, t.grads)
-    table = tables[key] = _foreach.to_device([torch.tensor(key[0], dtype=torch.int64)],
+    table = tables[key] = _ops.to_device([torch.tensor(key[0], dtype=torch.int64)],
                                              device)[0]
     while len(tables) > 8:
         tables.popitem(last=False)
@@ -292,7 +292,7 @@ def _new_plan(kinds: Tuple, rows: Tuple, sizes: Tuple, device: torch.device) -> 
 
         out.append((kind, (table([rows[i] for i in idx], _ROW), table([sizes[i] for i in idx], 1),
                            table(chunks, 3))))
-    tables = _foreach.to_device([t for _, ts in out for t in ts]
+    tables = _ops.to_device([t for _, ts in out for t in ts]
                                + [torch.tensor(spans, dtype=torch.int64)], device)
     return _Plan([(kind, tuple(tables[3 * j:3 * j + 3])) for j, (kind, _) in enumerate(out)],
                  tables[-1], base)
@@ -373,7 +373,7 @@ def _host_table(layer: Any, o: Any, steps: Tensor, one_lr: Any, pinned: bool,
     rate and the step (the usual case), one addition of a row to the template."""
     values = steps.tolist()
     distinct = sorted(set(values))
-    bc1, bc2 = _foreach.bias_corrections(distinct, o.beta1, o.beta2, o.bias_correction)
+    bc1, bc2 = _ops.bias_corrections(distinct, o.beta1, o.beta2, o.bias_correction)
     template = _template(layer, cache)
     table = torch.empty(template.shape, dtype=torch.float32, pin_memory=pinned)
     if one_lr is not None and len(distinct) == 1:
@@ -447,7 +447,7 @@ def _device_table(t: GroupTensors, layer: TensorOptions, o: GroupOptions,
     else:  # (made at the first step, before any capture)
         rows = [(lr, wd, float(a), 1.0, 1.0, 1.0, 0.0)  # SCAL's columns
                 for lr, wd, a in zip(*key[:3])]
-        static = _foreach.to_device([torch.tensor(rows, dtype=torch.float32)], device)[0]
+        static = _ops.to_device([torch.tensor(rows, dtype=torch.float32)], device)[0]
         cache["static"] = (key, static)
     table = static.clone()
     lrs = list(layer.lrs)
@@ -461,7 +461,7 @@ def _device_table(t: GroupTensors, layer: TensorOptions, o: GroupOptions,
                 table[i, _LR].copy_(lr.reshape(()))
     steps = steps.to(torch.float64)
     if steps.device != device:  # counters on the host, learning rates on the device
-        steps = _foreach.to_device([steps], device)[0]
+        steps = _ops.to_device([steps], device)[0]
     table[:, _T] = steps
     if o.bias_correction:
         table[:, _BC1] = 1.0 - torch.pow(o.beta1, steps)
@@ -521,7 +521,7 @@ def _skip_flag(t: Any, device: torch.device, cache: Dict[str, Any]) -> Tensor:
 
 
 def _options(o: Any, clip: Any) -> Dict[str, Any]:
-    lo, hi = _foreach.clip_bounds(clip)
+    lo, hi = _ops.clip_bounds(clip)
     return dict(beta1=o.beta1, beta2=o.beta2, eps=o.eps, clip_lo=float(lo), clip_hi=float(hi),
                 CLIP=clip is not None,
                 lower=o.lower_bound or 0.0, upper=o.upper_bound or 0.0,

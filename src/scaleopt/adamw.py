@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 from torch.optim.adamw import adamw as _torch_adamw
 
-from . import _compact, _foreach, _native
+from . import _compact, _ops, _native
 from ._sharding import local_piece
 from ._base import ScaleOptimizer
 from ._checks import check_bool
@@ -190,7 +190,7 @@ def update(opt: Any, group: Dict[str, Any], idx: List[int], params: List[Tensor]
     beta1, beta2 = group["betas"]
     for decayed, (ps, gs, ms, vs, maxs, steps) in lists.items():
         # torch's foreach path needs its tensor-scalar form under torch.compile
-        capturable = _foreach.compiling() and not fused
+        capturable = _ops.compiling() and not fused
         counters, steps = steps, _beside(steps, ps) if capturable else steps
         lr = group["lr"]
         if isinstance(lr, torch.Tensor) and not capturable:
@@ -277,7 +277,7 @@ def _native_row(group: Dict[str, Any], p: Tensor, grad: Tensor, state: Dict[str,
     the kernels built, no amsgrad, not under ``torch.compile``, no path other than the fused
     ones asked for), else None."""
     if (group["amsgrad"] or not _native.kernels_allowed(group) or p.dtype != torch.float32
-            or not _native.available() or _foreach.compiling() or not state["step"].is_cpu):
+            or not _native.available() or _ops.compiling() or not state["step"].is_cpu):
         return None
     stored = _compact.stored(state, form, p)
     row = (local_piece(p), grad, local_piece(state["exp_avg"]),
@@ -289,7 +289,7 @@ def _native_step(group: Dict[str, Any], rows: List[Tuple[Any, ...]], decayed: bo
     AdamW's operations, with the scalars computed as it computes them."""
     beta1, beta2 = group["betas"]
     lr, wd = float(group["lr"]), group["weight_decay"] if decayed else 0.0
-    bc1, bc2_sqrt = _foreach.bias_corrections([float(row[4]) + 1.0 for row in rows],
+    bc1, bc2_sqrt = _ops.bias_corrections([float(row[4]) + 1.0 for row in rows],
                                              beta1, beta2, True)
     count = len(rows)
     w, g, m, v, step, stored = (list(col) for col in zip(*rows))

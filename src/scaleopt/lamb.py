@@ -8,8 +8,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from . import _foreach, _format, _native, _triton
-from ._foreach import by_value
+from . import _ops, _format, _native, _triton
+from ._ops import by_value
 from ._checks import check_choice
 from ._dispatch import Impl, resolve
 from ._group import GroupTensors, GroupOptions, TensorOptions, WholeUpdate, pick
@@ -255,21 +255,21 @@ def _single_tensor_lamb(t: GroupTensors, layer: TensorOptions, o: GroupOptions) 
         t.steps[i] += 1
         if mode == "l2" and wd != 0:
             g = g.add(p, alpha=wd)
-        _foreach.adam_moments_one(m, v, g, o.beta1, o.beta2)
-        (bc1,), (bc2_sqrt,) = _foreach.step_bias_corrections(
+        _ops.adam_moments_one(m, v, g, o.beta1, o.beta2)
+        (bc1,), (bc2_sqrt,) = _ops.step_bias_corrections(
             [t.steps[i]], o.beta1, o.beta2, o.bias_correction
         )
-        u = _foreach.adam_direction_one(m, bc1, _foreach.adam_denominator_one(v, bc2_sqrt, o.eps))
+        u = _ops.adam_direction_one(m, bc1, _ops.adam_denominator_one(v, bc2_sqrt, o.eps))
         if mode == "update" and wd != 0:
             u.add_(p, alpha=wd)
         elif mode == "decoupled" and wd != 0:
             p.mul_(1.0 - lr * wd)
         if layer.adapt[i]:
-            ratio = _foreach.trust_ratio(
-                _foreach.norm_one(p), _foreach.norm_one(u), o.lower_bound, o.upper_bound
+            ratio = _ops.trust_ratio(
+                _ops.norm_one(p), _ops.norm_one(u), o.lower_bound, o.upper_bound
             )
             u.mul_(ratio.to(u.dtype))
-        _foreach.add_scaled_one_(p, u, -lr)
+        _ops.add_scaled_one_(p, u, -lr)
 
 
 class _MultiTensorLamb:
@@ -295,24 +295,24 @@ class _MultiTensorLamb:
         if o.weight_decay_mode == "l2" and decays:
             grads = list(grads)
             for wd, ids in decays:
-                for i, g in zip(ids, _foreach.add_l2_to_grad(pick(grads, ids), pick(params, ids),
+                for i, g in zip(ids, _ops.add_l2_to_grad(pick(grads, ids), pick(params, ids),
                                                             wd)):
                     grads[i] = g
-        _foreach.adam_moments(t.exp_avgs, t.exp_avg_sqs, grads, o.beta1, o.beta2)
-        bc1, bc2_sqrt = _foreach.step_bias_corrections(t.steps, o.beta1, o.beta2,
+        _ops.adam_moments(t.exp_avgs, t.exp_avg_sqs, grads, o.beta1, o.beta2)
+        bc1, bc2_sqrt = _ops.step_bias_corrections(t.steps, o.beta1, o.beta2,
                                                        o.bias_correction)
-        self.updates = updates = _foreach.adam_direction(
-            t.exp_avgs, bc1, _foreach.adam_denominators(t.exp_avg_sqs, bc2_sqrt, o.eps))
+        self.updates = updates = _ops.adam_direction(
+            t.exp_avgs, bc1, _ops.adam_denominators(t.exp_avg_sqs, bc2_sqrt, o.eps))
         if o.weight_decay_mode == "update":
             for wd, ids in decays:
-                _foreach.add_decay_to_update(pick(updates, ids), pick(params, ids), wd)
+                _ops.add_decay_to_update(pick(updates, ids), pick(params, ids), wd)
         elif o.weight_decay_mode == "decoupled" and decays:
             _decoupled_decay(params, lrs, weight_decays)
         adapting = [i for i, a in enumerate(layer.adapt) if a]
         self.adapting = (pick(params, adapting), pick(updates, adapting))
         if t.shard_sums is None:
             return None
-        sums = _foreach.sq_norms(self.adapting[0] + self.adapting[1])
+        sums = _ops.sq_norms(self.adapting[0] + self.adapting[1])
         return t.shard_sums.request(sums, adapting * 2)
 
     def apply(self, totals: Optional[Tensor]) -> None:
@@ -323,24 +323,24 @@ class _MultiTensorLamb:
             return
         weights, updates = self.adapting  # of the tensors that take the trust ratio
         if totals is None:
-            _foreach.apply_trust_ratio_(updates, _foreach.norms(weights), o.lower_bound,
+            _ops.apply_trust_ratio_(updates, _ops.norms(weights), o.lower_bound,
                                        o.upper_bound)
         else:
             w_norms, u_norms = totals.sqrt().split(len(weights))
-            _foreach.apply_trust_ratio_(updates, w_norms, o.lower_bound, o.upper_bound,
+            _ops.apply_trust_ratio_(updates, w_norms, o.lower_bound, o.upper_bound,
                                        u_norms=u_norms)
-        _foreach.add_scaled_(t.weights, self.updates, [-lr for lr in self.layer.lrs])
+        _ops.add_scaled_(t.weights, self.updates, [-lr for lr in self.layer.lrs])
 
 
 def _decoupled_decay(params: List[Tensor], lrs: Sequence[float],
                      weight_decays: Sequence[float]) -> None:
     """``w *= 1 - lr*wd`` (Keras' decay, before the step)."""
-    if _foreach.compiling():  # per tensor, the rate as a tensor's factor: an input of the
+    if _ops.compiling():  # per tensor, the rate as a tensor's factor: an input of the
         for p, lr, wd in zip(params, lrs, weight_decays):  # graph, not a constant (add_scaled_)
             p.add_(p * lr, alpha=-wd)
     else:
         for (lr, wd), ids in by_value(list(zip(lrs, weight_decays))):
-            _foreach.decoupled_decay_(pick(params, ids), lr, wd)
+            _ops.decoupled_decay_(pick(params, ids), lr, wd)
 
 
 #: LAMB by implementation (see ``scaleopt._dispatch``).

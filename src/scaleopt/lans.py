@@ -8,8 +8,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from . import _foreach, _native, _triton
-from ._foreach import by_value
+from . import _ops, _native, _triton
+from ._ops import by_value
 from ._checks import check_bool
 from ._dispatch import Impl, resolve
 from ._group import GroupTensors, GroupOptions, TensorOptions, WholeUpdate, pick
@@ -223,29 +223,29 @@ def _single_tensor_lans(t: GroupTensors, layer: TensorOptions, o: GroupOptions) 
     for i, p in enumerate(t.weights):
         m, v, lr, wd = t.exp_avgs[i], t.exp_avg_sqs[i], layer.lrs[i], layer.weight_decays[i]
         t.steps[i] += 1
-        g = t.grads[i] * _inverse_norms(_foreach.norm_one(t.grads[i])).to(t.grads[i].dtype)
-        (g,) = _foreach.clip_by_value([g], o.clip_grad_value)
-        _foreach.adam_moments_one(m, v, g, beta1, o.beta2)
-        (bc1,), (bc2_sqrt,) = _foreach.step_bias_corrections(
+        g = t.grads[i] * _inverse_norms(_ops.norm_one(t.grads[i])).to(t.grads[i].dtype)
+        (g,) = _ops.clip_by_value([g], o.clip_grad_value)
+        _ops.adam_moments_one(m, v, g, beta1, o.beta2)
+        (bc1,), (bc2_sqrt,) = _ops.step_bias_corrections(
             [t.steps[i]], beta1, o.beta2, o.bias_correction
         )
-        denom = _foreach.adam_denominator_one(v, bc2_sqrt, o.eps)
-        r = _foreach.adam_direction_one(m, bc1, denom)
+        denom = _ops.adam_denominator_one(v, bc2_sqrt, o.eps)
+        r = _ops.adam_direction_one(m, bc1, denom)
         c = g / denom
-        w_norm = _foreach.norm_one(p)
+        w_norm = _ops.norm_one(p)
         if wd != 0:
             r.add_(p, alpha=wd)
         if layer.adapt[i]:
-            r.mul_(_foreach.trust_ratio(w_norm, _foreach.norm_one(r), lower, upper).to(r.dtype))
+            r.mul_(_ops.trust_ratio(w_norm, _ops.norm_one(r), lower, upper).to(r.dtype))
         if o.decay_moved_weight:
-            _foreach.add_scaled_one_(p, r, -lr * beta1)
+            _ops.add_scaled_one_(p, r, -lr * beta1)
         if wd != 0:
             c.add_(p, alpha=wd)
         if layer.adapt[i]:
-            c.mul_(_foreach.trust_ratio(w_norm, _foreach.norm_one(c), lower, upper).to(c.dtype))
+            c.mul_(_ops.trust_ratio(w_norm, _ops.norm_one(c), lower, upper).to(c.dtype))
         if not o.decay_moved_weight:
-            _foreach.add_scaled_one_(p, r, -lr * beta1)
-        _foreach.add_scaled_one_(p, c, -lr * (1.0 - beta1))
+            _ops.add_scaled_one_(p, r, -lr * beta1)
+        _ops.add_scaled_one_(p, c, -lr * (1.0 - beta1))
 
 
 class _MultiTensorLans:
@@ -275,28 +275,28 @@ class _MultiTensorLans:
         if t.grad_norms is not None:
             g_norms = t.grad_norms
         elif grad_totals is None:
-            g_norms = _foreach.norms(grads)
+            g_norms = _ops.norms(grads)
         else:
             g_norms = grad_totals
-        g = _foreach.clip_by_value(_foreach.scale_each(grads, _inverse_norms(g_norms)),
+        g = _ops.clip_by_value(_ops.scale_each(grads, _inverse_norms(g_norms)),
                                   o.clip_grad_value)
-        _foreach.adam_moments(t.exp_avgs, t.exp_avg_sqs, g, beta1, o.beta2)
-        bc1, bc2_sqrt = _foreach.step_bias_corrections(t.steps, beta1, o.beta2,
+        _ops.adam_moments(t.exp_avgs, t.exp_avg_sqs, g, beta1, o.beta2)
+        bc1, bc2_sqrt = _ops.step_bias_corrections(t.steps, beta1, o.beta2,
                                                        o.bias_correction)
-        denom = _foreach.adam_denominators(t.exp_avg_sqs, bc2_sqrt, o.eps)
-        self.r = r = _foreach.adam_direction(t.exp_avgs, bc1, denom)
+        denom = _ops.adam_denominators(t.exp_avg_sqs, bc2_sqrt, o.eps)
+        self.r = r = _ops.adam_direction(t.exp_avgs, bc1, denom)
         self.c = c = torch._foreach_div(g, denom)
         self.decays = decays = [(wd, ids) for wd, ids in by_value(layer.weight_decays) if wd != 0]
         self.adapting = adapting = [i for i, a in enumerate(layer.adapt) if a]
         if t.shard_sums is None:
             return None
         for wd, ids in decays:  # both parts decay the weight from before the step here
-            _foreach.add_decay_to_update(pick(r, ids), pick(params, ids), wd)
-            _foreach.add_decay_to_update(pick(c, ids), pick(params, ids), wd)
+            _ops.add_decay_to_update(pick(r, ids), pick(params, ids), wd)
+            _ops.add_decay_to_update(pick(c, ids), pick(params, ids), wd)
         ws, rs, cs = (pick(xs, adapting) for xs in (params, r, c))
-        parts = [_foreach.sq_norms(ws), _foreach.sq_norms(rs), _foreach.sq_norms(cs)]
+        parts = [_ops.sq_norms(ws), _ops.sq_norms(rs), _ops.sq_norms(cs)]
         if o.decay_moved_weight:
-            parts.append(_foreach.dots(cs, rs).to(parts[0].dtype))
+            parts.append(_ops.dots(cs, rs).to(parts[0].dtype))
         return t.shard_sums.request(torch.cat(parts), adapting * len(parts))
 
     def apply(self, totals: Optional[Tensor]) -> None:
@@ -311,39 +311,39 @@ class _MultiTensorLans:
         params, lrs, weight_decays, beta1 = t.weights, layer.lrs, layer.weight_decays, o.beta1
         sums = totals.split(len(adapting))
         w_norms, r2, c2 = sums[0].sqrt(), sums[1], sums[2]
-        ratio_r = _foreach.trust_ratio(w_norms, r2.sqrt(), o.lower_bound, o.upper_bound)
+        ratio_r = _ops.trust_ratio(w_norms, r2.sqrt(), o.lower_bound, o.upper_bound)
         if o.decay_moved_weight:
-            lr_wd = _foreach.to_device([torch.tensor([lrs[i] * weight_decays[i] for i in adapting],
+            lr_wd = _ops.to_device([torch.tensor([lrs[i] * weight_decays[i] for i in adapting],
                                                     dtype=r2.dtype)], r2.device)[0]
             k = lr_wd * beta1 * ratio_r
             c2 = (c2 - 2.0 * k * sums[3] + k * k * r2).clamp(min=0.0)
-        ratio_c = _foreach.trust_ratio(w_norms, c2.sqrt(), o.lower_bound, o.upper_bound)
-        _foreach.scale_each_(pick(r, adapting), ratio_r)
+        ratio_c = _ops.trust_ratio(w_norms, c2.sqrt(), o.lower_bound, o.upper_bound)
+        _ops.scale_each_(pick(r, adapting), ratio_r)
         if o.decay_moved_weight:  # c = c - wd*lr*beta1*r: the decay of the weight moved by r
             for i, (lr, wd) in enumerate(zip(lrs, weight_decays)):
                 if wd != 0:
                     c[i].add_(r[i], alpha=-wd * lr * beta1)
-        _foreach.scale_each_(pick(c, adapting), ratio_c)
-        _foreach.add_scaled_(params, r, [-lr * beta1 for lr in lrs])
-        _foreach.add_scaled_(params, c, [-lr * (1.0 - beta1) for lr in lrs])
+        _ops.scale_each_(pick(c, adapting), ratio_c)
+        _ops.add_scaled_(params, r, [-lr * beta1 for lr in lrs])
+        _ops.add_scaled_(params, c, [-lr * (1.0 - beta1) for lr in lrs])
 
     def _apply_whole(self) -> None:
         """:meth:`apply` on whole tensors: the norms taken here."""
         t, layer, o, r, c, adapting = self.t, self.layer, self.o, self.r, self.c, self.adapting
         params, lrs, beta1 = t.weights, layer.lrs, o.beta1
-        w_norms = _foreach.norms(pick(params, adapting))
+        w_norms = _ops.norms(pick(params, adapting))
         bounds = (o.lower_bound, o.upper_bound)
         for wd, ids in self.decays:
-            _foreach.add_decay_to_update(pick(r, ids), pick(params, ids), wd)
-        _foreach.apply_trust_ratio_(pick(r, adapting), w_norms, *bounds)
+            _ops.add_decay_to_update(pick(r, ids), pick(params, ids), wd)
+        _ops.apply_trust_ratio_(pick(r, adapting), w_norms, *bounds)
         if o.decay_moved_weight:
-            _foreach.add_scaled_(params, r, [-lr * beta1 for lr in lrs])
+            _ops.add_scaled_(params, r, [-lr * beta1 for lr in lrs])
         for wd, ids in self.decays:
-            _foreach.add_decay_to_update(pick(c, ids), pick(params, ids), wd)
-        _foreach.apply_trust_ratio_(pick(c, adapting), w_norms, *bounds)
+            _ops.add_decay_to_update(pick(c, ids), pick(params, ids), wd)
+        _ops.apply_trust_ratio_(pick(c, adapting), w_norms, *bounds)
         if not o.decay_moved_weight:
-            _foreach.add_scaled_(params, r, [-lr * beta1 for lr in lrs])
-        _foreach.add_scaled_(params, c, [-lr * (1.0 - beta1) for lr in lrs])
+            _ops.add_scaled_(params, r, [-lr * beta1 for lr in lrs])
+        _ops.add_scaled_(params, c, [-lr * (1.0 - beta1) for lr in lrs])
 
 
 #: LANS by implementation (see ``scaleopt._dispatch``).

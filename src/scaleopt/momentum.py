@@ -6,7 +6,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from . import _foreach
+from . import _ops
 from ._base import ScaleOptimizer, lr_of
 from ._checks import check_bool, check_choice, check_number
 from ._loading import StateSpec
@@ -149,7 +149,7 @@ def momentum_sgd(params, grads, bufs, *, decay, lr, momentum, nesterov, weight_d
 
 def _momentum_lists(params, grads, bufs, decayed, lr, momentum, nesterov, weight_decay, mode) -> None:
     if decayed and weight_decay != 0:
-        add = _foreach.add_l2_to_grad if mode == "l2" else _foreach.add_l1_to_grad
+        add = _ops.add_l2_to_grad if mode == "l2" else _ops.add_l1_to_grad
         grads = add(grads, params, weight_decay)
-    direction = _foreach.heavy_ball_(bufs, grads, momentum, nesterov)
-    _foreach.add_scaled_(params, direction, [-lr] * len(params))
+    direction = _ops.heavy_ball_(bufs, grads, momentum, nesterov)
+    _ops.add_scaled_(params, direction, [-lr] * len(params))

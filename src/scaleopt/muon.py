@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import _compact, _foreach, adamw
+from . import _compact, _ops, adamw
 from ._base import ScaleOptimizer, lr_of
 from ._checks import check_betas, check_bool, check_choice, check_number
 from ._loading import StateSpec, _pairs
@@ -297,7 +297,7 @@ def _move(w: Tensor, update: Tensor, group: Dict[str, Any], shape: Any) -> None:
     ``torch.compile`` (a rate that changes is then an input of the graph, not a constant that
     recompiles it) and for a rate held on an accelerator (no host read)."""
     lr = lr_of(group)
-    if _foreach.compiling() or (isinstance(lr, Tensor) and not lr.is_cpu):
+    if _ops.compiling() or (isinstance(lr, Tensor) and not lr.is_cpu):
         w.mul_(1 - lr * group["weight_decay"])
         w.sub_(update.to(w.dtype) * adjusted_lr(lr, group["adjust_lr_fn"], shape))
         return

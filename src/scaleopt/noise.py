@@ -32,7 +32,7 @@ from typing import Dict, Iterable, List, Optional
 import torch
 from torch import Tensor
 
-from . import _foreach
+from . import _ops
 from ._sharding import ShardSums, local, total_one
 
 __all__ = ["GradientNoiseScale"]
@@ -96,7 +96,7 @@ class GradientNoiseScale:
             added = grads
         else:
             added = [g.float() - b for g, b in zip(grads, self._before)]
-        self._small.append(_foreach.sq_norms(added))
+        self._small.append(_ops.sq_norms(added))
         self._before = [g.detach().float().clone() for g in grads]
 
     def end(self, micro_batch: int) -> Dict[str, float]:
@@ -109,7 +109,7 @@ class GradientNoiseScale:
             raise ValueError("GradientNoiseScale.end needs two or more micro-batches "
                              f"(accumulated() after each backward) of at least one example; got "
                              f"{k} micro-batch(es) of {micro_batch}")
-        sums = torch.cat(self._small + [_foreach.sq_norms(self._grads())])
+        sums = torch.cat(self._small + [_ops.sq_norms(self._grads())])
         n = len(self.params)
         totals = _total(self._sums, sums, list(range(n)) * (k + 1)).view(k + 1, n).sum(1)
         totals = totals.double().tolist()

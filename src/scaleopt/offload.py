@@ -17,7 +17,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Type
 import torch
 from torch import Tensor
 
-from . import _foreach, _native
+from . import _ops, _native
 from ._adam import AdamFamily
 from ._base import lr_number
 from ._checks import check_bool, check_choice
@@ -321,10 +321,10 @@ def _adam_reference(w: Tensor, g: Tensor, m: Tensor, v: Tensor, vmax: Optional[T
             w.mul_(1 - lr * weight_decay)
         else:
             g = g.add(w, alpha=weight_decay)
-    _foreach.adam_moments_one(m, v, g, beta1, beta2, one_minus_betas)
+    _ops.adam_moments_one(m, v, g, beta1, beta2, one_minus_betas)
     if vmax is not None:
         torch.maximum(vmax, v, out=vmax)
-    denom = _foreach.adam_denominator_one(v if vmax is None else vmax, bc2_sqrt, eps)
+    denom = _ops.adam_denominator_one(v if vmax is None else vmax, bc2_sqrt, eps)
     num = m.mul(beta1).add_(g, alpha=one_minus_betas[0]) if nesterov else m
     w.addcdiv_(num, denom, value=-step_size)
 

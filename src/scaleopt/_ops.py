@@ -1,5 +1,6 @@
-"""Operations over lists of tensors (torch's ``_foreach_*`` kernels), each with its form on one
-tensor, shared by every scaleopt optimizer.
+"""The operations every scaleopt optimizer's update is made of (moments, bias corrections,
+decay, norms and trust ratios, clipping, momentum), each over lists of tensors (torch's
+``_foreach_*`` kernels) and on one tensor.
 
 Each operation comes in the forms the optimizers need:
 
