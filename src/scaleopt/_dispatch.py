@@ -54,7 +54,8 @@ def implementation(group: Dict[str, Any], params: Sequence[Tensor], *, kernels: 
     ``TRITON`` on CUDA, ``ValueError`` where neither can take the group (:func:`fused`).
     ``foreach=True``/``False`` asks for ``MULTI``/``SINGLE``. ``fused=False`` leaves the fused
     kernels out of the choice below. With neither set: ``NATIVE`` for an optimizer with
-    ``kernels`` when they are built, the update runs in host memory (CPU parameters, or ``on_host``: an offloaded optimizer) and,
+    ``kernels`` when they are built, the update runs in host memory (CPU parameters, or
+    ``on_host``: an offloaded optimizer) and,
     when ``tensors`` are given, the kernels take every one of them (:func:`_native.applies`:
     contiguous float32 weights, or bfloat16 ones with master weights); without ``tensors`` the
     answer says whether the kernels may take the group (before its state exists). Otherwise
@@ -104,16 +105,12 @@ def takes(impl: Impl, tensors: GroupTensors) -> bool:
 def confirmed(impl: Impl, group: Dict[str, Any], params: Sequence[Tensor],
               tensors: GroupTensors, *, on_host: bool = False) -> Impl:
     """The implementation :func:`implementation` chose for a group before its state existed,
-    now that its tensors are known: the fused kernels where they take every tensor; where they
-    do not, ``ValueError`` if they were asked for (``implementation`` or ``fused=True``), else
-    the choice without them. (What :func:`implementation` with ``tensors`` answers, asking
-    the kernels' test once.)"""
+    now that its tensors are known: the fused kernels where they take every tensor, else what
+    :func:`implementation` answers with the tensors (``ValueError`` where the kernels were
+    asked for, the choice without them otherwise)."""
     if not impl.fused or takes(impl, tensors):
         return impl
-    if group.get("implementation") is not None or group.get("fused"):
-        return _explicit(impl, params, tensors,
-                         asked=None if group.get("implementation") else "fused=True")
-    return implementation(group, params, kernels=False, on_host=on_host)
+    return implementation(group, params, on_host=on_host, tensors=tensors)
 
 
 def fused(params: Sequence[Tensor], on_host: bool, tensors: Optional[GroupTensors]) -> Impl:

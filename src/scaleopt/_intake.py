@@ -204,7 +204,8 @@ def _collect(opt: Any, group: Dict[str, Any], value_clip: bool,
     clamp = group.get("clip_grad_value") if value_clip else None
     per_tensor = group.get("clip_grad_norm_per_tensor")
     norm_clip = per_tensor is not None or group.get("max_grad_norm") is not None
-    item.deferred = (bool(grads) and defer is not None and (defer.groups is None or id(group) in defer.groups)
+    item.deferred = (bool(grads) and defer is not None
+                     and (defer.groups is None or id(group) in defer.groups)
                      and not (clamp is not None and norm_clip))
     item.unscale = unscale = _unscale(opt, group)
     if item.deferred:
@@ -218,7 +219,7 @@ def _collect(opt: Any, group: Dict[str, Any], value_clip: bool,
                 local_sums = _ops.sq_norms(grads).double() if sums is None else sums
                 item.pending = item.shard_sums.request(local_sums, range(len(grads)))
             else:
-                _scale_by_tensor_norms(item, sums, unscale)
+                _scale_by_tensor_norms(item, sums)
     elif grads:
         if group.get("maximize", False):
             grads = torch._foreach_neg(grads)
@@ -242,7 +243,7 @@ def _clip_by_tensor_norms(item: GroupGrads, totals: Tensor) -> None:
     """A sharded group's norm clippings, with its sums totalled over the shards (``pending``)."""
     item.pending = None
     if item.deferred:
-        _scale_by_tensor_norms(item, totals, item.unscale)
+        _scale_by_tensor_norms(item, totals)
         return
     norms, per_tensor = totals, item.group.get("clip_grad_norm_per_tensor")
     if per_tensor is not None:
@@ -252,7 +253,7 @@ def _clip_by_tensor_norms(item: GroupGrads, totals: Tensor) -> None:
     item.grad_norms = norms
 
 
-def _scale_by_tensor_norms(item: GroupGrads, sums: Optional[Tensor], unscale: Any) -> None:
+def _scale_by_tensor_norms(item: GroupGrads, sums: Optional[Tensor]) -> None:
     """A deferred group's raw gradients' norms (from ``sums``, their sums of squares over whole
     tensors, or from torch where None), and its multipliers times ``clip_grad_norm_per_tensor``'s
     coefficients."""
@@ -261,7 +262,7 @@ def _scale_by_tensor_norms(item: GroupGrads, sums: Optional[Tensor], unscale: An
     mults = scalars.mults
     per_tensor = item.group.get("clip_grad_norm_per_tensor")
     if per_tensor is not None:
-        mults = mults * _ops.clip_coef(item.norms * unscale, per_tensor).to(mults)
+        mults = mults * _ops.clip_coef(item.norms * item.unscale, per_tensor).to(mults)
     item.scalars = GradScalars(mults, sums, scalars.clamp)
 
 

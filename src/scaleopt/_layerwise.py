@@ -90,7 +90,7 @@ class LayerwiseAdam(AdamFamily):
         no_adapt = self._rule_flags(group, "exclude_from_layer_adaptation")
         lr_mult, wd_mult = self._param_multipliers(group, idx)
         lr, wd = group["lr"], group["weight_decay"]
-        lrs = [lr] * len(idx) if lr_mult is None else [lr * m for m in lr_mult]
+        lrs = _rates(lr, lr_mult, len(idx))
         wds = [0.0 if no_decay[i] else wd for i in idx]
         if wd_mult is not None:
             wds = [w * m for w, m in zip(wds, wd_mult)]
@@ -160,9 +160,8 @@ class LayerwiseAdam(AdamFamily):
         group = item.group
         layer = plan.layer
         if group["lr"] is not plan.lr:  # a schedule's new rate
-            lr = plan.lr = group["lr"]
-            layer = plan.layer = layer._replace(lrs=[lr] * len(grads) if plan.lr_mult is None
-                                                else [lr * m for m in plan.lr_mult])
+            plan.lr = group["lr"]
+            layer = plan.layer = layer._replace(lrs=_rates(plan.lr, plan.lr_mult, len(grads)))
         if item.shard_sums is None:  # (the plan's own object: no update holds it now)
             t = plan.tensors
             t.grads, t.grad_scalars, t.skip_if = grads, item.scalars, skip_if
@@ -295,6 +294,11 @@ class GroupPlan:
         same = list(map(operator.is_, group.values(), self.values))
         same[self.lr_at] = True
         return all(same)
+
+
+def _rates(lr: Any, multipliers: Optional[Sequence[float]], count: int) -> List[Any]:
+    """Each tensor's learning rate: the group's, times its multiplier where there are any."""
+    return [lr] * count if multipliers is None else [lr * m for m in multipliers]
 
 
 _DTYPE = operator.attrgetter("dtype")

@@ -11,8 +11,8 @@ A parameter's master is stored in one of three ways (:class:`Storage`):
 
 :class:`MasterWeights` owns those state entries for one optimizer: it gives the tensors an
 update runs on (:meth:`MasterWeights.view`), joins and re-splits them for the PyTorch paths
-(:meth:`MasterWeights.joined`, :meth:`MasterWeights.split_back`), commits the result to the parameters
-(:meth:`MasterWeights.commit`), and converts checkpoints through the optimizer's state-dict
+(:meth:`MasterWeights.joined`, :meth:`MasterWeights.split_back`), commits the result to the
+parameters (:meth:`MasterWeights.commit`), and converts checkpoints through the optimizer's state-dict
 hooks: a state dict always holds a float32 ``master_param``, and loading one keeps the saved
 float32 values (torch's loader would round them to the parameter's dtype) and splits them where
 this optimizer splits. A :class:`Placement` says where masters live: beside their parameters

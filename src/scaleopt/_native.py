@@ -198,24 +198,22 @@ def _ptr(t: Optional[Tensor]) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-def _layerwise_tensors(t: GroupTensors, layer: TensorOptions, grad_sq_sums: Optional[Tensor]):
-    """The per-tensor array of a ``lamb_*`` / ``lans_*`` call: a ``GroupTensors`` and its
-    ``TensorOptions``. Each gradient is taken times its deferred multiplier (1 without);
-    ``grad_sq_sums``: the gradients' sums of squares where already computed (LANS)."""
+def _layerwise_tensors(t: GroupTensors, layer: TensorOptions):
+    """The per-tensor array of a ``lamb_*`` / ``lans_*`` call, from a ``GroupTensors`` and its
+    ``TensorOptions``, but for what a step writes in (:meth:`LayerwiseKernel._rows`): the
+    gradients' addresses, multipliers and sums of squares, and the learning rates."""
     count = len(t.weights)
     w16s = t.w16 or [None] * count
     check_same_sizes("the LAMB/LANS C kernel", t.weights, t.grads, t.exp_avgs, t.exp_avg_sqs,
                      w16s)
-    mults = [1.0] * count if t.grad_scalars is None else t.grad_scalars.mults.tolist()
-    gsq = [-1.0] * count if grad_sq_sums is None else grad_sq_sums.tolist()
     stored = t.stored or [None] * count
     return (LayerwiseTensor * count)(*[
-        LayerwiseTensor(w.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), _ptr(w16),
-                        s.data_ptr(), w.numel(), _kind(w, g), gm, lr, wd, sq, int(bool(a)),
-                        **_stored_fields(st))
-        for w, g, m, v, w16, s, gm, lr, wd, sq, a, st in zip(
-            t.weights, t.grads, t.exp_avgs, t.exp_avg_sqs, w16s, t.steps, mults, layer.lrs,
-            layer.weight_decays, gsq, layer.adapt, stored)])
+        LayerwiseTensor(w=w.data_ptr(), m=m.data_ptr(), v=v.data_ptr(), w16=_ptr(w16),
+                        step=s.data_ptr(), n=w.numel(), kind=_kind(w, g), wd=wd,
+                        adapt=int(bool(a)), **_stored_fields(st))
+        for w, g, m, v, w16, s, wd, a, st in zip(
+            t.weights, t.grads, t.exp_avgs, t.exp_avg_sqs, w16s, t.steps,
+            layer.weight_decays, layer.adapt, stored)])
 
 
 def _layerwise_config(o: GroupOptions, clip_grad_value: Any, mode: int = 0,
@@ -240,9 +238,16 @@ class LayerwiseKernel:
 
     @eager
     def __init__(self, name: str, per_tensor: int, t: GroupTensors, layer: TensorOptions,
-                 config: LayerwiseConfig, grad_sq_sums: Optional[Tensor] = None) -> None:
+                 o: GroupOptions, clip_grad_value: Any, mode: int = 0, moved: bool = False,
+                 grad_sq_sums: Optional[Tensor] = None) -> None:
         self.name, self.per_tensor, self.count = name, per_tensor, len(t.weights)
         self.t, self.layer, self.grad_sq_sums = t, layer, grad_sq_sums
+        # the group's options: kept in t.cache (the group's plan's: the same while it is kept)
+        config = t.cache.get("config") if t.cache is not None else None
+        if config is None:
+            config = _layerwise_config(o, clip_grad_value, mode, moved)
+            if t.cache is not None:
+                t.cache["config"] = config
         config.nthreads = torch.get_num_threads()
         self.config = ctypes.byref(config)
         self.tensors: Any = None
@@ -272,8 +277,9 @@ class LayerwiseKernel:
 
     def _rows(self) -> Any:
         """The per-tensor array of the call: the last step's, kept in ``t.cache`` (the group's
-        plan's) with this step's gradients, multipliers, learning rates (and LANS's gradients'
-        sums) written in, while the other tensors are where they were; else made anew."""
+        plan's) while the other tensors are where they were, else made anew; with this step's
+        gradients' addresses and multipliers (1 without), learning rates, and LANS's gradients'
+        sums of squares (-1: not given) written in."""
         t, cache = self.t, self.t.cache
         fixed = [t.weights, t.exp_avgs, t.exp_avg_sqs, t.steps,
                  [x for x in t.w16 or () if x is not None]]
@@ -281,17 +287,16 @@ class LayerwiseKernel:
         addresses = [list(map(Tensor.data_ptr, xs)) for xs in fixed] if cache is not None \
             else None
         if kept is None or kept[0] != addresses:
-            rows = _layerwise_tensors(t, self.layer, self.grad_sq_sums)
+            rows = _layerwise_tensors(t, self.layer)
             if cache is not None:
                 cache[self.name] = (addresses, rows)
-            return rows
-        rows = kept[1]
-        mults = [1.0] * self.count if t.grad_scalars is None else t.grad_scalars.mults.tolist()
-        for row, g, gm, lr in zip(rows, t.grads, mults, self.layer.lrs):
-            row.g, row.gmul, row.lr = g.data_ptr(), gm, lr
-        gsq = [-1.0] * self.count if self.grad_sq_sums is None else self.grad_sq_sums.tolist()
-        for row, sq in zip(rows, gsq):
-            row.gsq = sq
+        else:
+            rows = kept[1]
+        count = self.count
+        mults = [1.0] * count if t.grad_scalars is None else t.grad_scalars.mults.tolist()
+        gsq = [-1.0] * count if self.grad_sq_sums is None else self.grad_sq_sums.tolist()
+        for row, g, gm, lr, sq in zip(rows, t.grads, mults, self.layer.lrs, gsq):
+            row.g, row.gmul, row.lr, row.gsq = g.data_ptr(), gm, lr, sq
         return rows
 
     @eager
@@ -327,12 +332,8 @@ def lamb_kernel(t: GroupTensors, layer: TensorOptions, o: GroupOptions) -> Layer
     factors, see ``scaleopt._intake``), then clamped where the scalars say (LAMB's element-wise
     clipping)."""
     clamp = None if t.grad_scalars is None else t.grad_scalars.clamp
-    config = t.cache.get("config") if t.cache is not None else None
-    if config is None:  # (the group's options: the same while its plan is)
-        config = _layerwise_config(o, clamp, mode=_format.WEIGHT_DECAY_MODES[o.weight_decay_mode])
-        if t.cache is not None:
-            t.cache["config"] = config
-    return LayerwiseKernel("lamb", 2, t, layer, config)
+    return LayerwiseKernel("lamb", 2, t, layer, o, clamp,
+                           mode=_format.WEIGHT_DECAY_MODES[o.weight_decay_mode])
 
 
 def lans_kernel(t: GroupTensors, layer: TensorOptions, o: GroupOptions) -> LayerwiseKernel:
@@ -343,12 +344,8 @@ def lans_kernel(t: GroupTensors, layer: TensorOptions, o: GroupOptions) -> Layer
     sq_sums = None if t.grad_scalars is None else t.grad_scalars.sq_sums
     if sq_sums is None and t.grad_norms is not None:
         sq_sums = t.grad_norms.double().square()
-    config = t.cache.get("config") if t.cache is not None else None
-    if config is None:  # (the group's options: the same while its plan is)
-        config = _layerwise_config(o, o.clip_grad_value, moved=o.decay_moved_weight)
-        if t.cache is not None:
-            t.cache["config"] = config
-    return LayerwiseKernel("lans", 4, t, layer, config, sq_sums)
+    return LayerwiseKernel("lans", 4, t, layer, o, o.clip_grad_value,
+                           moved=o.decay_moved_weight, grad_sq_sums=sq_sums)
 
 
 def adam_applies(weight: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
