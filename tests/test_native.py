@@ -387,6 +387,62 @@ def _c_declarations():
     return found
 
 
+def _c_parts():
+    """The C kernels' files in the order the compiler reads them: each part ``kernels.c``
+    includes, then ``kernels.c`` itself; each as (name, text without comments and strings)."""
+    csrc = Path(scaleopt.__file__).parent / "csrc"
+    main = (csrc / "kernels.c").read_text()
+    names = re.findall(r'^#include "(\w+\.h)"$', main, flags=re.M) + ["kernels.c"]
+
+    def bare(text):
+        text = re.sub(r"/\*.*?\*/", lambda m: re.sub(r"[^\n]", " ", m[0]), text, flags=re.S)
+        return re.sub(r'"(?:[^"\\\n]|\\.)*"', '""', text)
+
+    return [(name, bare((csrc / name).read_text())) for name in names]
+
+
+#: what a C part defines at the top level: functions (a name, its parameters, a body),
+#: macros, structs and function-pointer types, enum constants, tables and variables
+_C_DEFINITIONS = (r"^[A-Za-z_][^;{}()=#\n]*?\b(\w+)\([^;{}]*?\)\s*\{",
+                  r"^#define (\w+)",
+                  r"^\}\s*(\w+)\s*;",
+                  r"^typedef [^;]*?\(\*(\w+)\)\(",
+                  r"^static [^;(){}=]*?\b(\w+)\s*(?:\[[^\]]*\])*\s*[=;]")
+
+
+def test_each_c_part_uses_only_what_it_or_an_earlier_part_defines():
+    """The C sources read top to bottom: no file uses a function, type, macro, constant or
+    table that a later file defines, and nothing is declared ahead of its definition (the
+    first mention of each name is where it is defined)."""
+    parts = _c_parts()
+    source, starts = "", []
+    for name, text in parts:
+        starts.append((len(source), name))
+        source += text + "\n"
+
+    def part(at):
+        return [name for start, name in starts if start <= at][-1]
+
+    defined = {}
+    for pattern in _C_DEFINITIONS:
+        for m in re.finditer(pattern, source, flags=re.M):
+            defined.setdefault(m[1], m.start())
+    for m in re.finditer(r"^enum \{([^}]*)\}", source, flags=re.M):
+        for constant in re.findall(r"(\w+)\s*(?:=[^,]*)?(?:,|$)", m[1]):
+            defined.setdefault(constant, m.start())
+    assert {"lamb_multi", "lamb_phase1", "v16_lamb_sums", "Blocks", "Pass", "SUM_SPAN",
+            "LAMB1", "keep_buffer", "COMPACT_LOOP", "ADAM_PORTABLE"} <= set(defined)
+    ahead = []
+    for name, at in defined.items():
+        first = re.search(rf"\b{name}\b", source).start()
+        if first < at:
+            ahead.append(f"{name} (defined in {part(at)}) is used first in {part(first)}")
+    assert not ahead, ahead
+    declarations = re.findall(r"^[A-Za-z_][^;{}()=#\n]*?\b(\w+)\([^;{}]*?\)\s*;", source,
+                              flags=re.M)
+    assert not declarations, f"declared ahead of their definitions: {declarations}"
+
+
 def _as_ctypes(c_type: str):
     """The ctypes type a C parameter type is bound with: a pointer to a struct of the binding
     as POINTER(struct), any other pointer as c_void_p."""

@@ -1,4 +1,5 @@
-/* Adam and AdamW, OffloadAdam's host step, in torch's order of operations.
+/* Adam and AdamW, OffloadAdam's host step, in torch's order of operations: one tensor's
+ * pass, on float32 moments and on compact ones (the portable loop, then the AVX-512 one).
  * Part of kernels.c, which includes the parts in order as one translation unit. */
 
 /* The Adam kernel keeps torch's operations exactly, so no fused multiply-adds here. */
@@ -66,15 +67,7 @@ TARGETS static void adam_split_bf16g(const void *a, int64_t i, int64_t j, double
 static const Pass ADAM[3][2] = {{adam_f32, adam_f32_bf16g}, {adam_f32_copy, adam_f32_copy_bf16g},
                                 {adam_split, adam_split_bf16g}};
 
-static void adam_step(const AdamTensor *x, const AdamConfig *cfg) {
-    const int store = store_form(x->kind, x->w16);
-    const Adam a = {x->w, x->w16, x->g, x->m, x->v, x->step_size, cfg->beta1, cfg->one_m_b1,
-                    cfg->beta2, cfg->one_m_b2, x->bc2_sqrt, 1.0f / x->bc2_sqrt, cfg->eps,
-                    x->wd_l2, x->decay, x->gmul, cfg->nesterov};
-    shares(ADAM[store][x->kind & KIND_BF16_GRAD], &a, x->n, cfg->nthreads);
-}
-
-/* Adam on compact moments (see compact_loops.h): one pass, block by block; split: the
+/* Adam on compact moments (see blocks.h): one pass, block by block; split: the
  * weights are split masters (adam_denom's fast form); nesterov: Nesterov momentum. */
 INLINE void adam_apply_block(const Blocks *c, int64_t len, const float *wp, const float *gp,
                              float *wo, float *mb, float *vb, float *amax, float *vmax,
@@ -93,10 +86,63 @@ INLINE void adam_apply_block(const Blocks *c, int64_t len, const float *wp, cons
     *amax = am, *vmax = av;
 }
 
-TARGETS static void adam_apply_portable(const Blocks *c, int64_t i, int64_t j, double *s) { portable_blocks(c, i, j, s, ADAM_APPLY); }
-TARGETS static void adam_apply_nesterov_portable(const Blocks *c, int64_t i, int64_t j, double *s) { portable_blocks(c, i, j, s, ADAM_APPLY + 1); }
-TARGETS static void adam_apply_split_portable(const Blocks *c, int64_t i, int64_t j, double *s) { portable_blocks(c, i, j, s, ADAM_APPLY + 2); }
-TARGETS static void adam_apply_split_nesterov_portable(const Blocks *c, int64_t i, int64_t j, double *s) { portable_blocks(c, i, j, s, ADAM_APPLY + 3); }
+/* The four specialisations of adam_apply_block as ApplyBlock (split, nesterov constants). */
+INLINE void adam_block(const Blocks *c, int64_t len, const float *wp, const float *gp, float *wo, float *mb, float *vb, float *amax, float *vmax) { adam_apply_block(c, len, wp, gp, wo, mb, vb, amax, vmax, 0, 0); }
+INLINE void adam_nesterov_block(const Blocks *c, int64_t len, const float *wp, const float *gp, float *wo, float *mb, float *vb, float *amax, float *vmax) { adam_apply_block(c, len, wp, gp, wo, mb, vb, amax, vmax, 0, 1); }
+INLINE void adam_split_block(const Blocks *c, int64_t len, const float *wp, const float *gp, float *wo, float *mb, float *vb, float *amax, float *vmax) { adam_apply_block(c, len, wp, gp, wo, mb, vb, amax, vmax, 1, 0); }
+INLINE void adam_split_nesterov_block(const Blocks *c, int64_t len, const float *wp, const float *gp, float *wo, float *mb, float *vb, float *amax, float *vmax) { adam_apply_block(c, len, wp, gp, wo, mb, vb, amax, vmax, 1, 1); }
+
+TARGETS static void adam_apply_portable(const Blocks *c, int64_t i, int64_t j, double *s) { portable_blocks(c, i, j, s, NULL, adam_block); }
+TARGETS static void adam_apply_nesterov_portable(const Blocks *c, int64_t i, int64_t j, double *s) { portable_blocks(c, i, j, s, NULL, adam_nesterov_block); }
+TARGETS static void adam_apply_split_portable(const Blocks *c, int64_t i, int64_t j, double *s) { portable_blocks(c, i, j, s, NULL, adam_split_block); }
+TARGETS static void adam_apply_split_nesterov_portable(const Blocks *c, int64_t i, int64_t j, double *s) { portable_blocks(c, i, j, s, NULL, adam_split_nesterov_block); }
+static const BlockLoop ADAM_PORTABLE[2][2] = {{adam_apply_portable, adam_apply_nesterov_portable},
+                                              {adam_apply_split_portable, adam_apply_split_nesterov_portable}};
+
+#ifdef HAVE_V16
+/* Adam (adam_compact): w * decay - step_size * n / (sqrt(v) / bc2_sqrt + eps). The moments
+ * with torch's operations, unfused (the intrinsics are vector arithmetic, which GCC would
+ * otherwise fuse). */
+V16_INLINE void v16_adam(const Blocks *c, const V16Scalars *v, const V16Block *k, int plain,
+                         int int8, int64_t len, int kept, double *sums) {
+    (void)kept, (void)sums;
+    const __m512 vwd = _mm512_set1_ps(c->wd);
+    const __m512 vdecay = _mm512_set1_ps(c->decay), vstep = _mm512_set1_ps(c->step_size);
+    __m512 am = _mm512_setzero_ps(), av = am;
+    for (int64_t j = 0; j < len; j += 16) {
+        const __mmask16 mask = v16_mask(j, len);
+        const __m512 w = v16_w(v, k, j, mask, plain), gt = v16_gt(v, k, j, mask, plain);
+        __m512 m0, v0;
+        v16_decode(&c->st, int8, k->at + j, mask, k->sm, k->sv, &m0, &v0);
+        const __m512 gi = _mm512_add_ps(gt, _mm512_mul_ps(vwd, w));
+        const __m512 mi = _mm512_add_ps(m0, _mm512_mul_ps(v->omb1, _mm512_sub_ps(gi, m0)));
+        const __m512 vi = _mm512_add_ps(_mm512_mul_ps(v0, v->beta2),
+                                        _mm512_mul_ps(_mm512_mul_ps(v->omb2, gi), gi));
+        const __m512 dinv = v16_recip(_mm512_fmadd_ps(v16_sqrt(vi), v->ibc2, v->eps));
+        const __m512 num =
+            c->nesterov ? _mm512_fmadd_ps(v->beta1, mi, _mm512_mul_ps(v->omb1, gi)) : mi;
+        _mm512_mask_storeu_ps(k->wo + j, mask, _mm512_fnmadd_ps(vstep, _mm512_mul_ps(num, dinv),
+                                                                _mm512_mul_ps(w, vdecay)));
+        v16_stage(c, k, int8, j, mask, mi, vi, &am, &av);
+    }
+    v16_unstage(c, k);
+    v16_store_moments(c, k, int8, am, av);
+}
+
+V16 static void adam_v16(const Blocks *c, int64_t i, int64_t j, double *s) { v16_blocks(c, i, j, s, v16_adam); }
+#endif
+
+#pragma GCC pop_options
+
+/* What runs the loops over a tensor, compiled as the rest (they do no arithmetic of the
+ * update): a float32 tensor's pass, then a compact one's. */
+static void adam_step(const AdamTensor *x, const AdamConfig *cfg) {
+    const int store = store_form(x->kind, x->w16);
+    const Adam a = {x->w, x->w16, x->g, x->m, x->v, x->step_size, cfg->beta1, cfg->one_m_b1,
+                    cfg->beta2, cfg->one_m_b2, x->bc2_sqrt, 1.0f / x->bc2_sqrt, cfg->eps,
+                    x->wd_l2, x->decay, x->gmul, cfg->nesterov};
+    shares(ADAM[store][x->kind & KIND_BF16_GRAD], &a, x->n, cfg->nthreads);
+}
 
 /* An Adam tensor on compact moments: its weights as they are, its gradient times gmul, no
  * clipping. */
@@ -109,21 +155,5 @@ static void adam_compact(const AdamTensor *x, const AdamConfig *cfg) {
     c.beta2 = cfg->beta2, c.eps = cfg->eps, c.inv_bc2_sqrt = 1.0f / x->bc2_sqrt;
     c.bc2_sqrt = x->bc2_sqrt, c.wd = x->wd_l2, c.decay = x->decay, c.step_size = x->step_size;
     c.nesterov = cfg->nesterov;
-    run_blocks(compact_loop(ADAM_APPLY + 2 * c.split + c.nesterov), &c, x->n, cfg->nthreads, NULL, 0);
+    run_blocks(COMPACT_LOOP(ADAM_PORTABLE[c.split][c.nesterov], adam_v16), &c, x->n, cfg->nthreads, NULL, 0);
 }
-
-/* One Adam step on each of `count` tensors (see AdamTensor); step[t] is incremented. */
-void adam_multi(const AdamTensor *ts, int64_t count, const AdamConfig *cfg) {
-    for (int64_t t = 0; t < count; t++) {
-        const AdamTensor *x = &ts[t];
-        *x->step += 1.0f; /* the state's step counter (a float32 scalar tensor) */
-        if (x->form != FORM_FLOAT32) {
-            adam_compact(x, cfg);
-            continue;
-        }
-        adam_step(x, cfg);
-    }
-}
-
-#pragma GCC pop_options
-

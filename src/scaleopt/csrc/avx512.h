@@ -1,11 +1,13 @@
-/* The compact loops with AVX-512, 16 lanes at a time (chosen at run time).
+/* The compact loops' AVX-512 parts, 16 lanes at a time (chosen at run time): the format's
+ * codes, a block's lanes, the loop over a thread's blocks that each algorithm's file fills in,
+ * and the buffer where LAMB and LANS keep updates between their passes.
  * Part of kernels.c, which includes the parts in order as one translation unit. */
 
 /* ---------------------------------------------------------------------------------------- */
 /* Compact moments with AVX-512                                                               */
 /* ---------------------------------------------------------------------------------------- */
 
-/* The compact loops above, 16 lanes at a time with AVX-512 intrinsics, on CPUs that have it
+/* The portable compact loops, 16 lanes at a time with AVX-512 intrinsics, on CPUs that have it
  * (chosen at run time: compact_simd). The portable loops take a square root and a division
  * per element in each pass, and two more square roots to encode int8 codes: about 10 and 6
  * cycles per 16 lanes on the divider of current cores, where the float32 kernels wait on
@@ -17,7 +19,7 @@
  * their roots (see code_signed): every implementation stores the same codes. The tail of a
  * block goes through the same instructions under a mask, so an element is computed alike
  * wherever its block starts in memory and a sharded run computes it as one process does.
- * Weights and gradients are staged as above; each block's new int8 moments wait in mb, vb
+ * Weights and gradients are staged as in blocks.h; each block's new int8 moments wait in mb, vb
  * until the block's largest values are known, bfloat16 ones are rounded and stored at once.
  * LAMB and LANS keep the updates of each tensor's last blocks from the first pass to the second
  * (keep_take), where the second pass would compute them again. */
@@ -314,179 +316,20 @@ V16_INLINE void v16_unstage(const Blocks *c, const V16Block *k) {
     if (!c->in_place) unstage_w(c->w, c->w16, c->split, k->at, k->len, k->wo);
 }
 
-/* Each loop on one block: plain, int8 and len constants where known (len is the block's
+/* What an AVX-512 loop does with one block (each algorithm's file defines its own, and
+ * v16_blocks() inlines them): plain, int8 and len constants where known (len is the block's
  * length), kept: the block is one whose updates the first pass keeps for the second
- * (c->keep_block on: the end of the tensor, where the second pass starts). */
-
-/* LAMB's update u of lanes j .. j + 15, and their new moments. */
-V16_INLINE __m512 v16_lamb_u(const Blocks *c, const V16Scalars *v, const V16Block *k,
-                             int64_t j, __mmask16 mask, int plain, int int8, __m512 w,
-                             __m512 *mi, __m512 *vi) {
-    const __m512 gi = _mm512_fmadd_ps(_mm512_set1_ps(c->wd_g), w, v16_gt(v, k, j, mask, plain));
-    __m512 m0, v0;
-    v16_decode(&c->st, int8, k->at + j, mask, k->sm, k->sv, &m0, &v0);
-    const __m512 dinv = v16_moments(v, gi, m0, v0, mi, vi);
-    return _mm512_fmadd_ps(_mm512_mul_ps(*mi, v->ibc1), dinv,
-                           _mm512_mul_ps(_mm512_set1_ps(c->wd_u), w));
-}
-
-/* LAMB's first pass. Kept blocks also store their new moments and keep their updates in
- * c->keep, so that the second pass only writes their weights; the others only add up the
- * norms. */
-V16_INLINE void v16_lamb_sums(const Blocks *c, const V16Scalars *v, const V16Block *k,
-                              int plain, int int8, int64_t len, int kept, double *sums) {
-    float *keep = kept ? c->keep + (k->at - c->keep_from) : NULL;
-    __m512 bw = _mm512_setzero_ps(), bu = bw, am = bw, av = bw;
-    for (int64_t j = 0; j < len; j += 16) {
-        const __mmask16 mask = v16_mask(j, len);
-        const __m512 w = v16_w(v, k, j, mask, plain);
-        __m512 mi, vi;
-        const __m512 u = v16_lamb_u(c, v, k, j, mask, plain, int8, w, &mi, &vi);
-        bw = _mm512_mask3_fmadd_ps(w, w, bw, mask);
-        bu = _mm512_mask3_fmadd_ps(u, u, bu, mask);
-        if (kept) {
-            _mm512_mask_storeu_ps(keep + j, mask, u);
-            v16_stage(c, k, int8, j, mask, mi, vi, &am, &av);
-        }
-    }
-    if (kept) v16_store_moments(c, k, int8, am, av);
-    sums[0] += _mm512_reduce_add_ps(bw);
-    sums[1] += _mm512_reduce_add_ps(bu);
-}
-
-V16_INLINE void v16_lamb_apply(const Blocks *c, const V16Scalars *v, const V16Block *k,
-                               int plain, int int8, int64_t len, int kept) {
-    const __m512 vlr = _mm512_set1_ps(c->lr), vratio = _mm512_set1_ps(c->ratio);
-    if (kept) { /* the update kept by the first pass; the moments are stored */
-        const float *keep = c->keep + (k->at - c->keep_from);
-        for (int64_t j = 0; j < k->len; j += 16) {
-            const __mmask16 mask = v16_mask(j, k->len);
-            const __m512 w = v16_w(v, k, j, mask, 0);
-            const __m512 u = _mm512_maskz_loadu_ps(mask, keep + j);
-            _mm512_mask_storeu_ps(k->wo + j, mask,
-                                  _mm512_fnmadd_ps(vlr, _mm512_mul_ps(vratio, u), w));
-        }
-        v16_unstage(c, k);
-        return;
-    }
-    __m512 am = _mm512_setzero_ps(), av = am;
-    for (int64_t j = 0; j < len; j += 16) {
-        const __mmask16 mask = v16_mask(j, len);
-        const __m512 w = v16_w(v, k, j, mask, plain);
-        __m512 mi, vi;
-        const __m512 u = v16_lamb_u(c, v, k, j, mask, plain, int8, w, &mi, &vi);
-        _mm512_mask_storeu_ps(k->wo + j, mask, _mm512_fnmadd_ps(vlr, _mm512_mul_ps(vratio, u), w));
-        v16_stage(c, k, int8, j, mask, mi, vi, &am, &av);
-    }
-    v16_unstage(c, k);
-    v16_store_moments(c, k, int8, am, av);
-}
-
-/* LANS's update r of lanes j .. j + 15 and 1/(sqrt(v^) + eps) (*dinv), and their new
- * moments. */
-V16_INLINE __m512 v16_lans_r(const Blocks *c, const V16Scalars *v, const V16Block *k,
-                             int64_t j, __mmask16 mask, int int8, __m512 w, __m512 gt,
-                             __m512 *mi, __m512 *vi, __m512 *dinv) {
-    __m512 m0, v0;
-    v16_decode(&c->st, int8, k->at + j, mask, k->sm, k->sv, &m0, &v0);
-    *dinv = v16_moments(v, gt, m0, v0, mi, vi);
-    return _mm512_fmadd_ps(_mm512_mul_ps(*mi, v->ibc1), *dinv,
-                           _mm512_mul_ps(_mm512_set1_ps(c->wd), w));
-}
-
-/* LANS's first pass; kept blocks also store their moments and keep r and 1/(sqrt(v^) + eps)
- * in c->keep (the first and second half), as v16_lamb_sums. */
-V16_INLINE void v16_lans_sums(const Blocks *c, const V16Scalars *v, const V16Block *k,
-                              int plain, int int8, int64_t len, int kept, double *sums) {
-    const __m512 vwd = _mm512_set1_ps(c->wd);
-    float *keep = kept ? c->keep + (k->at - c->keep_from) : NULL;
-    __m512 bw = _mm512_setzero_ps(), br = bw, bc = bw, brc = bw, am = bw, av = bw;
-    for (int64_t j = 0; j < len; j += 16) {
-        const __mmask16 mask = v16_mask(j, len);
-        const __m512 w = v16_w(v, k, j, mask, plain), gt = v16_gt(v, k, j, mask, plain);
-        __m512 mi, vi, dinv;
-        const __m512 r = v16_lans_r(c, v, k, j, mask, int8, w, gt, &mi, &vi, &dinv);
-        const __m512 cc = _mm512_fmadd_ps(gt, dinv, _mm512_mul_ps(vwd, w));
-        bw = _mm512_mask3_fmadd_ps(w, w, bw, mask);
-        br = _mm512_mask3_fmadd_ps(r, r, br, mask);
-        bc = _mm512_mask3_fmadd_ps(cc, cc, bc, mask);
-        brc = _mm512_mask3_fmadd_ps(r, cc, brc, mask);
-        if (kept) {
-            _mm512_mask_storeu_ps(keep + j, mask, r);
-            _mm512_mask_storeu_ps(keep + c->keep_half + j, mask, dinv);
-            v16_stage(c, k, int8, j, mask, mi, vi, &am, &av);
-        }
-    }
-    if (kept) v16_store_moments(c, k, int8, am, av);
-    sums[0] += _mm512_reduce_add_ps(bw);
-    sums[1] += _mm512_reduce_add_ps(br);
-    sums[2] += _mm512_reduce_add_ps(bc);
-    sums[3] += _mm512_reduce_add_ps(brc);
-}
-
-/* LANS's new weights of lanes j .. j + 15 from w, gt, r and dinv. */
-V16_INLINE void v16_lans_weights(const Blocks *c, const V16Block *k, int64_t j, __mmask16 mask,
-                                 __m512 w, __m512 gt, __m512 r, __m512 dinv) {
-    const __m512 w1 = _mm512_fnmadd_ps(_mm512_set1_ps(c->lr_r),
-                                       _mm512_mul_ps(_mm512_set1_ps(c->ratio_r), r), w);
-    const __m512 cc = _mm512_fmadd_ps(gt, dinv,
-                                      _mm512_mul_ps(_mm512_set1_ps(c->wd), c->moved ? w1 : w));
-    _mm512_mask_storeu_ps(k->wo + j, mask,
-                          _mm512_fnmadd_ps(_mm512_set1_ps(c->lr_c),
-                                           _mm512_mul_ps(_mm512_set1_ps(c->ratio_c), cc), w1));
-}
-
-V16_INLINE void v16_lans_apply(const Blocks *c, const V16Scalars *v, const V16Block *k,
-                               int plain, int int8, int64_t len, int kept) {
-    if (kept) { /* r and dinv kept by the first pass; the moments are stored */
-        const float *keep = c->keep + (k->at - c->keep_from);
-        for (int64_t j = 0; j < k->len; j += 16) {
-            const __mmask16 mask = v16_mask(j, k->len);
-            const __m512 w = v16_w(v, k, j, mask, 0), gt = v16_gt(v, k, j, mask, 0);
-            v16_lans_weights(c, k, j, mask, w, gt, _mm512_maskz_loadu_ps(mask, keep + j),
-                             _mm512_maskz_loadu_ps(mask, keep + c->keep_half + j));
-        }
-        v16_unstage(c, k);
-        return;
-    }
-    __m512 am = _mm512_setzero_ps(), av = am;
-    for (int64_t j = 0; j < len; j += 16) {
-        const __mmask16 mask = v16_mask(j, len);
-        const __m512 w = v16_w(v, k, j, mask, plain), gt = v16_gt(v, k, j, mask, plain);
-        __m512 mi, vi, dinv;
-        const __m512 r = v16_lans_r(c, v, k, j, mask, int8, w, gt, &mi, &vi, &dinv);
-        v16_lans_weights(c, k, j, mask, w, gt, r, dinv);
-        v16_stage(c, k, int8, j, mask, mi, vi, &am, &av);
-    }
-    v16_unstage(c, k);
-    v16_store_moments(c, k, int8, am, av);
-}
-
-/* Adam's, below (compiled without contraction). */
-V16_INLINE void v16_adam(const Blocks *c, const V16Scalars *v, const V16Block *k, int plain,
-                         int int8, int64_t len);
-
-/* What loop (LAMB_SUMS, ...; a constant) does with one block, the block's constants given. */
-V16_INLINE void v16_block(const Blocks *c, const V16Scalars *v, const V16Block *k, int loop,
-                          int plain, int int8, int64_t len, int kept, double *sums) {
-    if (loop == LAMB_SUMS)
-        v16_lamb_sums(c, v, k, plain, int8, len, kept, sums);
-    else if (loop == LAMB_APPLY)
-        v16_lamb_apply(c, v, k, plain, int8, len, kept);
-    else if (loop == LANS_SUMS)
-        v16_lans_sums(c, v, k, plain, int8, len, kept, sums);
-    else if (loop == LANS_APPLY)
-        v16_lans_apply(c, v, k, plain, int8, len, kept);
-    else
-        v16_adam(c, v, k, plain, int8, len);
-}
+ * (c->keep_block on: the end of the tensor, where the second pass starts). A first pass adds
+ * its sums to sums. */
+typedef void (*V16Loop)(const Blocks *c, const V16Scalars *v, const V16Block *k, int plain,
+                        int int8, int64_t len, int kept, double *sums);
 
 /* A thread's blocks [first, last): each block's inputs, then loop on it. A whole block of int8
  * codes with plain weights and gradients (the common case) runs a copy of the loop in which
  * all that is constant (no masks, no scaling of w, no clamp, one form); the others the general
  * one. Only LAMB's and LANS's passes keep (Adam's blocks are never from c->keep_block on). */
 V16_INLINE void v16_blocks(const Blocks *blocks, int64_t first, int64_t last, double *sums,
-                           int loop) {
+                           V16Loop loop) {
     const Blocks c = *blocks;
     const V16Scalars v = v16_scalars(&c);
     float wb[COMPACT_BLOCK], gb[COMPACT_BLOCK], mb[COMPACT_BLOCK], vb[COMPACT_BLOCK];
@@ -503,54 +346,19 @@ V16_INLINE void v16_blocks(const Blocks *blocks, int64_t first, int64_t last, do
         const int whole = int8 && k.len == COMPACT_BLOCK && plain;
         if (b >= c.keep_block) {
             if (whole)
-                v16_block(&c, &v, &k, loop, 1, 1, COMPACT_BLOCK, 1, sums);
+                loop(&c, &v, &k, 1, 1, COMPACT_BLOCK, 1, sums);
             else
-                v16_block(&c, &v, &k, loop, 0, int8, k.len, 1, sums);
+                loop(&c, &v, &k, 0, int8, k.len, 1, sums);
         } else if (whole) {
-            v16_block(&c, &v, &k, loop, 1, 1, COMPACT_BLOCK, 0, sums);
+            loop(&c, &v, &k, 1, 1, COMPACT_BLOCK, 0, sums);
         } else {
-            v16_block(&c, &v, &k, loop, 0, int8, k.len, 0, sums);
+            loop(&c, &v, &k, 0, int8, k.len, 0, sums);
         }
     }
 }
 
-V16 static void lamb_sums_v16(const Blocks *c, int64_t i, int64_t j, double *s) { v16_blocks(c, i, j, s, LAMB_SUMS); }
-V16 static void lamb_apply_v16(const Blocks *c, int64_t i, int64_t j, double *s) { v16_blocks(c, i, j, s, LAMB_APPLY); }
-V16 static void lans_sums_v16(const Blocks *c, int64_t i, int64_t j, double *s) { v16_blocks(c, i, j, s, LANS_SUMS); }
-V16 static void lans_apply_v16(const Blocks *c, int64_t i, int64_t j, double *s) { v16_blocks(c, i, j, s, LANS_APPLY); }
-
-/* Adam (adam_compact): w * decay - step_size * n / (sqrt(v) / bc2_sqrt + eps). The moments
- * with torch's operations, unfused (the intrinsics are vector arithmetic, which GCC would
- * otherwise fuse). */
-#pragma GCC push_options
-#pragma GCC optimize("fp-contract=off")
-V16_INLINE void v16_adam(const Blocks *c, const V16Scalars *v, const V16Block *k, int plain,
-                         int int8, int64_t len) {
-    const __m512 vwd = _mm512_set1_ps(c->wd);
-    const __m512 vdecay = _mm512_set1_ps(c->decay), vstep = _mm512_set1_ps(c->step_size);
-    __m512 am = _mm512_setzero_ps(), av = am;
-    for (int64_t j = 0; j < len; j += 16) {
-        const __mmask16 mask = v16_mask(j, len);
-        const __m512 w = v16_w(v, k, j, mask, plain), gt = v16_gt(v, k, j, mask, plain);
-        __m512 m0, v0;
-        v16_decode(&c->st, int8, k->at + j, mask, k->sm, k->sv, &m0, &v0);
-        const __m512 gi = _mm512_add_ps(gt, _mm512_mul_ps(vwd, w));
-        const __m512 mi = _mm512_add_ps(m0, _mm512_mul_ps(v->omb1, _mm512_sub_ps(gi, m0)));
-        const __m512 vi = _mm512_add_ps(_mm512_mul_ps(v0, v->beta2),
-                                        _mm512_mul_ps(_mm512_mul_ps(v->omb2, gi), gi));
-        const __m512 dinv = v16_recip(_mm512_fmadd_ps(v16_sqrt(vi), v->ibc2, v->eps));
-        const __m512 num =
-            c->nesterov ? _mm512_fmadd_ps(v->beta1, mi, _mm512_mul_ps(v->omb1, gi)) : mi;
-        _mm512_mask_storeu_ps(k->wo + j, mask, _mm512_fnmadd_ps(vstep, _mm512_mul_ps(num, dinv),
-                                                                _mm512_mul_ps(w, vdecay)));
-        v16_stage(c, k, int8, j, mask, mi, vi, &am, &av);
-    }
-    v16_unstage(c, k);
-    v16_store_moments(c, k, int8, am, av);
-}
-
-V16 static void adam_v16(const Blocks *c, int64_t i, int64_t j, double *s) { v16_blocks(c, i, j, s, ADAM_APPLY); }
-#pragma GCC pop_options
+/* Which loop runs a compact pass: the AVX-512 one where it runs, else the portable one. */
+#define COMPACT_LOOP(portable, v16) (v16_on() ? (v16) : (portable))
 
 /* The kept updates (v16_lamb_sums, v16_lans_sums): one buffer for the process, of up
  * to KEEP_CAP floats, held by one *_multi call at a time. It covers the last elements of each
@@ -588,15 +396,8 @@ static const Keep *keep_take(const LayerwiseTensor *ts, int64_t count, int64_t f
 static void keep_give(const Keep *keep) {
     if (keep) __atomic_clear(&keep_busy, __ATOMIC_RELEASE);
 }
-
-/* The AVX-512 loop of which (LAMB_SUMS, ...) where they run, else the portable one. */
-static BlockLoop compact_loop(int which) {
-    static const BlockLoop V16_LOOPS[] = {lamb_sums_v16, lamb_apply_v16, lans_sums_v16,
-                                          lans_apply_v16, adam_v16,      adam_v16,
-                                          adam_v16,      adam_v16};
-    return v16_on() ? V16_LOOPS[which] : PORTABLE[which];
-}
 #else
+#define COMPACT_LOOP(portable, v16) (portable)
 int32_t compact_simd(int32_t use) {
     (void)use;
     return 0;
@@ -607,6 +408,4 @@ static const Keep *keep_take(const LayerwiseTensor *ts, int64_t count, int64_t f
     return NULL;
 }
 static void keep_give(const Keep *keep) { (void)keep; }
-static BlockLoop compact_loop(int which) { return PORTABLE[which]; }
 #endif
-

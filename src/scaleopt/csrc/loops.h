@@ -102,24 +102,14 @@ INLINE void weight_store(void *w, uint16_t *w16, int64_t i, float value, int sto
     }
 }
 
-/* Each element's arithmetic, one definition for the float32 and the compact loops. */
+/* Each element's arithmetic that more than one algorithm uses (an algorithm's own is in its
+ * file), one definition for the float32 and the compact loops. */
 
 /* The new moments *mi, *vi from the gradient g and the old ones m0, v0 (LAMB, LANS, Adam). */
 INLINE void new_moments(float g, float m0, float v0, float one_m_b1, float beta2,
                         float one_m_b2, float *mi, float *vi) {
     *mi = m0 + one_m_b1 * (g - m0);
     *vi = v0 * beta2 + one_m_b2 * g * g;
-}
-
-/* LAMB's update u of weight w from the moments mi, vi (wd_u: the decay added to it). */
-INLINE float lamb_u(float mi, float vi, float w, float inv_bc1, float inv_bc2_sqrt, float eps,
-                    float wd_u) {
-    return (mi * inv_bc1) / (sqrtf(vi) * inv_bc2_sqrt + eps) + wd_u * w;
-}
-
-/* LANS's 1 / (sqrt(v^) + eps). */
-INLINE float lans_dinv(float vi, float inv_bc2_sqrt, float eps) {
-    return 1.0f / (sqrtf(vi) * inv_bc2_sqrt + eps);
 }
 
 /* A gradient: float32, or bfloat16 (bf16 != 0). */

@@ -1,8 +1,10 @@
-/* LAMB's and LANS's passes over compact moments, block by block (portable).
+/* Compact moments (bfloat16 or int8) block by block: where a loop reads a tensor, the blocks it
+ * covers, the threads that run them, and the portable loop over a thread's blocks that each
+ * algorithm's file (lamb.h, lans.h, adam.h) fills in with its arithmetic.
  * Part of kernels.c, which includes the parts in order as one translation unit. */
 
 /* ---------------------------------------------------------------------------------------- */
-/* LAMB and LANS on compact moments                                                           */
+/* Compact moments, block by block                                                          */
 /* ---------------------------------------------------------------------------------------- */
 
 /* Moments stored in bfloat16 or 8 bits are updated block by block (the blocks of their
@@ -174,34 +176,6 @@ static Blocks layerwise_blocks(const LayerwiseTensor *x, const LayerwiseConfig *
     return c;
 }
 
-/* The Blocks of a LAMB tensor, the updates it keeps in keep. */
-static Blocks lamb_blocks(const LayerwiseTensor *x, const LayerwiseConfig *cfg, double bc1,
-                          double bc2_sqrt, float decay, const Keep *keep) {
-    Blocks c = layerwise_blocks(x, cfg, bc1, bc2_sqrt,
-                                cfg->mode == MODE_DECOUPLED ? decay : 1.0f, x->gmul);
-    c.wd_g = cfg->mode == MODE_L2 ? (float)x->wd : 0.0f;
-    c.wd_u = cfg->mode == MODE_UPDATE ? (float)x->wd : 0.0f;
-    keep_range(&c, x->n, keep, 1);
-    return c;
-}
-
-/* The Blocks of a LANS tensor, keeping two numbers per element. */
-static Blocks lans_blocks(const LayerwiseTensor *x, const LayerwiseConfig *cfg, double bc1,
-                          double bc2_sqrt, float ginv, const Keep *keep) {
-    Blocks c = layerwise_blocks(x, cfg, bc1, bc2_sqrt, 1.0f, ginv);
-    c.wd = (float)x->wd, c.moved = cfg->moved;
-    keep_range(&c, x->n, keep, 2);
-    return c;
-}
-
-/* The loops over blocks, in each form: the portable ones below (and Adam's, adam.h), or the
- * AVX-512 ones (avx512.h), as compact_loop() picks. */
-enum { LAMB_SUMS, LAMB_APPLY, LANS_SUMS, LANS_APPLY, ADAM_APPLY }; /* ADAM_APPLY + 2*split
-                                                                     + nesterov: Adam's four */
-static BlockLoop compact_loop(int which);
-
-/* ---- the portable loops ------------------------------------------------------------------ */
-
 /* A block's inputs, as the loops read them: block b (elements at .. at + len), its weights
  * (*wp) and gradient (*gp), staged into wb, gb where not float32, its moments decoded into
  * mb, vb. Returns where the loop writes the new weights: in place, or wb for block_outputs. */
@@ -234,14 +208,6 @@ INLINE void moments(const Blocks *c, float g, float m0, float v0, float *mi, flo
     new_moments(g, m0, v0, c->one_m_b1, c->beta2, c->one_m_b2, mi, vi);
 }
 
-/* LAMB's update u of one element (weight w, gradient g), its new moments in *mi, *vi. */
-INLINE float lamb_update(const Blocks *c, float w, float g, float m0, float v0, float *mi,
-                         float *vi) {
-    const float gi = clampf(g * c->s.gmul, c->s.glo, c->s.ghi) + c->wd_g * w;
-    moments(c, gi, m0, v0, mi, vi);
-    return lamb_u(*mi, *vi, w, c->inv_bc1, c->inv_bc2_sqrt, c->eps, c->wd_u);
-}
-
 /* The new moments staged in a block's buffers mb, vb (encoded after the loop) and their
  * largest magnitudes taken into *am, *av. */
 INLINE void stage_moments(float *mb, float *vb, int64_t i, float mi, float vi, float *am,
@@ -252,91 +218,22 @@ INLINE void stage_moments(float *mb, float *vb, int64_t i, float mi, float vi, f
     *av = vi > *av ? vi : *av;
 }
 
-/* What each loop does with a block of len elements: the weights wp[i] (times s.wmul), the
- * gradient gp[i], the stored moments mb[i], vb[i]. A first pass adds its sums to sums; a
- * second writes the new weights to wo[i] and stages the new moments (stage_moments). */
-INLINE void lamb_sums_block(const Blocks *c, int64_t len, const float *wp, const float *gp,
-                            const float *mb, const float *vb, double *sums) {
-    float bw = 0.0f, bu = 0.0f;
-#pragma omp simd reduction(+ : bw, bu)
-    for (int64_t i = 0; i < len; i++) {
-        float w = wp[i] * c->s.wmul, mi, vi;
-        float u = lamb_update(c, w, gp[i], mb[i], vb[i], &mi, &vi);
-        bw += w * w;
-        bu += u * u;
-    }
-    sums[0] += bw;
-    sums[1] += bu;
-}
+/* What a loop does with one block of len elements: the weights wp[i] (to be taken times
+ * s.wmul), the gradient gp[i], the stored moments decoded into mb[i], vb[i]. A first pass adds
+ * its sums to sums; a second writes the new weights to wo[i], stages the new moments in mb, vb
+ * (stage_moments) and their largest magnitudes in *amax, *vmax. Each algorithm's file defines
+ * its own; portable_blocks() inlines them. */
+typedef void (*SumsBlock)(const Blocks *c, int64_t len, const float *wp, const float *gp,
+                          const float *mb, const float *vb, double *sums);
+typedef void (*ApplyBlock)(const Blocks *c, int64_t len, const float *wp, const float *gp,
+                           float *wo, float *mb, float *vb, float *amax, float *vmax);
 
-INLINE void lamb_apply_block(const Blocks *c, int64_t len, const float *wp, const float *gp,
-                             float *wo, float *mb, float *vb, float *amax, float *vmax) {
-    float am = 0.0f, av = 0.0f;
-#pragma omp simd reduction(max : am, av)
-    for (int64_t i = 0; i < len; i++) {
-        float w = wp[i] * c->s.wmul, mi, vi;
-        float u = lamb_update(c, w, gp[i], mb[i], vb[i], &mi, &vi);
-        wo[i] = w - c->lr * (c->ratio * u);
-        stage_moments(mb, vb, i, mi, vi, &am, &av);
-    }
-    *amax = am, *vmax = av;
-}
-
-/* LANS's r of one element (weight w, gradient gt = its clamped normalised gradient), its new
- * moments in *mi, *vi and 1 / (sqrt(v^) + eps) in *dinv. */
-INLINE float lans_update(const Blocks *c, float w, float gt, float m0, float v0, float *mi,
-                         float *vi, float *dinv) {
-    moments(c, gt, m0, v0, mi, vi);
-    *dinv = lans_dinv(*vi, c->inv_bc2_sqrt, c->eps);
-    return (*mi * c->inv_bc1) * *dinv + c->wd * w;
-}
-
-INLINE void lans_sums_block(const Blocks *c, int64_t len, const float *wp, const float *gp,
-                            const float *mb, const float *vb, double *sums) {
-    float bw = 0.0f, br = 0.0f, bc = 0.0f, brc = 0.0f;
-#pragma omp simd reduction(+ : bw, br, bc, brc)
-    for (int64_t i = 0; i < len; i++) {
-        float w = wp[i] * c->s.wmul, gt = clampf(gp[i] * c->s.gmul, c->s.glo, c->s.ghi);
-        float mi, vi, dinv;
-        float r = lans_update(c, w, gt, mb[i], vb[i], &mi, &vi, &dinv);
-        float cc = gt * dinv + c->wd * w;
-        bw += w * w;
-        br += r * r;
-        bc += cc * cc;
-        brc += r * cc;
-    }
-    sums[0] += bw;
-    sums[1] += br;
-    sums[2] += bc;
-    sums[3] += brc;
-}
-
-INLINE void lans_apply_block(const Blocks *c, int64_t len, const float *wp, const float *gp,
-                             float *wo, float *mb, float *vb, float *amax, float *vmax) {
-    float am = 0.0f, av = 0.0f;
-#pragma omp simd reduction(max : am, av)
-    for (int64_t i = 0; i < len; i++) {
-        float w = wp[i] * c->s.wmul, gt = clampf(gp[i] * c->s.gmul, c->s.glo, c->s.ghi);
-        float mi, vi, dinv;
-        float r = lans_update(c, w, gt, mb[i], vb[i], &mi, &vi, &dinv);
-        float w1 = w - c->lr_r * (c->ratio_r * r);
-        float cc = gt * dinv + c->wd * (c->moved ? w1 : w);
-        wo[i] = w1 - c->lr_c * (c->ratio_c * cc);
-        stage_moments(mb, vb, i, mi, vi, &am, &av);
-    }
-    *amax = am, *vmax = av;
-}
-
-/* Adam's, in adam.h (compiled without contraction): split and nesterov constants. */
-INLINE void adam_apply_block(const Blocks *c, int64_t len, const float *wp, const float *gp,
-                             float *wo, float *mb, float *vb, float *amax, float *vmax,
-                             int split, int nesterov);
-
-/* The portable loops over a thread's blocks [first, last): each block's inputs, then what
- * loop (LAMB_SUMS, ..., a constant) does with them, then, after a second pass, its weights
- * and moments stored. */
+/* The portable loop over a thread's blocks [first, last): each block's inputs, then a first
+ * pass's sums_block or (sums_block NULL) a second pass's apply_block on them, then, after a
+ * second pass, its weights and moments stored. Both are constants where it is inlined (each
+ * algorithm's *_portable functions), so that the call is inlined too. */
 INLINE void portable_blocks(const Blocks *blocks, int64_t first, int64_t last, double *sums,
-                            int loop) {
+                            SumsBlock sums_block, ApplyBlock apply_block) {
     const Blocks c = *blocks;
     float wb[COMPACT_BLOCK], gb[COMPACT_BLOCK], mb[COMPACT_BLOCK], vb[COMPACT_BLOCK];
     for (int64_t b = first; b < last; b++) {
@@ -344,71 +241,11 @@ INLINE void portable_blocks(const Blocks *blocks, int64_t first, int64_t last, d
         const int64_t at = block_start(b, c.per_row, c.row_len, &len);
         const float *wp, *gp;
         float *wo = block_inputs(&c, b, at, len, &wp, &gp, wb, gb, mb, vb), am, av;
-        if (loop == LAMB_SUMS) {
-            lamb_sums_block(&c, len, wp, gp, mb, vb, sums);
+        if (sums_block) {
+            sums_block(&c, len, wp, gp, mb, vb, sums);
             continue;
         }
-        if (loop == LANS_SUMS) {
-            lans_sums_block(&c, len, wp, gp, mb, vb, sums);
-            continue;
-        }
-        if (loop == LAMB_APPLY)
-            lamb_apply_block(&c, len, wp, gp, wo, mb, vb, &am, &av);
-        else if (loop == LANS_APPLY)
-            lans_apply_block(&c, len, wp, gp, wo, mb, vb, &am, &av);
-        else
-            adam_apply_block(&c, len, wp, gp, wo, mb, vb, &am, &av, (loop - ADAM_APPLY) >> 1,
-                             (loop - ADAM_APPLY) & 1);
+        apply_block(&c, len, wp, gp, wo, mb, vb, &am, &av);
         block_outputs(&c, b, at, len, wb, mb, vb, am, av);
     }
-}
-
-TARGETS static void lamb_sums_portable(const Blocks *c, int64_t i, int64_t j, double *s) { portable_blocks(c, i, j, s, LAMB_SUMS); }
-TARGETS static void lamb_apply_portable(const Blocks *c, int64_t i, int64_t j, double *s) { portable_blocks(c, i, j, s, LAMB_APPLY); }
-TARGETS static void lans_sums_portable(const Blocks *c, int64_t i, int64_t j, double *s) { portable_blocks(c, i, j, s, LANS_SUMS); }
-TARGETS static void lans_apply_portable(const Blocks *c, int64_t i, int64_t j, double *s) { portable_blocks(c, i, j, s, LANS_APPLY); }
-
-/* Adam's, in adam.h (compiled without contraction). */
-TARGETS static void adam_apply_portable(const Blocks *, int64_t, int64_t, double *);
-TARGETS static void adam_apply_nesterov_portable(const Blocks *, int64_t, int64_t, double *);
-TARGETS static void adam_apply_split_portable(const Blocks *, int64_t, int64_t, double *);
-TARGETS static void adam_apply_split_nesterov_portable(const Blocks *, int64_t, int64_t, double *);
-
-static const BlockLoop PORTABLE[] = {lamb_sums_portable,
-                                     lamb_apply_portable,
-                                     lans_sums_portable,
-                                     lans_apply_portable,
-                                     adam_apply_portable,
-                                     adam_apply_nesterov_portable,
-                                     adam_apply_split_portable,
-                                     adam_apply_split_nesterov_portable};
-
-/* ---- LAMB and LANS on compact moments, as kernels.c calls them ---------------------------- */
-
-static void lamb_compact_sums(const LayerwiseTensor *x, const LayerwiseConfig *cfg, double bc1,
-                              double bc2_sqrt, float decay, double *out, const Keep *keep) {
-    const Blocks c = lamb_blocks(x, cfg, bc1, bc2_sqrt, decay, keep);
-    run_blocks(compact_loop(LAMB_SUMS), &c, x->n, cfg->nthreads, out, 2);
-}
-
-static void lamb_compact_apply(const LayerwiseTensor *x, const LayerwiseConfig *cfg,
-                               double bc1, double bc2_sqrt, float decay, float lr, float ratio,
-                               const Keep *keep) {
-    Blocks c = lamb_blocks(x, cfg, bc1, bc2_sqrt, decay, keep);
-    c.lr = lr, c.ratio = ratio;
-    run_blocks(compact_loop(LAMB_APPLY), &c, x->n, cfg->nthreads, NULL, 0);
-}
-
-static void lans_compact_sums(const LayerwiseTensor *x, const LayerwiseConfig *cfg, double bc1,
-                              double bc2_sqrt, float ginv, double *out, const Keep *keep) {
-    const Blocks c = lans_blocks(x, cfg, bc1, bc2_sqrt, ginv, keep);
-    run_blocks(compact_loop(LANS_SUMS), &c, x->n, cfg->nthreads, out, 4);
-}
-
-static void lans_compact_apply(const LayerwiseTensor *x, const LayerwiseConfig *cfg,
-                               double bc1, double bc2_sqrt, float ginv, float lr_r, float lr_c,
-                               float ratio_r, float ratio_c, const Keep *keep) {
-    Blocks c = lans_blocks(x, cfg, bc1, bc2_sqrt, ginv, keep);
-    c.lr_r = lr_r, c.lr_c = lr_c, c.ratio_r = ratio_r, c.ratio_c = ratio_c;
-    run_blocks(compact_loop(LANS_APPLY), &c, x->n, cfg->nthreads, NULL, 0);
 }
