@@ -80,15 +80,19 @@ class LayerwiseAdam(AdamFamily):
         """Per-parameter (lr, weight-decay) multipliers; ``None`` means all 1. Front-ends override."""
         return None, None
 
-    def _layer_options(self, group: Dict[str, Any], idx: Sequence[int]) -> TensorOptions:
-        """Per parameter of ``idx``: learning rate, weight decay, and whether it takes the ratio.
+    def _layer_options(self, group: Dict[str, Any], idx: Sequence[int],
+                       multipliers: Optional[Tuple[Optional[List[float]],
+                                                   Optional[List[float]]]] = None
+                       ) -> TensorOptions:
+        """Per parameter of ``idx``: learning rate, weight decay, and whether it takes the ratio;
+        ``multipliers``: :meth:`_param_multipliers`'s, where the caller has them already.
 
         A parameter excluded from weight decay has decay 0. It takes the trust ratio unless it is
         excluded from layer adaptation, or its decay is 0 and ``always_adapt`` is off.
         """
         no_decay = self._rule_flags(group, "exclude_from_weight_decay")
         no_adapt = self._rule_flags(group, "exclude_from_layer_adaptation")
-        lr_mult, wd_mult = self._param_multipliers(group, idx)
+        lr_mult, wd_mult = multipliers or self._param_multipliers(group, idx)
         lr, wd = group["lr"], group["weight_decay"]
         lrs = _rates(lr, lr_mult, len(idx))
         wds = [0.0 if no_decay[i] else wd for i in idx]
@@ -194,14 +198,15 @@ class LayerwiseAdam(AdamFamily):
             t = dataclasses.replace(t, cache={})
         view = state.view
         grads = item.grads
-        layer = self._layer_options(group, item.idx)  # (tuples: the Triton path keeps them)
+        multipliers = self._param_multipliers(group, item.idx)
+        layer = self._layer_options(group, item.idx, multipliers)  # (tuples: Triton keeps them)
         layer = layer._replace(weight_decays=tuple(layer.weight_decays), adapt=tuple(layer.adapt))
         return GroupPlan(
             group, impl, t, layer,
             GroupOptions.of(group, **{key: group[key] for key in self._own_options}), state,
             joined, first=first, values=list(group.values()), lr_at=list(group).index("lr"),
             idx=list(item.idx), lr=group["lr"],
-            lr_mult=self._param_multipliers(group, item.idx)[0],
+            lr_mult=multipliers[0],
             masters=not all(map(operator.is_, view.params, view.weights)),
             grad_dtypes=list(map(_DTYPE, grads)), numels=list(map(Tensor.numel, grads)),
             grad_devices=list(map(Tensor.get_device, grads)))

@@ -160,9 +160,10 @@ def _moments_fit(m: Tensor, v: Tensor, st: Optional[_format.Stored]) -> bool:
 # --------------------------------------------------------------------------------------------
 
 
-def _kind(t: Any, i: int) -> Tuple[int, int, int, int]:
-    """(weight: 0 float32 / 1 split master, gradient dtype, w16 dtype, the moments' form) of
-    tensor ``i``."""
+def _kinds(t: Any, i: int) -> Tuple[int, int, int, int]:
+    """The kinds that choose tensor ``i``'s compiled variant of a kernel (its constants
+    ``W_SPLIT``, ``G_KIND``, ``W16_KIND``, ``FORM``): weight (0 float32, 1 split master),
+    gradient dtype, w16 dtype, the moments' form."""
     w16 = t.w16[i] if t.w16 else None
     st = t.stored[i] if t.stored else None
     return (int(t.weights[i].dtype == torch.bfloat16), _G_KINDS[t.grads[i].dtype],
@@ -204,7 +205,7 @@ def _plan(t: GroupTensors, cache: Dict[str, Any]) -> _Plan:
     rows = tuple((t.weights[i].data_ptr(), t.exp_avgs[i].data_ptr(),  # PTRS
                   t.exp_avg_sqs[i].data_ptr(), 0 if w16[i] is None else w16[i].data_ptr(), i,
                   *_stored_row(stored[i])) for i in range(n))
-    plan = _new_plan(tuple(_kind(t, i) for i in range(n)), rows,
+    plan = _new_plan(tuple(_kinds(t, i) for i in range(n)), rows,
                      tuple(w.numel() for w in t.weights), t.weights[0].device)
     cache["plan"] = (key, plan)
     return plan

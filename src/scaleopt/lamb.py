@@ -240,7 +240,7 @@ def lamb(
     t = functional_tensors(params, grads, exp_avgs, exp_avg_sqs, state_steps,
                            w16_argument(w16, low), grad_multipliers, sharded_as)
     o = GroupOptions(beta1, beta2, eps, bias_correction, lower_bound, upper_bound,
-                         weight_decay_mode)
+                     weight_decay_mode)
     impl = resolve(implementation, foreach)
     update = _IMPLEMENTATIONS[impl](t if impl.fused else t.for_torch(),
                                     TensorOptions(lrs, weight_decays, adapt), o)

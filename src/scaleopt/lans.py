@@ -202,7 +202,7 @@ def lans(
     t = functional_tensors(params, grads, exp_avgs, exp_avg_sqs, state_steps,
                            w16_argument(w16, low), grad_multipliers, sharded_as, grad_norms)
     o = GroupOptions(beta1, beta2, eps, bias_correction, lower_bound, upper_bound,
-                         clip_grad_value=clip_grad_value, decay_moved_weight=decay_moved_weight)
+                     clip_grad_value=clip_grad_value, decay_moved_weight=decay_moved_weight)
     impl = resolve(implementation, foreach)
     update = _IMPLEMENTATIONS[impl](t if impl.fused else t.for_torch(),
                                     TensorOptions(lrs, weight_decays, adapt), o)
