@@ -34,18 +34,85 @@ NS_STEPS = 5
 EPS = 1e-7
 
 
-def newton_schulz(x: Tensor, coefficients: Tuple[float, float, float], steps: int,
-                  eps: float, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+#: the named iterations that ``ns_coefficients`` may give instead of numbers: torch's fixed
+#: quintic (the default's coefficients at every step) and Polar Express's per-step ones
+NS_METHODS = ("quintic", "polar_express")
+
+Coefficients = Tuple[float, float, float]
+
+
+def _optimal_quintic(low: float, high: float) -> Coefficients:
+    """The odd quintic ``p(x) = a x + b x^3 + c x^5`` nearest to 1 on ``[low, high]`` in the
+    largest error: its error equioscillates at ``low``, the two inner extrema and ``high``
+    (Remez's exchange, in float64, from the points that are exact as ``low -> high``)."""
+    if low / high >= 1 - 5e-6:  # the interval is a point: p(x) = 1 there, flat to 2nd order
+        return (15 / 8) / high, (-10 / 8) / high ** 3, (3 / 8) / high ** 5
+    q, r = (3 * low + high) / 4, (low + 3 * high) / 4
+    error, last = math.inf, None
+    for _ in range(100):
+        if last is not None and abs(last - error) <= 1e-15:
+            break
+        last = error
+        points = torch.tensor([low, q, r, high], dtype=torch.float64)
+        system = torch.stack([points, points ** 3, points ** 5,
+                              torch.tensor([1.0, -1.0, 1.0, -1.0], dtype=torch.float64)], 1)
+        a, b, c, error = torch.linalg.solve(system, torch.ones(4, dtype=torch.float64)).tolist()
+        root = math.sqrt(9 * b * b - 20 * a * c)  # p'(x) = a + 3 b x^2 + 5 c x^4 = 0
+        q, r = math.sqrt((-3 * b - root) / (10 * c)), math.sqrt((-3 * b + root) / (10 * c))
+    return a, b, c
+
+
+@functools.lru_cache(maxsize=None)
+def polar_express(steps: int, low: float = 1e-3, cushion: float = 0.02407327424182761,
+                  safety: float = 0.01) -> Tuple[Coefficients, ...]:
+    """Polar Express's coefficients for ``steps`` steps (Amsel, Persson, Musco and Gower, 2025,
+    https://arxiv.org/abs/2505.16932): at each step the odd quintic nearest to 1 in the largest
+    error on the interval ``[l, u]`` where the singular values lie (``[low, 1]`` at first, after
+    the normalization), found on ``[max(l, cushion u), u]`` (a polynomial for tiny ``l`` would
+    amplify bfloat16's rounding), scaled so that ``p(l)`` and ``p(u)`` are equally far from 1,
+    and made safe for singular values up to ``1 + safety`` (``p(x / (1 + safety))``); the next
+    interval is ``[p(l), 2 - p(l)]``. Computed once per number of steps, in float64."""
+    u = 1.0
+    out = []
+    for _ in range(steps):
+        a, b, c = _optimal_quintic(max(low, cushion * u), u)
+        at_low = a * low + b * low ** 3 + c * low ** 5
+        at_high = a * u + b * u ** 3 + c * u ** 5
+        scale = 2 / (at_low + at_high)
+        s = 1 + safety
+        a, b, c = a * scale / s, b * scale / s ** 3, c * scale / s ** 5
+        out.append((a, b, c))
+        low = a * low + b * low ** 3 + c * low ** 5
+        u = 2 - low
+    return tuple(out)
+
+
+def step_coefficients(coefficients: Any, steps: int) -> List[Coefficients]:
+    """The ``(a, b, c)`` of each of ``steps`` steps from ``ns_coefficients``: a named iteration
+    (:data:`NS_METHODS`), one triple for every step, or a triple per step (the last one
+    repeated where there are fewer than ``steps``)."""
+    if isinstance(coefficients, str):
+        if coefficients == "polar_express":
+            return list(polar_express(steps))
+        return [NS_COEFFICIENTS] * steps
+    if not isinstance(coefficients[0], (tuple, list)):
+        return [tuple(coefficients)] * steps
+    per_step = [tuple(c) for c in coefficients]
+    return per_step[:steps] + per_step[-1:] * max(0, steps - len(per_step))
+
+
+def newton_schulz(x: Tensor, coefficients: Any, steps: int, eps: float,
+                  dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """The quintic Newton-Schulz iteration of the 2-D ``x``, in ``dtype`` (a new tensor, of
     ``x``'s shape): ``X <- a X + (b A + c A^2) X`` with ``A = X X^T``, on the wide orientation,
-    after ``X / max(||X||_F, eps)``."""
-    a, b, c = coefficients
+    after ``X / max(||X||_F, eps)``; ``(a, b, c)`` the same at every step or each step's
+    (:func:`step_coefficients`)."""
     y = x.to(dtype, copy=True)
     tall = x.size(0) > x.size(1)
     if tall:
         y = y.T
     y.div_(y.norm().clamp(min=eps))
-    for _ in range(steps):
+    for a, b, c in step_coefficients(coefficients, steps):
         gram = y @ y.T
         poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
         y = torch.addmm(y, poly, y, beta=a)

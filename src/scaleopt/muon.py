@@ -11,7 +11,8 @@ from . import _compact, _ops, adamw
 from ._base import ScaleOptimizer, lr_of
 from ._checks import check_betas, check_bool, check_choice, check_number
 from ._loading import StateSpec, _pairs
-from ._orthogonal import EPS, NS_COEFFICIENTS, NS_STEPS, Job, adjusted_lr, orthogonalize
+from ._orthogonal import (EPS, NS_COEFFICIENTS, NS_METHODS, NS_STEPS, Job, adjusted_lr,
+                          orthogonalize)
 from ._params import NameRule, match_names, normalize_group, param_label, rule_is_set
 from ._sharding import local_piece
 
@@ -70,7 +71,12 @@ class Muon(ScaleOptimizer):
         weight_decay (float, default 0.1): :math:`\lambda`, decoupled (both algorithms).
         momentum (float, default 0.95): :math:`\mu`.
         nesterov (bool, default True): Nesterov momentum.
-        ns_coefficients (tuple of 3 floats, default (3.4445, -4.7750, 2.0315)): :math:`(a, b, c)`.
+        ns_coefficients (tuple of 3 floats, a sequence of such triples, or a name, default
+            (3.4445, -4.7750, 2.0315)): :math:`(a, b, c)` of every step, or of each step in
+            turn (the last repeated); or a named iteration: ``"quintic"`` (the default's
+            numbers) or ``"polar_express"`` (Polar Express's per-step coefficients, computed
+            for ``ns_steps``: a more nearly orthogonal update in the same matrix products,
+            see :doc:`/muon`).
         eps (float, default 1e-7): :math:`\varepsilon` of the iteration's normalization.
         ns_steps (int, default 5): :math:`k`, the iteration's steps.
         adjust_lr_fn (None, ``"original"`` or ``"match_rms_adamw"``, default None =
@@ -118,7 +124,7 @@ class Muon(ScaleOptimizer):
         weight_decay: float = 0.1,
         momentum: float = 0.95,
         nesterov: bool = True,
-        ns_coefficients: Tuple[float, float, float] = NS_COEFFICIENTS,
+        ns_coefficients: Any = NS_COEFFICIENTS,
         eps: float = EPS,
         ns_steps: int = NS_STEPS,
         adjust_lr_fn: Optional[str] = None,
@@ -137,8 +143,7 @@ class Muon(ScaleOptimizer):
     ) -> None:
         defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-            ns_coefficients=tuple(ns_coefficients) if isinstance(ns_coefficients, list)
-            else ns_coefficients,
+            ns_coefficients=_as_tuples(ns_coefficients),
             eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype,
             betas=tuple(betas) if isinstance(betas, list) else betas, adamw_eps=adamw_eps,
             adamw_lr=adamw_lr, exclude_from_muon=exclude_from_muon,
@@ -181,12 +186,7 @@ class Muon(ScaleOptimizer):
         check_number("weight_decay", group["weight_decay"])
         check_number("momentum", group["momentum"], high=1.0)
         check_bool("nesterov", group["nesterov"])
-        coefficients = group["ns_coefficients"]
-        if not isinstance(coefficients, tuple) or len(coefficients) != 3:
-            raise TypeError(f"ns_coefficients must be three numbers (a, b, c), got "
-                            f"{coefficients!r}")
-        for name, c in zip("abc", coefficients):
-            check_number(f"ns_coefficients ({name})", c, low=None)
+        _check_coefficients(_as_tuples(group["ns_coefficients"]))
         check_number("eps", group["eps"], low=0.0, low_open=True)
         steps = group["ns_steps"]
         if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps < 100:
@@ -282,7 +282,7 @@ class Muon(ScaleOptimizer):
         them, per setting of the iteration), then decay and move each (local pieces)."""
         settings: Dict[Tuple[Any, ...], List[Job]] = {}
         for group, _, job in matrices:
-            key = (group["ns_coefficients"], group["ns_steps"], group["eps"],
+            key = (_as_tuples(group["ns_coefficients"]), group["ns_steps"], group["eps"],
                    NS_DTYPES[group["ns_dtype"]])
             settings.setdefault(key, []).append(job)
         for (coefficients, steps, eps, dtype), jobs in settings.items():
@@ -304,6 +304,30 @@ def _move(w: Tensor, update: Tensor, group: Dict[str, Any], shape: Any) -> None:
     lr = float(lr)
     w.mul_(1 - lr * group["weight_decay"])
     w.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], shape))
+
+
+def _as_tuples(coefficients: Any) -> Any:
+    """``ns_coefficients`` with its lists as tuples (a group's key of the iteration)."""
+    if isinstance(coefficients, (list, tuple)):
+        return tuple(_as_tuples(c) for c in coefficients)
+    return coefficients
+
+
+def _check_coefficients(coefficients: Any) -> None:
+    """``ns_coefficients``: a named iteration, three numbers, or a sequence of triples."""
+    if isinstance(coefficients, str):
+        check_choice("ns_coefficients", coefficients, NS_METHODS)
+        return
+    triples = (coefficients if isinstance(coefficients, tuple) and coefficients
+               and all(isinstance(c, tuple) for c in coefficients) else (coefficients,))
+    for k, triple in enumerate(triples):
+        if not isinstance(triple, tuple) or len(triple) != 3:
+            raise TypeError(f"ns_coefficients must be one of {list(NS_METHODS)}, three numbers "
+                            f"(a, b, c), or a sequence of such triples, one per step; got "
+                            f"{coefficients!r}")
+        where = f" of step {k}" if len(triples) > 1 else ""
+        for name, c in zip("abc", triple):
+            check_number(f"ns_coefficients ({name}{where})", c, low=None)
 
 
 def _as_adamw(group: Dict[str, Any]) -> Dict[str, Any]:

@@ -24,6 +24,8 @@ OPTIMIZERS = {
     "Muon(int8 state)": lambda ps: scaleopt.Muon(ps, lr=0.02, state_dtype="int8", **EXCLUDED),
     "Muon(bfloat16 state)": lambda ps: scaleopt.Muon(ps, lr=0.02, state_dtype="bfloat16",
                                                      **EXCLUDED),
+    "Muon(polar_express)": lambda ps: scaleopt.Muon(ps, lr=0.02, ns_coefficients="polar_express",
+                                                    **EXCLUDED),
 }
 
 
