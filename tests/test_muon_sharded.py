@@ -58,13 +58,21 @@ def test_compact_momentum_is_stored_as_one_process_stores_it(tmp_path):
         assert buf.dtype == (torch.int8 if "int8" in name else torch.bfloat16)
 
 
-@pytest.mark.slow
-def test_hsdp_replicas_of_sharded_muon_are_one_process(tmp_path):
-    """A (2 replicas x 2 shards) mesh: the exchange runs inside each replica's shard group."""
-    want = M.train_reference("Muon", 3)
-    (got,) = [r for r in W.run_workers(M.train_hsdp, 4, tmp_path, "Muon", 3, timeout=180)
-              if r is not None]
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+@pytest.mark.parametrize("name", ["Muon", pytest.param("Muon(int8 state)", marks=pytest.mark.slow)])
+def test_hsdp_iterates_each_matrix_once_in_the_whole_mesh_as_one_process(name, tmp_path):
+    """A (2 replicas x 2 shards) mesh: every rank ends with one process's bits, each matrix is
+    iterated by one rank of the four (not once per replica), and a step takes the two
+    all-to-alls inside the shard groups and one all-gather over the replicas."""
+    want = M.train_reference(name, 3)
+    got = W.run_workers(M.train_hsdp, 4, tmp_path, name, 3, timeout=180)
+    for rank in got:
+        assert all(torch.equal(a, b) for a, b in zip(rank["full"], want)), name
+        assert rank["collectives"] == {"c10d.alltoall_base_": 2, "c10d.allgather_": 1}
+    iterated = sorted(shape for rank in got for shape in rank["iterated"])
+    model = M.model_of()
+    matrices = sorted(tuple(p.shape) for p in (model.up.weight, model.down.weight))
+    assert iterated == sorted(3 * matrices)  # each matrix once per step, over all ranks
+    assert sum(1 for rank in got if rank["iterated"]) == len(matrices)  # by as many ranks
 
 
 @pytest.mark.slow

@@ -61,9 +61,10 @@ class Muon(ScaleOptimizer):
     is kept whole. So one optimizer, one ``state_dict`` and one LR scheduler (which scales
     each group's ``lr``) serve a whole model.
 
-    On FSDP2 (and HSDP) shards each matrix is iterated whole, by one rank: the ranks share the
-    matrices by cost, and the rows travel in one batched exchange each way per step; the
-    results are one process's (see :doc:`/muon`).
+    On FSDP2 (and HSDP) shards each matrix is iterated whole, by one rank of the whole mesh
+    (on HSDP not once per replica): the ranks share the matrices by cost, and the rows travel
+    in one batched exchange each way per step (on HSDP, and one all-gather over the replicas);
+    the results are one process's (see :doc:`/muon`).
 
     Args:
         params: tensors, ``(name, tensor)`` pairs or param-group dicts.

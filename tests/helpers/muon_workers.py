@@ -113,15 +113,32 @@ def train_sharded(rank, world, tmp, names, steps):
 
 
 def train_hsdp(rank, world, tmp, name, steps):
-    """HSDP: 2 replicas of 2 shards; the full parameters."""
+    """HSDP: 2 replicas of 2 shards. Per rank: the full parameters, the shapes of the matrices
+    it iterated (all steps), and the collectives of the last step by kind."""
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
 
+    from scaleopt import _orthogonal
+
+    iterated = []
+    real = _orthogonal.newton_schulz
+
+    def counted(x, *args, **kwargs):
+        iterated.append(tuple(x.shape))
+        return real(x, *args, **kwargs)
+
+    _orthogonal.newton_schulz = counted
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     model = shard(model_of(), mesh)
     opt = OPTIMIZERS[name](list(model.named_parameters()))
-    train_reference(name, steps, model=model, opt=opt)
+    for t in range(steps):
+        give_grads(model, t)
+        mode = CommDebugMode()
+        with mode:
+            opt.step()
     full = [p.full_tensor().detach().clone() for p in model.parameters()]  # every rank takes part
-    return full if rank == 0 else None
+    return dict(full=full, iterated=iterated,
+                collectives={str(k): v for k, v in mode.get_comm_counts().items()})
 
 
 def _checkpoint(model, opt):
