@@ -92,3 +92,30 @@ def test_a_nan_in_one_ranks_rows_skips_the_step_on_every_rank(tmp_path):
     before, after, counts = got
     assert counts == [1, 1]
     assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+@pytest.mark.parametrize("placements,world", [("tp", 2), ("hsdp-tp", 4)])
+def test_tensor_parallel_matrices_are_iterated_whole_as_one_process(placements, world, tmp_path):
+    """Tensor parallelism's placements: a column-wise Shard(0) and a row-wise Shard(1) matrix on
+    one mesh dimension (one exchange for both), and Shard(1) under HSDP's Replicate(): the
+    owner joins the column blocks into the matrix one process holds, so every rank ends with
+    one process's bits."""
+    model = M.model_of()
+    opt = M.OPTIMIZERS["Muon"](list(model.named_parameters()))
+    M.train_reference("Muon", 3, model=model, opt=opt)
+    want = [model.up.weight.detach(), model.down.weight.detach()]
+    got = W.run_workers(M.train_tensor_parallel, world, tmp_path, "Muon", 3, placements,
+                        timeout=180)
+    for rank in got:
+        assert all(torch.equal(a, b) for a, b in zip(rank["full"], want)), placements
+        assert rank["collectives"] == ({"c10d.alltoall_base_": 2} if placements == "tp" else
+                                       {"c10d.alltoall_base_": 2, "c10d.allgather_": 1})
+
+
+def test_a_matrix_cut_along_two_mesh_dimensions_is_refused_naming_its_placement(tmp_path):
+    """FSDP x TP ((Shard(0), Shard(1)) on a 2 x 2 mesh): a clear error, on every rank, that
+    names the placement and says why."""
+    got = W.run_workers(M.train_tensor_parallel, 4, tmp_path, "Muon", 1, "fsdp-tp", timeout=120)
+    for rank in got:
+        assert "Shard(dim=0), Shard(dim=1)" in rank["error"], rank
+        assert "cut along 2 mesh dimensions" in rank["error"] and "FSDP x TP" in rank["error"]

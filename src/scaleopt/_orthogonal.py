@@ -170,22 +170,25 @@ def orthogonalize(jobs: Sequence[Job], coefficients: Tuple[float, float, float],
     them."""
     iteration = functools.partial(newton_schulz, coefficients=coefficients, steps=steps,
                                   eps=eps, dtype=dtype)
-    by_group: Dict[Any, List[Job]] = {}
+    by_group: Dict[Any, List[Tuple[Job, int]]] = {}
     for job in jobs:
-        groups = _row_groups(job.param)
-        if groups is None:
+        split = _split(job.param)
+        if split is None:
             job.result = iteration(job.local)
         else:
-            by_group.setdefault(groups, []).append(job)
+            by_group.setdefault(split[:2], []).append((job, split[2]))
     for (group, replicas), members in by_group.items():
-        _exchange(group, replicas, members, iteration, dtype)
+        _exchange(group, replicas, [job for job, _ in members], [dim for _, dim in members],
+                  iteration, dtype)
 
 
-def _row_groups(p: Tensor) -> Any:
-    """The process group that splits ``p`` into row blocks (FSDP2's ``Shard(0)``) and the one
-    over which those blocks are replicated (HSDP's ``Replicate()``; None for none), or None
-    where nothing splits ``p``; an error for other layouts, which the exchange does not
-    assemble."""
+def _split(p: Tensor) -> Any:
+    """How ``p`` is split: (the process group that cuts it into blocks along one dimension,
+    the one over which those blocks are replicated or None, that dimension): FSDP2's
+    ``Shard(0)``, tensor parallelism's ``Shard(0)`` (column-wise) and ``Shard(1)`` (row-wise),
+    each also under HSDP's ``Replicate()``. None where nothing splits ``p``; an error naming
+    the placement for a matrix cut along two mesh dimensions (FSDP x TP), which the exchange
+    does not assemble."""
     if not isinstance(p, _dtensor()):
         return None
     groups = _sharding_groups(p)
@@ -193,63 +196,75 @@ def _row_groups(p: Tensor) -> Any:
         return None
     shards = [pl for pl in p.placements if pl.is_shard()]
     copies = [d for d, pl in enumerate(p.placements) if pl.is_replicate()]
-    if len(groups) != 1 or shards[0].dim != 0 or len(copies) > 1:
+    if len(groups) != 1 or type(shards[0]).__name__ != "Shard" or len(copies) > 1:
         raise NotImplementedError(
-            f"Muon assembles sharded matrices from row blocks over one mesh dimension (FSDP2's "
-            f"Shard(0), HSDP's (Replicate(), Shard(0))); a {tuple(p.shape)} parameter is placed "
-            f"{p.placements}")
+            f"Muon assembles a sharded matrix from blocks cut along one mesh dimension (FSDP2's "
+            f"Shard(0), tensor parallelism's Shard(0) or Shard(1), each also as HSDP's "
+            f"(Replicate(), Shard(d))); a {tuple(p.shape)} parameter is placed {p.placements}, "
+            f"cut along {len(groups)} mesh dimensions: the exchange would need a gather over "
+            f"both (FSDP x TP), which it does not do")
     if dist.get_world_size(groups[0]) == 1:
         return None
     replicas = p.device_mesh.get_group(copies[0]) if copies else None
-    return groups[0], (replicas if replicas is not None
-                       and dist.get_world_size(replicas) > 1 else None)
+    return (groups[0], replicas if replicas is not None and dist.get_world_size(replicas) > 1
+            else None, shards[0].dim)
 
 
-def _exchange(group: Any, replicas: Any, jobs: Sequence[Job],
+def _exchange(group: Any, replicas: Any, jobs: Sequence[Job], dims: Sequence[int],
               iteration: Callable[[Tensor], Tensor], dtype: torch.dtype) -> None:
-    """The jobs' results (see the module doc): ``group`` splits their rows, ``replicas`` (or
-    None) holds the same rows again."""
+    """The jobs' results (see the module doc): ``group`` cuts job ``j``'s matrix along
+    ``dims[j]``, ``replicas`` (or None) holds the same blocks again."""
     ranks, me = dist.get_world_size(group), dist.get_rank(group)
     copies, copy = ((dist.get_world_size(replicas), dist.get_rank(replicas))
                     if replicas is not None else (1, 0))
     shapes = [tuple(job.param.shape) for job in jobs]
-    rows = [shard_rows(m, ranks) for m, _ in shapes]
-    for job, r in zip(jobs, rows):
-        if job.local.shape[0] != r[me]:
+    cuts = [shard_rows(shape[d], ranks) for shape, d in zip(shapes, dims)]
+    for job, d, cut in zip(jobs, dims, cuts):
+        if job.local.shape[d] != cut[me]:
             raise NotImplementedError(
-                f"Muon expects torch.chunk's row blocks of a {tuple(job.param.shape)} parameter "
-                f"over {ranks} ranks ({r[me]} rows here), and the local shard has "
-                f"{job.local.shape[0]}")
+                f"Muon expects torch.chunk's blocks of a {tuple(job.param.shape)} parameter "
+                f"along dimension {d} over {ranks} ranks ({cut[me]} here), and the local shard "
+                f"has {job.local.shape[d]}")
     slot = owners(shapes, copies * ranks)  # replica slot // ranks, its rank slot % ranks
     ours = [j for j in range(len(jobs)) if slot[j] // ranks == copy]
-    _iterate_ours([jobs[j] for j in ours], [shapes[j] for j in ours], [rows[j] for j in ours],
-                  [slot[j] % ranks for j in ours], group, iteration, dtype, jobs[0].local.device)
+    _iterate_ours([jobs[j] for j in ours], [shapes[j] for j in ours], [dims[j] for j in ours],
+                  [cuts[j] for j in ours], [slot[j] % ranks for j in ours], group, iteration,
+                  dtype, jobs[0].local.device)
     if copies > 1:
         _share_results(jobs, [slot[j] // ranks for j in range(len(jobs))], replicas, copy,
                        dtype)
 
 
-def _iterate_ours(jobs: Sequence[Job], shapes: Sequence[Tuple[int, int]],
-                  rows: Sequence[List[int]], owner: Sequence[int], group: Any,
+def _iterate_ours(jobs: Sequence[Job], shapes: Sequence[Tuple[int, int]], dims: Sequence[int],
+                  cuts: Sequence[List[int]], owner: Sequence[int], group: Any,
                   iteration: Callable[[Tensor], Tensor], dtype: torch.dtype,
                   device: torch.device) -> None:
-    """Each job's ``result`` (its local rows), the matrix iterated by the rank ``owner[j]`` of
-    ``group``, to which the rows travel in one all-to-all and from which they come back in
-    another (both empty where there are no jobs: every rank of ``group`` takes part)."""
+    """Each job's ``result`` (its local block), the matrix iterated by the rank ``owner[j]`` of
+    ``group``, to which the blocks travel in one all-to-all and from which they come back in
+    another (both empty where there are no jobs: every rank of ``group`` takes part). Job
+    ``j``'s matrix is cut along ``dims[j]`` as ``cuts[j]`` says; the owner joins the blocks
+    into the matrix one process holds (contiguous) and cuts the result the same way."""
     ranks, me = dist.get_world_size(group), dist.get_rank(group)
     mine = [j for j in range(len(jobs)) if owner[j] == me]
+
+    def block_shape(j: int, k: int) -> Tuple[int, int]:
+        shape = list(shapes[j])
+        shape[dims[j]] = cuts[j][k]
+        return shape[0], shape[1]
+
     send = [[job.local.to(dtype).reshape(-1) for job, o in zip(jobs, owner) if o == k]
             for k in range(ranks)]
     sent = [sum(t.numel() for t in pieces) for pieces in send]
-    taken = [sum(rows[j][k] * shapes[j][1] for j in mine) for k in range(ranks)]
+    taken = [sum(math.prod(block_shape(j, k)) for j in mine) for k in range(ranks)]
     got = _all_to_all(_flat(send, device, dtype), taken, sent, group)
-    from_rank = [piece.split([rows[j][k] * shapes[j][1] for j in mine])
+    from_rank = [piece.split([math.prod(block_shape(j, k)) for j in mine])
                  for k, piece in enumerate(got.split(taken))]
     back: List[List[Tensor]] = [[] for _ in range(ranks)]
     for i, j in enumerate(mine):
-        whole = torch.cat([from_rank[k][i].view(rows[j][k], shapes[j][1]) for k in range(ranks)])
+        whole = torch.cat([from_rank[k][i].view(block_shape(j, k)) for k in range(ranks)],
+                          dim=dims[j])
         result = iteration(whole)
-        for k, block in enumerate(result.split(rows[j])):
+        for k, block in enumerate(result.split(cuts[j], dim=dims[j])):
             back[k].append(block.reshape(-1))
     returned = _all_to_all(_flat(back, device, dtype), sent, taken, group)
     pieces = [piece.split([job.local.numel() for job, o in zip(jobs, owner) if o == k])

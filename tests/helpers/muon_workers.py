@@ -141,6 +141,38 @@ def train_hsdp(rank, world, tmp, name, steps):
                 collectives={str(k): v for k, v in mode.get_comm_counts().items()})
 
 
+def train_tensor_parallel(rank, world, tmp, name, steps, placements):
+    """The matrices as tensor parallelism places them on a mesh of ``world`` ranks (``"tp"``:
+    1-D, ``up`` column-wise ``Shard(0)``, ``down`` row-wise ``Shard(1)``; ``"hsdp-tp"``: 2 x 2,
+    ``(Replicate(), Shard(1))`` for both; ``"fsdp-tp"``: 2 x 2, ``(Shard(0), Shard(1))``), the
+    other parameters plain tensors. Per rank: the full matrices after ``steps`` steps and the
+    collectives of the last step, or the error the step raised."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    mesh = init_device_mesh("cpu", (world,) if placements == "tp" else (2, world // 2))
+    layout = {"tp": {"up": [Shard(0)], "down": [Shard(1)]},
+              "hsdp-tp": {"up": [Replicate(), Shard(1)], "down": [Replicate(), Shard(1)]},
+              "fsdp-tp": {"up": [Shard(0), Shard(1)], "down": [Shard(0), Shard(1)]}}[placements]
+    model = model_of()
+    for key, where in layout.items():
+        layer = getattr(model, key)
+        layer.weight = nn.Parameter(distribute_tensor(layer.weight.detach(), mesh, where))
+    opt = OPTIMIZERS[name](list(model.named_parameters()))
+    try:
+        for t in range(steps):
+            give_grads(model, t)
+            mode = CommDebugMode()
+            with mode:
+                opt.step()
+    except NotImplementedError as e:
+        return dict(error=str(e))
+    full = [model.up.weight.full_tensor().detach().clone(),
+            model.down.weight.full_tensor().detach().clone()]
+    return dict(full=full, collectives={str(k): v for k, v in mode.get_comm_counts().items()})
+
+
 def _checkpoint(model, opt):
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
