@@ -118,6 +118,17 @@ def test_bench_muon_times_muon_against_torch_muon_and_sharded_against_one_proces
     assert result["rows"]["scaleopt.Muon"]["collectives"] == 2  # one exchange each way
     assert result["one_process_threads"] == 2 and result["sharded_over_one_process"] > 0
     assert 0 < result["exchange_share"] < 1
+    # the exchange in runs: two collectives per run, and a share of its wait hidden (any)
+    assert result["rows"]["scaleopt.Muon(exchange_buckets=4)"]["collectives"] > 2
+    assert result["exchange_hidden"] < 1 and result["buckets_step_ratio"] > 0
+    out = tmp_path / "hsdp.json"
+    assert main(["bench", "--muon", "--world", "4", "--replicas", "2", *small, "--json", str(out),
+                 "--out", str(tmp_path / "c")]) == 0
+    result = json.loads(out.read_text())
+    assert result["replicas"] == 2
+    assert result["rows"]["scaleopt.Muon"]["collectives"] == 3  # and the replicas' all-gather
+    assert result["rows"]["scaleopt.Muon, every replica iterating"]["collectives"] == 2
+    assert result["iteration_ratio"] > 0 and result["step_ratio_to_every_replica"] > 0
 
 
 def test_study_large_batch_on_the_mlp_writes_a_table_and_a_plot(tmp_path, capsys):
@@ -258,6 +269,8 @@ def test_dgc_between_hsdp_replicas_trains_resumes_bit_for_bit_and_reports_its_tr
     (["train", "--optimizer", "momentum", "--betas", "0.9", "0.95"], "--betas applies"),
     (["train", "--betas", "0.9", "1.5"], "--betas takes two numbers in [0, 1)"),
     (["bench", "--rounds", "0"], "--rounds"),
+    (["bench", "--replicas", "2", "--world", "4"], "--replicas 2: HSDP for --muon"),
+    (["bench", "--muon", "--replicas", "2", "--world", "3"], "a multiple of the replicas"),
     (["bench", "--only", "LAMB", "Lamb2000"], "--only Lamb2000: no optimizer's name contains it"),
     # far more than any machine has: refused before anything is allocated
     (["bench", "--hidden", "65536", "--layers", "64"], "choose a smaller --size"),

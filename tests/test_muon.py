@@ -185,6 +185,8 @@ def test_an_lr_schedule_scales_both_parts():
     (dict(ns_coefficients=((3.0, -4.0, 2.0), (1.0, 2.0))), "a sequence of such triples"),
     (dict(ns_coefficients=((3.0, -4.0, 2.0), (1.0, 2.0, float("nan")))), "c of step 1"),
     (dict(eps=0.0), "Invalid eps"),
+    (dict(exchange_buckets=0), "Invalid exchange_buckets"),
+    (dict(exchange_buckets=2.0), "Invalid exchange_buckets"),
     (dict(adjust_lr_fn="rms"), "Invalid adjust_lr_fn"),
     (dict(ns_dtype="float16"), "Invalid ns_dtype"),
     (dict(betas=(0.9, 1.0)), "betas"),
@@ -404,3 +406,18 @@ def test_the_named_iterations_and_per_step_coefficients_are_one_option():
         loaded = scaleopt.Muon([nn.Parameter(torch.zeros(40, 24))], lr=1.0)
         loaded.load_state_dict(copy.deepcopy(opt.state_dict()))
         assert loaded.param_groups[0]["ns_coefficients"] == opt.param_groups[0]["ns_coefficients"]
+
+
+@pytest.mark.parametrize("sizes,buckets,want", [
+    ([10, 10, 10, 10], 2, [[0, 1], [2, 3]]),
+    ([10, 10, 10, 10], 4, [[0], [1], [2], [3]]),
+    ([10, 10], 4, [[0], [1]]),
+    ([30, 1, 1, 1], 2, [[0], [1, 2, 3]]),
+    ([1, 1, 1, 30], 2, [[0, 1, 2, 3]]),
+    ([5, 5, 5], 1, [[0, 1, 2]]),
+    ([], 3, []),
+])
+def test_exchange_runs_cut_the_matrices_in_order_by_size(sizes, buckets, want):
+    """The runs of a bucketed exchange: consecutive matrices, a run closed once it holds its
+    share of the elements, never more runs than asked, none empty."""
+    assert _orthogonal.buckets_of(sizes, buckets) == want

@@ -163,11 +163,11 @@ class Job:
         self.param, self.local, self.result = param, local, None
 
 
-def orthogonalize(jobs: Sequence[Job], coefficients: Tuple[float, float, float], steps: int,
-                  eps: float, dtype: torch.dtype = torch.bfloat16) -> None:
+def orthogonalize(jobs: Sequence[Job], coefficients: Any, steps: int, eps: float,
+                  dtype: torch.dtype = torch.bfloat16, buckets: int = 1) -> None:
     """Each job's ``result``: the local rows of the iteration (in ``dtype``) of its whole
     matrix (see the module doc); one exchange each way per process group that shards any of
-    them."""
+    them, or with ``buckets`` > 1 that many, overlapped with the iteration."""
     iteration = functools.partial(newton_schulz, coefficients=coefficients, steps=steps,
                                   eps=eps, dtype=dtype)
     by_group: Dict[Any, List[Tuple[Job, int]]] = {}
@@ -179,7 +179,7 @@ def orthogonalize(jobs: Sequence[Job], coefficients: Tuple[float, float, float],
             by_group.setdefault(split[:2], []).append((job, split[2]))
     for (group, replicas), members in by_group.items():
         _exchange(group, replicas, [job for job, _ in members], [dim for _, dim in members],
-                  iteration, dtype)
+                  iteration, dtype, buckets)
 
 
 def _split(p: Tensor) -> Any:
@@ -211,7 +211,8 @@ def _split(p: Tensor) -> Any:
 
 
 def _exchange(group: Any, replicas: Any, jobs: Sequence[Job], dims: Sequence[int],
-              iteration: Callable[[Tensor], Tensor], dtype: torch.dtype) -> None:
+              iteration: Callable[[Tensor], Tensor], dtype: torch.dtype,
+              buckets: int = 1) -> None:
     """The jobs' results (see the module doc): ``group`` cuts job ``j``'s matrix along
     ``dims[j]``, ``replicas`` (or None) holds the same blocks again."""
     ranks, me = dist.get_world_size(group), dist.get_rank(group)
@@ -225,54 +226,99 @@ def _exchange(group: Any, replicas: Any, jobs: Sequence[Job], dims: Sequence[int
                 f"Muon expects torch.chunk's blocks of a {tuple(job.param.shape)} parameter "
                 f"along dimension {d} over {ranks} ranks ({cut[me]} here), and the local shard "
                 f"has {job.local.shape[d]}")
-    slot = owners(shapes, copies * ranks)  # replica slot // ranks, its rank slot % ranks
-    ours = [j for j in range(len(jobs)) if slot[j] // ranks == copy]
-    _iterate_ours([jobs[j] for j in ours], [shapes[j] for j in ours], [dims[j] for j in ours],
-                  [cuts[j] for j in ours], [slot[j] % ranks for j in ours], group, iteration,
+    # the runs of the exchange (one unless buckets > 1), by the iteration's cost, and in each
+    # run the owners (slot // ranks: the replica, slot % ranks: its rank), so that every rank
+    # has about its share of each run's work
+    runs = buckets_of([cost(shape) for shape in shapes], buckets)
+    slot = [0] * len(jobs)
+    for run in runs:
+        for j, o in zip(run, owners([shapes[j] for j in run], copies * ranks)):
+            slot[j] = o
+    ours = [[j for j in run if slot[j] // ranks == copy] for run in runs]
+    _iterate_ours(jobs, shapes, dims, cuts, [o % ranks for o in slot], ours, group, iteration,
                   dtype, jobs[0].local.device)
     if copies > 1:
         _share_results(jobs, [slot[j] // ranks for j in range(len(jobs))], replicas, copy,
                        dtype)
 
 
-def _iterate_ours(jobs: Sequence[Job], shapes: Sequence[Tuple[int, int]], dims: Sequence[int],
-                  cuts: Sequence[List[int]], owner: Sequence[int], group: Any,
-                  iteration: Callable[[Tensor], Tensor], dtype: torch.dtype,
-                  device: torch.device) -> None:
-    """Each job's ``result`` (its local block), the matrix iterated by the rank ``owner[j]`` of
-    ``group``, to which the blocks travel in one all-to-all and from which they come back in
-    another (both empty where there are no jobs: every rank of ``group`` takes part). Job
-    ``j``'s matrix is cut along ``dims[j]`` as ``cuts[j]`` says; the owner joins the blocks
-    into the matrix one process holds (contiguous) and cuts the result the same way."""
-    ranks, me = dist.get_world_size(group), dist.get_rank(group)
-    mine = [j for j in range(len(jobs)) if owner[j] == me]
+def buckets_of(sizes: Sequence[int], buckets: int) -> List[List[int]]:
+    """The jobs (by index, in order) cut into up to ``buckets`` runs of about equal total size
+    (``sizes``: each job's, e.g. its :func:`cost`); no run empty. The same on every rank."""
+    total, runs, run, filled = sum(sizes), [], [], 0
+    for j, size in enumerate(sizes):
+        run.append(j)
+        filled += size
+        if filled * buckets >= total * (len(runs) + 1) and len(runs) < buckets - 1:
+            runs.append(run)
+            run = []
+    return runs + [run] if run else runs
 
-    def block_shape(j: int, k: int) -> Tuple[int, int]:
+
+def _iterate_ours(jobs: Sequence[Job], shapes: Sequence[Tuple[int, int]], dims: Sequence[int],
+                  cuts: Sequence[List[int]], owner: Sequence[int], runs: List[List[int]],
+                  group: Any, iteration: Callable[[Tensor], Tensor], dtype: torch.dtype,
+                  device: torch.device) -> None:
+    """The ``result`` (its local block) of each job of ``runs``: the matrix iterated by the rank
+    ``owner[j]`` of ``group``, to which the blocks travel in an all-to-all and from which they
+    come back in another. Job ``j``'s matrix is cut along ``dims[j]`` as ``cuts[j]`` says; the
+    owner joins the blocks into the matrix one process holds (contiguous) and cuts the result
+    the same way.
+
+    Each run's exchanges are asynchronous: the next run's blocks travel while this one's
+    matrices are iterated, and each run's results go back while the next ones are iterated, so
+    that with several runs the exchange hides behind the iteration (the same matrices, the same
+    bits). One run: two all-to-alls (both empty where it has no jobs: every rank of ``group``
+    takes part)."""
+    ranks, me = dist.get_world_size(group), dist.get_rank(group)
+
+    def block(j: int, k: int) -> Tuple[int, int]:
         shape = list(shapes[j])
         shape[dims[j]] = cuts[j][k]
         return shape[0], shape[1]
 
-    send = [[job.local.to(dtype).reshape(-1) for job, o in zip(jobs, owner) if o == k]
-            for k in range(ranks)]
-    sent = [sum(t.numel() for t in pieces) for pieces in send]
-    taken = [sum(math.prod(block_shape(j, k)) for j in mine) for k in range(ranks)]
-    got = _all_to_all(_flat(send, device, dtype), taken, sent, group)
-    from_rank = [piece.split([math.prod(block_shape(j, k)) for j in mine])
-                 for k, piece in enumerate(got.split(taken))]
-    back: List[List[Tensor]] = [[] for _ in range(ranks)]
-    for i, j in enumerate(mine):
-        whole = torch.cat([from_rank[k][i].view(block_shape(j, k)) for k in range(ranks)],
-                          dim=dims[j])
-        result = iteration(whole)
-        for k, block in enumerate(result.split(cuts[j], dim=dims[j])):
-            back[k].append(block.reshape(-1))
-    returned = _all_to_all(_flat(back, device, dtype), sent, taken, group)
-    pieces = [piece.split([job.local.numel() for job, o in zip(jobs, owner) if o == k])
-              for k, piece in enumerate(returned.split(sent))]
-    position = [0] * ranks
-    for job, o in zip(jobs, owner):
-        job.result = pieces[o][position[o]].view(job.local.shape)
-        position[o] += 1
+    def post(run: List[int]) -> Tuple[Any, ...]:
+        """The run's blocks sent to their owners (asynchronously)."""
+        mine = [j for j in run if owner[j] == me]
+        send = [[jobs[j].local.to(dtype).reshape(-1) for j in run if owner[j] == k]
+                for k in range(ranks)]
+        sent = [sum(t.numel() for t in pieces) for pieces in send]
+        taken = [sum(math.prod(block(j, k)) for j in mine) for k in range(ranks)]
+        flat = _flat(send, device, dtype)
+        got = torch.empty(sum(taken), dtype=dtype, device=device)
+        work = dist.all_to_all_single(got, flat, output_split_sizes=taken,
+                                      input_split_sizes=sent, group=group, async_op=True)
+        return run, mine, sent, taken, flat, got, work
+
+    runs = runs or [[]]
+    posted = post(runs[0])
+    returning = []
+    for r in range(len(runs)):
+        run, mine, sent, taken, _, got, work = posted
+        if r + 1 < len(runs):
+            posted = post(runs[r + 1])
+        work.wait()
+        from_rank = [piece.split([math.prod(block(j, k)) for j in mine])
+                     for k, piece in enumerate(got.split(taken))]
+        back: List[List[Tensor]] = [[] for _ in range(ranks)]
+        for i, j in enumerate(mine):
+            whole = torch.cat([from_rank[k][i].view(block(j, k)) for k in range(ranks)],
+                              dim=dims[j])
+            for k, piece in enumerate(iteration(whole).split(cuts[j], dim=dims[j])):
+                back[k].append(piece.reshape(-1))
+        flat = _flat(back, device, dtype)
+        returned = torch.empty(sum(sent), dtype=dtype, device=device)
+        returning.append((run, sent, flat, returned, dist.all_to_all_single(
+            returned, flat, output_split_sizes=sent, input_split_sizes=taken, group=group,
+            async_op=True)))
+    for run, sent, _, returned, work in returning:
+        work.wait()
+        pieces = [piece.split([jobs[j].local.numel() for j in run if owner[j] == k])
+                  for k, piece in enumerate(returned.split(sent))]
+        position = [0] * ranks
+        for j in run:
+            jobs[j].result = pieces[owner[j]][position[owner[j]]].view(jobs[j].local.shape)
+            position[owner[j]] += 1
 
 
 def _share_results(jobs: Sequence[Job], replica: Sequence[int], replicas: Any, copy: int,
@@ -306,16 +352,6 @@ def _share_results(jobs: Sequence[Job], replica: Sequence[int], replicas: Any, c
 def _flat(pieces: Sequence[Sequence[Tensor]], device: torch.device, dtype: torch.dtype) -> Tensor:
     flat = [t for per_rank in pieces for t in per_rank]
     return torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
-
-
-def _all_to_all(send: Tensor, receive_sizes: List[int], send_sizes: List[int],
-                group: Any) -> Tensor:
-    """``send`` cut into ``send_sizes`` for the ranks in order; what each sent here, as one
-    tensor cut as ``receive_sizes``."""
-    received = torch.empty(sum(receive_sizes), dtype=send.dtype, device=send.device)
-    dist.all_to_all_single(received, send, output_split_sizes=receive_sizes,
-                           input_split_sizes=send_sizes, group=group)
-    return received
 
 
 def adjusted_lr(lr: float, adjust_lr_fn: Any, shape: Sequence[int]) -> float:

@@ -97,6 +97,10 @@ class Muon(ScaleOptimizer):
         nonfinite (``"propagate"`` or ``"skip"``): as in :class:`LAMB` (see :doc:`/robustness`).
         state_dtype (``"float32"``, ``"bfloat16"`` or ``"int8"``, default ``"float32"``): how
             the momentum and AdamW's moments are stored (see :doc:`/state`).
+        exchange_buckets (int, default 1): on sharded matrices, the exchange in that many
+            runs, each run's blocks travelling (asynchronously) while the run before is
+            iterated and its results going back while the next is: the same bits, two
+            all-to-alls per run (see :doc:`/muon`).
         foreach (bool or None, default None), fused (bool or None, default None): the AdamW
             part's path, as in :class:`AdamW` (torch's fused kernel, multi-tensor ops or
             per-tensor loop); the matrices' iteration has one form and ignores them.
@@ -139,6 +143,7 @@ class Muon(ScaleOptimizer):
         max_grad_norm: Optional[float] = None,
         nonfinite: str = "propagate",
         state_dtype: str = "float32",
+        exchange_buckets: int = 1,
         foreach: Optional[bool] = None,
         fused: Optional[bool] = None,
     ) -> None:
@@ -149,7 +154,8 @@ class Muon(ScaleOptimizer):
             betas=tuple(betas) if isinstance(betas, list) else betas, adamw_eps=adamw_eps,
             adamw_lr=adamw_lr, exclude_from_muon=exclude_from_muon,
             exclude_from_weight_decay=exclude_from_weight_decay, max_grad_norm=max_grad_norm,
-            state_dtype=state_dtype, foreach=foreach, fused=fused, algorithm=None,
+            state_dtype=state_dtype, exchange_buckets=exchange_buckets, foreach=foreach,
+            fused=fused, algorithm=None,
         )
         super().__init__(params, defaults, nonfinite=nonfinite)
 
@@ -192,6 +198,9 @@ class Muon(ScaleOptimizer):
         steps = group["ns_steps"]
         if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps < 100:
             raise ValueError(f"Invalid ns_steps: {steps!r} (an int in [0, 100))")
+        buckets = group["exchange_buckets"]
+        if isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 1:
+            raise ValueError(f"Invalid exchange_buckets: {buckets!r} (an int >= 1)")
         check_choice("adjust_lr_fn", group["adjust_lr_fn"], ADJUST_LR_FNS)
         check_choice("ns_dtype", group["ns_dtype"], tuple(NS_DTYPES))
         check_betas(group["betas"])
@@ -284,10 +293,10 @@ class Muon(ScaleOptimizer):
         settings: Dict[Tuple[Any, ...], List[Job]] = {}
         for group, _, job in matrices:
             key = (_as_tuples(group["ns_coefficients"]), group["ns_steps"], group["eps"],
-                   NS_DTYPES[group["ns_dtype"]])
+                   NS_DTYPES[group["ns_dtype"]], group["exchange_buckets"])
             settings.setdefault(key, []).append(job)
-        for (coefficients, steps, eps, dtype), jobs in settings.items():
-            orthogonalize(jobs, coefficients, steps, eps, dtype)
+        for (coefficients, steps, eps, dtype, buckets), jobs in settings.items():
+            orthogonalize(jobs, coefficients, steps, eps, dtype, buckets)
         for group, p, job in matrices:
             _move(local_piece(p), job.result, group, p.shape)
 

@@ -26,6 +26,8 @@ OPTIMIZERS = {
                                                      **EXCLUDED),
     "Muon(polar_express)": lambda ps: scaleopt.Muon(ps, lr=0.02, ns_coefficients="polar_express",
                                                     **EXCLUDED),
+    "Muon(exchange_buckets=2)": lambda ps: scaleopt.Muon(ps, lr=0.02, exchange_buckets=2,
+                                                         **EXCLUDED),
 }
 
 

@@ -174,6 +174,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="time Muon instead: against torch.optim.Muon and the fused AdamW in one "
                          "process, or with --world N sharded against one process on the same "
                          "cores (see docs/muon.md)")
+    ap.add_argument("--replicas", type=int, default=1, metavar="R",
+                    help="with --muon --world N: HSDP, R replicas of N / R shards (default: 1)")
     ap.add_argument("--only", nargs="*", metavar="NAME",
                     help="time only optimizers whose name contains one of these (the fused "
                          "AdamW baseline always runs)")
@@ -195,6 +197,10 @@ def check_arguments(args: argparse.Namespace) -> None:
                       or (args.world > 1 and args.device != "cpu")):
         raise ValueError("--muon times float32 steps of a fixed set of optimizers (sharded: on "
                          "the CPU): --dtype and --only do not apply")
+    if args.replicas != 1 and not (args.muon and args.world > 1 and args.replicas > 1
+                                   and args.world % args.replicas == 0):
+        raise ValueError(f"--replicas {args.replicas}: HSDP for --muon with --world N, N a "
+                         f"multiple of the replicas (at least 1)")
     if args.world > 1 and (args.device != "cpu" or args.dtype != "float32" or args.only):
         raise ValueError("--world times float32 CPU shards of a fixed set of optimizers: "
                          "--device, --dtype and --only do not apply")
@@ -232,7 +238,7 @@ def memory_need(args: argparse.Namespace) -> int:
         count = len(bench_muon.candidates())
     elif args.muon:  # its rows, and with --world the sharded ones and one process's
         count = len(bench_muon.candidates()) if args.world == 1 else 1 + len(
-            bench_fsdp.candidates("muon"))
+            bench_fsdp.candidates("muon", args.replicas))
     elif args.world > 1:
         count = len(bench_fsdp.candidates())  # its rows, over all processes together
     elif args.device.startswith("cuda"):
@@ -293,7 +299,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.muon:
         if args.world > 1:
             result = bench_muon.sharded(shapes_of(args), args.world, args.threads, args.rounds,
-                                        repr(args.size))
+                                        repr(args.size), args.replicas)
         else:
             result = bench_muon.one_process(shapes_of(args), args.threads, args.rounds,
                                             repr(args.size), args.device)

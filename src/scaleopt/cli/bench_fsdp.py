@@ -30,8 +30,9 @@ from scaleopt.cli.world import TIMEOUT, end_group
 from scaleopt.benchmarking import NO_DECAY, SIZES, bert_shapes, interleaved, muon, paired_ratio
 
 
-def sharded_params(shapes, world):
-    """The parameter set as one FSDP2 module: DTensors sharded on dim 0, with gradients."""
+def sharded_params(shapes, world, mesh=None):
+    """The parameter set as one FSDP2 module: DTensors sharded on dim 0 (on ``mesh``, e.g.
+    HSDP's 2-D one; None: the default 1-D one), with gradients."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
@@ -42,7 +43,7 @@ def sharded_params(shapes, world):
         key = name.replace(".", "_")
         module.register_parameter(key, nn.Parameter(torch.randn(shape, generator=g) * 0.02))
         names.append(key)
-    fully_shard(module)
+    fully_shard(module, mesh=mesh)
     named = [(n, getattr(module, n)) for n in names]
     for _, p in named:
         local = torch.randn(p.to_local().shape, generator=g) * 1e-3
@@ -51,9 +52,34 @@ def sharded_params(shapes, world):
     return named
 
 
-def candidates(kind: str = "layerwise"):
-    """The timed optimizers: LAMB, LANS and AdamW (``layerwise``), or Muon's rows (``muon``);
-    each with the fused AdamW baseline on the local shards."""
+class EveryReplicaIterating:
+    """scaleopt.Muon as it was before a matrix was iterated once in the whole mesh: on HSDP
+    each replica's shard group iterates all of its matrices (the replicas ignored by the
+    exchange), for a comparison in one run."""
+
+    def __init__(self, named) -> None:
+        self.opt = muon(named)
+
+    def step(self) -> None:
+        from scaleopt import _orthogonal
+
+        real = _orthogonal._split
+
+        def split(p):
+            got = real(p)
+            return None if got is None else (got[0], None, got[2])
+
+        _orthogonal._split = split
+        try:
+            self.opt.step()
+        finally:
+            _orthogonal._split = real
+
+
+def candidates(kind: str = "layerwise", replicas: int = 1):
+    """The timed optimizers: LAMB, LANS and AdamW (``layerwise``), or Muon's rows (``muon``;
+    with ``replicas`` > 1 also the one iterating in every replica); each with the fused AdamW
+    baseline on the local shards."""
     def local_fused_adamw(named):
         ps = []
         for _, p in named:
@@ -63,9 +89,13 @@ def candidates(kind: str = "layerwise"):
         return torch.optim.AdamW(ps, lr=1e-3, fused=True)
 
     if kind == "muon":
-        return {"torch.AdamW(fused=True), local shards": local_fused_adamw,
+        rows = {"torch.AdamW(fused=True), local shards": local_fused_adamw,
                 "scaleopt.Muon": muon,
+                "scaleopt.Muon(exchange_buckets=4)": lambda n: muon(n, exchange_buckets=4),
                 "scaleopt.Muon(state_dtype=int8)": lambda n: muon(n, state_dtype="int8")}
+        if replicas > 1:
+            rows["scaleopt.Muon, every replica iterating"] = EveryReplicaIterating
+        return rows
     return {
         "torch.AdamW(fused=True), local shards": local_fused_adamw,
         "scaleopt.AdamW": lambda n: scaleopt.AdamW(n, lr=1e-3, exclude_from_weight_decay=NO_DECAY),
@@ -76,15 +106,33 @@ def candidates(kind: str = "layerwise"):
     }
 
 
-class CollectiveClock:
-    """Counts the collectives scaleopt issues (the norms' all-reduces, Muon's all-to-alls) and
-    the time spent in them."""
+class _TimedWork:
+    """An asynchronous collective's handle whose ``wait`` (where the step waits on it) is
+    timed."""
 
-    NAMES = ("all_reduce", "all_to_all_single")
+    def __init__(self, work, clock) -> None:
+        self.work, self.clock = work, clock
+
+    def wait(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = self.work.wait(*args, **kwargs)
+        self.clock.seconds += time.perf_counter() - t0
+        return out
+
+
+class CollectiveClock:
+    """Counts the collectives scaleopt issues (the norms' all-reduces, Muon's all-to-alls and
+    all-gathers) and the time the step spends in them (in a blocking call, or waiting on an
+    asynchronous one: the exchange that is not hidden), and the time in Muon's iteration."""
+
+    NAMES = ("all_reduce", "all_to_all_single", "all_gather")
 
     def __init__(self):
+        from scaleopt import _orthogonal
+
         self.real = {name: getattr(dist, name) for name in self.NAMES}
-        self.count, self.seconds = 0, 0.0
+        self.iteration = _orthogonal.newton_schulz
+        self.count, self.seconds, self.iterating = 0, 0.0, 0.0
 
     def _timed(self, real):
         def timed(*args, **kwargs):
@@ -92,18 +140,30 @@ class CollectiveClock:
             out = real(*args, **kwargs)
             self.seconds += time.perf_counter() - t0
             self.count += 1
-            return out
+            return _TimedWork(out, self) if kwargs.get("async_op") else out
         return timed
 
+    def _iteration(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = self.iteration(*args, **kwargs)
+        self.iterating += time.perf_counter() - t0
+        return out
+
     def __enter__(self):
-        self.count, self.seconds = 0, 0.0
+        from scaleopt import _orthogonal
+
+        self.count, self.seconds, self.iterating = 0, 0.0, 0.0
         for name, real in self.real.items():
             setattr(dist, name, self._timed(real))
+        _orthogonal.newton_schulz = self._iteration
         return self
 
     def __exit__(self, *exc):
+        from scaleopt import _orthogonal
+
         for name, real in self.real.items():
             setattr(dist, name, real)
+        _orthogonal.newton_schulz = self.iteration
 
 
 def slowest(seconds: float) -> float:
@@ -114,25 +174,32 @@ def slowest(seconds: float) -> float:
 
 def _slowest_rank(step):
     """(the slowest rank's seconds of one step, the ranks' started together; (its collectives'
-    count, the slowest rank's seconds in them))."""
+    count, the slowest rank's seconds in them, the slowest rank's seconds iterating))."""
     dist.barrier()
     with CollectiveClock() as clock:
         t0 = time.perf_counter()
         step()
         elapsed = time.perf_counter() - t0
-    return slowest(elapsed), (clock.count, slowest(clock.seconds))
+    return slowest(elapsed), (clock.count, slowest(clock.seconds), slowest(clock.iterating))
 
 
-def worker(rank, world, port, shapes, threads, rounds, queue, kind="layerwise"):
+def worker(rank, world, port, shapes, threads, rounds, queue, kind="layerwise", replicas=1):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=TIMEOUT)
-    opts = {name: make(sharded_params(shapes, world))
-            for name, make in candidates(kind).items()}
+    mesh = None
+    if replicas > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (replicas, world // replicas),
+                                mesh_dim_names=("replicate", "shard"))
+    opts = {name: make(sharded_params(shapes, world, mesh))
+            for name, make in candidates(kind, replicas).items()}
     measured = interleaved({name: opt.step for name, opt in opts.items()}, rounds, warmup=1,
                            timer=_slowest_rank)  # (the first round makes the state)
     times = {name: [seconds for seconds, _ in m] for name, m in measured.items()}
-    comms = {name: m[-1][1] for name, m in measured.items()}
+    # per round: (collectives, seconds in them, seconds iterating)
+    comms = {name: [c for _, c in m] for name, m in measured.items()}
     if rank == 0:
         queue.put((times, comms))
     dist.barrier()
@@ -140,19 +207,37 @@ def worker(rank, world, port, shapes, threads, rounds, queue, kind="layerwise"):
     end_group()
 
 
+def _result(queue, procs, limit: float = 1800.0):
+    """Rank 0's results from ``queue``, or an error as soon as a worker has died without them
+    (its traceback is on stderr) or after ``limit`` seconds."""
+    import queue as queues
+
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        try:
+            return queue.get(timeout=2.0)
+        except queues.Empty:
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"benchmark worker(s) {dead} failed (exit codes "
+                                   f"{[procs[r].exitcode for r in dead]}; see above)")
+    raise RuntimeError(f"no results from the benchmark workers after {limit:.0f} s")
+
+
 def run(shapes, world: int, threads: int, rounds: int, label: str,
-        kind: str = "layerwise") -> dict:
-    """Time the candidates (of ``kind``, see :func:`candidates`) on ``world`` processes; print
-    the table; return the results."""
+        kind: str = "layerwise", replicas: int = 1) -> dict:
+    """Time the candidates (of ``kind``, see :func:`candidates`) on ``world`` processes (HSDP
+    with ``replicas`` > 1); print the table; return the results."""
     port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, world, port, shapes, threads, rounds, queue, kind))
+    procs = [ctx.Process(target=worker, args=(r, world, port, shapes, threads, rounds, queue,
+                                              kind, replicas))
              for r in range(world)]
     for p in procs:
         p.start()
     try:
-        times, comms = queue.get(timeout=1800)
+        times, comms = _result(queue, procs)
     finally:
         for p in procs:
             p.join(60)
@@ -160,21 +245,26 @@ def run(shapes, world: int, threads: int, rounds: int, label: str,
                 p.kill()
     base = times["torch.AdamW(fused=True), local shards"]
     numel = sum(torch.Size(s).numel() for _, s in shapes)
+    layout = (f"HSDP over {replicas} replicas x {world // replicas} shards"
+              if replicas > 1 else f"FSDP2 over {world} processes")
     print(f"BERT-like {label} set: {numel / 1e6:.1f}M parameters in {len(shapes)} tensors, "
-          f"FSDP2 over {world} processes x {threads} thread(s) (gloo), "
-          f"torch {torch.__version__}, {rounds} rounds")
+          f"{layout} x {threads} thread(s) (gloo), torch {torch.__version__}, {rounds} rounds")
     print(f"{'optimizer':40s} {'median ms':>9s} {'x fused AdamW':>14s} {'collectives':>12s} "
-          f"{'in them ms':>11s}")
+          f"{'in them ms':>11s} {'iterating ms':>13s}")
     rows = {}
     for name, ts in times.items():
-        count, seconds = comms[name]
+        per_round = comms[name]
         rows[name] = dict(median_ms=statistics.median(ts) * 1e3,
-                          ratio=paired_ratio(ts, base), collectives=count,
-                          collective_ms=seconds * 1e3)
+                          ratio=paired_ratio(ts, base), collectives=per_round[-1][0],
+                          collective_ms=statistics.median(c[1] for c in per_round) * 1e3,
+                          iteration_ms=statistics.median(c[2] for c in per_round) * 1e3,
+                          rounds_s=list(ts), collective_s=[c[1] for c in per_round],
+                          iteration_s=[c[2] for c in per_round])
         print(f"{name:40s} {rows[name]['median_ms']:9.1f} {rows[name]['ratio']:14.2f} "
-              f"{count:12d} {rows[name]['collective_ms']:11.2f}")
+              f"{per_round[-1][0]:12d} {rows[name]['collective_ms']:11.2f} "
+              f"{rows[name]['iteration_ms']:13.1f}")
     return dict(parameters=numel, tensors=len(shapes), world=world, threads=threads,
-                rounds=rounds, torch=torch.__version__, rows=rows)
+                replicas=replicas, rounds=rounds, torch=torch.__version__, rows=rows)
 
 
 def main(argv=None) -> None:

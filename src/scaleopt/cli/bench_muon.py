@@ -13,7 +13,14 @@ recommend. The embeddings are left to AdamW in every Muon row (``exclude_from_mu
 
 With ``--world N``: scaleopt.Muon on FSDP2 shards over N processes x ``--threads``, against
 scaleopt.Muon in this process on the whole set with N x ``--threads`` threads (the same
-cores), and the time in the exchange (the two ``all_to_all_single`` per step).
+cores), and the time in the exchange (the two ``all_to_all_single`` per step); the exchange in
+4 runs overlapped with the iteration (``exchange_buckets=4``) against one run, and how much of
+the time the step waits on it is hidden. With ``--replicas R``: HSDP, R replicas of N / R
+shards, and also Muon as it was before each matrix was iterated once in the whole mesh (every
+replica iterating all of its matrices), the iteration's time per rank and the step paired
+with it round by round.
+
+    scaleopt bench --muon --world 4 --replicas 2   # HSDP 2 x 2, 1 thread each
 """
 
 from __future__ import annotations
@@ -93,20 +100,38 @@ def one_process(shapes, threads: int, rounds: int, label: str, device: str = "cp
                 device=device, rounds=rounds, torch=torch.__version__, rows=rows)
 
 
-def sharded(shapes, world: int, threads: int, rounds: int, label: str) -> dict:
-    """scaleopt.Muon on ``world`` x ``threads`` against one process x ``world * threads``."""
+def sharded(shapes, world: int, threads: int, rounds: int, label: str,
+            replicas: int = 1) -> dict:
+    """scaleopt.Muon on ``world`` x ``threads`` (HSDP with ``replicas`` > 1) against one process
+    x ``world * threads``; the exchange in runs against one run (how much of it is hidden) and,
+    on HSDP, against every replica iterating all of its matrices, paired round by round."""
     torch.set_num_threads(world * threads)
     named = make_params(shapes, torch.float32)
     opt = muon(named)
     opt.step()  # the state made
     alone = interleaved({"scaleopt.Muon": opt.step}, rounds)["scaleopt.Muon"]
-    result = bench_fsdp.run(shapes, world, threads, rounds, label, kind="muon")
-    row = result["rows"]["scaleopt.Muon"]
+    result = bench_fsdp.run(shapes, world, threads, rounds, label, kind="muon",
+                            replicas=replicas)
+    rows = result["rows"]
+    row, bucketed = rows["scaleopt.Muon"], rows["scaleopt.Muon(exchange_buckets=4)"]
     one = statistics.median(alone) * 1e3
     result.update(one_process_threads=world * threads, one_process_median_ms=one,
                   sharded_over_one_process=row["median_ms"] / one,
-                  exchange_share=row["collective_ms"] / row["median_ms"])
+                  exchange_share=row["collective_ms"] / row["median_ms"],
+                  buckets_step_ratio=paired_ratio(bucketed["rounds_s"], row["rounds_s"]),
+                  exchange_hidden=1 - bucketed["collective_ms"] / row["collective_ms"])
     print(f"scaleopt.Muon in one process x {world * threads} threads: {one:.1f} ms; sharded "
           f"{world} x {threads}: {row['median_ms']:.1f} ms ({result['sharded_over_one_process']:.2f}x), "
-          f"{row['collectives']} exchanges taking {100 * result['exchange_share']:.0f}% of the step")
+          f"{row['collectives']} collectives taking {100 * result['exchange_share']:.0f}% of the step")
+    print(f"exchange in 4 runs: the step {result['buckets_step_ratio']:.2f}x one run's (paired), "
+          f"the time waiting on the exchange {bucketed['collective_ms']:.1f} ms against "
+          f"{row['collective_ms']:.1f} ms: {100 * result['exchange_hidden']:.0f}% hidden")
+    if replicas > 1:
+        old = rows["scaleopt.Muon, every replica iterating"]
+        result.update(iteration_ratio=paired_ratio(row["iteration_s"], old["iteration_s"]),
+                      step_ratio_to_every_replica=paired_ratio(row["rounds_s"], old["rounds_s"]))
+        print(f"each matrix once in the mesh against every replica iterating all: iteration per "
+              f"rank (slowest) {row['iteration_ms']:.1f} against {old['iteration_ms']:.1f} ms "
+              f"({result['iteration_ratio']:.2f}x, paired), the step "
+              f"{result['step_ratio_to_every_replica']:.2f}x")
     return result
