@@ -23,6 +23,7 @@ from torch import nn
 
 import scaleopt
 from scaleopt.benchmarking import SIZES, interleaved
+from scaleopt.cli import options
 
 
 class Encoder(nn.Module):
@@ -42,11 +43,11 @@ class Encoder(nn.Module):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size", choices=sorted(SIZES), default="small")
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=5)
+    options.add_size(ap, SIZES, default="small", help="the model's sizes (default: small)")
+    ap.add_argument("--batch", type=int, default=8, help="sequences per step (default: 8)")
+    ap.add_argument("--seq", type=int, default=128, help="tokens per sequence (default: 128)")
+    options.add_threads(ap, "intra-op threads (default: 2)", default=2)
+    options.add_rounds(ap, 5)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

@@ -270,52 +270,78 @@ def _iterate_ours(jobs: Sequence[Job], shapes: Sequence[Tuple[int, int]], dims: 
     that with several runs the exchange hides behind the iteration (the same matrices, the same
     bits). One run: two all-to-alls (both empty where it has no jobs: every rank of ``group``
     takes part)."""
-    ranks, me = dist.get_world_size(group), dist.get_rank(group)
-
-    def block(j: int, k: int) -> Tuple[int, int]:
-        shape = list(shapes[j])
-        shape[dims[j]] = cuts[j][k]
-        return shape[0], shape[1]
-
-    def post(run: List[int]) -> Tuple[Any, ...]:
-        """The run's blocks sent to their owners (asynchronously)."""
-        mine = [j for j in run if owner[j] == me]
-        send = [[jobs[j].local.to(dtype).reshape(-1) for j in run if owner[j] == k]
-                for k in range(ranks)]
-        sent = [sum(t.numel() for t in pieces) for pieces in send]
-        taken = [sum(math.prod(block(j, k)) for j in mine) for k in range(ranks)]
-        flat = _flat(send, device, dtype)
-        got = torch.empty(sum(taken), dtype=dtype, device=device)
-        work = dist.all_to_all_single(got, flat, output_split_sizes=taken,
-                                      input_split_sizes=sent, group=group, async_op=True)
-        return run, mine, sent, taken, flat, got, work
-
+    exchange = _Runs(jobs, shapes, dims, cuts, owner, group, dtype, device)
     runs = runs or [[]]
-    posted = post(runs[0])
+    posted = exchange.send(runs[0])
     returning = []
     for r in range(len(runs)):
-        run, mine, sent, taken, _, got, work = posted
+        this = posted
         if r + 1 < len(runs):
-            posted = post(runs[r + 1])
+            posted = exchange.send(runs[r + 1])
+        returning.append(exchange.iterate(this, iteration))
+    for back in returning:
+        exchange.receive(back)
+
+
+class _Runs:
+    """The exchange of :func:`_iterate_ours`, run by run: what every run shares (the jobs, how
+    they are cut and owned, the process group)."""
+
+    def __init__(self, jobs: Sequence[Job], shapes: Sequence[Tuple[int, int]],
+                 dims: Sequence[int], cuts: Sequence[List[int]], owner: Sequence[int],
+                 group: Any, dtype: torch.dtype, device: torch.device) -> None:
+        self.jobs, self.shapes, self.dims, self.cuts, self.owner = jobs, shapes, dims, cuts, owner
+        self.group, self.dtype, self.device = group, dtype, device
+        self.ranks, self.me = dist.get_world_size(group), dist.get_rank(group)
+
+    def block(self, j: int, k: int) -> Tuple[int, int]:
+        """The shape of rank ``k``'s block of job ``j``'s matrix."""
+        shape = list(self.shapes[j])
+        shape[self.dims[j]] = self.cuts[j][k]
+        return shape[0], shape[1]
+
+    def _all_to_all(self, send: Tensor, receive_sizes: List[int],
+                    send_sizes: List[int]) -> Tuple[Tensor, Any]:
+        received = torch.empty(sum(receive_sizes), dtype=self.dtype, device=self.device)
+        return received, dist.all_to_all_single(
+            received, send, output_split_sizes=receive_sizes, input_split_sizes=send_sizes,
+            group=self.group, async_op=True)
+
+    def send(self, run: List[int]) -> Tuple[Any, ...]:
+        """The run's blocks on their way to their owners (asynchronously)."""
+        mine = [j for j in run if self.owner[j] == self.me]
+        send = [[self.jobs[j].local.to(self.dtype).reshape(-1) for j in run
+                 if self.owner[j] == k] for k in range(self.ranks)]
+        sent = [sum(t.numel() for t in pieces) for pieces in send]
+        taken = [sum(math.prod(self.block(j, k)) for j in mine) for k in range(self.ranks)]
+        flat = _flat(send, self.device, self.dtype)
+        return (run, mine, sent, taken, flat) + self._all_to_all(flat, taken, sent)
+
+    def iterate(self, posted: Tuple[Any, ...], iteration: Callable[[Tensor], Tensor]
+                ) -> Tuple[Any, ...]:
+        """Once a run's blocks are here: this rank's matrices joined and iterated, and the
+        results' blocks on their way back (asynchronously)."""
+        run, mine, sent, taken, _, got, work = posted
         work.wait()
-        from_rank = [piece.split([math.prod(block(j, k)) for j in mine])
+        from_rank = [piece.split([math.prod(self.block(j, k)) for j in mine])
                      for k, piece in enumerate(got.split(taken))]
-        back: List[List[Tensor]] = [[] for _ in range(ranks)]
+        back: List[List[Tensor]] = [[] for _ in range(self.ranks)]
         for i, j in enumerate(mine):
-            whole = torch.cat([from_rank[k][i].view(block(j, k)) for k in range(ranks)],
-                              dim=dims[j])
-            for k, piece in enumerate(iteration(whole).split(cuts[j], dim=dims[j])):
+            whole = torch.cat([from_rank[k][i].view(self.block(j, k))
+                               for k in range(self.ranks)], dim=self.dims[j])
+            for k, piece in enumerate(iteration(whole).split(self.cuts[j], dim=self.dims[j])):
                 back[k].append(piece.reshape(-1))
-        flat = _flat(back, device, dtype)
-        returned = torch.empty(sum(sent), dtype=dtype, device=device)
-        returning.append((run, sent, flat, returned, dist.all_to_all_single(
-            returned, flat, output_split_sizes=sent, input_split_sizes=taken, group=group,
-            async_op=True)))
-    for run, sent, _, returned, work in returning:
+        flat = _flat(back, self.device, self.dtype)
+        return (run, sent, flat) + self._all_to_all(flat, sent, taken)
+
+    def receive(self, returning: Tuple[Any, ...]) -> None:
+        """Once a run's results are back: each job's ``result``, a view of its block."""
+        run, sent, _, returned, work = returning
         work.wait()
+        jobs, owner = self.jobs, self.owner
         pieces = [piece.split([jobs[j].local.numel() for j in run if owner[j] == k])
                   for k, piece in enumerate(returned.split(sent))]
-        position = [0] * ranks
+        position = [0] * self.ranks
         for j in run:
             jobs[j].result = pieces[owner[j]][position[owner[j]]].view(jobs[j].local.shape)
             position[owner[j]] += 1

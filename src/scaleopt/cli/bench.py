@@ -174,8 +174,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="time Muon instead: against torch.optim.Muon and the fused AdamW in one "
                          "process, or with --world N sharded against one process on the same "
                          "cores (see docs/muon.md)")
-    ap.add_argument("--replicas", type=int, default=1, metavar="R",
-                    help="with --muon --world N: HSDP, R replicas of N / R shards (default: 1)")
+    options.add_replicas(ap, "with --muon --world N: HSDP, R replicas of N / R shards "
+                             "(default: 1)", default=1)
     ap.add_argument("--only", nargs="*", metavar="NAME",
                     help="time only optimizers whose name contains one of these (the fused "
                          "AdamW baseline always runs)")
@@ -200,7 +200,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.replicas != 1 and not (args.muon and args.world > 1 and args.replicas > 1
                                    and args.world % args.replicas == 0):
         raise ValueError(f"--replicas {args.replicas}: HSDP for --muon with --world N, N a "
-                         f"multiple of the replicas (at least 1)")
+                         f"multiple of the replicas")
     if args.world > 1 and (args.device != "cpu" or args.dtype != "float32" or args.only):
         raise ValueError("--world times float32 CPU shards of a fixed set of optimizers: "
                          "--device, --dtype and --only do not apply")

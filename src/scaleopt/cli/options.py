@@ -93,6 +93,11 @@ def add_size(g: Any, sizes: Iterable[str], help: str = "the parameter set",
     g.add_argument("--size", choices=sorted(sizes), default=default, help=help)
 
 
+def add_replicas(g: Any, help: str, default: Any = None) -> None:
+    """``--replicas R``: HSDP's replicas (training, and Muon's sharded benchmark)."""
+    g.add_argument("--replicas", type=positive_int, metavar="R", default=default, help=help)
+
+
 def add_world(g: Any, default: int, help: str) -> None:
     """``--world N``: the processes a benchmark shards its set over (checked with its sizes)."""
     g.add_argument("--world", type=int, default=default, help=help)

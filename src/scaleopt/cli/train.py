@@ -46,11 +46,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     options.add_workers(g, "train in N processes on torch.distributed (gloo on the CPU, NCCL "
                            "on GPUs), started by this command on 127.0.0.1; under torchrun "
                            "the launch decides")
-    g.add_argument("--replicas", type=options.positive_int, metavar="R",
-                   help="with --shard: HSDP, the workers split into R replicas that each shard "
-                        "the model over workers/R processes and all-reduce the gradients "
-                        "between them, or with --dgc exchange DGC's top-k instead; under "
-                        "torchrun, one replica per node (--nnodes R) (default: 1)")
+    options.add_replicas(g, "with --shard: HSDP, the workers split into R replicas that each "
+                            "shard the model over workers/R processes and all-reduce the "
+                            "gradients between them, or with --dgc exchange DGC's top-k "
+                            "instead; under torchrun, one replica per node (--nnodes R) "
+                            "(default: 1)")
     _add_checkpoint_options(p)
     _add_dgc_options(p)
     config.add_run_output(p)
