@@ -1,5 +1,5 @@
 """Muon's orthogonalization: the Newton-Schulz iteration, on whole matrices also when FSDP2
-shards them.
+(or HSDP, or tensor parallelism) shards them.
 
 :func:`newton_schulz` is ``torch.optim.Muon``'s iteration operation for operation (bfloat16,
 the quintic polynomial, the norm clamped at ``eps``), so its results are torch's bits.
@@ -21,8 +21,15 @@ all R x S ranks, each replica's shard group exchanges only the rows of the matri
 ranks iterate (a replica that owns none of them sends nothing), and one ``all_gather`` over
 the replicas (each rank with the ranks that hold its rows elsewhere) gives every rank its rows
 of the others' results: three collectives per step where one replica alone would take two,
-about R + 1 times fewer bytes through the first two, and 1/(R x S) of the iteration on each
-rank instead of 1/S.
+about 1/R of the bytes through the first two, and 1/(R x S) of the iteration on each rank
+instead of 1/S.
+
+Tensor parallelism's placements are joined the same way: a ``Shard(1)`` matrix by its column
+blocks (the owner concatenates them into the contiguous matrix one process holds); a matrix
+cut along two mesh dimensions (FSDP x TP) is refused by name. With ``buckets`` > 1 the
+matrices go in runs of about equal cost whose all-to-alls are asynchronous, one run's blocks
+travelling while the run before is iterated (:class:`_Runs`). The iteration's coefficients
+are one triple, one per step, or a named iteration (:data:`NS_METHODS`, :func:`polar_express`).
 """
 
 from __future__ import annotations
