@@ -119,3 +119,22 @@ def test_bench_soak_reports_each_optimizers_steady_state_in_one_process_and_shar
         assert row["tensors_end"] == row["tensors_start"] > 0 and row["rss_end"] > 0
         assert row["ms_start"] > 0 and row["ms_end"] > 0
     assert "one process" in out and "FSDP2, 2 ranks" in out and "of 6 steady" in out
+
+
+def test_polar_factors_gives_each_iteration_on_each_matrix_and_polar_express_is_nearer():
+    out = run("polar_factors.py")
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines()
+            if line.startswith("| ") and ("quintic" in line or "polar_express" in line)]
+    assert len(rows) == 4 * 2 * 2  # matrices x iterations x dtypes
+    distance = {(r[0], r[2], r[3]): float(r[6]) for r in rows}
+    for (matrix, method, dtype), d in distance.items():
+        if method == "polar_express":
+            assert d < distance[matrix, "quintic", dtype], (matrix, dtype)
+
+
+def test_muon_share_gives_each_optimizers_share_of_a_training_step():
+    out = run("muon_share.py", "--batch", "1", "--seq", "16", "--rounds", "1", "--threads", "1")
+    shares = {line.split()[0]: float(line.split("ms:")[1].split("%")[0]) for line in
+              out.splitlines() if "% of a training step" in line}
+    assert set(shares) == {"torch.AdamW(fused=True)", "scaleopt.Muon"}
+    assert all(0 < s < 100 for s in shares.values()), shares
