@@ -131,6 +131,24 @@ def test_bench_muon_times_muon_against_torch_muon_and_sharded_against_one_proces
     assert result["iteration_ratio"] > 0 and result["step_ratio_to_every_replica"] > 0
 
 
+def test_the_bench_splits_a_wait_into_waiting_for_ranks_and_waiting_for_bytes():
+    """A rank's wait on a collective is the other ranks' lateness until the last has issued it,
+    then the transfer; one group's collectives are matched by their order on each rank."""
+    from scaleopt.cli.bench_fsdp import issued, split_waits
+
+    pair, alone = (0, 1), (0,)
+    # rank 0: a blocking all-reduce from 1.0 to 3.0 (rank 1 issued it at 2.5); an asynchronous
+    # all-to-all issued at 4.0 and waited on from 6.0 to 6.25 (rank 1 issued at 4.5: all bytes);
+    # another collective in a group of its own (no one to wait for); a wait over before the
+    # last rank's issue time (clocks a little apart) counts as waiting for ranks, never negative
+    calls = [[pair, 1.0, 1.0, 3.0], [pair, 4.0, 6.0, 6.25], [alone, 7.0, 7.0, 7.5],
+             [pair, 8.0, 8.0, 8.5]]
+    other = [((pair, 0), 2.5), ((pair, 1), 4.5), ((pair, 2), 9.0)]
+    peers, transfer = split_waits(calls, [issued(calls), other])
+    assert peers == pytest.approx(1.5 + 0.0 + 0.0 + 0.5)
+    assert transfer == pytest.approx(0.5 + 0.25 + 0.5 + 0.0)
+
+
 def test_study_large_batch_on_the_mlp_writes_a_table_and_a_plot(tmp_path, capsys):
     out = tmp_path / "study"
     assert main(["study", "large-batch", *[a for a in TINY if a not in ("--batch-size", "256")],

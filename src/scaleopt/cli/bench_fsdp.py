@@ -8,7 +8,9 @@ gloo on 127.0.0.1) with gradients on its shards. Each optimizer steps in turn, r
 a step's time is the slowest rank's (the ranks start together after a barrier). The baseline is
 ``torch.optim.AdamW(fused=True)`` on the same local shards (plain tensors: no collective at all);
 the table gives the median step time and the median over rounds of the paired ratio, and, per
-step, the collectives and the time spent in them.
+step, the collectives and the time spent in them, split into the time waiting for another rank
+to reach a collective ("for ranks": the ranks' imbalance) and the time waiting for its bytes once
+all had ("for bytes": the exchange not hidden).
 """
 
 from __future__ import annotations
@@ -108,22 +110,29 @@ def candidates(kind: str = "layerwise", replicas: int = 1):
 
 class _TimedWork:
     """An asynchronous collective's handle whose ``wait`` (where the step waits on it) is
-    timed."""
+    timed; ``record`` is the collective's entry in its clock's ``calls``."""
 
-    def __init__(self, work, clock) -> None:
-        self.work, self.clock = work, clock
+    def __init__(self, work, clock, record) -> None:
+        self.work, self.clock, self.record = work, clock, record
 
     def wait(self, *args, **kwargs):
         t0 = time.perf_counter()
         out = self.work.wait(*args, **kwargs)
-        self.clock.seconds += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.clock.seconds += t1 - t0
+        self.record[2:] = [t0, t1]
         return out
 
 
 class CollectiveClock:
     """Counts the collectives scaleopt issues (the norms' all-reduces, Muon's all-to-alls and
     all-gathers) and the time the step spends in them (in a blocking call, or waiting on an
-    asynchronous one: the exchange that is not hidden), and the time in Muon's iteration."""
+    asynchronous one: the exchange that is not hidden), and the time in Muon's iteration.
+
+    ``calls`` keeps, per collective, [its group's ranks, when it was issued, when the step
+    began to wait on it, when the wait ended] (``time.perf_counter``, one clock for the
+    processes of one machine), so that :func:`split_waits` can tell the time spent waiting for
+    another rank to reach the collective from the time spent waiting for its bytes."""
 
     NAMES = ("all_reduce", "all_to_all_single", "all_gather")
 
@@ -132,15 +141,19 @@ class CollectiveClock:
 
         self.real = {name: getattr(dist, name) for name in self.NAMES}
         self.iteration = _orthogonal.newton_schulz
-        self.count, self.seconds, self.iterating = 0, 0.0, 0.0
+        self.count, self.seconds, self.iterating, self.calls = 0, 0.0, 0.0, []
 
     def _timed(self, real):
         def timed(*args, **kwargs):
+            group = kwargs.get("group") or dist.group.WORLD
             t0 = time.perf_counter()
             out = real(*args, **kwargs)
-            self.seconds += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self.seconds += t1 - t0
             self.count += 1
-            return _TimedWork(out, self) if kwargs.get("async_op") else out
+            record = [tuple(dist.get_process_group_ranks(group)), t0, t0, t1]
+            self.calls.append(record)
+            return _TimedWork(out, self, record) if kwargs.get("async_op") else out
         return timed
 
     def _iteration(self, *args, **kwargs):
@@ -152,7 +165,7 @@ class CollectiveClock:
     def __enter__(self):
         from scaleopt import _orthogonal
 
-        self.count, self.seconds, self.iterating = 0, 0.0, 0.0
+        self.count, self.seconds, self.iterating, self.calls = 0, 0.0, 0.0, []
         for name, real in self.real.items():
             setattr(dist, name, self._timed(real))
         _orthogonal.newton_schulz = self._iteration
@@ -166,6 +179,38 @@ class CollectiveClock:
         _orthogonal.newton_schulz = self.iteration
 
 
+def split_waits(calls, everyone=None) -> tuple:
+    """(seconds this rank waited for another rank to reach a collective, seconds it waited for
+    the collectives' bytes once every rank of the group had issued it), from a
+    :class:`CollectiveClock`'s ``calls`` on this rank and :func:`issued` of every rank
+    (``everyone``; None: gathered here, a collective on all ranks). The first is the ranks'
+    imbalance; the second is the exchange that the step did not hide."""
+    if everyone is None:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, issued(calls))
+    last = {}
+    for rank_calls in everyone:
+        for key, when in rank_calls:
+            last[key] = max(last.get(key, when), when)
+    peers = transfer = 0.0
+    for (key, _), (_, _, start, end) in zip(issued(calls), calls):
+        arrived = min(max(last[key], start), end)  # when this rank's group was all there
+        peers += arrived - start
+        transfer += end - arrived
+    return peers, transfer
+
+
+def issued(calls) -> list:
+    """[((a group's ranks, the how-manieth collective of that group), when it was issued)] for
+    a :class:`CollectiveClock`'s ``calls``: the same key names the same collective on every
+    rank of the group."""
+    seen, out = {}, []
+    for ranks, when, _, _ in calls:
+        n = seen[ranks] = seen.get(ranks, -1) + 1
+        out.append(((ranks, n), when))
+    return out
+
+
 def slowest(seconds: float) -> float:
     t = torch.tensor([seconds], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -174,13 +219,16 @@ def slowest(seconds: float) -> float:
 
 def _slowest_rank(step):
     """(the slowest rank's seconds of one step, the ranks' started together; (its collectives'
-    count, the slowest rank's seconds in them, the slowest rank's seconds iterating))."""
+    count, and the slowest rank's seconds in them, iterating, waiting for another rank to reach
+    a collective, and waiting for the collectives' bytes))."""
     dist.barrier()
     with CollectiveClock() as clock:
         t0 = time.perf_counter()
         step()
         elapsed = time.perf_counter() - t0
-    return slowest(elapsed), (clock.count, slowest(clock.seconds), slowest(clock.iterating))
+    peers, transfer = split_waits(clock.calls)
+    return slowest(elapsed), (clock.count, slowest(clock.seconds), slowest(clock.iterating),
+                              slowest(peers), slowest(transfer))
 
 
 def worker(rank, world, port, shapes, threads, rounds, queue, kind="layerwise", replicas=1):
@@ -198,7 +246,7 @@ def worker(rank, world, port, shapes, threads, rounds, queue, kind="layerwise", 
     measured = interleaved({name: opt.step for name, opt in opts.items()}, rounds, warmup=1,
                            timer=_slowest_rank)  # (the first round makes the state)
     times = {name: [seconds for seconds, _ in m] for name, m in measured.items()}
-    # per round: (collectives, seconds in them, seconds iterating)
+    # per round: (collectives, seconds in them, iterating, waiting for peers, for bytes)
     comms = {name: [c for _, c in m] for name, m in measured.items()}
     if rank == 0:
         queue.put((times, comms))
@@ -250,7 +298,7 @@ def run(shapes, world: int, threads: int, rounds: int, label: str,
     print(f"BERT-like {label} set: {numel / 1e6:.1f}M parameters in {len(shapes)} tensors, "
           f"{layout} x {threads} thread(s) (gloo), torch {torch.__version__}, {rounds} rounds")
     print(f"{'optimizer':40s} {'median ms':>9s} {'x fused AdamW':>14s} {'collectives':>12s} "
-          f"{'in them ms':>11s} {'iterating ms':>13s}")
+          f"{'in them ms':>11s} {'for ranks':>10s} {'for bytes':>10s} {'iterating ms':>13s}")
     rows = {}
     for name, ts in times.items():
         per_round = comms[name]
@@ -258,10 +306,14 @@ def run(shapes, world: int, threads: int, rounds: int, label: str,
                           ratio=paired_ratio(ts, base), collectives=per_round[-1][0],
                           collective_ms=statistics.median(c[1] for c in per_round) * 1e3,
                           iteration_ms=statistics.median(c[2] for c in per_round) * 1e3,
+                          peers_ms=statistics.median(c[3] for c in per_round) * 1e3,
+                          transfer_ms=statistics.median(c[4] for c in per_round) * 1e3,
                           rounds_s=list(ts), collective_s=[c[1] for c in per_round],
-                          iteration_s=[c[2] for c in per_round])
+                          iteration_s=[c[2] for c in per_round],
+                          transfer_s=[c[4] for c in per_round])
         print(f"{name:40s} {rows[name]['median_ms']:9.1f} {rows[name]['ratio']:14.2f} "
               f"{per_round[-1][0]:12d} {rows[name]['collective_ms']:11.2f} "
+              f"{rows[name]['peers_ms']:10.2f} {rows[name]['transfer_ms']:10.2f} "
               f"{rows[name]['iteration_ms']:13.1f}")
     return dict(parameters=numel, tensors=len(shapes), world=world, threads=threads,
                 replicas=replicas, rounds=rounds, torch=torch.__version__, rows=rows)

@@ -15,7 +15,9 @@ With ``--world N``: scaleopt.Muon on FSDP2 shards over N processes x ``--threads
 scaleopt.Muon in this process on the whole set with N x ``--threads`` threads (the same
 cores), and the time in the exchange (the two ``all_to_all_single`` per step); the exchange in
 4 runs overlapped with the iteration (``exchange_buckets=4``) against one run, and how much of
-the time the step waits on it is hidden. With ``--replicas R``: HSDP, R replicas of N / R
+the exchange is hidden: the time a rank waits for the collectives' bytes once every rank has
+issued them, against one run's (the time it waits for a slower rank to reach a collective is
+the ranks' imbalance, shown apart). With ``--replicas R``: HSDP, R replicas of N / R
 shards, and also Muon as it was before each matrix was iterated once in the whole mesh (every
 replica iterating all of its matrices), the iteration's time per rank and the step paired
 with it round by round.
@@ -119,13 +121,17 @@ def sharded(shapes, world: int, threads: int, rounds: int, label: str,
                   sharded_over_one_process=row["median_ms"] / one,
                   exchange_share=row["collective_ms"] / row["median_ms"],
                   buckets_step_ratio=paired_ratio(bucketed["rounds_s"], row["rounds_s"]),
-                  exchange_hidden=1 - bucketed["collective_ms"] / row["collective_ms"])
+                  exchange_hidden=1 - bucketed["transfer_ms"] / row["transfer_ms"],
+                  wait_ratio=bucketed["collective_ms"] / row["collective_ms"])
     print(f"scaleopt.Muon in one process x {world * threads} threads: {one:.1f} ms; sharded "
           f"{world} x {threads}: {row['median_ms']:.1f} ms ({result['sharded_over_one_process']:.2f}x), "
           f"{row['collectives']} collectives taking {100 * result['exchange_share']:.0f}% of the step")
-    print(f"exchange in 4 runs: the step {result['buckets_step_ratio']:.2f}x one run's (paired), "
-          f"the time waiting on the exchange {bucketed['collective_ms']:.1f} ms against "
-          f"{row['collective_ms']:.1f} ms: {100 * result['exchange_hidden']:.0f}% hidden")
+    print(f"exchange in 4 runs: the step {result['buckets_step_ratio']:.2f}x one run's (paired); "
+          f"waiting for the bytes {bucketed['transfer_ms']:.1f} ms against "
+          f"{row['transfer_ms']:.1f} ms: {100 * result['exchange_hidden']:.0f}% of the exchange "
+          f"hidden; waiting for the other ranks {bucketed['peers_ms']:.1f} against "
+          f"{row['peers_ms']:.1f} ms; all waits {bucketed['collective_ms']:.1f} against "
+          f"{row['collective_ms']:.1f} ms ({result['wait_ratio']:.2f}x)")
     if replicas > 1:
         old = rows["scaleopt.Muon, every replica iterating"]
         result.update(iteration_ratio=paired_ratio(row["iteration_s"], old["iteration_s"]),
