@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import importlib
 import json
 import math
 import os
@@ -159,6 +160,39 @@ def test_bfloat16_gradients_of_float32_weights(functional):
         outs.append(ws)
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_tensors_and_gradients_that_allow_16_byte_vectors_launch_the_aligned_variant(
+        monkeypatch):
+    """A launch may load and store in 16-byte vectors (``ALIGNED``) only where every address
+    it reads is a multiple of 16 bytes and every size a multiple of 16 elements: tensors that
+    are not go to a launch of their own, and a step whose gradient sits at an address that is
+    not launches that tensor's set without vectors."""
+    launched = []
+    monkeypatch.setattr(_triton, "_run", lambda name, programs, *a, **k: launched.append(
+        (name, k.get("ALIGNED"))) if name != "totals" else None)
+    base = torch.randn(4096 + 1)
+    aligned = nn.Parameter(torch.randn(64, 64))
+    shifted = nn.Parameter(base[1:].view(64, 64))  # 4 bytes past an aligned address
+    odd = nn.Parameter(torch.randn(65, 70))  # 4550 elements
+    params = [aligned, shifted, odd]
+    assert aligned.data_ptr() % 16 == 0 and shifted.data_ptr() % 16 == 4
+    opt = scaleopt.LAMB(params, lr=1e-3, implementation="triton")
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    # one launch per phase for the aligned tensor, one for the two others
+    assert sorted(launched) == sorted([("lamb_sums", 1), ("lamb_sums", 0), ("lamb_apply", 1),
+                                       ("lamb_apply", 0)])
+    launched.clear()
+    aligned.grad = torch.randn(4096 + 1)[1:].view(64, 64)  # a gradient 4 bytes off
+    opt.step()
+    assert sorted(launched) == sorted([("lamb_sums", 0), ("lamb_sums", 0), ("lamb_apply", 0),
+                                       ("lamb_apply", 0)])
+    launched.clear()
+    aligned.grad = torch.randn(64, 64)
+    opt.step()
+    assert ("lamb_apply", 1) in launched and ("lamb_sums", 1) in launched
 
 
 def test_the_address_tables_are_built_once_per_set_of_storages(monkeypatch):
@@ -606,6 +640,20 @@ def test_the_heaviest_variant_of_each_kernel_compiles_for_sm90_by_the_rules(tmp_
     assert all(r["spills"] == 0 and 0 < r["registers"] <= 255 for r in rows)
     for rule in RULES:
         assert [(r["kernel"], r["constexprs"]) for r in rows if r[rule]] == [], rule
+    _within_budget_and_in_vectors(rows)
+
+
+def _within_budget_and_in_vectors(rows):
+    """Every variant within its instruction budget (or the count its kernel is held at while
+    it is not yet within it); where a launch's tensors are aligned, every byte of the float32
+    and bfloat16 forms' streams read by 128-bit loads and written by 128-bit stores."""
+    rows = [r for r in rows if r["kernel"] != "totals"]
+    assert [(r["kernel"], r["arch"], r["constexprs"], r["per_element"], r["limit"])
+            for r in rows if r["per_element"] > r["limit"]] == []
+    aligned = [r for r in rows if r["constexprs"]["ALIGNED"] and r["constexprs"]["FORM"] != 2]
+    assert aligned
+    for r in aligned:
+        assert r["vectors"] == pytest.approx(r["moved"]), (r["kernel"], r["constexprs"])
 
 
 @pytest.mark.slow
@@ -620,6 +668,7 @@ def test_every_kernel_compiles_for_sm80_and_sm90_without_spills(compiled):
         assert seen >= {(k, f) for k in kernels for f in (0, 1, 2)} | {("totals", None)}, arch
     assert sum(r["arch"] == "sm_90" for r in compiled) == 5 * 3 * 5 + 3
     assert all(r["spills"] == 0 and 0 < r["registers"] <= 255 for r in compiled)
+    _within_budget_and_in_vectors([r for r in compiled if r["arch"] == "sm_90"])
 
 
 @pytest.mark.slow
@@ -667,6 +716,71 @@ def test_the_compile_check_reads_the_rules_from_ptx():
     assert counts == {"fma": 1, "unrounded": 1, "atomics": 1, "approx": 2}
     assert ops == {"sqrt.approx.ftz.f32": 2, "div.full.f32": 1, "div.rn.f32": 1}
 
+
+
+def _tool(name):
+    sys.path.insert(0, str(TOOLS))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(TOOLS))
+
+
+def test_the_budget_reads_instructions_and_memory_widths_from_sass():
+    """tools/sass_budget.py: the body's instructions end where the out-of-line slow paths
+    begin, NOPs and the padding loop after EXIT are not counted, and each global load and
+    store is counted by the bits it moves."""
+    SB = _tool("sass_budget")
+    sass = "\n".join([
+        "lamb_apply:",
+        "        /*0000*/                   LDC R1, c[0x0][0x28] ;",
+        "        /*0010*/                   LDG.E.128 R4, desc[UR4][R2.64] ;",
+        "        /*0020*/              @!P0 LDG.E R8, desc[UR4][R2.64] ;",
+        "        /*0030*/                   LDG.E.U16 R9, desc[UR4][R2.64] ;",
+        "        /*0040*/                   LDG.E.S8 R10, desc[UR4][R2.64] ;",
+        "        /*0050*/                   LDG.E.64 R12, desc[UR4][R2.64] ;",
+        "        /*0060*/                   STG.E.128 desc[UR4][R2.64], R4 ;",
+        "        /*0070*/               @P1 STG.E.U8 desc[UR4][R2.64], R10 ;",
+        "        /*0080*/                   FFMA R1, R2, R3, R4 ;",
+        "        /*0090*/                   EXIT ;",
+        ".L_x_9:",
+        "        /*00a0*/                   BRA 0xa0;",
+        "        /*00b0*/                   NOP;",
+        "$__internal_0_$__cuda_sm3x_div_rn_noftz_f32_slowpath:",
+        "        /*00c0*/                   FCHK P0, R1, R2 ;",
+        "        /*00d0*/                   LDG.E R8, desc[UR4][R2.64] ;",
+        "        /*00e0*/                   RET.REL.NODEC R72 `(lamb_apply) ;",
+    ])
+    got = SB.read_sass(sass)
+    assert got["body"] == 10 and got["total"] == 15
+    assert got["loads"] == {128: 1, 32: 1, 16: 1, 8: 1, 64: 1}
+    assert got["stores"] == {128: 1, 8: 1}
+
+
+def test_the_budget_is_the_bytes_moved_at_h100s_instructions_per_byte():
+    """A kernel's budget: its bytes per element (what it must read and write) times H100's
+    lane instructions per byte of bandwidth (about 10); and the warps per SM its registers
+    leave."""
+    SB = _tool("sass_budget")
+    from scaleopt import _format as F
+    G, W16, FORM = F.GRAD_KINDS, F.W16_KINDS, F.MOMENT_FORMS
+    assert 9.9 < SB.PER_BYTE < 10.0
+    f32 = dict(W_SPLIT=0, G_KIND=G["float32"], W16_KIND=W16["none"], FORM=FORM["float32"])
+    # LAMB's second phase with float32 moments: reads w, m, v and writes w (the first phase
+    # stored the moments): 16 bytes
+    assert SB.bytes_per_element("lamb_apply", f32) == 16
+    # the first phase reads w, g, m, v and writes m, v
+    assert SB.bytes_per_element("lamb_sums", f32) == 24
+    # int8 moments, a bfloat16 gradient, a split master: the apply phase reads the halves
+    # (4), the gradient (2), the codes (2) and scales; writes the halves and the codes
+    split = dict(W_SPLIT=1, G_KIND=G["bfloat16"], W16_KIND=W16["split"], FORM=FORM["int8"])
+    assert SB.bytes_per_element("lamb_apply", split) == pytest.approx(4 + 2 + 4 + 4 * 4 / 256 + 4)
+    assert SB.bytes_per_element("sum_squares", split) == 2
+    assert SB.budget("lamb_apply", f32) == pytest.approx(16 * SB.PER_BYTE)
+    # 124 registers: a warp takes 3968 of the SM's 65536, so 4 programs of 4 warps fit
+    assert SB.warps_per_sm(124, 4, 0, 90) == 16
+    assert SB.warps_per_sm(32, 4, 16, 90) == 64  # the SM's limit
+    assert SB.warps_per_sm(32, 4, 40000, 90) == 5 * 4  # shared memory's
 
 
 @pytest.mark.parametrize("cls", [scaleopt.LAMB, scaleopt.LANS], ids=["LAMB", "LANS"])

@@ -1,6 +1,7 @@
 """Compile scaleopt's Triton kernels for NVIDIA GPUs, with no GPU, and hold what LLVM and ptxas
-made of them to the kernels' numerical rules. Prints one row per specialization: kernel, arch,
-registers, spill bytes, shared memory, and the rules' counts.
+made of them to the kernels' numerical rules and their instruction budgets. Prints one row per
+specialization: kernel, arch, registers, warps resident per SM, spill bytes, shared memory,
+SASS instructions per element against the budget, global loads and stores by width.
 
     python tools/triton_compile.py                      # the suite's cover, sm_80 and sm_90
     python tools/triton_compile.py --all 90 -j 2        # every specialization the optimizers launch
@@ -21,6 +22,12 @@ PTX (every one must be 0):
 * ``approx``: approximate square roots, divisions and reciprocals (``sqrt.approx``,
   ``div.full``, ``div.approx``, ``rcp.approx``), except on a source line marked
   ``# estimate:`` (a value an exact comparison then corrects).
+
+And from the cubin's machine code (``nvdisasm``, also in Triton's wheel; ``tools/sass_budget.py``):
+
+* ``over_budget``: more SASS instructions per element than the kernel's budget (its bytes per
+  element times H100's instructions per byte of bandwidth), or, for a kernel and state form
+  not yet within it, than the count it is held at (``sass_budget.HELD``).
 
 Run as a command, it drops ``TRITON_INTERPRET`` first (the kernels must be jitted, not
 interpreted).
@@ -47,6 +54,8 @@ from triton.compiler import ASTSource
 
 from scaleopt import _format, _triton
 
+import sass_budget
+
 #: the kernels' arguments that are pointers (the rest not constexpr are float32 scalars)
 POINTERS = {"ptrs": "*i64", "grads": "*i64", "sizes": "*i64", "chunks": "*i64", "scal": "*fp32",
             "skip": "*fp32", "sums": "*fp32", "gsq": "*fp32", "parts": "*fp32",
@@ -55,10 +64,11 @@ POINTERS = {"ptrs": "*i64", "grads": "*i64", "sizes": "*i64", "chunks": "*i64", 
 
 #: each kernel's options besides the tensors' kinds, and the values the launcher can pass
 CHOICES = {
-    "sum_squares": {},
+    "sum_squares": dict(ALIGNED=(False, True)),
     "lamb_sums": dict(MODE=tuple(_format.WEIGHT_DECAY_MODES.values()), CLIP=(False, True), HAS_LOWER=(False, True),
-                      HAS_UPPER=(False, True)),
-    "lans_sums": dict(CLIP=(False, True), HAS_LOWER=(False, True), HAS_UPPER=(False, True)),
+                      HAS_UPPER=(False, True), ALIGNED=(False, True)),
+    "lans_sums": dict(CLIP=(False, True), HAS_LOWER=(False, True), HAS_UPPER=(False, True),
+                      ALIGNED=(False, True)),
 }
 CHOICES["lamb_apply"] = CHOICES["lamb_sums"]
 CHOICES["lans_apply"] = dict(CHOICES["lans_sums"], MOVED=(False, True))
@@ -213,16 +223,48 @@ def inspect(job):
         row["shared"] = int(compiled.metadata.shared)
         rules, row["ops"] = ptx_rules(ptx)
         row.update(rules)
+        row.update(sass_row(name, constants, compiled, row["registers"], capability))
     except Exception as exc:  # reported in the table, and the exit status
         row["error"] = f"{type(exc).__name__}: {str(exc)[-2000:]}"
     return row
+
+
+def _nvdisasm() -> str:
+    from triton.backends.nvidia import compiler
+    return str(Path(compiler.__file__).parent / "bin" / "nvdisasm")
+
+
+def sass_row(name, constants, compiled, registers, capability):
+    """The machine code's cost (``sass_budget``): the body's instructions per element each
+    thread handles, its global loads and stores by width, the warps resident per SM, and the
+    kernel's bytes per element and budget (not for ``totals``, which adds a few sums per
+    tensor)."""
+    sass = sass_budget.read_sass(sass_budget.disassemble(compiled.asm["cubin"], _nvdisasm()))
+    warps = compiled.metadata.num_warps
+    out = dict(sass=sass["body"], sass_all=sass["total"], loads=sass["loads"],
+               stores=sass["stores"], warps=warps,
+               warps_per_sm=sass_budget.warps_per_sm(registers, warps,
+                                                     int(compiled.metadata.shared), capability))
+    if name != "totals":
+        per_thread = _triton.BLOCK * _triton.ITERS / (32 * warps)
+        out.update(per_element=sass["body"] / per_thread,
+                   moved=sass_budget.moved(name, constants),
+                   # per element, the bytes that 128-bit loads read and 128-bit stores write
+                   vectors=(16 * sass["loads"].get(128, 0) / per_thread,
+                            16 * sass["stores"].get(128, 0) / per_thread),
+                   bytes_per_element=sass_budget.bytes_per_element(name, constants),
+                   budget=sass_budget.budget(name, constants),
+                   limit=sass_budget.limit(name, constants))
+        # (the budgets are H100's: sm_90's code is held to them)
+        out["over_budget"] = int(capability == 90 and out["per_element"] > out["limit"])
+    return out
 
 
 def broken(row):
     """The rules a row breaks (``error`` where it did not compile)."""
     if "error" in row:
         return ["error"]
-    return [rule for rule in ("spills", *RULES) if row[rule]]
+    return [rule for rule in ("spills", *RULES, "over_budget") if row.get(rule)]
 
 
 def label(row):
@@ -235,6 +277,19 @@ def label(row):
     return f"{row['kernel']} form{c['FORM']} {kind} {options}".rstrip()
 
 
+def _widths(counts):
+    """{bits: count} as '96x32b 8x64b'."""
+    return " ".join(f"{n}x{bits}b" for bits, n in sorted(counts.items(), key=lambda x: int(x[0])))
+
+
+def _vectors(rows):
+    """The share of the global loads' bytes (the tables' too) that 128-bit loads move, over
+    ``rows``."""
+    moved = sum(int(bits) * n for r in rows for bits, n in r["loads"].items())
+    wide = sum(int(bits) * n for r in rows for bits, n in r["loads"].items() if int(bits) == 128)
+    return f"{100 * wide / moved:.0f}%" if moved else "-"
+
+
 def markdown(rows):
     """The table (one row per kernel, arch and form: the most registers of its variants, and
     the totals of the rest) as markdown."""
@@ -243,14 +298,19 @@ def markdown(rows):
         if "error" in row:
             continue
         c = row["constexprs"]
-        key = (row["kernel"], row["arch"],
-               f"S={c['S']}" if row["kernel"] == "totals" else ("float32", "bfloat16", "int8")[c["FORM"]])
+        state = ("" if row["kernel"] == "totals" else
+                 ("float32", "bfloat16", "int8")[c["FORM"]] + (", aligned" if c["ALIGNED"] else ""))
+        key = (row["kernel"], row["arch"], f"S={c['S']}" if row["kernel"] == "totals" else state)
         groups.setdefault(key, []).append(row)
-    lines = ["| kernel | arch | state | variants | registers (most) | spill bytes | shared memory (bytes) "
-             "| fma | unrounded | float atomics | approx |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| kernel | arch | state | variants | registers (most) | warps per SM (fewest) "
+             "| SASS per element (most) | budget (least) | bytes loaded by 128-bit loads "
+             "| spill bytes | shared memory (bytes) | fma | unrounded | float atomics | approx |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (kernel, arch, state), rs in sorted(groups.items()):
+        cost = ("| | " if kernel == "totals" else
+                f"| {max(r['per_element'] for r in rs):.0f} | {min(r['budget'] for r in rs):.0f} ")
         lines.append(f"| {kernel} | {arch} | {state} | {len(rs)} | {max(r['registers'] for r in rs)} "
+                     f"| {min(r['warps_per_sm'] for r in rs)} {cost}| {_vectors(rs)} "
                      f"| {sum(r['spills'] for r in rs)} | {max(r['shared'] for r in rs)} "
                      f"| {sum(r['fma'] for r in rs)} | {sum(r['unrounded'] for r in rs)} "
                      f"| {sum(r['atomics'] for r in rs)} | {sum(r['approx'] for r in rs)} |")
@@ -294,8 +354,13 @@ def main(argv=None):
             print(f"{row['arch']} {label(row)}: {row['error']}", flush=True)
         else:
             bad = broken(row)
-            print(f"{row['arch']} {label(row)}: {row['registers']} registers, {row['spills']} "
-                  f"spill bytes, {row['shared']} B shared{'; BREAKS ' + ', '.join(bad) if bad else ''}")
+            cost = (f", {row['per_element']:.0f} SASS per element (budget {row['budget']:.0f}"
+                    f"{'' if row['limit'] == row['budget'] else ', held at %.0f' % row['limit']})"
+                    if "per_element" in row else "")
+            print(f"{row['arch']} {label(row)}: {row['registers']} registers, "
+                  f"{row['warps_per_sm']} warps per SM, {row['spills']} spill bytes, "
+                  f"{row['shared']} B shared{cost}, loads {_widths(row['loads'])}, stores "
+                  f"{_widths(row['stores'])}{'; BREAKS ' + ', '.join(bad) if bad else ''}")
     if args.markdown:
         print(markdown(rows))
     if args.json:

@@ -52,7 +52,7 @@ import itertools
 import math
 import operator
 import os
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -160,15 +160,30 @@ def _moments_fit(m: Tensor, v: Tensor, st: Optional[_format.Stored]) -> bool:
 # --------------------------------------------------------------------------------------------
 
 
-def _kinds(t: Any, i: int) -> Tuple[int, int, int, int]:
+def _kinds(t: Any, i: int) -> Tuple[int, int, int, int, int]:
     """The kinds that choose tensor ``i``'s compiled variant of a kernel (its constants
-    ``W_SPLIT``, ``G_KIND``, ``W16_KIND``, ``FORM``): weight (0 float32, 1 split master),
-    gradient dtype, w16 dtype, the moments' form."""
+    ``W_SPLIT``, ``G_KIND``, ``W16_KIND``, ``FORM``, ``ALIGNED``): weight (0 float32, 1 split
+    master), gradient dtype, w16 dtype, the moments' form, and whether its tensors allow
+    16-byte vectors (:func:`_aligned`; its gradient's, checked at each step, too)."""
     w16 = t.w16[i] if t.w16 else None
     st = t.stored[i] if t.stored else None
+    tensors = [t.weights[i], t.exp_avgs[i], t.exp_avg_sqs[i]] + ([] if w16 is None else [w16])
+    row_len = st.row_len if st is not None and st.form == "int8" else t.weights[i].numel()
     return (int(t.weights[i].dtype == torch.bfloat16), _G_KINDS[t.grads[i].dtype],
             _W16_KINDS[None if w16 is None else w16.dtype],
-            _format.MOMENT_FORMS["float32" if st is None else st.form])
+            _format.MOMENT_FORMS["float32" if st is None else st.form],
+            int(_aligned([x.data_ptr() for x in tensors], row_len)))
+
+
+#: what ``ALIGNED`` asks: addresses a multiple of 16 bytes, sizes (int8: rows) of 16 elements
+VECTOR_BYTES = 16
+VECTOR_ELEMENTS = 16
+
+
+def _aligned(addresses: Sequence[int], length: int) -> bool:
+    """Whether a tensor's kernels may load and store it in 16-byte vectors: every address a
+    multiple of 16 bytes and its length (the elements, or an int8 row's) a multiple of 16."""
+    return length % VECTOR_ELEMENTS == 0 and all(a % VECTOR_BYTES == 0 for a in addresses)
 
 
 def _blocks_per_tile() -> int:
@@ -179,10 +194,11 @@ def _blocks_per_tile() -> int:
 
 class _Plan(NamedTuple):
     """A group's tensors as the kernels take them: per set of tensors with the same kinds, the
-    kinds and the int64 tables (addresses, sizes, chunks); each tensor's span of slots for
-    partial sums (first slot, count), and the number of slots."""
+    kinds, the int64 tables (addresses, sizes, chunks) and the tensors' places in the group;
+    each tensor's span of slots for partial sums (first slot, count), and the number of
+    slots."""
 
-    sets: List[Tuple[Tuple[int, int, int, int], Tuple[Tensor, Tensor, Tensor]]]
+    sets: List[Tuple[Tuple[int, ...], Tuple[Tensor, Tensor, Tensor], Tuple[int, ...]]]
     spans: Tensor
     slots: int
 
@@ -250,7 +266,7 @@ def _moment_addresses(t: GroupTensors, cache: Dict[str, Any]) -> Tuple[tuple, tu
         tuple(map(Tensor.data_ptr, xs)) for xs in lists))
 
 
-def _grad_table(t: Any, device: torch.device, cache: Dict[str, Any]) -> Tensor:
+def _grad_table(t: Any, device: torch.device, cache: Dict[str, Any]) -> "_GradTable":
     """The address of each gradient of the group (int64, on ``device``, in the group's order),
     which the kernels read a tensor's gradient from: found again in ``cache`` for the same
     addresses (a few are kept, as a step's gradients are often where an earlier step's were),
@@ -263,17 +279,27 @@ def _grad_table(t: Any, device: torch.device, cache: Dict[str, Any]) -> Tensor:
         tables.move_to_end(key)
         return table
     check_same_sizes("the Triton kernels", t.weights, t.grads)
-    table = tables[key] = _ops.to_device([torch.tensor(key[0], dtype=torch.int64)],
-                                             device)[0]
+    table = tables[key] = _GradTable(
+        _ops.to_device([torch.tensor(key[0], dtype=torch.int64)], device)[0],
+        # (a pass in C: no Python work per tensor when a backward moves the gradients)
+        tuple(map(operator.not_, map(operator.mod, key[0], itertools.repeat(VECTOR_BYTES)))))
     while len(tables) > 8:
         tables.popitem(last=False)
     return table
 
 
+class _GradTable(NamedTuple):
+    """The gradients' addresses (on the device) and, per tensor, whether its gradient's
+    address allows 16-byte vectors."""
+
+    addresses: Tensor
+    aligned: Tuple[bool, ...]
+
+
 def _new_plan(kinds: Tuple, rows: Tuple, sizes: Tuple, device: torch.device) -> _Plan:
     """The tables of a plan: the tensors in sets by kinds; each set's chunks in the order of
     its tensors, and their slots in that order over the sets."""
-    sets: Dict[Tuple[int, int, int, int], List[int]] = {}
+    sets: Dict[Tuple[int, ...], List[int]] = {}
     for i, kind in enumerate(kinds):
         sets.setdefault(kind, []).append(i)
     spans = [(0, 0)] * len(rows)
@@ -295,8 +321,8 @@ def _new_plan(kinds: Tuple, rows: Tuple, sizes: Tuple, device: torch.device) -> 
                            table(chunks, 3))))
     tables = _ops.to_device([t for _, ts in out for t in ts]
                                + [torch.tensor(spans, dtype=torch.int64)], device)
-    return _Plan([(kind, tuple(tables[3 * j:3 * j + 3])) for j, (kind, _) in enumerate(out)],
-                 tables[-1], base)
+    return _Plan([(kind, tuple(tables[3 * j:3 * j + 3]), tuple(sets[kind]))
+                  for j, (kind, _) in enumerate(out)], tables[-1], base)
 
 
 def _chunk_table(tensors: List[Tuple[int, int]], chunk: int, base: int) -> List[Tuple[int, int, int]]:
@@ -475,16 +501,31 @@ def _device_table(t: GroupTensors, layer: TensorOptions, o: GroupOptions,
 # --------------------------------------------------------------------------------------------
 
 
-def _launch(name: str, kinds: Tuple[int, int, int, int], tables: Tuple[Tensor, Tensor, Tensor],
-            grads: Tensor, **args: Any) -> None:
-    """Kernel ``name`` over a set of tensors (one launch): their kinds and address tables, and
-    the group's gradients' addresses."""
+def _launch(name: str, kinds: Tuple[int, ...], tables: Tuple[Tensor, Tensor, Tensor],
+            grads: Tensor, aligned: int, **args: Any) -> None:
+    """Kernel ``name`` over a set of tensors (one launch): their kinds and address tables, the
+    group's gradients' addresses, and whether all of the set's tensors allow 16-byte
+    vectors."""
     ptrs, sizes, chunks = tables
     if chunks.shape[0] == 0:
         return
-    w_kind, g_kind, w16_kind, form = kinds
+    w_kind, g_kind, w16_kind, form, _ = kinds
     _run(name, chunks.shape[0], ptrs, grads, sizes, chunks, W_SPLIT=w_kind, G_KIND=g_kind,
-         W16_KIND=w16_kind, FORM=form, BLOCK=BLOCK, QB=_blocks_per_tile(), ITERS=ITERS, **args)
+         W16_KIND=w16_kind, FORM=form, ALIGNED=aligned, BLOCK=BLOCK, QB=_blocks_per_tile(),
+         ITERS=ITERS, **args)
+
+
+def _sets_aligned(plan: _Plan, grads: _GradTable, cache: Dict[str, Any]) -> Tuple[int, ...]:
+    """Per set of the plan, ``ALIGNED``: its tensors allow 16-byte vectors (their kinds say)
+    and so do their gradients at this step (kept in ``cache`` for the same plan and
+    gradients' table)."""
+    kept = cache.get("aligned")
+    if kept is not None and kept[0] is plan and kept[1] is grads:
+        return kept[2]
+    flags = tuple(int(kinds[4] and all(map(grads.aligned.__getitem__, idx)))
+                  for kinds, _, idx in plan.sets)
+    cache["aligned"] = (plan, grads, flags)
+    return flags
 
 
 @eager
@@ -497,14 +538,14 @@ def _run(name: str, programs: int, *args: Any, **kwargs: Any) -> None:
     LAUNCHES[name] += 1
 
 
-def _sums(plan: _Plan, grads: Tensor, width: int, device: torch.device, name: str,
-          **args: Any) -> Tensor:
+def _sums(plan: _Plan, grads: _GradTable, aligned: Tuple[int, ...], width: int,
+          device: torch.device, name: str, **args: Any) -> Tensor:
     """Kernel ``name`` over each set of the plan, every chunk writing ``width`` partial sums
     into its own slot, then the tensors' totals (float32, ``width`` per tensor, in the
     tensors' order) added up in a fixed order by ``totals``: the same bits on every run."""
     parts = torch.empty(width * plan.slots, dtype=torch.float32, device=device)
-    for kinds, tables in plan.sets:
-        _launch(name, kinds, tables, grads, parts=parts, **args)
+    for (kinds, tables, _), flag in zip(plan.sets, aligned):
+        _launch(name, kinds, tables, grads.addresses, flag, parts=parts, **args)
     out = torch.empty(width * plan.spans.shape[0], dtype=torch.float32, device=device)
     _run("totals", plan.spans.shape[0], parts, plan.spans, out, S=width, R=TOTALS_LANES)
     return out
@@ -548,6 +589,7 @@ class TritonStep:
         # what is kept from step to step: the group's plan's, or nothing (a functional call)
         self.cache = cache = t.cache if t.cache is not None else {}
         self.plan, self.grads = _plan(t, cache), _grad_table(t, device, cache)
+        self.aligned = _sets_aligned(self.plan, self.grads, cache)
         self.options = dict(_options(o, clip), **options)  # of both phases' launches
         self.local: Optional[Tensor] = None
 
@@ -561,7 +603,7 @@ class TritonStep:
         elif t.grad_norms is not None:
             self.options["gsq"] = t.grad_norms.to(self.device, torch.float32).square()
         else:
-            out = _sums(self.plan, self.grads, 1, self.device, "sum_squares")
+            out = _sums(self.plan, self.grads, self.aligned, 1, self.device, "sum_squares")
             if t.shard_sums is None:
                 self.options["gsq"] = out
             else:
@@ -576,8 +618,8 @@ class TritonStep:
         t, device = self.t, self.device
         self.options["scal"] = _step_table(t, self.layer, self.o, device, self.cache)
         self.options["skip"] = _skip_flag(t, device, self.cache)
-        self.local = _sums(self.plan, self.grads, self.per_tensor, device, f"{self.name}_sums",
-                           **self.options)
+        self.local = _sums(self.plan, self.grads, self.aligned, self.per_tensor, device,
+                           f"{self.name}_sums", **self.options)
         if t.shard_sums is None:
             return None
         owners = [i for i in range(self.count) for _ in range(self.per_tensor)]
@@ -587,9 +629,9 @@ class TritonStep:
         if not self.count:
             return
         sums = self.local if totals is None else totals
-        for kinds, tables in self.plan.sets:
-            _launch(f"{self.name}_apply", kinds, tables, self.grads, sums=sums, **self.options,
-                    **self.apply_options)
+        for (kinds, tables, _), flag in zip(self.plan.sets, self.aligned):
+            _launch(f"{self.name}_apply", kinds, tables, self.grads.addresses, flag, sums=sums,
+                    **self.options, **self.apply_options)
 
 
 def lamb_triton(t: GroupTensors, layer: TensorOptions, o: GroupOptions) -> TritonStep:

@@ -15,7 +15,9 @@ bfloat16 upper halves at w, the int16 lower halves at w16) or a float32 weight; 
 gradient's dtype (``GRAD_KINDS``); ``W16_KIND`` what w16 holds (``W16_KINDS``: nothing, the
 rounded bfloat16 / float16 weights to write, a split master's lower halves); ``FORM`` how the
 moments are stored (``MOMENT_FORMS``: float32, bfloat16, int8 codes: ``_compact``); ``MODE``
-LAMB's weight-decay mode (``WEIGHT_DECAY_MODES``).
+LAMB's weight-decay mode (``WEIGHT_DECAY_MODES``); ``ALIGNED`` every address of the launch a
+multiple of 16 bytes and every size (int8: row length) a multiple of 16 elements, so that the
+loads and stores may be 128-bit vectors (``_triton._aligned`` decides it per tensor and step).
 
 A chunk of float32 or bfloat16 moments is ``ITERS`` runs of ``BLOCK`` elements from its first
 element. A chunk of int8 moments is ``ITERS`` tiles of ``QB`` whole blocks of 256 (a block's
@@ -69,46 +71,58 @@ _MODE_L2 = tl.constexpr(_format.WEIGHT_DECAY_MODES["l2"])
 
 
 @triton.jit
+def _at(address, dtype: tl.constexpr, ALIGNED: tl.constexpr):
+    """An address read from a table as a pointer to ``dtype``: known to be a multiple of 16
+    bytes where ALIGNED (so that the compiler may move 16 bytes per load or store)."""
+    p = address.to(tl.pointer_type(dtype))
+    if ALIGNED:
+        p = tl.multiple_of(p, 16)
+    return p
+
+
+@triton.jit
 def _pointers(row, grads, W_SPLIT: tl.constexpr, G_KIND: tl.constexpr, W16_KIND: tl.constexpr,
-              FORM: tl.constexpr):
-    if W_SPLIT:
-        wp = tl.load(row + _W).to(tl.pointer_type(tl.int16))
-    else:
-        wp = tl.load(row + _W).to(tl.pointer_type(tl.float32))
-    g = grads + tl.load(row + _INDEX)  # the gradients' addresses: a table of the step's
+              FORM: tl.constexpr, ALIGNED: tl.constexpr):
+    wp = _at(tl.load(row + _W), tl.int16 if W_SPLIT else tl.float32, ALIGNED)
+    g = tl.load(grads + tl.load(row + _INDEX))  # the gradients' addresses: a table of the step's
     if G_KIND == _G_BFLOAT16:
-        gp = tl.load(g).to(tl.pointer_type(tl.bfloat16))
+        gp = _at(g, tl.bfloat16, ALIGNED)
     elif G_KIND == _G_FLOAT16:
-        gp = tl.load(g).to(tl.pointer_type(tl.float16))
+        gp = _at(g, tl.float16, ALIGNED)
     else:
-        gp = tl.load(g).to(tl.pointer_type(tl.float32))
+        gp = _at(g, tl.float32, ALIGNED)
     if FORM == _FORM_BFLOAT16:
-        mp = tl.load(row + _M).to(tl.pointer_type(tl.uint16))
-        vp = tl.load(row + _V).to(tl.pointer_type(tl.uint16))
+        mp = _at(tl.load(row + _M), tl.uint16, ALIGNED)
+        vp = _at(tl.load(row + _V), tl.uint16, ALIGNED)
     elif FORM == _FORM_INT8:
-        mp = tl.load(row + _M).to(tl.pointer_type(tl.int8))
-        vp = tl.load(row + _V).to(tl.pointer_type(tl.uint8))
+        mp = _at(tl.load(row + _M), tl.int8, ALIGNED)
+        vp = _at(tl.load(row + _V), tl.uint8, ALIGNED)
     else:
-        mp = tl.load(row + _M).to(tl.pointer_type(tl.float32))
-        vp = tl.load(row + _V).to(tl.pointer_type(tl.float32))
+        mp = _at(tl.load(row + _M), tl.float32, ALIGNED)
+        vp = _at(tl.load(row + _V), tl.float32, ALIGNED)
     if W16_KIND == _W16_BFLOAT16:
-        w16p = tl.load(row + _W16).to(tl.pointer_type(tl.bfloat16))
+        w16p = _at(tl.load(row + _W16), tl.bfloat16, ALIGNED)
     elif W16_KIND == _W16_FLOAT16:
-        w16p = tl.load(row + _W16).to(tl.pointer_type(tl.float16))
+        w16p = _at(tl.load(row + _W16), tl.float16, ALIGNED)
     else:
-        w16p = tl.load(row + _W16).to(tl.pointer_type(tl.int16))
+        w16p = _at(tl.load(row + _W16), tl.int16, ALIGNED)
     return wp, gp, mp, vp, w16p
 
 
 @triton.jit
-def _tile(row, n, start, it, BLOCK: tl.constexpr, QB: tl.constexpr, FORM: tl.constexpr):
+def _tile(row, n, start, it, BLOCK: tl.constexpr, QB: tl.constexpr, FORM: tl.constexpr,
+          ALIGNED: tl.constexpr):
     """Iteration ``it`` of a program's chunk: the elements' offsets and mask, and the int8
     blocks' indices and mask. For int8 moments (FORM 2) a tile of QB blocks (its rows), each
     of 256 lanes: block b is in row b // per_row of the tensor, from column
     (b % per_row) * 256, and shorter where the row ends; the chunk starts at block ``start``.
-    Otherwise BLOCK elements from element ``start + it * BLOCK`` (the blocks: the elements)."""
+    Otherwise BLOCK elements from element ``start + it * BLOCK`` (the blocks: the elements).
+    ALIGNED: the sizes (the rows' lengths) are multiples of 16 elements (the mask then
+    changes only between runs of 16)."""
     if FORM == _FORM_INT8:
         row_len = tl.maximum(tl.load(row + _ROW_LEN), 1)
+        if ALIGNED:
+            row_len = tl.multiple_of(row_len, 16)
         per_row = ((row_len + 255) // 256).to(tl.int32)
         b = (start + it * QB + tl.arange(0, QB)).to(tl.int32)
         r = b // per_row  # int32: a tensor's blocks number fewer than 2^31 (its size: 2^39)
@@ -117,6 +131,9 @@ def _tile(row, n, start, it, BLOCK: tl.constexpr, QB: tl.constexpr, FORM: tl.con
         bmask = b < n // row_len * per_row
         mask = bmask[:, None] & (col < row_len)
     else:
+        if ALIGNED:  # (the same numbers, in a form whose divisibility the compiler sees)
+            n = n // 16 * 16
+            start = start // 16 * 16
         offs = start + it * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         b = offs
@@ -319,14 +336,14 @@ def _decay_factor(lr, wd, MODE: tl.constexpr):
 
 @triton.jit
 def sum_squares(ptrs, grads, sizes, chunks, parts, W_SPLIT: tl.constexpr, G_KIND: tl.constexpr,
-                W16_KIND: tl.constexpr, FORM: tl.constexpr, BLOCK: tl.constexpr,
-                QB: tl.constexpr, ITERS: tl.constexpr):
+                W16_KIND: tl.constexpr, FORM: tl.constexpr, ALIGNED: tl.constexpr,
+                BLOCK: tl.constexpr, QB: tl.constexpr, ITERS: tl.constexpr):
     """parts[slot] = the chunk's sum of g^2 (LANS's gradient norms; ``totals`` adds them up)."""
     row, n, start, slot = _chunk(ptrs, sizes, chunks)
-    _, gp, _, _, _ = _pointers(row, grads, W_SPLIT, G_KIND, W16_KIND, FORM)
+    _, gp, _, _, _ = _pointers(row, grads, W_SPLIT, G_KIND, W16_KIND, FORM, ALIGNED)
     acc = 0.0
     for it in tl.static_range(ITERS):
-        offs, mask, _, _ = _tile(row, n, start, it, BLOCK, QB, FORM)
+        offs, mask, _, _ = _tile(row, n, start, it, BLOCK, QB, FORM, ALIGNED)
         g = tl.load(gp + offs, mask=mask, other=0.0).to(tl.float32)
         acc += tl.sum(g * g)
     tl.store(parts + slot, acc)
@@ -356,19 +373,19 @@ def _lamb_u(w, m, v, wd, bc1, bc2, eps, MODE: tl.constexpr):
 def lamb_sums(ptrs, grads, sizes, chunks, scal, skip, parts, beta1, beta2, eps, clip_lo, clip_hi,
               lower, upper, MODE: tl.constexpr, CLIP: tl.constexpr, HAS_LOWER: tl.constexpr,
               HAS_UPPER: tl.constexpr, W_SPLIT: tl.constexpr, G_KIND: tl.constexpr,
-              W16_KIND: tl.constexpr, FORM: tl.constexpr, BLOCK: tl.constexpr, QB: tl.constexpr,
-              ITERS: tl.constexpr):
+              W16_KIND: tl.constexpr, FORM: tl.constexpr, ALIGNED: tl.constexpr,
+              BLOCK: tl.constexpr, QB: tl.constexpr, ITERS: tl.constexpr):
     """LAMB's first phase: the chunk's sum w^2 and sum u^2 into its slot of ``parts`` (u the
     full update, decay included; w decayed first in the decoupled mode, 1). float32 moments are
     stored updated; stored ones (FORM 1, 2) are left for the second phase to update and
     store."""
     row, n, start, slot, _, lr, wd, _, mult, bc1, bc2, _ = _program(ptrs, sizes, chunks, scal,
                                                                     skip)
-    wp, gp, mp, vp, w16p = _pointers(row, grads, W_SPLIT, G_KIND, W16_KIND, FORM)
+    wp, gp, mp, vp, w16p = _pointers(row, grads, W_SPLIT, G_KIND, W16_KIND, FORM, ALIGNED)
     acc_w = 0.0
     acc_u = 0.0
     for it in tl.static_range(ITERS):
-        offs, mask, b, bmask = _tile(row, n, start, it, BLOCK, QB, FORM)
+        offs, mask, b, bmask = _tile(row, n, start, it, BLOCK, QB, FORM, ALIGNED)
         m, v = _load_moments(row, mp, vp, offs, mask, b, bmask, FORM)
         w, m, v = _lamb_moments(_load_w(wp, w16p, offs, mask, W_SPLIT),
                                 _load_g(gp, offs, mask, mult, clip_lo, clip_hi, CLIP), m, v,
@@ -387,18 +404,18 @@ def lamb_sums(ptrs, grads, sizes, chunks, scal, skip, parts, beta1, beta2, eps, 
 def lamb_apply(ptrs, grads, sizes, chunks, scal, skip, sums, beta1, beta2, eps, clip_lo, clip_hi,
                lower, upper, MODE: tl.constexpr, CLIP: tl.constexpr, HAS_LOWER: tl.constexpr,
                HAS_UPPER: tl.constexpr, W_SPLIT: tl.constexpr, G_KIND: tl.constexpr,
-               W16_KIND: tl.constexpr, FORM: tl.constexpr, BLOCK: tl.constexpr, QB: tl.constexpr,
-               ITERS: tl.constexpr):
+               W16_KIND: tl.constexpr, FORM: tl.constexpr, ALIGNED: tl.constexpr,
+               BLOCK: tl.constexpr, QB: tl.constexpr, ITERS: tl.constexpr):
     """LAMB's second phase: w - lr * ratio * u, the ratio from the (totalled) sums. Stored
     moments are updated again from the gradient, as the first phase did, and stored."""
     row, n, start, _, i, lr, wd, adapt, mult, bc1, bc2, step = _program(ptrs, sizes, chunks,
                                                                         scal, skip)
-    wp, gp, mp, vp, w16p = _pointers(row, grads, W_SPLIT, G_KIND, W16_KIND, FORM)
+    wp, gp, mp, vp, w16p = _pointers(row, grads, W_SPLIT, G_KIND, W16_KIND, FORM, ALIGNED)
     ratio = _trust_ratio(tl.load(sums + 2 * i), tl.load(sums + 2 * i + 1), lower, upper,
                          HAS_LOWER, HAS_UPPER)
     ratio = tl.where(adapt > 0.0, ratio, 1.0)
     for it in tl.static_range(ITERS):
-        offs, mask, b, bmask = _tile(row, n, start, it, BLOCK, QB, FORM)
+        offs, mask, b, bmask = _tile(row, n, start, it, BLOCK, QB, FORM, ALIGNED)
         m, v = _load_moments(row, mp, vp, offs, mask, b, bmask, FORM)
         w = _load_w(wp, w16p, offs, mask, W_SPLIT)
         if FORM == _FORM_FLOAT32:  # the moments the first phase stored
@@ -430,20 +447,20 @@ def _lans_r(w, m, v, wd, bc1, bc2, eps):
 def lans_sums(ptrs, grads, sizes, chunks, scal, skip, parts, gsq, beta1, beta2, eps, clip_lo,
               clip_hi, lower, upper, CLIP: tl.constexpr, HAS_LOWER: tl.constexpr,
               HAS_UPPER: tl.constexpr, W_SPLIT: tl.constexpr, G_KIND: tl.constexpr,
-              W16_KIND: tl.constexpr, FORM: tl.constexpr, BLOCK: tl.constexpr, QB: tl.constexpr,
-              ITERS: tl.constexpr):
+              W16_KIND: tl.constexpr, FORM: tl.constexpr, ALIGNED: tl.constexpr,
+              BLOCK: tl.constexpr, QB: tl.constexpr, ITERS: tl.constexpr):
     """LANS's first phase: m, v updated from the normalised gradient (stored where float32);
     the chunk's sums of w^2, r^2, c^2 and r*c into its slot of ``parts``."""
     row, n, start, slot, i, lr, wd, _, mult, bc1, bc2, _ = _program(ptrs, sizes, chunks, scal,
                                                                     skip)
-    wp, gp, mp, vp, w16p = _pointers(row, grads, W_SPLIT, G_KIND, W16_KIND, FORM)
+    wp, gp, mp, vp, w16p = _pointers(row, grads, W_SPLIT, G_KIND, W16_KIND, FORM, ALIGNED)
     ginv = _normalising_factor(gsq, i, mult)
     acc_w = 0.0
     acc_r = 0.0
     acc_c = 0.0
     acc_rc = 0.0
     for it in tl.static_range(ITERS):
-        offs, mask, b, bmask = _tile(row, n, start, it, BLOCK, QB, FORM)
+        offs, mask, b, bmask = _tile(row, n, start, it, BLOCK, QB, FORM, ALIGNED)
         m, v = _load_moments(row, mp, vp, offs, mask, b, bmask, FORM)
         w = _load_w(wp, w16p, offs, mask, W_SPLIT)
         g = _load_g(gp, offs, mask, ginv, clip_lo, clip_hi, CLIP)
@@ -468,13 +485,14 @@ def lans_apply(ptrs, grads, sizes, chunks, scal, skip, sums, gsq, beta1, beta2, 
                clip_hi, lower, upper, MOVED: tl.constexpr, CLIP: tl.constexpr,
                HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr, W_SPLIT: tl.constexpr,
                G_KIND: tl.constexpr, W16_KIND: tl.constexpr, FORM: tl.constexpr,
-               BLOCK: tl.constexpr, QB: tl.constexpr, ITERS: tl.constexpr):
+               ALIGNED: tl.constexpr, BLOCK: tl.constexpr, QB: tl.constexpr,
+               ITERS: tl.constexpr):
     """LANS's second phase: w1 = w - lr_r * ratio_r * r, then w1 - lr_c * ratio_c * c, where c
     decays w1 when MOVED and w otherwise (the rates of r and c: lr_r = lr * beta1, lr_c = lr *
     (1 - beta1)). Stored moments are updated again, as the first phase did, and stored."""
     row, n, start, _, i, lr, wd, adapt, mult, bc1, bc2, step = _program(ptrs, sizes, chunks,
                                                                         scal, skip)
-    wp, gp, mp, vp, w16p = _pointers(row, grads, W_SPLIT, G_KIND, W16_KIND, FORM)
+    wp, gp, mp, vp, w16p = _pointers(row, grads, W_SPLIT, G_KIND, W16_KIND, FORM, ALIGNED)
     ginv = _normalising_factor(gsq, i, mult)
     lr_r = lr * beta1
     lr_c = lr * (1.0 - beta1)
@@ -487,7 +505,7 @@ def lans_apply(ptrs, grads, sizes, chunks, scal, skip, sums, gsq, beta1, beta2, 
         c2 = tl.maximum(c2 - 2.0 * k * tl.load(sums + 4 * i + 3) + k * k * r2, 0.0)
     ratio_c = tl.where(adapt > 0.0, _trust_ratio(w2, c2, lower, upper, HAS_LOWER, HAS_UPPER), 1.0)
     for it in tl.static_range(ITERS):
-        offs, mask, b, bmask = _tile(row, n, start, it, BLOCK, QB, FORM)
+        offs, mask, b, bmask = _tile(row, n, start, it, BLOCK, QB, FORM, ALIGNED)
         m, v = _load_moments(row, mp, vp, offs, mask, b, bmask, FORM)
         w = _load_w(wp, w16p, offs, mask, W_SPLIT)
         g = _load_g(gp, offs, mask, ginv, clip_lo, clip_hi, CLIP)

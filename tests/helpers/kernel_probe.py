@@ -19,8 +19,8 @@ def _store_then_load(row, grads, n, xm, xv, out_m, out_v, step, FORM: tl.constex
     """One tile per program (QB int8 blocks, or BLOCK elements): xm, xv stored as moments of
     FORM (``row``: a row of the address table, ``grads`` the gradients' table), then read back
     into out_m, out_v, through the kernels' own helpers."""
-    _, _, mp, vp, _ = K._pointers(row, grads, 0, 0, 0, FORM)
-    offs, mask, b, bmask = K._tile(row, n, 0, tl.program_id(0), BLOCK, QB, FORM)
+    _, _, mp, vp, _ = K._pointers(row, grads, 0, 0, 0, FORM, 0)
+    offs, mask, b, bmask = K._tile(row, n, 0, tl.program_id(0), BLOCK, QB, FORM, 0)
     K._store_moments(row, mp, vp, offs, mask, b, bmask, tl.load(xm + offs, mask=mask),
                      tl.load(xv + offs, mask=mask), tl.load(step), FORM)
     m, v = K._load_moments(row, mp, vp, offs, mask, b, bmask, FORM)
