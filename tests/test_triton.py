@@ -30,7 +30,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "conftest.py sets it before Tr
 
 
 import scaleopt  # noqa: E402
-from scaleopt import _compact, _triton  # noqa: E402
+from scaleopt import _compact, _triton, _triton_launch  # noqa: E402
 from scaleopt import _triton_kernels as K  # noqa: E402
 from scaleopt._layerwise import LayerwiseAdam  # noqa: E402
 from kernel_probe import exact_codes, stored_by_the_kernels  # noqa: E402
@@ -66,8 +66,7 @@ def launches_of(step):
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch):
     """Chunks of 8 x 2 elements: most tensors span several programs, some end mid-block."""
-    monkeypatch.setattr(_triton, "BLOCK", 8)
-    monkeypatch.setattr(_triton, "ITERS", 2)
+    monkeypatch.setattr(_triton, "LAUNCH", _triton_launch.uniform(chunk=16, block=8))
 
 
 def test_the_registry_has_every_layerwise_configuration():
@@ -316,8 +315,8 @@ def test_the_gpu_benchmark_times_each_candidate_against_fused_adamw(dtype, capsy
     the algorithm's bytes per parameter, and the table printed."""
     from scaleopt.cli import bench_gpu
 
-    monkeypatch.setattr(_triton, "BLOCK", 2048)  # few programs: the interpreter is slow
-    monkeypatch.setattr(_triton, "ITERS", 4)
+    # few programs: the interpreter is slow
+    monkeypatch.setattr(_triton, "LAUNCH", _triton_launch.uniform(chunk=8192, block=2048))
 
     shapes = [("dense.weight", (32, 256)), ("dense.bias", (32,)), ("out.weight", (20, 300)),
               ("LayerNorm.weight", (300,))]  # int8 state for the matrices
@@ -394,7 +393,8 @@ def test_capturable_steps_store_compact_moments_as_steps_with_host_numbers(form,
     included: the stored moments are those of steps whose numbers the host made, bit for
     bit."""
     monkeypatch.setattr(_compact, "MIN_NUMEL", 256)
-    monkeypatch.setattr(_triton, "BLOCK", 128)  # few programs: the interpreter is slow
+    # few programs: the interpreter is slow
+    monkeypatch.setattr(_triton, "LAUNCH", _triton_launch.uniform(chunk=256, block=128))
     runs = []
     for capturable in (True, False):
         torch.manual_seed(0)
@@ -489,8 +489,8 @@ def test_compact_state_on_the_kernels_equals_the_loop_and_reads_nothing_back(cls
 
     monkeypatch.setattr(_native, "_lib", None)
     monkeypatch.setattr(_compact, "MIN_NUMEL", 256)  # small tensors: the interpreter is slow
-    monkeypatch.setattr(_triton, "BLOCK", chunk[0])
-    monkeypatch.setattr(_triton, "ITERS", chunk[1])
+    monkeypatch.setattr(_triton, "LAUNCH", _triton_launch.uniform(chunk=chunk[0] * chunk[1],
+                                                                  block=chunk[0]))
     from test_state_dtype import three_steps
 
     params, loop = three_steps(cls, "single", form, 3)
@@ -802,7 +802,7 @@ def test_the_order_the_programs_run_in_changes_no_bit(cls, monkeypatch):
             s[k].clone() for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")]
 
     table = _triton._chunk_table
-    assert len(table([(480, 0)], 16, 0)) == 30  # 30 programs for the first weight
+    assert len(table([(480, 0)], "float32", 0)) == 30  # 30 programs of 16 for the first weight
     forward = train_with(table)
     backward = train_with(lambda *args: table(*args)[::-1])
     assert all(torch.equal(a, b) for a, b in zip(forward, backward))

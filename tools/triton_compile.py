@@ -93,6 +93,7 @@ KINDS = ([(0, g, _W16[w16]) for g in _G.values() for w16 in ("none", "bfloat16",
 COVER_KINDS = [(0, _G["float32"], _W16["none"]), (0, _G["bfloat16"], _W16["bfloat16"]),
                (0, _G["float16"], _W16["float16"]), (1, _G["bfloat16"], _W16["split"])]
 FORMS = tuple(_format.MOMENT_FORMS.values())
+FORM_NAMES = {code: name for name, code in _format.MOMENT_FORMS.items()}
 #: the partial sums per slot that ``totals`` adds up (sum_squares 1, LAMB 2, LANS 4)
 TOTALS = (1, 2, 4)
 #: the suite's default: every rule on the cover for sm_90, the heaviest variants for sm_80
@@ -126,17 +127,18 @@ def compile_one(name, constants, capability):
     """Kernel ``name`` compiled for ``sm_<capability>`` with the launcher's sizes and compile
     options (``_triton.COMPILE_OPTIONS``): Triton's ``CompiledKernel``."""
     fn = getattr(_triton._kernels(), name)
+    options = dict(_triton.COMPILE_OPTIONS)
     if name == "totals":
         constants = dict(constants, R=_triton.TOTALS_LANES)
     else:
-        constants = dict(constants, BLOCK=_triton.BLOCK, QB=_triton._blocks_per_tile(),
-                         ITERS=_triton.ITERS)
+        sizes = _triton.LAUNCH.constants(name, FORM_NAMES[constants["FORM"]])
+        options.update(num_warps=sizes.pop("num_warps"), num_stages=sizes.pop("num_stages"))
+        constants = dict(constants, **sizes)
     signature = {a: "constexpr" if a in constants else POINTERS.get(a, "fp32")
                  for a in fn.arg_names}
     src = ASTSource(fn, signature, constexprs={(fn.arg_names.index(k),): v
                                                for k, v in constants.items()})
-    return triton_compile(src, target=GPUTarget("cuda", capability, 32),
-                          options=dict(_triton.COMPILE_OPTIONS))
+    return triton_compile(src, target=GPUTarget("cuda", capability, 32), options=options)
 
 
 #: an instruction of PTX (after an optional predicate): its opcode with modifiers
@@ -246,7 +248,9 @@ def sass_row(name, constants, compiled, registers, capability):
                warps_per_sm=sass_budget.warps_per_sm(registers, warps,
                                                      int(compiled.metadata.shared), capability))
     if name != "totals":
-        per_thread = _triton.BLOCK * _triton.ITERS / (32 * warps)
+        sizes = _triton.LAUNCH.constants(name, FORM_NAMES[constants["FORM"]])
+        tile = sizes["QB"] * 256 if FORM_NAMES[constants["FORM"]] == "int8" else sizes["BLOCK"]
+        per_thread = tile * sizes["ITERS"] / (32 * warps)
         out.update(per_element=sass["body"] / per_thread,
                    moved=sass_budget.moved(name, constants),
                    # per element, the bytes that 128-bit loads read and 128-bit stores write

@@ -25,9 +25,9 @@ LAMB 24 (sums: read w, g, m, v; write m, v) + 16 (apply: read w, m, v; write w) 
 28 for a fused AdamW; LANS 4 + 24 + 20 = 48 (its apply reads the gradient again). The partial
 sums add 4 bytes per sum and chunk (LAMB: 8 per 4096 parameters), written once and read once.
 
-Each launch runs one program per (tensor, chunk of ``BLOCK * ITERS`` elements) pair. A program
-reads its tensor's addresses and size from int64 tables (``tl.load(table).to(pointer)``), built
-once per set of storages, sizes and dtypes (keyed by ``data_ptr()``, not by tensor identity: a
+Each launch runs one program per (tensor, chunk) pair (the chunks, tiles and warps of each
+kernel: :data:`LAUNCH`). A program reads its tensor's addresses and size from int64 tables
+(``tl.load(table).to(pointer)``), built once per set of storages, sizes and dtypes (keyed by ``data_ptr()``, not by tensor identity: a
 DTensor's ``to_local()`` is a new tensor each step) and rebuilt only when one of them changes;
 the gradients' addresses are a table of their own, since a backward may put them elsewhere at
 each step (a new one is one small copy, the rest stays). The tables, and the step counters'
@@ -63,10 +63,12 @@ from ._checks import check_same_sizes
 from ._compile import eager
 from ._sharding import Reduction
 from ._triton_layout import PTRS, SCAL
+from . import _triton_launch
 
-#: elements per block of a program, and blocks per program (a program's chunk: their product)
-BLOCK = 1024
-ITERS = 4
+#: how each kernel is launched per state form: the chunk a program handles, its tiles, warps
+#: and stages (``_triton_launch``: the package's table, or the file ``SCALEOPT_TRITON_LAUNCH``
+#: names, read when this module is imported)
+LAUNCH = _triton_launch.load()
 
 #: launches per kernel name since the start (the tests count a step's): a counter of the
 #: process, as Triton's own, not a cache
@@ -82,6 +84,7 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _PLAIN_TYPES = set(_PLAIN)
 _ROW = len(PTRS)  # int64 entries per row of ``ptrs``
 _ROW_LEN = PTRS.index("row_len")
+_FORMS = {code: name for name, code in _format.MOMENT_FORMS.items()}
 # the step table's columns (``_triton_layout.SCAL``)
 _LR, _WD, _ADAPT, _GRAD_MULT, _BC1, _BC2, _T = range(len(SCAL))
 #: partial-sum slots that one program of ``totals`` adds at a time
@@ -186,12 +189,6 @@ def _aligned(addresses: Sequence[int], length: int) -> bool:
     return length % VECTOR_ELEMENTS == 0 and all(a % VECTOR_BYTES == 0 for a in addresses)
 
 
-def _blocks_per_tile() -> int:
-    """Whole int8 blocks of 256 in a tile (``QB``): as many as BLOCK elements hold, at least
-    one."""
-    return max(1, BLOCK // _compact.BLOCK)
-
-
 class _Plan(NamedTuple):
     """A group's tensors as the kernels take them: per set of tensors with the same kinds, the
     kinds, the int64 tables (addresses, sizes, chunks) and the tensors' places in the group;
@@ -242,7 +239,7 @@ def _signature(t: GroupTensors, cache: Dict[str, Any]) -> tuple:
         w16 = tuple((0, None) if x is None else (x.data_ptr(), x.dtype) for x in w16)
     return (tuple(map(ptr, t.weights)), _moment_addresses(t, cache), w16,
             _stored_rows(t.stored, cache), tuple(map(Tensor.numel, t.weights)),
-            tuple(map(dtype, t.weights)), tuple(map(dtype, t.grads)), BLOCK * ITERS,
+            tuple(map(dtype, t.weights)), tuple(map(dtype, t.grads)), LAUNCH,
             t.weights[0].device)
 
 
@@ -305,7 +302,8 @@ def _new_plan(kinds: Tuple, rows: Tuple, sizes: Tuple, device: torch.device) -> 
     spans = [(0, 0)] * len(rows)
     out, base = [], 0
     for kind, idx in sets.items():
-        chunks = _chunk_table([(sizes[i], rows[i][_ROW_LEN]) for i in idx], BLOCK * ITERS, base)
+        chunks = _chunk_table([(sizes[i], rows[i][_ROW_LEN]) for i in idx], _FORMS[kind[3]],
+                              base)
         counts = collections.Counter(k for k, _, _ in chunks)
         firsts: Dict[int, int] = {}
         for k, _, slot in chunks:
@@ -325,12 +323,13 @@ def _new_plan(kinds: Tuple, rows: Tuple, sizes: Tuple, device: torch.device) -> 
                   for j, (kind, _) in enumerate(out)], tables[-1], base)
 
 
-def _chunk_table(tensors: List[Tuple[int, int]], chunk: int, base: int) -> List[Tuple[int, int, int]]:
-    """The chunk table of a set of tensors (size, length of a row of int8 blocks or 0), one
-    row per program: (the tensor's place in the set, where the chunk starts, its slot for
-    partial sums, from ``base`` on)."""
+def _chunk_table(tensors: List[Tuple[int, int]], form: str,
+                 base: int) -> List[Tuple[int, int, int]]:
+    """The chunk table of a set of tensors (size, length of a row of int8 blocks or 0) whose
+    moments are of ``form``, one row per program: (the tensor's place in the set, where the
+    chunk starts, its slot for partial sums, from ``base`` on)."""
     starts = [(k, s) for k, (n, row_len) in enumerate(tensors)
-              for s in _chunk_starts(n, row_len, chunk)]
+              for s in _chunk_starts(n, row_len, form)]
     return [(k, s, base + j) for j, (k, s) in enumerate(starts)]
 
 
@@ -356,13 +355,12 @@ def _stored_row(st: Optional[_format.Stored]) -> Tuple[int, int, int, int]:
 _NOTHING_STORED = (0, 0, 0, 0)
 
 
-def _chunk_starts(n: int, row_len: int, chunk: int) -> range:
+def _chunk_starts(n: int, row_len: int, form: str) -> range:
     """Where the chunks of a tensor of ``n`` elements start: elements, or for int8 moments
-    (rows of ``row_len``) blocks, ``QB * ITERS`` of them a chunk."""
+    (rows of ``row_len``) blocks of 256 (:data:`LAUNCH` says how many a chunk)."""
     if not row_len:
-        return range(0, n, chunk)
-    return range(0, math.prod(_compact.grid((n // row_len, row_len))),
-                 _blocks_per_tile() * ITERS)
+        return range(0, n, LAUNCH.chunk(form))
+    return range(0, math.prod(_compact.grid((n // row_len, row_len))), LAUNCH.blocks(form))
 
 
 def _step_table(t: GroupTensors, layer: TensorOptions, o: GroupOptions,
@@ -511,8 +509,8 @@ def _launch(name: str, kinds: Tuple[int, ...], tables: Tuple[Tensor, Tensor, Ten
         return
     w_kind, g_kind, w16_kind, form, _ = kinds
     _run(name, chunks.shape[0], ptrs, grads, sizes, chunks, W_SPLIT=w_kind, G_KIND=g_kind,
-         W16_KIND=w16_kind, FORM=form, ALIGNED=aligned, BLOCK=BLOCK, QB=_blocks_per_tile(),
-         ITERS=ITERS, **args)
+         W16_KIND=w16_kind, FORM=form, ALIGNED=aligned, **LAUNCH.constants(name, _FORMS[form]),
+         **args)
 
 
 def _sets_aligned(plan: _Plan, grads: _GradTable, cache: Dict[str, Any]) -> Tuple[int, ...]:
