@@ -101,7 +101,10 @@ def test_the_summary_gives_every_number_of_the_report():
               "graph": {"tensors": 407, "params": 21_800_000, "eager_host_ms": 0.91,
                         "eager_gpu_ms": 0.52, "graph_host_ms": 0.012, "graph_gpu_ms": 0.40,
                         "equal": True},
-              "bench": {"bench-float32": bench}}
+              "bench": {"bench-float32": bench},
+              "sweep": {"seconds": 212.0, "skipped": 0, "before": {"1b": {
+                  "lamb_apply float32": {"ms": 5.1, "of_copy": 0.61}}}, "after": {"1b": {
+                      "lamb_apply float32": {"ms": 4.2, "of_copy": 0.74}}}}}
     md = G.markdown(report)
     for text in ("NVIDIA H100 80GB HBM3", "torch 2.11.0+cu130", "Triton 3.6.0",
                  "401 s of a 480 s budget", "| tests-first | 150 | 97 | done |",
@@ -109,7 +112,9 @@ def test_the_summary_gives_every_number_of_the_report():
                  "| int8 codes equal the CPU's | FAILED |", "3 passed", "1 failed",
                  "eager step 0.91 ms of host time", "replay 0.012 ms of host time",
                  "equal the eager step's: True", "109.5M parameters, float32, copy 2900 GB/s",
-                 "| scaleopt.LAMB(triton) | 2.15 | 1.31 | 0.42 | 2037 | 70% | 8.00 |"):
+                 "| scaleopt.LAMB(triton) | 2.15 | 1.31 | 0.42 | 2037 | 70% | 8.00 |",
+                 "the Triton launch table (212 s, 0 runs skipped",
+                 "| 1b | lamb_apply float32 | 5.100 | 61% | 4.200 | 74% |"):
         assert text in md, text
 
 

@@ -84,3 +84,94 @@ def test_each_launch_takes_its_kernels_and_forms_sizes_warps_and_stages(monkeypa
                                                   num_stages=2))
     assert seen[("lamb_apply", form)] == (16, dict(BLOCK=512, QB=2, ITERS=8, num_warps=2,
                                                    num_stages=1))
+
+
+def _sweep():
+    import importlib
+    from pathlib import Path
+
+    tools = str(Path(__file__).resolve().parents[1] / "tools")
+    sys.path.insert(0, tools)
+    try:
+        return importlib.import_module("triton_sweep")
+    finally:
+        sys.path.remove(tools)
+
+
+def test_the_sweep_tries_every_valid_candidate_the_packages_first():
+    S = _sweep()
+    cands = S.candidates()
+    assert cands[0] == (4096, 1024, 4)  # the package's table
+    assert len(cands) == len(set(cands))
+    assert all(b <= c and c % b == 0 for c, b, _ in cands)
+    assert len(cands) == sum(b <= c for c in S.CHUNKS for b in S.BLOCKS) * len(S.WARPS)
+    for cand in cands:  # each a valid table
+        assert S.table_of(cand).constants("lamb_apply", "int8")["num_warps"] == cand[2]
+
+
+def test_the_sweep_chooses_per_form_the_chunk_and_per_kernel_the_fastest_tile_and_warps():
+    """With given times: per form, the chunk at which the form's kernels' best times (each
+    relative to the package table's on the same set) add up to the least; per kernel the
+    fastest candidate at that chunk; the sets weigh alike however long their steps."""
+    S = _sweep()
+    default = L.load(str(L.DEFAULT))
+    times = {}
+    for s, scale in (("base", 1.0), ("1b", 10.0)):
+        for kernel in ("lamb_sums", "lamb_apply"):
+            for form in L.FORMS:
+                for cand in S.candidates():
+                    times[(s, kernel, form, cand)] = scale * 1.0
+    # float32: at chunk 8192, lamb_sums is fastest with tiles of 2048 and 8 warps, lamb_apply
+    # with 512 and 2 warps; at chunk 16384 lamb_sums alone is faster still, but lamb_apply
+    # much slower: the chunk of the least total is 8192
+    for s, scale in (("base", 1.0), ("1b", 10.0)):
+        times[(s, "lamb_sums", "float32", (8192, 2048, 8))] = 0.7 * scale
+        times[(s, "lamb_apply", "float32", (8192, 512, 2))] = 0.8 * scale
+        times[(s, "lamb_sums", "float32", (16384, 4096, 8))] = 0.5 * scale
+        for cand in S.candidates():
+            if cand[0] == 16384:
+                times[(s, "lamb_apply", "float32", cand)] = 1.5 * scale
+    # bfloat16: one set alone finds a faster candidate; the other finds it much slower
+    times[("base", "lamb_apply", "bfloat16", (2048, 512, 4))] = 0.5
+    times[("1b", "lamb_apply", "bfloat16", (2048, 512, 4))] = 20.0
+    chosen = S.choose(times, default)
+    assert chosen.chunk("float32") == 8192
+    assert chosen.launch("lamb_sums", "float32") == L.Launch(2048, 8, S.STAGES)
+    assert chosen.launch("lamb_apply", "float32") == L.Launch(512, 2, S.STAGES)
+    # a kernel with no time (LANS's here) keeps its tile and warps at the new chunk
+    assert chosen.launch("lans_apply", "float32") == default.launch("lans_apply", "float32")
+    # all equal: the package's own, ties broken towards it
+    assert chosen.chunk("int8") == 4096
+    assert chosen.launch("lamb_sums", "int8") == default.launch("lamb_sums", "int8")
+    assert chosen.chunk("bfloat16") == 4096
+    assert chosen.launch("lamb_apply", "bfloat16") == default.launch("lamb_apply", "bfloat16")
+    # what the package reads back
+    path = __import__("tempfile").mktemp(suffix=".json")
+    L.save(chosen, path)
+    assert L.load(path) == chosen
+
+
+def test_the_sweep_reports_each_kernels_bandwidth_as_a_share_of_the_copy():
+    S = _sweep()
+    default = L.load(str(L.DEFAULT))
+    cand = (4096, 1024, 4)
+    times = {("base", "lamb_apply", "float32", cand): 2e-3}
+    sizes = {"base": {("lamb_apply", "float32"): 4e9}}  # 4 GB in 2 ms: 2000 GB/s
+    got = S.bandwidths(times, default, sizes, {"base": 2.5e12})
+    assert got["base"]["lamb_apply float32"] == pytest.approx(dict(ms=2.0, gb_s=2000.0,
+                                                                   of_copy=0.8))
+    report = dict(device="GPU", candidates=45, seconds=100.0, skipped=0,
+                  copy_gb_s={"base": 2500.0}, before=got, after=got)
+    assert "| base | lamb_apply float32 | 2.000 | 80% | 2.000 | 80% |" in S.summary(report)
+
+
+def test_the_sweep_says_so_and_exits_3_without_a_cuda_device(tmp_path):
+    import os
+    from pathlib import Path
+
+    tool = Path(__file__).resolve().parents[1] / "tools" / "triton_sweep.py"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, str(tool), str(tmp_path / "out")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 3 and "no CUDA device" in done.stdout
+    assert not (tmp_path / "out").exists()

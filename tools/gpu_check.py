@@ -20,7 +20,10 @@ fit in what is left is skipped, and says so):
    (109.5M parameters), the Triton rows, float32 and bfloat16 with split masters;
    ``bench-muon``: Muon against torch.optim.Muon (``scaleopt bench --muon``);
    ``bench-peers``: torch's multi-tensor ops, compiled and not; ``bench-1b``: the 1b
-   set (1.02B parameters) in bfloat16, if time is left.
+   set (1.02B parameters) in bfloat16, if time is left;
+4. ``sweep``: ``tools/triton_sweep.py``, every launch configuration of the Triton kernels
+   timed, the fastest written to OUT_DIR/sweep/triton_launch.json (if time is left, or alone:
+   ``--parts sweep --budget 330``).
 
 Writes ``gpu_check.json`` (every number), ``gpu_check.md`` (the summary for docs/gpu.md) and
 ``gpu_check.log`` (every part's output) to OUT_DIR. Exits 0 when every test that ran passed,
@@ -62,6 +65,7 @@ PLAN = [
     ("bench-muon", 40, True),
     ("bench-peers", 40, True),
     ("bench-1b", 50, True),
+    ("sweep", 330, True),
 ]
 BUDGET = 480
 
@@ -83,6 +87,9 @@ def commands(part: str, scratch: Path) -> Optional[List[str]]:
         return pytest + ["-k", f"{COMPILED} and not ({BITS}) and not ({FIRST})"]
     if part == "graph":
         return [py, __file__, "--part", "graph", str(scratch)]
+    if part == "sweep":
+        return [py, str(ROOT / "tools" / "triton_sweep.py"), str(scratch / "sweep"),
+                "--budget", "290"]
     out = ["--out", str(scratch / part), "--json", str(scratch / f"{part}.json")]
     if part == "bench-float32":
         return bench + ["--size", "base", "--only", "(triton"] + out
@@ -179,6 +186,17 @@ def markdown(report: Dict[str, Any]) -> str:
             lines.append(f"| {r['optimizer']} | {r['ms']:.2f} | {r['x_fused_adamw']:.2f} | "
                          f"{r['host_ms']:.2f} | {r['gb_per_s']:.0f} | "
                          f"{100 * r['fraction_of_copy']:.0f}% | {r['state_bytes_per_param']:.2f} |")
+    sweep = report.get("sweep")
+    if sweep:
+        lines += ["", f"## sweep: the Triton launch table ({sweep['seconds']:.0f} s, "
+                      f"{sweep['skipped']} runs skipped for time; sweep/triton_launch.json)", "",
+                  "| set | kernel, form | ms, the package's table | of copy | ms, chosen | of copy |",
+                  "|---|---|---:|---:|---:|---:|"]
+        for s, rows in sweep["before"].items():
+            for key, r in rows.items():
+                a = sweep["after"].get(s, {}).get(key, {})
+                lines.append(f"| {s} | {key} | {r['ms']:.3f} | {100 * r['of_copy']:.0f}% | "
+                             f"{a.get('ms', float('nan')):.3f} | {100 * a.get('of_copy', 0):.0f}% |")
     return "\n".join(lines) + "\n"
 
 
@@ -334,6 +352,13 @@ def main(argv=None) -> int:
                 outcomes.update(parse_pytest(output))
             elif part == "graph" and done["status"] == "done":
                 report["graph"] = json.loads(output.strip().splitlines()[-1])
+            elif part == "sweep" and (scratch / "sweep" / "sweep.json").exists():
+                (out / "sweep").mkdir(exist_ok=True)
+                for name in ("sweep.json", "triton_launch.json"):
+                    (out / "sweep" / name).write_bytes((scratch / "sweep" / name).read_bytes())
+                sweep = json.loads((scratch / "sweep" / "sweep.json").read_text())
+                report["sweep"] = {k: sweep[k] for k in ("before", "after", "copy_gb_s",
+                                                         "table", "seconds", "skipped")}
             elif (scratch / f"{part}.json").exists():
                 report["bench"][part] = json.loads((scratch / f"{part}.json").read_text())
     report["seconds"] = time.perf_counter() - started
