@@ -632,7 +632,7 @@ def test_the_heaviest_variant_of_each_kernel_compiles_for_sm90_by_the_rules(tmp_
     split master, float16 gradients, every option on) compiles for sm_90 with no spill and
     breaks none of the numerical rules (the whole cover: the slow run)."""
     rows = _compile(tmp_path_factory, "90", "--heaviest")
-    kernels = {"sum_squares", "lamb_sums", "lamb_apply", "lans_sums", "lans_apply"}
+    kernels = {"sum_squares", "lamb_sums", "lamb_apply", "lans_sums", "lans_apply", "adam_apply"}
     assert [r for r in rows if "error" in r] == []
     assert {(r["kernel"], r["constexprs"].get("FORM")) for r in rows} == (
         {(k, f) for k in kernels for f in (0, 1, 2)} | {("totals", None)})
@@ -662,11 +662,11 @@ def test_every_kernel_compiles_for_sm80_and_sm90_without_spills(compiled):
     a constexpr; ptxas reports the registers and spills: every kernel in every form compiles
     for sm_80 and sm_90, with no byte spilled."""
     assert [r for r in compiled if "error" in r] == []
-    kernels = {"sum_squares", "lamb_sums", "lamb_apply", "lans_sums", "lans_apply"}
+    kernels = {"sum_squares", "lamb_sums", "lamb_apply", "lans_sums", "lans_apply", "adam_apply"}
     for arch in ("sm_80", "sm_90"):
         seen = {(r["kernel"], r["constexprs"].get("FORM")) for r in compiled if r["arch"] == arch}
         assert seen >= {(k, f) for k in kernels for f in (0, 1, 2)} | {("totals", None)}, arch
-    assert sum(r["arch"] == "sm_90" for r in compiled) == 5 * 3 * 5 + 3
+    assert sum(r["arch"] == "sm_90" for r in compiled) == 6 * 3 * 5 + 3
     assert all(r["spills"] == 0 and 0 < r["registers"] <= 255 for r in compiled)
     _within_budget_and_in_vectors([r for r in compiled if r["arch"] == "sm_90"])
 
@@ -1072,3 +1072,98 @@ def test_the_tables_are_read_and_written_by_column_name():
     assert not re.findall(r"table\[(?:[^\]]*,\s*)?\d+(?::\d*)?\]", writer)  # table[:, 4]
     assert len(set(_triton_layout.PTRS)) == _triton._ROW == 9
     assert [_triton_layout.SCAL.index(n) for n in ("lr", "step")] == [_triton._LR, _triton._T]
+
+
+# -- Adam ------------------------------------------------------------------------------------
+
+
+def _adam_set(weights, grad_dtype, form, seed):
+    """Tensors for one Adam step of the C kernel or the Triton one: weights (float32; with
+    their bfloat16 copy; or split masters), gradients, moments as ``form`` stores them (from
+    a state dict), step counters."""
+    from scaleopt import _masters
+
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(64, 48), (40, 130), (4112,), (96, 256)]
+    out = dict(w=[], w16=[], g=[], m=[], v=[], steps=[], stored=[], states=[])
+    for shape in shapes:
+        master = torch.randn(shape, generator=g) * 0.1
+        if weights == "split":
+            w, w16 = torch.empty(shape, dtype=torch.bfloat16), torch.empty(shape,
+                                                                           dtype=torch.int16)
+            _masters.split_(master, w, w16)
+        else:
+            w, w16 = master, (torch.empty(shape, dtype=torch.bfloat16)
+                              if weights == "float32 + bfloat16 copy" else None)
+        state = {"step": torch.tensor(0.0)}
+        kind = _compact.form_for(form, shape)
+        if kind == "float32":
+            state["exp_avg"], state["exp_avg_sq"] = torch.zeros(shape), torch.zeros(shape)
+            out["m"].append(state["exp_avg"])
+            out["v"].append(state["exp_avg_sq"])
+            out["stored"].append(None)
+        else:
+            st = _compact.stored(state, kind, master)
+            out["m"].append(state["exp_avg"])
+            out["v"].append(state["exp_avg_sq"])
+            out["stored"].append(st)
+        out["w"].append(w)
+        out["w16"].append(w16)
+        out["g"].append((torch.randn(shape, generator=g) * 1e-2).to(grad_dtype))
+        out["steps"].append(state["step"])
+        out["states"].append(state)
+    return out
+
+
+def _adam_step(step_fn, s, lr, wd, l2, nesterov, **extra):
+    from scaleopt import _ops
+
+    beta1, beta2 = 0.9, 0.999
+    steps = [float(x) + 1.0 for x in s["steps"]]
+    bc1, bc2 = _ops.bias_corrections(steps, beta1, beta2, True)
+    n = len(s["w"])
+    step_fn(s["w"], s["g"], s["m"], s["v"], s["w16"], s["steps"],
+            step_sizes=[lr / b for b in bc1], bias_correction2_sqrts=bc2,
+            weight_decays_l2=[wd if l2 else 0.0] * n,
+            decays=[1.0 if l2 else 1.0 - lr * wd] * n, beta1=beta1, beta2=beta2, eps=1e-8,
+            grad_multipliers=[0.5] * n, nesterov=nesterov, stored=s["stored"], **extra)
+
+
+@pytest.mark.parametrize("form", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("weights, grad_dtype, l2, nesterov", [
+    ("float32", torch.float32, False, False),
+    ("float32 + bfloat16 copy", torch.bfloat16, True, False),
+    ("split", torch.bfloat16, False, True),
+])
+def test_the_triton_adam_gives_the_c_kernels_bits(form, weights, grad_dtype, l2, nesterov,
+                                                  monkeypatch):
+    """AdamW (decoupled decay) and Adam (L2), with Nesterov momentum, on float32 weights (with
+    their rounded bfloat16 copy) and split masters, bfloat16 gradients, moments in float32,
+    bfloat16 and 8 bits: three steps of the Triton kernel and of the C kernel give the same
+    bits in every weight, copy, moment, code and scale (tensors aligned and not, int8 rows
+    that end mid-block), as the C kernel's portable loops give them."""
+    from scaleopt import _native
+
+    if not _native.available():
+        pytest.skip("the C kernels are not built")
+    monkeypatch.setattr(_triton, "LAUNCH", _triton_launch.uniform(chunk=2048, block=512))
+    c, t = _adam_set(weights, grad_dtype, form, 0), _adam_set(weights, grad_dtype, form, 0)
+    cache = {}
+    simd = _native.compact_simd()
+    _native.compact_simd(False)  # the portable loops: the AVX-512 ones round a few ulp apart
+    try:
+        for _ in range(3):
+            _adam_step(_native.adam, c, 1e-2, 0.1, l2, nesterov, threads=1)
+            _adam_step(_triton.adam, t, 1e-2, 0.1, l2, nesterov, cache=cache)
+    finally:
+        _native.compact_simd(simd)
+    assert [float(x) for x in t["steps"]] == [float(x) for x in c["steps"]] == [3.0] * 4
+    assert any(st is not None for st in t["stored"]) == (form != "float32")
+    for key in ("w", "w16", "m", "v"):
+        for a, b in zip(t[key], c[key]):
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8)), key
+    for a, b in zip(t["states"], c["states"]):
+        for key in a:
+            assert torch.equal(a[key], b[key]), key

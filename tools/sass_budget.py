@@ -125,8 +125,8 @@ def moved(kernel: str, c: dict) -> tuple:
     """(bytes read, bytes written) per element: what a kernel must read and write of the
     weights, the gradient and the two moments (``c``: its constexprs), as the kernels'
     specification says: the first phases store float32 moments updated, the second phases
-    update and store the compact forms, and LAMB's float32 second phase does not read the
-    gradient."""
+    update and store the compact forms, LAMB's float32 second phase does not read the
+    gradient, and Adam's one pass reads and writes everything."""
     g = G_BYTES[c["G_KIND"]]
     if kernel == "sum_squares":
         return g, 0
@@ -134,6 +134,8 @@ def moved(kernel: str, c: dict) -> tuple:
     float32 = c["FORM"] == _FORMS["float32"]
     if kernel.endswith("_sums"):
         return w + g + moments, moments if float32 else 0
+    if kernel == "adam_apply":  # one pass: the moments read and written in every form
+        return w + g + moments, w + w16 + moments
     reads_g = not (kernel == "lamb_apply" and float32)
     return w + (g if reads_g else 0) + moments, w + w16 + (0 if float32 else moments)
 
@@ -161,9 +163,11 @@ HELD = {
     ("lans_sums", "int8", 0): 169,
     ("lans_sums", "int8", 1): 133,
     ("lamb_apply", "int8", 0): 243,
-    ("lamb_apply", "int8", 1): 176,
+    ("lamb_apply", "int8", 1): 184,
     ("lans_apply", "int8", 0): 252,
-    ("lans_apply", "int8", 1): 189,
+    ("lans_apply", "int8", 1): 197,
+    ("adam_apply", "int8", 0): 225,
+    ("adam_apply", "int8", 1): 169,
 }
 _FORM_NAMES = {v: k for k, v in _FORMS.items()}
 

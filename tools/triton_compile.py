@@ -59,7 +59,7 @@ import sass_budget
 #: the kernels' arguments that are pointers (the rest not constexpr are float32 scalars)
 POINTERS = {"ptrs": "*i64", "grads": "*i64", "sizes": "*i64", "chunks": "*i64", "scal": "*fp32",
             "skip": "*fp32", "sums": "*fp32", "gsq": "*fp32", "parts": "*fp32",
-            "spans": "*i64"}
+            "spans": "*i64", "adam": "*fp32"}
 
 
 #: each kernel's options besides the tensors' kinds, and the values the launcher can pass
@@ -72,6 +72,7 @@ CHOICES = {
 }
 CHOICES["lamb_apply"] = CHOICES["lamb_sums"]
 CHOICES["lans_apply"] = dict(CHOICES["lans_sums"], MOVED=(False, True))
+CHOICES["adam_apply"] = dict(NESTEROV=(False, True), ALIGNED=(False, True))
 
 
 def options(name, j=None):

@@ -62,7 +62,7 @@ from ._group import GroupTensors, TensorOptions, GroupOptions
 from ._checks import check_same_sizes
 from ._compile import eager
 from ._sharding import Reduction
-from ._triton_layout import PTRS, SCAL
+from ._triton_layout import ADAM, PTRS, SCAL
 from . import _triton_launch
 
 #: how each kernel is launched per state form: the chunk a program handles, its tiles, warps
@@ -648,6 +648,49 @@ def lans_triton(t: GroupTensors, layer: TensorOptions, o: GroupOptions) -> Trito
     norms are known)."""
     return TritonStep("lans", 4, t, layer, o, o.clip_grad_value, {},
                       dict(MOVED=bool(o.decay_moved_weight)))
+
+
+def adam(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
+         exp_avg_sqs: Sequence[Tensor], w16s: Sequence[Optional[Tensor]],
+         state_steps: Sequence[Tensor], *, step_sizes: Sequence[float],
+         bias_correction2_sqrts: Sequence[float], weight_decays_l2: Sequence[float],
+         decays: Sequence[float], beta1: float, beta2: float, eps: float,
+         grad_multipliers: Sequence[float], nesterov: bool = False,
+         one_minus_betas: Optional[Tuple[float, float]] = None,
+         stored: Optional[Sequence[Any]] = None,
+         cache: Optional[Dict[str, Any]] = None) -> None:
+    """One Adam step on each tensor on the Triton kernels (``adam_apply``: one launch per set
+    of tensors of the same kinds): the C kernel's step (:func:`scaleopt._native.adam`, the
+    same arguments but ``threads``), its operations in its order, so the same bits. Each
+    ``state_steps[i]`` is incremented (the scalars given are those of the incremented step).
+    ``cache``: a dict kept between steps for the same tensors (their address tables), or
+    None."""
+    count = len(params)
+    if count == 0:
+        return
+    cache = {} if cache is None else cache
+    w16 = list(w16s) if any(x is not None for x in w16s) else None
+    t = GroupTensors(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs),
+                     list(state_steps), w16, stored=list(stored) if stored else None,
+                     cache=cache)
+    device = params[0].device
+    plan, grad_table = _plan(t, cache), _grad_table(t, device, cache)
+    aligned = _sets_aligned(plan, grad_table, cache)
+    for s in state_steps:
+        s.add_(1)
+    f32 = functools.partial(torch.tensor, dtype=torch.float32)
+    bc2 = f32(list(bias_correction2_sqrts))
+    columns = dict(step_size=f32(list(step_sizes)), bc2_sqrt=bc2,
+                   inv_bc2_sqrt=torch.ones((), dtype=torch.float32) / bc2,  # float32, as in C
+                   weight_decay_l2=f32(list(weight_decays_l2)), decay=f32(list(decays)),
+                   grad_mult=f32(list(grad_multipliers)),
+                   step=torch.stack([s.reshape(()).float().cpu() for s in state_steps]))
+    table = _ops.to_device([torch.stack([columns[name] for name in ADAM], 1)], device)[0]
+    omb1, omb2 = one_minus_betas or (1.0 - beta1, 1.0 - beta2)
+    for (kinds, tables, _), flag in zip(plan.sets, aligned):
+        _launch("adam_apply", kinds, tables, grad_table.addresses, flag, adam=table,
+                skip=_skip_flag(t, device, cache), beta1=beta1, one_m_b1=omb1, beta2=beta2,
+                one_m_b2=omb2, eps=eps, NESTEROV=bool(nesterov))
 
 
 @functools.lru_cache(maxsize=1)

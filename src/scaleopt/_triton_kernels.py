@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from . import _format
-from ._triton_layout import CHUNKS, PTRS, SCAL
+from ._triton_layout import ADAM, CHUNKS, PTRS, SCAL
 
 _ROW = tl.constexpr(len(PTRS))  # int64 entries per row of ``ptrs``
 _SCAL = tl.constexpr(len(SCAL))  # float32 entries per row of ``scal``
@@ -43,6 +43,10 @@ _W, _M, _V, _W16, _INDEX, _M_SCALE, _V_SCALE, _ROW_LEN, _OFFSET = map(
     tl.constexpr, range(len(PTRS)))
 # of the step table
 _LR, _WD, _ADAPT, _GRAD_MULT, _BC1, _BC2, _T = map(tl.constexpr, range(len(SCAL)))
+# of Adam's step table
+_ADAM = tl.constexpr(len(ADAM))
+(_A_STEP_SIZE, _A_BC2, _A_INV_BC2, _A_WD_L2, _A_DECAY, _A_GRAD_MULT,
+ _A_T) = map(tl.constexpr, range(len(ADAM)))
 # of ``chunks``
 _TENSOR, _START, _SLOT = map(tl.constexpr, range(len(CHUNKS)))
 _BIG = tl.constexpr(3.4028234663852886e38)  # the largest float32: a ratio above it is not finite
@@ -269,9 +273,19 @@ def _store_w(wp, w16p, offs, mask, w, W_SPLIT: tl.constexpr, W16_KIND: tl.conste
     else:
         tl.store(wp + offs, w, mask=mask)
         if W16_KIND == _W16_BFLOAT16:
-            tl.store(w16p + offs, w.to(tl.bfloat16), mask=mask)
+            tl.store(w16p + offs, _bf16_nearest(w).to(tl.bfloat16, bitcast=True), mask=mask)
         elif W16_KIND == _W16_FLOAT16:
             tl.store(w16p + offs, w.to(tl.float16), mask=mask)
+
+
+@triton.jit
+def _bf16_nearest(x):
+    """x rounded to the nearest bfloat16, ties to even, a NaN kept a quiet NaN: its bits
+    (uint16), as the C kernels' ``f32_to_bf16`` (by integer operations: Triton's interpreter
+    converts by truncation, the compiled code to nearest)."""
+    u = x.to(tl.uint32, bitcast=True)
+    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return tl.where((u & 0x7FFFFFFF) > 0x7F800000, (u >> 16) | 0x40, rounded).to(tl.uint16)
 
 
 @triton.jit
@@ -519,6 +533,49 @@ def lans_apply(ptrs, grads, sizes, chunks, scal, skip, sums, gsq, beta1, beta2, 
         else:
             c = g * dinv + wd * w
         _store_w(wp, w16p, offs, mask, w1 - lr_c * (ratio_c * c), W_SPLIT, W16_KIND)
+
+
+@triton.jit
+def adam_apply(ptrs, grads, sizes, chunks, adam, skip, beta1, one_m_b1, beta2, one_m_b2, eps,
+               NESTEROV: tl.constexpr, W_SPLIT: tl.constexpr, G_KIND: tl.constexpr,
+               W16_KIND: tl.constexpr, FORM: tl.constexpr, ALIGNED: tl.constexpr,
+               BLOCK: tl.constexpr, QB: tl.constexpr, ITERS: tl.constexpr):
+    """Adam and AdamW in one pass, the C kernel's operations in its order (``csrc/adam.h``):
+    g' = g * mult + wd_l2 * w; m = m + (1 - beta1)(g' - m); v = v beta2 + (1 - beta2) g' g';
+    w = w * decay - step_size * (n / (sqrt(v) / bc2_sqrt + eps)), n = m or, with NESTEROV,
+    beta1 m + (1 - beta1) g'; for a split master sqrt(v) * (1 / bc2_sqrt) + eps. The
+    tensor's scalars are its row of ``adam`` (``ADAM``); moments stored as their form."""
+    row, n, start, _ = _chunk(ptrs, sizes, chunks)
+    a = adam + _ADAM * tl.load(row + _INDEX)
+    step_size = tl.load(a + _A_STEP_SIZE)
+    bc2 = tl.load(a + _A_BC2)
+    inv_bc2 = tl.load(a + _A_INV_BC2)
+    wd_l2 = tl.load(a + _A_WD_L2)
+    decay = tl.load(a + _A_DECAY)
+    mult = tl.load(a + _A_GRAD_MULT)
+    step = tl.load(a + _A_T)
+    n = tl.where(tl.load(skip) == 0.0, n, 0)
+    wp, gp, mp, vp, w16p = _pointers(row, grads, W_SPLIT, G_KIND, W16_KIND, FORM, ALIGNED)
+    for it in tl.static_range(ITERS):
+        offs, mask, b, bmask = _tile(row, n, start, it, BLOCK, QB, FORM, ALIGNED)
+        m, v = _load_moments(row, mp, vp, offs, mask, b, bmask, FORM)
+        w = _load_w(wp, w16p, offs, mask, W_SPLIT)
+        g = tl.load(gp + offs, mask=mask, other=0.0).to(tl.float32) * mult + wd_l2 * w
+        m = m + one_m_b1 * (g - m)
+        v = v * beta2 + one_m_b2 * g * g
+        if FORM == _FORM_FLOAT32:
+            tl.store(mp + offs, m, mask=mask)
+            tl.store(vp + offs, v, mask=mask)
+        else:
+            _store_moments(row, mp, vp, offs, mask, b, bmask, m, v, step, FORM)
+        if NESTEROV:
+            m = beta1 * m + one_m_b1 * g
+        if W_SPLIT:
+            den = tl.sqrt_rn(v) * inv_bc2 + eps
+        else:
+            den = tl.div_rn(tl.sqrt_rn(v), bc2) + eps
+        _store_w(wp, w16p, offs, mask, w * decay - step_size * tl.div_rn(m, den), W_SPLIT,
+                 W16_KIND)
 
 
 @triton.jit

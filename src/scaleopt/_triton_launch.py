@@ -23,7 +23,7 @@ from typing import Any, Dict, NamedTuple, Optional, Tuple
 from . import _format
 
 FORMS = tuple(_format.MOMENT_FORMS)
-KERNELS = ("sum_squares", "lamb_sums", "lamb_apply", "lans_sums", "lans_apply")
+KERNELS = ("sum_squares", "lamb_sums", "lamb_apply", "lans_sums", "lans_apply", "adam_apply")
 #: the package's table, and the variable that names another
 DEFAULT = Path(__file__).with_name("triton_launch.json")
 ENVIRON = "SCALEOPT_TRITON_LAUNCH"

@@ -4,7 +4,7 @@
 * ``ptrs`` (int64, a row per tensor): :data:`PTRS`;
 * ``grads`` (int64, one per tensor, in the group's order): the address of its gradient, made
   for a step's gradients (they may be elsewhere than the last step's, where nothing else moved);
-* ``scal`` (float32, the step table, a row per tensor): :data:`SCAL`;
+* ``scal`` (float32, the step table, a row per tensor): :data:`SCAL`; Adam's: :data:`ADAM`;
 * ``chunks`` (int64, a row per program): :data:`CHUNKS`.
 """
 
@@ -16,6 +16,10 @@ PTRS = ("w", "m", "v", "w16", "index", "m_scale", "v_scale", "row_len", "offset"
 #: a tensor's row of the step table: its learning rate, weight decay, whether it adapts, the
 #: gradient's multiplier, the bias corrections 1 - beta1^t and sqrt(1 - beta2^t), and t
 SCAL = ("lr", "weight_decay", "adapt", "grad_mult", "bc1", "bc2_sqrt", "step")
+#: a tensor's row of Adam's step table (``adam_apply``), the C kernel's scalars: lr / (1 -
+#: beta1^t), sqrt(1 - beta2^t) and its reciprocal, the L2 decay (Adam), the decoupled decay's
+#: factor 1 - lr * weight_decay (AdamW), the gradient's multiplier, and t
+ADAM = ("step_size", "bc2_sqrt", "inv_bc2_sqrt", "weight_decay_l2", "decay", "grad_mult", "step")
 #: a program's row of ``chunks``: its tensor (a row of ``ptrs``), where its chunk starts (an
 #: element, or an int8 block) and its slot for partial sums
 CHUNKS = ("tensor", "start", "slot")
