@@ -1167,3 +1167,121 @@ def test_the_triton_adam_gives_the_c_kernels_bits(form, weights, grad_dtype, l2,
     for a, b in zip(t["states"], c["states"]):
         for key in a:
             assert torch.equal(a[key], b[key]), key
+
+
+def _adamw_model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(80, 96), nn.Tanh(), nn.Linear(96, 64))
+
+
+def _adamw_run(impl, state_dtype, steps=3, **options):
+    model = _adamw_model()
+    opt = scaleopt.AdamW(model.named_parameters(), lr=1e-2, weight_decay=0.1,
+                         exclude_from_weight_decay=r"bias$", implementation=impl,
+                         state_dtype=state_dtype, **options)
+    x = torch.randn(32, 80, generator=torch.Generator().manual_seed(1))
+    for _ in range(steps):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    return model, opt
+
+
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16", "int8"])
+def test_adamw_on_the_triton_kernel_gives_the_c_kernels_bits(state_dtype, monkeypatch):
+    """``AdamW(implementation="triton")`` and ``implementation="native"``: the same weights,
+    moments and codes bit for bit after three steps (decay excluded from the biases), in each
+    state form; and with float32 moments torch's AdamW's numbers."""
+    from scaleopt import _native
+
+    if not _native.available():
+        pytest.skip("the C kernels are not built")
+    monkeypatch.setattr(_compact, "MIN_NUMEL", 256)
+    monkeypatch.setattr(_triton, "LAUNCH", _triton_launch.uniform(chunk=2048, block=512))
+    simd = _native.compact_simd()
+    _native.compact_simd(False)  # the portable loops: the AVX-512 ones round a few ulp apart
+    try:
+        (a, oa), (b, ob) = _adamw_run("triton", state_dtype), _adamw_run("native", state_dtype)
+    finally:
+        _native.compact_simd(simd)
+    assert launches_of(lambda: None) == {}  # (nothing pending)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+        for key, value in oa.state[p].items():
+            assert torch.equal(value, ob.state[q][key]), key
+    if state_dtype == "int8":
+        assert oa.state[a[0].weight]["exp_avg"].dtype == torch.int8
+    if state_dtype == "float32":  # torch's AdamW on the same model: its numbers
+        model = _adamw_model()
+        decay = [p for n, p in model.named_parameters() if not n.endswith("bias")]
+        rest = [p for n, p in model.named_parameters() if n.endswith("bias")]
+        ref = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}],
+                                lr=1e-2, weight_decay=0.1, foreach=False)
+        x = torch.randn(32, 80, generator=torch.Generator().manual_seed(1))
+        for _ in range(3):
+            ref.zero_grad()
+            model(x).square().mean().backward()
+            ref.step()
+        for p, q in zip(a.parameters(), model.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_adamw_on_the_triton_kernel_launches_once_per_step_and_checkpoints_as_torch():
+    """One launch of ``adam_apply`` per step for the group's tensors (all float32, aligned);
+    the state dict is torch's AdamW's (the steps float32 scalars), and a run resumed from it
+    on torch's AdamW takes the step the kernel takes."""
+    model, opt = _adamw_run("triton", "float32", steps=1)
+    x = torch.randn(32, 80)
+
+    def step(o):
+        o.zero_grad()
+        model(x).square().mean().backward()
+        o.step()
+    assert launches_of(lambda: step(opt)) == {"adam_apply": 1}
+    saved, kept = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
+    step(opt)
+    on_kernel = [p.detach().clone() for p in model.parameters()]
+    model.load_state_dict(kept)
+    decay = [p for n, p in model.named_parameters() if not n.endswith("bias")]
+    rest = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    ref = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}],
+                            lr=1e-2, weight_decay=0.1, foreach=False)
+    state = {"state": {}, "param_groups": [dict(g, params=[]) for g in ref.state_dict()[
+        "param_groups"]]}
+    order = [n for n, _ in model.named_parameters()]
+    names = [n for n in order if not n.endswith("bias")] + [n for n in order if n.endswith("bias")]
+    for j, name in enumerate(names):
+        state["state"][j] = saved["state"][order.index(name)]
+        state["param_groups"][0 if j < len(decay) else 1]["params"].append(j)
+    ref.load_state_dict(state)
+    assert all(float(s["step"]) == 2.0 for s in ref.state.values())
+    step(ref)
+    for p, q in zip(model.parameters(), on_kernel):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(implementation="triton", amsgrad=True), "amsgrad"),
+    (dict(implementation="triton", fused=True), "cannot be set together"),
+    (dict(implementation="bogus"), "Invalid implementation"),
+])
+def test_adamw_implementation_errors_are_clear(options, message):
+    with pytest.raises(ValueError, match=message):
+        scaleopt.AdamW(nn.Linear(4, 4).parameters(), **options)
+
+
+def test_adamw_on_the_triton_kernel_refuses_bfloat16_parameters_by_name():
+    model = nn.Linear(64, 64).to(torch.bfloat16)
+    opt = scaleopt.AdamW(model.parameters(), implementation="triton")
+    model(torch.randn(2, 64, dtype=torch.bfloat16)).sum().backward()
+    with pytest.raises(ValueError, match="implementation='triton': the triton kernel cannot "
+                                         "take this group's tensors: it takes float32"):
+        opt.step()
+
+
+def test_info_names_the_adamw_kernels():
+    from scaleopt._info import group_implementations
+
+    for impl in ("triton", "native", "multi", "single"):
+        opt = scaleopt.AdamW(nn.Linear(4, 4).parameters(), implementation=impl)
+        assert group_implementations(opt) == [impl]

@@ -8,7 +8,8 @@ import torch
 from torch import Tensor
 from torch.optim.adamw import adamw as _torch_adamw
 
-from . import _compact, _ops, _native
+from . import _compact, _ops, _native, _triton
+from ._dispatch import check_implementation
 from ._sharding import local_piece
 from ._base import ScaleOptimizer
 from ._checks import check_bool
@@ -44,6 +45,8 @@ def takes_fused(group: Dict[str, Any], params: List[Tensor]) -> bool:
     """Whether a group's step runs torch's fused kernel: as its ``fused`` option says, or by
     default where ``foreach`` asks for no path (True: torch's multi-tensor ops, False: its
     per-tensor loop) and the kernel takes every parameter."""
+    if group.get("implementation") is not None:  # a path named: torch's fused kernel is not
+        return False
     fused = group["fused"]
     if fused is None:
         fused = group["foreach"] is None and fused_supported(params)
@@ -106,6 +109,13 @@ class AdamW(ScaleOptimizer):
             torch's optimizers do, or skip the whole step, counted in ``skipped_steps``.
         state_dtype (``"float32"``, ``"bfloat16"`` or ``"int8"``, default ``"float32"``): how
             the moments are stored between steps, as in :class:`LAMB` (see :doc:`/state`).
+        implementation (None, ``"single"``, ``"multi"``, ``"native"`` or ``"triton"``, default
+            None): the path by name, instead of ``foreach``/``fused``: torch's per-tensor loop
+            or multi-tensor ops, the C kernel (CPU) or the Triton kernel (CUDA; CPU tensors
+            under ``TRITON_INTERPRET=1``), each kernel one pass over every tensor of a group in
+            every ``state_dtype``, the two with the same bits. None: torch's fused kernel where
+            it takes every parameter (the C kernel for compact moments on the CPU). The
+            kernels take float32 parameters without ``amsgrad`` (see :doc:`/gpu`).
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
@@ -140,6 +150,7 @@ class AdamW(ScaleOptimizer):
         fused: Optional[bool] = None,
         nonfinite: str = "propagate",
         state_dtype: str = "float32",
+        implementation: Optional[str] = None,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -156,6 +167,7 @@ class AdamW(ScaleOptimizer):
             foreach=foreach,
             fused=fused,
             state_dtype=state_dtype,
+            implementation=implementation,
         )
         super().__init__(params, defaults, nonfinite=nonfinite)
 
@@ -165,6 +177,11 @@ class AdamW(ScaleOptimizer):
         a = self._arg
         check_bool(a("amsgrad"), group["amsgrad"])
         check_fused(group)
+        check_implementation(group)
+        if group.get("implementation") in _KERNELS and group["amsgrad"]:
+            raise ValueError(f"implementation={group['implementation']!r} does not keep "
+                             "amsgrad's running maximum: leave implementation None (torch's "
+                             "paths) for amsgrad=True")
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
@@ -181,6 +198,10 @@ def update(opt: Any, group: Dict[str, Any], idx: List[int], params: List[Tensor]
     with their gradients ``grads`` (local shards for DTensors), the state in ``opt.state``:
     the group's keys as :class:`AdamW` has them (``lr``, ``betas``, ``eps``, ``weight_decay``,
     ``amsgrad``, ``foreach``, ``fused``, ``state_dtype``, ``exclude_from_weight_decay``)."""
+    impl = group.get("implementation")
+    if impl in _KERNELS:
+        _kernel_step(opt, group, idx, params, grads, impl)
+        return
     fused = takes_fused(group, params)
     pending: List[_compact.Pending] = []
     native: Dict[bool, List[Tuple[Any, ...]]] = {}
@@ -206,7 +227,7 @@ def update(opt: Any, group: Dict[str, Any], idx: List[int], params: List[Tensor]
             vs,
             maxs if group["amsgrad"] else [],
             steps,
-            foreach=None if fused else group["foreach"],
+            foreach=None if fused else (impl == "multi" if impl else group["foreach"]),
             fused=fused,
             capturable=capturable,
             amsgrad=group["amsgrad"],
@@ -298,3 +319,73 @@ def _native_step(group: Dict[str, Any], rows: List[Tuple[Any, ...]], decayed: bo
                  weight_decays_l2=[0.0] * count, decays=[1.0 - lr * wd] * count,
                  beta1=beta1, beta2=beta2, eps=group["eps"], grad_multipliers=[1.0] * count,
                  threads=torch.get_num_threads(), stored=stored)
+
+
+#: the implementations that run AdamW on scaleopt's own kernels (one pass per tensor)
+_KERNELS = ("native", "triton")
+
+
+def _kernel_step(opt: Any, group: Dict[str, Any], idx: List[int], params: List[Tensor],
+                 grads: List[Tensor], impl: str) -> None:
+    """AdamW on the C kernel or the Triton one (``impl``), which take the same arguments and
+    give the same bits: every tensor of the group in one call, its moments as ``state_dtype``
+    stores them (updated in place: no float32 copy), the step counters on the host (float32
+    scalars, as torch's non-fused AdamW keeps them), the scalars computed as torch computes
+    them. ``ValueError`` where the kernel cannot take a tensor."""
+    no_decay = opt._rule_flags(group, "exclude_from_weight_decay")
+    rows = []
+    for i, p, g in zip(idx, params, grads):
+        state = opt.state[p]
+        if "step" not in state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        elif state["step"].device.type != "cpu":
+            state["step"] = state["step"].cpu()
+        form = _compact.form_for(group["state_dtype"], tuple(p.shape))
+        _compact.convert(state, form, p, p.dtype)
+        if form == "float32":
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key not in state:
+                    state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            stored = None
+        else:
+            stored = _compact.stored(state, form, p)
+        rows.append((local_piece(p), g, local_piece(state["exp_avg"]),
+                     local_piece(state["exp_avg_sq"]), state["step"], stored, not no_decay[i]))
+    if not rows:
+        return
+    w, g, m, v, steps, stored, decayed = (list(col) for col in zip(*rows))
+    _check_kernel_takes(impl, w, g, m, v, stored)
+    beta1, beta2 = group["betas"]
+    lr, wd, count = float(group["lr"]), group["weight_decay"], len(rows)
+    bc1, bc2_sqrt = _ops.bias_corrections([float(s) + 1.0 for s in steps], beta1, beta2, True)
+    scalars = dict(step_sizes=[lr / b for b in bc1], bias_correction2_sqrts=bc2_sqrt,
+                   weight_decays_l2=[0.0] * count,
+                   decays=[1.0 - lr * wd if d else 1.0 for d in decayed], beta1=beta1,
+                   beta2=beta2, eps=group["eps"], grad_multipliers=[1.0] * count,
+                   stored=stored)
+    if impl == "triton":
+        caches = opt.__dict__.setdefault("_kernel_caches", {})
+        _triton.adam(w, g, m, v, [None] * count, steps,
+                     cache=caches.setdefault(id(group), {}), **scalars)
+    else:
+        _native.adam(w, g, m, v, [None] * count, steps, threads=torch.get_num_threads(),
+                     **scalars)
+
+
+def _check_kernel_takes(impl: str, w: List[Tensor], g: List[Tensor], m: List[Tensor],
+                        v: List[Tensor], stored: List[Any]) -> None:
+    """``ValueError`` naming what the kernel ``impl`` cannot take among a group's tensors."""
+    from ._group import GroupTensors
+
+    if impl == "triton":
+        t = GroupTensors(w, g, m, v, [], None, stored=stored)
+        ok = _triton.applies(t) and all(x.dtype == torch.float32 for x in w)
+        where = ("float32 parameters, contiguous, on a CUDA device (CPU tensors under "
+                 "TRITON_INTERPRET=1), and Triton installed")
+    else:
+        ok = _native.available() and all(_native.adam_applies(*row, None, st)
+                                          for *row, st in zip(w, g, m, v, stored))
+        where = "float32 CPU parameters, contiguous, and the C kernels built"
+    if not ok:
+        raise ValueError(f"implementation={impl!r}: the {impl} kernel cannot take this "
+                         f"group's tensors: it takes {where}")
