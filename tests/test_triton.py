@@ -728,8 +728,9 @@ def _tool(name):
 
 def test_the_budget_reads_instructions_and_memory_widths_from_sass():
     """tools/sass_budget.py: the body's instructions end where the out-of-line slow paths
-    begin, NOPs and the padding loop after EXIT are not counted, and each global load and
-    store is counted by the bits it moves."""
+    begin, NOPs and the padding loop after EXIT are not counted, the blocks that call a slow
+    path are not executed in the usual case, and each global load and store is counted by the
+    bits it moves."""
     SB = _tool("sass_budget")
     sass = "\n".join([
         "lamb_apply:",
@@ -742,6 +743,18 @@ def test_the_budget_reads_instructions_and_memory_widths_from_sass():
         "        /*0060*/                   STG.E.128 desc[UR4][R2.64], R4 ;",
         "        /*0070*/               @P1 STG.E.U8 desc[UR4][R2.64], R10 ;",
         "        /*0080*/                   FFMA R1, R2, R3, R4 ;",
+        "        /*0084*/              @!P1 BRA `(.L_x_0) ;",
+        "        /*0085*/                   BSSY B0, `(.L_x_1) ;",
+        "        /*0086*/                   MOV R10, 0x480 ;",
+        "        /*0087*/                   CALL.REL.NOINC `($__internal_0_$__cuda_sm3x_div_rn_noftz_f32_slowpath) ;",
+        "        /*0088*/                   BSYNC B0 ;",
+        ".L_x_1:",
+        "        /*0089*/                   MOV R5, R90 ;",
+        "        /*008a*/                   BRA `(.L_x_2) ;",
+        ".L_x_0:",
+        "        /*008b*/                   FMUL.FTZ R5, R0, R9 ;",
+        ".L_x_2:",
+        "        /*008c*/                   FADD R5, R5, R9 ;",
         "        /*0090*/                   EXIT ;",
         ".L_x_9:",
         "        /*00a0*/                   BRA 0xa0;",
@@ -752,7 +765,10 @@ def test_the_budget_reads_instructions_and_memory_widths_from_sass():
         "        /*00e0*/                   RET.REL.NODEC R72 `(lamb_apply) ;",
     ])
     got = SB.read_sass(sass)
-    assert got["body"] == 10 and got["total"] == 15
+    assert got["body"] == 19 and got["total"] == 24
+    # the slow path's call and the moves around it are not what a thread usually executes:
+    # the branch around them, the fast path's FMUL and the join's FADD are
+    assert got["executed"] == 19 - 6
     assert got["loads"] == {128: 1, 32: 1, 16: 1, 8: 1, 64: 1}
     assert got["stores"] == {128: 1, 8: 1}
 

@@ -238,13 +238,15 @@ def _nvdisasm() -> str:
 
 
 def sass_row(name, constants, compiled, registers, capability):
-    """The machine code's cost (``sass_budget``): the body's instructions per element each
-    thread handles, its global loads and stores by width, the warps resident per SM, and the
+    """The machine code's cost (``sass_budget``): the instructions per element each thread
+    handles (executed in the usual case, and the whole body's), its global loads and stores by
+    width, the warps resident per SM, and the
     kernel's bytes per element and budget (not for ``totals``, which adds a few sums per
     tensor)."""
     sass = sass_budget.read_sass(sass_budget.disassemble(compiled.asm["cubin"], _nvdisasm()))
     warps = compiled.metadata.num_warps
-    out = dict(sass=sass["body"], sass_all=sass["total"], loads=sass["loads"],
+    out = dict(sass=sass["executed"], sass_body=sass["body"], sass_all=sass["total"],
+               loads=sass["loads"],
                stores=sass["stores"], warps=warps,
                warps_per_sm=sass_budget.warps_per_sm(registers, warps,
                                                      int(compiled.metadata.shared), capability))
@@ -252,7 +254,8 @@ def sass_row(name, constants, compiled, registers, capability):
         sizes = _triton.LAUNCH.constants(name, FORM_NAMES[constants["FORM"]])
         tile = sizes["QB"] * 256 if FORM_NAMES[constants["FORM"]] == "int8" else sizes["BLOCK"]
         per_thread = tile * sizes["ITERS"] / (32 * warps)
-        out.update(per_element=sass["body"] / per_thread,
+        out.update(per_element=sass["executed"] / per_thread,
+                   per_element_static=sass["body"] / per_thread,
                    moved=sass_budget.moved(name, constants),
                    # per element, the bytes that 128-bit loads read and 128-bit stores write
                    vectors=(16 * sass["loads"].get(128, 0) / per_thread,
