@@ -175,3 +175,27 @@ def test_the_sweep_says_so_and_exits_3_without_a_cuda_device(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 3 and "no CUDA device" in done.stdout
     assert not (tmp_path / "out").exists()
+
+
+def test_the_sweep_counts_each_kernels_elements_by_its_tensors_moments():
+    """The bytes the sweep divides by: each (kernel, form) of a step gets the elements of the
+    tensors whose moments are in that form (compact ones for the matrices, float32 for the
+    small tensors)."""
+    import torch
+    from torch import nn
+
+    import scaleopt
+
+    pytest.importorskip("triton")
+    S = _sweep()
+    model = nn.Sequential(nn.Linear(128, 64), nn.Linear(64, 8))
+    for name, kernels in (("AdamW", ["adam_apply"]), ("LANS", ["lans_sums", "lans_apply",
+                                                               "sum_squares"])):
+        opt = getattr(scaleopt, name)(model.parameters(), lr=1e-3, implementation="triton",
+                                      state_dtype="int8")
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        opt.step()
+        got = S._numels(opt)
+        assert got == {**{(k, "int8"): 128 * 64 for k in kernels},
+                       **{(k, "float32"): 64 + 64 * 8 + 8 for k in kernels}}, name

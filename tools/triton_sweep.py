@@ -9,8 +9,8 @@ written as a table the package reads (``scaleopt._triton_launch``).
 
 The candidates (:data:`CHUNKS`, :data:`BLOCKS`, :data:`WARPS`: a chunk of elements per
 program, a tile of elements, the warps of a program) are tried for all kernels at once: a
-step of LAMB and one of LANS (Triton, float32 weights and gradients) on each set and state
-form, every launch timed by CUDA events and its time given to its kernel and its tensors'
+step of LAMB, one of LANS and one of AdamW (Triton, float32 weights and gradients) on each set
+and state form, every launch timed by CUDA events and its time given to its kernel and its tensors'
 form. First every candidate's kernels are compiled in ``--jobs`` processes on tiny tensors of
 the same kinds (Triton's cache on disk is shared: the timing process then compiles nothing).
 The choice (:func:`choose`): per state form, the chunk whose kernels' best times, each
@@ -47,7 +47,7 @@ WARPS = (2, 4, 8)
 STAGES = 3
 #: the state forms and the ``state_dtype`` that gives each
 STATE = {"float32": "float32", "bfloat16": "bfloat16", "int8": "int8"}
-OPTIMIZERS = ("LAMB", "LANS")
+OPTIMIZERS = ("LAMB", "LANS", "AdamW")
 
 Candidate = Tuple[int, int, int]  # (chunk, block, warps)
 
@@ -280,18 +280,18 @@ def measure(sets: Iterable[str], cands: List[Candidate], rounds: int, deadline: 
 
 def _numels(opt) -> Dict[Tuple[str, str], int]:
     """Elements each (kernel, form) of ``opt``'s step handles (its tensors by their
-    moments' form; LAMB's kernels or LANS's and sum_squares)."""
+    moments' form; LAMB's kernels, LANS's and sum_squares, or AdamW's one)."""
     import torch
 
     name = type(opt).__name__.lower()
     out: Dict[Tuple[str, str], int] = {}
+    kernels = (["adam_apply"] if name == "adamw" else
+               [f"{name}_sums", f"{name}_apply"] + (["sum_squares"] if name == "lans" else []))
     for group in opt.param_groups:
         for p in group["params"]:
             st = opt.state[p]
             form = ("int8" if st["exp_avg"].dtype == torch.int8 else
                     "bfloat16" if st["exp_avg"].dtype == torch.bfloat16 else "float32")
-            kernels = [f"{name}_sums", f"{name}_apply"] + (["sum_squares"] if name == "lans"
-                                                            else [])
             for k in kernels:
                 out[(k, form)] = out.get((k, form), 0) + p.numel()
     return out

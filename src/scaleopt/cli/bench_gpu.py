@@ -33,7 +33,8 @@ from ..benchmarking import NO_DECAY, held_bytes, interleaved, make_params, paire
 #: gradients, moments), and bfloat16 parameters and gradients with split float32 masters
 #: (AdamW: bfloat16 moments); "-int8": the moments as int8 codes (their scales not counted);
 #: see docs/gpu.md
-FLOOR_BYTES = {("adamw", "float32"): 28, ("lamb", "float32"): 40, ("lans", "float32"): 48,
+FLOOR_BYTES = {("adamw", "float32"): 28, ("adamw-int8", "float32"): 16,
+               ("lamb", "float32"): 40, ("lans", "float32"): 48,
                ("lamb-int8", "float32"): 26, ("lans-int8", "float32"): 30,
                ("adamw", "bfloat16"): 14, ("lamb", "bfloat16"): 38, ("lans", "bfloat16"): 42,
                ("lamb-int8", "bfloat16"): 22, ("lans-int8", "bfloat16"): 24}
@@ -63,6 +64,12 @@ def candidates(dtype: torch.dtype) -> Dict[str, Tuple[Callable, bool, str]]:
             _layerwise(cls, masters, foreach=True), False, kind)
         rows[f"scaleopt.{cls.__name__}(multi-tensor, compiled)"] = (
             _layerwise(cls, masters, foreach=True), True, kind)
+    if not masters:  # AdamW on the Triton kernel: float32 parameters (it keeps no masters)
+        for state, kind in (("float32", "adamw"), ("int8", "adamw-int8")):
+            name = "scaleopt.AdamW(triton" + (", int8 state)" if state == "int8" else ")")
+            rows[name] = (lambda n, state=state: scaleopt.AdamW(
+                n, lr=1e-3, exclude_from_weight_decay=NO_DECAY, implementation="triton",
+                state_dtype=state), False, kind)
     try:
         from timm.optim import Lamb as TimmLamb
 
