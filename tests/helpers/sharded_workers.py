@@ -67,6 +67,11 @@ OPTIMIZERS = {
     "LANS(bfloat16 state)": lambda ps: scaleopt.LANS(ps, lr=1e-2, state_dtype="bfloat16"),
     "AdamW(int8 state)": lambda ps: scaleopt.AdamW(ps, lr=1e-2, state_dtype="int8"),
     "AdamW(bfloat16 state)": lambda ps: scaleopt.AdamW(ps, lr=1e-2, state_dtype="bfloat16"),
+    # AdamW on the C kernel and on the Triton one (the interpreter on CPU tensors)
+    "AdamW(native)": lambda ps: scaleopt.AdamW(ps, lr=1e-2, exclude_from_weight_decay="bias",
+                                               implementation="native"),
+    "AdamW(triton, int8 state)": lambda ps: scaleopt.AdamW(ps, lr=1e-2, state_dtype="int8",
+                                                           implementation="triton"),
     "OffloadAdam(int8 state)": lambda ps: scaleopt.OffloadAdam(ps, lr=1e-2, weight_decay=0.1,
                                                                state_dtype="int8"),
     "LAMB(bf16, master_weights, int8 state)": lambda ps: scaleopt.LAMB(
