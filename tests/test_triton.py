@@ -1149,12 +1149,16 @@ def _adam_step(step_fn, s, lr, wd, l2, nesterov, **extra):
             grad_multipliers=[0.5] * n, nesterov=nesterov, stored=s["stored"], **extra)
 
 
-@pytest.mark.parametrize("form", ["float32", "bfloat16", "int8"])
-@pytest.mark.parametrize("weights, grad_dtype, l2, nesterov", [
-    ("float32", torch.float32, False, False),
-    ("float32 + bfloat16 copy", torch.bfloat16, True, False),
-    ("split", torch.bfloat16, False, True),
-])
+_ADAM_KINDS = [("float32", torch.float32, False, False),
+               ("float32 + bfloat16 copy", torch.bfloat16, True, False),
+               ("split", torch.bfloat16, False, True)]
+
+
+@pytest.mark.parametrize("form, weights, grad_dtype, l2, nesterov", [
+    # each form and each kind of weights in the default run, every pair in the slow one
+    pytest.param(form, *kind, marks=() if i == j else pytest.mark.slow)
+    for i, form in enumerate(["float32", "bfloat16", "int8"])
+    for j, kind in enumerate(_ADAM_KINDS)])
 def test_the_triton_adam_gives_the_c_kernels_bits(form, weights, grad_dtype, l2, nesterov,
                                                   monkeypatch):
     """AdamW (decoupled decay) and Adam (L2), with Nesterov momentum, on float32 weights (with
@@ -1246,10 +1250,13 @@ def test_adamw_on_the_triton_kernel_gives_the_c_kernels_bits(state_dtype, monkey
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
 
 
-def test_adamw_on_the_triton_kernel_launches_once_per_step_and_checkpoints_as_torch():
+def test_adamw_on_the_triton_kernel_launches_once_per_step_and_checkpoints_as_torch(
+        monkeypatch):
     """One launch of ``adam_apply`` per step for the group's tensors (all float32, aligned);
     the state dict is torch's AdamW's (the steps float32 scalars), and a run resumed from it
     on torch's AdamW takes the step the kernel takes."""
+    # few programs: the interpreter is slow
+    monkeypatch.setattr(_triton, "LAUNCH", _triton_launch.uniform(chunk=2048, block=512))
     model, opt = _adamw_run("triton", "float32", steps=1)
     x = torch.randn(32, 80)
 
