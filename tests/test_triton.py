@@ -283,7 +283,7 @@ def test_on_fsdp2_shards_the_kernels_equal_one_process(tmp_path):
     """The kernels on each rank's local shards, the sums totalled between the phases: the
     numbers of one process on the whole tensors, one collective per step (LANS: two, the
     gradients' norms first), a launch per group, phase and set of tensors of one kind (the
-    compact moments of a weight, the float32 ones of the others)."""
+    compact moments of a weight, the float32 ones of the others; aligned or not)."""
     (got,) = [r for r in W.run_workers(S.train_sharded_triton, 2, tmp_path, SHARDED, 3,
                                        timeout=300) if r is not None]
     for name in SHARDED:
@@ -300,7 +300,10 @@ def test_on_fsdp2_shards_the_kernels_equal_one_process(tmp_path):
         groups = (2 if "two groups" in name else 1) * (2 if compact else 1)
         kind = "lans" if name.startswith("LANS") else "lamb"
         launched = got[name + " launches"]
-        assert launched[f"{kind}_sums"] == launched[f"{kind}_apply"] == groups, (name, launched)
+        # (a set's tensors that allow 16-byte vectors and those that do not, such as a shard
+        # of 31 rows, launch apart)
+        assert launched[f"{kind}_sums"] == launched[f"{kind}_apply"], (name, launched)
+        assert groups <= launched[f"{kind}_sums"] <= 2 * groups, (name, launched)
         assert launched["totals"] == groups // (2 if compact else 1) * (
             1 + ("sum_squares" in launched)), (name, launched)  # one a group and sums phase
         assert got[name + " collectives"] == (2 if kind == "lans" else 1), name

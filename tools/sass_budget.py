@@ -215,7 +215,7 @@ HELD = {
     ("lamb_apply", "int8", 0): 213,
     ("lamb_apply", "int8", 1): 161,
     ("lans_apply", "int8", 0): 221,
-    ("lans_apply", "int8", 1): 173,
+    ("lans_apply", "int8", 1): 174,
     ("adam_apply", "int8", 0): 200,
     ("adam_apply", "int8", 1): 152,
 }
