@@ -687,10 +687,11 @@ def adam(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[T
                    step=torch.stack([s.reshape(()).float().cpu() for s in state_steps]))
     table = _ops.to_device([torch.stack([columns[name] for name in ADAM], 1)], device)[0]
     omb1, omb2 = one_minus_betas or (1.0 - beta1, 1.0 - beta2)
+    skip = _skip_flag(t, device, cache)
     for (kinds, tables, _), flag in zip(plan.sets, aligned):
-        _launch("adam_apply", kinds, tables, grad_table.addresses, flag, adam=table,
-                skip=_skip_flag(t, device, cache), beta1=beta1, one_m_b1=omb1, beta2=beta2,
-                one_m_b2=omb2, eps=eps, NESTEROV=bool(nesterov))
+        _launch("adam_apply", kinds, tables, grad_table.addresses, flag, adam=table, skip=skip,
+                beta1=beta1, one_m_b1=omb1, beta2=beta2, one_m_b2=omb2, eps=eps,
+                NESTEROV=bool(nesterov))
 
 
 @functools.lru_cache(maxsize=1)

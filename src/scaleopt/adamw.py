@@ -10,6 +10,7 @@ from torch.optim.adamw import adamw as _torch_adamw
 
 from . import _compact, _ops, _native, _triton
 from ._dispatch import check_implementation
+from ._group import GroupTensors
 from ._sharding import local_piece
 from ._base import ScaleOptimizer
 from ._checks import check_bool
@@ -207,7 +208,7 @@ def update(opt: Any, group: Dict[str, Any], idx: List[int], params: List[Tensor]
     native: Dict[bool, List[Tuple[Any, ...]]] = {}
     lists = _init_group(opt, group, idx, params, grads, fused, pending, native)
     for decayed, rows in native.items():
-        _native_step(group, rows, decayed)
+        _adam_kernel(opt, group, rows, [decayed] * len(rows), "native")
     beta1, beta2 = group["betas"]
     for decayed, (ps, gs, ms, vs, maxs, steps) in lists.items():
         # torch's foreach path needs its tensor-scalar form under torch.compile
@@ -252,8 +253,8 @@ def _init_group(opt: Any, group: Dict[str, Any], idx: List[int], params: List[Te
     new, step counters where ``fused`` needs them (on the parameter's device) or not.
     Sharded parameters and their state are given as their local shards (as the gradients
     are). Moments stored in bfloat16 or 8 bits go to the C kernel where it takes them
-    (into ``native``, see :func:`_native_row`), else are given as float32 working tensors,
-    put on ``pending`` to be stored back after the update."""
+    (into ``native``, see :func:`_native_row`, for :func:`_adam_kernel`), else are given as
+    float32 working tensors, put on ``pending`` to be stored back after the update."""
     no_decay = opt._rule_flags(group, "exclude_from_weight_decay")
     keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
     lists: Dict[bool, Tuple[List[Tensor], ...]] = {}
@@ -305,22 +306,6 @@ def _native_row(group: Dict[str, Any], p: Tensor, grad: Tensor, state: Dict[str,
            local_piece(state["exp_avg_sq"]), state["step"], stored)
     return row if _native.adam_applies(*row[:4], None, stored) else None
 
-def _native_step(group: Dict[str, Any], rows: List[Tuple[Any, ...]], decayed: bool) -> None:
-    """AdamW on the C kernel for ``rows`` (see :func:`_native_row`): torch's single-tensor
-    AdamW's operations, with the scalars computed as it computes them."""
-    beta1, beta2 = group["betas"]
-    lr, wd = float(group["lr"]), group["weight_decay"] if decayed else 0.0
-    bc1, bc2_sqrt = _ops.bias_corrections([float(row[4]) + 1.0 for row in rows],
-                                             beta1, beta2, True)
-    count = len(rows)
-    w, g, m, v, step, stored = (list(col) for col in zip(*rows))
-    _native.adam(w, g, m, v, [None] * count, step,
-                 step_sizes=[lr / b for b in bc1], bias_correction2_sqrts=bc2_sqrt,
-                 weight_decays_l2=[0.0] * count, decays=[1.0 - lr * wd] * count,
-                 beta1=beta1, beta2=beta2, eps=group["eps"], grad_multipliers=[1.0] * count,
-                 threads=torch.get_num_threads(), stored=stored)
-
-
 #: the implementations that run AdamW on scaleopt's own kernels (one pass per tensor)
 _KERNELS = ("native", "triton")
 
@@ -350,17 +335,26 @@ def _kernel_step(opt: Any, group: Dict[str, Any], idx: List[int], params: List[T
         else:
             stored = _compact.stored(state, form, p)
         rows.append((local_piece(p), g, local_piece(state["exp_avg"]),
-                     local_piece(state["exp_avg_sq"]), state["step"], stored, not no_decay[i]))
+                     local_piece(state["exp_avg_sq"]), state["step"], stored))
     if not rows:
         return
-    w, g, m, v, steps, stored, decayed = (list(col) for col in zip(*rows))
+    w, g, m, v, _, stored = (list(col) for col in zip(*rows))
     _check_kernel_takes(impl, w, g, m, v, stored)
+    _adam_kernel(opt, group, rows, [not no_decay[i] for i in idx], impl)
+
+
+def _adam_kernel(opt: Any, group: Dict[str, Any], rows: List[Tuple[Any, ...]],
+                 decayed: List[bool], impl: str) -> None:
+    """AdamW on the C kernel or the Triton one (``impl``) for ``rows`` (``(weight, grad,
+    exp_avg, exp_avg_sq, step, stored)``; ``decayed``: whether each decays): torch's
+    single-tensor AdamW's operations, with the scalars computed as it computes them."""
     beta1, beta2 = group["betas"]
     lr, wd, count = float(group["lr"]), group["weight_decay"], len(rows)
+    w, g, m, v, steps, stored = (list(col) for col in zip(*rows))
     bc1, bc2_sqrt = _ops.bias_corrections([float(s) + 1.0 for s in steps], beta1, beta2, True)
     scalars = dict(step_sizes=[lr / b for b in bc1], bias_correction2_sqrts=bc2_sqrt,
                    weight_decays_l2=[0.0] * count,
-                   decays=[1.0 - lr * wd if d else 1.0 for d in decayed], beta1=beta1,
+                   decays=[1.0 - lr * (wd if d else 0.0) for d in decayed], beta1=beta1,
                    beta2=beta2, eps=group["eps"], grad_multipliers=[1.0] * count,
                    stored=stored)
     if impl == "triton":
@@ -375,8 +369,6 @@ def _kernel_step(opt: Any, group: Dict[str, Any], idx: List[int], params: List[T
 def _check_kernel_takes(impl: str, w: List[Tensor], g: List[Tensor], m: List[Tensor],
                         v: List[Tensor], stored: List[Any]) -> None:
     """``ValueError`` naming what the kernel ``impl`` cannot take among a group's tensors."""
-    from ._group import GroupTensors
-
     if impl == "triton":
         t = GroupTensors(w, g, m, v, [], None, stored=stored)
         ok = _triton.applies(t) and all(x.dtype == torch.float32 for x in w)
