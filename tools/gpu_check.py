@@ -44,6 +44,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+import triton_sweep  # (tools/, beside this file)
+
 ROOT = Path(__file__).resolve().parents[1]
 NO_CUDA = 3
 #: the tests run before all else (pytest -k): the int8 codes against the CPU's bit for bit,
@@ -189,14 +191,8 @@ def markdown(report: Dict[str, Any]) -> str:
     sweep = report.get("sweep")
     if sweep:
         lines += ["", f"## sweep: the Triton launch table ({sweep['seconds']:.0f} s, "
-                      f"{sweep['skipped']} runs skipped for time; sweep/triton_launch.json)", "",
-                  "| set | kernel, form | ms, the package's table | of copy | ms, chosen | of copy |",
-                  "|---|---|---:|---:|---:|---:|"]
-        for s, rows in sweep["before"].items():
-            for key, r in rows.items():
-                a = sweep["after"].get(s, {}).get(key, {})
-                lines.append(f"| {s} | {key} | {r['ms']:.3f} | {100 * r['of_copy']:.0f}% | "
-                             f"{a.get('ms', float('nan')):.3f} | {100 * a.get('of_copy', 0):.0f}% |")
+                      f"{sweep['skipped']} runs skipped for time; sweep/triton_launch.json)", ""]
+        lines += triton_sweep.comparison(sweep["before"], sweep["after"])
     return "\n".join(lines) + "\n"
 
 

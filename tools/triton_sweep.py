@@ -341,17 +341,24 @@ def main(argv=None) -> int:
 def summary(report: Dict[str, Any]) -> str:
     """The comparison as markdown: per set, kernel and form, the package's table's time and
     share of the copy against the chosen one's."""
-    lines = [f"{report['device']}: {report['candidates']} candidates, {report['seconds']:.0f} s "
-             f"({report['skipped']} runs skipped for time); copy "
-             + ", ".join(f"{s} {b:.0f} GB/s" for s, b in report["copy_gb_s"].items()),
-             "", "| set | kernel, form | before ms | before, of copy | after ms | after, of copy |",
+    return "\n".join([f"{report['device']}: {report['candidates']} candidates, "
+                      f"{report['seconds']:.0f} s ({report['skipped']} runs skipped for time); "
+                      "copy " + ", ".join(f"{s} {b:.0f} GB/s"
+                                          for s, b in report["copy_gb_s"].items()), ""]
+                     + comparison(report["before"], report["after"]))
+
+
+def comparison(before: Dict[str, Any], after: Dict[str, Any]) -> List[str]:
+    """The rows of :func:`bandwidths` with the package's table (``before``) and the chosen one
+    (``after``) side by side, as a markdown table's lines."""
+    lines = ["| set | kernel, form | ms, the package's table | of copy | ms, chosen | of copy |",
              "|---|---|---:|---:|---:|---:|"]
-    for s, rows in report["before"].items():
+    for s, rows in before.items():
         for key, b in rows.items():
-            a = report["after"].get(s, {}).get(key, {})
+            a = after.get(s, {}).get(key, {})
             lines.append(f"| {s} | {key} | {b['ms']:.3f} | {100 * b['of_copy']:.0f}% | "
                          f"{a.get('ms', float('nan')):.3f} | {100 * a.get('of_copy', 0):.0f}% |")
-    return "\n".join(lines)
+    return lines
 
 
 if __name__ == "__main__":
