@@ -62,7 +62,7 @@ from ._group import GroupTensors, TensorOptions, GroupOptions
 from ._checks import check_same_sizes
 from ._compile import eager
 from ._sharding import Reduction
-from ._triton_layout import ADAM, PTRS, SCAL
+from ._triton_layout import ADAM, PTRS, SCAL, VECTOR
 from . import _triton_launch
 
 #: how each kernel is launched per state form: the chunk a program handles, its tiles, warps
@@ -178,15 +178,12 @@ def _kinds(t: Any, i: int) -> Tuple[int, int, int, int, int]:
             int(_aligned([x.data_ptr() for x in tensors], row_len)))
 
 
-#: what ``ALIGNED`` asks: addresses a multiple of 16 bytes, sizes (int8: rows) of 16 elements
-VECTOR_BYTES = 16
-VECTOR_ELEMENTS = 16
 
 
 def _aligned(addresses: Sequence[int], length: int) -> bool:
     """Whether a tensor's kernels may load and store it in 16-byte vectors: every address a
     multiple of 16 bytes and its length (the elements, or an int8 row's) a multiple of 16."""
-    return length % VECTOR_ELEMENTS == 0 and all(a % VECTOR_BYTES == 0 for a in addresses)
+    return length % VECTOR == 0 and all(a % VECTOR == 0 for a in addresses)
 
 
 class _Plan(NamedTuple):
@@ -279,7 +276,7 @@ def _grad_table(t: Any, device: torch.device, cache: Dict[str, Any]) -> "_GradTa
     table = tables[key] = _GradTable(
         _ops.to_device([torch.tensor(key[0], dtype=torch.int64)], device)[0],
         # (a pass in C: no Python work per tensor when a backward moves the gradients)
-        tuple(map(operator.not_, map(operator.mod, key[0], itertools.repeat(VECTOR_BYTES)))))
+        tuple(map(operator.not_, map(operator.mod, key[0], itertools.repeat(VECTOR)))))
     while len(tables) > 8:
         tables.popitem(last=False)
     return table

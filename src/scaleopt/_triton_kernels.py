@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from . import _format
-from ._triton_layout import ADAM, CHUNKS, PTRS, SCAL
+from ._triton_layout import ADAM, CHUNKS, PTRS, SCAL, VECTOR
 
 _ROW = tl.constexpr(len(PTRS))  # int64 entries per row of ``ptrs``
 _SCAL = tl.constexpr(len(SCAL))  # float32 entries per row of ``scal``
@@ -49,6 +49,7 @@ _ADAM = tl.constexpr(len(ADAM))
  _A_T) = map(tl.constexpr, range(len(ADAM)))
 # of ``chunks``
 _TENSOR, _START, _SLOT = map(tl.constexpr, range(len(CHUNKS)))
+_VECTOR = tl.constexpr(VECTOR)  # ALIGNED's bytes of an address, elements of a size
 _BIG = tl.constexpr(3.4028234663852886e38)  # the largest float32: a ratio above it is not finite
 # the compact format's constants (``_format``)
 _SIGNED_SCALE = tl.constexpr(_format.SIGNED_SCALE)
@@ -80,7 +81,7 @@ def _at(address, dtype: tl.constexpr, ALIGNED: tl.constexpr):
     bytes where ALIGNED (so that the compiler may move 16 bytes per load or store)."""
     p = address.to(tl.pointer_type(dtype))
     if ALIGNED:
-        p = tl.multiple_of(p, 16)
+        p = tl.multiple_of(p, _VECTOR)
     return p
 
 
@@ -126,7 +127,7 @@ def _tile(row, n, start, it, BLOCK: tl.constexpr, QB: tl.constexpr, FORM: tl.con
     if FORM == _FORM_INT8:
         row_len = tl.maximum(tl.load(row + _ROW_LEN), 1)
         if ALIGNED:
-            row_len = tl.multiple_of(row_len, 16)
+            row_len = tl.multiple_of(row_len, _VECTOR)
         per_row = ((row_len + 255) // 256).to(tl.int32)
         b = (start + it * QB + tl.arange(0, QB)).to(tl.int32)
         r = b // per_row  # int32: a tensor's blocks number fewer than 2^31 (its size: 2^39)
@@ -136,8 +137,8 @@ def _tile(row, n, start, it, BLOCK: tl.constexpr, QB: tl.constexpr, FORM: tl.con
         mask = bmask[:, None] & (col < row_len)
     else:
         if ALIGNED:  # (the same numbers, in a form whose divisibility the compiler sees)
-            n = n // 16 * 16
-            start = start // 16 * 16
+            n = n // _VECTOR * _VECTOR
+            start = start // _VECTOR * _VECTOR
         offs = start + it * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         b = offs
@@ -560,7 +561,7 @@ def adam_apply(ptrs, grads, sizes, chunks, adam, skip, beta1, one_m_b1, beta2, o
         offs, mask, b, bmask = _tile(row, n, start, it, BLOCK, QB, FORM, ALIGNED)
         m, v = _load_moments(row, mp, vp, offs, mask, b, bmask, FORM)
         w = _load_w(wp, w16p, offs, mask, W_SPLIT)
-        g = tl.load(gp + offs, mask=mask, other=0.0).to(tl.float32) * mult + wd_l2 * w
+        g = _load_g(gp, offs, mask, mult, 0.0, 0.0, False) + wd_l2 * w
         m = m + one_m_b1 * (g - m)
         v = v * beta2 + one_m_b2 * g * g
         if FORM == _FORM_FLOAT32:

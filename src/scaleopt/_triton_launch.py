@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 from . import _format
+from ._triton_layout import VECTOR
 
 FORMS = tuple(_format.MOMENT_FORMS)
 KERNELS = ("sum_squares", "lamb_sums", "lamb_apply", "lans_sums", "lans_apply", "adam_apply")
@@ -97,16 +98,16 @@ def from_dict(data: Dict[str, Any]) -> Table:
 
 def check(table: Table) -> Table:
     """``table``, or a ValueError naming what is wrong: tiles of a power of two elements,
-    chunks a multiple of 16 (so that every chunk starts 16-element aligned) and of every tile
+    chunks a multiple of 16 (``VECTOR``: every chunk starts aligned) and of every tile
     of their form, one number of int8 blocks per chunk for all of a form's kernels, warps a
     power of two up to 16, at least one stage."""
     for (kernel, form), launch in table.launches.items():
         where = f"{kernel} ({form} moments)"
         if launch.block < 1 or launch.block & (launch.block - 1):
             raise ValueError(f"{where}: block {launch.block} is not a power of two")
-        if table.chunks[form] % launch.block or table.chunks[form] % 16:
+        if table.chunks[form] % launch.block or table.chunks[form] % VECTOR:
             raise ValueError(f"{where}: the chunk {table.chunks[form]} is not a multiple of "
-                             f"16 and of the block {launch.block}")
+                             f"{VECTOR} and of the block {launch.block}")
         if launch.warps not in WARPS or launch.stages < 1:
             raise ValueError(f"{where}: warps {launch.warps} (one of {WARPS}) and stages "
                              f"{launch.stages} (>= 1)")

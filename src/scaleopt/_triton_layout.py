@@ -23,3 +23,6 @@ ADAM = ("step_size", "bc2_sqrt", "inv_bc2_sqrt", "weight_decay_l2", "decay", "gr
 #: a program's row of ``chunks``: its tensor (a row of ``ptrs``), where its chunk starts (an
 #: element, or an int8 block) and its slot for partial sums
 CHUNKS = ("tensor", "start", "slot")
+#: what a launch with ``ALIGNED`` may assume: every address a multiple of this many bytes and
+#: every size (an int8 row's length) of this many elements, so 16-byte vectors
+VECTOR = 16
