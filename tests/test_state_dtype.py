@@ -352,11 +352,11 @@ def _impls():
     return out
 
 
-def three_steps(cls, implementation, form, rows):
-    """Three steps of ``cls`` on a (rows, 300) weight and a bias, the same gradients each time
-    (blocks of 256 and 44 in each row)."""
+def three_steps(cls, implementation, form, rows, cols=300):
+    """Three steps of ``cls`` on a (rows, cols) weight and a bias, the same gradients each time
+    (by default blocks of 256 and 44 in each row)."""
     torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(rows, 300) * 0.1),
+    params = [torch.nn.Parameter(torch.randn(rows, cols) * 0.1),
               torch.nn.Parameter(torch.randn(rows) * 0.1)]
     opt = cls(params, lr=1e-2, weight_decay=0.01, implementation=implementation,
               state_dtype=form)

@@ -30,7 +30,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "conftest.py sets it before Tr
 
 
 import scaleopt  # noqa: E402
-from scaleopt import _compact, _triton, _triton_launch  # noqa: E402
+from scaleopt import _compact, _format, _triton, _triton_launch, _triton_layout  # noqa: E402
 from scaleopt import _triton_kernels as K  # noqa: E402
 from scaleopt._layerwise import LayerwiseAdam  # noqa: E402
 from kernel_probe import exact_codes, stored_by_the_kernels  # noqa: E402
@@ -525,6 +525,39 @@ def test_compact_state_on_the_kernels_equals_the_loop_and_reads_nothing_back(cls
     assert reads == []
 
 
+@pytest.mark.parametrize("cls", [scaleopt.LAMB, scaleopt.LANS])
+def test_int8_rows_of_16_byte_vectors_and_of_whole_blocks_step_as_the_loop(cls, monkeypatch):
+    """int8 moments of rows whose lengths are multiples of 16 (80: one short block a row) and
+    of 256 (512: the kernels place whole blocks without dividing, and sum each block inside a
+    warp): the launches take those variants (``ALIGNED`` 1 and 2), and the steps give the
+    loop's numbers, as rows that end mid-block do."""
+    from scaleopt import _compact, _native
+    from test_state_dtype import three_steps
+
+    monkeypatch.setattr(_native, "_lib", None)
+    monkeypatch.setattr(_compact, "MIN_NUMEL", 256)
+    monkeypatch.setattr(_triton, "LAUNCH", _triton_launch.uniform(chunk=1024, block=512))
+    kind = "lans" if cls is scaleopt.LANS else "lamb"
+    for cols, want in ((80, 1), (512, _triton_layout.WHOLE_BLOCKS)):
+        launched, run = set(), _triton._run
+        with monkeypatch.context() as patch:
+            patch.setattr(_triton, "_run", lambda name, *a, **k: (
+                launched.add((name, k.get("FORM"), k.get("ALIGNED"))), run(name, *a, **k))[1])
+            params, opt = three_steps(cls, "triton", "int8", 5, cols)
+        loop_params, loop = three_steps(cls, "single", "int8", 5, cols)
+        int8 = _format.MOMENT_FORMS["int8"]
+        assert {(n, a) for n, f, a in launched if f == int8} == {
+            (f"{kind}_sums", want), (f"{kind}_apply", want)} | (
+            {("sum_squares", want)} if kind == "lans" else set())
+        for a, b in zip(params, loop_params):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=5e-5)
+            assert ((a - b).abs() > 1e-6).float().mean() < 0.01
+        for key in ("exp_avg", "exp_avg_sq"):
+            x, y = (_compact.read(o.state[o.param_groups[0]["params"][0]], key, torch.float32)
+                    for o in (opt, loop))
+            assert ((x - y).abs() > 1e-6 + 0.02 * y.abs()).float().mean() < 1e-3
+
+
 def _no_copies(*args, **kwargs):
     raise AssertionError("a float32 copy of a compact moment was made")
 
@@ -532,17 +565,22 @@ def _no_copies(*args, **kwargs):
 # -- the stored forms, exactly as the reference stores them ----------------------------------
 
 
-@pytest.mark.parametrize("shape", [(5, 300), (3, 7, 40), (6, 100), (1, 1000)])
+@pytest.mark.parametrize("shape, aligned", [((5, 300), 0), ((3, 7, 40), 0), ((6, 100), 0),
+                                            ((1, 1000), 0), ((4, 304), 1), ((3, 7, 48), 1),
+                                            ((6, 512), 2), ((5, 256), 2)])
 @pytest.mark.parametrize("qb", [1, 4])
-def test_the_kernels_store_and_read_int8_codes_as_the_reference(shape, qb):
-    """Blocks of 256 within rows (shorter at a row's end, several rows per tile): the codes
-    and scales of ``_compact.quantize`` (the second moment's rounded with the bits of each
-    element's index in the whole tensor and the step), and read back as
-    ``_compact.dequantize``, bit for bit."""
+def test_the_kernels_store_and_read_int8_codes_as_the_reference(shape, aligned, qb):
+    """Blocks of 256 within rows (shorter at a row's end, several rows per tile; rows of
+    whole blocks, which the kernels place without dividing): the codes and scales of
+    ``_compact.quantize`` (the second moment's rounded with the bits of each element's index
+    in the whole tensor and the step), and read back as ``_compact.dequantize``, bit for bit,
+    by the variant the launcher picks for the rows' lengths (``ALIGNED``: 0, 16-byte vectors,
+    whole blocks)."""
     from test_state_dtype import _bits
 
     g = torch.Generator().manual_seed(3)
     x = torch.randn(shape, generator=g) * torch.rand(shape, generator=g) ** 4
+    assert _triton._aligned([x.data_ptr()], math.prod(shape[1:]), int8=True) == aligned
     offset = 11 * math.prod(shape[1:])  # a piece from row 11 of the whole tensor on
     got = stored_by_the_kernels("int8", x, x.square(), offset=offset, qb=qb)
     for key, value in (("exp_avg", x), ("exp_avg_sq", x.square())):
@@ -1107,7 +1145,7 @@ def _adam_set(weights, grad_dtype, form, seed):
     from scaleopt import _masters
 
     g = torch.Generator().manual_seed(seed)
-    shapes = [(64, 48), (40, 130), (4112,), (96, 256)]
+    shapes = [(64, 80), (40, 129), (4112,), (96, 256)]
     out = dict(w=[], w16=[], g=[], m=[], v=[], steps=[], stored=[], states=[])
     for shape in shapes:
         master = torch.randn(shape, generator=g) * 0.1
@@ -1168,12 +1206,16 @@ def test_the_triton_adam_gives_the_c_kernels_bits(form, weights, grad_dtype, l2,
     their rounded bfloat16 copy) and split masters, bfloat16 gradients, moments in float32,
     bfloat16 and 8 bits: three steps of the Triton kernel and of the C kernel give the same
     bits in every weight, copy, moment, code and scale (tensors aligned and not, int8 rows
-    that end mid-block), as the C kernel's portable loops give them."""
+    that end mid-block and rows of whole blocks: each ``ALIGNED`` variant), as the C kernel's
+    portable loops give them."""
     from scaleopt import _native
 
     if not _native.available():
         pytest.skip("the C kernels are not built")
     monkeypatch.setattr(_triton, "LAUNCH", _triton_launch.uniform(chunk=2048, block=512))
+    aligned, run = set(), _triton._run
+    monkeypatch.setattr(_triton, "_run", lambda name, *a, **k: (
+        aligned.add((k.get("FORM"), k.get("ALIGNED"))), run(name, *a, **k))[1])
     c, t = _adam_set(weights, grad_dtype, form, 0), _adam_set(weights, grad_dtype, form, 0)
     cache = {}
     simd = _native.compact_simd()
@@ -1186,6 +1228,8 @@ def test_the_triton_adam_gives_the_c_kernels_bits(form, weights, grad_dtype, l2,
         _native.compact_simd(simd)
     assert [float(x) for x in t["steps"]] == [float(x) for x in c["steps"]] == [3.0] * 4
     assert any(st is not None for st in t["stored"]) == (form != "float32")
+    code = _format.MOMENT_FORMS[form]
+    assert {a for f, a in aligned if f == code} == ({0, 1, 2} if form == "int8" else {0, 1})
     for key in ("w", "w16", "m", "v"):
         for a, b in zip(t[key], c[key]):
             assert (a is None) == (b is None)
@@ -1214,11 +1258,10 @@ def _adamw_run(impl, state_dtype, steps=3, **options):
     return model, opt
 
 
-@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16", "int8"])
-def test_adamw_on_the_triton_kernel_gives_the_c_kernels_bits(state_dtype, monkeypatch):
-    """``AdamW(implementation="triton")`` and ``implementation="native"``: the same weights,
-    moments and codes bit for bit after three steps (decay excluded from the biases), in each
-    state form; and with float32 moments torch's AdamW's numbers."""
+def _on_both_kernels(run, monkeypatch):
+    """``run("triton")`` and ``run("native")``: small tensors stored compact, few programs
+    (the interpreter is slow), the C kernel on its portable loops (the AVX-512 ones round a
+    few ulp apart)."""
     from scaleopt import _native
 
     if not _native.available():
@@ -1226,16 +1269,29 @@ def test_adamw_on_the_triton_kernel_gives_the_c_kernels_bits(state_dtype, monkey
     monkeypatch.setattr(_compact, "MIN_NUMEL", 256)
     monkeypatch.setattr(_triton, "LAUNCH", _triton_launch.uniform(chunk=2048, block=512))
     simd = _native.compact_simd()
-    _native.compact_simd(False)  # the portable loops: the AVX-512 ones round a few ulp apart
+    _native.compact_simd(False)
     try:
-        (a, oa), (b, ob) = _adamw_run("triton", state_dtype), _adamw_run("native", state_dtype)
+        return run("triton"), run("native")
     finally:
         _native.compact_simd(simd)
-    assert launches_of(lambda: None) == {}  # (nothing pending)
+
+
+def _same_bits(a, oa, b, ob):
+    """Models ``a`` and ``b`` and their optimizers' states equal bit for bit."""
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.equal(p, q)
         for key, value in oa.state[p].items():
             assert torch.equal(value, ob.state[q][key]), key
+
+
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16", "int8"])
+def test_adamw_on_the_triton_kernel_gives_the_c_kernels_bits(state_dtype, monkeypatch):
+    """``AdamW(implementation="triton")`` and ``implementation="native"``: the same weights,
+    moments and codes bit for bit after three steps (decay excluded from the biases), in each
+    state form; and with float32 moments torch's AdamW's numbers."""
+    (a, oa), (b, ob) = _on_both_kernels(lambda impl: _adamw_run(impl, state_dtype), monkeypatch)
+    assert launches_of(lambda: None) == {}  # (nothing pending)
+    _same_bits(a, oa, b, ob)
     if state_dtype == "int8":
         assert oa.state[a[0].weight]["exp_avg"].dtype == torch.int8
     if state_dtype == "float32":  # torch's AdamW on the same model: its numbers
@@ -1288,6 +1344,48 @@ def test_adamw_on_the_triton_kernel_launches_once_per_step_and_checkpoints_as_to
     step(ref)
     for p, q in zip(model.parameters(), on_kernel):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def _muon_run(adamw_implementation, state_dtype):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(40, 64), nn.Linear(64, 48), nn.LayerNorm(48))
+    opt = scaleopt.Muon(model.named_parameters(), lr=0.02, adamw_lr=1e-2, weight_decay=0.1,
+                        exclude_from_muon=r"^0\.", exclude_from_weight_decay=r"bias$",
+                        state_dtype=state_dtype, adamw_implementation=adamw_implementation)
+    ids = torch.randint(0, 40, (16,), generator=torch.Generator().manual_seed(2))
+    launched = []
+    for _ in range(3):
+        opt.zero_grad()
+        model(ids).square().mean().backward()
+        launched.append(launches_of(opt.step))
+    return model, opt, launched
+
+
+@pytest.mark.parametrize("state_dtype", ["float32", "int8"])
+def test_muons_adamw_part_runs_on_the_triton_kernel_with_the_c_kernels_bits(state_dtype,
+                                                                           monkeypatch):
+    """``Muon(adamw_implementation="triton")``: the AdamW part (an embedding, a bias, a norm's
+    weight and bias) in one ``adam_apply`` launch per step and state form, with the C kernel's
+    bits (``adamw_implementation="native"``) in every weight and moment; the matrices' Muon
+    step is the same either way."""
+    (a, oa, launched), (b, ob, _) = _on_both_kernels(
+        lambda impl: _muon_run(impl, state_dtype), monkeypatch)
+    assert [g["algorithm"] for g in oa.param_groups] == ["muon", "adamw"]
+    forms = 1 if state_dtype == "float32" else 2  # (the 1-D tensors' moments stay float32)
+    assert launched == [{"adam_apply": forms}] * 3
+    _same_bits(a, oa, b, ob)
+    if state_dtype == "int8":
+        assert oa.state[a[0].weight]["exp_avg"].dtype == torch.int8
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(adamw_implementation="bogus"), "Invalid adamw_implementation"),
+    (dict(adamw_implementation="triton", foreach=True),
+     "adamw_implementation='triton' and foreach=True cannot be set together"),
+])
+def test_muon_adamw_implementation_errors_name_the_option(options, message):
+    with pytest.raises(ValueError, match=message):
+        scaleopt.Muon(nn.Linear(4, 4).named_parameters(), **options)
 
 
 @pytest.mark.parametrize("options, message", [

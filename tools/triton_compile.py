@@ -53,6 +53,7 @@ from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 from triton.compiler import ASTSource
 
 from scaleopt import _format, _triton
+from scaleopt._triton_layout import WHOLE_BLOCKS
 
 import sass_budget
 
@@ -62,17 +63,20 @@ POINTERS = {"ptrs": "*i64", "grads": "*i64", "sizes": "*i64", "chunks": "*i64", 
             "spans": "*i64", "adam": "*fp32"}
 
 
+#: ALIGNED's values (``_triton._aligned``): none, 16-byte vectors, and for int8 moments rows of
+#: whole blocks (other forms take it as 1)
+ALIGNMENTS = (0, 1, WHOLE_BLOCKS)
 #: each kernel's options besides the tensors' kinds, and the values the launcher can pass
 CHOICES = {
-    "sum_squares": dict(ALIGNED=(False, True)),
+    "sum_squares": dict(ALIGNED=ALIGNMENTS),
     "lamb_sums": dict(MODE=tuple(_format.WEIGHT_DECAY_MODES.values()), CLIP=(False, True), HAS_LOWER=(False, True),
-                      HAS_UPPER=(False, True), ALIGNED=(False, True)),
+                      HAS_UPPER=(False, True), ALIGNED=ALIGNMENTS),
     "lans_sums": dict(CLIP=(False, True), HAS_LOWER=(False, True), HAS_UPPER=(False, True),
-                      ALIGNED=(False, True)),
+                      ALIGNED=ALIGNMENTS),
 }
 CHOICES["lamb_apply"] = CHOICES["lamb_sums"]
 CHOICES["lans_apply"] = dict(CHOICES["lans_sums"], MOVED=(False, True))
-CHOICES["adam_apply"] = dict(NESTEROV=(False, True), ALIGNED=(False, True))
+CHOICES["adam_apply"] = dict(NESTEROV=(False, True), ALIGNED=ALIGNMENTS)
 
 
 def options(name, j=None):
@@ -117,6 +121,8 @@ def variants(every=False, light=False):
                                           for j, kind in enumerate(COVER_KINDS)]
                 chosen = cover + [((1, _G["float16"], _W16["split"]), options(name, -1)[0])]
             for kind, opts in chosen:
+                if form != _format.MOMENT_FORMS["int8"] and opts["ALIGNED"] == WHOLE_BLOCKS:
+                    opts = dict(opts, ALIGNED=1)  # (int8 rows only)
                 out.append((name, dict(opts, W_SPLIT=kind[0], G_KIND=kind[1],
                                        W16_KIND=kind[2], FORM=form)))
     out += [("totals", {"S": s}) for s in TOTALS]
@@ -307,7 +313,8 @@ def markdown(rows):
             continue
         c = row["constexprs"]
         state = ("" if row["kernel"] == "totals" else
-                 ("float32", "bfloat16", "int8")[c["FORM"]] + (", aligned" if c["ALIGNED"] else ""))
+                 ("float32", "bfloat16", "int8")[c["FORM"]]
+                 + ("", ", aligned", ", whole blocks")[int(c["ALIGNED"])])
         key = (row["kernel"], row["arch"], f"S={c['S']}" if row["kernel"] == "totals" else state)
         groups.setdefault(key, []).append(row)
     lines = ["| kernel | arch | state | variants | registers (most) | warps per SM (fewest) "

@@ -62,7 +62,7 @@ from ._group import GroupTensors, TensorOptions, GroupOptions
 from ._checks import check_same_sizes
 from ._compile import eager
 from ._sharding import Reduction
-from ._triton_layout import ADAM, PTRS, SCAL, VECTOR
+from ._triton_layout import ADAM, PTRS, SCAL, VECTOR, WHOLE_BLOCKS
 from . import _triton_launch
 
 #: how each kernel is launched per state form: the chunk a program handles, its tiles, warps
@@ -167,7 +167,7 @@ def _kinds(t: Any, i: int) -> Tuple[int, int, int, int, int]:
     """The kinds that choose tensor ``i``'s compiled variant of a kernel (its constants
     ``W_SPLIT``, ``G_KIND``, ``W16_KIND``, ``FORM``, ``ALIGNED``): weight (0 float32, 1 split
     master), gradient dtype, w16 dtype, the moments' form, and whether its tensors allow
-    16-byte vectors (:func:`_aligned`; its gradient's, checked at each step, too)."""
+    16-byte vectors, and how (:func:`_aligned`; its gradient's, checked at each step, too)."""
     w16 = t.w16[i] if t.w16 else None
     st = t.stored[i] if t.stored else None
     tensors = [t.weights[i], t.exp_avgs[i], t.exp_avg_sqs[i]] + ([] if w16 is None else [w16])
@@ -175,15 +175,20 @@ def _kinds(t: Any, i: int) -> Tuple[int, int, int, int, int]:
     return (int(t.weights[i].dtype == torch.bfloat16), _G_KINDS[t.grads[i].dtype],
             _W16_KINDS[None if w16 is None else w16.dtype],
             _format.MOMENT_FORMS["float32" if st is None else st.form],
-            int(_aligned([x.data_ptr() for x in tensors], row_len)))
+            _aligned([x.data_ptr() for x in tensors], row_len,
+                     st is not None and st.form == "int8"))
 
 
 
 
-def _aligned(addresses: Sequence[int], length: int) -> bool:
-    """Whether a tensor's kernels may load and store it in 16-byte vectors: every address a
-    multiple of 16 bytes and its length (the elements, or an int8 row's) a multiple of 16."""
-    return length % VECTOR == 0 and all(a % VECTOR == 0 for a in addresses)
+def _aligned(addresses: Sequence[int], length: int, int8: bool = False) -> int:
+    """``ALIGNED`` for a tensor: 1 where its kernels may load and store it in 16-byte vectors
+    (every address a multiple of 16 bytes and its length, the elements or an int8 row's, a
+    multiple of 16), and for int8 moments whose rows are moreover whole blocks of 256,
+    ``WHOLE_BLOCKS``; else 0."""
+    if length % VECTOR or any(a % VECTOR for a in addresses):
+        return 0
+    return WHOLE_BLOCKS if int8 and length % _format.BLOCK == 0 else 1
 
 
 class _Plan(NamedTuple):
@@ -511,13 +516,13 @@ def _launch(name: str, kinds: Tuple[int, ...], tables: Tuple[Tensor, Tensor, Ten
 
 
 def _sets_aligned(plan: _Plan, grads: _GradTable, cache: Dict[str, Any]) -> Tuple[int, ...]:
-    """Per set of the plan, ``ALIGNED``: its tensors allow 16-byte vectors (their kinds say)
-    and so do their gradients at this step (kept in ``cache`` for the same plan and
+    """Per set of the plan, ``ALIGNED``: its tensors' (their kinds say, :func:`_aligned`)
+    where their gradients at this step allow 16-byte vectors too, else 0 (kept in ``cache`` for the same plan and
     gradients' table)."""
     kept = cache.get("aligned")
     if kept is not None and kept[0] is plan and kept[1] is grads:
         return kept[2]
-    flags = tuple(int(kinds[4] and all(map(grads.aligned.__getitem__, idx)))
+    flags = tuple(kinds[4] if all(map(grads.aligned.__getitem__, idx)) else 0
                   for kinds, _, idx in plan.sets)
     cache["aligned"] = (plan, grads, flags)
     return flags

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from . import _format
-from ._triton_layout import ADAM, CHUNKS, PTRS, SCAL, VECTOR
+from ._triton_layout import ADAM, CHUNKS, PTRS, SCAL, VECTOR, WHOLE_BLOCKS
 
 _ROW = tl.constexpr(len(PTRS))  # int64 entries per row of ``ptrs``
 _SCAL = tl.constexpr(len(SCAL))  # float32 entries per row of ``scal``
@@ -49,7 +49,8 @@ _ADAM = tl.constexpr(len(ADAM))
  _A_T) = map(tl.constexpr, range(len(ADAM)))
 # of ``chunks``
 _TENSOR, _START, _SLOT = map(tl.constexpr, range(len(CHUNKS)))
-_VECTOR = tl.constexpr(VECTOR)  # ALIGNED's bytes of an address, elements of a size
+_VECTOR = tl.constexpr(VECTOR)
+_WHOLE_BLOCKS = tl.constexpr(WHOLE_BLOCKS)  # ALIGNED where int8 rows are whole blocks  # ALIGNED's bytes of an address, elements of a size
 _BIG = tl.constexpr(3.4028234663852886e38)  # the largest float32: a ratio above it is not finite
 # the compact format's constants (``_format``)
 _SIGNED_SCALE = tl.constexpr(_format.SIGNED_SCALE)
@@ -115,27 +116,58 @@ def _pointers(row, grads, W_SPLIT: tl.constexpr, G_KIND: tl.constexpr, W16_KIND:
 
 
 @triton.jit
-def _tile(row, n, start, it, BLOCK: tl.constexpr, QB: tl.constexpr, FORM: tl.constexpr,
-          ALIGNED: tl.constexpr):
-    """Iteration ``it`` of a program's chunk: the elements' offsets and mask, and the int8
-    blocks' indices and mask. For int8 moments (FORM 2) a tile of QB blocks (its rows), each
-    of 256 lanes: block b is in row b // per_row of the tensor, from column
-    (b % per_row) * 256, and shorter where the row ends; the chunk starts at block ``start``.
-    Otherwise BLOCK elements from element ``start + it * BLOCK`` (the blocks: the elements).
-    ALIGNED: the sizes (the rows' lengths) are multiples of 16 elements (the mask then
-    changes only between runs of 16)."""
-    if FORM == _FORM_INT8:
+def _blocks(row, n, start, QB: tl.constexpr, FORM: tl.constexpr, ALIGNED: tl.constexpr):
+    """What a program's iterations share of where its elements lie. For int8 moments: the
+    tensor's size and the chunk's first block, and where rows are not whole blocks (ALIGNED
+    below ``_WHOLE_BLOCKS``) the row length, the blocks per row (a block is 256 elements of a
+    row, the last of a row shorter), and for each lane j < QB of a tile j // per_row and
+    j % per_row (so that an iteration divides once, not once per lane). Blocks number fewer
+    than 2^31 (a tensor's size: 2^39): int32 holds them. ALIGNED 1: the rows' lengths are
+    multiples of 16 elements (the mask then changes only between runs of 16). For other
+    forms: the size and the first element."""
+    if FORM == _FORM_INT8 and ALIGNED == _WHOLE_BLOCKS:
+        return (n // 256).to(tl.int32), tl.cast(start, tl.int32)
+    elif FORM == _FORM_INT8:
         row_len = tl.maximum(tl.load(row + _ROW_LEN), 1)
         if ALIGNED:
             row_len = tl.multiple_of(row_len, _VECTOR)
         per_row = ((row_len + 255) // 256).to(tl.int32)
-        b = (start + it * QB + tl.arange(0, QB)).to(tl.int32)
-        r = b // per_row  # int32: a tensor's blocks number fewer than 2^31 (its size: 2^39)
-        col = ((b - r * per_row) * 256)[:, None] + tl.arange(0, 256)[None, :]
-        offs = (r.to(tl.int64) * row_len)[:, None] + col
-        bmask = b < n // row_len * per_row
+        j = tl.arange(0, QB)
+        jq = j // per_row
+        return n, row_len, per_row, tl.cast(start, tl.int32), jq, j - jq * per_row
+    else:
+        return n, start
+
+
+@triton.jit
+def _tile(at, it, BLOCK: tl.constexpr, QB: tl.constexpr, FORM: tl.constexpr,
+          ALIGNED: tl.constexpr):
+    """Iteration ``it`` of a program's chunk (``at``: :func:`_blocks`): the elements' offsets
+    and mask, and the int8 blocks' indices and mask. For int8 moments (FORM 2) a tile of QB
+    blocks (its rows), each of 256 lanes, from block ``start + it * QB``: block b is in row
+    b // per_row of the tensor, from column (b % per_row) * 256, and shorter where the row
+    ends; where rows are whole blocks, elements 256 b to 256 b + 255. Otherwise BLOCK
+    elements from element ``start + it * BLOCK`` (the blocks: the elements). The tensor holds
+    whole rows (a local piece of its rows), so whole blocks."""
+    if FORM == _FORM_INT8 and ALIGNED == _WHOLE_BLOCKS:  # block b: elements 256 b on
+        blocks, first = at
+        b = first + it * QB + tl.arange(0, QB)
+        offs = (b.to(tl.int64) * 256)[:, None] + tl.arange(0, 256)[None, :]
+        bmask = b < blocks
+        mask = tl.broadcast_to(bmask[:, None], (QB, 256))
+    elif FORM == _FORM_INT8:
+        n, row_len, per_row, first, jq, jr = at
+        r = (first + it * QB) // per_row  # the tile's first block: row r, column c
+        t = first + it * QB - r * per_row + jr  # the lanes' columns, before a carry: < 2 per_row
+        carry = t >= per_row
+        col = (tl.where(carry, t - per_row, t) * 256)[:, None] + tl.arange(0, 256)[None, :]
+        begins = (r + jq + carry.to(tl.int32)).to(tl.int64) * row_len  # the lanes' rows
+        offs = begins[:, None] + col
+        b = first + it * QB + tl.arange(0, QB)
+        bmask = begins + row_len <= n  # a whole row of the tensor
         mask = bmask[:, None] & (col < row_len)
     else:
+        n, start = at
         if ALIGNED:  # (the same numbers, in a form whose divisibility the compiler sees)
             n = n // _VECTOR * _VECTOR
             start = start // _VECTOR * _VECTOR
@@ -357,11 +389,32 @@ def sum_squares(ptrs, grads, sizes, chunks, parts, W_SPLIT: tl.constexpr, G_KIND
     row, n, start, slot = _chunk(ptrs, sizes, chunks)
     _, gp, _, _, _ = _pointers(row, grads, W_SPLIT, G_KIND, W16_KIND, FORM, ALIGNED)
     acc = 0.0
+    at = _blocks(row, n, start, QB, FORM, ALIGNED)
     for it in tl.static_range(ITERS):
-        offs, mask, _, _ = _tile(row, n, start, it, BLOCK, QB, FORM, ALIGNED)
+        offs, mask, _, _ = _tile(at, it, BLOCK, QB, FORM, ALIGNED)
         g = tl.load(gp + offs, mask=mask, other=0.0).to(tl.float32)
         acc += tl.sum(g * g)
     tl.store(parts + slot, acc)
+
+
+@triton.jit
+def _part(x, FORM: tl.constexpr, ALIGNED: tl.constexpr):
+    """A tile's part of a chunk's sum: for int8 tiles of 16-byte vectors the sums of its
+    blocks (its rows, each summed inside one warp), added up by :func:`_whole` after the last
+    tile; else the tile's sum (the cheaper in instructions for each, compiled)."""
+    if FORM == _FORM_INT8 and ALIGNED:
+        return tl.sum(x, axis=1)
+    else:
+        return tl.sum(x)
+
+
+@triton.jit
+def _whole(acc, FORM: tl.constexpr, ALIGNED: tl.constexpr):
+    """The chunk's sum from its tiles' parts (:func:`_part`)."""
+    if FORM == _FORM_INT8 and ALIGNED:
+        return tl.sum(acc)
+    else:
+        return acc
 
 
 @triton.jit
@@ -399,8 +452,9 @@ def lamb_sums(ptrs, grads, sizes, chunks, scal, skip, parts, beta1, beta2, eps, 
     wp, gp, mp, vp, w16p = _pointers(row, grads, W_SPLIT, G_KIND, W16_KIND, FORM, ALIGNED)
     acc_w = 0.0
     acc_u = 0.0
+    at = _blocks(row, n, start, QB, FORM, ALIGNED)
     for it in tl.static_range(ITERS):
-        offs, mask, b, bmask = _tile(row, n, start, it, BLOCK, QB, FORM, ALIGNED)
+        offs, mask, b, bmask = _tile(at, it, BLOCK, QB, FORM, ALIGNED)
         m, v = _load_moments(row, mp, vp, offs, mask, b, bmask, FORM)
         w, m, v = _lamb_moments(_load_w(wp, w16p, offs, mask, W_SPLIT),
                                 _load_g(gp, offs, mask, mult, clip_lo, clip_hi, CLIP), m, v,
@@ -409,10 +463,10 @@ def lamb_sums(ptrs, grads, sizes, chunks, scal, skip, parts, beta1, beta2, eps, 
             tl.store(mp + offs, m, mask=mask)
             tl.store(vp + offs, v, mask=mask)
         u = _lamb_u(w, m, v, wd, bc1, bc2, eps, MODE)
-        acc_w += tl.sum(w * w)
-        acc_u += tl.sum(u * u)
-    tl.store(parts + 2 * slot, acc_w)
-    tl.store(parts + 2 * slot + 1, acc_u)
+        acc_w += _part(w * w, FORM, ALIGNED)
+        acc_u += _part(u * u, FORM, ALIGNED)
+    tl.store(parts + 2 * slot, _whole(acc_w, FORM, ALIGNED))
+    tl.store(parts + 2 * slot + 1, _whole(acc_u, FORM, ALIGNED))
 
 
 @triton.jit
@@ -429,8 +483,9 @@ def lamb_apply(ptrs, grads, sizes, chunks, scal, skip, sums, beta1, beta2, eps, 
     ratio = _trust_ratio(tl.load(sums + 2 * i), tl.load(sums + 2 * i + 1), lower, upper,
                          HAS_LOWER, HAS_UPPER)
     ratio = tl.where(adapt > 0.0, ratio, 1.0)
+    at = _blocks(row, n, start, QB, FORM, ALIGNED)
     for it in tl.static_range(ITERS):
-        offs, mask, b, bmask = _tile(row, n, start, it, BLOCK, QB, FORM, ALIGNED)
+        offs, mask, b, bmask = _tile(at, it, BLOCK, QB, FORM, ALIGNED)
         m, v = _load_moments(row, mp, vp, offs, mask, b, bmask, FORM)
         w = _load_w(wp, w16p, offs, mask, W_SPLIT)
         if FORM == _FORM_FLOAT32:  # the moments the first phase stored
@@ -474,8 +529,9 @@ def lans_sums(ptrs, grads, sizes, chunks, scal, skip, parts, gsq, beta1, beta2, 
     acc_r = 0.0
     acc_c = 0.0
     acc_rc = 0.0
+    at = _blocks(row, n, start, QB, FORM, ALIGNED)
     for it in tl.static_range(ITERS):
-        offs, mask, b, bmask = _tile(row, n, start, it, BLOCK, QB, FORM, ALIGNED)
+        offs, mask, b, bmask = _tile(at, it, BLOCK, QB, FORM, ALIGNED)
         m, v = _load_moments(row, mp, vp, offs, mask, b, bmask, FORM)
         w = _load_w(wp, w16p, offs, mask, W_SPLIT)
         g = _load_g(gp, offs, mask, ginv, clip_lo, clip_hi, CLIP)
@@ -485,14 +541,14 @@ def lans_sums(ptrs, grads, sizes, chunks, scal, skip, parts, gsq, beta1, beta2, 
             tl.store(vp + offs, v, mask=mask)
         dinv, r = _lans_r(w, m, v, wd, bc1, bc2, eps)
         c = g * dinv + wd * w
-        acc_w += tl.sum(w * w)
-        acc_r += tl.sum(r * r)
-        acc_c += tl.sum(c * c)
-        acc_rc += tl.sum(r * c)
-    tl.store(parts + 4 * slot, acc_w)
-    tl.store(parts + 4 * slot + 1, acc_r)
-    tl.store(parts + 4 * slot + 2, acc_c)
-    tl.store(parts + 4 * slot + 3, acc_rc)
+        acc_w += _part(w * w, FORM, ALIGNED)
+        acc_r += _part(r * r, FORM, ALIGNED)
+        acc_c += _part(c * c, FORM, ALIGNED)
+        acc_rc += _part(r * c, FORM, ALIGNED)
+    tl.store(parts + 4 * slot, _whole(acc_w, FORM, ALIGNED))
+    tl.store(parts + 4 * slot + 1, _whole(acc_r, FORM, ALIGNED))
+    tl.store(parts + 4 * slot + 2, _whole(acc_c, FORM, ALIGNED))
+    tl.store(parts + 4 * slot + 3, _whole(acc_rc, FORM, ALIGNED))
 
 
 @triton.jit
@@ -519,8 +575,9 @@ def lans_apply(ptrs, grads, sizes, chunks, scal, skip, sums, gsq, beta1, beta2, 
         k = wd * lr_r * ratio_r
         c2 = tl.maximum(c2 - 2.0 * k * tl.load(sums + 4 * i + 3) + k * k * r2, 0.0)
     ratio_c = tl.where(adapt > 0.0, _trust_ratio(w2, c2, lower, upper, HAS_LOWER, HAS_UPPER), 1.0)
+    at = _blocks(row, n, start, QB, FORM, ALIGNED)
     for it in tl.static_range(ITERS):
-        offs, mask, b, bmask = _tile(row, n, start, it, BLOCK, QB, FORM, ALIGNED)
+        offs, mask, b, bmask = _tile(at, it, BLOCK, QB, FORM, ALIGNED)
         m, v = _load_moments(row, mp, vp, offs, mask, b, bmask, FORM)
         w = _load_w(wp, w16p, offs, mask, W_SPLIT)
         g = _load_g(gp, offs, mask, ginv, clip_lo, clip_hi, CLIP)
@@ -557,8 +614,9 @@ def adam_apply(ptrs, grads, sizes, chunks, adam, skip, beta1, one_m_b1, beta2, o
     step = tl.load(a + _A_T)
     n = tl.where(tl.load(skip) == 0.0, n, 0)
     wp, gp, mp, vp, w16p = _pointers(row, grads, W_SPLIT, G_KIND, W16_KIND, FORM, ALIGNED)
+    at = _blocks(row, n, start, QB, FORM, ALIGNED)
     for it in tl.static_range(ITERS):
-        offs, mask, b, bmask = _tile(row, n, start, it, BLOCK, QB, FORM, ALIGNED)
+        offs, mask, b, bmask = _tile(at, it, BLOCK, QB, FORM, ALIGNED)
         m, v = _load_moments(row, mp, vp, offs, mask, b, bmask, FORM)
         w = _load_w(wp, w16p, offs, mask, W_SPLIT)
         g = _load_g(gp, offs, mask, mult, 0.0, 0.0, False) + wd_l2 * w

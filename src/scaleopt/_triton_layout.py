@@ -26,3 +26,6 @@ CHUNKS = ("tensor", "start", "slot")
 #: what a launch with ``ALIGNED`` may assume: every address a multiple of this many bytes and
 #: every size (an int8 row's length) of this many elements, so 16-byte vectors
 VECTOR = 16
+#: ``ALIGNED``'s value for int8 moments whose rows are whole blocks (a multiple of 256 elements:
+#: a block is then 256 consecutive elements, and a tile's place needs no division)
+WHOLE_BLOCKS = 2

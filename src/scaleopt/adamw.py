@@ -358,9 +358,10 @@ def _adam_kernel(opt: Any, group: Dict[str, Any], rows: List[Tuple[Any, ...]],
                    beta2=beta2, eps=group["eps"], grad_multipliers=[1.0] * count,
                    stored=stored)
     if impl == "triton":
+        # per group, by its list of parameters (which a Muon group's AdamW view shares)
         caches = opt.__dict__.setdefault("_kernel_caches", {})
         _triton.adam(w, g, m, v, [None] * count, steps,
-                     cache=caches.setdefault(id(group), {}), **scalars)
+                     cache=caches.setdefault(id(group["params"]), {}), **scalars)
     else:
         _native.adam(w, g, m, v, [None] * count, steps, threads=torch.get_num_threads(),
                      **scalars)

@@ -10,6 +10,7 @@ from torch import Tensor
 from . import _compact, _ops, adamw
 from ._base import ScaleOptimizer, lr_of
 from ._checks import check_betas, check_bool, check_choice, check_number
+from ._dispatch import check_implementation
 from ._loading import StateSpec, _pairs
 from ._orthogonal import (EPS, NS_COEFFICIENTS, NS_METHODS, NS_STEPS, Job, adjusted_lr,
                           orthogonalize)
@@ -104,6 +105,10 @@ class Muon(ScaleOptimizer):
         foreach (bool or None, default None), fused (bool or None, default None): the AdamW
             part's path, as in :class:`AdamW` (torch's fused kernel, multi-tensor ops or
             per-tensor loop); the matrices' iteration has one form and ignores them.
+        adamw_implementation (None, ``"single"``, ``"multi"``, ``"native"`` or ``"triton"``,
+            default None): the AdamW part's path by name, as :class:`AdamW`'s
+            ``implementation``: ``"triton"`` its parameters in one Triton launch per step (CUDA)
+            in every ``state_dtype``, ``"native"`` the C kernel (CPU), the two with the same bits.
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
@@ -146,6 +151,7 @@ class Muon(ScaleOptimizer):
         exchange_buckets: int = 1,
         foreach: Optional[bool] = None,
         fused: Optional[bool] = None,
+        adamw_implementation: Optional[str] = None,
     ) -> None:
         defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
@@ -155,7 +161,7 @@ class Muon(ScaleOptimizer):
             adamw_lr=adamw_lr, exclude_from_muon=exclude_from_muon,
             exclude_from_weight_decay=exclude_from_weight_decay, max_grad_norm=max_grad_norm,
             state_dtype=state_dtype, exchange_buckets=exchange_buckets, foreach=foreach,
-            fused=fused, algorithm=None,
+            fused=fused, adamw_implementation=adamw_implementation, algorithm=None,
         )
         super().__init__(params, defaults, nonfinite=nonfinite)
 
@@ -210,6 +216,12 @@ class Muon(ScaleOptimizer):
         self._check_state_dtype(group)
         if group["algorithm"] == "adamw":
             adamw.check_fused(group)
+        try:  # (its messages name the option as AdamW's)
+            check_implementation(dict(implementation=group["adamw_implementation"],
+                                      foreach=group["foreach"], fused=group["fused"]))
+        except ValueError as exc:
+            raise ValueError(str(exc).replace("implementation", "adamw_implementation", 1)
+                             ) from None
         if group["algorithm"] == "muon":
             for i, p in enumerate(group["params"]):
                 if p.ndim != 2:
@@ -342,4 +354,5 @@ def _check_coefficients(coefficients: Any) -> None:
 
 def _as_adamw(group: Dict[str, Any]) -> Dict[str, Any]:
     """A Muon group's AdamW options under :class:`scaleopt.AdamW`'s keys."""
-    return dict(group, eps=group["adamw_eps"], amsgrad=False)
+    return dict(group, eps=group["adamw_eps"], amsgrad=False,
+                implementation=group.get("adamw_implementation"))

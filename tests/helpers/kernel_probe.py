@@ -15,12 +15,13 @@ from scaleopt._triton_layout import PTRS
 
 @triton.jit
 def _store_then_load(row, grads, n, xm, xv, out_m, out_v, step, FORM: tl.constexpr,
-                     BLOCK: tl.constexpr, QB: tl.constexpr):
+                     BLOCK: tl.constexpr, QB: tl.constexpr, ALIGNED: tl.constexpr):
     """One tile per program (QB int8 blocks, or BLOCK elements): xm, xv stored as moments of
     FORM (``row``: a row of the address table, ``grads`` the gradients' table), then read back
-    into out_m, out_v, through the kernels' own helpers."""
-    _, _, mp, vp, _ = K._pointers(row, grads, 0, 0, 0, FORM, 0)
-    offs, mask, b, bmask = K._tile(row, n, 0, tl.program_id(0), BLOCK, QB, FORM, 0)
+    into out_m, out_v, through the kernels' own helpers (their ``ALIGNED`` variant)."""
+    _, _, mp, vp, _ = K._pointers(row, grads, 0, 0, 0, FORM, ALIGNED)
+    at = K._blocks(row, n, 0, QB, FORM, ALIGNED)
+    offs, mask, b, bmask = K._tile(at, tl.program_id(0), BLOCK, QB, FORM, ALIGNED)
     K._store_moments(row, mp, vp, offs, mask, b, bmask, tl.load(xm + offs, mask=mask),
                      tl.load(xv + offs, mask=mask), tl.load(step), FORM)
     m, v = K._load_moments(row, mp, vp, offs, mask, b, bmask, FORM)
@@ -28,10 +29,12 @@ def _store_then_load(row, grads, n, xm, xv, out_m, out_v, step, FORM: tl.constex
     tl.store(out_v + offs, v, mask=mask)
 
 
-def stored_by_the_kernels(form, xm, xv, step=7.0, offset=0, qb=4, device="cpu"):
+def stored_by_the_kernels(form, xm, xv, step=7.0, offset=0, qb=4, device="cpu",
+                          aligned=None):
     """What the kernels store for the moments xm, xv (float32, rows first) in ``form``, and
     read back: {key: (stored, scales or None, read back)}, on the CPU; run on ``device``
-    (the CPU under the interpreter, or a GPU)."""
+    (the CPU under the interpreter, or a GPU), by the kernels' variant for the tensors'
+    alignment (``_triton._aligned``) or by ``aligned``."""
     xm, xv = xm.to(device), xv.to(device)
     shape, n = xm.shape, xm.numel()
     row_len = xm[0].numel() if xm.dim() else 0
@@ -53,9 +56,12 @@ def stored_by_the_kernels(form, xm, xv, step=7.0, offset=0, qb=4, device="cpu"):
     row = torch.tensor([columns[name] for name in PTRS], dtype=torch.int64, device=device)
     no_grads = torch.zeros(1, dtype=torch.int64, device=device)
     back = {k: torch.zeros(shape, device=device) for k in codes}
+    if aligned is None:
+        aligned = _triton._aligned([c.data_ptr() for c in codes.values()],
+                                   row_len if form == "int8" else n, form == "int8")
     _store_then_load[(tiles,)](row, no_grads, n, xm.contiguous(), xv.contiguous(), back["exp_avg"],
                                back["exp_avg_sq"], torch.tensor([step], device=device),
-                               FORM=_format.MOMENT_FORMS[form], BLOCK=64, QB=qb,
+                               FORM=_format.MOMENT_FORMS[form], BLOCK=64, QB=qb, ALIGNED=aligned,
                                **_triton.COMPILE_OPTIONS)
     return {k: (codes[k].cpu(), scales[k].cpu() if form == "int8" else None, back[k].cpu())
             for k in codes}
