@@ -133,6 +133,84 @@ def test_cuda_adamw_is_torch_fused_adamw():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16", "int8"])
+def test_cuda_triton_adamw_takes_the_steps_of_the_cpu_kernels(state_dtype, monkeypatch):
+    """``AdamW(implementation="triton")`` compiled for the GPU, in every state form, on the
+    same gradients as the C kernel on the CPU (``implementation="native"``): the same numbers,
+    to a moment stored the other way; with float32 moments torch's fused AdamW's too; one
+    launch per step and form."""
+    pytest.importorskip("triton")
+    if not _native.available():
+        pytest.skip("the C kernels are not built")
+    from scaleopt import _compact, _triton
+
+    monkeypatch.setattr(_compact, "MIN_NUMEL", 256)
+    torch.manual_seed(0)
+    # int8 rows of whole blocks (256, 512) and of 16 elements (96)
+    big = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 96), nn.GELU(),
+                        nn.Linear(96, 8))
+    mc, mg = copy.deepcopy(big), copy.deepcopy(big).cuda()
+    oc = scaleopt.AdamW(mc.parameters(), lr=1e-2, implementation="native",
+                        state_dtype=state_dtype)
+    og = scaleopt.AdamW(mg.parameters(), lr=1e-2, implementation="triton",
+                        state_dtype=state_dtype)
+    before = dict(_triton.LAUNCHES)
+    run_on_given_gradients([(mc, oc), (mg, og)], 5)
+    forms = 1 if state_dtype == "float32" else 2
+    assert _triton.LAUNCHES["adam_apply"] - before.get("adam_apply", 0) == 5 * forms
+    for a, b in zip(mc.parameters(), mg.parameters()):
+        torch.testing.assert_close(b.cpu(), a, rtol=1e-4, atol=5e-5)
+    if state_dtype == "float32":
+        ref = copy.deepcopy(big).cuda()
+        fused = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+        run_on_given_gradients([(ref, fused)], 5)
+        for a, b in zip(mg.parameters(), ref.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_cuda_graph_replays_the_triton_adamw_step_with_a_changed_lr():
+    """``AdamW(capturable=True)``: a step captured once and replayed with a new learning rate
+    written into its tensor gives the numbers of eager steps with the rate as a float."""
+    pytest.importorskip("triton")
+    captured = _replayed_against_eager(
+        lambda m, lr: scaleopt.AdamW(m.parameters(), lr=lr, capturable=True),
+        lambda m, lr: scaleopt.AdamW(m.parameters(), lr=lr, implementation="triton"))
+    assert all(float(s["step"]) == 4 and s["step"].is_cuda for s in captured.state.values())
+
+
+def _replayed_against_eager(make_captured, make_eager):
+    """A step of ``make_captured(model, lr tensor)`` captured in a CUDA graph (after one
+    eager step, on a side stream, that makes the state and tables) and replayed with three
+    learning rates written into its tensor, against ``make_eager(model, float lr)`` stepping
+    eagerly at the same rates on the same gradients: the same numbers. The captured
+    optimizer."""
+    m1, m2 = model(), model()
+    lr = torch.tensor(0.01, device="cuda")
+    o1, o2 = make_captured(m1, lr), make_eager(m2, 0.01)
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(p.shape, generator=g).cuda() for p in m1.parameters()]
+    for p, q, gr in zip(m1.parameters(), m2.parameters(), grads):
+        p.grad, q.grad = gr.clone(), gr.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # state made and tables built before the capture
+        o1.step()
+    torch.cuda.current_stream().wait_stream(side)
+    o2.step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o1.step()
+    for rate in (0.01, 0.005, 0.002):
+        lr.fill_(rate)
+        o2.param_groups[0]["lr"] = rate
+        graph.replay()
+        o2.step()
+    torch.cuda.synchronize()
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    return o1
+
+
 @pytest.mark.parametrize("info", REGISTRY, ids=str)
 def test_cuda_compiled_step(info):
     torch._dynamo.reset()
@@ -300,31 +378,8 @@ def test_cuda_graph_replays_the_triton_step_with_a_changed_lr(cls):
     """capturable=True: a step captured once and replayed with a new learning rate written into
     its tensor gives the reference loop's numbers."""
     pytest.importorskip("triton")
-    m1, m2 = model(), model()
-    lr = torch.tensor(0.01, device="cuda")
-    o1 = cls(m1.parameters(), lr=lr, capturable=True)
-    o2 = cls(m2.parameters(), lr=0.01, foreach=False)
-    g = torch.Generator().manual_seed(0)
-    grads = [torch.randn(p.shape, generator=g).cuda() for p in m1.parameters()]
-    for p, q, gr in zip(m1.parameters(), m2.parameters(), grads):
-        p.grad, q.grad = gr.clone(), gr.clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # state made and tables built before the capture
-        o1.step()
-    torch.cuda.current_stream().wait_stream(side)
-    o2.step()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        o1.step()
-    for rate in (0.01, 0.005, 0.002):
-        lr.fill_(rate)
-        o2.param_groups[0]["lr"] = rate
-        graph.replay()
-        o2.step()
-    torch.cuda.synchronize()
-    for a, b in zip(m1.parameters(), m2.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    _replayed_against_eager(lambda m, lr: cls(m.parameters(), lr=lr, capturable=True),
+                            lambda m, lr: cls(m.parameters(), lr=lr, foreach=False))
 
 
 @pytest.mark.parametrize("cls", [scaleopt.LAMB, scaleopt.LANS])
@@ -369,7 +424,8 @@ def test_cuda_kernels_store_the_int8_codes_of_the_cpu(signed):
     """Compiled for the GPU (no fused multiply-add, each operation rounded once), the kernels
     store the codes of the definition on values on and a float either side of every boundary
     between two codes and of where the random bits decide, and, on 2^22 heavy-tailed moments,
-    the codes and scales of the CPU's ``_compact.quantize``, bit for bit."""
+    the codes and scales of the CPU's ``_compact.quantize``, bit for bit, in each variant for
+    the rows' lengths (``ALIGNED``)."""
     pytest.importorskip("triton")
     from kernel_probe import exact_codes, stored_by_the_kernels
     from scaleopt import _compact
@@ -382,14 +438,16 @@ def test_cuda_kernels_store_the_int8_codes_of_the_cpu(signed):
     assert (scales == scale).all()
     assert codes.tolist() == exact_codes(x, signed)
     g = torch.Generator().manual_seed(6)
-    x = torch.randn(4096, 1024, generator=g) * torch.rand(4096, 1024, generator=g) ** 4
-    value = x if signed else x.square()
-    codes, scales, back = stored_by_the_kernels("int8", x, x.square(), step=7.0,
-                                                device="cuda")[key]
-    want, want_scales = _compact.quantize(value, signed, None if signed else _bits(value, 7.0))
-    assert torch.equal(scales, want_scales)
-    assert int((codes != want).sum()) == 0
-    assert torch.equal(back, _compact.dequantize(want, want_scales))
+    for cols in (1024, 1008, 1000):  # rows of whole blocks, of 16 elements, neither
+        x = torch.randn(4096, cols, generator=g) * torch.rand(4096, cols, generator=g) ** 4
+        value = x if signed else x.square()
+        codes, scales, back = stored_by_the_kernels("int8", x, x.square(), step=7.0,
+                                                    device="cuda")[key]
+        want, want_scales = _compact.quantize(value, signed,
+                                              None if signed else _bits(value, 7.0))
+        assert torch.equal(scales, want_scales), cols
+        assert int((codes != want).sum()) == 0, cols
+        assert torch.equal(back, _compact.dequantize(want, want_scales)), cols
 
 
 @pytest.mark.parametrize("cls", [scaleopt.LAMB, scaleopt.LANS], ids=["LAMB", "LANS"])

@@ -1346,6 +1346,58 @@ def test_adamw_on_the_triton_kernel_launches_once_per_step_and_checkpoints_as_to
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_capturable_adamw_reads_nothing_on_the_host_and_takes_a_tensor_lr(clip, monkeypatch):
+    """``AdamW(capturable=True)`` (on the Triton kernel, as ``implementation=None`` picks it):
+    the step counters stay with the weights, the learning rate may be a tensor that a
+    scheduler changes in place, and the step's host code reads no tensor value at all (step
+    counters included; clipping by the global norm too): what a CUDA graph needs. The numbers
+    are those of the host-made scalars (``implementation="triton"`` with a float rate), to
+    the powers' last bits."""
+    monkeypatch.setattr(_triton, "LAUNCH", _triton_launch.uniform(chunk=2048, block=512))
+    runs = []
+    for options in (dict(capturable=True, lr=torch.tensor(0.01)),
+                    dict(implementation="triton", lr=0.01)):
+        model = _adamw_model()
+        opt = scaleopt.AdamW(model.named_parameters(), weight_decay=0.1, max_grad_norm=clip,
+                             exclude_from_weight_decay=r"bias$", **options)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1.0 + t))
+        x = torch.randn(32, 80, generator=torch.Generator().manual_seed(1))
+        for _ in range(3):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+            sched.step()
+        runs.append((model, opt))
+    (a, oa), (b, ob) = runs
+    assert torch.is_tensor(oa.param_groups[0]["lr"])
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+        assert oa.state[p]["step"].device == p.device and float(oa.state[p]["step"]) == 3
+        assert torch.equal(oa.state[p]["exp_avg_sq"], ob.state[q]["exp_avg_sq"])
+    launched = []
+    monkeypatch.setattr(_triton, "_run", lambda name, *x, **k: launched.append(name))
+    reads = record_host_reads(monkeypatch)  # the step counters included
+    oa.step()
+    monkeypatch.undo()
+    assert reads == [] and launched == ["adam_apply"]
+
+
+def test_capturable_adamw_stores_compact_moments_as_with_host_numbers(monkeypatch):
+    """With capturable=True the int8 codes' random bits take the step from the device: the
+    stored moments are those of a step whose numbers the host made, bit for bit."""
+    monkeypatch.setattr(_compact, "MIN_NUMEL", 256)
+    monkeypatch.setattr(_triton, "LAUNCH", _triton_launch.uniform(chunk=2048, block=512))
+    (a, oa), (b, ob) = (_adamw_run(None, "int8", capturable=True),
+                        _adamw_run("triton", "int8"))
+    assert oa.state[a[0].weight]["exp_avg"].dtype == torch.int8
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+        for key, value in oa.state[p].items():
+            if key != "step":
+                assert torch.equal(value, ob.state[q][key]), key
+
+
 def _muon_run(adamw_implementation, state_dtype):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(40, 64), nn.Linear(64, 48), nn.LayerNorm(48))
@@ -1392,17 +1444,22 @@ def test_muon_adamw_implementation_errors_name_the_option(options, message):
     (dict(implementation="triton", amsgrad=True), "amsgrad"),
     (dict(implementation="triton", fused=True), "cannot be set together"),
     (dict(implementation="bogus"), "Invalid implementation"),
+    (dict(capturable=True, implementation="native"), "capturable=True runs on the Triton"),
+    (dict(capturable=True, amsgrad=True), "capturable=True does not keep amsgrad"),
 ])
 def test_adamw_implementation_errors_are_clear(options, message):
     with pytest.raises(ValueError, match=message):
         scaleopt.AdamW(nn.Linear(4, 4).parameters(), **options)
 
 
-def test_adamw_on_the_triton_kernel_refuses_bfloat16_parameters_by_name():
+@pytest.mark.parametrize("options, asked", [(dict(implementation="triton"),
+                                               "implementation='triton'"),
+                                          (dict(capturable=True), "capturable=True")])
+def test_adamw_on_the_triton_kernel_refuses_bfloat16_parameters_by_name(options, asked):
     model = nn.Linear(64, 64).to(torch.bfloat16)
-    opt = scaleopt.AdamW(model.parameters(), implementation="triton")
+    opt = scaleopt.AdamW(model.parameters(), **options)
     model(torch.randn(2, 64, dtype=torch.bfloat16)).sum().backward()
-    with pytest.raises(ValueError, match="implementation='triton': the triton kernel cannot "
+    with pytest.raises(ValueError, match=f"{asked}: the triton kernel cannot "
                                          "take this group's tensors: it takes float32"):
         opt.step()
 

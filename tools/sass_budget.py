@@ -218,12 +218,11 @@ HELD = {
     ("lans_sums", "int8", 1): 107,
     ("lans_sums", "int8", 2): 100,
     ("lamb_apply", "int8", 0): 221,
-    ("lamb_apply", "int8", 1): 152,
-    ("lamb_apply", "int8", 2): 143,
-    ("lans_apply", "int8", 0): 230,
+    ("lamb_apply", "int8", 1): 151,
+    ("lans_apply", "int8", 0): 231,
     ("lans_apply", "int8", 1): 171,
-    ("lans_apply", "int8", 2): 151,
-    ("adam_apply", "int8", 0): 207,
+    ("lans_apply", "int8", 2): 149,
+    ("adam_apply", "int8", 0): 208,
 }
 _FORM_NAMES = {v: k for k, v in _FORMS.items()}
 

@@ -667,17 +667,10 @@ def adam(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[T
     ``state_steps[i]`` is incremented (the scalars given are those of the incremented step).
     ``cache``: a dict kept between steps for the same tensors (their address tables), or
     None."""
-    count = len(params)
-    if count == 0:
+    if not params:
         return
-    cache = {} if cache is None else cache
-    w16 = list(w16s) if any(x is not None for x in w16s) else None
-    t = GroupTensors(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs),
-                     list(state_steps), w16, stored=list(stored) if stored else None,
-                     cache=cache)
-    device = params[0].device
-    plan, grad_table = _plan(t, cache), _grad_table(t, device, cache)
-    aligned = _sets_aligned(plan, grad_table, cache)
+    t, cache = _adam_tensors(params, grads, exp_avgs, exp_avg_sqs, w16s, state_steps, stored,
+                             cache)
     for s in state_steps:
         s.add_(1)
     f32 = functools.partial(torch.tensor, dtype=torch.float32)
@@ -687,7 +680,66 @@ def adam(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[T
                    weight_decay_l2=f32(list(weight_decays_l2)), decay=f32(list(decays)),
                    grad_mult=f32(list(grad_multipliers)),
                    step=torch.stack([s.reshape(()).float().cpu() for s in state_steps]))
-    table = _ops.to_device([torch.stack([columns[name] for name in ADAM], 1)], device)[0]
+    table = torch.stack([columns[name] for name in ADAM], 1)
+    _adam_launches(t, cache, _ops.to_device([table], params[0].device)[0], beta1, beta2, eps,
+                   nesterov, one_minus_betas)
+
+
+def adamw_on_device(params: Sequence[Tensor], grads: Sequence[Tensor],
+                    exp_avgs: Sequence[Tensor], exp_avg_sqs: Sequence[Tensor],
+                    state_steps: Sequence[Tensor], *, lr: Any, weight_decays: Sequence[float],
+                    beta1: float, beta2: float, eps: float,
+                    stored: Optional[Sequence[Any]] = None,
+                    cache: Optional[Dict[str, Any]] = None) -> None:
+    """AdamW's step (decoupled decay ``weight_decays[i]``, bias corrections) on the Triton
+    kernel, with its scalars made by device operations alone from the step counters (where
+    the weights are; incremented there) and ``lr`` (a float, or a 0-d tensor on the weights'
+    device that a scheduler may change in place): the step reads nothing on the host, so a
+    CUDA graph can capture it. The scalars are :func:`adam`'s (in float64, then float32) but
+    for the last bits of the powers of the betas."""
+    if not params:
+        return
+    t, cache = _adam_tensors(params, grads, exp_avgs, exp_avg_sqs, [None] * len(params),
+                             state_steps, stored, cache)
+    device = params[0].device
+    key = (tuple(weight_decays), device)
+    kept = cache.get("adam static")
+    if kept is None or kept[0] != key:  # (made at the first step, before any capture)
+        kept = cache["adam static"] = (key, _ops.to_device(
+            [torch.tensor(list(weight_decays), dtype=torch.float64)], device)[0])
+    for s in state_steps:
+        s.add_(1)
+    steps = torch.stack([s.reshape(()) for s in state_steps]).to(device, torch.float64)
+    rate = lr.reshape(()).to(torch.float64) if torch.is_tensor(lr) else float(lr)
+    bc2 = (1.0 - torch.pow(beta2, steps)).sqrt().float()
+    columns = dict(step_size=(rate / (1.0 - torch.pow(beta1, steps))).float(), bc2_sqrt=bc2,
+                   inv_bc2_sqrt=1.0 / bc2, weight_decay_l2=torch.zeros_like(bc2),
+                   decay=(1.0 - rate * kept[1]).float(), grad_mult=torch.ones_like(bc2),
+                   step=steps.float())
+    _adam_launches(t, cache, torch.stack([columns[name] for name in ADAM], 1), beta1, beta2,
+                   eps, False, None)
+
+
+def _adam_tensors(params: Sequence[Tensor], grads: Sequence[Tensor],
+                  exp_avgs: Sequence[Tensor], exp_avg_sqs: Sequence[Tensor],
+                  w16s: Sequence[Optional[Tensor]], state_steps: Sequence[Tensor],
+                  stored: Optional[Sequence[Any]], cache: Optional[Dict[str, Any]]
+                  ) -> Tuple[GroupTensors, Dict[str, Any]]:
+    cache = {} if cache is None else cache
+    w16 = list(w16s) if any(x is not None for x in w16s) else None
+    return GroupTensors(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs),
+                        list(state_steps), w16, stored=list(stored) if stored else None,
+                        cache=cache), cache
+
+
+def _adam_launches(t: GroupTensors, cache: Dict[str, Any], table: Tensor, beta1: float,
+                   beta2: float, eps: float, nesterov: bool,
+                   one_minus_betas: Optional[Tuple[float, float]]) -> None:
+    """``adam_apply`` over the group's sets of tensors, with their rows of Adam's step table
+    (``ADAM``, on the device)."""
+    device = t.weights[0].device
+    plan, grad_table = _plan(t, cache), _grad_table(t, device, cache)
+    aligned = _sets_aligned(plan, grad_table, cache)
     omb1, omb2 = one_minus_betas or (1.0 - beta1, 1.0 - beta2)
     skip = _skip_flag(t, device, cache)
     for (kinds, tables, _), flag in zip(plan.sets, aligned):

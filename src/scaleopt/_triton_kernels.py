@@ -227,7 +227,8 @@ def _round_bf16(x, h):
 
 
 @triton.jit
-def _store_codes(cp, sp, offs, mask, b, bmask, x, h, SIGNED: tl.constexpr):
+def _store_codes(cp, sp, offs, mask, b, bmask, x, h, SIGNED: tl.constexpr,
+                 WHOLE: tl.constexpr):
     """x as int8 codes of its tile's blocks (rows), and their scales (each block's largest
     magnitude, NaNs passed over): the codes of ``_compact.quantize``. Signed: the square roots
     rounded halves up in exact arithmetic (an estimate of the root, then one exact
@@ -235,9 +236,12 @@ def _store_codes(cp, sp, offs, mask, b, bmask, x, h, SIGNED: tl.constexpr):
     ``_compact.code_random16`` (h: the element's global index plus the key; the tile's columns
     are the positions in the blocks), each operation exact or rounded once: the product and
     the sum each rounded on its own (the kernels compile without contraction,
-    ``_triton.COMPILE_OPTIONS``: no fused multiply-add rounds them once)."""
-    a = tl.where(mask, tl.abs(x), 0.0)
-    s = tl.max(tl.where(a == a, a, 0.0), axis=1)
+    ``_triton.COMPILE_OPTIONS``: no fused multiply-add rounds them once). WHOLE: the tile's
+    blocks are whole (a block past the tensor's end is not stored), so no lane is masked
+    inside a block."""
+    live = (x == x) if WHOLE else mask & (x == x)
+    a = tl.where(live, tl.abs(x), 0.0)  # a NaN: 0 (passed over; its code 0)
+    s = tl.max(a, axis=1)
     tl.store(sp + b, s, mask=bmask)
     if SIGNED:
         c = tl.where(s > 0.0, tl.math.div_rn(tl.zeros_like(s) + _SIGNED_SCALE,
@@ -246,7 +250,9 @@ def _store_codes(cp, sp, offs, mask, b, bmask, x, h, SIGNED: tl.constexpr):
         q = tl.where(y > 0.0, tl.floor(tl.sqrt(y) + _ROOT_OFFSET), 0.0)  # estimate: q or q - 1
         half = q + 0.5
         q = tl.where(half * half <= y, q + 1.0, q)
-        tl.store(cp + offs, tl.where(x < 0.0, -q, q).to(tl.int8), mask=mask)
+        sign = x.to(tl.uint32, bitcast=True) & 0x80000000  # q with x's sign: -0 stores 0
+        tl.store(cp + offs, (q.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+                 .to(tl.int8), mask=mask)
     else:
         c = tl.where(s > 0.0, tl.math.div_rn(tl.zeros_like(s) + _UNSIGNED_SCALE,
                                              tl.where(s > 0.0, s, 1.0)), 0.0)
@@ -255,25 +261,26 @@ def _store_codes(cp, sp, offs, mask, b, bmask, x, h, SIGNED: tl.constexpr):
         z = tl.where(z >= _CODE_LOW, z, _CODE_LOW)  # NaN: code 0
         p = tl.arange(0, 256)[None, :].to(tl.uint32)
         pair = _hash32(h - p + ((p >> 5) << 4) + (p & 15))
-        r = tl.where((p & 16) != 0, pair >> 16, pair & 0xFFFF)
+        r = (pair >> (p & 16)) & 0xFFFF  # the upper half at p + 16, the lower at p
         bits = z.to(tl.uint32, bitcast=True) + (r << 4)
         q = tl.minimum((bits >> _CODE_SHIFT) - _CODE_OFFSET, 255)
         tl.store(cp + offs, q.to(tl.uint8), mask=mask)
 
 
 @triton.jit
-def _store_moments(row, mp, vp, offs, mask, b, bmask, m, v, step, FORM: tl.constexpr):
+def _store_moments(row, mp, vp, offs, mask, b, bmask, m, v, step, FORM: tl.constexpr,
+                   ALIGNED: tl.constexpr):
     """The new moments stored in their form: as they are; bfloat16 rounded stochastically with
     the bits of the element's global index (the local piece's offset plus its own) and the
     step's keys (salts 1 and 2); int8 codes and scales (the second moment's rounded with the
-    bits of salt 2)."""
+    bits of salt 2; ALIGNED: the tile's variant, :func:`_tile`)."""
     index = (tl.load(row + _OFFSET) + offs).to(tl.uint32)
     key = step.to(tl.int64).to(tl.uint32) * _STEP_MUL
     if FORM == _FORM_INT8:
         _store_codes(mp, tl.load(row + _M_SCALE).to(tl.pointer_type(tl.float32)), offs, mask, b,
-                     bmask, m, index, True)
+                     bmask, m, index, True, ALIGNED == _WHOLE_BLOCKS)
         _store_codes(vp, tl.load(row + _V_SCALE).to(tl.pointer_type(tl.float32)), offs, mask, b,
-                     bmask, v, index + (key + _V_SALT), False)
+                     bmask, v, index + (key + _V_SALT), False, ALIGNED == _WHOLE_BLOCKS)
     elif FORM == _FORM_BFLOAT16:
         tl.store(mp + offs, _round_bf16(m, index + (key + _M_SALT)), mask=mask)
         tl.store(vp + offs, _round_bf16(v, index + (key + _V_SALT)), mask=mask)
@@ -493,7 +500,7 @@ def lamb_apply(ptrs, grads, sizes, chunks, scal, skip, sums, beta1, beta2, eps, 
         else:
             w, m, v = _lamb_moments(w, _load_g(gp, offs, mask, mult, clip_lo, clip_hi, CLIP),
                                     m, v, lr, wd, beta1, beta2, MODE)
-            _store_moments(row, mp, vp, offs, mask, b, bmask, m, v, step, FORM)
+            _store_moments(row, mp, vp, offs, mask, b, bmask, m, v, step, FORM, ALIGNED)
         u = _lamb_u(w, m, v, wd, bc1, bc2, eps, MODE)
         _store_w(wp, w16p, offs, mask, w - lr * (ratio * u), W_SPLIT, W16_KIND)
 
@@ -583,7 +590,7 @@ def lans_apply(ptrs, grads, sizes, chunks, scal, skip, sums, gsq, beta1, beta2, 
         g = _load_g(gp, offs, mask, ginv, clip_lo, clip_hi, CLIP)
         if FORM != _FORM_FLOAT32:  # else the moments the first phase stored
             m, v = _moments(m, v, g, beta1, beta2)
-            _store_moments(row, mp, vp, offs, mask, b, bmask, m, v, step, FORM)
+            _store_moments(row, mp, vp, offs, mask, b, bmask, m, v, step, FORM, ALIGNED)
         dinv, r = _lans_r(w, m, v, wd, bc1, bc2, eps)
         w1 = w - lr_r * (ratio_r * r)
         if MOVED:
@@ -626,7 +633,7 @@ def adam_apply(ptrs, grads, sizes, chunks, adam, skip, beta1, one_m_b1, beta2, o
             tl.store(mp + offs, m, mask=mask)
             tl.store(vp + offs, v, mask=mask)
         else:
-            _store_moments(row, mp, vp, offs, mask, b, bmask, m, v, step, FORM)
+            _store_moments(row, mp, vp, offs, mask, b, bmask, m, v, step, FORM, ALIGNED)
         if NESTEROV:
             m = beta1 * m + one_m_b1 * g
         if W_SPLIT:

@@ -117,6 +117,11 @@ class AdamW(ScaleOptimizer):
             every ``state_dtype``, the two with the same bits. None: torch's fused kernel where
             it takes every parameter (the C kernel for compact moments on the CPU). The
             kernels take float32 parameters without ``amsgrad`` (see :doc:`/gpu`).
+        capturable (bool, default False): keep the step counters on the parameters' device and
+            read them, and the learning rate when it is a tensor on that device, there: the
+            step reads nothing on the host and can be captured in a CUDA graph (change ``lr``
+            between replays in place, ``group["lr"].fill_(...)``). The Triton kernel only
+            (``implementation`` None or ``"triton"``).
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
@@ -152,6 +157,7 @@ class AdamW(ScaleOptimizer):
         nonfinite: str = "propagate",
         state_dtype: str = "float32",
         implementation: Optional[str] = None,
+        capturable: bool = False,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -169,6 +175,7 @@ class AdamW(ScaleOptimizer):
             fused=fused,
             state_dtype=state_dtype,
             implementation=implementation,
+            capturable=capturable,
         )
         super().__init__(params, defaults, nonfinite=nonfinite)
 
@@ -179,10 +186,15 @@ class AdamW(ScaleOptimizer):
         check_bool(a("amsgrad"), group["amsgrad"])
         check_fused(group)
         check_implementation(group)
-        if group.get("implementation") in _KERNELS and group["amsgrad"]:
-            raise ValueError(f"implementation={group['implementation']!r} does not keep "
-                             "amsgrad's running maximum: leave implementation None (torch's "
-                             "paths) for amsgrad=True")
+        check_bool(a("capturable"), group["capturable"])
+        impl = group.get("implementation")
+        if group["capturable"] and impl not in (None, "triton"):
+            raise ValueError(f"capturable=True runs on the Triton kernel, not "
+                             f"implementation={impl!r}")
+        if (impl in _KERNELS or group["capturable"]) and group["amsgrad"]:
+            what = "capturable=True" if group["capturable"] else f"implementation={impl!r}"
+            raise ValueError(f"{what} does not keep amsgrad's running maximum: leave "
+                             "implementation None (torch's paths) for amsgrad=True")
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
@@ -199,7 +211,7 @@ def update(opt: Any, group: Dict[str, Any], idx: List[int], params: List[Tensor]
     with their gradients ``grads`` (local shards for DTensors), the state in ``opt.state``:
     the group's keys as :class:`AdamW` has them (``lr``, ``betas``, ``eps``, ``weight_decay``,
     ``amsgrad``, ``foreach``, ``fused``, ``state_dtype``, ``exclude_from_weight_decay``)."""
-    impl = group.get("implementation")
+    impl = "triton" if group.get("capturable") else group.get("implementation")
     if impl in _KERNELS:
         _kernel_step(opt, group, idx, params, grads, impl)
         return
@@ -318,13 +330,15 @@ def _kernel_step(opt: Any, group: Dict[str, Any], idx: List[int], params: List[T
     scalars, as torch's non-fused AdamW keeps them), the scalars computed as torch computes
     them. ``ValueError`` where the kernel cannot take a tensor."""
     no_decay = opt._rule_flags(group, "exclude_from_weight_decay")
+    on_device = group.get("capturable", False)  # the step counters where the weights are
     rows = []
     for i, p, g in zip(idx, params, grads):
         state = opt.state[p]
+        where = p.device if on_device else torch.device("cpu")
         if "step" not in state:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        elif state["step"].device.type != "cpu":
-            state["step"] = state["step"].cpu()
+            state["step"] = torch.tensor(0.0, dtype=torch.float32, device=where)
+        elif state["step"].device != where:
+            state["step"] = state["step"].to(where)
         form = _compact.form_for(group["state_dtype"], tuple(p.shape))
         _compact.convert(state, form, p, p.dtype)
         if form == "float32":
@@ -339,7 +353,7 @@ def _kernel_step(opt: Any, group: Dict[str, Any], idx: List[int], params: List[T
     if not rows:
         return
     w, g, m, v, _, stored = (list(col) for col in zip(*rows))
-    _check_kernel_takes(impl, w, g, m, v, stored)
+    _check_kernel_takes(impl, w, g, m, v, stored, on_device)
     _adam_kernel(opt, group, rows, [not no_decay[i] for i in idx], impl)
 
 
@@ -347,10 +361,18 @@ def _adam_kernel(opt: Any, group: Dict[str, Any], rows: List[Tuple[Any, ...]],
                  decayed: List[bool], impl: str) -> None:
     """AdamW on the C kernel or the Triton one (``impl``) for ``rows`` (``(weight, grad,
     exp_avg, exp_avg_sq, step, stored)``; ``decayed``: whether each decays): torch's
-    single-tensor AdamW's operations, with the scalars computed as it computes them."""
+    single-tensor AdamW's operations, with the scalars computed as it computes them (with
+    ``capturable``, by device operations: :func:`scaleopt._triton.adamw_on_device`)."""
     beta1, beta2 = group["betas"]
-    lr, wd, count = float(group["lr"]), group["weight_decay"], len(rows)
     w, g, m, v, steps, stored = (list(col) for col in zip(*rows))
+    # per group, by its list of parameters (which a Muon group's AdamW view shares)
+    cache = opt.__dict__.setdefault("_kernel_caches", {}).setdefault(id(group["params"]), {})
+    if group.get("capturable"):
+        _triton.adamw_on_device(w, g, m, v, steps, lr=group["lr"], weight_decays=[
+            group["weight_decay"] if d else 0.0 for d in decayed], beta1=beta1, beta2=beta2,
+            eps=group["eps"], stored=stored, cache=cache)
+        return
+    lr, wd, count = float(group["lr"]), group["weight_decay"], len(rows)
     bc1, bc2_sqrt = _ops.bias_corrections([float(s) + 1.0 for s in steps], beta1, beta2, True)
     scalars = dict(step_sizes=[lr / b for b in bc1], bias_correction2_sqrts=bc2_sqrt,
                    weight_decays_l2=[0.0] * count,
@@ -358,17 +380,14 @@ def _adam_kernel(opt: Any, group: Dict[str, Any], rows: List[Tuple[Any, ...]],
                    beta2=beta2, eps=group["eps"], grad_multipliers=[1.0] * count,
                    stored=stored)
     if impl == "triton":
-        # per group, by its list of parameters (which a Muon group's AdamW view shares)
-        caches = opt.__dict__.setdefault("_kernel_caches", {})
-        _triton.adam(w, g, m, v, [None] * count, steps,
-                     cache=caches.setdefault(id(group["params"]), {}), **scalars)
+        _triton.adam(w, g, m, v, [None] * count, steps, cache=cache, **scalars)
     else:
         _native.adam(w, g, m, v, [None] * count, steps, threads=torch.get_num_threads(),
                      **scalars)
 
 
 def _check_kernel_takes(impl: str, w: List[Tensor], g: List[Tensor], m: List[Tensor],
-                        v: List[Tensor], stored: List[Any]) -> None:
+                        v: List[Tensor], stored: List[Any], capturable: bool = False) -> None:
     """``ValueError`` naming what the kernel ``impl`` cannot take among a group's tensors."""
     if impl == "triton":
         t = GroupTensors(w, g, m, v, [], None, stored=stored)
@@ -380,5 +399,6 @@ def _check_kernel_takes(impl: str, w: List[Tensor], g: List[Tensor], m: List[Ten
                                           for *row, st in zip(w, g, m, v, stored))
         where = "float32 CPU parameters, contiguous, and the C kernels built"
     if not ok:
-        raise ValueError(f"implementation={impl!r}: the {impl} kernel cannot take this "
-                         f"group's tensors: it takes {where}")
+        asked = "capturable=True" if capturable else f"implementation={impl!r}"
+        raise ValueError(f"{asked}: the {impl} kernel cannot take this group's tensors: it "
+                         f"takes {where}")

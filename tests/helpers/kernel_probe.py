@@ -23,7 +23,7 @@ def _store_then_load(row, grads, n, xm, xv, out_m, out_v, step, FORM: tl.constex
     at = K._blocks(row, n, 0, QB, FORM, ALIGNED)
     offs, mask, b, bmask = K._tile(at, tl.program_id(0), BLOCK, QB, FORM, ALIGNED)
     K._store_moments(row, mp, vp, offs, mask, b, bmask, tl.load(xm + offs, mask=mask),
-                     tl.load(xv + offs, mask=mask), tl.load(step), FORM)
+                     tl.load(xv + offs, mask=mask), tl.load(step), FORM, ALIGNED)
     m, v = K._load_moments(row, mp, vp, offs, mask, b, bmask, FORM)
     tl.store(out_m + offs, m, mask=mask)
     tl.store(out_v + offs, v, mask=mask)
