@@ -17,7 +17,8 @@ rounded bfloat16 / float16 weights to write, a split master's lower halves); ``F
 moments are stored (``MOMENT_FORMS``: float32, bfloat16, int8 codes: ``_compact``); ``MODE``
 LAMB's weight-decay mode (``WEIGHT_DECAY_MODES``); ``ALIGNED`` every address of the launch a
 multiple of 16 bytes and every size (int8: row length) a multiple of 16 elements, so that the
-loads and stores may be 128-bit vectors (``_triton._aligned`` decides it per tensor and step).
+loads and stores may be 128-bit vectors, and ``_WHOLE_BLOCKS`` (2) where int8 rows are
+moreover whole blocks of 256 (``_triton._aligned`` decides it per tensor and step).
 
 A chunk of float32 or bfloat16 moments is ``ITERS`` runs of ``BLOCK`` elements from its first
 element. A chunk of int8 moments is ``ITERS`` tiles of ``QB`` whole blocks of 256 (a block's
@@ -49,8 +50,8 @@ _ADAM = tl.constexpr(len(ADAM))
  _A_T) = map(tl.constexpr, range(len(ADAM)))
 # of ``chunks``
 _TENSOR, _START, _SLOT = map(tl.constexpr, range(len(CHUNKS)))
-_VECTOR = tl.constexpr(VECTOR)
-_WHOLE_BLOCKS = tl.constexpr(WHOLE_BLOCKS)  # ALIGNED where int8 rows are whole blocks  # ALIGNED's bytes of an address, elements of a size
+_VECTOR = tl.constexpr(VECTOR)  # ALIGNED's bytes of an address, elements of a size
+_WHOLE_BLOCKS = tl.constexpr(WHOLE_BLOCKS)  # ALIGNED where int8 rows are whole blocks
 _BIG = tl.constexpr(3.4028234663852886e38)  # the largest float32: a ratio above it is not finite
 # the compact format's constants (``_format``)
 _SIGNED_SCALE = tl.constexpr(_format.SIGNED_SCALE)
