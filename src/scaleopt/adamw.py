@@ -327,8 +327,9 @@ def _kernel_step(opt: Any, group: Dict[str, Any], idx: List[int], params: List[T
     """AdamW on the C kernel or the Triton one (``impl``), which take the same arguments and
     give the same bits: every tensor of the group in one call, its moments as ``state_dtype``
     stores them (updated in place: no float32 copy), the step counters on the host (float32
-    scalars, as torch's non-fused AdamW keeps them), the scalars computed as torch computes
-    them. ``ValueError`` where the kernel cannot take a tensor."""
+    scalars, as torch's non-fused AdamW keeps them; with ``capturable`` where the weights
+    are), the scalars computed as torch computes them. ``ValueError`` where the kernel cannot
+    take a tensor."""
     no_decay = opt._rule_flags(group, "exclude_from_weight_decay")
     on_device = group.get("capturable", False)  # the step counters where the weights are
     rows = []
