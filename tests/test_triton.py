@@ -730,6 +730,24 @@ def test_compiled_kernels_round_each_operation_once_and_use_no_float_atomics(com
     assert all(r["ops"].get("sqrt.approx.ftz.f32") for r in apply_int8)  # the marked estimate
 
 
+def test_the_compile_checks_kinds_sweep_takes_every_kind_and_alignment():
+    """``tools/triton_compile.py --kinds --form int8``: every kind of tensors (12) in each of
+    the cover's sets of options and each ``ALIGNED`` (none, vectors, whole blocks) for every
+    kernel, only in the form asked for; the other forms take whole blocks as vectors."""
+    sys.path.insert(0, str(TOOLS))
+    try:
+        import triton_compile as TC
+    finally:
+        sys.path.remove(str(TOOLS))
+    int8 = _format.MOMENT_FORMS["int8"]
+    rows = [(n, c) for n, c in TC.variants(kinds=True, forms=(int8,)) if n != "totals"]
+    assert {c["FORM"] for _, c in rows} == {int8}
+    seen = {(n, (c["W_SPLIT"], c["G_KIND"], c["W16_KIND"]), c["ALIGNED"]) for n, c in rows}
+    assert seen == {(n, kind, a) for n in TC.CHOICES for kind in TC.KINDS for a in (0, 1, 2)}
+    float32 = TC.variants(kinds=True, forms=(_format.MOMENT_FORMS["float32"],))
+    assert {c["ALIGNED"] for n, c in float32 if n != "totals"} == {0, 1}
+
+
 def test_the_compile_check_reads_the_rules_from_ptx():
     """The PTX reading of tools/triton_compile.py: each rule counts what it names, and an
     approximation passes only on a source line marked as an estimate."""

@@ -105,17 +105,21 @@ TOTALS = (1, 2, 4)
 CAPABILITIES = (80, 90)
 
 
-def variants(every=False, light=False):
+def variants(every=False, light=False, kinds=False, forms=FORMS):
     """(kernel name, constexprs) pairs, each once. ``every``: each kernel in every form, kind
-    and set of options (``totals`` in each width). Otherwise the cover: per kernel and form,
-    four variants in which each kind and option takes each of its values at least once, and
-    the heaviest (a split master with float16 gradients and every option on). ``light``: only
-    the heaviest of each kernel and form."""
+    and set of options (``totals`` in each width). ``kinds``: every kind of tensors in each of
+    the cover's five sets of options and each value of ``ALIGNED``. Otherwise the cover: per
+    kernel and form, four variants in which each kind and option takes each of its values at
+    least once, and the heaviest (a split master with float16 gradients and every option on).
+    ``light``: only the heaviest of each kernel and form. ``forms``: the state forms' codes."""
     out = []
     for name in CHOICES:
-        for form in FORMS:
+        for form in forms:
             if every:
                 chosen = list(itertools.product(KINDS, options(name)))
+            elif kinds:
+                chosen = [(kind, dict(options(name, j)[0], ALIGNED=aligned)) for kind in KINDS
+                          for j in (0, 1, 2, 3, -1) for aligned in ALIGNMENTS]
             else:
                 cover = [] if light else [(kind, options(name, j)[0])
                                           for j, kind in enumerate(COVER_KINDS)]
@@ -332,11 +336,12 @@ def markdown(rows):
     return "\n".join(lines)
 
 
-def jobs(capabilities, every, heaviest=False):
+def jobs(capabilities, every, heaviest=False, kinds=False, forms=FORMS):
     out = []
     for capability in capabilities:
-        light = heaviest or (not every and capability != max(capabilities))
-        out += [(n, c, capability) for n, c in variants(every, light=light)]
+        light = heaviest or (not (every or kinds) and capability != max(capabilities))
+        out += [(n, c, capability) for n, c in variants(every, light=light, kinds=kinds,
+                                                         forms=forms)]
     return out
 
 
@@ -349,6 +354,11 @@ def main(argv=None):
     ap.add_argument("--all", action="store_true", dest="every",
                     help="every specialization the optimizers can launch (thousands: "
                          "about a second each)")
+    ap.add_argument("--kinds", action="store_true",
+                    help="every kind of tensors (12) in each of the cover's five sets of "
+                         "options and each ALIGNED (hundreds)")
+    ap.add_argument("--form", choices=list(_format.MOMENT_FORMS),
+                    help="only the kernels' variants for moments stored in this form")
     ap.add_argument("--heaviest", action="store_true",
                     help="only the heaviest variant of each kernel and form on every capability "
                          "(the suite's quick cover)")
@@ -358,7 +368,8 @@ def main(argv=None):
     ap.add_argument("--markdown", action="store_true",
                     help="print the table summarised per kernel, arch and state form")
     args = ap.parse_args(argv)
-    todo = jobs(args.capabilities or CAPABILITIES, args.every, args.heaviest)
+    forms = (_format.MOMENT_FORMS[args.form],) if args.form else FORMS
+    todo = jobs(args.capabilities or CAPABILITIES, args.every, args.heaviest, args.kinds, forms)
     if args.jobs > 1:
         with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
             rows = pool.map(inspect, todo, chunksize=1)
