@@ -105,10 +105,11 @@ class Muon(ScaleOptimizer):
         foreach (bool or None, default None), fused (bool or None, default None): the AdamW
             part's path, as in :class:`AdamW` (torch's fused kernel, multi-tensor ops or
             per-tensor loop); the matrices' iteration has one form and ignores them.
-        adamw_implementation (None, ``"single"``, ``"multi"``, ``"native"`` or ``"triton"``,
-            default None): the AdamW part's path by name, as :class:`AdamW`'s
-            ``implementation``: ``"triton"`` its parameters in one Triton launch per step (CUDA)
-            in every ``state_dtype``, ``"native"`` the C kernel (CPU), the two with the same bits.
+        adamw_implementation (str or None, default None): the AdamW part's path by name, as
+            the ``implementation`` of :class:`AdamW` (``"single"``, ``"multi"``, ``"native"``
+            or ``"triton"``); ``"triton"`` runs its parameters in one Triton launch per step
+            (CUDA) in every ``state_dtype``, ``"native"`` on the C kernel (CPU), the two with
+            the same bits.
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
