@@ -1488,3 +1488,7 @@ def test_info_names_the_adamw_kernels():
     for impl in ("triton", "native", "multi", "single"):
         opt = scaleopt.AdamW(nn.Linear(4, 4).parameters(), implementation=impl)
         assert group_implementations(opt) == [impl]
+        muon = scaleopt.Muon(nn.Linear(4, 4).named_parameters(), adamw_implementation=impl)
+        assert group_implementations(muon)[1] == impl  # the AdamW part (the bias)
+    capturable = scaleopt.AdamW(nn.Linear(4, 4).parameters(), capturable=True)
+    assert group_implementations(capturable) == ["triton"]

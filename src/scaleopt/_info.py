@@ -58,7 +58,8 @@ def group_implementations(optimizer: torch.optim.Optimizer) -> List[str]:
             out.append("native (host)" if kernel else "single (host)")
         elif isinstance(optimizer, AdamW) or group.get("algorithm") == "adamw":
             group = group if isinstance(optimizer, AdamW) else _as_adamw(group)  # Muon's part
-            out.append(group["implementation"] if group.get("implementation") else
+            out.append("triton" if group.get("capturable") else
+                       group["implementation"] if group.get("implementation") else
                        "fused (torch)" if takes_fused(group, params) else
                        "multi (torch foreach)" if group["foreach"] else
                        "single (torch for-loop)" if group["foreach"] is False else
