@@ -525,6 +525,17 @@ def test_compact_state_on_the_kernels_equals_the_loop_and_reads_nothing_back(cls
     assert reads == []
 
 
+def _variants_launched(monkeypatch):
+    """A set that each launch, run as before, adds its (kernel, ``FORM``, ``ALIGNED``) to."""
+    launched, run = set(), _triton._run
+
+    def recorded(name, *args, **kwargs):
+        launched.add((name, kwargs.get("FORM"), kwargs.get("ALIGNED")))
+        return run(name, *args, **kwargs)
+    monkeypatch.setattr(_triton, "_run", recorded)
+    return launched
+
+
 @pytest.mark.parametrize("cls", [scaleopt.LAMB, scaleopt.LANS])
 def test_int8_rows_of_16_byte_vectors_and_of_whole_blocks_step_as_the_loop(cls, monkeypatch):
     """int8 moments of rows whose lengths are multiples of 16 (80: one short block a row) and
@@ -539,10 +550,8 @@ def test_int8_rows_of_16_byte_vectors_and_of_whole_blocks_step_as_the_loop(cls, 
     monkeypatch.setattr(_triton, "LAUNCH", _triton_launch.uniform(chunk=1024, block=512))
     kind = "lans" if cls is scaleopt.LANS else "lamb"
     for cols, want in ((80, 1), (512, _triton_layout.WHOLE_BLOCKS)):
-        launched, run = set(), _triton._run
         with monkeypatch.context() as patch:
-            patch.setattr(_triton, "_run", lambda name, *a, **k: (
-                launched.add((name, k.get("FORM"), k.get("ALIGNED"))), run(name, *a, **k))[1])
+            launched = _variants_launched(patch)
             params, opt = three_steps(cls, "triton", "int8", 5, cols)
         loop_params, loop = three_steps(cls, "single", "int8", 5, cols)
         int8 = _format.MOMENT_FORMS["int8"]
@@ -1231,9 +1240,7 @@ def test_the_triton_adam_gives_the_c_kernels_bits(form, weights, grad_dtype, l2,
     if not _native.available():
         pytest.skip("the C kernels are not built")
     monkeypatch.setattr(_triton, "LAUNCH", _triton_launch.uniform(chunk=2048, block=512))
-    aligned, run = set(), _triton._run
-    monkeypatch.setattr(_triton, "_run", lambda name, *a, **k: (
-        aligned.add((k.get("FORM"), k.get("ALIGNED"))), run(name, *a, **k))[1])
+    launched = _variants_launched(monkeypatch)
     c, t = _adam_set(weights, grad_dtype, form, 0), _adam_set(weights, grad_dtype, form, 0)
     cache = {}
     simd = _native.compact_simd()
@@ -1247,7 +1254,7 @@ def test_the_triton_adam_gives_the_c_kernels_bits(form, weights, grad_dtype, l2,
     assert [float(x) for x in t["steps"]] == [float(x) for x in c["steps"]] == [3.0] * 4
     assert any(st is not None for st in t["stored"]) == (form != "float32")
     code = _format.MOMENT_FORMS[form]
-    assert {a for f, a in aligned if f == code} == ({0, 1, 2} if form == "int8" else {0, 1})
+    assert {a for _, f, a in launched if f == code} == ({0, 1, 2} if form == "int8" else {0, 1})
     for key in ("w", "w16", "m", "v"):
         for a, b in zip(t[key], c[key]):
             assert (a is None) == (b is None)

@@ -15,7 +15,7 @@ from . import _native, _triton
 from ._base import ScaleOptimizer
 from ._dispatch import implementation
 from ._layerwise import LayerwiseAdam
-from .adamw import AdamW, takes_fused
+from .adamw import AdamW, named_path, takes_fused
 from .muon import _as_adamw
 from .offload import OffloadAdam
 
@@ -58,12 +58,11 @@ def group_implementations(optimizer: torch.optim.Optimizer) -> List[str]:
             out.append("native (host)" if kernel else "single (host)")
         elif isinstance(optimizer, AdamW) or group.get("algorithm") == "adamw":
             group = group if isinstance(optimizer, AdamW) else _as_adamw(group)  # Muon's part
-            out.append("triton" if group.get("capturable") else
-                       group["implementation"] if group.get("implementation") else
-                       "fused (torch)" if takes_fused(group, params) else
-                       "multi (torch foreach)" if group["foreach"] else
-                       "single (torch for-loop)" if group["foreach"] is False else
-                       "torch's choice")
+            out.append(named_path(group) or (
+                "fused (torch)" if takes_fused(group, params) else
+                "multi (torch foreach)" if group["foreach"] else
+                "single (torch for-loop)" if group["foreach"] is False else
+                "torch's choice"))
         elif group.get("algorithm") == "muon":
             out.append("Newton-Schulz (bfloat16 matmuls), matrices whole on one rank each")
         else:

@@ -179,8 +179,6 @@ def _kinds(t: Any, i: int) -> Tuple[int, int, int, int, int]:
                      st is not None and st.form == "int8"))
 
 
-
-
 def _aligned(addresses: Sequence[int], length: int, int8: bool = False) -> int:
     """``ALIGNED`` for a tensor: 1 where its kernels may load and store it in 16-byte vectors
     (every address a multiple of 16 bytes and its length, the elements or an int8 row's, a
@@ -491,9 +489,14 @@ def _device_table(t: GroupTensors, layer: TensorOptions, o: GroupOptions,
         steps = _ops.to_device([steps], device)[0]
     table[:, _T] = steps
     if o.bias_correction:
-        table[:, _BC1] = 1.0 - torch.pow(o.beta1, steps)
-        table[:, _BC2] = (1.0 - torch.pow(o.beta2, steps)).sqrt()
+        table[:, _BC1], table[:, _BC2] = _bias_corrections(steps, o.beta1, o.beta2)
     return table
+
+
+def _bias_corrections(steps: Tensor, beta1: float, beta2: float) -> Tuple[Tensor, Tensor]:
+    """``1 - beta1^t`` and ``sqrt(1 - beta2^t)`` of the step counts ``steps`` (float64 on the
+    device, as the host computes them in double), by device operations alone."""
+    return 1.0 - torch.pow(beta1, steps), (1.0 - torch.pow(beta2, steps)).sqrt()
 
 
 # --------------------------------------------------------------------------------------------
@@ -517,8 +520,8 @@ def _launch(name: str, kinds: Tuple[int, ...], tables: Tuple[Tensor, Tensor, Ten
 
 def _sets_aligned(plan: _Plan, grads: _GradTable, cache: Dict[str, Any]) -> Tuple[int, ...]:
     """Per set of the plan, ``ALIGNED``: its tensors' (their kinds say, :func:`_aligned`)
-    where their gradients at this step allow 16-byte vectors too, else 0 (kept in ``cache`` for the same plan and
-    gradients' table)."""
+    where their gradients at this step allow 16-byte vectors too, else 0 (kept in ``cache``
+    for the same plan and gradients' table)."""
     kept = cache.get("aligned")
     if kept is not None and kept[0] is plan and kept[1] is grads:
         return kept[2]
@@ -711,8 +714,9 @@ def adamw_on_device(params: Sequence[Tensor], grads: Sequence[Tensor],
         s.add_(1)
     steps = torch.stack([s.reshape(()) for s in state_steps]).to(device, torch.float64)
     rate = lr.reshape(()).to(torch.float64) if torch.is_tensor(lr) else float(lr)
-    bc2 = (1.0 - torch.pow(beta2, steps)).sqrt().float()
-    columns = dict(step_size=(rate / (1.0 - torch.pow(beta1, steps))).float(), bc2_sqrt=bc2,
+    bc1, bc2 = _bias_corrections(steps, beta1, beta2)
+    bc2 = bc2.float()
+    columns = dict(step_size=(rate / bc1).float(), bc2_sqrt=bc2,
                    inv_bc2_sqrt=1.0 / bc2, weight_decay_l2=torch.zeros_like(bc2),
                    decay=(1.0 - rate * kept[1]).float(), grad_mult=torch.ones_like(bc2),
                    step=steps.float())
@@ -725,6 +729,8 @@ def _adam_tensors(params: Sequence[Tensor], grads: Sequence[Tensor],
                   w16s: Sequence[Optional[Tensor]], state_steps: Sequence[Tensor],
                   stored: Optional[Sequence[Any]], cache: Optional[Dict[str, Any]]
                   ) -> Tuple[GroupTensors, Dict[str, Any]]:
+    """An Adam step's tensors as the launcher takes them, and the cache (a new dict for
+    None)."""
     cache = {} if cache is None else cache
     w16 = list(w16s) if any(x is not None for x in w16s) else None
     return GroupTensors(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs),

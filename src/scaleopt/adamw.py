@@ -211,7 +211,7 @@ def update(opt: Any, group: Dict[str, Any], idx: List[int], params: List[Tensor]
     with their gradients ``grads`` (local shards for DTensors), the state in ``opt.state``:
     the group's keys as :class:`AdamW` has them (``lr``, ``betas``, ``eps``, ``weight_decay``,
     ``amsgrad``, ``foreach``, ``fused``, ``state_dtype``, ``exclude_from_weight_decay``)."""
-    impl = "triton" if group.get("capturable") else group.get("implementation")
+    impl = named_path(group)
     if impl in _KERNELS:
         _kernel_step(opt, group, idx, params, grads, impl)
         return
@@ -320,6 +320,12 @@ def _native_row(group: Dict[str, Any], p: Tensor, grad: Tensor, state: Dict[str,
 
 #: the implementations that run AdamW on scaleopt's own kernels (one pass per tensor)
 _KERNELS = ("native", "triton")
+
+
+def named_path(group: Dict[str, Any]) -> Optional[str]:
+    """The path an AdamW group's options name: ``"triton"`` where it is ``capturable``, else
+    its ``implementation`` (None: torch's paths, chosen by ``foreach``/``fused``)."""
+    return "triton" if group.get("capturable") else group.get("implementation")
 
 
 def _kernel_step(opt: Any, group: Dict[str, Any], idx: List[int], params: List[Tensor],
