@@ -71,6 +71,31 @@ tests/test_cuda.py::test_cuda_step_never_synchronises[LAMB]
 """
 
 
+XDIST_OUTPUT = """\
+created: 16/16 workers
+tests/test_cuda.py::test_cuda_two_runs_give_the_same_bits[int8 state-LANS] 
+tests/test_cuda.py::test_cuda_kernels_store_the_int8_codes_of_the_cpu[exp_avg] 
+[gw3] [  4%] PASSED tests/test_cuda.py::test_cuda_two_runs_give_the_same_bits[int8 state-LANS] 
+[gw0] [ 12%] FAILED tests/test_cuda.py::test_cuda_kernels_store_the_int8_codes_of_the_cpu[exp_avg] 
+[gw1] [100%] SKIPPED tests/test_cuda.py::test_cuda_graph_replays_the_triton_step_with_a_changed_lr[LAMB] 
+"""
+
+
+def test_pytest_xdist_output_is_read_as_well(monkeypatch):
+    """The test parts with ``--jobs``: pytest-xdist's lines (worker, progress, outcome, id;
+    a test's id is printed first when it starts) give the same outcomes; its workers are
+    asked for where it is installed, and not where it is not."""
+    assert G.parse_pytest(XDIST_OUTPUT) == {
+        "test_cuda_two_runs_give_the_same_bits[int8 state-LANS]": "PASSED",
+        "test_cuda_kernels_store_the_int8_codes_of_the_cpu[exp_avg]": "FAILED",
+        "test_cuda_graph_replays_the_triton_step_with_a_changed_lr[LAMB]": "SKIPPED"}
+    for installed in (True, False):
+        monkeypatch.setattr(G, "_has_xdist", lambda: installed)
+        command = G.commands("tests-bits", Path("s"), jobs=16)
+        assert (command[command.index("-n") + 1] == "16") if installed else "-n" not in command
+        assert "-n" not in G.commands("tests-bits", Path("s"), jobs=1)
+
+
 def test_pytest_output_is_read_test_by_test_also_when_a_part_was_stopped():
     outcomes = G.parse_pytest(PYTEST_OUTPUT)  # the last test never finished: not counted
     assert len(outcomes) == 6
@@ -131,8 +156,12 @@ def test_a_whole_check_writes_its_report_from_the_parts_output(tmp_path, monkeyp
     graph = {"tensors": 407, "params": 10, "eager_host_ms": 1.0, "eager_gpu_ms": 0.5,
              "graph_host_ms": 0.01, "graph_gpu_ms": 0.4, "equal": True}
 
-    def fake(part, scratch):
-        if part.startswith("tests"):
+    def fake(part, scratch, seconds=330, jobs=1):
+        if part == "sweep":  # the table a sweep writes, then read by bench-chosen
+            table = scratch / "sweep" / "triton_launch.json"
+            return [sys.executable, "-c", f"import os; os.makedirs({str(table.parent)!r}); "
+                    f"open({str(table)!r}, 'w').write('{{}}')"]
+        if part.startswith("tests") or part == "compile":
             code = f"print({PYTEST_OUTPUT!r})" if part == "tests-first" else "print('')"
         elif part == "graph":
             code = f"print('warming up'); print({json.dumps(json.dumps(graph))})"
@@ -157,12 +186,25 @@ def test_a_whole_check_writes_its_report_from_the_parts_output(tmp_path, monkeyp
     assert status["bench-peers"] == "stopped at its 2 s" and status["graph"] == "done"
     assert report["graph"] == graph
     assert set(report["bench"]) == {"bench-float32", "bench-bfloat16", "bench-muon", "bench-1b"}
+    # the sweep (330 s) did not fit in what was left, and so the table it chose is not timed
+    assert status["sweep"].startswith("skipped") and status["bench-chosen"].startswith("skipped")
     assert report["tests"]["two runs equal bit for bit"] == "passed"
     md = (tmp_path / "gpu_check.md").read_text()
     assert "# GPU check: a GPU" in md and "| scaleopt.LAMB(triton) | 1.00 | 1.20 |" in md
     assert "| scaleopt.Muon | 2.00 | 3.00 | 0.90 | 6.20 |" in md
     assert "===== tests-first (done) =====" in (tmp_path / "gpu_check.log").read_text()
     assert "gpu_check budget: tests-bits 60 s, tests-first 120 s" in capsys.readouterr().out
+    # parts named with their seconds run in the order named; bench-chosen times the sweep's
+    # table, and is skipped where the sweep wrote none
+    assert G.main([str(tmp_path / "b"), "--parts", "sweep:20,bench-chosen:20,compile:20",
+                   "--jobs", "4"]) == 0
+    report = json.loads((tmp_path / "b" / "gpu_check.json").read_text())
+    assert [(p["part"], p["budget"], p["status"]) for p in report["parts"]] == [
+        ("sweep", 20, "done"), ("bench-chosen", 20, "done"), ("compile", 20, "done")]
+    assert set(report["bench"]) == {"bench-chosen"}
+    G.main([str(tmp_path / "c"), "--parts", "bench-chosen"])
+    report = json.loads((tmp_path / "c" / "gpu_check.json").read_text())
+    assert report["parts"][0]["status"] == "skipped: no table from the sweep"
 
 
 def test_parts_asked_for_share_the_whole_budget(tmp_path, monkeypatch):
@@ -172,7 +214,7 @@ def test_parts_asked_for_share_the_whole_budget(tmp_path, monkeypatch):
     under a part's own gives it what is left, as in the whole check."""
     given = {}
 
-    def run_part(part, seconds, scratch, log):
+    def run_part(part, seconds, scratch, log, jobs=1):
         given[part] = seconds
         return {"part": part, "status": "done", "seconds": 0.0, "output": ""}
 
@@ -189,3 +231,32 @@ def test_parts_asked_for_share_the_whole_budget(tmp_path, monkeypatch):
     given.clear()
     G.main([str(tmp_path / "c"), "--parts", "tests-rest", "--budget", "30"])
     assert given == {"tests-rest": pytest.approx(30, abs=1)}  # what is left, as for every part
+
+
+def test_a_part_stopped_at_its_limit_stops_every_process_it_started(tmp_path, monkeypatch):
+    """A part whose command started processes of its own (pytest-xdist's workers, the sweep's
+    compiling processes) and overran: none of them runs on beside the next part, and the
+    check does not wait for them."""
+    import os
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    code = ("import subprocess, sys, time; "
+            "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+            f"open({str(pid_file)!r}, 'w').write(str(c.pid)); print('started', flush=True); "
+            "time.sleep(120)")
+    monkeypatch.setattr(G, "commands", lambda *a, **k: [sys.executable, "-c", code])
+    with open(tmp_path / "log", "w") as log:
+        done = G.run_part("tests-bits", 3, tmp_path, log)
+    assert done["status"] == "stopped at its 3 s" and "started" in done["output"]
+    child = int(pid_file.read_text())
+    for _ in range(100):  # killed at once; reaped by init in its own time
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        if open(f"/proc/{child}/stat").read().split()[2] == "Z":
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("the part's child process still runs")

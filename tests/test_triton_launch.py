@@ -199,3 +199,39 @@ def test_the_sweep_counts_each_kernels_elements_by_its_tensors_moments():
         got = S._numels(opt)
         assert got == {**{(k, "int8"): 128 * 64 for k in kernels},
                        **{(k, "float32"): 64 + 64 * 8 + 8 for k in kernels}}, name
+
+
+def test_the_sweep_times_each_kernel_and_form_of_real_steps_under_every_candidate():
+    """``measure`` as the GPU sweep runs it, here on CPU tensors under the interpreter (the
+    host clock instead of CUDA events): a LAMB, a LANS and an AdamW step per state form and
+    candidate, each launch's time given to its kernel and its tensors' form, the bytes each
+    moves, and a table chosen from them."""
+    import math
+
+    pytest.importorskip("triton")
+    S = _sweep()
+    cands = [(2048, 512, 4), (4096, 1024, 2)]
+    # a matrix whose moments go int8 in that form, and a vector that keeps float32 moments
+    sets = {"tiny": [("w", (16, 256)), ("b", (256,))]}
+    times, sizes, copy, skipped = S.measure(sets, cands, rounds=1, deadline=math.inf,
+                                            device="cpu")
+    assert skipped == [] and copy["tiny"] > 0
+    kernels = {"lamb_sums", "lamb_apply", "lans_sums", "lans_apply", "sum_squares",
+               "adam_apply"}
+    expected = {(k, f) for k in kernels for f in ("float32", "bfloat16", "int8")}
+    for cand in cands:
+        got = {(k, f): t for (s, k, f, c), t in times.items() if c == cand}
+        assert set(got) == expected, cand
+        assert all(t > 0 for t in got.values())
+    # the bytes: each form's kernels by the tensors whose moments are in that form (the
+    # vector's float32 moments of a compact step are not the float32 form's times)
+    import sass_budget
+
+    def moved(kernel, form):
+        return sum(sass_budget.moved(kernel, dict(W_SPLIT=0, G_KIND=0, W16_KIND=0,
+                                                  FORM=S._format_forms()[form])))
+
+    assert sizes["tiny"][("adam_apply", "int8")] == 4096 * moved("adam_apply", "int8")
+    assert sizes["tiny"][("lamb_sums", "float32")] == (4096 + 256) * moved("lamb_sums", "float32")
+    table = S.choose(times, S.L.load(str(S.L.DEFAULT)))
+    assert {table.chunk(f) for f in S.L.FORMS} <= {2048, 4096}

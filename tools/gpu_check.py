@@ -4,6 +4,7 @@ install (no package index there; the install builds the C kernels the offloaded 
 run on, which the report says).
 
     python tools/gpu_check.py OUT_DIR [--budget SECONDS] [--parts tests-first,graph,...]
+    python tools/gpu_check.py OUT_DIR --jobs 16 --parts compile:150,tests-bits:90,sweep:200
 
 Parts, in order, each with its own time budget (printed at the start; a part that would not
 fit in what is left is skipped, and says so):
@@ -21,9 +22,15 @@ fit in what is left is skipped, and says so):
    ``bench-muon``: Muon against torch.optim.Muon (``scaleopt bench --muon``);
    ``bench-peers``: torch's multi-tensor ops, compiled and not; ``bench-1b``: the 1b
    set (1.02B parameters) in bfloat16, if time is left;
-4. ``sweep``: ``tools/triton_sweep.py``, every launch configuration of the Triton kernels
-   timed, the fastest written to OUT_DIR/sweep/triton_launch.json (if time is left, or alone:
-   ``--parts sweep --budget 330``).
+4. ``compile``: every launch configuration's kernels compiled into Triton's cache in
+   ``--jobs`` processes (the sweep does it first where this part has not); ``sweep``:
+   ``tools/triton_sweep.py``, every launch configuration of the Triton kernels timed, the
+   fastest written to OUT_DIR/sweep/triton_launch.json (if time is left, or alone: ``--parts
+   sweep --budget 330``); ``bench-chosen``: ``bench-float32`` again with the table the sweep
+   chose.
+
+``--parts`` runs the parts named in the order named; ``--jobs N`` runs the test parts in N
+pytest-xdist workers where that is installed (the compiles of a fresh machine in parallel).
 
 Writes ``gpu_check.json`` (every number), ``gpu_check.md`` (the summary for docs/gpu.md) and
 ``gpu_check.log`` (every part's output) to OUT_DIR. Exits 0 when every test that ran passed,
@@ -37,20 +44,23 @@ import json
 import os
 import platform
 import re
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import triton_sweep  # (tools/, beside this file)
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_CUDA = 3
 #: the tests run before all else (pytest -k): the int8 codes against the CPU's bit for bit,
-#: two runs equal bit for bit, the fast paths against the reference loop
-BITS = "int8_codes or same_bits or fast_path_equals"
+#: two runs equal bit for bit, the fast paths against the reference loop, the Triton AdamW
+#: against the CPU's kernels, compact moments against the CPU's
+BITS = ("int8_codes or same_bits or fast_path_equals or steps_of_the_cpu_kernels "
+        "or compact_moments_as_the_cpu")
 #: the tests of the next part: the Triton kernels, CUDA-graph replay, no host sync
 FIRST = "triton or graph or never_synchronises"
 #: the tests that compile a step with torch.compile (seconds each): a part of their own, last
@@ -67,18 +77,24 @@ PLAN = [
     ("bench-muon", 40, True),
     ("bench-peers", 40, True),
     ("bench-1b", 50, True),
+    ("compile", 150, True),
     ("sweep", 330, True),
+    ("bench-chosen", 60, True),
 ]
 BUDGET = 480
 
 
-def commands(part: str, scratch: Path) -> Optional[List[str]]:
-    """The command of a part (None: run in this file, ``--part``)."""
+def commands(part: str, scratch: Path, seconds: float = 330, jobs: int = 1) -> List[str]:
+    """The command of a part that may take ``seconds``, with ``jobs`` processes where it
+    can use them (pytest-xdist's workers, the sweep's compiling processes)."""
     py = sys.executable
     pytest = [py, "-m", "pytest", "tests/test_cuda.py", "-v", "-p", "no:cacheprovider", "-rs",
               "-p", "pytest_failures_now"]  # (tools/, on the parts' PYTHONPATH)
+    if jobs > 1 and _has_xdist():
+        pytest += ["-n", str(jobs)]
     bench = [py, "-c", "import sys; from scaleopt.cli import main; sys.exit(main(sys.argv[1:]))",
              "bench", "--device", "cuda", "--rounds", "10", "--overwrite"]
+    sweep = [py, str(ROOT / "tools" / "triton_sweep.py"), "--jobs", str(max(jobs, 1))]
     if part == "tests-bits":
         return pytest + ["-k", BITS]
     if part == "tests-first":
@@ -89,12 +105,17 @@ def commands(part: str, scratch: Path) -> Optional[List[str]]:
         return pytest + ["-k", f"{COMPILED} and not ({BITS}) and not ({FIRST})"]
     if part == "graph":
         return [py, __file__, "--part", "graph", str(scratch)]
-    if part == "sweep":
-        return [py, str(ROOT / "tools" / "triton_sweep.py"), str(scratch / "sweep"),
-                "--budget", "290"]
+    if part == "compile":
+        return sweep + [str(scratch / "compile"), "--compile-only"]
+    if part == "sweep":  # (its own budget: what is left after its start and before its report)
+        return sweep + [str(scratch / "sweep"), "--budget", str(max(10, round(seconds - 40)))]
     out = ["--out", str(scratch / part), "--json", str(scratch / f"{part}.json")]
     if part == "bench-float32":
         return bench + ["--size", "base", "--only", "(triton"] + out
+    if part == "bench-chosen":  # bench-float32 with the table the sweep chose
+        launch = "import os, sys; os.environ['SCALEOPT_TRITON_LAUNCH'] = sys.argv.pop(1); "
+        return ([py, "-c", launch + bench[2], str(scratch / "sweep" / "triton_launch.json")]
+                + bench[3:] + ["--size", "base", "--only", "(triton"] + out)
     if part == "bench-bfloat16":
         return bench + ["--size", "base", "--dtype", "bfloat16", "--only", "(triton"] + out
     if part == "bench-muon":
@@ -108,14 +129,24 @@ def commands(part: str, scratch: Path) -> Optional[List[str]]:
 
 # -- reading what the parts print ------------------------------------------------------------
 
-_PYTEST_LINE = re.compile(r"^(\S+::.*?) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b", re.M)
+_OUTCOMES = "PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS"
+_PYTEST_LINE = re.compile(rf"^(\S+::.*?) ({_OUTCOMES})\b", re.M)
+#: pytest-xdist's ``-v`` line: the worker, the progress, the outcome, then the test's id
+_XDIST_LINE = re.compile(rf"^\[gw\d+\] \[\s*\d+%\] ({_OUTCOMES}) (\S+::.*?)\s*$", re.M)
 
 
 def parse_pytest(text: str) -> Dict[str, str]:
-    """{test id: outcome} from pytest's ``-v`` output, also of a run stopped part way (each
-    test's line is printed as it ends)."""
-    return {name.split("tests/test_cuda.py::", 1)[-1]: outcome
-            for name, outcome in _PYTEST_LINE.findall(text)}
+    """{test id: outcome} from pytest's ``-v`` output (with pytest-xdist's workers too), also
+    of a run stopped part way (each test's line is printed as it ends)."""
+    found = _PYTEST_LINE.findall(text) + [(n, o) for o, n in _XDIST_LINE.findall(text)]
+    return {name.split("tests/test_cuda.py::", 1)[-1]: outcome for name, outcome in found}
+
+
+def _has_xdist() -> bool:
+    """Whether pytest-xdist (the test parts' workers) is installed."""
+    import importlib.util
+
+    return importlib.util.find_spec("xdist") is not None
 
 
 def summarise_tests(outcomes: Dict[str, str]) -> Dict[str, Any]:
@@ -273,26 +304,40 @@ def graph_part(scratch: Path) -> Dict[str, Any]:
             "equal": equal}
 
 
-def run_part(part: str, limit: float, scratch: Path, log) -> Dict[str, Any]:
-    """Run one part within ``limit`` seconds; its output goes to the log."""
+def run_part(part: str, limit: float, scratch: Path, log, jobs: int = 1) -> Dict[str, Any]:
+    """Run one part within ``limit`` seconds; its output goes to the log. A part stopped at
+    its limit is stopped with every process it started (pytest's workers, the sweep's
+    compiling processes), so that none runs on beside the next part."""
     started = time.perf_counter()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("TRITON_INTERPRET", None)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "tools"),
                                                       env.get("PYTHONPATH")]))
-    try:
-        done = subprocess.run(commands(part, scratch), cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=limit)
-        output, status = done.stdout + done.stderr, "done" if done.returncode == 0 else \
-            f"exit {done.returncode}"
-    except subprocess.TimeoutExpired as exc:
-        output = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
-                         for x in (exc.stdout, exc.stderr))
-        status = f"stopped at its {limit:.0f} s"
+    with tempfile.TemporaryFile("w+") as sink:
+        proc = subprocess.Popen(commands(part, scratch, limit, jobs), cwd=ROOT, env=env,
+                                stdout=sink, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        try:
+            code = proc.wait(timeout=limit)
+            status = "done" if code == 0 else f"exit {code}"
+        except subprocess.TimeoutExpired:
+            status = f"stopped at its {limit:.0f} s"
+        try:  # the part's process group: its children too, also after a clean exit
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        sink.seek(0)
+        output = sink.read()
     log.write(f"\n===== {part} ({status}) =====\n{output}")
     log.flush()
     return {"part": part, "status": status, "seconds": time.perf_counter() - started,
             "output": output}
+
+
+def write(report: Dict[str, Any], out: Path) -> None:
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
+    (out / "gpu_check.md").write_text(markdown(report))
 
 
 def main(argv=None) -> int:
@@ -300,13 +345,19 @@ def main(argv=None) -> int:
     ap.add_argument("out", help="folder for gpu_check.json, gpu_check.md, gpu_check.log")
     ap.add_argument("--budget", type=float, default=BUDGET,
                     help=f"seconds for all parts together (default: {BUDGET})")
-    ap.add_argument("--parts", help="comma-separated parts to run, in the plan's order, "
-                    "sharing the budget in proportion to their own (default: all; "
+    ap.add_argument("--parts", help="comma-separated parts to run, in the order named, "
+                    "sharing the budget in proportion to their own; PART:SECONDS gives one "
+                    "its seconds (default: all, in the plan's order; "
                     + ", ".join(p for p, _, _ in PLAN) + ")")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="processes for the test parts (pytest-xdist, where installed) and "
+                    "the sweep's compiles (default: 1)")
     ap.add_argument("--part", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    chosen = [p for p, _, _ in PLAN] if not args.parts else args.parts.split(",")
-    unknown = set(chosen) - {p for p, _, _ in PLAN}
+    own = {p: s for p, s, _ in PLAN}
+    asked = [] if not args.parts else [(name, float(sec[0]) if sec else None) for name, *sec in
+                                       (x.split(":", 1) for x in args.parts.split(","))]
+    unknown = {p for p, _ in asked} - set(own)
     if unknown:
         ap.error(f"no part {', '.join(sorted(unknown))}")
     import torch
@@ -321,10 +372,13 @@ def main(argv=None) -> int:
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    plan = [(p, s, late) for p, s, late in PLAN if p in chosen]
-    if args.parts:  # the parts asked for run (none only "if time is left") and share the
-        more = max(1.0, args.budget / sum(s for _, s, _ in plan))  # budget, each at least its own
-        plan = [(p, round(s * more), False) for p, s, _ in plan]
+    plan = list(PLAN)
+    if asked:  # the parts asked for run (none only "if time is left") and share the budget,
+        # each at least its own; one given its seconds gets those
+        given = sum(s for _, s in asked if s is not None)
+        rest = sum(own[p] for p, s in asked if s is None)
+        more = max(1.0, (args.budget - given) / rest) if rest else 1.0
+        plan = [(p, round(s if s is not None else own[p] * more), False) for p, s in asked]
     print("gpu_check budget: " + ", ".join(f"{p} {s} s{' (if time is left)' if late else ''}"
                                            for p, s, late in plan) + f"; {args.budget:.0f} s in all")
     report: Dict[str, Any] = {"environment": environment(), "budget": args.budget, "parts": [],
@@ -339,7 +393,11 @@ def main(argv=None) -> int:
                 report["parts"].append({"part": part, "budget": budget, "seconds": 0,
                                         "status": f"skipped: {left:.0f} s left"})
                 continue
-            done = run_part(part, min(budget, left), scratch, log)
+            if part == "bench-chosen" and not (scratch / "sweep" / "triton_launch.json").exists():
+                report["parts"].append({"part": part, "budget": budget, "seconds": 0,
+                                        "status": "skipped: no table from the sweep"})
+                continue
+            done = run_part(part, min(budget, left), scratch, log, jobs=args.jobs)
             output = done.pop("output")
             done["budget"] = budget
             report["parts"].append(done)
@@ -357,10 +415,13 @@ def main(argv=None) -> int:
                                                          "table", "seconds", "skipped")}
             elif (scratch / f"{part}.json").exists():
                 report["bench"][part] = json.loads((scratch / f"{part}.json").read_text())
+            # the report so far, after every part: a check stopped from outside keeps it
+            report["seconds"] = time.perf_counter() - started
+            report["tests"] = summarise_tests(outcomes) if outcomes else None
+            write(report, out)
     report["seconds"] = time.perf_counter() - started
     report["tests"] = summarise_tests(outcomes) if outcomes else None
-    (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
-    (out / "gpu_check.md").write_text(markdown(report))
+    write(report, out)
     print(markdown(report))
     return 1 if report["tests"] and report["tests"]["failed"] else 0
 

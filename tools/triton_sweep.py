@@ -4,6 +4,7 @@ device-to-device copy measured in the same run; the fastest configuration of eac
 written as a table the package reads (``scaleopt._triton_launch``).
 
     python tools/triton_sweep.py OUT_DIR [--budget 330] [--jobs 16] [--sets base,1b]
+    python tools/triton_sweep.py OUT_DIR --compile-only   # fill Triton's cache, time nothing
     SCALEOPT_TRITON_LAUNCH=OUT_DIR/triton_launch.json python train.py   # launch by it
     cp OUT_DIR/triton_launch.json src/scaleopt/                         # make it the default
 
@@ -33,7 +34,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 from scaleopt import _triton_launch as L
 
@@ -150,16 +151,16 @@ def _tiny_set():
     return [("w", (64, 1024)), ("b", (1024,))]
 
 
-def _params(shapes):
-    """The set's parameters on the GPU with gradients (made there: the 1B set's billion
-    random numbers would take seconds on the host)."""
+def _params(shapes, device: str = "cuda"):
+    """The set's parameters with gradients, made on ``device`` (on the GPU: the 1B set's
+    billion random numbers would take seconds on the host)."""
     import torch
 
     torch.manual_seed(0)
     named = []
     for name, shape in shapes:
-        p = torch.nn.Parameter(torch.randn(shape, device="cuda") * 0.02)
-        p.grad = torch.randn(shape, device="cuda") * 1e-3
+        p = torch.nn.Parameter(torch.randn(shape, device=device) * 0.02)
+        p.grad = torch.randn(shape, device=device) * 1e-3
         named.append((name, p))
     return named
 
@@ -189,21 +190,28 @@ def warm(cands: List[Candidate], jobs: int) -> None:
 
 
 class _Clock:
-    """Each launch of ``_triton._run`` between CUDA events, by (kernel, form)."""
+    """Each launch of ``_triton._run`` between CUDA events (on the host clock where the
+    tensors are not on a GPU: the interpreter's runs in the suite), by (kernel, form)."""
 
-    def __init__(self):
+    def __init__(self, device: str = "cuda"):
         from scaleopt import _triton
 
         self.module, self.real, self.events = _triton, _triton._run, []
+        self.cuda = device.startswith("cuda")
 
     def __enter__(self):
         import torch
 
         def run(name, programs, *args, **kwargs):
-            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            start.record()
-            self.real(name, programs, *args, **kwargs)
-            end.record()
+            if self.cuda:
+                start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+                start.record()
+                self.real(name, programs, *args, **kwargs)
+                end.record()
+            else:
+                start = time.perf_counter()
+                self.real(name, programs, *args, **kwargs)
+                end = time.perf_counter()
             self.events.append((name, kwargs.get("FORM"), start, end))
 
         self.module._run = run
@@ -215,13 +223,15 @@ class _Clock:
     def take(self) -> Dict[Tuple[str, str], float]:
         import torch
 
-        torch.cuda.synchronize()
+        if self.cuda:
+            torch.cuda.synchronize()
         out: Dict[Tuple[str, str], float] = {}
         forms = {v: k for k, v in _format_forms().items()}
         for name, form, start, end in self.events:
             if name != "totals":
                 key = (name, forms[form])
-                out[key] = out.get(key, 0.0) + start.elapsed_time(end) / 1e3
+                seconds = start.elapsed_time(end) / 1e3 if self.cuda else end - start
+                out[key] = out.get(key, 0.0) + seconds
         self.events.clear()
         return out
 
@@ -232,48 +242,51 @@ def _format_forms():
     return _format.MOMENT_FORMS
 
 
-def measure(sets: Iterable[str], cands: List[Candidate], rounds: int, deadline: float):
-    """{(set, kernel, form, candidate): median seconds}, the bytes each kernel moves per set
-    and form, the copy's bandwidth per set, and the candidates left untimed (out of time)."""
+def measure(sets: Dict[str, Any], cands: List[Candidate], rounds: int, deadline: float,
+            device: str = "cuda"):
+    """{(set, kernel, form, candidate): median seconds} for ``sets`` {name: [(name, shape)]},
+    the bytes each kernel moves per set and form, the copy's bandwidth per set, and the
+    candidates left untimed (out of time)."""
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import sass_budget
     from scaleopt import _triton
-    from scaleopt.benchmarking import SIZES, bert_shapes
     from scaleopt.cli.bench_gpu import copy_bandwidth
 
     times, sizes, copy, skipped = {}, {}, {}, []
     kinds = dict(W_SPLIT=0, G_KIND=0, W16_KIND=0)
-    for s in sets:
-        shapes = bert_shapes(*SIZES[s])
+    for s, shapes in sets.items():
         numel = sum(torch.Size(x).numel() for _, x in shapes)
-        copy[s] = copy_bandwidth(4 * numel, "cuda")
-        named = _params(shapes)
+        copy[s] = copy_bandwidth(4 * numel, device)
+        named = _params(shapes, device)
         for form in L.FORMS:
             for name in OPTIMIZERS:
                 opt = _optimizer(name, named, form)
                 opt.step()  # the state made
-                counts = _numels(opt)
+                # a compact form's step also runs its small tensors' float32 moments: only
+                # the launches of the form stepped are its times (not the float32 form's)
+                counts = {key: n for key, n in _numels(opt).items() if key[1] == form}
                 for kernel, f in counts:
                     c = dict(kinds, FORM=_format_forms()[f])
                     sizes.setdefault(s, {})[(kernel, f)] = counts[(kernel, f)] * sum(
-                        sass_budget.moved(kernel, c)) if kernel != "totals" else 0
+                        sass_budget.moved(kernel, c))
                 for cand in cands:
                     if time.monotonic() > deadline:
                         skipped.append((s, form, name, cand))
                         continue
                     _triton.LAUNCH = table_of(cand)
                     opt.step()  # the plan and tables for this table
-                    with _Clock() as clock:
+                    with _Clock(device) as clock:
                         per_round = []
                         for _ in range(rounds):
                             opt.step()
                             per_round.append(clock.take())
-                    for key in per_round[0]:
+                    for key in counts:
                         times[(s, *key, cand)] = statistics.median(r[key] for r in per_round)
                 del opt
-                torch.cuda.empty_cache()
+                if device.startswith("cuda"):
+                    torch.cuda.empty_cache()
         del named
     return times, sizes, copy, skipped
 
@@ -307,6 +320,8 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1),
                     help="compiling processes (default: the CPU count, at most 16)")
     ap.add_argument("--rounds", type=int, default=3, help="timed steps per candidate")
+    ap.add_argument("--compile-only", action="store_true",
+                    help="compile every candidate's kernels into Triton's cache, time nothing")
     args = ap.parse_args(argv)
     import torch
 
@@ -320,7 +335,12 @@ def main(argv=None) -> int:
     compiled = time.monotonic() - started
     print(f"compiled {len(cands)} candidates' kernels in {compiled:.0f} s ({args.jobs} processes)",
           flush=True)
-    times, sizes, copy, skipped = measure(args.sets.split(","), cands, args.rounds, deadline)
+    if args.compile_only:
+        return 0
+    from scaleopt.benchmarking import SIZES, bert_shapes
+
+    sets = {s: bert_shapes(*SIZES[s]) for s in args.sets.split(",")}
+    times, sizes, copy, skipped = measure(sets, cands, args.rounds, deadline)
     default = L.load(str(L.DEFAULT))
     chosen = choose(times, default)
     out = Path(args.out)
