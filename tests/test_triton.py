@@ -1334,6 +1334,38 @@ def test_adamw_on_the_triton_kernel_gives_the_c_kernels_bits(state_dtype, monkey
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
 
 
+def test_adamw_on_the_triton_kernel_follows_its_state_as_it_changes(monkeypatch):
+    """The Triton AdamW keeps what it made of a group's state between steps: the C kernel's
+    bits still where the step counts differ between tensors (a parameter without a gradient
+    at a step), after a checkpoint is loaded into the running optimizer, after the group's
+    ``state_dtype`` changes, and with new gradient tensors at every step."""
+
+    def run(impl):
+        model = _adamw_model()
+        opt = scaleopt.AdamW(model.named_parameters(), lr=1e-2, weight_decay=0.1,
+                             exclude_from_weight_decay=r"bias$", implementation=impl)
+        x = torch.randn(32, 80, generator=torch.Generator().manual_seed(1))
+        saved = None
+        for i in range(6):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            if i == 1:
+                model[0].bias.grad = None  # its counter lags from here on
+            if i == 2:
+                saved = copy.deepcopy(opt.state_dict())
+            if i == 3:  # the checkpoint of step 2 loaded into the running optimizer
+                opt.load_state_dict(saved)
+            if i == 4:
+                opt.param_groups[0]["state_dtype"] = "int8"
+            opt.step()
+        return model, opt
+
+    (a, oa), (b, ob) = _on_both_kernels(run, monkeypatch)
+    _same_bits(a, oa, b, ob)
+    steps = sorted({float(oa.state[p]["step"]) for p in a.parameters()})
+    assert steps == [4.0, 5.0] and oa.state[a[0].weight]["exp_avg"].dtype == torch.int8
+
+
 def test_adamw_on_the_triton_kernel_launches_once_per_step_and_checkpoints_as_torch(
         monkeypatch):
     """One launch of ``adam_apply`` per step for the group's tensors (all float32, aligned);

@@ -107,6 +107,12 @@ def test_the_sweep_tries_every_valid_candidate_the_packages_first():
     assert len(cands) == sum(b <= c for c in S.CHUNKS for b in S.BLOCKS) * len(S.WARPS)
     for cand in cands:  # each a valid table
         assert S.table_of(cand).constants("lamb_apply", "int8")["num_warps"] == cand[2]
+    # then the cheapest to compile first (a thread's unrolled code grows with chunk / warps),
+    # so that a sweep out of time has timed the most it could: 2048 elements with 8 warps
+    # first, 16384 with 2 last
+    per_thread = [c / w for c, _, w in cands[1:]]
+    assert per_thread == sorted(per_thread)
+    assert cands[1][::2] == (2048, 8) and cands[-1][::2] == (16384, 2)
 
 
 def test_the_sweep_chooses_per_form_the_chunk_and_per_kernel_the_fastest_tile_and_warps():

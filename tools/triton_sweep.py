@@ -55,10 +55,19 @@ Candidate = Tuple[int, int, int]  # (chunk, block, warps)
 
 def candidates() -> List[Candidate]:
     """Every (chunk, block, warps) with the block no larger than the chunk; the package's
-    default first."""
+    default first, then the cheapest to compile first (:func:`compile_cost`), so that a
+    sweep stopped by its time has compiled and timed as many as it could."""
     every = [(c, b, w) for c, b, w in itertools.product(CHUNKS, BLOCKS, WARPS) if b <= c]
     default = _as_candidate(L.load(str(L.DEFAULT)), "lamb_apply", "float32")
-    return [default] + [c for c in every if c != default]
+    return [default] + sorted((c for c in every if c != default), key=compile_cost)
+
+
+def compile_cost(candidate: Candidate) -> Tuple[float, ...]:
+    """What orders the candidates by the time their kernels take to compile: a program's
+    code is its tiles unrolled (``chunk / block`` of them), each ``block / (32 warps)``
+    elements a thread, so its size goes with ``chunk / warps``."""
+    chunk, block, warps = candidate
+    return chunk / warps, chunk, -block
 
 
 def _as_candidate(table: L.Table, kernel: str, form: str) -> Candidate:
@@ -181,12 +190,37 @@ def _compile(work: List[Candidate]) -> int:
     return len(work)
 
 
-def warm(cands: List[Candidate], jobs: int) -> None:
-    """Every candidate's kernels compiled into Triton's cache, in ``jobs`` processes."""
+def warm(cands: List[Candidate], jobs: int, deadline: float = float("inf")) -> List[Candidate]:
+    """The candidates' kernels compiled into Triton's cache, in ``jobs`` processes, one
+    candidate a task in their order, until ``deadline`` (``time.monotonic()``): those
+    compiled, in their order (the rest left: timing them would compile them in the timing
+    process, one kernel at a time)."""
     os.environ.pop("TRITON_INTERPRET", None)
-    parts = [cands[i::jobs] for i in range(jobs)]
-    with multiprocessing.get_context("spawn").Pool(jobs) as pool:
-        pool.map(_compile, [p for p in parts if p])
+    done = set()
+    pool = multiprocessing.get_context("spawn").Pool(jobs)
+    try:
+        results = pool.imap_unordered(_compile_one, cands)
+        for _ in cands:
+            candidate, error = results.next(timeout=max(0.0, deadline - time.monotonic()))
+            if error is None:
+                done.add(candidate)
+            else:  # (left out, and said: the others are timed)
+                print(f"candidate {candidate} did not compile: {error}", flush=True)
+    except multiprocessing.TimeoutError:
+        pass
+    finally:
+        pool.terminate()
+        pool.join()
+    return [c for c in cands if c in done]
+
+
+def _compile_one(candidate: Candidate) -> Tuple[Candidate, Any]:
+    """(candidate, None) once its kernels are compiled, or (candidate, the error)."""
+    try:
+        _compile([candidate])
+    except Exception as exc:  # noqa: BLE001 (reported by the sweep, which goes on)
+        return candidate, f"{type(exc).__name__}: {str(exc)[:300]}"
+    return candidate, None
 
 
 class _Clock:
@@ -331,12 +365,15 @@ def main(argv=None) -> int:
     started = time.monotonic()
     deadline = started + args.budget
     cands = candidates()
-    warm(cands, args.jobs)
+    # compiling takes at most half the budget (all of it with --compile-only)
+    ready = warm(cands, args.jobs, deadline if args.compile_only else started + args.budget / 2)
     compiled = time.monotonic() - started
-    print(f"compiled {len(cands)} candidates' kernels in {compiled:.0f} s ({args.jobs} processes)",
-          flush=True)
+    print(f"compiled {len(ready)} of {len(cands)} candidates' kernels in {compiled:.0f} s "
+          f"({args.jobs} processes)", flush=True)
     if args.compile_only:
         return 0
+    left_out = len(cands) - len(ready)
+    cands = ready
     from scaleopt.benchmarking import SIZES, bert_shapes
 
     sets = {s: bert_shapes(*SIZES[s]) for s in args.sets.split(",")}
@@ -347,7 +384,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     L.save(chosen, str(out / "triton_launch.json"))
     report = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                  candidates=len(cands), compile_s=compiled,
+                  candidates=len(cands), not_compiled=left_out, compile_s=compiled,
                   seconds=time.monotonic() - started, skipped=len(skipped),
                   copy_gb_s={s: b / 1e9 for s, b in copy.items()},
                   before=bandwidths(times, default, sizes, copy),
@@ -361,7 +398,8 @@ def main(argv=None) -> int:
 def summary(report: Dict[str, Any]) -> str:
     """The comparison as markdown: per set, kernel and form, the package's table's time and
     share of the copy against the chosen one's."""
-    return "\n".join([f"{report['device']}: {report['candidates']} candidates, "
+    return "\n".join([f"{report['device']}: {report['candidates']} candidates timed "
+                      f"({report.get('not_compiled', 0)} not compiled in time), "
                       f"{report['seconds']:.0f} s ({report['skipped']} runs skipped for time); "
                       "copy " + ", ".join(f"{s} {b:.0f} GB/s"
                                           for s, b in report["copy_gb_s"].items()), ""]

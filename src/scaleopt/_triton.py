@@ -688,6 +688,63 @@ def adam(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[T
                    nesterov, one_minus_betas)
 
 
+def adamw(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
+          exp_avg_sqs: Sequence[Tensor], state_steps: Sequence[Tensor], *, lr: Any,
+          weight_decays: Sequence[float], beta1: float, beta2: float, eps: float,
+          stored: Optional[Sequence[Any]] = None,
+          cache: Optional[Dict[str, Any]] = None) -> None:
+    """AdamW's step (decoupled decay ``weight_decays[i]``, bias corrections) on the Triton
+    kernel, with :func:`adam`'s scalars (so the C kernel's bits) made on the host per distinct
+    step count and decay rather than per tensor: the step counters (float32 scalars on the
+    host) incremented in one operation (:func:`counters`), and one small table copied from
+    pinned memory without waiting."""
+    if not params:
+        return
+    t, cache = _adam_tensors(params, grads, exp_avgs, exp_avg_sqs, [None] * len(params),
+                             state_steps, stored, cache)
+    device = params[0].device
+    steps = counters(list(state_steps), cache)
+    steps.add_(1)
+    table = _adamw_table(steps, float(lr), weight_decays, beta1, beta2, device.type == "cuda",
+                         cache)
+    table = table.to(device, non_blocking=True) if device.type == "cuda" else table
+    _adam_launches(t, cache, table, beta1, beta2, eps, False, None)
+
+
+def _adamw_table(steps: Tensor, lr: float, weight_decays: Sequence[float], beta1: float,
+                 beta2: float, pinned: bool, cache: Dict[str, Any]) -> Tensor:
+    """Adam's step table (``ADAM``'s columns, float32, in pinned memory for a CUDA device)
+    for AdamW at the incremented counters ``steps``: each value as :func:`adam`'s callers
+    compute it (Python floats, rounded once to float32; ``inv_bc2_sqrt`` divided in
+    float32), computed once per distinct step count and per distinct decay."""
+    f32 = torch.float32
+    key = tuple(weight_decays)
+    kept = cache.get("adamw decays")
+    if kept is None or kept[0] != key:
+        wds = sorted(set(key))
+        at = {wd: i for i, wd in enumerate(wds)}
+        kept = cache["adamw decays"] = (key, wds, torch.tensor([at[wd] for wd in key]))
+    _, wds, which_decay = kept
+    values = steps.tolist()
+    distinct = sorted(set(values))
+    bc1, bc2 = _ops.bias_corrections(distinct, beta1, beta2, True)
+    bc2_sqrt = torch.tensor(bc2, dtype=f32)
+    columns = dict(step_size=torch.tensor([lr / b for b in bc1], dtype=f32), bc2_sqrt=bc2_sqrt,
+                   inv_bc2_sqrt=torch.ones((), dtype=f32) / bc2_sqrt,
+                   weight_decay_l2=torch.zeros(1, dtype=f32),
+                   decay=torch.tensor([1.0 - lr * wd for wd in wds], dtype=f32)[which_decay],
+                   grad_mult=torch.ones(1, dtype=f32), step=torch.tensor(distinct, dtype=f32))
+    if len(distinct) > 1:  # per tensor, by its step count
+        at = {v: i for i, v in enumerate(distinct)}
+        which = torch.tensor([at[v] for v in values])
+        for name in ("step_size", "bc2_sqrt", "inv_bc2_sqrt", "step"):
+            columns[name] = columns[name][which]
+    table = torch.empty((len(values), len(ADAM)), dtype=f32, pin_memory=pinned)
+    for j, name in enumerate(ADAM):
+        table[:, j] = columns[name]
+    return table
+
+
 def adamw_on_device(params: Sequence[Tensor], grads: Sequence[Tensor],
                     exp_avgs: Sequence[Tensor], exp_avg_sqs: Sequence[Tensor],
                     state_steps: Sequence[Tensor], *, lr: Any, weight_decays: Sequence[float],

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+import operator
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -10,7 +11,8 @@ from torch.optim.adamw import adamw as _torch_adamw
 
 from . import _compact, _ops, _native, _triton
 from ._dispatch import check_implementation
-from ._group import GroupTensors
+from ._adam import _entries
+from ._group import GroupTensors, grads_key
 from ._sharding import local_piece
 from ._base import ScaleOptimizer
 from ._checks import check_bool
@@ -220,7 +222,8 @@ def update(opt: Any, group: Dict[str, Any], idx: List[int], params: List[Tensor]
     native: Dict[bool, List[Tuple[Any, ...]]] = {}
     lists = _init_group(opt, group, idx, params, grads, fused, pending, native)
     for decayed, rows in native.items():
-        _adam_kernel(opt, group, rows, [decayed] * len(rows), "native")
+        _adam_kernel(group, tuple(list(col) for col in zip(*rows)), [decayed] * len(rows),
+                     "native", _kernel_cache(opt, group))
     beta1, beta2 = group["betas"]
     for decayed, (ps, gs, ms, vs, maxs, steps) in lists.items():
         # torch's foreach path needs its tensor-scalar form under torch.compile
@@ -328,18 +331,49 @@ def named_path(group: Dict[str, Any]) -> Optional[str]:
     return "triton" if group.get("capturable") else group.get("implementation")
 
 
-def _kernel_step(opt: Any, group: Dict[str, Any], idx: List[int], params: List[Tensor],
-                 grads: List[Tensor], impl: str) -> None:
-    """AdamW on the C kernel or the Triton one (``impl``), which take the same arguments and
-    give the same bits: every tensor of the group in one call, its moments as ``state_dtype``
-    stores them (updated in place: no float32 copy), the step counters on the host (float32
-    scalars, as torch's non-fused AdamW keeps them; with ``capturable`` where the weights
-    are), the scalars computed as torch computes them. ``ValueError`` where the kernel cannot
-    take a tensor."""
-    no_decay = opt._rule_flags(group, "exclude_from_weight_decay")
-    on_device = group.get("capturable", False)  # the step counters where the weights are
+class _KernelPlan(NamedTuple):
+    """A group's step on scaleopt's kernels but its gradients: the columns (weights, moments,
+    step counters, stored forms) made from its parameters' state, and what they were made of
+    (the parameters, the options that decide the state's form, the state dicts and every
+    entry in them, the gradients' :func:`~scaleopt._group.grads_key`): given again while all
+    of these are the same (a few passes in C instead of a pass of checks and conversions per
+    tensor, the host's work of a step)."""
+
+    idx: List[int]
+    options: tuple
+    params: List[Tensor]
+    dicts: List[Dict[str, Any]]
+    entries: List[Any]
+    columns: Tuple[List[Any], ...]
+    grads_key: Any
+
+    def holds(self, opt: Any, idx: List[int], options: tuple, params: List[Tensor],
+              grads: List[Tensor]) -> bool:
+        if not (self.idx == idx and self.options == options
+                and len(params) == len(self.params)
+                and all(map(operator.is_, params, self.params))):
+            return False
+        dicts = list(map(opt.state.__getitem__, params))
+        entries = _entries(dicts)
+        return (all(map(operator.is_, dicts, self.dicts)) and len(entries) == len(self.entries)
+                and all(map(operator.is_, entries, self.entries))
+                and grads_key(grads) == self.grads_key)
+
+
+def _kernel_plan(opt: Any, group: Dict[str, Any], idx: List[int], params: List[Tensor],
+                 grads: List[Tensor], impl: str, cache: Dict[str, Any]) -> _KernelPlan:
+    """The group's :class:`_KernelPlan`: the last step's (in ``cache``) where it holds, else
+    made: the state made where new (step counters float32 scalars on the host, as torch's
+    non-fused AdamW keeps them; with ``capturable`` where the weights are), converted to the
+    group's ``state_dtype``, and the tensors checked (``ValueError`` where the kernel ``impl``
+    cannot take one)."""
+    options = (group["state_dtype"], group.get("capturable", False), impl)
+    kept = cache.get("kernel plan")  # ("plan" is the Triton launcher's own)
+    if kept is not None and kept.holds(opt, idx, options, params, grads):
+        return kept
+    on_device = options[1]
     rows = []
-    for i, p, g in zip(idx, params, grads):
+    for p in params:
         state = opt.state[p]
         where = p.device if on_device else torch.device("cpu")
         if "step" not in state:
@@ -355,42 +389,59 @@ def _kernel_step(opt: Any, group: Dict[str, Any], idx: List[int], params: List[T
             stored = None
         else:
             stored = _compact.stored(state, form, p)
-        rows.append((local_piece(p), g, local_piece(state["exp_avg"]),
+        rows.append((local_piece(p), local_piece(state["exp_avg"]),
                      local_piece(state["exp_avg_sq"]), state["step"], stored))
-    if not rows:
+    columns = tuple(list(col) for col in zip(*rows)) if rows else ([],) * 5
+    w, m, v, _, stored = columns
+    _check_kernel_takes(impl, w, list(grads), m, v, stored, on_device)
+    dicts = list(map(opt.state.__getitem__, params))
+    plan = cache["kernel plan"] = _KernelPlan(list(idx), options, list(params), dicts, _entries(dicts),
+                                       columns, grads_key(grads))
+    return plan
+
+
+def _kernel_step(opt: Any, group: Dict[str, Any], idx: List[int], params: List[Tensor],
+                 grads: List[Tensor], impl: str) -> None:
+    """AdamW on the C kernel or the Triton one (``impl``), which take the same arguments and
+    give the same bits: every tensor of the group in one call, its moments as ``state_dtype``
+    stores them (updated in place: no float32 copy), the scalars computed as torch computes
+    them. ``ValueError`` where the kernel cannot take a tensor."""
+    if not params:
         return
-    w, g, m, v, _, stored = (list(col) for col in zip(*rows))
-    _check_kernel_takes(impl, w, g, m, v, stored, on_device)
-    _adam_kernel(opt, group, rows, [not no_decay[i] for i in idx], impl)
+    cache = _kernel_cache(opt, group)
+    w, m, v, steps, stored = _kernel_plan(opt, group, idx, params, grads, impl, cache).columns
+    no_decay = opt._rule_flags(group, "exclude_from_weight_decay")
+    _adam_kernel(group, (w, list(grads), m, v, steps, stored), [not no_decay[i] for i in idx],
+                 impl, cache)
 
 
-def _adam_kernel(opt: Any, group: Dict[str, Any], rows: List[Tuple[Any, ...]],
-                 decayed: List[bool], impl: str) -> None:
-    """AdamW on the C kernel or the Triton one (``impl``) for ``rows`` (``(weight, grad,
-    exp_avg, exp_avg_sq, step, stored)``; ``decayed``: whether each decays): torch's
+def _kernel_cache(opt: Any, group: Dict[str, Any]) -> Dict[str, Any]:
+    """What the kernels keep between a group's steps: per group, by its list of parameters
+    (which a Muon group's AdamW view shares)."""
+    return opt.__dict__.setdefault("_kernel_caches", {}).setdefault(id(group["params"]), {})
+
+
+def _adam_kernel(group: Dict[str, Any], columns: Tuple[List[Any], ...], decayed: List[bool],
+                 impl: str, cache: Dict[str, Any]) -> None:
+    """AdamW on the C kernel or the Triton one (``impl``) for ``columns`` (weights, gradients,
+    moments, step counters, stored forms; ``decayed``: whether each decays): torch's
     single-tensor AdamW's operations, with the scalars computed as it computes them (with
     ``capturable``, by device operations: :func:`scaleopt._triton.adamw_on_device`)."""
     beta1, beta2 = group["betas"]
-    w, g, m, v, steps, stored = (list(col) for col in zip(*rows))
-    # per group, by its list of parameters (which a Muon group's AdamW view shares)
-    cache = opt.__dict__.setdefault("_kernel_caches", {}).setdefault(id(group["params"]), {})
-    if group.get("capturable"):
-        _triton.adamw_on_device(w, g, m, v, steps, lr=group["lr"], weight_decays=[
-            group["weight_decay"] if d else 0.0 for d in decayed], beta1=beta1, beta2=beta2,
-            eps=group["eps"], stored=stored, cache=cache)
-        return
-    lr, wd, count = float(group["lr"]), group["weight_decay"], len(rows)
-    bc1, bc2_sqrt = _ops.bias_corrections([float(s) + 1.0 for s in steps], beta1, beta2, True)
-    scalars = dict(step_sizes=[lr / b for b in bc1], bias_correction2_sqrts=bc2_sqrt,
-                   weight_decays_l2=[0.0] * count,
-                   decays=[1.0 - lr * (wd if d else 0.0) for d in decayed], beta1=beta1,
-                   beta2=beta2, eps=group["eps"], grad_multipliers=[1.0] * count,
-                   stored=stored)
+    w, g, m, v, steps, stored = columns
+    wd = group["weight_decay"]
     if impl == "triton":
-        _triton.adam(w, g, m, v, [None] * count, steps, cache=cache, **scalars)
-    else:
-        _native.adam(w, g, m, v, [None] * count, steps, threads=torch.get_num_threads(),
-                     **scalars)
+        on = _triton.adamw_on_device if group.get("capturable") else _triton.adamw
+        on(w, g, m, v, steps, lr=group["lr"], weight_decays=[wd if d else 0.0 for d in decayed],
+           beta1=beta1, beta2=beta2, eps=group["eps"], stored=stored, cache=cache)
+        return
+    lr, count = float(group["lr"]), len(w)
+    bc1, bc2_sqrt = _ops.bias_corrections([float(s) + 1.0 for s in steps], beta1, beta2, True)
+    _native.adam(w, g, m, v, [None] * count, steps, threads=torch.get_num_threads(),
+                 step_sizes=[lr / b for b in bc1], bias_correction2_sqrts=bc2_sqrt,
+                 weight_decays_l2=[0.0] * count,
+                 decays=[1.0 - lr * (wd if d else 0.0) for d in decayed], beta1=beta1,
+                 beta2=beta2, eps=group["eps"], grad_multipliers=[1.0] * count, stored=stored)
 
 
 def _check_kernel_takes(impl: str, w: List[Tensor], g: List[Tensor], m: List[Tensor],

@@ -24,6 +24,10 @@ def _store_then_load(row, grads, n, xm, xv, out_m, out_v, step, FORM: tl.constex
     offs, mask, b, bmask = K._tile(at, tl.program_id(0), BLOCK, QB, FORM, ALIGNED)
     K._store_moments(row, mp, vp, offs, mask, b, bmask, tl.load(xm + offs, mask=mask),
                      tl.load(xv + offs, mask=mask), tl.load(step), FORM, ALIGNED)
+    # what one thread stored another may read (a block's scale; the codes, where the store's
+    # layout of the tile is not the load's): the program's stores complete first (the
+    # kernels themselves read moments only that an earlier launch stored)
+    tl.debug_barrier()
     m, v = K._load_moments(row, mp, vp, offs, mask, b, bmask, FORM)
     tl.store(out_m + offs, m, mask=mask)
     tl.store(out_v + offs, v, mask=mask)
