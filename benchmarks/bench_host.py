@@ -13,7 +13,8 @@ before the launches: the intake of the gradients, the state, the dispatch, the a
 the step table and the counters. Variants: LAMB and LANS; float32 parameters, bfloat16 ones
 with split float32 masters, int8 state; the learning rate a float or a tensor;
 ``capturable=True`` (what a CUDA graph captures: its replay costs none of this; the GPU check,
-tools/gpu_check.py, measures a replay). Prints the median and the 10th-90th percentiles in
+tools/gpu_check.py, measures a replay); AdamW on the Triton kernel (float32 and int8 state,
+capturable). Prints the median and the 10th-90th percentiles in
 milliseconds, per variant, with the thread count and torch version; and the median again with
 the gradients in new storage at each step (as a backward that allocates them anew may put
 them: copied between the timed steps, the last step's kept alive so that no address is handed
@@ -76,6 +77,9 @@ def variants():
         out[f"{name} int8 state"] = make(cls, state_dtype="int8")
         out[f"{name} tensor lr"] = make(cls, tensor_lr=True)
         out[f"{name} capturable"] = make(cls, tensor_lr=True, capturable=True)
+    out["AdamW float32"] = make(scaleopt.AdamW)
+    out["AdamW int8 state"] = make(scaleopt.AdamW, state_dtype="int8")
+    out["AdamW capturable"] = make(scaleopt.AdamW, tensor_lr=True, capturable=True)
     return out
 
 

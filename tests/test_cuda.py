@@ -111,6 +111,21 @@ def test_cuda_step_never_synchronises(info, foreach):
     opt = info.make(list(m.named_parameters()))
     if foreach:
         set_foreach(opt, True)
+    _two_steps_never_wait(m, opt)
+
+
+@pytest.mark.parametrize("state_dtype", ["float32", "int8"])
+@pytest.mark.parametrize("capturable", [False, True], ids=["host counters", "capturable"])
+def test_cuda_triton_adamw_step_never_synchronises(state_dtype, capturable):
+    """AdamW on the Triton kernel (its step table from the host's counters, or made on the
+    device) waits for the GPU at no step."""
+    pytest.importorskip("triton")
+    m = model()
+    _two_steps_never_wait(m, scaleopt.AdamW(m.parameters(), lr=1e-2, implementation="triton",
+                                            state_dtype=state_dtype, capturable=capturable))
+
+
+def _two_steps_never_wait(m, opt):
     run(m, opt, 1)  # state allocated
     for p in m.parameters():
         p.grad = torch.randn_like(p)

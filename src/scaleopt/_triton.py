@@ -767,9 +767,9 @@ def adamw_on_device(params: Sequence[Tensor], grads: Sequence[Tensor],
     if kept is None or kept[0] != key:  # (made at the first step, before any capture)
         kept = cache["adam static"] = (key, _ops.to_device(
             [torch.tensor(list(weight_decays), dtype=torch.float64)], device)[0])
-    for s in state_steps:
-        s.add_(1)
-    steps = torch.stack([s.reshape(()) for s in state_steps]).to(device, torch.float64)
+    counts = counters(list(state_steps), cache)  # (all on the weights' device)
+    counts.add_(1)
+    steps = counts.to(torch.float64)
     rate = lr.reshape(()).to(torch.float64) if torch.is_tensor(lr) else float(lr)
     bc1, bc2 = _bias_corrections(steps, beta1, beta2)
     bc2 = bc2.float()
