@@ -10,9 +10,8 @@ which the optimizer's ``step`` calls in order for all its groups.
 from __future__ import annotations
 
 import dataclasses
-import operator
 import warnings
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol, Sequence
 
 import torch
 from torch import Tensor
@@ -23,21 +22,6 @@ from ._sharding import Reduction, ShardSums
 
 def pick(xs: Sequence[Any], idx: Sequence[int]) -> List[Any]:
     return [xs[i] for i in idx]
-
-
-_DTYPE = operator.attrgetter("dtype")
-#: the gradient types the kernels take as they are
-_PLAIN = {Tensor, torch.nn.Parameter}
-
-
-def grads_key(grads: Sequence[Tensor]) -> Optional[Tuple[List[Any], List[int], List[int]]]:
-    """What a kernel's plan made for some gradients holds for others that give the same key:
-    their dtypes, sizes and devices (``Tensor.get_device``: -1 for the CPU); None where one is
-    not a plain contiguous tensor (a few passes in C, no Python work per tensor)."""
-    if not (set(map(type, grads)) <= _PLAIN and all(map(Tensor.is_contiguous, grads))):
-        return None
-    return (list(map(_DTYPE, grads)), list(map(Tensor.numel, grads)),
-            list(map(Tensor.get_device, grads)))
 
 
 def functional_tensors(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor],

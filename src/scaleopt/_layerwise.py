@@ -7,6 +7,7 @@ import operator
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import torch
 from torch import Tensor
 
 from . import _native
@@ -15,7 +16,7 @@ from ._checks import check_bool, check_bounds
 from ._compile import eager
 from ._dispatch import Impl, check_implementation, confirmed, implementation
 from ._dispatch import takes as takes_tensors
-from ._group import GroupOptions, GroupTensors, TensorOptions, grads_key
+from ._group import GroupOptions, GroupTensors, TensorOptions
 from ._intake import Deferral, GroupGrads
 from ._sharding import local
 
@@ -154,7 +155,10 @@ class LayerwiseAdam(AdamFamily):
             return None
         grads = item.grads
         if not (all(map(operator.is_, item.params, plan.state.view.params))
-                and grads_key(grads) == plan.grads_key
+                and list(map(_DTYPE, grads)) == plan.grad_dtypes
+                and list(map(Tensor.numel, grads)) == plan.numels
+                and list(map(Tensor.get_device, grads)) == plan.grad_devices
+                and set(map(type, grads)) <= _PLAIN and all(map(Tensor.is_contiguous, grads))
                 and self._adam_state(item.group, item.params) is plan.state):
             return None
         group = item.group
@@ -204,7 +208,8 @@ class LayerwiseAdam(AdamFamily):
             idx=list(item.idx), lr=group["lr"],
             lr_mult=multipliers[0],
             masters=not all(map(operator.is_, view.params, view.weights)),
-            grads_key=grads_key(grads))
+            grad_dtypes=list(map(_DTYPE, grads)), numels=list(map(Tensor.numel, grads)),
+            grad_devices=list(map(Tensor.get_device, grads)))
 
     def _finish_step(self, plans: List["GroupPlan"]) -> None:
         """After the updates: split masters split again, the parameters brought up to date
@@ -280,8 +285,10 @@ class GroupPlan:
     lr_mult: Optional[List[float]] = None
     #: whether any parameter has a master (else nothing to bring up to date)
     masters: bool = True
-    #: the gradients' dtypes, sizes and devices (:func:`scaleopt._group.grads_key`)
-    grads_key: Any = None
+    #: the gradients' dtypes, sizes and devices (``Tensor.get_device``: -1 for the CPU)
+    grad_dtypes: List[Any] = dataclasses.field(default_factory=list)
+    numels: List[int] = dataclasses.field(default_factory=list)
+    grad_devices: List[int] = dataclasses.field(default_factory=list)
 
     def holds_options(self, group: Dict[str, Any]) -> bool:
         """Whether ``group`` is the plan's, holding the same objects as its values but for
@@ -299,3 +306,6 @@ def _rates(lr: Any, multipliers: Optional[Sequence[float]], count: int) -> List[
     return [lr] * count if multipliers is None else [lr * m for m in multipliers]
 
 
+_DTYPE = operator.attrgetter("dtype")
+#: the gradient types the kernels take as they are
+_PLAIN = {Tensor, torch.nn.Parameter}

@@ -12,8 +12,8 @@ from torch.optim.adamw import adamw as _torch_adamw
 from . import _compact, _ops, _native, _triton
 from ._dispatch import check_implementation
 from ._adam import _entries
-from ._group import GroupTensors, grads_key
-from ._sharding import local_piece
+from ._group import GroupTensors
+from ._sharding import any_dtensor, local_piece
 from ._base import ScaleOptimizer
 from ._checks import check_bool
 from ._loading import ADAM_STATE
@@ -331,11 +331,26 @@ def named_path(group: Dict[str, Any]) -> Optional[str]:
     return "triton" if group.get("capturable") else group.get("implementation")
 
 
+_DTYPE = operator.attrgetter("dtype")
+#: the gradient types the kernels take as they are
+_PLAIN = {Tensor, torch.nn.Parameter}
+
+
+def _grads_key(grads: List[Tensor]) -> Optional[Tuple[List[Any], ...]]:
+    """What a plan made for some gradients holds for others that give the same key: their
+    dtypes, sizes and devices (``Tensor.get_device``: -1 for the CPU); None where one is not
+    a plain contiguous tensor (a few passes in C, no Python work per tensor)."""
+    if not (set(map(type, grads)) <= _PLAIN and all(map(Tensor.is_contiguous, grads))):
+        return None
+    return (list(map(_DTYPE, grads)), list(map(Tensor.numel, grads)),
+            list(map(Tensor.get_device, grads)))
+
+
 class _KernelPlan(NamedTuple):
     """A group's step on scaleopt's kernels but its gradients: the columns (weights, moments,
     step counters, stored forms) made from its parameters' state, and what they were made of
     (the parameters, the options that decide the state's form, the state dicts and every
-    entry in them, the gradients' :func:`~scaleopt._group.grads_key`): given again while all
+    entry in them, the gradients' :func:`_grads_key`): given again while all
     of these are the same (a few passes in C instead of a pass of checks and conversions per
     tensor, the host's work of a step)."""
 
@@ -357,7 +372,7 @@ class _KernelPlan(NamedTuple):
         entries = _entries(dicts)
         return (all(map(operator.is_, dicts, self.dicts)) and len(entries) == len(self.entries)
                 and all(map(operator.is_, entries, self.entries))
-                and grads_key(grads) == self.grads_key)
+                and self.grads_key is not None and _grads_key(grads) == self.grads_key)
 
 
 def _kernel_plan(opt: Any, group: Dict[str, Any], idx: List[int], params: List[Tensor],
@@ -395,8 +410,10 @@ def _kernel_plan(opt: Any, group: Dict[str, Any], idx: List[int], params: List[T
     w, m, v, _, stored = columns
     _check_kernel_takes(impl, w, list(grads), m, v, stored, on_device)
     dicts = list(map(opt.state.__getitem__, params))
-    plan = cache["kernel plan"] = _KernelPlan(list(idx), options, list(params), dicts, _entries(dicts),
-                                       columns, grads_key(grads))
+    plan = _KernelPlan(list(idx), options, list(params), dicts, _entries(dicts), columns,
+                       _grads_key(grads))
+    # sharded parameters' local pieces are taken again at every step (a shard may move)
+    cache["kernel plan"] = None if any_dtensor(params) else plan
     return plan
 
 
