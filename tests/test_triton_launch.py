@@ -241,3 +241,20 @@ def test_the_sweep_times_each_kernel_and_form_of_real_steps_under_every_candidat
     assert sizes["tiny"][("lamb_sums", "float32")] == (4096 + 256) * moved("lamb_sums", "float32")
     table = S.choose(times, S.L.load(str(S.L.DEFAULT)))
     assert {table.chunk(f) for f in S.L.FORMS} <= {2048, 4096}
+
+
+def test_the_sweep_compiles_in_processes_and_leaves_out_a_candidate_that_fails(monkeypatch,
+                                                                               capsys):
+    """``warm`` as the GPU sweep runs it, here in processes stepping CPU tensors under the
+    interpreter: the candidates done come back in their order, and one that cannot be
+    launched (a tile larger than its chunk) is left out and said, the others kept."""
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    S = _sweep()
+    # the processes import the sweep by name, as the sweep's own do from tools/
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "tools"))
+    bad = (2048, 4096, 4)
+    got = S.warm([(4096, 1024, 4), bad, (2048, 512, 2)], 2, device="cpu")
+    assert got == [(4096, 1024, 4), (2048, 512, 2)]
+    assert f"candidate {bad} did not compile" in capsys.readouterr().out

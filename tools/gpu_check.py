@@ -105,8 +105,9 @@ def commands(part: str, scratch: Path, seconds: float = 330, jobs: int = 1) -> L
         return pytest + ["-k", f"{COMPILED} and not ({BITS}) and not ({FIRST})"]
     if part == "graph":
         return [py, __file__, "--part", "graph", str(scratch)]
-    if part == "compile":
-        return sweep + [str(scratch / "compile"), "--compile-only"]
+    if part == "compile":  # (what it compiled in its time stays in Triton's cache)
+        return sweep + [str(scratch / "compile"), "--compile-only", "--budget",
+                        str(max(10, round(seconds - 15)))]
     if part == "sweep":  # (its own budget: what is left after its start and before its report)
         return sweep + [str(scratch / "sweep"), "--budget", str(max(10, round(seconds - 40)))]
     out = ["--out", str(scratch / part), "--json", str(scratch / f"{part}.json")]

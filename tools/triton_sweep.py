@@ -156,8 +156,9 @@ def _optimizer(name: str, named, form: str):
 
 def _tiny_set():
     """A tensor in each kind the sets' launches take: one large enough for compact moments,
-    one that keeps float32 moments; sizes multiples of 16 (aligned), as the sets'."""
-    return [("w", (64, 1024)), ("b", (1024,))]
+    one that keeps float32 moments (under ``_compact.MIN_NUMEL``); sizes multiples of 16
+    (aligned) and int8 rows of whole blocks, as the sets'."""
+    return [("w", (16, 256)), ("b", (256,))]
 
 
 def _params(shapes, device: str = "cuda"):
@@ -174,34 +175,39 @@ def _params(shapes, device: str = "cuda"):
     return named
 
 
-def _compile(work: List[Candidate]) -> int:
-    """Compile ``work``'s kernels (one process of :func:`warm`): LAMB and LANS stepped once per
-    candidate and form on tiny CUDA tensors."""
+def _compile(candidate: Candidate, device: str = "cuda") -> None:
+    """Compile a candidate's kernels (in a process of :func:`warm`): a LAMB, a LANS and an
+    AdamW step per state form on tiny tensors (on the CPU: the interpreter's runs, which
+    compile nothing, in the suite)."""
     import torch
 
     from scaleopt import _triton
 
-    for candidate in work:
-        _triton.LAUNCH = table_of(candidate)
-        for form in L.FORMS:
-            for name in OPTIMIZERS:
-                _optimizer(name, _params(_tiny_set()), form).step()
-    torch.cuda.synchronize()
-    return len(work)
+    _triton.LAUNCH = table_of(candidate)
+    for form in L.FORMS:
+        for name in OPTIMIZERS:
+            _optimizer(name, _params(_tiny_set(), device), form).step()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
 
 
-def warm(cands: List[Candidate], jobs: int, deadline: float = float("inf")) -> List[Candidate]:
+def warm(cands: List[Candidate], jobs: int, deadline: float = float("inf"),
+         device: str = "cuda") -> List[Candidate]:
     """The candidates' kernels compiled into Triton's cache, in ``jobs`` processes, one
     candidate a task in their order, until ``deadline`` (``time.monotonic()``): those
     compiled, in their order (the rest left: timing them would compile them in the timing
-    process, one kernel at a time)."""
-    os.environ.pop("TRITON_INTERPRET", None)
+    process, one kernel at a time; one that fails to compile is left and said)."""
+    if device.startswith("cuda"):
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:  # (the processes read it when they import Triton)
+        os.environ["TRITON_INTERPRET"] = "1"
     done = set()
     pool = multiprocessing.get_context("spawn").Pool(jobs)
     try:
-        results = pool.imap_unordered(_compile_one, cands)
+        results = pool.imap_unordered(_compile_one, [(c, device) for c in cands])
         for _ in cands:
-            candidate, error = results.next(timeout=max(0.0, deadline - time.monotonic()))
+            left = None if deadline == float("inf") else max(0.0, deadline - time.monotonic())
+            candidate, error = results.next(timeout=left)
             if error is None:
                 done.add(candidate)
             else:  # (left out, and said: the others are timed)
@@ -214,10 +220,11 @@ def warm(cands: List[Candidate], jobs: int, deadline: float = float("inf")) -> L
     return [c for c in cands if c in done]
 
 
-def _compile_one(candidate: Candidate) -> Tuple[Candidate, Any]:
+def _compile_one(job: Tuple[Candidate, str]) -> Tuple[Candidate, Any]:
     """(candidate, None) once its kernels are compiled, or (candidate, the error)."""
+    candidate, device = job
     try:
-        _compile([candidate])
+        _compile(candidate, device)
     except Exception as exc:  # noqa: BLE001 (reported by the sweep, which goes on)
         return candidate, f"{type(exc).__name__}: {str(exc)[:300]}"
     return candidate, None
