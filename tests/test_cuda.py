@@ -199,6 +199,35 @@ def test_cuda_triton_adamw_takes_the_steps_of_the_cpu_kernels(state_dtype, monke
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("state_dtype", ["float32", "int8"])
+def test_cuda_triton_adamw_split_masters_take_the_steps_of_the_cpu_kernels(state_dtype,
+                                                                            monkeypatch):
+    """``AdamW(master_weights=True)`` on bfloat16 parameters, compiled for the GPU: the split
+    masters take the C kernel's steps on the CPU (the same numbers, to a moment stored the
+    other way), and each parameter is its master rounded."""
+    pytest.importorskip("triton")
+    if not _native.available():
+        pytest.skip("the C kernels are not built")
+    from scaleopt import _compact
+
+    monkeypatch.setattr(_compact, "MIN_NUMEL", 256)
+    torch.manual_seed(0)
+    big = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 96)).to(torch.bfloat16)
+    mc, mg = copy.deepcopy(big), copy.deepcopy(big).cuda()
+    oc, og = (scaleopt.AdamW(m.parameters(), lr=1e-2, implementation=impl,
+                             state_dtype=state_dtype, master_weights=True)
+              for m, impl in ((mc, "native"), (mg, "triton")))
+    run_on_given_gradients([(mc, oc), (mg, og)], 5)
+    bf16 = torch.finfo(torch.bfloat16)
+    for a, b in zip(mc.parameters(), mg.parameters()):
+        master = og.master(b).cpu()
+        assert "master_lo" in og.state[b]
+        torch.testing.assert_close(master, oc.master(a), rtol=1e-4, atol=5e-5)
+        # the parameter: its master rounded (within a bfloat16 ulp of it)
+        assert ((b.float().cpu() - master).abs()
+                <= bf16.eps * master.abs().clamp_min(bf16.tiny)).all()
+
+
 def test_cuda_graph_replays_the_triton_adamw_step_with_a_changed_lr():
     """``AdamW(capturable=True)``: a step captured once and replayed with a new learning rate
     written into its tensor gives the numbers of eager steps with the rate as a float."""

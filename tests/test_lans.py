@@ -218,14 +218,16 @@ def test_grad_scaler_skips_non_finite_steps_without_touching_state(name):
             assert torch.equal(v, after["state"][k][key])
 
 
-def test_paddle_multi_precision_uses_master_weights():
+@pytest.mark.parametrize("cls", [paddle.Lamb, paddle.AdamW])
+def test_paddle_multi_precision_uses_master_weights(cls):
     ps = [("w", nn.Parameter(torch.ones(4, dtype=torch.bfloat16)))]
-    opt = paddle.Lamb(parameters=ps, multi_precision=True)
+    opt = cls(parameters=ps, multi_precision=True)
     assert opt.param_groups[0]["master_weights"] is True
     ps[0][1].grad = torch.ones(4, dtype=torch.bfloat16)
     opt.step()
     assert opt.master(ps[0][1]).dtype == torch.float32
     assert opt.state[ps[0][1]]["exp_avg"].dtype == torch.float32
+    assert opt.master(ps[0][1]).to(torch.bfloat16).equal(ps[0][1].detach())
 
 
 def test_mxnet_multi_precision_keeps_fp32_masters():

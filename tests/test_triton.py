@@ -1334,6 +1334,93 @@ def test_adamw_on_the_triton_kernel_gives_the_c_kernels_bits(state_dtype, monkey
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
 
 
+def _bf16_adamw_run(impl, state_dtype="float32", steps=3, model=None, opt=None, start=0):
+    """AdamW with master weights on a bfloat16 copy of :func:`_adamw_model` (given
+    bfloat16 gradients), ``steps`` steps; the model and the optimizer."""
+    if model is None:
+        model = _adamw_model().to(torch.bfloat16)
+        opt = scaleopt.AdamW(model.named_parameters(), lr=1e-2, weight_decay=0.1,
+                             exclude_from_weight_decay=r"bias$", implementation=impl,
+                             state_dtype=state_dtype, master_weights=True)
+    for t in range(start, start + steps):
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(t)).to(
+                torch.bfloat16)
+        opt.step()
+    return model, opt
+
+
+@pytest.mark.parametrize("impl", ["triton", "native", None, "multi", "single"])
+def test_adamw_keeps_float32_masters_of_bfloat16_parameters_on_every_path(impl):
+    """``AdamW(master_weights=True)`` on bfloat16 parameters: on every path the masters take
+    the steps a float32 AdamW takes on the same (bfloat16) gradients, and each parameter is
+    its master rounded to nearest; split (``master_lo``) where scaleopt's kernels run the
+    group, a float32 copy on torch's own paths."""
+    from scaleopt import _native
+
+    if impl == "native" and not _native.available():
+        pytest.skip("the C kernels are not built")
+    model, opt = _bf16_adamw_run(impl)
+    ref = _adamw_model().to(torch.bfloat16).float()
+    decay = [p for n, p in ref.named_parameters() if not n.endswith("bias")]
+    rest = [p for n, p in ref.named_parameters() if n.endswith("bias")]
+    torch_adamw = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}],
+                                    lr=1e-2, weight_decay=0.1, foreach=False)
+    for t in range(3):
+        for p in ref.parameters():
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(t)).to(
+                torch.bfloat16).float()
+        torch_adamw.step()
+    split = impl in ("triton", "native") or (impl is None and _native.available())
+    for p, q in zip(model.parameters(), ref.parameters()):
+        master = opt.master(p)
+        assert p.dtype == torch.bfloat16 and master.dtype == torch.float32
+        assert ("master_lo" in opt.state[p]) == split
+        assert ("master_param" in opt.state[p]) == (not split)
+        assert opt.state[p]["exp_avg"].dtype == torch.float32
+        torch.testing.assert_close(master, q, rtol=1e-6, atol=1e-7)
+        # the parameter: the master rounded (within a bfloat16 ulp of it)
+        ulp = torch.finfo(torch.bfloat16).eps * master.abs().clamp_min(
+            torch.finfo(torch.bfloat16).tiny)
+        assert ((p.float() - master).abs() <= ulp).all()
+
+
+@pytest.mark.parametrize("state_dtype", ["float32", "int8"])
+def test_adamw_split_masters_on_the_triton_kernel_give_the_c_kernels_bits(state_dtype,
+                                                                           monkeypatch):
+    """Split masters of bfloat16 parameters, in float32 and int8 state: the Triton kernel and
+    the C kernel give the same parameters, lower halves, moments and codes bit for bit; a
+    checkpoint holds each master as a float32 ``master_param``, and a run resumed from it
+    takes the same steps."""
+    (a, oa), (b, ob) = _on_both_kernels(lambda impl: _bf16_adamw_run(impl, state_dtype),
+                                        monkeypatch)
+    _same_bits(a, oa, b, ob)
+    assert all("master_lo" in oa.state[p] for p in a.parameters())
+    saved, kept = copy.deepcopy(oa.state_dict()), copy.deepcopy(a.state_dict())
+    assert all(st["master_param"].dtype == torch.float32 and "master_lo" not in st
+               for st in saved["state"].values())
+    _bf16_adamw_run("triton", model=a, opt=oa, steps=2, start=3)
+    model = _adamw_model().to(torch.bfloat16)
+    model.load_state_dict(kept)
+    opt = scaleopt.AdamW(model.named_parameters(), lr=1e-2, weight_decay=0.1,
+                         exclude_from_weight_decay=r"bias$", implementation="triton",
+                         state_dtype=state_dtype, master_weights=True)
+    opt.load_state_dict(saved)
+    _bf16_adamw_run("triton", model=model, opt=opt, steps=2, start=3)
+    _same_bits(a, oa, model, opt)
+
+
+def test_adamw_on_the_kernels_asks_for_master_weights_for_bfloat16_parameters():
+    """Without master weights a bfloat16 parameter has no float32 values for the kernels to
+    update: a clear error that names the option."""
+    model = _adamw_model().to(torch.bfloat16)
+    opt = scaleopt.AdamW(model.parameters(), implementation="triton")
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    with pytest.raises(ValueError, match="master_weights=True"):
+        opt.step()
+
+
 def test_adamw_on_the_triton_kernel_follows_its_state_as_it_changes(monkeypatch):
     """The Triton AdamW keeps what it made of a group's state between steps: the C kernel's
     bits still where the step counts differ between tensors (a parameter without a gradient

@@ -172,8 +172,8 @@ def test_paddle_front_end_errors():
         paddle.Lamb(parameters=named(), beta1=1.5)
     low = [("w", nn.Parameter(torch.zeros(2, dtype=torch.bfloat16)))]
     with pytest.raises(NotImplementedError, match="multi_precision"):
-        paddle.AdamW(parameters=low, multi_precision=True)
-    paddle.AdamW(parameters=named(), multi_precision=True)  # fp32 parameters: nothing to do
+        paddle.Momentum(parameters=low, multi_precision=True)
+    paddle.Momentum(parameters=named(), multi_precision=True)  # fp32 parameters: nothing to do
 
 
 def test_keras_front_end_errors():

@@ -116,7 +116,7 @@ class LocalPlacement:
     kernels on the CPU, the Triton kernels on CUDA), a float32 copy elsewhere."""
 
     def storage(self, group: Dict[str, Any], p: Tensor) -> Storage:
-        if not group["master_weights"] or p.dtype not in LOW_PRECISION:
+        if not group.get("master_weights") or p.dtype not in LOW_PRECISION:
             return Storage.OWN
         if (p.dtype == torch.bfloat16 and local_piece(p).is_contiguous()
                 and _kernels_take_split(group, p)):

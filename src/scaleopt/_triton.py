@@ -691,17 +691,18 @@ def adam(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[T
 def adamw(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
           exp_avg_sqs: Sequence[Tensor], state_steps: Sequence[Tensor], *, lr: Any,
           weight_decays: Sequence[float], beta1: float, beta2: float, eps: float,
-          stored: Optional[Sequence[Any]] = None,
-          cache: Optional[Dict[str, Any]] = None) -> None:
+          stored: Optional[Sequence[Any]] = None, cache: Optional[Dict[str, Any]] = None,
+          w16s: Optional[Sequence[Optional[Tensor]]] = None) -> None:
     """AdamW's step (decoupled decay ``weight_decays[i]``, bias corrections) on the Triton
     kernel, with :func:`adam`'s scalars (so the C kernel's bits) made on the host per distinct
     step count and decay rather than per tensor: the step counters (float32 scalars on the
     host) incremented in one operation (:func:`counters`), and one small table copied from
-    pinned memory without waiting."""
+    pinned memory without waiting. ``w16s`` as in :func:`adam` (split masters' lower halves,
+    or where a float32 master's rounded values go)."""
     if not params:
         return
-    t, cache = _adam_tensors(params, grads, exp_avgs, exp_avg_sqs, [None] * len(params),
-                             state_steps, stored, cache)
+    t, cache = _adam_tensors(params, grads, exp_avgs, exp_avg_sqs,
+                             w16s or [None] * len(params), state_steps, stored, cache)
     device = params[0].device
     steps = counters(list(state_steps), cache)
     steps.add_(1)
@@ -750,7 +751,8 @@ def adamw_on_device(params: Sequence[Tensor], grads: Sequence[Tensor],
                     state_steps: Sequence[Tensor], *, lr: Any, weight_decays: Sequence[float],
                     beta1: float, beta2: float, eps: float,
                     stored: Optional[Sequence[Any]] = None,
-                    cache: Optional[Dict[str, Any]] = None) -> None:
+                    cache: Optional[Dict[str, Any]] = None,
+                    w16s: Optional[Sequence[Optional[Tensor]]] = None) -> None:
     """AdamW's step (decoupled decay ``weight_decays[i]``, bias corrections) on the Triton
     kernel, with its scalars made by device operations alone from the step counters (where
     the weights are; incremented there) and ``lr`` (a float, or a 0-d tensor on the weights'
@@ -759,8 +761,8 @@ def adamw_on_device(params: Sequence[Tensor], grads: Sequence[Tensor],
     for the last bits of the powers of the betas."""
     if not params:
         return
-    t, cache = _adam_tensors(params, grads, exp_avgs, exp_avg_sqs, [None] * len(params),
-                             state_steps, stored, cache)
+    t, cache = _adam_tensors(params, grads, exp_avgs, exp_avg_sqs,
+                             w16s or [None] * len(params), state_steps, stored, cache)
     device = params[0].device
     key = (tuple(weight_decays), device)
     kept = cache.get("adam static")

@@ -17,6 +17,7 @@ from ._sharding import any_dtensor, local_piece
 from ._base import ScaleOptimizer
 from ._checks import check_bool
 from ._loading import ADAM_STATE
+from ._masters import LocalPlacement, MasterWeights
 from ._params import NameRule
 
 __all__ = ["AdamW"]
@@ -124,6 +125,13 @@ class AdamW(ScaleOptimizer):
             step reads nothing on the host and can be captured in a CUDA graph (change ``lr``
             between replays in place, ``group["lr"].fill_(...)``). The Triton kernel only
             (``implementation`` None or ``"triton"``).
+        master_weights (bool, default False): float32 master weights (and float32 moments) for
+            float16/bfloat16 parameters, as in :class:`LAMB`: a bfloat16 parameter's master
+            is split (the parameter holds its upper 16 bits rounded to nearest,
+            ``state["master_lo"]`` the lower 16) where scaleopt's kernels run its group, a
+            float32 copy (``state["master_param"]``) elsewhere; a ``state_dict`` holds each
+            as a float32 ``master_param``. The kernels update a split master in place, torch's
+            paths its float32 value (see :doc:`/adamw`).
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
@@ -160,6 +168,7 @@ class AdamW(ScaleOptimizer):
         state_dtype: str = "float32",
         implementation: Optional[str] = None,
         capturable: bool = False,
+        master_weights: bool = False,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -178,8 +187,19 @@ class AdamW(ScaleOptimizer):
             state_dtype=state_dtype,
             implementation=implementation,
             capturable=capturable,
+            master_weights=master_weights,
         )
         super().__init__(params, defaults, nonfinite=nonfinite)
+
+    def _attach(self) -> None:
+        super()._attach()
+        self._master_weights = MasterWeights(self, LocalPlacement())
+
+    def master(self, p: Tensor) -> Tensor:
+        """The float32 master weights of ``p`` (``master_weights=True``): a new tensor for a
+        split master, the stored copy for another low-precision parameter, ``p`` itself
+        otherwise."""
+        return self._master_weights.master(p)
 
     def _validate_group(self, group: Dict[str, Any]) -> None:
         super()._validate_group(group)
@@ -189,6 +209,7 @@ class AdamW(ScaleOptimizer):
         check_fused(group)
         check_implementation(group)
         check_bool(a("capturable"), group["capturable"])
+        check_bool(a("master_weights"), group["master_weights"])
         impl = group.get("implementation")
         if group["capturable"] and impl not in (None, "triton"):
             raise ValueError(f"capturable=True runs on the Triton kernel, not "
@@ -217,10 +238,13 @@ def update(opt: Any, group: Dict[str, Any], idx: List[int], params: List[Tensor]
     if impl in _KERNELS:
         _kernel_step(opt, group, idx, params, grads, impl)
         return
-    fused = takes_fused(group, params)
+    # with master weights, torch's paths run on their float32 values (split ones joined)
+    view = opt._master_weights.view(group, params) if group.get("master_weights") else None
+    work = params if view is None else opt._master_weights.joined(view)
+    fused = takes_fused(group, work)
     pending: List[_compact.Pending] = []
     native: Dict[bool, List[Tuple[Any, ...]]] = {}
-    lists = _init_group(opt, group, idx, params, grads, fused, pending, native)
+    lists = _init_group(opt, group, idx, params, work, grads, fused, pending, native)
     for decayed, rows in native.items():
         _adam_kernel(group, tuple(list(col) for col in zip(*rows)), [decayed] * len(rows),
                      "native", _kernel_cache(opt, group))
@@ -257,14 +281,18 @@ def update(opt: Any, group: Dict[str, Any], idx: List[int], params: List[Tensor]
         for s, moved in zip(counters, steps) if steps is not counters else ():
             s.copy_(moved)
     _compact.store(pending)
+    if view is not None:
+        opt._master_weights.split_back(view, work)
+        opt._master_weights.commit(view, False)
 
 
 def _init_group(opt: Any, group: Dict[str, Any], idx: List[int], params: List[Tensor],
-                grads: List[Tensor], fused: bool, pending: List[_compact.Pending],
-                native: Dict[bool, List[Tuple[Any, ...]]]
+                work: List[Tensor], grads: List[Tensor], fused: bool,
+                pending: List[_compact.Pending], native: Dict[bool, List[Tuple[Any, ...]]]
                 ) -> Dict[bool, Tuple[List[Tensor], ...]]:
-    """The group's tensors for torch's ``adamw``, split by whether they decay: params,
-    grads, moments, max moments (the params without amsgrad) and steps; state made where
+    """The group's tensors for torch's ``adamw``, split by whether they decay: the tensors
+    updated (``work``: the parameters, or their float32 masters), grads, moments (in the
+    dtype of those), max moments (the params without amsgrad) and steps; state made where
     new, step counters where ``fused`` needs them (on the parameter's device) or not.
     Sharded parameters and their state are given as their local shards (as the gradients
     are). Moments stored in bfloat16 or 8 bits go to the C kernel where it takes them
@@ -273,7 +301,7 @@ def _init_group(opt: Any, group: Dict[str, Any], idx: List[int], params: List[Te
     no_decay = opt._rule_flags(group, "exclude_from_weight_decay")
     keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
     lists: Dict[bool, Tuple[List[Tensor], ...]] = {}
-    for i, p, g in zip(idx, params, grads):
+    for i, p, w, g in zip(idx, params, work, grads):
         state = opt.state[p]
         if "step" not in state:
             state["step"] = (
@@ -286,38 +314,41 @@ def _init_group(opt: Any, group: Dict[str, Any], idx: List[int], params: List[Te
         elif not fused and state["step"].device.type != "cpu":
             state["step"] = state["step"].cpu()
         form = _compact.form_for(group["state_dtype"], tuple(p.shape))
-        _compact.convert(state, form, p, p.dtype)
-        row = None if form == "float32" else _native_row(group, p, g, state, form)
+        _compact.convert(state, form, p, w.dtype)
+        row = None if form == "float32" else _native_row(group, p, w, g, state, form)
         if row is not None:
             native.setdefault(not no_decay[i], []).append(row)
             continue
         moments = {}
         for key in keys:
             if form != "float32":
-                moments[key] = _compact.working(state, key, form, p, p.dtype, pending)
+                moments[key] = _compact.working(state, key, form, p, w.dtype, pending)
                 continue
             if key not in state:
-                state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state[key] = torch.zeros_like(p, dtype=w.dtype,
+                                              memory_format=torch.preserve_format)
             moments[key] = local_piece(state[key])
         ls = lists.setdefault(not no_decay[i], ([], [], [], [], [], []))
-        for dest, t in zip(ls, (local_piece(p), g, moments["exp_avg"], moments["exp_avg_sq"],
-                                moments.get("max_exp_avg_sq", local_piece(p)),
+        if g.dtype != w.dtype:  # a low-precision gradient of a float32 master
+            g = g.to(w.dtype)
+        for dest, t in zip(ls, (local_piece(w), g, moments["exp_avg"], moments["exp_avg_sq"],
+                                moments.get("max_exp_avg_sq", local_piece(w)),
                                 state["step"])):
             dest.append(t)
     return lists
 
-def _native_row(group: Dict[str, Any], p: Tensor, grad: Tensor, state: Dict[str, Any],
-                form: str) -> Optional[Tuple[Any, ...]]:
-    """``(weight, grad, exp_avg, exp_avg_sq, step, stored)`` of a parameter whose moments
-    are stored in ``form`` (bfloat16 or 8 bits), for the C kernel, which updates them in
-    place in one pass (no float32 copies): where it takes the tensor (float32 on the CPU,
-    the kernels built, no amsgrad, not under ``torch.compile``, no path other than the fused
-    ones asked for), else None."""
-    if (group["amsgrad"] or not _native.kernels_allowed(group) or p.dtype != torch.float32
+def _native_row(group: Dict[str, Any], p: Tensor, w: Tensor, grad: Tensor,
+                state: Dict[str, Any], form: str) -> Optional[Tuple[Any, ...]]:
+    """``(weight, grad, exp_avg, exp_avg_sq, step, stored)`` of a parameter ``p`` whose
+    moments are stored in ``form`` (bfloat16 or 8 bits), for the C kernel, which updates
+    them and ``w`` (``p`` or its float32 master) in place in one pass (no float32 copies):
+    where it takes the tensor (float32 on the CPU, the kernels built, no amsgrad, not under
+    ``torch.compile``, no path other than the fused ones asked for), else None."""
+    if (group["amsgrad"] or not _native.kernels_allowed(group) or w.dtype != torch.float32
             or not _native.available() or _ops.compiling() or not state["step"].is_cpu):
         return None
     stored = _compact.stored(state, form, p)
-    row = (local_piece(p), grad, local_piece(state["exp_avg"]),
+    row = (local_piece(w), grad, local_piece(state["exp_avg"]),
            local_piece(state["exp_avg_sq"]), state["step"], stored)
     return row if _native.adam_applies(*row[:4], None, stored) else None
 
@@ -361,6 +392,8 @@ class _KernelPlan(NamedTuple):
     entries: List[Any]
     columns: Tuple[List[Any], ...]
     grads_key: Any
+    #: the masters' view (``master_weights``), to commit to the parameters after a step
+    view: Any
 
     def holds(self, opt: Any, idx: List[int], options: tuple, params: List[Tensor],
               grads: List[Tensor]) -> bool:
@@ -382,36 +415,46 @@ def _kernel_plan(opt: Any, group: Dict[str, Any], idx: List[int], params: List[T
     non-fused AdamW keeps them; with ``capturable`` where the weights are), converted to the
     group's ``state_dtype``, and the tensors checked (``ValueError`` where the kernel ``impl``
     cannot take one)."""
-    options = (group["state_dtype"], group.get("capturable", False), impl)
+    options = (group["state_dtype"], group.get("capturable", False), impl,
+               bool(group.get("master_weights")))
     kept = cache.get("kernel plan")  # ("plan" is the Triton launcher's own)
     if kept is not None and kept.holds(opt, idx, options, params, grads):
         return kept
     on_device = options[1]
+    # with master weights: a split master's upper half (the parameter) and lower halves, or
+    # a float32 copy and the parameter its rounded values go to (the kernels' w16)
+    view = opt._master_weights.view(group, params) if options[3] else None
+    weights, w16s = (params, [None] * len(params)) if view is None else (view.weights,
+                                                                          view.kernel_w16())
     rows = []
-    for p in params:
+    for p, weight, w16 in zip(params, weights, w16s):
         state = opt.state[p]
+        dtype = torch.float32 if view is not None and opt._computes_in_float32(group, p) \
+            else p.dtype
         where = p.device if on_device else torch.device("cpu")
         if "step" not in state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32, device=where)
         elif state["step"].device != where:
             state["step"] = state["step"].to(where)
         form = _compact.form_for(group["state_dtype"], tuple(p.shape))
-        _compact.convert(state, form, p, p.dtype)
+        _compact.convert(state, form, p, dtype)
         if form == "float32":
             for key in ("exp_avg", "exp_avg_sq"):
                 if key not in state:
-                    state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state[key] = torch.zeros_like(p, dtype=dtype,
+                                                  memory_format=torch.preserve_format)
             stored = None
         else:
             stored = _compact.stored(state, form, p)
-        rows.append((local_piece(p), local_piece(state["exp_avg"]),
-                     local_piece(state["exp_avg_sq"]), state["step"], stored))
-    columns = tuple(list(col) for col in zip(*rows)) if rows else ([],) * 5
-    w, m, v, _, stored = columns
-    _check_kernel_takes(impl, w, list(grads), m, v, stored, on_device)
+        rows.append((local_piece(weight), local_piece(state["exp_avg"]),
+                     local_piece(state["exp_avg_sq"]), state["step"], stored,
+                     None if w16 is None else local_piece(w16)))
+    columns = tuple(list(col) for col in zip(*rows)) if rows else ([],) * 6
+    w, m, v, _, stored, w16 = columns
+    _check_kernel_takes(impl, w, list(grads), m, v, stored, w16, on_device)
     dicts = list(map(opt.state.__getitem__, params))
     plan = _KernelPlan(list(idx), options, list(params), dicts, _entries(dicts), columns,
-                       _grads_key(grads))
+                       _grads_key(grads), view)
     # sharded parameters' local pieces are taken again at every step (a shard may move)
     cache["kernel plan"] = None if any_dtensor(params) else plan
     return plan
@@ -426,10 +469,13 @@ def _kernel_step(opt: Any, group: Dict[str, Any], idx: List[int], params: List[T
     if not params:
         return
     cache = _kernel_cache(opt, group)
-    w, m, v, steps, stored = _kernel_plan(opt, group, idx, params, grads, impl, cache).columns
+    plan = _kernel_plan(opt, group, idx, params, grads, impl, cache)
+    w, m, v, steps, stored, w16 = plan.columns
     no_decay = opt._rule_flags(group, "exclude_from_weight_decay")
     _adam_kernel(group, (w, list(grads), m, v, steps, stored), [not no_decay[i] for i in idx],
-                 impl, cache)
+                 impl, cache, w16)
+    if plan.view is not None:  # (split masters' upper halves are the parameters: nothing)
+        opt._master_weights.commit(plan.view, True)
 
 
 def _kernel_cache(opt: Any, group: Dict[str, Any]) -> Dict[str, Any]:
@@ -439,22 +485,25 @@ def _kernel_cache(opt: Any, group: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def _adam_kernel(group: Dict[str, Any], columns: Tuple[List[Any], ...], decayed: List[bool],
-                 impl: str, cache: Dict[str, Any]) -> None:
+                 impl: str, cache: Dict[str, Any],
+                 w16s: Optional[List[Optional[Tensor]]] = None) -> None:
     """AdamW on the C kernel or the Triton one (``impl``) for ``columns`` (weights, gradients,
-    moments, step counters, stored forms; ``decayed``: whether each decays): torch's
+    moments, step counters, stored forms; ``decayed``: whether each decays; ``w16s``: split
+    masters' lower halves, or where a float32 master's rounded values go): torch's
     single-tensor AdamW's operations, with the scalars computed as it computes them (with
     ``capturable``, by device operations: :func:`scaleopt._triton.adamw_on_device`)."""
     beta1, beta2 = group["betas"]
     w, g, m, v, steps, stored = columns
     wd = group["weight_decay"]
+    w16s = [None] * len(w) if w16s is None else w16s
     if impl == "triton":
         on = _triton.adamw_on_device if group.get("capturable") else _triton.adamw
         on(w, g, m, v, steps, lr=group["lr"], weight_decays=[wd if d else 0.0 for d in decayed],
-           beta1=beta1, beta2=beta2, eps=group["eps"], stored=stored, cache=cache)
+           beta1=beta1, beta2=beta2, eps=group["eps"], stored=stored, cache=cache, w16s=w16s)
         return
     lr, count = float(group["lr"]), len(w)
     bc1, bc2_sqrt = _ops.bias_corrections([float(s) + 1.0 for s in steps], beta1, beta2, True)
-    _native.adam(w, g, m, v, [None] * count, steps, threads=torch.get_num_threads(),
+    _native.adam(w, g, m, v, w16s, steps, threads=torch.get_num_threads(),
                  step_sizes=[lr / b for b in bc1], bias_correction2_sqrts=bc2_sqrt,
                  weight_decays_l2=[0.0] * count,
                  decays=[1.0 - lr * (wd if d else 0.0) for d in decayed], beta1=beta1,
@@ -462,17 +511,22 @@ def _adam_kernel(group: Dict[str, Any], columns: Tuple[List[Any], ...], decayed:
 
 
 def _check_kernel_takes(impl: str, w: List[Tensor], g: List[Tensor], m: List[Tensor],
-                        v: List[Tensor], stored: List[Any], capturable: bool = False) -> None:
-    """``ValueError`` naming what the kernel ``impl`` cannot take among a group's tensors."""
+                        v: List[Tensor], stored: List[Any], w16: List[Optional[Tensor]],
+                        capturable: bool = False) -> None:
+    """``ValueError`` naming what the kernel ``impl`` cannot take among a group's tensors
+    (``w16``: split masters' lower halves, or where a float32 master's rounded values go)."""
     if impl == "triton":
-        t = GroupTensors(w, g, m, v, [], None, stored=stored)
-        ok = _triton.applies(t) and all(x.dtype == torch.float32 for x in w)
-        where = ("float32 parameters, contiguous, on a CUDA device (CPU tensors under "
-                 "TRITON_INTERPRET=1), and Triton installed")
+        t = GroupTensors(w, g, m, v, [], w16 if any(x is not None for x in w16) else None,
+                         stored=stored)
+        ok = _triton.applies(t)
+        where = ("float32 parameters (or float16/bfloat16 ones with master_weights=True), "
+                 "contiguous, on a CUDA device (CPU tensors under TRITON_INTERPRET=1), and "
+                 "Triton installed")
     else:
-        ok = _native.available() and all(_native.adam_applies(*row, None, st)
-                                          for *row, st in zip(w, g, m, v, stored))
-        where = "float32 CPU parameters, contiguous, and the C kernels built"
+        ok = _native.available() and all(_native.adam_applies(*row, st)
+                                          for *row, st in zip(w, g, m, v, w16, stored))
+        where = ("float32 CPU parameters (or bfloat16 ones with master_weights=True), "
+                 "contiguous, and the C kernels built")
     if not ok:
         asked = "capturable=True" if capturable else f"implementation={impl!r}"
         raise ValueError(f"{asked}: the {impl} kernel cannot take this group's tensors: it "

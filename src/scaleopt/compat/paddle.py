@@ -346,8 +346,9 @@ class AdamW(_PaddleAPI, _AdamW):
         learning_rate (float or LRScheduler, default 0.001), beta1 (0.9), beta2 (0.999),
         epsilon (1e-8), parameters (required), weight_decay (0.01), lr_ratio (callable(name) ->
         float or None), apply_decay_param_fun (callable(name) -> bool or None), grad_clip (None),
-        lazy_mode (False: the same numbers for dense gradients), multi_precision (False),
-        amsgrad (False), name (None).
+        lazy_mode (False: the same numbers for dense gradients), multi_precision (False; True
+        keeps float32 master weights of float16/bfloat16 parameters, as ``master_weights``
+        does in scaleopt.AdamW), amsgrad (False), name (None).
     """
 
     def __init__(
@@ -385,10 +386,10 @@ class AdamW(_PaddleAPI, _AdamW):
             weight_decay=as_float("weight_decay", weight_decay),
             amsgrad=amsgrad,
             exclude_from_weight_decay=exclude,
+            master_weights=bool(multi_precision),
             **_clip_options(grad_clip),
         )
         self._after_init()
-        _check_multi_precision(self, multi_precision)
 
 
 class _negate:
