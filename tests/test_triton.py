@@ -1336,12 +1336,14 @@ def test_adamw_on_the_triton_kernel_gives_the_c_kernels_bits(state_dtype, monkey
 
 def _bf16_adamw_run(impl, state_dtype="float32", steps=3, model=None, opt=None, start=0):
     """AdamW with master weights on a bfloat16 copy of :func:`_adamw_model` (given
-    bfloat16 gradients), ``steps`` steps; the model and the optimizer."""
+    bfloat16 gradients), ``steps`` steps (``impl`` "capturable": ``capturable=True``); the
+    model and the optimizer."""
     if model is None:
         model = _adamw_model().to(torch.bfloat16)
+        path = dict(capturable=True) if impl == "capturable" else dict(implementation=impl)
         opt = scaleopt.AdamW(model.named_parameters(), lr=1e-2, weight_decay=0.1,
-                             exclude_from_weight_decay=r"bias$", implementation=impl,
-                             state_dtype=state_dtype, master_weights=True)
+                             exclude_from_weight_decay=r"bias$", state_dtype=state_dtype,
+                             master_weights=True, **path)
     for t in range(start, start + steps):
         for p in model.parameters():
             p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(t)).to(
@@ -1350,7 +1352,7 @@ def _bf16_adamw_run(impl, state_dtype="float32", steps=3, model=None, opt=None, 
     return model, opt
 
 
-@pytest.mark.parametrize("impl", ["triton", "native", None, "multi", "single"])
+@pytest.mark.parametrize("impl", ["triton", "capturable", "native", None, "multi", "single"])
 def test_adamw_keeps_float32_masters_of_bfloat16_parameters_on_every_path(impl):
     """``AdamW(master_weights=True)`` on bfloat16 parameters: on every path the masters take
     the steps a float32 AdamW takes on the same (bfloat16) gradients, and each parameter is
@@ -1371,7 +1373,8 @@ def test_adamw_keeps_float32_masters_of_bfloat16_parameters_on_every_path(impl):
             p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(t)).to(
                 torch.bfloat16).float()
         torch_adamw.step()
-    split = impl in ("triton", "native") or (impl is None and _native.available())
+    split = impl in ("triton", "capturable", "native") or (impl is None
+                                                           and _native.available())
     for p, q in zip(model.parameters(), ref.parameters()):
         master = opt.master(p)
         assert p.dtype == torch.bfloat16 and master.dtype == torch.float32
