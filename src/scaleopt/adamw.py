@@ -119,7 +119,8 @@ class AdamW(ScaleOptimizer):
             under ``TRITON_INTERPRET=1``), each kernel one pass over every tensor of a group in
             every ``state_dtype``, the two with the same bits. None: torch's fused kernel where
             it takes every parameter (the C kernel for compact moments on the CPU). The
-            kernels take float32 parameters without ``amsgrad`` (see :doc:`/gpu`).
+            kernels take float32 parameters (bfloat16 ones with ``master_weights``) without
+            ``amsgrad`` (see :doc:`/gpu`).
         capturable (bool, default False): keep the step counters on the parameters' device and
             read them, and the learning rate when it is a tensor on that device, there: the
             step reads nothing on the host and can be captured in a CUDA graph (change ``lr``
