@@ -76,6 +76,10 @@ OPTIMIZERS = {
                                                                state_dtype="int8"),
     "LAMB(bf16, master_weights, int8 state)": lambda ps: scaleopt.LAMB(
         ps, lr=1e-2, master_weights=True, state_dtype="int8"),
+    # AdamW's masters: joined around torch's fused step, and on the Triton kernel
+    "AdamW(bf16, master_weights)": lambda ps: scaleopt.AdamW(ps, lr=1e-2, master_weights=True),
+    "AdamW(bf16, master_weights, triton)": lambda ps: scaleopt.AdamW(
+        ps, lr=1e-2, master_weights=True, implementation="triton"),
 }
 
 
