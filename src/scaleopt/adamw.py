@@ -261,24 +261,11 @@ def update(opt: Any, group: Dict[str, Any], idx: List[int], params: List[Tensor]
             # a 0-d tensor made from the float: an input of the compiled graph, not a
             # constant that an LR schedule would recompile at every step
             lr = torch.ones((), dtype=torch.float32, device=ps[0].device) * lr
-        _torch_adamw(
-            ps,
-            gs,
-            ms,
-            vs,
-            maxs if group["amsgrad"] else [],
-            steps,
-            foreach=None if fused else (impl == "multi" if impl else group["foreach"]),
-            fused=fused,
-            capturable=capturable,
-            amsgrad=group["amsgrad"],
-            beta1=beta1,
-            beta2=beta2,
-            lr=lr,
-            weight_decay=group["weight_decay"] if decayed else 0.0,
-            eps=group["eps"],
-            maximize=False,
-        )
+        _torch_adamw(ps, gs, ms, vs, maxs if group["amsgrad"] else [], steps,
+                     foreach=None if fused else (impl == "multi" if impl else group["foreach"]),
+                     fused=fused, capturable=capturable, amsgrad=group["amsgrad"], beta1=beta1,
+                     beta2=beta2, lr=lr, weight_decay=group["weight_decay"] if decayed else 0.0,
+                     eps=group["eps"], maximize=False)
         for s, moved in zip(counters, steps) if steps is not counters else ():
             s.copy_(moved)
     _compact.store(pending)
