@@ -336,7 +336,11 @@ def run_part(part: str, limit: float, scratch: Path, log, jobs: int = 1) -> Dict
             "output": output}
 
 
-def write(report: Dict[str, Any], out: Path) -> None:
+def write(report: Dict[str, Any], out: Path, outcomes: Dict[str, str],
+          started: float) -> None:
+    """The report so far (its time and the tests' summary brought up to date) to ``out``."""
+    report["seconds"] = time.perf_counter() - started
+    report["tests"] = summarise_tests(outcomes) if outcomes else None
     (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
     (out / "gpu_check.md").write_text(markdown(report))
 
@@ -416,13 +420,9 @@ def main(argv=None) -> int:
                                                          "table", "seconds", "skipped")}
             elif (scratch / f"{part}.json").exists():
                 report["bench"][part] = json.loads((scratch / f"{part}.json").read_text())
-            # the report so far, after every part: a check stopped from outside keeps it
-            report["seconds"] = time.perf_counter() - started
-            report["tests"] = summarise_tests(outcomes) if outcomes else None
-            write(report, out)
-    report["seconds"] = time.perf_counter() - started
-    report["tests"] = summarise_tests(outcomes) if outcomes else None
-    write(report, out)
+            # after every part: a check stopped from outside keeps what it measured
+            write(report, out, outcomes, started)
+    write(report, out, outcomes, started)
     print(markdown(report))
     return 1 if report["tests"] and report["tests"]["failed"] else 0
 
