@@ -8,8 +8,11 @@ the whole tensor; ``sizes[k]`` its size; ``grads[i]`` the address of its gradien
 its own: a step's gradients may be elsewhere than the last step's). Row i of ``scal``: lr,
 weight decay, adapt, gradient multiplier, the bias corrections 1 - beta1^t and
 sqrt(1 - beta2^t) of its step, and the step t. The phases are the C kernels'
-(``csrc/``); the arithmetic is the reference's (``scaleopt.lamb``, ``scaleopt.lans``),
-each operation rounded once (compiled without contraction, with ``div_rn`` and ``sqrt_rn``).
+(``csrc/``), each operation rounded once (compiled without contraction, with ``div_rn`` and
+``sqrt_rn``). LAMB's second phase divides as the reference does (``scaleopt.lamb``); the
+first phases, whose update only its norm needs, and LANS's second phase multiply by the bias
+corrections' reciprocals instead, as the C kernels' portable loops do (two divisions fewer per
+element).
 Kinds (compile-time, their codes ``_format``'s): ``W_SPLIT`` a split master (the weight's
 bfloat16 upper halves at w, the int16 lower halves at w16) or a float32 weight; ``G_KIND`` the
 gradient's dtype (``GRAD_KINDS``); ``W16_KIND`` what w16 holds (``W16_KINDS``: nothing, the
@@ -437,9 +440,33 @@ def _lamb_moments(w, g, m, v, lr, wd, beta1, beta2, MODE: tl.constexpr):
 
 
 @triton.jit
-def _lamb_u(w, m, v, wd, bc1, bc2, eps, MODE: tl.constexpr):
-    """LAMB's update u from the new moments, decay included (mode 0)."""
-    u = tl.div_rn(tl.div_rn(m, bc1), tl.div_rn(tl.sqrt_rn(v), bc2) + eps)
+def _unbiased(m, v, bc1, bc2):
+    """m / (1 - beta1^t) and sqrt(v) / sqrt(1 - beta2^t), divided as the reference divides."""
+    return tl.div_rn(m, bc1), tl.div_rn(tl.sqrt_rn(v), bc2)
+
+
+@triton.jit
+def _unbiased_by_reciprocals(m, v, inv_bc1, inv_bc2):
+    """m and sqrt(v) multiplied by the bias corrections' reciprocals (:func:`_reciprocals`),
+    as the C kernels' portable loops do: the first phases' and LANS's form, two divisions
+    fewer per element."""
+    return m * inv_bc1, tl.sqrt_rn(v) * inv_bc2
+
+
+@triton.jit
+def _reciprocals(bc1, bc2):
+    """1 / (1 - beta1^t) and 1 / sqrt(1 - beta2^t), correctly rounded, once per program:
+    divided in float64 and rounded to float32, the bits of a float32 division (float64 has
+    more than twice float32's precision, so rounding twice rounds as once); a float32
+    division's out-of-line slow path here made ptxas spill registers on sm_80."""
+    return ((1.0 / bc1.to(tl.float64)).to(tl.float32),
+            (1.0 / bc2.to(tl.float64)).to(tl.float32))
+
+
+@triton.jit
+def _lamb_u(w, m_hat, d, wd, eps, MODE: tl.constexpr):
+    """LAMB's update u = m^ / (d + eps) (d: sqrt(v^)), decay included (mode 0)."""
+    u = tl.div_rn(m_hat, d + eps)
     if MODE == _MODE_UPDATE:
         u = u + wd * w
     return u
@@ -458,6 +485,7 @@ def lamb_sums(ptrs, grads, sizes, chunks, scal, skip, parts, beta1, beta2, eps, 
     row, n, start, slot, _, lr, wd, _, mult, bc1, bc2, _ = _program(ptrs, sizes, chunks, scal,
                                                                     skip)
     wp, gp, mp, vp, w16p = _pointers(row, grads, W_SPLIT, G_KIND, W16_KIND, FORM, ALIGNED)
+    inv_bc1, inv_bc2 = _reciprocals(bc1, bc2)
     acc_w = 0.0
     acc_u = 0.0
     at = _blocks(row, n, start, QB, FORM, ALIGNED)
@@ -470,7 +498,8 @@ def lamb_sums(ptrs, grads, sizes, chunks, scal, skip, parts, beta1, beta2, eps, 
         if FORM == _FORM_FLOAT32:
             tl.store(mp + offs, m, mask=mask)
             tl.store(vp + offs, v, mask=mask)
-        u = _lamb_u(w, m, v, wd, bc1, bc2, eps, MODE)
+        m_hat, d = _unbiased_by_reciprocals(m, v, inv_bc1, inv_bc2)
+        u = _lamb_u(w, m_hat, d, wd, eps, MODE)
         acc_w += _part(w * w, FORM, ALIGNED)
         acc_u += _part(u * u, FORM, ALIGNED)
     tl.store(parts + 2 * slot, _whole(acc_w, FORM, ALIGNED))
@@ -502,7 +531,8 @@ def lamb_apply(ptrs, grads, sizes, chunks, scal, skip, sums, beta1, beta2, eps, 
             w, m, v = _lamb_moments(w, _load_g(gp, offs, mask, mult, clip_lo, clip_hi, CLIP),
                                     m, v, lr, wd, beta1, beta2, MODE)
             _store_moments(row, mp, vp, offs, mask, b, bmask, m, v, step, FORM, ALIGNED)
-        u = _lamb_u(w, m, v, wd, bc1, bc2, eps, MODE)
+        m_hat, d = _unbiased(m, v, bc1, bc2)
+        u = _lamb_u(w, m_hat, d, wd, eps, MODE)
         _store_w(wp, w16p, offs, mask, w - lr * (ratio * u), W_SPLIT, W16_KIND)
 
 
@@ -515,10 +545,10 @@ def _normalising_factor(gsq, i, mult):
 
 
 @triton.jit
-def _lans_r(w, m, v, wd, bc1, bc2, eps):
-    """LANS's 1/(sqrt(v^) + eps) and update r from the new moments."""
-    dinv = tl.div_rn(1.0, tl.div_rn(tl.sqrt_rn(v), bc2) + eps)
-    return dinv, tl.div_rn(m, bc1) * dinv + wd * w
+def _lans_r(w, m_hat, d, wd, eps):
+    """LANS's 1/(d + eps) and update r = m^ / (d + eps) (d: sqrt(v^))."""
+    dinv = tl.div_rn(1.0, d + eps)
+    return dinv, m_hat * dinv + wd * w
 
 
 @triton.jit
@@ -533,6 +563,7 @@ def lans_sums(ptrs, grads, sizes, chunks, scal, skip, parts, gsq, beta1, beta2, 
                                                                     skip)
     wp, gp, mp, vp, w16p = _pointers(row, grads, W_SPLIT, G_KIND, W16_KIND, FORM, ALIGNED)
     ginv = _normalising_factor(gsq, i, mult)
+    inv_bc1, inv_bc2 = _reciprocals(bc1, bc2)
     acc_w = 0.0
     acc_r = 0.0
     acc_c = 0.0
@@ -547,7 +578,8 @@ def lans_sums(ptrs, grads, sizes, chunks, scal, skip, parts, gsq, beta1, beta2, 
         if FORM == _FORM_FLOAT32:
             tl.store(mp + offs, m, mask=mask)
             tl.store(vp + offs, v, mask=mask)
-        dinv, r = _lans_r(w, m, v, wd, bc1, bc2, eps)
+        m_hat, d = _unbiased_by_reciprocals(m, v, inv_bc1, inv_bc2)
+        dinv, r = _lans_r(w, m_hat, d, wd, eps)
         c = g * dinv + wd * w
         acc_w += _part(w * w, FORM, ALIGNED)
         acc_r += _part(r * r, FORM, ALIGNED)
@@ -573,6 +605,7 @@ def lans_apply(ptrs, grads, sizes, chunks, scal, skip, sums, gsq, beta1, beta2, 
                                                                         scal, skip)
     wp, gp, mp, vp, w16p = _pointers(row, grads, W_SPLIT, G_KIND, W16_KIND, FORM, ALIGNED)
     ginv = _normalising_factor(gsq, i, mult)
+    inv_bc1, inv_bc2 = _reciprocals(bc1, bc2)
     lr_r = lr * beta1
     lr_c = lr * (1.0 - beta1)
     w2 = tl.load(sums + 4 * i)
@@ -592,7 +625,8 @@ def lans_apply(ptrs, grads, sizes, chunks, scal, skip, sums, gsq, beta1, beta2, 
         if FORM != _FORM_FLOAT32:  # else the moments the first phase stored
             m, v = _moments(m, v, g, beta1, beta2)
             _store_moments(row, mp, vp, offs, mask, b, bmask, m, v, step, FORM, ALIGNED)
-        dinv, r = _lans_r(w, m, v, wd, bc1, bc2, eps)
+        m_hat, d = _unbiased_by_reciprocals(m, v, inv_bc1, inv_bc2)
+        dinv, r = _lans_r(w, m_hat, d, wd, eps)
         w1 = w - lr_r * (ratio_r * r)
         if MOVED:
             c = g * dinv + wd * w1
