@@ -230,7 +230,6 @@ def test_the_readme_states_the_studys_own_headline_and_cost():
     readme = " ".join((DOCS.parent / "README.md").read_text().split())
     assert " ".join(study_report.headline(s).split()) in readme
     assert f"{len(s['rows'])} runs in {s['time_s'] / 60:.0f} minutes" in readme
-    from scaleopt.cli import text
 
     cfg, sizes = s["protocol"]["config"], s["protocol"]["batch_sizes"]
     model = models.GPT(cfg["width"], cfg["layers"], cfg["context"])
