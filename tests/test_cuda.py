@@ -421,6 +421,20 @@ def test_cuda_triton_kernels_equal_the_reference_with_a_launch_per_phase(info):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("cls, decoupled", [(scaleopt.LAMB, False), (scaleopt.LAMB, True),
+                                            (scaleopt.LANS, False)])
+def test_cuda_triton_first_phases_sums_are_the_norms_of_the_update(cls, decoupled,
+                                                                  monkeypatch):
+    """Compiled, the first phases (which multiply by the bias corrections' reciprocals, made
+    in float64 once per program) total the float64 norms of the update the step applies,
+    within 1e-6 relatively, as under the interpreter."""
+    pytest.importorskip("triton")
+    from kernel_probe import first_phase_sums
+
+    got, want = first_phase_sums(cls, decoupled, "cuda", monkeypatch)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("cls", [scaleopt.LAMB, scaleopt.LANS])
 def test_cuda_triton_split_masters_of_bf16_parameters(cls):
     pytest.importorskip("triton")

@@ -33,7 +33,7 @@ import scaleopt  # noqa: E402
 from scaleopt import _compact, _format, _triton, _triton_launch, _triton_layout  # noqa: E402
 from scaleopt import _triton_kernels as K  # noqa: E402
 from scaleopt._layerwise import LayerwiseAdam  # noqa: E402
-from kernel_probe import exact_codes, stored_by_the_kernels  # noqa: E402
+from kernel_probe import exact_codes, first_phase_sums, stored_by_the_kernels  # noqa: E402
 import dgc_workers as W  # noqa: E402
 import sharded_workers as S  # noqa: E402
 from registry import REGISTRY  # noqa: E402
@@ -107,44 +107,9 @@ def test_the_first_phases_sums_are_the_norms_of_the_update(cls, decoupled, monke
     """The sums the trust ratios come from (the first phase's, totalled) are those of the
     update the step applies, computed in float64 from the weights before the step and the
     moments it stored: within 1e-6 relatively (the first phases multiply by the bias
-    corrections' reciprocals, and add in their own order). LAMB: ||w||^2, ||u||^2; LANS:
-    ||w||^2, ||r||^2, ||c||^2 and <r, c>."""
-    torch.manual_seed(0)
-    params = [nn.Parameter(torch.randn(*s)) for s in ((33, 7), (64,), (5, 9, 4))]
-    kw = dict(weight_decay_mode="decoupled") if decoupled and cls is scaleopt.LAMB else {}
-    opt = use(cls(params, lr=1e-2, weight_decay=0.01, **kw), "triton")
-    totalled = []
-    run = _triton._run
-
-    def recorded(name, programs, *args, **kwargs):
-        run(name, programs, *args, **kwargs)
-        if name == "totals" and kwargs["S"] > 1:  # (LANS: also the gradients' norms, S 1)
-            totalled.append(args[2].clone())
-    monkeypatch.setattr(_triton, "_run", recorded)
-    for step in range(3):
-        for p in params:
-            p.grad = torch.randn_like(p) * (step + 1)
-        before = [p.detach().double() for p in params]
-        opt.step()
-    g = opt.param_groups[0]
-    beta1, beta2 = g["betas"]
-    bc1, bc2 = 1 - beta1 ** 3, math.sqrt(1 - beta2 ** 3)
-    want = []
-    for p, w in zip(params, before):
-        st = opt.state[p]
-        m, v = st["exp_avg"].double(), st["exp_avg_sq"].double()
-        dinv = 1 / ((v.sqrt() / bc2) + g["eps"])
-        if cls is scaleopt.LANS:
-            gn = p.grad.double() / p.grad.double().norm()
-            r, c = m / bc1 * dinv + g["weight_decay"] * w, gn * dinv + g["weight_decay"] * w
-            want += [w.square().sum(), r.square().sum(), c.square().sum(), (r * c).sum()]
-        else:
-            if decoupled:
-                w = w * (1 - g["lr"] * g["weight_decay"])
-            u = m / bc1 * dinv + (0 if decoupled else g["weight_decay"] * w)
-            want += [w.square().sum(), u.square().sum()]
-    assert len(totalled) == 3
-    torch.testing.assert_close(totalled[-1].double(), torch.stack(want), rtol=1e-6, atol=0)
+    corrections' reciprocals, and add in their own order)."""
+    got, want = first_phase_sums(cls, decoupled, "cpu", monkeypatch)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
 
 
 def test_launches_do_not_grow_with_the_number_of_tensors():

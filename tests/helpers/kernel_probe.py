@@ -4,10 +4,13 @@ read back, on the CPU under Triton's interpreter (tests/test_triton.py) or on a 
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
+import scaleopt
 from scaleopt import _format, _triton
 from scaleopt import _triton_kernels as K
 from scaleopt._triton_layout import PTRS
@@ -80,3 +83,46 @@ def exact_codes(x, signed, step=1.0):
     bits = _bits(x, step=step).tolist()
     return [[_exact_code(abs(v), signed, r) * (-1 if v < 0 else 1) for v, r in zip(row, rb)]
             for row, rb in zip(x.tolist(), bits)]
+
+
+def first_phase_sums(cls, decoupled, device, monkeypatch):
+    """Three Triton steps of LAMB or LANS (float32 state; LAMB's decay in the "update" or the
+    "decoupled" mode) on three tensors of ``device``: the last step's totalled first-phase
+    sums as the kernels gave them, and as float64 computes them from the weights before the
+    step and the moments it stored (LAMB: ||w||^2, ||u||^2; LANS: ||w||^2, ||r||^2, ||c||^2,
+    <r, c>)."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(*s, device=device))
+              for s in ((33, 7), (64,), (5, 9, 4))]
+    kw = dict(weight_decay_mode="decoupled") if decoupled else {}
+    opt = cls(params, lr=1e-2, weight_decay=0.01, implementation="triton", **kw)
+    totalled, run = [], _triton._run
+
+    def recorded(name, programs, *args, **kwargs):
+        run(name, programs, *args, **kwargs)
+        if name == "totals" and kwargs["S"] > 1:  # (LANS: also the gradients' norms, S 1)
+            totalled.append(args[2].clone())
+    monkeypatch.setattr(_triton, "_run", recorded)
+    for step in range(3):
+        for p in params:
+            p.grad = torch.randn_like(p) * (step + 1)
+        before = [p.detach().double() for p in params]
+        opt.step()
+    g = opt.param_groups[0]
+    beta1, beta2 = g["betas"]
+    bc1, bc2, wd = 1 - beta1 ** 3, math.sqrt(1 - beta2 ** 3), g["weight_decay"]
+    want = []
+    for p, w in zip(params, before):
+        m, v = (opt.state[p][k].double() for k in ("exp_avg", "exp_avg_sq"))
+        dinv = 1 / ((v.sqrt() / bc2) + g["eps"])
+        if cls is scaleopt.LANS:
+            gn = p.grad.double() / p.grad.double().norm()
+            r, c = m / bc1 * dinv + wd * w, gn * dinv + wd * w
+            want += [w.square().sum(), r.square().sum(), c.square().sum(), (r * c).sum()]
+        else:
+            if decoupled:
+                w = w * (1 - g["lr"] * wd)
+            u = m / bc1 * dinv + (0 if decoupled else wd * w)
+            want += [w.square().sum(), u.square().sum()]
+    assert len(totalled) == 3
+    return totalled[-1].double().cpu(), torch.stack(want).cpu()
