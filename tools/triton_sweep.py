@@ -54,12 +54,18 @@ Candidate = Tuple[int, int, int]  # (chunk, block, warps)
 
 
 def candidates() -> List[Candidate]:
-    """Every (chunk, block, warps) with the block no larger than the chunk; the package's
-    default first, then the cheapest to compile first (:func:`compile_cost`), so that a
-    sweep stopped by its time has compiled and timed as many as it could."""
+    """Every (chunk, block, warps) with the block no larger than the chunk; first the
+    package's own (LAMB's float32 apply's, then any other kernel's of its table, e.g. LANS's
+    first phase's with int8 moments), then the cheapest to compile first
+    (:func:`compile_cost`), so that a sweep stopped by its time has compiled and timed as
+    many as it could."""
     every = [(c, b, w) for c, b, w in itertools.product(CHUNKS, BLOCKS, WARPS) if b <= c]
-    default = _as_candidate(L.load(str(L.DEFAULT)), "lamb_apply", "float32")
-    return [default] + sorted((c for c in every if c != default), key=compile_cost)
+    table = L.load(str(L.DEFAULT))
+    default = _as_candidate(table, "lamb_apply", "float32")
+    own = sorted({_as_candidate(table, k, f) for k in L.KERNELS for f in L.FORMS} - {default},
+                 key=compile_cost)
+    first = [default] + own
+    return first + sorted((c for c in every if c not in first), key=compile_cost)
 
 
 def compile_cost(candidate: Candidate) -> Tuple[float, ...]:
