@@ -10,6 +10,7 @@ which the optimizer's ``step`` calls in order for all its groups.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import warnings
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol, Sequence
 
@@ -18,6 +19,12 @@ from torch import Tensor
 
 from ._intake import GradScalars, apply_grad_scalars
 from ._sharding import Reduction, ShardSums
+
+
+#: a tensor's dtype (``map(_DTYPE, tensors)``: one pass in C)
+_DTYPE = operator.attrgetter("dtype")
+#: the gradient types the kernels take as they are
+_PLAIN = {Tensor, torch.nn.Parameter}
 
 
 def pick(xs: Sequence[Any], idx: Sequence[int]) -> List[Any]:

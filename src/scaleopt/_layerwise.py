@@ -7,7 +7,6 @@ import operator
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-import torch
 from torch import Tensor
 
 from . import _native
@@ -16,7 +15,7 @@ from ._checks import check_bool, check_bounds
 from ._compile import eager
 from ._dispatch import Impl, check_implementation, confirmed, implementation
 from ._dispatch import takes as takes_tensors
-from ._group import GroupOptions, GroupTensors, TensorOptions
+from ._group import _DTYPE, _PLAIN, GroupOptions, GroupTensors, TensorOptions
 from ._intake import Deferral, GroupGrads
 from ._sharding import local
 
@@ -304,8 +303,3 @@ class GroupPlan:
 def _rates(lr: Any, multipliers: Optional[Sequence[float]], count: int) -> List[Any]:
     """Each tensor's learning rate: the group's, times its multiplier where there are any."""
     return [lr] * count if multipliers is None else [lr * m for m in multipliers]
-
-
-_DTYPE = operator.attrgetter("dtype")
-#: the gradient types the kernels take as they are
-_PLAIN = {Tensor, torch.nn.Parameter}

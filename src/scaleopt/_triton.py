@@ -81,7 +81,6 @@ _G_KINDS = {torch.float32: _format.GRAD_KINDS["float32"],
 _W16_KINDS = {None: _format.W16_KINDS["none"], torch.bfloat16: _format.W16_KINDS["bfloat16"],
               torch.float16: _format.W16_KINDS["float16"], torch.int16: _format.W16_KINDS["split"]}
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
-_PLAIN_TYPES = set(_PLAIN)
 _ROW = len(PTRS)  # int64 entries per row of ``ptrs``
 _ROW_LEN = PTRS.index("row_len")
 _FORMS = {code: name for name, code in _format.MOMENT_FORMS.items()}

@@ -12,7 +12,7 @@ from torch.optim.adamw import adamw as _torch_adamw
 from . import _compact, _ops, _native, _triton
 from ._dispatch import check_implementation
 from ._adam import _entries
-from ._group import GroupTensors
+from ._group import _DTYPE, _PLAIN, GroupTensors
 from ._sharding import any_dtensor, local_piece
 from ._base import ScaleOptimizer
 from ._checks import check_bool
@@ -348,11 +348,6 @@ def named_path(group: Dict[str, Any]) -> Optional[str]:
     """The path an AdamW group's options name: ``"triton"`` where it is ``capturable``, else
     its ``implementation`` (None: torch's paths, chosen by ``foreach``/``fused``)."""
     return "triton" if group.get("capturable") else group.get("implementation")
-
-
-_DTYPE = operator.attrgetter("dtype")
-#: the gradient types the kernels take as they are
-_PLAIN = {Tensor, torch.nn.Parameter}
 
 
 def _grads_key(grads: List[Tensor]) -> Optional[Tuple[List[Any], ...]]:
