@@ -53,10 +53,15 @@ class DGCCallback(L.Callback):
     def on_load_checkpoint(self, trainer, pl_module, checkpoint):
         self._saved = checkpoint.get("dgc_hook_states")
 
+
+
+class EndTogether(L.Callback):
+    """End the process group on every rank at once. Lightning leaves it to an atexit handler in
+    each process, so a rank may tear gloo down while another still works (rank 0 saves the
+    weights for ``ddp_spawn``), which can abort that rank ("terminate called without an active
+    exception"), with or without DGC."""
+
     def teardown(self, trainer, pl_module, stage):
-        # Lightning leaves the process group to an atexit handler in each process, so a rank
-        # may tear gloo down while another still works (rank 0 saves the weights for
-        # ddp_spawn), which can abort it; the ranks end the group together instead
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
@@ -68,7 +73,7 @@ def fit(out, max_steps=8, ckpt_path=None, dgc=True, workers=2, **dgc_options):
     rank 0's trained weights."""
     module = Classifier(optimizer="sgd", lr=0.05, max_steps=max_steps)
     callbacks = [L.pytorch.callbacks.ModelCheckpoint(dirpath=out, every_n_train_steps=4,
-                                                     save_top_k=-1)]
+                                                     save_top_k=-1), EndTogether()]
     if dgc:
         callbacks.append(DGCCallback(**{"momentum": 0.9, "sparsity": [0.9], "min_numel": 64,
                                         **dgc_options}))
