@@ -12,7 +12,7 @@ import scaleopt
 from scaleopt import _native
 
 from registry import REGISTRY, set_foreach
-from steps import on_loss
+from steps import lamb_moments, on_loss
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -433,6 +433,17 @@ def test_cuda_triton_first_phases_sums_are_the_norms_of_the_update(cls, decouple
 
     got, want = first_phase_sums(cls, decoupled, "cuda", monkeypatch)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+
+
+def test_cuda_triton_lamb_moments_after_a_step_are_the_reference_loops_bits():
+    """One LAMB step, compiled: the Triton kernels' moments are the reference loop's on the
+    GPU bit for bit (1 - beta1 and 1 - beta2 from the host, rounded once from float64: computed
+    in the kernel from the float32 beta1 they were 0.100000024, not 0.1, for beta1 = 0.9)."""
+    pytest.importorskip("triton")
+    for (m, v), (m0, v0) in zip(lamb_moments(1, "cuda", implementation="triton"),
+                                lamb_moments(1, "cuda", foreach=False)):
+        assert torch.equal(m, m0)
+        torch.testing.assert_close(v, v0, rtol=2**-23, atol=0)  # (torch's product order)
 
 
 @pytest.mark.parametrize("cls", [scaleopt.LAMB, scaleopt.LANS])

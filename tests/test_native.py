@@ -18,7 +18,7 @@ from torch import nn
 import scaleopt
 from scaleopt import _native
 from scaleopt._dispatch import Impl
-from steps import on_gradients
+from steps import lamb_moments, on_gradients
 
 needs_kernels = pytest.mark.skipif(not _native.available(), reason="kernels not built")
 
@@ -477,3 +477,16 @@ def test_each_struct_has_the_c_layout(struct):
 def test_a_wrong_argument_raises_instead_of_reaching_c():
     with pytest.raises(ctypes.ArgumentError):
         _native._lib.lamb_multi(0, 1, None)
+
+
+@needs_kernels
+def test_lamb_on_the_c_kernels_takes_the_reference_loops_first_moment_bit_for_bit():
+    """Three LAMB steps with the same gradients: the C kernels' first moments are the
+    reference loop's bit for bit, and both moments after one step (1 - beta1 and 1 - beta2
+    rounded once from float64, as the loop rounds them; from the float32 beta1, 1 - beta1
+    would be 0.100000024 for 0.9)."""
+    for steps in (1, 3):
+        got = lamb_moments(steps, implementation="native")
+        for (m, v), (m0, v0) in zip(got, lamb_moments(steps, foreach=False)):
+            assert torch.equal(m, m0)
+            assert steps > 1 or torch.equal(v, v0)

@@ -37,6 +37,7 @@ from kernel_probe import exact_codes, first_phase_sums, stored_by_the_kernels  #
 import dgc_workers as W  # noqa: E402
 import sharded_workers as S  # noqa: E402
 from registry import REGISTRY  # noqa: E402
+from steps import lamb_moments  # noqa: E402
 from test_matrix import fresh, loss_of, record_host_reads, train  # noqa: E402
 
 LAYERWISE = [i for i in REGISTRY if not i.host_step
@@ -1318,6 +1319,15 @@ def _same_bits(a, oa, b, ob):
         assert torch.equal(p, q)
         for key, value in oa.state[p].items():
             assert torch.equal(value, ob.state[q][key]), key
+
+
+def test_lamb_moments_after_a_step_are_the_reference_loops_bits():
+    """One LAMB step with the same gradients: the Triton kernels' moments are the reference
+    loop's bit for bit (m = (1 - beta1) g, v = (1 - beta2) g^2: 1 - beta1 and 1 - beta2 rounded
+    once from float64 as the loop rounds them, each product rounded once)."""
+    for (m, v), (m0, v0) in zip(lamb_moments(1, implementation="triton"),
+                                lamb_moments(1, foreach=False)):
+        assert torch.equal(m, m0) and torch.equal(v, v0)
 
 
 @pytest.mark.parametrize("state_dtype", ["float32", "bfloat16", "int8"])

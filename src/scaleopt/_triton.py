@@ -566,7 +566,8 @@ def _skip_flag(t: Any, device: torch.device, cache: Dict[str, Any]) -> Tensor:
 
 def _options(o: Any, clip: Any) -> Dict[str, Any]:
     lo, hi = _ops.clip_bounds(clip)
-    return dict(beta1=o.beta1, beta2=o.beta2, eps=o.eps, clip_lo=float(lo), clip_hi=float(hi),
+    return dict(beta1=o.beta1, beta2=o.beta2, one_m_b1=1.0 - o.beta1, one_m_b2=1.0 - o.beta2,
+                eps=o.eps, clip_lo=float(lo), clip_hi=float(hi),
                 CLIP=clip is not None,
                 lower=o.lower_bound or 0.0, upper=o.upper_bound or 0.0,
                 HAS_LOWER=o.lower_bound is not None, HAS_UPPER=o.upper_bound is not None)

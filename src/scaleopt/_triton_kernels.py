@@ -9,10 +9,10 @@ its own: a step's gradients may be elsewhere than the last step's). Row i of ``s
 weight decay, adapt, gradient multiplier, the bias corrections 1 - beta1^t and
 sqrt(1 - beta2^t) of its step, and the step t. The phases are the C kernels'
 (``csrc/``), each operation rounded once (compiled without contraction, with ``div_rn`` and
-``sqrt_rn``). LAMB's second phase divides as the reference does (``scaleopt.lamb``); the
-first phases, whose update only its norm needs, and LANS's second phase multiply by the bias
-corrections' reciprocals instead, as the C kernels' portable loops do (two divisions fewer per
-element).
+``sqrt_rn``). Every phase multiplies by the bias corrections' reciprocals, rounded once per
+program, as the C kernels do (the reference loop divides: two divisions more per element);
+1 - beta1 and 1 - beta2 come from the host, rounded once from float64 as the reference
+rounds them.
 Kinds (compile-time, their codes ``_format``'s): ``W_SPLIT`` a split master (the weight's
 bfloat16 upper halves at w, the int16 lower halves at w16) or a float32 weight; ``G_KIND`` the
 gradient's dtype (``GRAD_KINDS``); ``W16_KIND`` what w16 holds (``W16_KINDS``: nothing, the
@@ -122,13 +122,15 @@ def _pointers(row, grads, W_SPLIT: tl.constexpr, G_KIND: tl.constexpr, W16_KIND:
 @triton.jit
 def _blocks(row, n, start, QB: tl.constexpr, FORM: tl.constexpr, ALIGNED: tl.constexpr):
     """What a program's iterations share of where its elements lie. For int8 moments: the
-    tensor's size and the chunk's first block, and where rows are not whole blocks (ALIGNED
-    below ``_WHOLE_BLOCKS``) the row length, the blocks per row (a block is 256 elements of a
-    row, the last of a row shorter), and for each lane j < QB of a tile j // per_row and
-    j % per_row (so that an iteration divides once, not once per lane). Blocks number fewer
-    than 2^31 (a tensor's size: 2^39): int32 holds them. ALIGNED 1: the rows' lengths are
-    multiples of 16 elements (the mask then changes only between runs of 16). For other
-    forms: the size and the first element."""
+    tensor's blocks and the chunk's first block; where rows are not whole blocks (ALIGNED
+    below ``_WHOLE_BLOCKS``; a block is 256 elements of a row, the last of a row shorter):
+    where the last row starts, the row length, the blocks per row, the chunk's first block,
+    the row and column of each lane j < QB's block in the first tile, the rows and columns a
+    tile further on adds, and the length of a row's last block (so that a program divides
+    once, in its first tile, and its later tiles only add). Blocks number fewer than 2^31 (a
+    tensor's size: 2^39): int32 holds them. ALIGNED 1: the rows' lengths are multiples of 16
+    elements (the mask then changes only between runs of 16). For other forms: the size and
+    the first element."""
     if FORM == _FORM_INT8 and ALIGNED == _WHOLE_BLOCKS:
         return (n // 256).to(tl.int32), tl.cast(start, tl.int32)
     elif FORM == _FORM_INT8:
@@ -136,9 +138,13 @@ def _blocks(row, n, start, QB: tl.constexpr, FORM: tl.constexpr, ALIGNED: tl.con
         if ALIGNED:
             row_len = tl.multiple_of(row_len, _VECTOR)
         per_row = ((row_len + 255) // 256).to(tl.int32)
-        j = tl.arange(0, QB)
-        jq = j // per_row
-        return n, row_len, per_row, tl.cast(start, tl.int32), jq, j - jq * per_row
+        first = tl.cast(start, tl.int32)
+        lane = first + tl.arange(0, QB)  # the lanes' blocks in the first tile
+        r = lane // per_row
+        step_rows = QB // per_row  # a tile further on: so many rows and step_cols columns
+        tail = (row_len - (per_row - 1) * 256).to(tl.int32)  # the length of a row's last block
+        return (n - row_len, row_len, per_row, first, r, lane - r * per_row, step_rows,
+                QB - step_rows * per_row, tail)
     else:
         return n, start
 
@@ -150,7 +156,9 @@ def _tile(at, it, BLOCK: tl.constexpr, QB: tl.constexpr, FORM: tl.constexpr,
     and mask, and the int8 blocks' indices and mask. For int8 moments (FORM 2) a tile of QB
     blocks (its rows), each of 256 lanes, from block ``start + it * QB``: block b is in row
     b // per_row of the tensor, from column (b % per_row) * 256, and shorter where the row
-    ends; where rows are whole blocks, elements 256 b to 256 b + 255. Otherwise BLOCK
+    ends (each lane's row and column: those of the first tile, moved ``it`` tiles on, each
+    move a few additions and one carry, which the iterations before share as compiled);
+    where rows are whole blocks, elements 256 b to 256 b + 255. Otherwise BLOCK
     elements from element ``start + it * BLOCK`` (the blocks: the elements). The tensor holds
     whole rows (a local piece of its rows), so whole blocks."""
     if FORM == _FORM_INT8 and ALIGNED == _WHOLE_BLOCKS:  # block b: elements 256 b on
@@ -160,16 +168,20 @@ def _tile(at, it, BLOCK: tl.constexpr, QB: tl.constexpr, FORM: tl.constexpr,
         bmask = b < blocks
         mask = tl.broadcast_to(bmask[:, None], (QB, 256))
     elif FORM == _FORM_INT8:
-        n, row_len, per_row, first, jq, jr = at
-        r = (first + it * QB) // per_row  # the tile's first block: row r, column c
-        t = first + it * QB - r * per_row + jr  # the lanes' columns, before a carry: < 2 per_row
-        carry = t >= per_row
-        col = (tl.where(carry, t - per_row, t) * 256)[:, None] + tl.arange(0, 256)[None, :]
-        begins = (r + jq + carry.to(tl.int32)).to(tl.int64) * row_len  # the lanes' rows
-        offs = begins[:, None] + col
+        last_row, row_len, per_row, first, r, c, step_rows, step_cols, tail = at
+        for _ in tl.static_range(it):  # (the iterations before compute the same: shared)
+            c += step_cols
+            carry = c >= per_row
+            c = tl.where(carry, c - per_row, c)
+            r += step_rows + carry.to(tl.int32)
+        begins = r.to(tl.int64) * row_len  # the lanes' rows
+        length = tl.where(c == per_row - 1, tail, 256)
+        if ALIGNED:
+            length = tl.multiple_of(length, _VECTOR)
+        offs = (begins + c.to(tl.int64) * 256)[:, None] + tl.arange(0, 256)[None, :]
         b = first + it * QB + tl.arange(0, QB)
-        bmask = begins + row_len <= n  # a whole row of the tensor
-        mask = bmask[:, None] & (col < row_len)
+        bmask = begins <= last_row  # a whole row of the tensor
+        mask = bmask[:, None] & (tl.arange(0, 256)[None, :] < length[:, None])
     else:
         n, start = at
         if ALIGNED:  # (the same numbers, in a form whose divisibility the compiler sees)
@@ -341,9 +353,12 @@ def _load_g(gp, offs, mask, mult, clip_lo, clip_hi, CLIP: tl.constexpr):
 
 
 @triton.jit
-def _moments(m, v, g, beta1, beta2):
-    """Adam's moments updated with ``g``."""
-    return m + (1.0 - beta1) * (g - m), v * beta2 + (1.0 - beta2) * g * g
+def _moments(m, v, g, beta2, one_m_b1, one_m_b2):
+    """Adam's moments updated with ``g``. 1 - beta1 and 1 - beta2 come from the host (in
+    float64 there, then rounded once to float32 as the reference rounds them): computed here
+    they would be rounded twice when compiled (beta1 a float32 argument) and once under the
+    interpreter (a Python float), two different numbers."""
+    return m + one_m_b1 * (g - m), v * beta2 + one_m_b2 * g * g
 
 
 @triton.jit
@@ -429,27 +444,20 @@ def _whole(acc, FORM: tl.constexpr, ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def _lamb_moments(w, g, m, v, lr, wd, beta1, beta2, MODE: tl.constexpr):
+def _lamb_moments(w, g, m, v, lr, wd, beta2, one_m_b1, one_m_b2, MODE: tl.constexpr):
     """w decayed first in the decoupled mode (1), and LAMB's new moments from the old ones and
     the gradient (with w's L2 term in mode 2)."""
     w = w * _decay_factor(lr, wd, MODE)
     if MODE == _MODE_L2:
         g = g + wd * w
-    m, v = _moments(m, v, g, beta1, beta2)
+    m, v = _moments(m, v, g, beta2, one_m_b1, one_m_b2)
     return w, m, v
-
-
-@triton.jit
-def _unbiased(m, v, bc1, bc2):
-    """m / (1 - beta1^t) and sqrt(v) / sqrt(1 - beta2^t), divided as the reference divides."""
-    return tl.div_rn(m, bc1), tl.div_rn(tl.sqrt_rn(v), bc2)
 
 
 @triton.jit
 def _unbiased_by_reciprocals(m, v, inv_bc1, inv_bc2):
     """m and sqrt(v) multiplied by the bias corrections' reciprocals (:func:`_reciprocals`),
-    as the C kernels' portable loops do: the first phases' and LANS's form, two divisions
-    fewer per element."""
+    as the C kernels do: two divisions fewer per element than the reference loop's."""
     return m * inv_bc1, tl.sqrt_rn(v) * inv_bc2
 
 
@@ -473,11 +481,11 @@ def _lamb_u(w, m_hat, d, wd, eps, MODE: tl.constexpr):
 
 
 @triton.jit
-def lamb_sums(ptrs, grads, sizes, chunks, scal, skip, parts, beta1, beta2, eps, clip_lo, clip_hi,
-              lower, upper, MODE: tl.constexpr, CLIP: tl.constexpr, HAS_LOWER: tl.constexpr,
-              HAS_UPPER: tl.constexpr, W_SPLIT: tl.constexpr, G_KIND: tl.constexpr,
-              W16_KIND: tl.constexpr, FORM: tl.constexpr, ALIGNED: tl.constexpr,
-              BLOCK: tl.constexpr, QB: tl.constexpr, ITERS: tl.constexpr):
+def lamb_sums(ptrs, grads, sizes, chunks, scal, skip, parts, beta1, beta2, one_m_b1, one_m_b2, eps,
+              clip_lo, clip_hi, lower, upper, MODE: tl.constexpr, CLIP: tl.constexpr,
+              HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr, W_SPLIT: tl.constexpr,
+              G_KIND: tl.constexpr, W16_KIND: tl.constexpr, FORM: tl.constexpr,
+              ALIGNED: tl.constexpr, BLOCK: tl.constexpr, QB: tl.constexpr, ITERS: tl.constexpr):
     """LAMB's first phase: the chunk's sum w^2 and sum u^2 into its slot of ``parts`` (u the
     full update, decay included; w decayed first in the decoupled mode, 1). float32 moments are
     stored updated; stored ones (FORM 1, 2) are left for the second phase to update and
@@ -494,7 +502,7 @@ def lamb_sums(ptrs, grads, sizes, chunks, scal, skip, parts, beta1, beta2, eps, 
         m, v = _load_moments(row, mp, vp, offs, mask, b, bmask, FORM)
         w, m, v = _lamb_moments(_load_w(wp, w16p, offs, mask, W_SPLIT),
                                 _load_g(gp, offs, mask, mult, clip_lo, clip_hi, CLIP), m, v,
-                                lr, wd, beta1, beta2, MODE)
+                                lr, wd, beta2, one_m_b1, one_m_b2, MODE)
         if FORM == _FORM_FLOAT32:
             tl.store(mp + offs, m, mask=mask)
             tl.store(vp + offs, v, mask=mask)
@@ -507,11 +515,11 @@ def lamb_sums(ptrs, grads, sizes, chunks, scal, skip, parts, beta1, beta2, eps, 
 
 
 @triton.jit
-def lamb_apply(ptrs, grads, sizes, chunks, scal, skip, sums, beta1, beta2, eps, clip_lo, clip_hi,
-               lower, upper, MODE: tl.constexpr, CLIP: tl.constexpr, HAS_LOWER: tl.constexpr,
-               HAS_UPPER: tl.constexpr, W_SPLIT: tl.constexpr, G_KIND: tl.constexpr,
-               W16_KIND: tl.constexpr, FORM: tl.constexpr, ALIGNED: tl.constexpr,
-               BLOCK: tl.constexpr, QB: tl.constexpr, ITERS: tl.constexpr):
+def lamb_apply(ptrs, grads, sizes, chunks, scal, skip, sums, beta1, beta2, one_m_b1, one_m_b2, eps,
+               clip_lo, clip_hi, lower, upper, MODE: tl.constexpr, CLIP: tl.constexpr,
+               HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr, W_SPLIT: tl.constexpr,
+               G_KIND: tl.constexpr, W16_KIND: tl.constexpr, FORM: tl.constexpr,
+               ALIGNED: tl.constexpr, BLOCK: tl.constexpr, QB: tl.constexpr, ITERS: tl.constexpr):
     """LAMB's second phase: w - lr * ratio * u, the ratio from the (totalled) sums. Stored
     moments are updated again from the gradient, as the first phase did, and stored."""
     row, n, start, _, i, lr, wd, adapt, mult, bc1, bc2, step = _program(ptrs, sizes, chunks,
@@ -520,6 +528,7 @@ def lamb_apply(ptrs, grads, sizes, chunks, scal, skip, sums, beta1, beta2, eps, 
     ratio = _trust_ratio(tl.load(sums + 2 * i), tl.load(sums + 2 * i + 1), lower, upper,
                          HAS_LOWER, HAS_UPPER)
     ratio = tl.where(adapt > 0.0, ratio, 1.0)
+    inv_bc1, inv_bc2 = _reciprocals(bc1, bc2)
     at = _blocks(row, n, start, QB, FORM, ALIGNED)
     for it in tl.static_range(ITERS):
         offs, mask, b, bmask = _tile(at, it, BLOCK, QB, FORM, ALIGNED)
@@ -529,9 +538,9 @@ def lamb_apply(ptrs, grads, sizes, chunks, scal, skip, sums, beta1, beta2, eps, 
             w = w * _decay_factor(lr, wd, MODE)
         else:
             w, m, v = _lamb_moments(w, _load_g(gp, offs, mask, mult, clip_lo, clip_hi, CLIP),
-                                    m, v, lr, wd, beta1, beta2, MODE)
+                                    m, v, lr, wd, beta2, one_m_b1, one_m_b2, MODE)
             _store_moments(row, mp, vp, offs, mask, b, bmask, m, v, step, FORM, ALIGNED)
-        m_hat, d = _unbiased(m, v, bc1, bc2)
+        m_hat, d = _unbiased_by_reciprocals(m, v, inv_bc1, inv_bc2)
         u = _lamb_u(w, m_hat, d, wd, eps, MODE)
         _store_w(wp, w16p, offs, mask, w - lr * (ratio * u), W_SPLIT, W16_KIND)
 
@@ -552,8 +561,8 @@ def _lans_r(w, m_hat, d, wd, eps):
 
 
 @triton.jit
-def lans_sums(ptrs, grads, sizes, chunks, scal, skip, parts, gsq, beta1, beta2, eps, clip_lo,
-              clip_hi, lower, upper, CLIP: tl.constexpr, HAS_LOWER: tl.constexpr,
+def lans_sums(ptrs, grads, sizes, chunks, scal, skip, parts, gsq, beta1, beta2, one_m_b1, one_m_b2,
+              eps, clip_lo, clip_hi, lower, upper, CLIP: tl.constexpr, HAS_LOWER: tl.constexpr,
               HAS_UPPER: tl.constexpr, W_SPLIT: tl.constexpr, G_KIND: tl.constexpr,
               W16_KIND: tl.constexpr, FORM: tl.constexpr, ALIGNED: tl.constexpr,
               BLOCK: tl.constexpr, QB: tl.constexpr, ITERS: tl.constexpr):
@@ -574,7 +583,7 @@ def lans_sums(ptrs, grads, sizes, chunks, scal, skip, parts, gsq, beta1, beta2, 
         m, v = _load_moments(row, mp, vp, offs, mask, b, bmask, FORM)
         w = _load_w(wp, w16p, offs, mask, W_SPLIT)
         g = _load_g(gp, offs, mask, ginv, clip_lo, clip_hi, CLIP)
-        m, v = _moments(m, v, g, beta1, beta2)
+        m, v = _moments(m, v, g, beta2, one_m_b1, one_m_b2)
         if FORM == _FORM_FLOAT32:
             tl.store(mp + offs, m, mask=mask)
             tl.store(vp + offs, v, mask=mask)
@@ -592,12 +601,11 @@ def lans_sums(ptrs, grads, sizes, chunks, scal, skip, parts, gsq, beta1, beta2, 
 
 
 @triton.jit
-def lans_apply(ptrs, grads, sizes, chunks, scal, skip, sums, gsq, beta1, beta2, eps, clip_lo,
-               clip_hi, lower, upper, MOVED: tl.constexpr, CLIP: tl.constexpr,
+def lans_apply(ptrs, grads, sizes, chunks, scal, skip, sums, gsq, beta1, beta2, one_m_b1, one_m_b2,
+               eps, clip_lo, clip_hi, lower, upper, MOVED: tl.constexpr, CLIP: tl.constexpr,
                HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr, W_SPLIT: tl.constexpr,
                G_KIND: tl.constexpr, W16_KIND: tl.constexpr, FORM: tl.constexpr,
-               ALIGNED: tl.constexpr, BLOCK: tl.constexpr, QB: tl.constexpr,
-               ITERS: tl.constexpr):
+               ALIGNED: tl.constexpr, BLOCK: tl.constexpr, QB: tl.constexpr, ITERS: tl.constexpr):
     """LANS's second phase: w1 = w - lr_r * ratio_r * r, then w1 - lr_c * ratio_c * c, where c
     decays w1 when MOVED and w otherwise (the rates of r and c: lr_r = lr * beta1, lr_c = lr *
     (1 - beta1)). Stored moments are updated again, as the first phase did, and stored."""
@@ -607,7 +615,7 @@ def lans_apply(ptrs, grads, sizes, chunks, scal, skip, sums, gsq, beta1, beta2, 
     ginv = _normalising_factor(gsq, i, mult)
     inv_bc1, inv_bc2 = _reciprocals(bc1, bc2)
     lr_r = lr * beta1
-    lr_c = lr * (1.0 - beta1)
+    lr_c = lr * one_m_b1
     w2 = tl.load(sums + 4 * i)
     r2 = tl.load(sums + 4 * i + 1)
     c2 = tl.load(sums + 4 * i + 2)
@@ -623,7 +631,7 @@ def lans_apply(ptrs, grads, sizes, chunks, scal, skip, sums, gsq, beta1, beta2, 
         w = _load_w(wp, w16p, offs, mask, W_SPLIT)
         g = _load_g(gp, offs, mask, ginv, clip_lo, clip_hi, CLIP)
         if FORM != _FORM_FLOAT32:  # else the moments the first phase stored
-            m, v = _moments(m, v, g, beta1, beta2)
+            m, v = _moments(m, v, g, beta2, one_m_b1, one_m_b2)
             _store_moments(row, mp, vp, offs, mask, b, bmask, m, v, step, FORM, ALIGNED)
         m_hat, d = _unbiased_by_reciprocals(m, v, inv_bc1, inv_bc2)
         dinv, r = _lans_r(w, m_hat, d, wd, eps)
@@ -662,8 +670,7 @@ def adam_apply(ptrs, grads, sizes, chunks, adam, skip, beta1, one_m_b1, beta2, o
         m, v = _load_moments(row, mp, vp, offs, mask, b, bmask, FORM)
         w = _load_w(wp, w16p, offs, mask, W_SPLIT)
         g = _load_g(gp, offs, mask, mult, 0.0, 0.0, False) + wd_l2 * w
-        m = m + one_m_b1 * (g - m)
-        v = v * beta2 + one_m_b2 * g * g
+        m, v = _moments(m, v, g, beta2, one_m_b1, one_m_b2)
         if FORM == _FORM_FLOAT32:
             tl.store(mp + offs, m, mask=mask)
             tl.store(vp + offs, v, mask=mask)

@@ -23,8 +23,9 @@ def _store_then_load(row, grads, n, xm, xv, out_m, out_v, step, FORM: tl.constex
     FORM (``row``: a row of the address table, ``grads`` the gradients' table), then read back
     into out_m, out_v, through the kernels' own helpers (their ``ALIGNED`` variant)."""
     _, _, mp, vp, _ = K._pointers(row, grads, 0, 0, 0, FORM, ALIGNED)
-    at = K._blocks(row, n, 0, QB, FORM, ALIGNED)
-    offs, mask, b, bmask = K._tile(at, tl.program_id(0), BLOCK, QB, FORM, ALIGNED)
+    first = tl.program_id(0) * (QB if FORM == K._FORM_INT8 else BLOCK)  # a chunk of one tile
+    at = K._blocks(row, n, first, QB, FORM, ALIGNED)
+    offs, mask, b, bmask = K._tile(at, 0, BLOCK, QB, FORM, ALIGNED)
     K._store_moments(row, mp, vp, offs, mask, b, bmask, tl.load(xm + offs, mask=mask),
                      tl.load(xv + offs, mask=mask), tl.load(step), FORM, ALIGNED)
     # what one thread stored another may read (a block's scale; the codes, where the store's
@@ -126,3 +127,4 @@ def first_phase_sums(cls, decoupled, device, monkeypatch):
             want += [w.square().sum(), u.square().sum()]
     assert len(totalled) == 3
     return totalled[-1].double().cpu(), torch.stack(want).cpu()
+

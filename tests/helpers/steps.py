@@ -31,3 +31,21 @@ def on_loss(opt: Any, steps: Iterable[int], loss: Callable[[int], Any],
         opt.step()
         if scheduler is not None:
             scheduler.step()
+
+
+def lamb_moments(steps: int, device: str = "cpu", **options: Any) -> List[Any]:
+    """LAMB's moments (float32 state), on the CPU, after ``steps`` steps with fixed gradients
+    (LAMB's moments do not depend on the weights in its default decay mode) on tensors of
+    ``device``: rows of whole 256-element blocks, of 384 and 70 elements, and a vector.
+    ``options``: LAMB's (``implementation``, ``foreach``)."""
+    import torch
+
+    import scaleopt
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = ((4, 512), (6, 384), (5, 70), (300,))
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in shapes]
+    grads = [[torch.randn(s, generator=gen).to(device) for s in shapes] for _ in range(steps)]
+    opt = scaleopt.LAMB(params, lr=1e-2, weight_decay=0.01, **options)
+    on_gradients(opt, params, range(steps), lambda t: grads[t])
+    return [(opt.state[p]["exp_avg"].cpu(), opt.state[p]["exp_avg_sq"].cpu()) for p in params]

@@ -170,8 +170,8 @@ static Blocks layerwise_blocks(const LayerwiseTensor *x, const LayerwiseConfig *
     Blocks c = blocks_of(x->w, x->w16, x->kind, x->row_len, staging_of(x, cfg, wmul, gmul),
                          stored_of(x->m, x->v, x->m_scale, x->v_scale, x->form, x->offset,
                                    *x->step));
-    c.beta2 = (float)cfg->beta2, c.one_m_b1 = 1.0f - (float)cfg->beta1;
-    c.one_m_b2 = 1.0f - c.beta2, c.eps = cfg->eps;
+    c.beta2 = (float)cfg->beta2, c.one_m_b1 = (float)(1.0 - cfg->beta1);
+    c.one_m_b2 = (float)(1.0 - cfg->beta2), c.eps = cfg->eps;
     c.inv_bc1 = 1.0f / (float)bc1, c.inv_bc2_sqrt = 1.0f / (float)bc2_sqrt;
     return c;
 }

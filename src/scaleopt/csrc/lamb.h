@@ -77,9 +77,10 @@ static void lamb_decays(const LayerwiseTensor *x, const LayerwiseConfig *cfg, fl
 
 static void lamb_phase1(const LayerwiseTensor *x, const LayerwiseConfig *cfg, double bc1,
                         double bc2_sqrt, float decay, double *sums) {
-    const float beta1 = (float)cfg->beta1, beta2 = (float)cfg->beta2;
-    Lamb1 a = {x->w, x->g, x->w16, x->m, x->v, x->gmul, cfg->clip_lo, cfg->clip_hi, beta2,
-               1.0f - beta1, 1.0f - beta2, 1.0f / (float)bc1, 1.0f / (float)bc2_sqrt, cfg->eps};
+    /* 1 - beta in double, rounded once: the reference's and the Triton kernels' numbers */
+    Lamb1 a = {x->w, x->g, x->w16, x->m, x->v, x->gmul, cfg->clip_lo, cfg->clip_hi,
+               (float)cfg->beta2, (float)(1.0 - cfg->beta1), (float)(1.0 - cfg->beta2),
+               1.0f / (float)bc1, 1.0f / (float)bc2_sqrt, cfg->eps};
     lamb_decays(x, cfg, decay, &a.f, &a.wd_g, &a.wd_u);
     forwards(LAMB1[(x->kind & (KIND_SPLIT | KIND_BF16_GRAD)) | (cfg->clip ? 4 : 0)], &a, x->n, cfg->nthreads, sums, 2);
 }

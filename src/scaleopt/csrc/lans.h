@@ -99,10 +99,10 @@ static const Pass LANS1[8] = {lans1_f32, lans1_f32_bf16g, lans1_split, lans1_spl
 
 static void lans_phase1(const LayerwiseTensor *x, const LayerwiseConfig *cfg, double bc1,
                         double bc2_sqrt, float ginv, double *sums) {
-    const float beta1 = (float)cfg->beta1, beta2 = (float)cfg->beta2;
-    const Lans1 a = {x->w, x->g, x->w16, x->m, x->v, ginv, cfg->clip_lo, cfg->clip_hi, beta2,
-                     1.0f - beta1, 1.0f - beta2, 1.0f / (float)bc1, 1.0f / (float)bc2_sqrt,
-                     cfg->eps, (float)x->wd};
+    /* 1 - beta in double, rounded once: the reference's and the Triton kernels' numbers */
+    const Lans1 a = {x->w, x->g, x->w16, x->m, x->v, ginv, cfg->clip_lo, cfg->clip_hi,
+                     (float)cfg->beta2, (float)(1.0 - cfg->beta1), (float)(1.0 - cfg->beta2),
+                     1.0f / (float)bc1, 1.0f / (float)bc2_sqrt, cfg->eps, (float)x->wd};
     forwards(LANS1[(x->kind & (KIND_SPLIT | KIND_BF16_GRAD)) | (cfg->clip ? 4 : 0)], &a, x->n, cfg->nthreads, sums, 4);
 }
 
