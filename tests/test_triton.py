@@ -586,6 +586,33 @@ def _no_copies(*args, **kwargs):
 # -- the stored forms, exactly as the reference stores them ----------------------------------
 
 
+@pytest.mark.parametrize("row_len, aligned", [(16, 1), (80, 1), (384, 1), (576, 1), (1152, 1),
+                                              (4112, 1), (70, 0), (300, 0), (256, 2),
+                                              (512, 2), (768, 2)])
+@pytest.mark.parametrize("qb", [1, 2, 4, 8])
+def test_the_kernels_place_each_tiles_int8_blocks_in_their_rows(row_len, aligned, qb):
+    """A program's tiles, one after another from any block: block B of the tensor lies in row
+    B // per_row from column (B % per_row) * 256, is 256 elements long or what is left of its
+    row, and is masked out where its row is past the tensor's end (each variant: rows of 16,
+    other rows, whole blocks; tiles of 1 to 8 blocks; rows of 1 to 17 blocks, so that a tile
+    further on adds rows, columns, or both with a carry)."""
+    from kernel_probe import placed_by_the_kernels
+
+    rows, iters = 7, 4
+    per_row = -(-row_len // 256)
+    for start in sorted({0, 1, per_row - 1, per_row, 2 * per_row + 1, 3 * qb + 2}):
+        offs, mask, blocks, bmask = placed_by_the_kernels(rows, row_len, start, qb, iters,
+                                                          aligned)
+        for lane in range(iters * qb):
+            b = start + lane
+            r, c = divmod(b, per_row)
+            assert int(blocks[lane]) == b and bool(bmask[lane]) == (r < rows)
+            length = min(256, row_len - c * 256) if r < rows else 0
+            assert mask[lane].tolist() == [k < length for k in range(256)], (start, lane)
+            want = torch.arange(length) + r * row_len + c * 256
+            assert torch.equal(offs[lane, :length], want), (start, lane)
+
+
 @pytest.mark.parametrize("shape, aligned", [((5, 300), 0), ((3, 7, 40), 0), ((6, 100), 0),
                                             ((1, 1000), 0), ((4, 304), 1), ((3, 7, 48), 1),
                                             ((6, 512), 2), ((5, 256), 2)])

@@ -37,6 +37,40 @@ def _store_then_load(row, grads, n, xm, xv, out_m, out_v, step, FORM: tl.constex
     tl.store(out_v + offs, v, mask=mask)
 
 
+@triton.jit
+def _placed(row, n, start, offs_out, mask_out, b_out, bmask_out, QB: tl.constexpr,
+            ITERS: tl.constexpr, ALIGNED: tl.constexpr):
+    """Where a program's ITERS int8 tiles of QB blocks from block ``start`` lie, as the
+    kernels place them (``_blocks``, ``_tile``): each lane's offset and mask, each block's
+    index and mask, tile after tile."""
+    at = K._blocks(row, n, start, QB, K._FORM_INT8, ALIGNED)
+    for it in tl.static_range(ITERS):
+        offs, mask, b, bmask = K._tile(at, it, QB * 256, QB, K._FORM_INT8, ALIGNED)
+        lanes = it * QB + tl.arange(0, QB)
+        at_lanes = lanes[:, None] * 256 + tl.arange(0, 256)[None, :]
+        tl.store(offs_out + at_lanes, offs)
+        tl.store(mask_out + at_lanes, mask.to(tl.int8))
+        tl.store(b_out + lanes, b)
+        tl.store(bmask_out + lanes, bmask.to(tl.int8))
+
+
+def placed_by_the_kernels(rows, row_len, start, qb, iters, aligned):
+    """(offsets, masks, blocks, block masks) of the elements of ``iters`` int8 tiles of ``qb``
+    blocks from block ``start`` of a tensor of ``rows`` rows of ``row_len``, as the kernels'
+    ``aligned`` variant places them (on the CPU, under the interpreter): (iters * qb, 256)
+    and (iters * qb,) tensors."""
+    columns = dict(w=0, m=0, v=0, w16=0, index=0, m_scale=0, v_scale=0, row_len=row_len,
+                   offset=0)
+    row = torch.tensor([columns[name] for name in PTRS], dtype=torch.int64)
+    offs = torch.full((iters * qb, 256), -1, dtype=torch.int64)
+    mask = torch.zeros((iters * qb, 256), dtype=torch.int8)
+    blocks = torch.full((iters * qb,), -1, dtype=torch.int32)
+    bmask = torch.zeros((iters * qb,), dtype=torch.int8)
+    _placed[(1,)](row, rows * row_len, start, offs, mask, blocks, bmask, QB=qb, ITERS=iters,
+                  ALIGNED=aligned)
+    return offs, mask.bool(), blocks, bmask.bool()
+
+
 def stored_by_the_kernels(form, xm, xv, step=7.0, offset=0, qb=4, device="cpu",
                           aligned=None):
     """What the kernels store for the moments xm, xv (float32, rows first) in ``form``, and
