@@ -54,7 +54,6 @@ class DGCCallback(L.Callback):
         self._saved = checkpoint.get("dgc_hook_states")
 
 
-
 class EndTogether(L.Callback):
     """End the process group on every rank at once. Lightning leaves it to an atexit handler in
     each process, so a rank may tear gloo down while another still works (rank 0 saves the

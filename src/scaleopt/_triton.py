@@ -58,7 +58,7 @@ import torch
 from torch import Tensor
 
 from . import _compact, _ops, _format
-from ._group import GroupTensors, TensorOptions, GroupOptions
+from ._group import _PLAIN, GroupTensors, TensorOptions, GroupOptions
 from ._checks import check_same_sizes
 from ._compile import eager
 from ._sharding import Reduction
@@ -80,7 +80,6 @@ _G_KINDS = {torch.float32: _format.GRAD_KINDS["float32"],
             torch.float16: _format.GRAD_KINDS["float16"]}
 _W16_KINDS = {None: _format.W16_KINDS["none"], torch.bfloat16: _format.W16_KINDS["bfloat16"],
               torch.float16: _format.W16_KINDS["float16"], torch.int16: _format.W16_KINDS["split"]}
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 _ROW = len(PTRS)  # int64 entries per row of ``ptrs``
 _ROW_LEN = PTRS.index("row_len")
 _FORMS = {code: name for name, code in _format.MOMENT_FORMS.items()}
@@ -566,9 +565,8 @@ def _skip_flag(t: Any, device: torch.device, cache: Dict[str, Any]) -> Tensor:
 
 def _options(o: Any, clip: Any) -> Dict[str, Any]:
     lo, hi = _ops.clip_bounds(clip)
-    return dict(beta1=o.beta1, beta2=o.beta2, one_m_b1=1.0 - o.beta1, one_m_b2=1.0 - o.beta2,
-                eps=o.eps, clip_lo=float(lo), clip_hi=float(hi),
-                CLIP=clip is not None,
+    return dict(beta2=o.beta2, one_m_b1=1.0 - o.beta1, one_m_b2=1.0 - o.beta2, eps=o.eps,
+                clip_lo=float(lo), clip_hi=float(hi), CLIP=clip is not None,
                 lower=o.lower_bound or 0.0, upper=o.upper_bound or 0.0,
                 HAS_LOWER=o.lower_bound is not None, HAS_UPPER=o.upper_bound is not None)
 
@@ -652,7 +650,7 @@ def lans_triton(t: GroupTensors, layer: TensorOptions, o: GroupOptions) -> Trito
     in :func:`lamb_triton`), in three launches per set of tensors (two where the gradients'
     norms are known)."""
     return TritonStep("lans", 4, t, layer, o, o.clip_grad_value, {},
-                      dict(MOVED=bool(o.decay_moved_weight)))
+                      dict(MOVED=bool(o.decay_moved_weight), beta1=o.beta1))
 
 
 def adam(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],

@@ -481,7 +481,7 @@ def _lamb_u(w, m_hat, d, wd, eps, MODE: tl.constexpr):
 
 
 @triton.jit
-def lamb_sums(ptrs, grads, sizes, chunks, scal, skip, parts, beta1, beta2, one_m_b1, one_m_b2, eps,
+def lamb_sums(ptrs, grads, sizes, chunks, scal, skip, parts, beta2, one_m_b1, one_m_b2, eps,
               clip_lo, clip_hi, lower, upper, MODE: tl.constexpr, CLIP: tl.constexpr,
               HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr, W_SPLIT: tl.constexpr,
               G_KIND: tl.constexpr, W16_KIND: tl.constexpr, FORM: tl.constexpr,
@@ -515,7 +515,7 @@ def lamb_sums(ptrs, grads, sizes, chunks, scal, skip, parts, beta1, beta2, one_m
 
 
 @triton.jit
-def lamb_apply(ptrs, grads, sizes, chunks, scal, skip, sums, beta1, beta2, one_m_b1, one_m_b2, eps,
+def lamb_apply(ptrs, grads, sizes, chunks, scal, skip, sums, beta2, one_m_b1, one_m_b2, eps,
                clip_lo, clip_hi, lower, upper, MODE: tl.constexpr, CLIP: tl.constexpr,
                HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr, W_SPLIT: tl.constexpr,
                G_KIND: tl.constexpr, W16_KIND: tl.constexpr, FORM: tl.constexpr,
@@ -561,8 +561,8 @@ def _lans_r(w, m_hat, d, wd, eps):
 
 
 @triton.jit
-def lans_sums(ptrs, grads, sizes, chunks, scal, skip, parts, gsq, beta1, beta2, one_m_b1, one_m_b2,
-              eps, clip_lo, clip_hi, lower, upper, CLIP: tl.constexpr, HAS_LOWER: tl.constexpr,
+def lans_sums(ptrs, grads, sizes, chunks, scal, skip, parts, gsq, beta2, one_m_b1, one_m_b2, eps,
+              clip_lo, clip_hi, lower, upper, CLIP: tl.constexpr, HAS_LOWER: tl.constexpr,
               HAS_UPPER: tl.constexpr, W_SPLIT: tl.constexpr, G_KIND: tl.constexpr,
               W16_KIND: tl.constexpr, FORM: tl.constexpr, ALIGNED: tl.constexpr,
               BLOCK: tl.constexpr, QB: tl.constexpr, ITERS: tl.constexpr):

@@ -161,4 +161,3 @@ def first_phase_sums(cls, decoupled, device, monkeypatch):
             want += [w.square().sum(), u.square().sum()]
     assert len(totalled) == 3
     return totalled[-1].double().cpu(), torch.stack(want).cpu()
-
