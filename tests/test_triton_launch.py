@@ -17,10 +17,16 @@ def test_the_package_table_names_every_kernel_and_form_and_is_valid():
     table = L.load(str(L.DEFAULT))
     assert set(table.chunks) == set(L.FORMS)
     assert set(table.launches) == {(k, f) for k in L.KERNELS for f in L.FORMS}
-    # a chunk of 4096 elements (16 int8 blocks), tiles of 1024, 4 warps: 32 elements a thread
+    # a chunk of 4096 elements, tiles of 1024, 4 warps: 32 elements a thread
     assert table.constants("lamb_apply", "float32") == dict(BLOCK=1024, QB=4, ITERS=4,
                                                             num_warps=4, num_stages=3)
-    assert table.blocks("int8") == 16
+    # int8 moments: a chunk of 2048 (8 blocks), one warp a program, one block a tile (the
+    # first phases: two), 64 elements a thread
+    assert table.blocks("int8") == 8
+    assert table.constants("lamb_apply", "int8") == dict(BLOCK=256, QB=1, ITERS=8,
+                                                         num_warps=1, num_stages=3)
+    assert table.constants("lans_sums", "int8") == dict(BLOCK=512, QB=2, ITERS=4,
+                                                        num_warps=1, num_stages=3)
     assert L.from_dict(json.loads(json.dumps(table.as_dict()))) == table
 
 
@@ -101,20 +107,23 @@ def _sweep():
 def test_the_sweep_tries_every_valid_candidate_the_packages_first():
     S = _sweep()
     cands = S.candidates()
-    # the package's table: LAMB's float32 apply's launch, then LANS's first phase's with int8
-    # moments (tiles of 2048), the only other launch it has
-    assert cands[:2] == [(4096, 1024, 4), (4096, 2048, 4)]
+    # the package's table: LAMB's float32 apply's launch, then the int8 kernels' (one warp,
+    # the first phases' tiles of 512 before the applies' of 256: cheaper to compile), the
+    # only others it has
+    own = [(4096, 1024, 4), (2048, 512, 1), (2048, 256, 1)]
+    assert cands[:3] == own
     assert len(cands) == len(set(cands))
     assert all(b <= c and c % b == 0 for c, b, _ in cands)
-    assert len(cands) == sum(b <= c for c in S.CHUNKS for b in S.BLOCKS) * len(S.WARPS)
+    grid = {(c, b, w) for c in S.CHUNKS for b in S.BLOCKS for w in S.WARPS if b <= c}
+    assert set(cands) == grid | set(own)
     for cand in cands:  # each a valid table
         assert S.table_of(cand).constants("lamb_apply", "int8")["num_warps"] == cand[2]
     # then the cheapest to compile first (a thread's unrolled code grows with chunk / warps),
     # so that a sweep out of time has timed the most it could: 2048 elements with 8 warps
     # first, 16384 with 2 last
-    per_thread = [c / w for c, _, w in cands[2:]]
+    per_thread = [c / w for c, _, w in cands[3:]]
     assert per_thread == sorted(per_thread)
-    assert cands[2][::2] == (2048, 8) and cands[-1][::2] == (16384, 2)
+    assert cands[3][::2] == (2048, 8) and cands[-1][::2] == (16384, 2)
 
 
 def test_the_sweep_chooses_per_form_the_chunk_and_per_kernel_the_fastest_tile_and_warps():
@@ -149,7 +158,7 @@ def test_the_sweep_chooses_per_form_the_chunk_and_per_kernel_the_fastest_tile_an
     # a kernel with no time (LANS's here) keeps its tile and warps at the new chunk
     assert chosen.launch("lans_apply", "float32") == default.launch("lans_apply", "float32")
     # all equal: the package's own, ties broken towards it
-    assert chosen.chunk("int8") == 4096
+    assert chosen.chunk("int8") == default.chunk("int8") == 2048
     assert chosen.launch("lamb_sums", "int8") == default.launch("lamb_sums", "int8")
     assert chosen.chunk("bfloat16") == 4096
     assert chosen.launch("lamb_apply", "bfloat16") == default.launch("lamb_apply", "bfloat16")

@@ -55,8 +55,8 @@ Candidate = Tuple[int, int, int]  # (chunk, block, warps)
 
 def candidates() -> List[Candidate]:
     """Every (chunk, block, warps) with the block no larger than the chunk; first the
-    package's own (LAMB's float32 apply's, then any other kernel's of its table, e.g. LANS's
-    first phase's with int8 moments), then the cheapest to compile first
+    package's own (LAMB's float32 apply's, then any other kernel's of its table, e.g. the
+    int8 kernels' single warps), then the cheapest to compile first
     (:func:`compile_cost`), so that a sweep stopped by its time has compiled and timed as
     many as it could."""
     every = [(c, b, w) for c, b, w in itertools.product(CHUNKS, BLOCKS, WARPS) if b <= c]
