@@ -21,7 +21,7 @@ def test_the_package_table_names_every_kernel_and_form_and_is_valid():
     assert table.constants("lamb_apply", "float32") == dict(BLOCK=1024, QB=4, ITERS=4,
                                                             num_warps=4, num_stages=3)
     # int8 moments: a chunk of 2048 (8 blocks), one warp a program, one block a tile (the
-    # first phases: two), 64 elements a thread
+    # first phases and sum_squares: two), 64 elements a thread
     assert table.blocks("int8") == 8
     assert table.constants("lamb_apply", "int8") == dict(BLOCK=256, QB=1, ITERS=8,
                                                          num_warps=1, num_stages=3)

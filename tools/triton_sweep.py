@@ -9,7 +9,8 @@ written as a table the package reads (``scaleopt._triton_launch``).
     cp OUT_DIR/triton_launch.json src/scaleopt/                         # make it the default
 
 The candidates (:data:`CHUNKS`, :data:`BLOCKS`, :data:`WARPS`: a chunk of elements per
-program, a tile of elements, the warps of a program) are tried for all kernels at once: a
+program, a tile of elements, the warps of a program; and the package's table's own launches,
+e.g. the int8 kernels' single warps) are tried for all kernels at once: a
 step of LAMB, one of LANS and one of AdamW (Triton, float32 weights and gradients) on each set
 and state form, every launch timed by CUDA events and its time given to its kernel and its tensors'
 form. First every candidate's kernels are compiled in ``--jobs`` processes on tiny tensors of
