@@ -11,6 +11,8 @@ import dcp_workers as D
 import dgc_workers as W
 import sharded_workers as S
 
+# the one-process references run at the workers' thread count (conftest.as_workers)
+pytestmark = pytest.mark.usefixtures("as_workers")
 NAMES = list(S.OPTIMIZERS)  # every optimizer, option set and front-end of the sharded tests
 EXACT = ["LAMB", "LANS(decay_moved_weight, bounds)", "LAMB(bf16, master_weights)", "OffloadAdam",
          "LAMB(int8 state)", "AdamW(bfloat16 state)", "LAMB(bf16, master_weights, int8 state)"]

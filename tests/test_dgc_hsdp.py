@@ -16,7 +16,8 @@ import dgc_workers as W
 import hsdp_workers as H
 
 #: HSDP on 4 gloo processes (2 replicas x 2 shards): the slow run (pytest -m slow)
-pytestmark = pytest.mark.slow
+# the one-process references run at the workers' thread count (conftest.as_workers)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("as_workers")]
 
 SHAPE = (2, 2)  # (replicas, shards)
 OPTIONS = dict(lr=0.05, momentum=0.9, sparsity=[0.9, 0.99], rampup_begin_step=1, rampup_step=2,

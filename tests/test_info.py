@@ -71,3 +71,18 @@ def test_kernels_turned_off_are_reported_with_the_reason():
     assert proc.returncode == 0, proc.stderr
     assert "C kernels: turned off by SCALEOPT_NATIVE=0" in proc.stdout
     assert "group 0: single; group 1: single" in proc.stdout
+
+
+@pytest.mark.skipif(not _native.available() or not _native.compact_simd(),
+                    reason="needs the C kernels on a CPU with AVX-512")
+def test_the_avx512_loops_turned_off_by_the_environment_are_reported():
+    """``SCALEOPT_AVX512=0`` starts a process on the portable compact loops (as the bit tests'
+    rerun in CI does), and ``scaleopt info`` says which loops run."""
+    def info(**env):
+        proc = subprocess.run([sys.executable, "-m", "scaleopt", "info"], capture_output=True,
+                              text=True, timeout=120, env=dict(os.environ, **env))
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+    assert "C kernels: built and used; compact state on their AVX-512 loops" in info()
+    off = info(SCALEOPT_AVX512="0")
+    assert "C kernels: built and used\n" in off and "AVX-512" not in off

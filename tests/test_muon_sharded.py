@@ -9,12 +9,14 @@ import torch
 import dgc_workers as W
 import muon_workers as M
 
+# the one-process references run at the workers' thread count (conftest.as_workers)
+pytestmark = pytest.mark.usefixtures("as_workers")
 NAMES = sorted(M.OPTIMIZERS)
 CLIPPING = "Muon(match_rms_adamw, plain momentum, clipping)"
 
 
 @pytest.fixture(scope="module")
-def references():
+def references(as_workers):
     return {name: M.train_reference(name, 3) for name in NAMES}
 
 

@@ -108,6 +108,52 @@ def test_kernels_cover_every_element_of_large_tensors(cls, threads):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=n)
 
 
+def _sums_at(threads, cls, state_dtype, monkeypatch):
+    """One step of ``cls`` on tensors whose norms lose bits to the order of their additions (a
+    weight and a gradient element of 2^30 beside normal ones, so that the sum of squares is
+    about 2^60 and each later span's sum rounds into it), as sharded tensors run it (the first
+    pass apart: its per-tensor sums returned); with the gradients' sums of squares and the
+    weights after the step, at ``threads`` threads."""
+    from scaleopt._host import threads as at
+
+    sizes = [32769, 70001, 262143, 3 * 131072 + 12345, 1024 * 1024]
+    g = torch.Generator().manual_seed(0)
+    params = [nn.Parameter(torch.randn(n, generator=g)) for n in sizes]
+    for p in params:
+        p.data[0] = 2.0 ** 30
+        p.grad = torch.randn(p.shape, generator=g)
+        p.grad[0] = 2.0 ** 30
+    opt = cls(params, lr=1e-2, weight_decay=0.1, state_dtype=state_dtype)
+    sums = []
+    with at(threads), monkeypatch.context() as patch:
+        real, first = _native.LayerwiseKernel.apply, _native.LayerwiseKernel.first_pass
+        patch.setattr(_native.LayerwiseKernel, "first_pass",
+                      lambda kernel: sums.append(first(kernel)) or sums[-1])
+        patch.setattr(_native.LayerwiseKernel, "apply", lambda kernel, totals: real(
+            kernel, kernel.first_pass() if totals is None else totals))
+        squares = [_native.sum_squares(p.grad, threads) for p in params]
+        opt.step()
+    return sums, squares, [p.detach() for p in params]
+
+
+@needs_kernels
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("cls", [scaleopt.LAMB, scaleopt.LANS])
+def test_the_kernels_sums_are_the_same_bits_at_every_thread_count(cls, state_dtype,
+                                                                   monkeypatch):
+    """The C kernels' reductions (the first pass's norms, LANS's and clipping's gradient sums of
+    squares) add the same partial sums in the same order at 1, 2 and 3 threads (each span's
+    sums kept apart, the spans added in order), so a step's norms, trust ratios and weights do
+    not depend on the thread count, even where the order of the additions would change a
+    norm's last bits."""
+    one = _sums_at(1, cls, state_dtype, monkeypatch)
+    for threads in (2, 3):
+        sums, squares, weights = _sums_at(threads, cls, state_dtype, monkeypatch)
+        assert all(torch.equal(a, b) for a, b in zip(sums, one[0])), threads
+        assert squares == one[1], threads
+        assert all(torch.equal(a, b) for a, b in zip(weights, one[2])), threads
+
+
 @needs_kernels
 @pytest.mark.parametrize("cls, config", [(scaleopt.LAMB, c) for c in LAMB_CONFIGS]
                          + [(scaleopt.LANS, c) for c in LANS_CONFIGS])

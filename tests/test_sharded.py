@@ -12,11 +12,13 @@ from scaleopt import _native
 import dgc_workers as W
 import sharded_workers as S
 
+# the one-process references run at the workers' thread count (conftest.as_workers)
+pytestmark = pytest.mark.usefixtures("as_workers")
 NAMES = sorted(S.OPTIMIZERS)
 
 
 @pytest.fixture(scope="module")
-def references():
+def references(as_workers):
     return {name: S.train_reference(name, steps=4) for name in NAMES}
 
 

@@ -42,7 +42,8 @@ def c_kernels() -> Dict[str, Any]:
                "the fused kernels")
     else:
         why = "built but not loadable on this machine"
-    return {"built": built, "used": used, "why_not": why}
+    # the compact state's AVX-512 loops (SCALEOPT_AVX512=0 or compact_simd(False): the portable)
+    return {"built": built, "used": used, "why_not": why, "avx512": _native.compact_simd()}
 
 
 def group_implementations(optimizer: torch.optim.Optimizer) -> List[str]:

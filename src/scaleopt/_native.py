@@ -102,6 +102,8 @@ if _lib is not None:
     for _name, (_restype, _argtypes) in SIGNATURES.items():
         getattr(_lib, _name).restype = _restype
         getattr(_lib, _name).argtypes = _argtypes
+    if os.environ.get("SCALEOPT_AVX512", "1") == "0":  # the portable compact loops from the start
+        _lib.compact_simd(0)
 
 
 def struct_layout(struct: type) -> Tuple[int, ...]:
@@ -128,7 +130,8 @@ def available() -> bool:
 def compact_simd(use: Optional[bool] = None) -> bool:
     """Whether the kernels update compact moments with their AVX-512 loops (where the CPU has
     AVX-512) rather than the portable ones; ``use`` switches (both store the same codes; their
-    float results agree to a few ulp)."""
+    float results agree to a few ulp). ``SCALEOPT_AVX512=0`` in the environment starts every
+    process that imports scaleopt on the portable loops."""
     if _lib is None:
         return False
     return bool(_lib.compact_simd(-1 if use is None else int(use)))

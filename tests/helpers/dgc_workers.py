@@ -14,6 +14,20 @@ import scaleopt
 from scaleopt.dgc import DGCHookState, ddp_comm_hook
 
 
+#: every worker's intra-op thread count. A one-process reference that a test compares with the
+#: workers' bits runs at the same count (``as_a_worker``): a float32 matrix product's last bits
+#: depend on the thread count on some CPUs and BLAS paths (MKL on AVX-512 Xeons, or under
+#: MKL_CBWR=COMPATIBLE), and so do torch's parallel reductions over large tensors
+THREADS = 1
+
+
+def as_a_worker():
+    """A context in which this process computes at the workers' thread count."""
+    from scaleopt._host import threads
+
+    return threads(THREADS)
+
+
 def run_workers(fn, world: int, tmp, *args, timeout: float = 60.0):
     """Run ``fn(rank, world, tmp, *args)`` in ``world`` processes; return each rank's result
     (what it saved), or raise with the failing rank's traceback."""
@@ -57,7 +71,7 @@ def run_workers(fn, world: int, tmp, *args, timeout: float = 60.0):
 def _entry(fn, rank, world, port, tmp, args):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
+    torch.set_num_threads(THREADS)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=10))

@@ -35,7 +35,8 @@ def command(args: argparse.Namespace) -> int:
     cuda = ", ".join(f"{i}: {n}" for i, n in enumerate(r["cuda_devices"])) or "none"
     print(f"scaleopt {r['scaleopt']}, torch {r['torch']}, Python {r['python']}, "
           f"Triton {r['triton'] or 'not installed'}")
-    print("C kernels: " + ("built and used" if kernels["used"] else kernels["why_not"]))
+    print("C kernels: " + ("built and used" if kernels["used"] else kernels["why_not"])
+          + ("; compact state on their AVX-512 loops" if kernels["avx512"] else ""))
     print("Triton kernels: " + ("run on the CUDA devices" if r["triton_kernels_on_cuda"] else
                                 "not here (no CUDA device)" if r["triton"] else
                                 "not installed (pip install scaleopt[gpu])"))

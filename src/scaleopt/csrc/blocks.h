@@ -126,26 +126,31 @@ static Blocks blocks_of(void *w, uint16_t *w16, int kind, int64_t row_len, Stagi
 /* A loop over blocks [first, last) of a tensor, adding its sums (up to 4) to sums. */
 typedef void (*BlockLoop)(const Blocks *c, int64_t first, int64_t last, double *sums);
 
-/* loop over a tensor's n elements in blocks, each thread a contiguous share of them; its sums
- * (count of them) totalled in the threads' order, so that a run gives the same ones every
- * time. */
+/* loop over a tensor's n elements in blocks, the threads taking spans of BLOCK_SPAN blocks in
+ * equal shares in order; its sums (count of them) each span's in a slot of its own, added up
+ * in order (Slots, loops.h: the same whatever the thread count). */
+enum { BLOCK_SPAN = SUM_SPAN / COMPACT_BLOCK };
 static void run_blocks(BlockLoop loop, const Blocks *c, int64_t n, int nthreads, double *sums,
                        int count) {
     const int64_t total = c->row_len > 0 ? n / c->row_len * c->per_row : 0;
+    const int64_t spans = (total + BLOCK_SPAN - 1) / BLOCK_SPAN;
+    Slots s;
     if (nthreads < 1) nthreads = 1;
-    double part[nthreads][4];
-    memset(part, 0, sizeof part);
-    int used = 1;
-#pragma omp parallel num_threads(nthreads) if (n >= 32768)
-    {
-        const int id = omp_get_thread_num(), nt = omp_get_num_threads();
-        if (id == 0) used = nt;
-        loop(c, total * id / nt, total * (id + 1) / nt, part[id]);
+    nthreads = slots_open(&s, count ? spans : 0, count ? count : 1, nthreads);
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (n >= 32768)
+    for (int64_t j = 0; j < spans; j++) {
+        double b[4] = {0.0, 0.0, 0.0, 0.0};
+        const int64_t first = j * BLOCK_SPAN, last = total - first < BLOCK_SPAN ? total : first + BLOCK_SPAN;
+        if (!count) {
+            loop(c, first, last, b);
+            continue;
+        }
+        loop(c, first, last, slot_of(&s, j, b));
+        slot_done(&s, b);
     }
-    for (int i = 0; i < count; i++) {
-        sums[i] = 0.0;
-        for (int t = 0; t < used; t++) sums[i] += part[t][i];
-    }
+    double out[4];
+    slots_close(&s, out);
+    for (int i = 0; i < count; i++) sums[i] = out[i];
 }
 
 /* The blocks of a tensor of n elements whose updates fit in keep, each taking floats floats:
