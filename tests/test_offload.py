@@ -16,6 +16,7 @@ from torch import nn
 import scaleopt
 from scaleopt import _native
 from scaleopt.offload import OffloadAdam, offload
+from close import assert_within_steps
 from steps import on_loss
 
 
@@ -24,16 +25,16 @@ def model_of(seed=0, dtype=torch.float32):
     return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.LayerNorm(8), nn.Linear(8, 3)).to(dtype)
 
 
-def data(t, dtype=torch.float32):
-    g = torch.Generator().manual_seed(100 + t)
-    return torch.randn(12, 6, generator=g).to(dtype), torch.randn(12, 3, generator=g).to(dtype)
-
-
 def loss_of(model, t, micro=None):
-    x, y = data(t, next(model.parameters()).dtype)
-    if micro is not None:
-        x, y = x[micro::2], y[micro::2]
-    return (model(x) - y).float().square().mean()
+    """Step ``t``'s loss (micro-batch ``micro`` of two): linear in the weights, so that its
+    gradients are fixed tensors whatever the weights are. Two optimizers compared on it take
+    the same gradients at every step, through backward, accumulation and GradScaler as a
+    training loop runs them, and their weights differ only by their own roundings
+    (close.py); a loss of the model's outputs would carry each difference into the next
+    gradients."""
+    g = torch.Generator().manual_seed(100 + t + (0 if micro is None else 1000 * (1 + micro)))
+    return sum((p.float() * torch.randn(p.shape, generator=g)).sum() * 0.1
+               for p in model.parameters())
 
 
 def assert_rounded(param, master):
@@ -99,7 +100,7 @@ def test_equals_torch_adamw_over_20_steps(options, kernel, monkeypatch):
     opt = OffloadAdam(groups_of(model), lr=1e-2, weight_decay=0.01, max_grad_norm=clip, **options)
     got = run(model, opt, accumulate=accumulate)
     for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        assert_within_steps(a, b, step=3e-2, steps=20)
 
 
 def test_coupled_decay_equals_torch_adam():
@@ -108,7 +109,7 @@ def test_coupled_decay_equals_torch_adam():
                                            foreach=False))
     got = run(model, OffloadAdam(model.parameters(), lr=1e-2, weight_decay=0.1, decoupled=False))
     for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        assert_within_steps(a, b, step=1e-2, steps=20)
 
 
 def test_nesterov_and_epsilon_hat_follow_their_formulas():
@@ -200,7 +201,7 @@ def test_non_contiguous_parameters_match_torch():
         opt.step()
         ref.step()
     assert not p.is_contiguous()
-    torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
+    assert_within_steps(p.detach(), q.detach(), step=1e-2, steps=5)
 
 
 def _roundtrip(sd):
@@ -234,7 +235,7 @@ def test_state_dict_interoperates_with_torch_adamw(direction):
             loss_of(model, t).backward()
             opt.step()
     for a, b in zip(m2.parameters(), ref_model.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        assert_within_steps(a, b, step=1e-2, steps=4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -318,7 +319,7 @@ def test_grad_scaler_unscales_on_the_host():
         # the scaled gradients were read, not unscaled in place
         assert all(torch.equal(g, p.grad) for g, p in zip(grads, m2.parameters()))
     for a, b in zip(m1.parameters(), m2.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        assert_within_steps(a, b, step=1e-2, steps=5)
 
 
 @pytest.mark.parametrize("make", [

@@ -37,6 +37,39 @@ def test_the_default_run_leaves_out_the_slow_tests_and_ci_runs_them_after_it():
     assert ci.index("python -m pytest -q -m slow") > ci.index(readme_commands()[1])
 
 
+#: the conditions under which .ci/run runs the tests marked bits once more (docs/robustness.md)
+CONDITIONS = ["OMP_NUM_THREADS=1", "OMP_NUM_THREADS=3", "MKL_CBWR=COMPATIBLE",
+              "MKL_ENABLE_INSTRUCTIONS=AVX2", "ATEN_CPU_CAPABILITY=default", "SCALEOPT_AVX512=0"]
+
+
+def test_ci_runs_the_bit_tests_again_under_each_condition_the_docs_name():
+    """After the default and the slow runs, .ci/run runs the tests marked ``bits`` under each
+    condition, and the docs' table of what equal bits assume names the same conditions."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    loop = ci.split("for condition in ", 1)[1].split("; do", 1)
+    assert loop[0].replace("\\\n", " ").split() == CONDITIONS
+    assert 'env "$condition" python -m pytest -q -p no:cacheprovider -m "bits and not slow"' \
+        in loop[1].split("done", 1)[0]
+    lines = ci.splitlines()
+    assert ci.index("for condition in ") > ci.index("python -m pytest -q -m slow")
+    assert lines.index("python -m pytest -q -m slow") > lines.index(readme_commands()[1])
+    robustness = (ROOT / "docs" / "robustness.md").read_text()
+    assert all(f"`{c}`" in robustness for c in CONDITIONS)
+
+
+def test_the_bits_marker_falls_on_the_comparisons_of_bits():
+    """The conftest marks a test ``bits`` by its name or its code: the sharded Muon test and
+    the tests of the resumed runs are marked; the tests of bad arguments' errors are not."""
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-m", "bits",
+                          "tests/test_muon_sharded.py", "tests/test_validation.py",
+                          "tests/test_checkpoints_sharded.py"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    ids = [line for line in out.stdout.splitlines() if "::" in line]
+    assert any("test_sharded_muon_is_one_process_bit_for_bit" in i for i in ids), out.stdout
+    assert any("test_saved_and_resumed_at_the_same_size_is_bit_identical" in i for i in ids)
+    assert not any("test_validation.py" in i for i in ids)
+
+
 def test_constraints_pin_torch():
     assert "torch==2.13.0" in (ROOT / "constraints.txt").read_text().split()
 
