@@ -18,6 +18,7 @@ from torch import nn
 import scaleopt
 from scaleopt import _native
 from scaleopt._dispatch import Impl
+from close import assert_within_steps
 from steps import lamb_moments, on_gradients
 
 needs_kernels = pytest.mark.skipif(not _native.available(), reason="kernels not built")
@@ -530,9 +531,16 @@ def test_lamb_on_the_c_kernels_takes_the_reference_loops_first_moment_bit_for_bi
     """Three LAMB steps with the same gradients: the C kernels' first moments are the
     reference loop's bit for bit, and both moments after one step (1 - beta1 and 1 - beta2
     rounded once from float64, as the loop rounds them; from the float32 beta1, 1 - beta1
-    would be 0.100000024 for 0.9)."""
+    would be 0.100000024 for 0.9). That holds where torch runs its vectorized CPU kernels
+    (AVX2, AVX-512), whose ``lerp_`` rounds its multiply-add once, as the C kernels do; on its
+    portable ones (``ATEN_CPU_CAPABILITY=default``) it rounds the product first, so from the
+    second step the first moments agree to one rounding of their terms (below 1) per step."""
+    fused = torch.backends.cpu.get_cpu_capability() != "DEFAULT"
     for steps in (1, 3):
         got = lamb_moments(steps, implementation="native")
         for (m, v), (m0, v0) in zip(got, lamb_moments(steps, foreach=False)):
-            assert torch.equal(m, m0)
+            if fused or steps == 1:
+                assert torch.equal(m, m0)
+            else:
+                assert_within_steps(m, m0, step=1.0, steps=steps, ulps=1)
             assert steps > 1 or torch.equal(v, v0)
