@@ -421,3 +421,69 @@ def test_exchange_runs_cut_the_matrices_in_order_by_size(sizes, buckets, want):
     """The runs of a bucketed exchange: consecutive matrices, a run closed once it holds its
     share of the elements, never more runs than asked, none empty."""
     assert _orthogonal.buckets_of(sizes, buckets) == want
+
+
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_bfloat16_matrices_with_master_weights_take_the_float32_updates_bits(state_dtype,
+                                                                             nesterov):
+    start = _matrices(torch.bfloat16)
+    p16 = [nn.Parameter(p.detach().clone()) for p in start]
+    p32 = [nn.Parameter(p.detach().float()) for p in start]
+    o16 = scaleopt.Muon(p16, lr=0.02, master_weights=True, state_dtype=state_dtype,
+                        nesterov=nesterov)
+    o32 = scaleopt.Muon(p32, lr=0.02, state_dtype=state_dtype, nesterov=nesterov)
+    for t in range(4):
+        for p16_, p32_, g in zip(p16, p32, _grads(p16, t)):
+            p16_.grad, p32_.grad = g, g.float()
+        o16.step()
+        o32.step()
+    for a, b in zip(p16, p32):
+        assert torch.equal(o16.master(a), b.detach())  # the float32 master is the float32 run
+        assert torch.equal(a.detach(), _round_nearest_ties_away(b.detach()))
+        assert "master_lo" in o16.state[a]  # split: 2 bytes per element beside the parameter
+
+
+def _round_nearest_ties_away(x):
+    """float32 to bfloat16 as a split master's upper half holds it."""
+    bits = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    top = ((bits + 0x8000) >> 16) & 0xFFFF
+    return (top - (top >= 2 ** 15).to(torch.int64) * 2 ** 16).to(torch.int16).view(torch.bfloat16)
+
+
+def test_muon_master_weights_resume_exactly_from_a_float32_state_dict():
+    params = _matrices(torch.bfloat16)
+    opt = scaleopt.Muon(params, lr=0.02, master_weights=True, state_dtype="int8")
+    _run(opt, params, 2)
+    sd = copy.deepcopy(opt.state_dict())
+    assert all(st["master_param"].dtype == torch.float32 for st in sd["state"].values())
+    again = [nn.Parameter(p.detach().clone()) for p in params]
+    resumed = scaleopt.Muon(again, lr=0.02, master_weights=True, state_dtype="int8")
+    resumed.load_state_dict(sd)
+    _run(opt, params, 2, first=2)
+    _run(resumed, again, 2, first=2)
+    for a, b in zip(params, again):
+        assert torch.equal(a, b) and torch.equal(opt.master(a), resumed.master(b))
+
+
+def test_int8_momentum_of_bfloat16_matrices_needs_master_weights():
+    with pytest.raises(ValueError, match="master_weights=True"):
+        scaleopt.Muon(_matrices(torch.bfloat16), state_dtype="int8")
+
+
+def test_a_step_makes_one_matrixs_update_at_a_time(monkeypatch):
+    """The step's transients are one matrix's: each update is applied before the next one's
+    iteration starts (what bounds the step's peak memory, docs/memory.md)."""
+    params = _matrices()
+    opt = scaleopt.Muon(params, lr=0.02)
+    events = []
+    iterate = _orthogonal.newton_schulz_
+    monkeypatch.setattr(scaleopt.muon, "newton_schulz_",
+                        lambda y, *a: events.append(("iterate", tuple(y.shape))) or iterate(y, *a))
+    moved = scaleopt.muon._move
+    monkeypatch.setattr(scaleopt.muon, "_move",
+                        lambda w, *a: events.append(("move", tuple(w.shape))) or moved(w, *a))
+    for p, g in zip(params, _grads(params, 0)):
+        p.grad = g
+    opt.step()
+    assert [e[0] for e in events] == ["iterate", "move"] * len(params)

@@ -118,16 +118,28 @@ def take(opt: Any, value_clip: bool = True, defer: Optional[Deferral] = None, *,
     ``opt.skipped_steps``. Under ``"propagate"`` nothing is checked.
     """
     opt._refresh_hyperparameters()
+    piece = opt.__dict__.get("_backward_piece")  # a step taken in pieces, in backward
     if amp_skip and _found_inf(opt):
         return _skipped()
     staged = [_collect(opt, group, value_clip, defer) for group in opt.param_groups]
     for item, totals in zip(staged, total([s.pending for s in staged])):
         if totals is not None:  # sharded gradients: the clippings' norms over whole tensors
             _clip_by_tensor_norms(item, totals)
-    skip = opt.nonfinite == "skip"
+    if piece is not None:
+        if piece.parts is not None:
+            piece.parts.add(opt, staged)
+        if piece.measuring:  # the first pass: the norm's pieces and the check, no step
+            piece.by_norm = (any([s.group.get("max_grad_norm") is not None for s in staged])
+                             and not any([s.group.get("clip_grad_value") is not None
+                                          for s in staged]))
+            if opt.nonfinite == "skip" and not piece.by_norm and not piece.found_nonfinite:
+                piece.found_nonfinite = _step_has_nonfinite(opt, staged, defer)
+            return Intake()
+    skip = opt.nonfinite == "skip" and piece is None
     finite = True
-    if any([s.group.get("max_grad_norm") is not None for s in staged]):
-        global_norm = _clip_by_global_norm(staged)
+    clipping = any([s.group.get("max_grad_norm") is not None for s in staged])
+    if clipping and not (piece is not None and piece.norm is None):
+        global_norm = _clip_by_global_norm(opt, staged, None if piece is None else piece.norm)
         if skip and not any([s.group.get("clip_grad_value") is not None for s in staged]):
             finite = bool(torch.isfinite(global_norm))  # a host read: opted into
             skip = False  # decided: the norm is finite exactly where every gradient is
@@ -174,7 +186,11 @@ def _present(opt: Any, group: Dict[str, Any]) -> Tuple[List[int], List[Tensor], 
     gradients (from the optimizer's gradient source); a sparse gradient is an error. Where
     every parameter has one, in a few passes in C."""
     everything = group["params"]
-    present = list(map(_GRAD, everything))
+    piece = opt.__dict__.get("_backward_piece")
+    if piece is None:
+        present = list(map(_GRAD, everything))
+    else:  # a step in backward takes the parameters whose gradients are complete
+        present = [p.grad if id(p) in piece.ready else None for p in everything]
     if not any(map(operator.is_, present, itertools.repeat(None))):
         idx, params = list(range(len(everything))), list(everything)
     else:
@@ -266,21 +282,82 @@ def _scale_by_tensor_norms(item: GroupGrads, sums: Optional[Tensor]) -> None:
     item.scalars = GradScalars(mults, sums, scalars.clamp)
 
 
-def _clip_by_global_norm(staged: List[GroupGrads]) -> Tensor:
+class NormParts:
+    """The pieces of the global gradient norm, per tensor, by (group, position): what a step
+    that sees every gradient at once computes, and a step taken in pieces (in backward)
+    gathers piece by piece, so that both total them in the same order into the same bits."""
+
+    def __init__(self) -> None:
+        #: (group's position, plain: 0 / deferred: 1 / sharded: 2) -> [(positions, vector)]
+        self.chunks: Dict[Tuple[int, int], List[Tuple[List[int], Tensor]]] = {}
+
+    def add(self, opt: Any, staged: List[GroupGrads]) -> None:
+        """The per-tensor pieces of ``staged`` (the plain gradients' norms, the deferred ones'
+        scaled norms, the sharded ones' whole-tensor norms)."""
+        where = {id(g): k for k, g in enumerate(opt.param_groups)}
+        for s in staged:
+            if not s.grads:
+                continue
+            if s.deferred:
+                if s.norms is None:
+                    continue
+                kind, vector = 1, s.norms * s.scalars.mults.to(s.norms).abs()
+            elif s.grad_norms is not None:
+                kind, vector = 2, s.grad_norms
+            else:
+                kind, vector = 0, _ops.norms(s.grads)
+            self.chunks.setdefault((where.get(id(s.group), -1), kind), []).append(
+                (list(s.idx), vector))
+
+    def _vectors(self, kind: int) -> List[Tensor]:
+        """Each group's vector of ``kind``, its tensors in their group's order."""
+        out = []
+        for key in sorted(k for k in self.chunks if k[1] == kind):
+            chunks = self.chunks[key]
+            if len(chunks) == 1:
+                out.append(chunks[0][1])
+                continue
+            idx = [i for positions, _ in chunks for i in positions]
+            joined = torch.cat([v.to(chunks[0][1].device) for _, v in chunks])
+            order = sorted(range(len(idx)), key=idx.__getitem__)
+            out.append(joined[torch.tensor(order, device=joined.device)])
+        return out
+
+    def total(self) -> Tensor:
+        """The global norm: the plain gradients' norms totalled per device, then the deferred
+        and sharded groups' (the order and arithmetic of a step that sees them all)."""
+        plain = self._vectors(0)
+        by_device: Dict[Any, List[Tensor]] = {}
+        for v in plain:
+            by_device.setdefault(v.device, []).append(v)
+        total = torch.zeros(())
+        if by_device:
+            parts = [torch.cat(vs).square().sum() for vs in by_device.values()]
+            total = parts[0]
+            for extra in parts[1:]:
+                total = total + extra.to(parts[0].device)
+            total = total.sqrt()
+        scaled = [v.square().sum() for v in self._vectors(1) + self._vectors(2)]
+        if scaled:
+            extra = torch.stack([x.to(scaled[0].device) for x in scaled]).sum()
+            if not by_device:
+                total = extra.sqrt()  # on the deferred gradients' device, nothing moved to the host
+            else:
+                total = (total.square() + extra.to(total.device)).sqrt()
+        return total
+
+
+def _clip_by_global_norm(opt: Any, staged: List[GroupGrads],
+                         known: Optional[Tensor] = None) -> Tensor:
     """``max_grad_norm``: scale the gradients of the groups that set it by ``c / max(||g||,
-    c)``, ``||g||`` (returned) over every gradient of every group (deferred ones: into their
-    scalars)."""
-    total = _ops.global_norm([t for s in staged if not s.deferred and s.grad_norms is None
-                                 for t in s.grads])
-    scaled = [(s.norms * s.scalars.mults.to(s.norms).abs()).square().sum()
-              for s in staged if s.deferred and s.norms is not None]
-    scaled += [s.grad_norms.square().sum() for s in staged if s.grad_norms is not None]
-    if scaled:
-        extra = torch.stack([x.to(scaled[0].device) for x in scaled]).sum()
-        if not any(not s.deferred and s.grad_norms is None and s.grads for s in staged):
-            total = extra.sqrt()  # on the deferred gradients' device, nothing moved to the host
-        else:
-            total = (total.square() + extra.to(total.device)).sqrt()
+    c)``, ``||g||`` (returned, or ``known``: the norm of a step taken in pieces) over every
+    gradient of every group (deferred ones: into their scalars)."""
+    if known is None:
+        parts = NormParts()
+        parts.add(opt, staged)
+        total = parts.total()
+    else:
+        total = known
     for s in staged:
         if s.group.get("max_grad_norm") is None or not s.grads:
             continue

@@ -123,15 +123,23 @@ def newton_schulz(x: Tensor, coefficients: Any, steps: int, eps: float,
     ``x``'s shape): ``X <- a X + (b A + c A^2) X`` with ``A = X X^T``, on the wide orientation,
     after ``X / max(||X||_F, eps)``; ``(a, b, c)`` the same at every step or each step's
     (:func:`step_coefficients`)."""
-    y = x.to(dtype, copy=True)
-    tall = x.size(0) > x.size(1)
+    return newton_schulz_(x.to(dtype, copy=True), coefficients, steps, eps)
+
+
+def newton_schulz_(y: Tensor, coefficients: Any, steps: int, eps: float) -> Tensor:
+    """:func:`newton_schulz` of ``y``, in its dtype, which it takes over (normalizes in place
+    and lets go of): the caller keeps no copy, so that the iteration holds, beside the
+    result, one m x m buffer at a time."""
+    tall = y.size(0) > y.size(1)
     if tall:
         y = y.T
     y.div_(y.norm().clamp(min=eps))
     for a, b, c in step_coefficients(coefficients, steps):
         gram = y @ y.T
         poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        del gram
         y = torch.addmm(y, poly, y, beta=a)
+        del poly
     return y.T if tall else y
 
 
@@ -187,6 +195,13 @@ def orthogonalize(jobs: Sequence[Job], coefficients: Any, steps: int, eps: float
     for (group, replicas), members in by_group.items():
         _exchange(group, replicas, [job for job, _ in members], [dim for _, dim in members],
                   iteration, dtype, buckets)
+
+
+def whole_here(p: Tensor) -> bool:
+    """Whether ``p`` is iterated where it is, with no exchange: nothing splits it over more
+    than one rank. Such a matrix's update is made, applied and freed before the next one's is
+    made, so that a step holds one update at a time."""
+    return _split(p) is None
 
 
 def _split(p: Tensor) -> Any:

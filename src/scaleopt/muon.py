@@ -12,8 +12,9 @@ from ._base import ScaleOptimizer, lr_of
 from ._checks import check_betas, check_bool, check_choice, check_number
 from ._dispatch import check_implementation
 from ._loading import StateSpec, _pairs
+from ._masters import LOW_PRECISION, LocalPlacement, MasterWeights, Storage
 from ._orthogonal import (EPS, NS_COEFFICIENTS, NS_METHODS, NS_STEPS, Job, adjusted_lr,
-                          orthogonalize)
+                          newton_schulz_, orthogonalize, whole_here)
 from ._params import NameRule, match_names, normalize_group, param_label, rule_is_set
 from ._sharding import local_piece
 
@@ -110,6 +111,16 @@ class Muon(ScaleOptimizer):
             or ``"triton"``); ``"triton"`` runs its parameters in one Triton launch per step
             (CUDA) in every ``state_dtype``, ``"native"`` on the C kernel (CPU), the two with
             the same bits.
+        master_weights (bool, default False): float32 master weights (and float32 momentum)
+            for float16/bfloat16 matrices: a bfloat16 matrix's master is split (the parameter
+            holds its upper 16 bits, ``state["master_lo"]`` the lower 16), 2 bytes per element,
+            and each update is the float32 update's bits, rounded into the parameter; other
+            parameters take AdamW's ``master_weights``. Allows a ``state_dtype`` other than
+            float32 for such parameters. Saved in ``state_dict`` as float32 ``master_param``.
+
+    A step makes, applies and lets go of one matrix's update before the next one's (the
+    sharded matrices of an exchange together), so that its peak above what the optimizer
+    holds is the gradients and one matrix's iteration (see :doc:`/memory`).
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
@@ -153,6 +164,7 @@ class Muon(ScaleOptimizer):
         foreach: Optional[bool] = None,
         fused: Optional[bool] = None,
         adamw_implementation: Optional[str] = None,
+        master_weights: bool = False,
     ) -> None:
         defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
@@ -163,8 +175,19 @@ class Muon(ScaleOptimizer):
             exclude_from_weight_decay=exclude_from_weight_decay, max_grad_norm=max_grad_norm,
             state_dtype=state_dtype, exchange_buckets=exchange_buckets, foreach=foreach,
             fused=fused, adamw_implementation=adamw_implementation, algorithm=None,
+            master_weights=master_weights,
         )
         super().__init__(params, defaults, nonfinite=nonfinite)
+
+    def _attach(self) -> None:
+        super()._attach()
+        self._master_weights = MasterWeights(self, _MuonPlacement())
+
+    def master(self, p: Tensor) -> Tensor:
+        """The float32 master weights of ``p`` (``master_weights=True``): a new tensor for a
+        split master, the stored copy for another low-precision parameter, ``p`` itself
+        otherwise."""
+        return self._master_weights.master(p)
 
     # -- groups -------------------------------------------------------------------------------
 
@@ -200,6 +223,7 @@ class Muon(ScaleOptimizer):
         check_number("weight_decay", group["weight_decay"])
         check_number("momentum", group["momentum"], high=1.0)
         check_bool("nesterov", group["nesterov"])
+        check_bool("master_weights", group["master_weights"])
         _check_coefficients(_as_tuples(group["ns_coefficients"]))
         check_number("eps", group["eps"], low=0.0, low_open=True)
         steps = group["ns_steps"]
@@ -263,7 +287,7 @@ class Muon(ScaleOptimizer):
     def step(self, closure=None):  # type: ignore[override]
         """Perform one optimization step. ``closure`` re-evaluates the model and returns the loss."""
         loss = self._closure_loss(closure)
-        matrices: List[Tuple[Dict[str, Any], Tensor, Job]] = []
+        matrices: List[Tuple[Dict[str, Any], Tensor, Job]] = []  # the sharded ones
         pending: List[_compact.Pending] = []
         for item in self._intake():
             group = item.group
@@ -272,8 +296,12 @@ class Muon(ScaleOptimizer):
                 continue
             decays = [not x for x in self._rule_flags(group, "exclude_from_weight_decay")]
             for i, p, g in zip(item.idx, item.params, item.grads):
-                matrices.append((group if decays[i] else dict(group, weight_decay=0.0), p,
-                                 Job(p, self._momentum_update(group, p, g, pending))))
+                each = group if decays[i] else dict(group, weight_decay=0.0)
+                if whole_here(p):  # made, applied and freed before the next matrix's
+                    self._step_matrix(each, p, g)
+                else:
+                    matrices.append((each, p, Job(p, self._momentum_update(group, p, g,
+                                                                           pending))))
         if matrices:
             self._apply(matrices)
         _compact.store(pending)
@@ -287,20 +315,51 @@ class Muon(ScaleOptimizer):
         if "step" not in state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
         state["step"] += 1
+        dtype = _working_dtype(group, p)
         form = _compact.form_for(group["state_dtype"], tuple(p.shape))
-        _compact.convert(state, form, p, p.dtype)  # a group that changed its state_dtype
+        _compact.convert(state, form, p, dtype)  # a group that changed its state_dtype
         if form != "float32":
-            buf = _compact.working(state, "momentum_buffer", form, p, p.dtype, pending)
+            buf = _compact.working(state, "momentum_buffer", form, p, dtype, pending)
         else:
             if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["momentum_buffer"] = torch.zeros_like(
+                    p, dtype=dtype, memory_format=torch.preserve_format)
             buf = local_piece(state["momentum_buffer"])
+        if grad.dtype != buf.dtype:  # a low-precision gradient of a float32 master
+            grad = grad.to(buf.dtype)
         momentum = group["momentum"]
         buf.lerp_(grad, 1 - momentum)
         return grad.lerp(buf, momentum) if group["nesterov"] else buf
 
-    @staticmethod
-    def _apply(matrices: List[Tuple[Dict[str, Any], Tensor, Job]]) -> None:
+    def _step_matrix(self, group: Dict[str, Any], p: Tensor, grad: Tensor) -> None:
+        """One matrix that no exchange joins: its momentum moved and stored, its update made
+        (the momentum's working copy and the look-ahead let go of as soon as the next buffer
+        exists) and applied. A step so holds one matrix's transients at a time: the
+        iteration's dtype copy, one m x m buffer and the next iterate."""
+        own: List[_compact.Pending] = []
+        look = self._momentum_update(group, p, grad, own)
+        _compact.store(own)
+        del own
+        y = look.to(NS_DTYPES[group["ns_dtype"]], copy=True)
+        del look
+        update = newton_schulz_(y, _as_tuples(group["ns_coefficients"]), group["ns_steps"],
+                                group["eps"])
+        self._move(group, p, update)
+
+    def _move(self, group: Dict[str, Any], p: Tensor, update: Tensor) -> None:
+        """``p`` (its local piece), or its float32 master with ``master_weights``, decayed and
+        moved by ``update``; a master's parameter then brought up to date (a split master's
+        upper half is the parameter: joined, moved and split again)."""
+        if not (group["master_weights"] and p.dtype in LOW_PRECISION):
+            _move(local_piece(p), update, group, p.shape)
+            return
+        view = self._master_weights.view(group, [p])
+        work = self._master_weights.joined(view)
+        _move(local_piece(work[0]), update, group, p.shape)
+        self._master_weights.split_back(view, work)
+        self._master_weights.commit(view, False)
+
+    def _apply(self, matrices: List[Tuple[Dict[str, Any], Tensor, Job]]) -> None:
         """Orthogonalize every matrix's update (one exchange per process group that shards
         them, per setting of the iteration), then decay and move each (local pieces)."""
         settings: Dict[Tuple[Any, ...], List[Job]] = {}
@@ -311,7 +370,7 @@ class Muon(ScaleOptimizer):
         for (coefficients, steps, eps, dtype, buckets), jobs in settings.items():
             orthogonalize(jobs, coefficients, steps, eps, dtype, buckets)
         for group, p, job in matrices:
-            _move(local_piece(p), job.result, group, p.shape)
+            self._move(group, p, job.result)
 
 
 def _move(w: Tensor, update: Tensor, group: Dict[str, Any], shape: Any) -> None:
@@ -327,6 +386,26 @@ def _move(w: Tensor, update: Tensor, group: Dict[str, Any], shape: Any) -> None:
     lr = float(lr)
     w.mul_(1 - lr * group["weight_decay"])
     w.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], shape))
+
+
+def _working_dtype(group: Dict[str, Any], p: Tensor) -> torch.dtype:
+    """The dtype a matrix's momentum is computed in: float32 for a low-precision parameter
+    with master weights, else the parameter's."""
+    if group["master_weights"] and p.dtype in LOW_PRECISION:
+        return torch.float32
+    return p.dtype
+
+
+class _MuonPlacement(LocalPlacement):
+    """Masters beside their parameters; a contiguous bfloat16 matrix's master split (its
+    upper half the parameter itself, ``master_lo`` the lower: 2 bytes per element), as the
+    matrices' update joins and splits it with torch's ops on any device."""
+
+    def storage(self, group: Dict[str, Any], p: Tensor) -> Storage:
+        if (group.get("algorithm") == "muon" and group.get("master_weights")
+                and p.dtype == torch.bfloat16 and local_piece(p).is_contiguous()):
+            return Storage.SPLIT
+        return super().storage(group, p)
 
 
 def _as_tuples(coefficients: Any) -> Any:
