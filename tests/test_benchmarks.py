@@ -86,7 +86,7 @@ def test_bench_builds_finds_a_build_and_its_copy_give_the_same_bits_and_times_bo
 
 
 @pytest.mark.parametrize("script", ["bench_step.py", "bench_offload.py", "bench_fsdp.py",
-                                    "bench_muon.py"])
+                                    "bench_muon.py", "bench_memory.py"])
 def test_bench_scripts_answer_help(script):
     assert "usage" in run(script, "--help")
 
@@ -138,3 +138,34 @@ def test_muon_share_gives_each_optimizers_share_of_a_training_step():
               out.splitlines() if "% of a training step" in line}
     assert set(shares) == {"torch.AdamW(fused=True)", "scaleopt.Muon"}
     assert all(0 < s < 100 for s in shares.values()), shares
+
+
+def test_the_memory_method_reads_a_float32_model_alone_as_4_bytes_per_parameter():
+    """The check of ``scaleopt bench --memory``'s measure (the process's resident set with the
+    mmap threshold fixed, docs/memory.md): 25.2M float32 parameters read as 4.00 bytes each,
+    their gradients as 4.00 more."""
+    from scaleopt.cli import bench_memory
+
+    r = bench_memory.run_one("model alone (float32)", "matrices", "cpu", 1)
+    assert 3.98 <= r["weights"] / r["params"] <= 4.02, r
+    assert 3.98 <= r["grads"] / r["params"] <= 4.12, r
+
+
+@pytest.mark.slow
+def test_measured_muon_and_in_backward_steps_peak_within_their_bounds():
+    """Muon's step peaks at most 0.5 bytes per parameter above what it holds plus the
+    gradients, below fused AdamW's peak; LAMB in backward (bfloat16, split masters, int8 state)
+    at most 0.5 above what it holds."""
+    from scaleopt.cli import bench_memory
+
+    names = ["model alone (float32)", "torch.AdamW(fused=True)", "scaleopt.Muon",
+             "scaleopt.Muon(state_dtype=int8)",
+             "scaleopt.LAMB(master_weights, state_dtype=int8), bf16 params, in backward"]
+    rows = {r["name"]: r for r in bench_memory.rows(
+        [bench_memory.run_one(n, "matrices", "cpu", 1) for n in names])}
+    adamw = rows["torch.AdamW(fused=True)"]["peak"]
+    for name in names[2:4]:
+        r = rows[name]
+        assert r["peak"] <= r["held"] + r["grads"] + 0.5 and r["peak"] < adamw, r
+    r = rows[names[-1]]
+    assert r["peak"] <= r["held"] + 0.5 and r["grads"] < 0.1, r

@@ -21,6 +21,7 @@ MAKERS = {
     "Muon(int8)": lambda n, **kw: scaleopt.Muon(n, lr=1e-2, state_dtype="int8", **kw),
     "OffloadAdam": lambda n, **kw: scaleopt.OffloadAdam(n, lr=1e-2, **kw),
     "offload(LANS)": lambda n, **kw: scaleopt.offload(scaleopt.LANS, n, lr=1e-2, **kw),
+    "offload(Muon)": lambda n, **kw: scaleopt.offload(scaleopt.Muon, n, lr=1e-2, **kw),
 }
 
 

@@ -487,3 +487,28 @@ def test_a_step_makes_one_matrixs_update_at_a_time(monkeypatch):
         p.grad = g
     opt.step()
     assert [e[0] for e in events] == ["iterate", "move"] * len(params)
+
+
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_offloaded_muon_is_muon_with_master_weights_bit_for_bit(dtype, state_dtype):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 48), nn.LayerNorm(48), nn.Linear(48, 8)).to(dtype)
+    other = copy.deepcopy(model)
+    options = dict(lr=0.02, adamw_lr=1e-3, state_dtype=state_dtype)
+    here = scaleopt.Muon(model.named_parameters(), master_weights=True, **options)
+    host = scaleopt.offload(scaleopt.Muon, other.named_parameters(), **options)
+    assert host.host is not None and all(g["master_weights"] for g in host.param_groups)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        x = torch.randn(16, 32, generator=g).to(dtype)
+        for m, o in ((model, here), (other, host)):
+            m(x).float().square().mean().backward()
+            o.step()
+            o.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters()))
+    # its checkpoint is the on-device optimizer's, and back
+    back = scaleopt.Muon(copy.deepcopy(other).named_parameters(), master_weights=True, **options)
+    back.load_state_dict(copy.deepcopy(host.state_dict()))
+    for a, b in zip(here.state.values(), back.state.values()):
+        assert a.keys() == b.keys()

@@ -12,7 +12,7 @@ from ._base import ScaleOptimizer, lr_of
 from ._checks import check_betas, check_bool, check_choice, check_number
 from ._dispatch import check_implementation
 from ._loading import StateSpec, _pairs
-from ._masters import LOW_PRECISION, LocalPlacement, MasterWeights, Storage
+from ._masters import LOW_PRECISION, LocalPlacement, MasterView, MasterWeights, Storage
 from ._orthogonal import (EPS, NS_COEFFICIENTS, NS_METHODS, NS_STEPS, Job, adjusted_lr,
                           newton_schulz_, orthogonalize, whole_here)
 from ._params import NameRule, match_names, normalize_group, param_label, rule_is_set
@@ -316,14 +316,16 @@ class Muon(ScaleOptimizer):
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
         state["step"] += 1
         dtype = _working_dtype(group, p)
+        # the momentum lives beside the master: in host memory when offloaded
+        template = self._master_view(group, p).weights[0] if self.host is not None else p
         form = _compact.form_for(group["state_dtype"], tuple(p.shape))
-        _compact.convert(state, form, p, dtype)  # a group that changed its state_dtype
+        _compact.convert(state, form, template, dtype)  # a group that changed its state_dtype
         if form != "float32":
-            buf = _compact.working(state, "momentum_buffer", form, p, dtype, pending)
+            buf = _compact.working(state, "momentum_buffer", form, template, dtype, pending)
         else:
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(
-                    p, dtype=dtype, memory_format=torch.preserve_format)
+                    template, dtype=dtype, memory_format=torch.preserve_format)
             buf = local_piece(state["momentum_buffer"])
         if grad.dtype != buf.dtype:  # a low-precision gradient of a float32 master
             grad = grad.to(buf.dtype)
@@ -340,7 +342,8 @@ class Muon(ScaleOptimizer):
         look = self._momentum_update(group, p, grad, own)
         _compact.store(own)
         del own
-        y = look.to(NS_DTYPES[group["ns_dtype"]], copy=True)
+        # the iteration runs where the parameter is (offloaded: its momentum comes over)
+        y = look.to(device=local_piece(p).device, dtype=NS_DTYPES[group["ns_dtype"]], copy=True)
         del look
         update = newton_schulz_(y, _as_tuples(group["ns_coefficients"]), group["ns_steps"],
                                 group["eps"])
@@ -350,14 +353,22 @@ class Muon(ScaleOptimizer):
         """``p`` (its local piece), or its float32 master with ``master_weights``, decayed and
         moved by ``update``; a master's parameter then brought up to date (a split master's
         upper half is the parameter: joined, moved and split again)."""
-        if not (group["master_weights"] and p.dtype in LOW_PRECISION):
+        view = self._master_view(group, p)
+        if view.weights[0] is p and view.lower_halves[0] is None:  # no master
             _move(local_piece(p), update, group, p.shape)
             return
-        view = self._master_weights.view(group, [p])
         work = self._master_weights.joined(view)
-        _move(local_piece(work[0]), update, group, p.shape)
+        w = local_piece(work[0])
+        _move(w, update.to(w.device, non_blocking=False), group, p.shape)
         self._master_weights.split_back(view, work)
         self._master_weights.commit(view, False)
+
+    def _master_view(self, group: Dict[str, Any], p: Tensor) -> Any:
+        """``p``'s master as the update sees it (``p`` itself where it has none): with
+        ``master_weights`` beside it (split for a bfloat16 matrix), offloaded in host memory."""
+        if not group["master_weights"]:
+            return MasterView([p], [p], [None], [None])
+        return self._master_weights.view(group, [p])
 
     def _apply(self, matrices: List[Tuple[Dict[str, Any], Tensor, Job]]) -> None:
         """Orthogonalize every matrix's update (one exchange per process group that shards
@@ -391,7 +402,7 @@ def _move(w: Tensor, update: Tensor, group: Dict[str, Any], shape: Any) -> None:
 def _working_dtype(group: Dict[str, Any], p: Tensor) -> torch.dtype:
     """The dtype a matrix's momentum is computed in: float32 for a low-precision parameter
     with master weights, else the parameter's."""
-    if group["master_weights"] and p.dtype in LOW_PRECISION:
+    if group["master_weights"] and p.dtype in LOW_PRECISION + (torch.float32,):
         return torch.float32
     return p.dtype
 

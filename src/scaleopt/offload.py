@@ -331,10 +331,17 @@ def _adam_reference(w: Tensor, g: Tensor, m: Tensor, v: Tensor, vmax: Optional[T
 
 def offload(optimizer_class: Type[LayerwiseAdam], params: Any, *, overlap: bool = True,
             num_threads: Optional[int] = None, **options: Any) -> LayerwiseAdam:
-    """``optimizer_class`` (:class:`~scaleopt.LAMB` or :class:`~scaleopt.LANS`) on the host
-    pipeline: float32 masters (split for bfloat16 parameters) and moments in host memory,
-    gradients to the host, the fused host kernels, weights back to the device. The result is
-    an ``optimizer_class`` whose ``host`` is the pipeline.
+    """``optimizer_class`` (:class:`~scaleopt.LAMB`, :class:`~scaleopt.LANS` or
+    :class:`~scaleopt.Muon`) on the host pipeline: float32 masters (split for bfloat16
+    parameters) and moments in host memory, gradients to the host, the fused host kernels,
+    weights back to the device. The result is an ``optimizer_class`` whose ``host`` is the
+    pipeline.
+
+    Muon's momentum (in its ``state_dtype``) and masters live in host memory and its AdamW part
+    runs there; each matrix's Newton-Schulz iteration runs where the parameter is (on a GPU,
+    on the GPU), one matrix at a time, so the device holds an update only while it is made.
+    The update is :class:`~scaleopt.Muon`'s with ``master_weights=True``, bit for bit where
+    both run on the host.
 
     >>> import scaleopt
     >>> model = torch.nn.Linear(4, 2)
@@ -342,9 +349,12 @@ def offload(optimizer_class: Type[LayerwiseAdam], params: Any, *, overlap: bool 
     >>> model(torch.randn(8, 4)).square().mean().backward()
     >>> opt.step()
     """
-    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, LayerwiseAdam)):
+    from .muon import Muon
+
+    if not (isinstance(optimizer_class, type)
+            and issubclass(optimizer_class, (LayerwiseAdam, Muon))):
         raise TypeError(
-            f"offload() takes a layer-wise optimizer class (scaleopt.LAMB, scaleopt.LANS); "
+            f"offload() takes scaleopt.LAMB, scaleopt.LANS or scaleopt.Muon (or a subclass); "
             f"for Adam use scaleopt.OffloadAdam. Got {optimizer_class!r}"
         )
     if "master_weights" in options and not options["master_weights"]:

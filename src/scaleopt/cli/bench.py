@@ -24,7 +24,7 @@ import torch
 
 import scaleopt
 
-from . import bench_fsdp, bench_gpu, bench_muon, options
+from . import bench_fsdp, bench_gpu, bench_memory, bench_muon, options
 from ..benchmarking import (NO_DECAY, SIZES, held_bytes, interleaved, make_params, paired_ratio,
                             shapes_of, size_options)
 from .report import NO_PLOTS, write_bench_plot
@@ -144,6 +144,14 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def command(args: argparse.Namespace) -> int:
+    if args.memory:
+        if args.world != 1 or args.muon:
+            raise ValueError("--memory measures one process's training step: --world and "
+                             "--muon do not apply")
+        out = pathlib.Path(args.out) if args.out is not None else new_folder(
+            pathlib.Path("scaleopt-runs") / f"bench-memory-{args.model}")
+        bench_memory.run(args.model, args.device, args.threads or 2, args.only, out)
+        return options.EXIT_OK
     check_arguments(args)
     run(args)
     return options.EXIT_OK
@@ -176,6 +184,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "cores (see docs/muon.md)")
     options.add_replicas(ap, "with --muon --world N: HSDP, R replicas of N / R shards "
                              "(default: 1)", default=1)
+    ap.add_argument("--memory", action="store_true",
+                    help="measure instead the peak memory of a whole training step (forward, "
+                         "backward, step) in bytes per parameter, each optimizer and mode in a "
+                         "process of its own (see docs/memory.md)")
+    ap.add_argument("--model", choices=bench_memory.MODELS, default="matrices",
+                    help="with --memory: 24 matrices of 1024 x 1024 (25.2M parameters) or a "
+                         "llama-like stack of 12 layers of width 768 (85M) (default: matrices)")
     ap.add_argument("--only", nargs="*", metavar="NAME",
                     help="time only optimizers whose name contains one of these (the fused "
                          "AdamW baseline always runs)")

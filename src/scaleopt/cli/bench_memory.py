@@ -152,6 +152,10 @@ def configurations() -> Dict[str, Tuple[torch.dtype, Callable[[Any], Any], Dict[
             c[f"scaleopt.{name}(master_weights, state_dtype={state}), bf16 params"] = (
                 bf16, lambda n, cls=cls, state=state: cls(n, lr=1e-3, master_weights=True,
                                                           state_dtype=state), {})
+    c["scaleopt.Muon(master_weights, state_dtype=int8), bf16 params"] = (
+        bf16, lambda n: scaleopt.Muon(n, lr=0.02, master_weights=True, state_dtype="int8"), {})
+    c["scaleopt.offload(Muon, state_dtype=int8), bf16 params"] = (bf16, lambda n: scaleopt.offload(
+        scaleopt.Muon, n, lr=0.02, state_dtype="int8"), {})
     c["scaleopt.offload(LAMB, state_dtype=int8), bf16 params"] = (bf16, lambda n: scaleopt.offload(
         scaleopt.LAMB, n, lr=1e-3, state_dtype="int8"), {})
     c["scaleopt.OffloadAdam(state_dtype=int8), bf16 params"] = (bf16, lambda n: scaleopt.OffloadAdam(
@@ -162,6 +166,15 @@ def configurations() -> Dict[str, Tuple[torch.dtype, Callable[[Any], Any], Dict[
             c[f"scaleopt.{name}(master_weights, state_dtype=int8), bf16 params, in backward"] = (
                 bf16, lambda n, cls=cls: cls(n, lr=1e-3, master_weights=True,
                                              state_dtype="int8"), inb)
+        c["scaleopt.Muon(master_weights, state_dtype=int8), bf16 params, in backward"] = (
+            bf16, lambda n: scaleopt.Muon(n, lr=0.02, master_weights=True, state_dtype="int8"),
+            inb)
+        c["scaleopt.LAMB(master_weights, state_dtype=int8), bf16 params, in backward, exact "
+          "clipping"] = (bf16, lambda n: scaleopt.LAMB(n, lr=1e-3, master_weights=True,
+                                                      state_dtype="int8", max_grad_norm=1.0),
+                         dict(inb, clip="exact"))
+        c["scaleopt.offload(Muon, state_dtype=int8), bf16 params, in backward"] = (
+            bf16, lambda n: scaleopt.offload(scaleopt.Muon, n, lr=0.02, state_dtype="int8"), inb)
         c["scaleopt.Muon, in backward"] = (f32, lambda n: scaleopt.Muon(n, lr=0.02), inb)
         c["scaleopt.Muon(state_dtype=int8), in backward"] = (f32, lambda n: scaleopt.Muon(
             n, lr=0.02, state_dtype="int8"), inb)
