@@ -362,7 +362,8 @@ V16_INLINE void v16_blocks(const Blocks *blocks, int64_t first, int64_t last, do
 
 /* The kept updates (v16_lamb_sums, v16_lans_sums): one buffer for the process, of up
  * to KEEP_CAP floats, held by one *_multi call at a time. It covers the last elements of each
- * tensor, as many as it holds (half as many for LANS, which keeps two numbers per element).
+ * tensor, as many as it holds (half as many for LANS, which keeps two numbers per element),
+ * and is freed at the end of the call.
  * Only *_multi, which runs both passes of a tensor back to back, keeps; the sharded calls
  * (*_multi_sums, then *_multi_apply) compute the updates again. */
 static float *keep_buffer;
@@ -370,7 +371,8 @@ static int64_t keep_floats;
 static char keep_busy;
 
 /* The buffer for the updates of the compact tensors of ts, floats per element: as large as
- * the largest needs, up to KEEP_CAP (grown, never shrunk). NULL where nothing is compact,
+ * the largest needs, up to KEEP_CAP, made for the call and freed by keep_give, so that
+ * nothing is held between steps (a transient of the step). NULL where nothing is compact,
  * where another call holds it, or where the AVX-512 loops do not run. */
 static const Keep *keep_take(const LayerwiseTensor *ts, int64_t count, int64_t floats,
                              Keep *keep) {
@@ -394,7 +396,11 @@ static const Keep *keep_take(const LayerwiseTensor *ts, int64_t count, int64_t f
 }
 
 static void keep_give(const Keep *keep) {
-    if (keep) __atomic_clear(&keep_busy, __ATOMIC_RELEASE);
+    if (!keep) return;
+    free(keep_buffer);
+    keep_buffer = NULL;
+    keep_floats = 0;
+    __atomic_clear(&keep_busy, __ATOMIC_RELEASE);
 }
 #else
 #define COMPACT_LOOP(portable, v16) (portable)

@@ -1,0 +1,82 @@
+"""A whole training step (forward, backward, step) with the steps inside backward against the
+ordinary one, paired round by round in one process (see docs/memory.md).
+
+    python benchmarks/bench_in_backward.py                   # 24 matrices of 1024 x 1024
+    python benchmarks/bench_in_backward.py --model llama --rounds 10
+
+Each optimizer runs on its own copy of the same model; each round times one step of every
+row in turn, and the table gives each row's median step time and the median over rounds of
+its ratio to the ordinary step of the same optimizer in the same round (``x ordinary``). The
+exact clipping row (two passes) is set against the ordinary clipped step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import platform
+import statistics
+
+import torch
+
+import scaleopt
+from scaleopt.benchmarking import interleaved, paired_ratio
+from scaleopt.cli.bench_memory import MODELS, build_model
+
+OPTIMIZERS = {
+    "LAMB": lambda n, **kw: scaleopt.LAMB(n, lr=1e-3, **kw),
+    "LANS": lambda n, **kw: scaleopt.LANS(n, lr=1e-3, **kw),
+    "AdamW": lambda n, **kw: scaleopt.AdamW(n, lr=1e-3, **kw),
+    "Muon": lambda n, **kw: scaleopt.Muon(n, lr=0.02, **kw),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", choices=MODELS, default="matrices")
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--only", nargs="*", help="optimizers by name (default: all)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    base = build_model(args.model, False, dtype)
+    batch = base.batch(dtype)
+    params = sum(p.numel() for p in base.parameters())
+    steps, pairs = {}, {}
+    extra = {"master_weights": True} if dtype == torch.bfloat16 else {}
+    for name, make in OPTIMIZERS.items():
+        if args.only and name not in args.only:
+            continue
+        for mode in ("ordinary", "in backward", "ordinary, clipped", "in backward, exact clip"):
+            model = copy.deepcopy(base)
+            clip = {"max_grad_norm": 1.0} if "clip" in mode else {}
+            opt = make(list(model.named_parameters()), **clip, **extra)
+            row = f"{name}, {mode}"
+            if mode.startswith("in backward"):
+                stepper = scaleopt.step_in_backward(opt, clip="exact" if clip else None)
+
+                def step(model=model, stepper=stepper):
+                    stepper.backward(lambda: model(batch))
+            else:
+                def step(model=model, opt=opt):
+                    model(batch).backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+            steps[row] = step
+            pairs[row] = f"{name}, ordinary" + (", clipped" if clip else "")
+    times = interleaved(steps, args.rounds, warmup=2)
+    print(f"training step, in backward against ordinary ({params:,} parameters, model "
+          f"{args.model}, {args.dtype}, {args.threads} threads, torch {torch.__version__}, "
+          f"{platform.machine()}, {args.rounds} rounds)")
+    print(f"{'row':<36} {'median ms':>10} {'x ordinary':>11} {'spread':>15}")
+    for row, ts in times.items():
+        ratios = sorted(t / b for t, b in zip(ts, times[pairs[row]]))
+        spread = f"{ratios[len(ratios) // 4]:.3f}-{ratios[3 * len(ratios) // 4]:.3f}"
+        print(f"{row:<36} {statistics.median(ts) * 1e3:>10.1f} "
+              f"{paired_ratio(ts, times[pairs[row]]):>11.3f} {spread:>15}")
+
+
+if __name__ == "__main__":
+    main()
