@@ -17,7 +17,7 @@ from ._sharding import any_dtensor, local_piece
 from ._base import ScaleOptimizer
 from ._checks import check_bool
 from ._loading import ADAM_STATE
-from ._masters import LocalPlacement, MasterWeights
+from ._masters import LocalPlacement, MasterWeights, split_join
 from ._params import NameRule
 
 __all__ = ["AdamW"]
@@ -239,16 +239,31 @@ def update(opt: Any, group: Dict[str, Any], idx: List[int], params: List[Tensor]
     if impl in _KERNELS:
         _kernel_step(opt, group, idx, params, grads, impl)
         return
-    # with master weights, torch's paths run on their float32 values (split ones joined)
+    # with master weights, torch's paths run on their float32 values (split ones joined); a
+    # split master whose moments are compact is left split: the C kernel updates its halves
+    # in place (no float32 copy of it), or, where it cannot, it is joined then
     view = opt._master_weights.view(group, params) if group.get("master_weights") else None
-    work = params if view is None else opt._master_weights.joined(view)
-    fused = takes_fused(group, work)
+    joined: List[int] = []
+    if view is None:
+        work = params
+    else:
+        work = list(view.weights)
+        joined = [k for k, (p, lo) in enumerate(zip(params, view.lower_halves))
+                  if lo is None or _compact.form_for(group["state_dtype"], tuple(p.shape))
+                  == "float32" or not (_native.available() and _native.kernels_allowed(group))]
+        for k, w in zip(joined, opt._master_weights.joined(view.subset(joined))):
+            work[k] = w
+    fused = takes_fused(group, [w for k, w in enumerate(work) if view is None or k in joined])
     pending: List[_compact.Pending] = []
     native: Dict[bool, List[Tuple[Any, ...]]] = {}
-    lists = _init_group(opt, group, idx, params, work, grads, fused, pending, native)
+    lows = [None] * len(params) if view is None else [
+        lo if k not in joined else None for k, lo in enumerate(view.lower_halves)]
+    lists = _init_group(opt, group, idx, params, work, grads, fused, pending, native, lows,
+                        joined)
     for decayed, rows in native.items():
-        _adam_kernel(group, tuple(list(col) for col in zip(*rows)), [decayed] * len(rows),
-                     "native", _kernel_cache(opt, group))
+        *columns, w16s = (list(col) for col in zip(*rows))
+        _adam_kernel(group, tuple(columns), [decayed] * len(rows), "native",
+                     _kernel_cache(opt, group), w16s=w16s)
     beta1, beta2 = group["betas"]
     for decayed, (ps, gs, ms, vs, maxs, steps) in lists.items():
         # torch's foreach path needs its tensor-scalar form under torch.compile
@@ -270,13 +285,14 @@ def update(opt: Any, group: Dict[str, Any], idx: List[int], params: List[Tensor]
             s.copy_(moved)
     _compact.store(pending)
     if view is not None:
-        opt._master_weights.split_back(view, work)
+        opt._master_weights.split_back(view.subset(joined), [work[k] for k in joined])
         opt._master_weights.commit(view, False)
 
 
 def _init_group(opt: Any, group: Dict[str, Any], idx: List[int], params: List[Tensor],
                 work: List[Tensor], grads: List[Tensor], fused: bool,
-                pending: List[_compact.Pending], native: Dict[bool, List[Tuple[Any, ...]]]
+                pending: List[_compact.Pending], native: Dict[bool, List[Tuple[Any, ...]]],
+                lows: List[Optional[Tensor]], joined: List[int]
                 ) -> Dict[bool, Tuple[List[Tensor], ...]]:
     """The group's tensors for torch's ``adamw``, split by whether they decay: the tensors
     updated (``work``: the parameters, or their float32 masters), grads, moments (in the
@@ -285,11 +301,13 @@ def _init_group(opt: Any, group: Dict[str, Any], idx: List[int], params: List[Te
     Sharded parameters and their state are given as their local shards (as the gradients
     are). Moments stored in bfloat16 or 8 bits go to the C kernel where it takes them
     (into ``native``, see :func:`_native_row`, for :func:`_adam_kernel`), else are given as
-    float32 working tensors, put on ``pending`` to be stored back after the update."""
+    float32 working tensors, put on ``pending`` to be stored back after the update. A split
+    master left split (``lows[k]``: its lower halves) goes to the C kernel, or is joined here
+    into ``work`` (its position added to ``joined``) where the kernel cannot take it."""
     no_decay = opt._rule_flags(group, "exclude_from_weight_decay")
     keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
     lists: Dict[bool, Tuple[List[Tensor], ...]] = {}
-    for i, p, w, g in zip(idx, params, work, grads):
+    for k, (i, p, w, g) in enumerate(zip(idx, params, work, grads)):
         state = opt.state[p]
         if "step" not in state:
             state["step"] = (
@@ -302,11 +320,14 @@ def _init_group(opt: Any, group: Dict[str, Any], idx: List[int], params: List[Te
         elif not fused and state["step"].device.type != "cpu":
             state["step"] = state["step"].cpu()
         form = _compact.form_for(group["state_dtype"], tuple(p.shape))
-        _compact.convert(state, form, p, w.dtype)
-        row = None if form == "float32" else _native_row(group, p, w, g, state, form)
+        _compact.convert(state, form, p, torch.float32 if lows[k] is not None else w.dtype)
+        row = None if form == "float32" else _native_row(group, p, w, g, state, form, lows[k])
         if row is not None:
             native.setdefault(not no_decay[i], []).append(row)
             continue
+        if lows[k] is not None:  # split, and the kernel cannot take it: joined after all
+            w = work[k] = split_join(local_piece(w).detach(), local_piece(lows[k]))
+            joined.append(k)
         moments = {}
         for key in keys:
             if form != "float32":
@@ -326,19 +347,23 @@ def _init_group(opt: Any, group: Dict[str, Any], idx: List[int], params: List[Te
     return lists
 
 def _native_row(group: Dict[str, Any], p: Tensor, w: Tensor, grad: Tensor,
-                state: Dict[str, Any], form: str) -> Optional[Tuple[Any, ...]]:
-    """``(weight, grad, exp_avg, exp_avg_sq, step, stored)`` of a parameter ``p`` whose
+                state: Dict[str, Any], form: str,
+                low: Optional[Tensor] = None) -> Optional[Tuple[Any, ...]]:
+    """``(weight, grad, exp_avg, exp_avg_sq, step, stored, w16)`` of a parameter ``p`` whose
     moments are stored in ``form`` (bfloat16 or 8 bits), for the C kernel, which updates
-    them and ``w`` (``p`` or its float32 master) in place in one pass (no float32 copies):
-    where it takes the tensor (float32 on the CPU, the kernels built, no amsgrad, not under
+    them and ``w`` (``p`` or its float32 master; with ``low``, a split master's upper half,
+    whose lower halves ``low`` are ``w16``) in place in one pass (no float32 copies): where it
+    takes the tensor (float32 or split on the CPU, the kernels built, no amsgrad, not under
     ``torch.compile``, no path other than the fused ones asked for), else None."""
-    if (group["amsgrad"] or not _native.kernels_allowed(group) or w.dtype != torch.float32
+    if (group["amsgrad"] or not _native.kernels_allowed(group)
+            or (w.dtype != torch.float32 and low is None)
             or not _native.available() or _ops.compiling() or not state["step"].is_cpu):
         return None
     stored = _compact.stored(state, form, p)
+    w16 = None if low is None else local_piece(low)
     row = (local_piece(w), grad, local_piece(state["exp_avg"]),
-           local_piece(state["exp_avg_sq"]), state["step"], stored)
-    return row if _native.adam_applies(*row[:4], None, stored) else None
+           local_piece(state["exp_avg_sq"]), state["step"], stored, w16)
+    return row if _native.adam_applies(*row[:4], w16, stored) else None
 
 #: the implementations that run AdamW on scaleopt's own kernels (one pass per tensor)
 _KERNELS = ("native", "triton")

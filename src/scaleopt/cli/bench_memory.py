@@ -152,6 +152,9 @@ def configurations() -> Dict[str, Tuple[torch.dtype, Callable[[Any], Any], Dict[
             c[f"scaleopt.{name}(master_weights, state_dtype={state}), bf16 params"] = (
                 bf16, lambda n, cls=cls, state=state: cls(n, lr=1e-3, master_weights=True,
                                                           state_dtype=state), {})
+    c["scaleopt.AdamW(master_weights, implementation=native), bf16 params"] = (
+        bf16, lambda n: scaleopt.AdamW(n, lr=1e-3, master_weights=True, implementation="native"),
+        {})
     c["scaleopt.Muon(master_weights, state_dtype=int8), bf16 params"] = (
         bf16, lambda n: scaleopt.Muon(n, lr=0.02, master_weights=True, state_dtype="int8"), {})
     c["scaleopt.offload(Muon, state_dtype=int8), bf16 params"] = (bf16, lambda n: scaleopt.offload(
