@@ -155,6 +155,14 @@ def test_a_whole_check_writes_its_report_from_the_parts_output(tmp_path, monkeyp
          "ratio_to_torch_muon": 0.9, "state_bytes_per_param": 6.2}]}
     graph = {"tensors": 407, "params": 10, "eager_host_ms": 1.0, "eager_gpu_ms": 0.5,
              "graph_host_ms": 0.01, "graph_gpu_ms": 0.4, "equal": True}
+    offload = {"kind": "offload", "params": 1000, "cap_bytes": 7000, "capped": [
+        {"row": "torch.AdamW(fused, float32 masters)", "fits": False},
+        {"row": "OffloadAdam, in backward", "fits": True, "step_s": 0.01,
+         "peak_device_bytes_per_param": 2.4}],
+        "both_fit": {"params": 100, "rows": [{"row": "OffloadAdam", "fits": True,
+                                              "step_s": 0.002, "x_device_adamw": 1.3}]},
+        "hidden": {"hidden": 0.75, "step_s": 0.01, "forward_backward_s": 0.005,
+                   "host_step_s": 0.004, "copies_s": 0.004}}
 
     def fake(part, scratch, seconds=330, jobs=1):
         if part == "sweep":  # the table a sweep writes, then read by bench-chosen
@@ -167,9 +175,10 @@ def test_a_whole_check_writes_its_report_from_the_parts_output(tmp_path, monkeyp
             code = f"print('warming up'); print({json.dumps(json.dumps(graph))})"
         elif part == "bench-peers":
             code = "import time; time.sleep(30)"
-        elif part == "bench-muon":
+        elif part in ("bench-muon", "offload"):
+            result = muon if part == "bench-muon" else offload
             code = (f"open({str(scratch / (part + '.json'))!r}, 'w').write("
-                    f"{json.dumps(json.dumps(muon))})")
+                    f"{json.dumps(json.dumps(result))})")
         else:
             code = (f"open({str(scratch / (part + '.json'))!r}, 'w').write("
                     f"{json.dumps(json.dumps(bench))})")
@@ -185,13 +194,17 @@ def test_a_whole_check_writes_its_report_from_the_parts_output(tmp_path, monkeyp
     status = {p["part"]: p["status"] for p in report["parts"]}
     assert status["bench-peers"] == "stopped at its 2 s" and status["graph"] == "done"
     assert report["graph"] == graph
-    assert set(report["bench"]) == {"bench-float32", "bench-bfloat16", "bench-muon", "bench-1b"}
+    assert set(report["bench"]) == {"bench-float32", "bench-bfloat16", "bench-muon", "bench-1b",
+                                    "offload"}
     # the sweep (330 s) did not fit in what was left, and so the table it chose is not timed
     assert status["sweep"].startswith("skipped") and status["bench-chosen"].startswith("skipped")
     assert report["tests"]["two runs equal bit for bit"] == "passed"
     md = (tmp_path / "gpu_check.md").read_text()
     assert "# GPU check: a GPU" in md and "| scaleopt.LAMB(triton) | 1.00 | 1.20 |" in md
     assert "| scaleopt.Muon | 2.00 | 3.00 | 0.90 | 6.20 |" in md
+    assert "| OffloadAdam, in backward | yes | 10.0 | 2.40 |" in md
+    assert "| torch.AdamW(fused, float32 masters) | no | - | - |" in md
+    assert "copies hidden by the host's work: 75%" in md
     assert "===== tests-first (done) =====" in (tmp_path / "gpu_check.log").read_text()
     assert "gpu_check budget: tests-bits 60 s, tests-first 120 s" in capsys.readouterr().out
     # parts named with their seconds run in the order named; bench-chosen times the sweep's
@@ -260,3 +273,28 @@ def test_a_part_stopped_at_its_limit_stops_every_process_it_started(tmp_path, mo
         time.sleep(0.05)
     else:
         raise AssertionError("the part's child process still runs")
+
+
+def test_the_offload_part_runs_every_row_in_a_dry_run_and_is_summarised():
+    """``tools/gpu_offload.py --dry-run``: every row of the offload part (the offloaded
+    optimizers, ordinary and in backward, and the copies' share) on tiny CPU models; the
+    summary gives each row."""
+    sys.path.insert(0, str(TOOLS))
+    try:
+        import gpu_offload
+    finally:
+        sys.path.remove(str(TOOLS))
+    report = gpu_offload.run("cpu", dry=True, rounds=1)
+    rows = [r["row"] for r in report["capped"]]
+    assert rows == ["torch.AdamW(fused, float32 masters)", "OffloadAdam",
+                    "OffloadAdam, in backward", "offload(LAMB, int8)",
+                    "offload(LAMB, int8), in backward", "offload(Muon, int8)",
+                    "offload(Muon, int8), in backward"]
+    assert all(r["fits"] and r["step_s"] > 0 for r in report["capped"])
+    assert 0.0 <= report["hidden"]["hidden"] <= 1.0
+    for r in report["capped"]:
+        r["peak_device_bytes_per_param"] = 2.5  # what a GPU run adds
+    md = G.offload_table(dict(report, cap_bytes=7 * report["params"]))
+    assert all(any(line.startswith(f"| {row} | yes |") for line in md) for row in rows)
+    assert any("copies hidden by the host's work" in line for line in md)
+    assert "offload" in [p for p, _, _ in G.PLAN]

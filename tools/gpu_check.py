@@ -27,7 +27,12 @@ fit in what is left is skipped, and says so):
    ``tools/triton_sweep.py``, every launch configuration of the Triton kernels timed, the
    fastest written to OUT_DIR/sweep/triton_launch.json (if time is left, or alone: ``--parts
    sweep --budget 330``); ``bench-chosen``: ``bench-float32`` again with the table the sweep
-   chose.
+   chose;
+5. ``offload``: ``tools/gpu_offload.py``, OffloadAdam, ``offload(LAMB)`` and
+   ``offload(Muon)``, ordinary and stepping in backward, on a model whose float32 AdamW state
+   does not fit a device-memory cap: peak device bytes per parameter and step time; their time
+   against the on-device fused AdamW where both fit; how much of the copies the host's work
+   hides (if time is left, or alone: ``--parts offload``).
 
 ``--parts`` runs the parts named in the order named; ``--jobs N`` runs the test parts in N
 pytest-xdist workers where that is installed (the compiles of a fresh machine in parallel).
@@ -80,6 +85,7 @@ PLAN = [
     ("compile", 150, True),
     ("sweep", 330, True),
     ("bench-chosen", 60, True),
+    ("offload", 120, True),
 ]
 BUDGET = 480
 
@@ -105,6 +111,8 @@ def commands(part: str, scratch: Path, seconds: float = 330, jobs: int = 1) -> L
         return pytest + ["-k", f"{COMPILED} and not ({BITS}) and not ({FIRST})"]
     if part == "graph":
         return [py, __file__, "--part", "graph", str(scratch)]
+    if part == "offload":
+        return [py, str(ROOT / "tools" / "gpu_offload.py"), str(scratch / "offload.json")]
     if part == "compile":  # (what it compiled in its time stays in Triton's cache)
         return sweep + [str(scratch / "compile"), "--compile-only", "--budget",
                         str(max(10, round(seconds - 15)))]
@@ -212,6 +220,9 @@ def markdown(report: Dict[str, Any]) -> str:
         if result.get("kind") == "muon":
             lines += muon_table(part, result)
             continue
+        if result.get("kind") == "offload":
+            lines += offload_table(result)
+            continue
         lines += ["", f"## {part}: {result.get('params', 0) / 1e6:.1f}M parameters, "
                       f"{result.get('dtype')}, copy {result.get('copy_bytes_per_s', 0) / 1e9:.0f} GB/s",
                   "", "| optimizer | ms | x fused AdamW | host ms | GB/s | % of copy | state B/param |",
@@ -226,6 +237,34 @@ def markdown(report: Dict[str, Any]) -> str:
                       f"{sweep['skipped']} runs skipped for time; sweep/triton_launch.json)", ""]
         lines += triton_sweep.comparison(sweep["before"], sweep["after"])
     return "\n".join(lines) + "\n"
+
+
+def offload_table(result: Dict[str, Any]) -> List[str]:
+    """The offload part's tables: under the cap, and where both fit."""
+    cap = result.get("cap_bytes", 0)
+    lines = ["", f"## offload: {result.get('params', 0) / 1e6:.0f}M bfloat16 parameters under a "
+                 f"{cap / 2**30:.1f} GiB cap", "",
+             "| row | fits | step ms | peak device B/param |", "|---|---|---|---|"]
+    for r in result.get("capped", []):
+        peak = r.get("peak_device_bytes_per_param")
+        lines.append(f"| {r['row']} | {'yes' if r['fits'] else 'no'} | "
+                     f"{1e3 * r['step_s']:.1f} | {peak:.2f} |" if r["fits"] else
+                     f"| {r['row']} | no | - | - |")
+    both = result.get("both_fit", {})
+    lines += ["", f"Where both fit ({both.get('params', 0) / 1e6:.0f}M parameters):", "",
+              "| row | step ms | x fused AdamW on the device |", "|---|---|---|"]
+    for r in both.get("rows", []):
+        if r.get("fits"):
+            lines.append(f"| {r['row']} | {1e3 * r['step_s']:.1f} | "
+                         f"{r.get('x_device_adamw', float('nan')):.2f} |")
+    hidden = result.get("hidden")
+    if hidden:
+        lines += ["", f"OffloadAdam's copies hidden by the host's work: "
+                      f"{100 * hidden['hidden']:.0f}% (step {1e3 * hidden['step_s']:.1f} ms, "
+                      f"forward and backward {1e3 * hidden['forward_backward_s']:.1f} ms, host "
+                      f"step {1e3 * hidden['host_step_s']:.1f} ms, copies "
+                      f"{1e3 * hidden['copies_s']:.1f} ms)."]
+    return lines
 
 
 def muon_table(part: str, result: Dict[str, Any]) -> List[str]:
