@@ -285,7 +285,7 @@ def test_the_offload_part_runs_every_row_in_a_dry_run_and_is_summarised():
     finally:
         sys.path.remove(str(TOOLS))
     report = gpu_offload.run("cpu", dry=True, rounds=1)
-    rows = [r["row"] for r in report["capped"]]
+    rows = [r["row"] for r in report["capped"]][:7]  # (then the peers that are installed)
     assert rows == ["torch.AdamW(fused, float32 masters)", "OffloadAdam",
                     "OffloadAdam, in backward", "offload(LAMB, int8)",
                     "offload(LAMB, int8), in backward", "offload(Muon, int8)",

@@ -61,6 +61,35 @@ def _timed(fn: Callable[[], Any], device: str, rounds: int) -> float:
     return statistics.median(times)
 
 
+def _peers() -> Dict[str, Callable[[Any], Any]]:
+    """The peers that are installed (benchmark extras: carried as wheels to a GPU machine):
+    torchao's CPUOffloadOptimizer and 8-bit AdamW, FlashOptim's AdamW, bitsandbytes' 8-bit
+    AdamW."""
+    out: Dict[str, Callable[[Any], Any]] = {}
+    try:
+        from torchao.optim import AdamW8bit, CPUOffloadOptimizer
+
+        out["torchao CPUOffloadOptimizer(AdamW)"] = lambda n: CPUOffloadOptimizer(
+            [p for _, p in n], torch.optim.AdamW, lr=1e-4, fused=True)
+        out["torchao AdamW8bit"] = lambda n: AdamW8bit([p for _, p in n], lr=1e-4)
+    except ImportError:
+        pass
+    try:
+        import flashoptim
+
+        out["flashoptim FlashAdamW"] = lambda n: flashoptim.FlashAdamW([p for _, p in n], lr=1e-4)
+    except ImportError:
+        pass
+    try:
+        import bitsandbytes
+
+        out["bitsandbytes AdamW8bit"] = lambda n: bitsandbytes.optim.AdamW8bit(
+            [p for _, p in n], lr=1e-4)
+    except ImportError:
+        pass
+    return out
+
+
 def _rows() -> Dict[str, Callable[[Any], Any]]:
     return {
         "torch.AdamW(fused, float32 masters)": None,  # made by _masters_adamw
@@ -69,6 +98,7 @@ def _rows() -> Dict[str, Callable[[Any], Any]]:
                                                           state_dtype="int8"),
         "offload(Muon, int8)": lambda n: scaleopt.offload(scaleopt.Muon, n, lr=0.02,
                                                           state_dtype="int8"),
+        **_peers(),
     }
 
 
@@ -100,7 +130,27 @@ def _make(name: str, model: torch.nn.Module, in_backward: bool) -> Any:
     if name.startswith("torch"):
         return _MastersAdamW([p for _, p in named]), None
     opt = _rows()[name](named)
+    if in_backward and name.startswith("flashoptim"):  # its own gradient release
+        import flashoptim
+
+        flashoptim.enable_gradient_release(model, opt)
+        return opt, _Released()
     return opt, scaleopt.step_in_backward(opt) if in_backward else None
+
+
+class _Released:
+    """A peer's own steps in backward: a plain backward steps."""
+
+    def backward(self, closure: Callable[[], torch.Tensor]) -> None:
+        closure().backward()
+
+
+def _modes(name: str) -> tuple:
+    """Whether each row of ``name`` steps in backward: ours both ways, FlashOptim's also with
+    its own gradient release, the other peers ordinary only."""
+    if name.startswith(("offload", "OffloadAdam", "flashoptim")):
+        return (False, True)
+    return (False,)
 
 
 def _train_step(model, batch, opt, steps) -> None:
@@ -182,14 +232,13 @@ def run(device: str = "cuda", dry: bool = False, rounds: int = 5) -> Dict[str, A
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
         report["cap_bytes"] = cap
     report["capped"] = [_measure(name, big, device, ib, rounds)
-                        for name in _rows() for ib in ((False,) if name.startswith("torch")
-                                                       else (False, True))]
+                        for name in _rows() for ib in _modes(name)]
     if device == "cuda":
         torch.cuda.set_per_process_memory_fraction(1.0)
     del big
     small = Matrices(small_w, small_l).to(device, torch.bfloat16)
     both = [_measure(name, small, device, ib, rounds) for name in _rows()
-            for ib in ((False,) if name.startswith("torch") else (False, True))]
+            for ib in _modes(name)]
     base = both[0].get("step_s")
     for row in both:
         if base and row.get("step_s"):

@@ -163,6 +163,14 @@ def configurations() -> Dict[str, Tuple[torch.dtype, Callable[[Any], Any], Dict[
         scaleopt.LAMB, n, lr=1e-3, state_dtype="int8"), {})
     c["scaleopt.OffloadAdam(state_dtype=int8), bf16 params"] = (bf16, lambda n: scaleopt.OffloadAdam(
         n, lr=1e-3, state_dtype="int8"), {})
+    try:  # a peer, where installed (a benchmark extra)
+        from torchao.optim import AdamW8bit
+
+        for dtype, tag in ((f32, ""), (bf16, ", bf16 params")):
+            c[f"torchao.optim.AdamW8bit{tag}"] = (dtype, lambda n: AdamW8bit(
+                [p for _, p in n], lr=1e-3), {"warm_full": True})
+    except ImportError:
+        pass
     if hasattr(scaleopt, "step_in_backward"):
         for name in ("AdamW", "LAMB", "LANS"):
             cls = getattr(scaleopt, name)
@@ -266,8 +274,10 @@ def _make(name: str, model_kind: str, tiny: bool, device: str) -> Tuple[nn.Modul
 def measure_one(name: str, model_kind: str, device: str) -> Dict[str, Any]:
     """The measured bytes of configuration ``name`` (run in a process of its own)."""
     meter = Meter(device)
-    # warm-up: the same code on a tiny model, then all of it freed
-    model, opt, stepper = _make(name, model_kind, True, device)
+    # warm-up: the same code on a tiny model (on the measured one for optimizers that
+    # compile per shape), then all of it freed
+    full = configurations()[name][2].get("warm_full", False)
+    model, opt, stepper = _make(name, model_kind, not full, device)
     for _ in range(3):
         _train_step(model, opt, model.batch(next(model.parameters()).dtype).to(device), stepper)
     if stepper is not None:
