@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import operator
+import sys
 from typing import Any, Dict, Iterator, List, Optional, Protocol, Union
 
 import torch
@@ -43,7 +44,36 @@ def plain(p: Tensor) -> bool:
 
 def split_join(hi: Tensor, lo: Tensor) -> Tensor:
     """The float32 master held as a bfloat16 ``hi`` (the master rounded to nearest, ties away
-    from zero) and int16 ``lo`` (its low 16 bits), as the kernels store it (see ``csrc/base.h``)."""
+    from zero) and int16 ``lo`` (its low 16 bits), as the kernels store it (see ``csrc/base.h``).
+
+    In 16-bit pieces (a float32's two halves in memory, little-endian): the low half is ``lo``,
+    the high half ``hi`` less the carry that rounding added (1 where ``lo``'s top bit is set),
+    so the only temporaries are 16-bit and 8-bit ones, not wider integers."""
+    if sys.byteorder != "little":
+        return _split_join_wide(hi, lo)
+    out = torch.empty(hi.shape, dtype=torch.float32, device=hi.device)
+    halves = out.reshape(-1).view(torch.int16).view(-1, 2)
+    low = lo.reshape(-1)
+    halves[:, 0] = low
+    torch.sub(hi.reshape(-1).view(torch.int16), low.lt(0).to(torch.int16), out=halves[:, 1])
+    return out
+
+
+def split_(master: Tensor, hi: Tensor, lo: Tensor) -> None:
+    """Store a float32 ``master`` exactly as ``hi`` and ``lo`` (the inverse of :func:`split_join`):
+    ``lo`` its low half, ``hi`` its high half plus the carry of rounding to nearest (ties away
+    from zero: 1 where the low half's top bit is set), in 16-bit pieces."""
+    if sys.byteorder != "little":
+        return _split_wide(master, hi, lo)
+    halves = master.contiguous().reshape(-1).view(torch.int16).view(-1, 2)
+    low = halves[:, 0]
+    lo.copy_(low.view(lo.shape))
+    top = halves[:, 1] + low.lt(0).to(torch.int16)
+    hi.copy_(top.view(torch.bfloat16).view(hi.shape))
+
+
+def _split_join_wide(hi: Tensor, lo: Tensor) -> Tensor:
+    """:func:`split_join` in 64-bit integers (any byte order)."""
     h = hi.view(torch.int16).to(torch.int32) & 0xFFFF
     low = lo.to(torch.int32) & 0xFFFF
     top = (h - (low >> 15)) & 0xFFFF
@@ -52,8 +82,8 @@ def split_join(hi: Tensor, lo: Tensor) -> Tensor:
     return bits.to(torch.int32).view(torch.float32)
 
 
-def split_(master: Tensor, hi: Tensor, lo: Tensor) -> None:
-    """Store a float32 ``master`` exactly as ``hi`` and ``lo`` (the inverse of :func:`split_join`)."""
+def _split_wide(master: Tensor, hi: Tensor, lo: Tensor) -> None:
+    """:func:`split_` in 64-bit integers (any byte order)."""
     bits = master.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     top = ((bits + 0x8000) >> 16) & 0xFFFF
     low = bits & 0xFFFF

@@ -190,7 +190,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "process of its own (see docs/memory.md)")
     ap.add_argument("--model", choices=bench_memory.MODELS, default="matrices",
                     help="with --memory: 24 matrices of 1024 x 1024 (25.2M parameters) or a "
-                         "llama-like stack of 12 layers of width 768 (85M) (default: matrices)")
+                         "llama-like stack of 12 layers of width 768 over bytes (85M) (default: matrices)")
     ap.add_argument("--only", nargs="*", metavar="NAME",
                     help="time only optimizers whose name contains one of these (the fused "
                          "AdamW baseline always runs)")
