@@ -303,7 +303,11 @@ def measure_one(name: str, model_kind: str, device: str) -> Dict[str, Any]:
     points = _train_step(model, opt, batch, stepper, meter)
     from scaleopt import state_bytes
 
-    return dict(name=name, params=params, held=held - base, state_bytes=state_bytes(opt).per_rank,
+    try:
+        counted = state_bytes(opt).per_rank
+    except RuntimeError:  # a peer's state of tensor subclasses: measured, not counted
+        counted = None
+    return dict(name=name, params=params, held=held - base, state_bytes=counted,
                 after_backward=points["after_backward"] - base,
                 backward_peak=points["backward_peak"] - base,
                 step_peak=points["step_peak"] - base)
@@ -337,6 +341,9 @@ def rows(results: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     alone = {r["name"]: r for r in results if "activations" in r}
     out = []
     for r in results:
+        if "failed" in r:
+            out.append(dict(name=r["name"], failed=r["failed"]))
+            continue
         n = r["params"]
         if "activations" in r:
             out.append(dict(name=r["name"], params=n, weights=r["weights"] / n,
@@ -346,7 +353,8 @@ def rows(results: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
         held, after = r["held"] / n, r["after_backward"] / n
         peak = max(r["step_peak"], r["backward_peak"] - act) / n
         out.append(dict(name=r["name"], params=n, held=held, grads=after - held, peak=peak,
-                        transients=peak - after, state_bytes=r["state_bytes"] / n))
+                        transients=peak - after, state_bytes=None if r["state_bytes"] is None
+                        else r["state_bytes"] / n))
     return out
 
 
@@ -356,7 +364,9 @@ def format_table(table: List[Dict[str, Any]], meta: Dict[str, Any]) -> str:
              f"{meta['threads']} threads)",
              f"{'configuration':<72} {'held':>6} {'grads':>6} {'peak':>6} {'trans.':>6}"]
     for r in table:
-        if "weights" in r:
+        if "failed" in r:
+            lines.append(f"{r['name']:<72} failed: {r['failed']}")
+        elif "weights" in r:
             lines.append(f"{r['name']:<72} {r['weights']:>6.2f} {r['grads']:>6.2f}   "
                          f"(weights, gradients; activations {r['activations']:.2f})")
         else:
@@ -372,7 +382,12 @@ def run(model_kind: str = "matrices", device: str = "cpu", threads: int = 2,
              if n.startswith("model alone") or not only or any(o in n for o in only)]
     results = []
     for name in names:
-        results.append(run_one(name, model_kind, device, threads))
+        try:
+            results.append(run_one(name, model_kind, device, threads))
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:  # reported, the others run
+            if name.startswith("model alone"):
+                raise
+            results.append(dict(name=name, failed=str(exc).strip().splitlines()[-1][:200]))
         echo(f"  measured {name}")
     table = rows(results)
     meta = dict(model=model_kind, device=device, threads=threads, torch=torch.__version__,
