@@ -423,10 +423,13 @@ def test_exchange_runs_cut_the_matrices_in_order_by_size(sizes, buckets, want):
     assert _orthogonal.buckets_of(sizes, buckets) == want
 
 
+@pytest.mark.parametrize("chunk", [1 << 16, 64])  # (a split master joined a few rows at a time)
 @pytest.mark.parametrize("state_dtype", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_bfloat16_matrices_with_master_weights_take_the_float32_updates_bits(state_dtype,
-                                                                             nesterov):
+                                                                             nesterov, chunk,
+                                                                             monkeypatch):
+    monkeypatch.setattr(scaleopt.muon, "SPLIT_CHUNK", chunk)
     start = _matrices(torch.bfloat16)
     p16 = [nn.Parameter(p.detach().clone()) for p in start]
     p32 = [nn.Parameter(p.detach().float()) for p in start]

@@ -12,7 +12,8 @@ from ._base import ScaleOptimizer, lr_of
 from ._checks import check_betas, check_bool, check_choice, check_number
 from ._dispatch import check_implementation
 from ._loading import StateSpec, _pairs
-from ._masters import LOW_PRECISION, LocalPlacement, MasterView, MasterWeights, Storage
+from ._masters import (LOW_PRECISION, LocalPlacement, MasterView, MasterWeights, Storage,
+                       split_, split_join)
 from ._orthogonal import (EPS, NS_COEFFICIENTS, NS_METHODS, NS_STEPS, Job, adjusted_lr,
                           newton_schulz_, orthogonalize, whole_here)
 from ._params import NameRule, match_names, normalize_group, param_label, rule_is_set
@@ -24,6 +25,8 @@ __all__ = ["Muon"]
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 #: what updates a group's parameters
 ALGORITHMS = ("muon", "adamw")
+#: the elements of a split master joined at a time (its float32 values exist only for these)
+SPLIT_CHUNK = 1 << 16
 #: the dtypes the iteration runs in (``ns_dtype``)
 NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 #: the state of a parameter of each algorithm (``step`` is made where missing: torch.optim.Muon
@@ -356,6 +359,17 @@ class Muon(ScaleOptimizer):
         view = self._master_view(group, p)
         if view.weights[0] is p and view.lower_halves[0] is None:  # no master
             _move(local_piece(p), update, group, p.shape)
+            return
+        if view.lower_halves[0] is not None:  # split: joined, moved and split a few rows at a time
+            hi = local_piece(view.weights[0]).detach()
+            lo = local_piece(view.lower_halves[0])
+            update = update.to(hi.device)
+            rows = max(1, SPLIT_CHUNK // max(1, hi.shape[1]))
+            for r in range(0, hi.shape[0], rows):
+                w = split_join(hi[r:r + rows], lo[r:r + rows])
+                _move(w, update[r:r + rows], group, p.shape)
+                split_(w, hi[r:r + rows], lo[r:r + rows])
+            self._master_weights.commit(view, False)
             return
         work = self._master_weights.joined(view)
         w = local_piece(work[0])
