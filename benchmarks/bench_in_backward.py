@@ -21,6 +21,7 @@ import torch
 
 import scaleopt
 from scaleopt.benchmarking import interleaved, paired_ratio
+from scaleopt.cli import options
 from scaleopt.cli.bench_memory import MODELS, build_model
 
 OPTIMIZERS = {
@@ -34,8 +35,8 @@ OPTIMIZERS = {
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=MODELS, default="matrices")
-    ap.add_argument("--rounds", type=int, default=10)
-    ap.add_argument("--threads", type=int, default=2)
+    options.add_rounds(ap, 10, "timed steps per row, interleaved")
+    options.add_threads(ap, "intra-op threads (default: 2)", default=2)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--only", nargs="*", help="optimizers by name (default: all)")
     args = ap.parse_args()

@@ -169,3 +169,21 @@ def test_measured_muon_and_in_backward_steps_peak_within_their_bounds():
         assert r["peak"] <= r["held"] + r["grads"] + 0.5 and r["peak"] < adamw, r
     r = rows[names[-1]]
     assert r["peak"] <= r["held"] + 0.5 and r["grads"] < 0.1, r
+
+
+@pytest.mark.slow
+def test_scaleopt_bench_memory_writes_its_table_and_json(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-c", "import sys; from scaleopt.cli import console; sys.argv[0] = "
+         "'scaleopt'; console()", "bench", "--memory", "--threads", "1", "--only",
+         "scaleopt.Muon(state_dtype=int8), in backward", "--json", str(tmp_path / "m.json")],
+        capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "bytes per parameter (25,190,400 parameters, model matrices" in out.stdout
+    report = json.loads((tmp_path / "m.json").read_text())
+    names = [r["name"] for r in report["rows"]]
+    assert names == ["model alone (float32)", "model alone (bfloat16)",
+                     "scaleopt.Muon(state_dtype=int8), in backward"]
+    row = report["rows"][-1]
+    assert row["grads"] < 0.1 and row["peak"] <= row["held"] + 0.5  # no gradients held at once
+    assert (tmp_path / "scaleopt-runs" / "bench-memory-matrices" / "memory.json").exists()

@@ -236,3 +236,13 @@ def test_errors_for_what_cannot_work():
     assert model.a.weight.grad is not None
     opt.step()
     scaleopt.step_in_backward(other)  # free to hook again
+
+
+def test_a_copy_of_an_optimizer_stepping_in_backward_is_an_ordinary_optimizer():
+    model = Net()
+    opt = scaleopt.LAMB(model.parameters(), lr=1e-2)
+    scaleopt.step_in_backward(opt)
+    model(torch.randn(8, 16)).backward()
+    twin = copy.deepcopy(opt)  # the hooks stay with the original, as torch's hooks do
+    assert "_steps_in_backward" not in vars(twin) and "step" not in vars(twin)
+    assert twin.state_dict()["state"].keys() == opt.state_dict()["state"].keys()

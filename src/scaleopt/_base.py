@@ -341,7 +341,7 @@ class ScaleOptimizer(torch.optim.Optimizer):
     #: Attributes a copy or an unpickled optimizer does not take over: ``_attach`` rebuilds them
     #: (torch's hooks, ``_optimizer_*``, are not copied either, as in torch). A gradient source
     #: is copied as its options, and attached to the copy.
-    _not_pickled: Tuple[str, ...] = ("_master_weights",)
+    _not_pickled: Tuple[str, ...] = ("_master_weights", "_steps_in_backward", "_backward_piece")
 
     def __getstate__(self) -> Dict[str, Any]:
         # An instance attribute shadowing a method is a wrapper put there by someone else (an LR

@@ -118,25 +118,16 @@ def take(opt: Any, value_clip: bool = True, defer: Optional[Deferral] = None, *,
     ``opt.skipped_steps``. Under ``"propagate"`` nothing is checked.
     """
     opt._refresh_hyperparameters()
-    piece = opt.__dict__.get("_backward_piece")  # a step taken in pieces, in backward
+    piece = opt.__dict__.get("_backward_piece")  # a step taken in pieces, in backward (or None)
     if amp_skip and _found_inf(opt):
         return _skipped()
     staged = [_collect(opt, group, value_clip, defer) for group in opt.param_groups]
     for item, totals in zip(staged, total([s.pending for s in staged])):
         if totals is not None:  # sharded gradients: the clippings' norms over whole tensors
             _clip_by_tensor_norms(item, totals)
-    if piece is not None:
-        if piece.parts is not None:
-            piece.parts.add(opt, staged)
-        if piece.measuring:  # the first pass: the norm's pieces and the check, no step
-            piece.by_norm = (any([s.group.get("max_grad_norm") is not None for s in staged])
-                             and not any([s.group.get("clip_grad_value") is not None
-                                          for s in staged]))
-            if opt.nonfinite == "skip" and not piece.by_norm and not piece.found_nonfinite:
-                piece.found_nonfinite = _step_has_nonfinite(opt, staged, defer)
-            return Intake()
-    skip = opt.nonfinite == "skip" and piece is None
-    finite = True
+    if piece is not None and _measured(opt, piece, staged, defer):
+        return Intake()
+    skip, finite = opt.nonfinite == "skip" and piece is None, True
     clipping = any([s.group.get("max_grad_norm") is not None for s in staged])
     if clipping and not (piece is not None and piece.norm is None):
         global_norm = _clip_by_global_norm(opt, staged, None if piece is None else piece.norm)
@@ -149,6 +140,21 @@ def take(opt: Any, value_clip: bool = True, defer: Optional[Deferral] = None, *,
         opt.skipped_steps += 1
         return _skipped()
     return Intake([s for s in staged if s.params])
+
+
+def _measured(opt: Any, piece: Any, staged: List[GroupGrads], defer: Optional[Deferral]) -> bool:
+    """For a step taken in pieces (``scaleopt.in_backward.Piece``): its part of the global
+    norm noted; and, in the first of two passes, whether an inf/NaN is there where the norm
+    does not decide it. True where the piece only measures (nothing is stepped)."""
+    if piece.parts is not None:
+        piece.parts.add(opt, staged)
+    if not piece.measuring:
+        return False
+    piece.by_norm = (any([s.group.get("max_grad_norm") is not None for s in staged])
+                     and not any([s.group.get("clip_grad_value") is not None for s in staged]))
+    if opt.nonfinite == "skip" and not piece.by_norm and not piece.found_nonfinite:
+        piece.found_nonfinite = _step_has_nonfinite(opt, staged, defer)
+    return True
 
 
 def _step_has_nonfinite(opt: Any, staged: List[GroupGrads], defer: Optional[Deferral]) -> bool:

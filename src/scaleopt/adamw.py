@@ -239,25 +239,10 @@ def update(opt: Any, group: Dict[str, Any], idx: List[int], params: List[Tensor]
     if impl in _KERNELS:
         _kernel_step(opt, group, idx, params, grads, impl)
         return
-    # with master weights, torch's paths run on their float32 values (split ones joined); a
-    # split master whose moments are compact is left split: the C kernel updates its halves
-    # in place (no float32 copy of it), or, where it cannot, it is joined then
-    view = opt._master_weights.view(group, params) if group.get("master_weights") else None
-    joined: List[int] = []
-    if view is None:
-        work = params
-    else:
-        work = list(view.weights)
-        joined = [k for k, (p, lo) in enumerate(zip(params, view.lower_halves))
-                  if lo is None or _compact.form_for(group["state_dtype"], tuple(p.shape))
-                  == "float32" or not (_native.available() and _native.kernels_allowed(group))]
-        for k, w in zip(joined, opt._master_weights.joined(view.subset(joined))):
-            work[k] = w
+    view, work, joined, lows = _working(opt, group, params)
     fused = takes_fused(group, [w for k, w in enumerate(work) if view is None or k in joined])
     pending: List[_compact.Pending] = []
     native: Dict[bool, List[Tuple[Any, ...]]] = {}
-    lows = [None] * len(params) if view is None else [
-        lo if k not in joined else None for k, lo in enumerate(view.lower_halves)]
     lists = _init_group(opt, group, idx, params, work, grads, fused, pending, native, lows,
                         joined)
     for decayed, rows in native.items():
@@ -289,6 +274,37 @@ def update(opt: Any, group: Dict[str, Any], idx: List[int], params: List[Tensor]
         opt._master_weights.commit(view, False)
 
 
+def _working(opt: Any, group: Dict[str, Any], params: List[Tensor]) -> Tuple[Any, ...]:
+    """``(view, work, joined, lows)``: with master weights, torch's paths run on their float32
+    values (``work``; split ones joined, their positions in ``joined``); a split master whose
+    moments are compact is left split (``lows``: its lower halves), for the C kernel to update
+    its halves in place (no float32 copy of it), or to be joined later where it cannot."""
+    view = opt._master_weights.view(group, params) if group.get("master_weights") else None
+    if view is None:
+        return None, params, [], [None] * len(params)
+    work = list(view.weights)
+    kernel = _native.available() and _native.kernels_allowed(group)
+    joined = [k for k, (p, lo) in enumerate(zip(params, view.lower_halves))
+              if lo is None or not kernel
+              or _compact.form_for(group["state_dtype"], tuple(p.shape)) == "float32"]
+    for k, w in zip(joined, opt._master_weights.joined(view.subset(joined))):
+        work[k] = w
+    lows = [lo if k not in joined else None for k, lo in enumerate(view.lower_halves)]
+    return view, work, joined, lows
+
+
+def _step_counter(state: Dict[str, Any], p: Tensor, fused: bool) -> None:
+    """``state["step"]``, made where new: on ``p``'s device where ``fused`` needs it, else on
+    the CPU."""
+    if "step" not in state:
+        state["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if fused
+                         else torch.tensor(0.0, dtype=torch.float32))
+    if fused and state["step"].device != p.device:
+        state["step"] = state["step"].to(p.device)
+    elif not fused and state["step"].device.type != "cpu":
+        state["step"] = state["step"].cpu()
+
+
 def _init_group(opt: Any, group: Dict[str, Any], idx: List[int], params: List[Tensor],
                 work: List[Tensor], grads: List[Tensor], fused: bool,
                 pending: List[_compact.Pending], native: Dict[bool, List[Tuple[Any, ...]]],
@@ -309,16 +325,7 @@ def _init_group(opt: Any, group: Dict[str, Any], idx: List[int], params: List[Te
     lists: Dict[bool, Tuple[List[Tensor], ...]] = {}
     for k, (i, p, w, g) in enumerate(zip(idx, params, work, grads)):
         state = opt.state[p]
-        if "step" not in state:
-            state["step"] = (
-                torch.zeros((), dtype=torch.float32, device=p.device)
-                if fused
-                else torch.tensor(0.0, dtype=torch.float32)
-            )
-        if fused and state["step"].device != p.device:
-            state["step"] = state["step"].to(p.device)
-        elif not fused and state["step"].device.type != "cpu":
-            state["step"] = state["step"].cpu()
+        _step_counter(state, p, fused)
         form = _compact.form_for(group["state_dtype"], tuple(p.shape))
         _compact.convert(state, form, p, torch.float32 if lows[k] is not None else w.dtype)
         row = None if form == "float32" else _native_row(group, p, w, g, state, form, lows[k])

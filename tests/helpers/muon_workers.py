@@ -28,6 +28,9 @@ OPTIMIZERS = {
                                                     **EXCLUDED),
     "Muon(exchange_buckets=2)": lambda ps: scaleopt.Muon(ps, lr=0.02, exchange_buckets=2,
                                                          **EXCLUDED),
+    # FSDP2's host shards (CPUOffloadPolicy's place) on the host pipeline: the same bits
+    "offload(Muon, int8 state)": lambda ps: scaleopt.offload(scaleopt.Muon, ps, lr=0.02,
+                                                             state_dtype="int8", **EXCLUDED),
 }
 
 

@@ -145,12 +145,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 def command(args: argparse.Namespace) -> int:
     if args.memory:
-        if args.world != 1 or args.muon:
-            raise ValueError("--memory measures one process's training step: --world and "
-                             "--muon do not apply")
-        out = pathlib.Path(args.out) if args.out is not None else new_folder(
-            pathlib.Path("scaleopt-runs") / f"bench-memory-{args.model}")
-        bench_memory.run(args.model, args.device, args.threads or 2, args.only, out)
+        memory(args)
         return options.EXIT_OK
     check_arguments(args)
     run(args)
@@ -184,13 +179,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "cores (see docs/muon.md)")
     options.add_replicas(ap, "with --muon --world N: HSDP, R replicas of N / R shards "
                              "(default: 1)", default=1)
-    ap.add_argument("--memory", action="store_true",
+    ap.add_argument("--memory", nargs="?", const="matrices", choices=bench_memory.MODELS,
+                    metavar="MODEL",
                     help="measure instead the peak memory of a whole training step (forward, "
                          "backward, step) in bytes per parameter, each optimizer and mode in a "
-                         "process of its own (see docs/memory.md)")
-    ap.add_argument("--model", choices=bench_memory.MODELS, default="matrices",
-                    help="with --memory: 24 matrices of 1024 x 1024 (25.2M parameters) or a "
-                         "llama-like stack of 12 layers of width 768 over bytes (85M) (default: matrices)")
+                         "process of its own, on MODEL: matrices (the default: 24 matrices of "
+                         "1024 x 1024, 25.2M parameters) or llama (a llama-like stack of 12 "
+                         "layers of width 768 over bytes, 85M) (see docs/memory.md)")
     ap.add_argument("--only", nargs="*", metavar="NAME",
                     help="time only optimizers whose name contains one of these (the fused "
                          "AdamW baseline always runs)")
@@ -298,10 +293,31 @@ def available_memory(device: str = "cpu"):
     return None
 
 
+def memory(args: argparse.Namespace) -> None:
+    """``--memory``: the measured table of :mod:`scaleopt.cli.bench_memory`, into ``--out``
+    (and ``--json``)."""
+    if args.world != 1 or args.muon:
+        raise ValueError("--memory measures one process's training step: --world and --muon "
+                         "do not apply")
+    out = pathlib.Path(args.out if args.out is not None else new_folder(
+        pathlib.Path("scaleopt-runs") / f"bench-memory-{args.memory}"))
+    check_out(str(out), overwrite=args.overwrite)
+    report = bench_memory.run(args.memory, args.device, args.threads or 2, args.only, out)
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(report, indent=1))
+    print(f"wrote {out / 'memory.json'}")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(ap)
     args = ap.parse_args(argv)
+    if args.memory:
+        try:
+            memory(args)
+        except ValueError as exc:
+            ap.error(str(exc))
+        return
     try:
         check_arguments(args)
     except ValueError as exc:

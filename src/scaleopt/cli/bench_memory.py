@@ -26,7 +26,6 @@ largest matrices 1.9% of them).
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
@@ -400,19 +399,3 @@ def run(model_kind: str = "matrices", device: str = "cpu", threads: int = 2,
         out.mkdir(parents=True, exist_ok=True)
         (out / "memory.json").write_text(json.dumps(report, indent=1))
     return report
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", choices=MODELS, default="matrices")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--only", nargs="*")
-    ap.add_argument("--out", type=pathlib.Path)
-    args = ap.parse_args(argv)
-    run(args.model, args.device, args.threads, args.only, args.out)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -273,7 +273,8 @@ def new_folder(base: pathlib.Path) -> str:
 def holds_a_run(path: pathlib.Path) -> bool:
     """Whether ``path`` holds a run's or a study's results (or checkpoints)."""
     return any((path / name).exists()
-               for name in ("result.json", checkpoint.CHECKPOINTS, "study.json", "bench.json"))
+               for name in ("result.json", checkpoint.CHECKPOINTS, "study.json", "bench.json",
+                            "memory.json"))
 
 
 def check_out(out: str, overwrite: bool = False) -> None:
