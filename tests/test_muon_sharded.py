@@ -121,3 +121,16 @@ def test_a_matrix_cut_along_two_mesh_dimensions_is_refused_naming_its_placement(
     for rank in got:
         assert "Shard(dim=0), Shard(dim=1)" in rank["error"], rank
         assert "cut along 2 mesh dimensions" in rank["error"] and "FSDP x TP" in rank["error"]
+
+
+@pytest.mark.slow
+def test_an_offloaded_muons_checkpoint_resumes_resharded_in_the_on_device_one(tmp_path):
+    """offload(Muon) on FSDP2's host shards saves a DCP checkpoint on 2 ranks that Muon (not
+    offloaded) resumes on 3, and goes on as one process does, bit for bit."""
+    W.run_workers(M.save_after, 2, tmp_path / "save", "offload(Muon, int8 state)", 2,
+                  timeout=120)
+    (got,) = [r for r in W.run_workers(M.resume, 3, tmp_path / "resume", "Muon(int8 state)",
+                                       2, 2, str(tmp_path / "save"), timeout=120)
+              if r is not None]
+    want = M.train_reference("Muon(int8 state)", 4)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
