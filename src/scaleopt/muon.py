@@ -330,11 +330,15 @@ class Muon(ScaleOptimizer):
                 state["momentum_buffer"] = torch.zeros_like(
                     template, dtype=dtype, memory_format=torch.preserve_format)
             buf = local_piece(state["momentum_buffer"])
-        if grad.dtype != buf.dtype:  # a low-precision gradient of a float32 master
+        converted = grad.dtype != buf.dtype  # a low-precision gradient of a float32 master
+        if converted:
             grad = grad.to(buf.dtype)
         momentum = group["momentum"]
         buf.lerp_(grad, 1 - momentum)
-        return grad.lerp(buf, momentum) if group["nesterov"] else buf
+        if not group["nesterov"]:
+            return buf
+        # the look-ahead into the converted gradient, which is this step's own copy
+        return grad.lerp_(buf, momentum) if converted else grad.lerp(buf, momentum)
 
     def _step_matrix(self, group: Dict[str, Any], p: Tensor, grad: Tensor) -> None:
         """One matrix that no exchange joins: its momentum moved and stored, its update made
