@@ -124,12 +124,15 @@ def test_a_matrix_cut_along_two_mesh_dimensions_is_refused_naming_its_placement(
 
 
 @pytest.mark.slow
-def test_an_offloaded_muons_checkpoint_resumes_resharded_in_the_on_device_one(tmp_path):
+@pytest.mark.parametrize("saved,resumed", [("offload(Muon, int8 state)", "Muon(int8 state)"),
+                                           ("Muon(int8 state)", "offload(Muon, int8 state)")])
+def test_an_offloaded_muons_checkpoint_resumes_resharded_in_the_on_device_one(saved, resumed,
+                                                                             tmp_path):
     """offload(Muon) on FSDP2's host shards saves a DCP checkpoint on 2 ranks that Muon (not
-    offloaded) resumes on 3, and goes on as one process does, bit for bit."""
-    W.run_workers(M.save_after, 2, tmp_path / "save", "offload(Muon, int8 state)", 2,
-                  timeout=120)
-    (got,) = [r for r in W.run_workers(M.resume, 3, tmp_path / "resume", "Muon(int8 state)",
+    offloaded) resumes on 3, and the other way round, and goes on as one process does, bit
+    for bit."""
+    W.run_workers(M.save_after, 2, tmp_path / "save", saved, 2, timeout=120)
+    (got,) = [r for r in W.run_workers(M.resume, 3, tmp_path / "resume", resumed,
                                        2, 2, str(tmp_path / "save"), timeout=120)
               if r is not None]
     want = M.train_reference("Muon(int8 state)", 4)
