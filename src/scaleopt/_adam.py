@@ -12,7 +12,7 @@ from torch import Tensor
 from . import _compact, _format
 from ._base import ScaleOptimizer
 from ._loading import ADAM_STATE
-from ._masters import LocalPlacement, MasterView, MasterWeights
+from ._masters import MasterView, WithMasterWeights
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -111,7 +111,7 @@ class _Memo(NamedTuple):
         return len(entries) == len(self.entries) and all(map(operator.is_, entries, self.entries))
 
 
-class AdamFamily(ScaleOptimizer):
+class AdamFamily(WithMasterWeights, ScaleOptimizer):
     """Base of the optimizers with Adam moments and float32 master weights.
 
     Per parameter, the state holds ``step`` (a float32 CPU scalar, as in :mod:`torch.optim`; on
@@ -125,15 +125,6 @@ class AdamFamily(ScaleOptimizer):
     #: per group (by id), the last step's state (:class:`_Memo`), the optimizer's own: no
     #: other optimizer reads it, a copy starts without it, and it goes with the optimizer
     _not_pickled = ScaleOptimizer._not_pickled + ("_adam_memos",)
-
-    def _attach(self) -> None:
-        super()._attach()
-        self._master_weights = MasterWeights(self, LocalPlacement())  # an offload's: the host's
-
-    def master(self, p: Tensor) -> Tensor:
-        """The float32 master weights of ``p``: a new tensor for a split master, the stored copy
-        for another low-precision parameter with master weights, ``p`` itself otherwise."""
-        return self._master_weights.master(p)
 
     def _adam_state(self, group: Dict[str, Any], params: List[Tensor],
                     amsgrad: bool = False) -> AdamState:

@@ -94,22 +94,20 @@ def take(opt: Any, value_clip: bool = True, defer: Optional[Deferral] = None, *,
          amp_skip: bool = False) -> Intake:
     """Each group's parameters that have a gradient, and their gradients.
 
-    The gradients are after ``maximize`` (negation), unscaling (``rescale_grad``, a
-    group's ``loss_scale``, and a :class:`torch.amp.GradScaler`'s scale when the optimizer
-    says ``_takes_amp_scale``), ``clip_grad_value`` (unless ``value_clip=False``:
-    the optimizer applies it itself), ``clip_grad_norm_per_tensor`` and, last, global
-    ``max_grad_norm`` clipping, whose norm is taken over every gradient of every group.
-    New tensors are made only for the transforms in use; ``p.grad`` itself is never
-    written. They come from the optimizer's gradient source
-    (``opt._grad_source``: host copies for an offloaded optimizer).
+    The gradients are after ``maximize`` (negation), unscaling (``rescale_grad``, a group's
+    ``loss_scale``, and a :class:`torch.amp.GradScaler`'s scale when the optimizer says
+    ``_takes_amp_scale``), ``clip_grad_value`` (unless ``value_clip=False``: the optimizer
+    applies it itself), ``clip_grad_norm_per_tensor`` and, last, global ``max_grad_norm``
+    clipping, whose norm is taken over every gradient of every group. New tensors are made only
+    for the transforms in use; ``p.grad`` itself is never written. They come from the
+    optimizer's gradient source (``opt._grad_source``: host copies for an offloaded optimizer).
 
     With ``defer``, a group it accepts (unless element-wise clipping comes before a norm
-    clipping) keeps its raw gradients, and the scalar transforms (sign, unscaling, both
-    norm clippings) come in ``scalars`` as one float per tensor that the consumer
-    multiplies the gradient by (then clamps, for element-wise clipping) as it reads it (the
-    fused CPU kernels do, which saves a pass over the gradients and a copy of them); the
-    norms the clippings need are those of the scaled gradients, from one read of the raw
-    ones.
+    clipping) keeps its raw gradients, and the scalar transforms (sign, unscaling, both norm
+    clippings) come in ``scalars`` as one float per tensor that the consumer multiplies the
+    gradient by (then clamps, for element-wise clipping) as it reads it (the fused CPU kernels
+    do, which saves a pass over the gradients and a copy of them); the norms the clippings need
+    are those of the scaled gradients, from one read of the raw ones.
 
     The result is empty and ``skipped`` when (``amp_skip``) a GradScaler handed the step an
     inf/NaN, and, under the optimizer's ``nonfinite="skip"`` policy, when a gradient holds an
@@ -125,13 +123,14 @@ def take(opt: Any, value_clip: bool = True, defer: Optional[Deferral] = None, *,
     for item, totals in zip(staged, total([s.pending for s in staged])):
         if totals is not None:  # sharded gradients: the clippings' norms over whole tensors
             _clip_by_tensor_norms(item, totals)
-    if piece is not None and _measured(opt, piece, staged, defer):
+    clipping = any([s.group.get("max_grad_norm") is not None for s in staged])
+    by_norm = clipping and not any([s.group.get("clip_grad_value") is not None for s in staged])
+    if piece is not None and _measured(opt, piece, staged, defer, by_norm):
         return Intake()
     skip, finite = opt.nonfinite == "skip" and piece is None, True
-    clipping = any([s.group.get("max_grad_norm") is not None for s in staged])
     if clipping and not (piece is not None and piece.norm is None):
         global_norm = _clip_by_global_norm(opt, staged, None if piece is None else piece.norm)
-        if skip and not any([s.group.get("clip_grad_value") is not None for s in staged]):
+        if skip and by_norm:
             finite = bool(torch.isfinite(global_norm))  # a host read: opted into
             skip = False  # decided: the norm is finite exactly where every gradient is
     if skip:
@@ -142,16 +141,17 @@ def take(opt: Any, value_clip: bool = True, defer: Optional[Deferral] = None, *,
     return Intake([s for s in staged if s.params])
 
 
-def _measured(opt: Any, piece: Any, staged: List[GroupGrads], defer: Optional[Deferral]) -> bool:
+def _measured(opt: Any, piece: Any, staged: List[GroupGrads], defer: Optional[Deferral],
+              by_norm: bool) -> bool:
     """For a step taken in pieces (``scaleopt.in_backward.Piece``): its part of the global
     norm noted; and, in the first of two passes, whether an inf/NaN is there where the norm
-    does not decide it. True where the piece only measures (nothing is stepped)."""
+    does not decide it (``by_norm``). True where the piece only measures (nothing is
+    stepped)."""
     if piece.parts is not None:
         piece.parts.add(opt, staged)
     if not piece.measuring:
         return False
-    piece.by_norm = (any([s.group.get("max_grad_norm") is not None for s in staged])
-                     and not any([s.group.get("clip_grad_value") is not None for s in staged]))
+    piece.by_norm = by_norm
     if opt.nonfinite == "skip" and not piece.by_norm and not piece.found_nonfinite:
         piece.found_nonfinite = _step_has_nonfinite(opt, staged, defer)
     return True

@@ -348,3 +348,22 @@ class MasterWeights:
                         p.detach().copy_(upper)
             elif "master_param" not in st:
                 st["master_param"] = self.placement.new_copy(p)
+
+
+class WithMasterWeights:
+    """The master weights of an optimizer (a mixin before :class:`~scaleopt._base.ScaleOptimizer`):
+    its :class:`MasterWeights`, made where the optimizer is set up (beside the parameters, by
+    :meth:`_master_placement`; an offload's pipeline moves them to the host), and
+    :meth:`master`."""
+
+    def _master_placement(self) -> Placement:
+        return LocalPlacement()
+
+    def _attach(self) -> None:
+        super()._attach()  # type: ignore[misc]
+        self._master_weights = MasterWeights(self, self._master_placement())
+
+    def master(self, p: Tensor) -> Tensor:
+        """The float32 master weights of ``p``: a new tensor for a split master, the stored copy
+        for another low-precision parameter with master weights, ``p`` itself otherwise."""
+        return self._master_weights.master(p)

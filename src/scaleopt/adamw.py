@@ -17,7 +17,7 @@ from ._sharding import any_dtensor, local_piece
 from ._base import ScaleOptimizer
 from ._checks import check_bool
 from ._loading import ADAM_STATE
-from ._masters import LocalPlacement, MasterWeights, split_join
+from ._masters import WithMasterWeights, split_join
 from ._params import NameRule
 
 __all__ = ["AdamW"]
@@ -76,7 +76,7 @@ def _beside(steps: List[Tensor], params: List[Tensor]) -> List[Tensor]:
     return [s.to(p.device) for s, p in zip(steps, params)]
 
 
-class AdamW(ScaleOptimizer):
+class AdamW(WithMasterWeights, ScaleOptimizer):
     r"""AdamW (Loshchilov & Hutter, 2019) with decay exclusion by parameter name.
 
     .. math::
@@ -192,16 +192,6 @@ class AdamW(ScaleOptimizer):
         )
         super().__init__(params, defaults, nonfinite=nonfinite)
 
-    def _attach(self) -> None:
-        super()._attach()
-        self._master_weights = MasterWeights(self, LocalPlacement())
-
-    def master(self, p: Tensor) -> Tensor:
-        """The float32 master weights of ``p`` (``master_weights=True``): a new tensor for a
-        split master, the stored copy for another low-precision parameter, ``p`` itself
-        otherwise."""
-        return self._master_weights.master(p)
-
     def _validate_group(self, group: Dict[str, Any]) -> None:
         super()._validate_group(group)
         self._validate_adam_group(group)
@@ -240,7 +230,7 @@ def update(opt: Any, group: Dict[str, Any], idx: List[int], params: List[Tensor]
         _kernel_step(opt, group, idx, params, grads, impl)
         return
     view, work, joined, lows = _working(opt, group, params)
-    fused = takes_fused(group, [w for k, w in enumerate(work) if view is None or k in joined])
+    fused = takes_fused(group, work if view is None else [work[k] for k in joined])
     pending: List[_compact.Pending] = []
     native: Dict[bool, List[Tuple[Any, ...]]] = {}
     lists = _init_group(opt, group, idx, params, work, grads, fused, pending, native, lows,
@@ -289,7 +279,8 @@ def _working(opt: Any, group: Dict[str, Any], params: List[Tensor]) -> Tuple[Any
               or _compact.form_for(group["state_dtype"], tuple(p.shape)) == "float32"]
     for k, w in zip(joined, opt._master_weights.joined(view.subset(joined))):
         work[k] = w
-    lows = [lo if k not in joined else None for k, lo in enumerate(view.lower_halves)]
+    kept = set(range(len(params))).difference(joined)
+    lows = [lo if k in kept else None for k, lo in enumerate(view.lower_halves)]
     return view, work, joined, lows
 
 

@@ -12,7 +12,7 @@ from ._base import ScaleOptimizer, lr_of
 from ._checks import check_betas, check_bool, check_choice, check_number
 from ._dispatch import check_implementation
 from ._loading import StateSpec, _pairs
-from ._masters import (LOW_PRECISION, LocalPlacement, MasterView, MasterWeights, Storage,
+from ._masters import (LOW_PRECISION, LocalPlacement, MasterView, Storage, WithMasterWeights,
                        split_, split_join)
 from ._orthogonal import (EPS, NS_COEFFICIENTS, NS_METHODS, NS_STEPS, Job, adjusted_lr,
                           newton_schulz_, orthogonalize, whole_here)
@@ -34,7 +34,7 @@ NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 _KEYS = {"muon": ("momentum_buffer",), "adamw": ("step", "exp_avg", "exp_avg_sq")}
 
 
-class Muon(ScaleOptimizer):
+class Muon(WithMasterWeights, ScaleOptimizer):
     r"""Muon (Jordan et al., 2024) for a model's matrices, AdamW for its other parameters.
 
     For each matrix :math:`W` (a 2-D parameter) with gradient :math:`G`:
@@ -182,15 +182,8 @@ class Muon(ScaleOptimizer):
         )
         super().__init__(params, defaults, nonfinite=nonfinite)
 
-    def _attach(self) -> None:
-        super()._attach()
-        self._master_weights = MasterWeights(self, _MuonPlacement())
-
-    def master(self, p: Tensor) -> Tensor:
-        """The float32 master weights of ``p`` (``master_weights=True``): a new tensor for a
-        split master, the stored copy for another low-precision parameter, ``p`` itself
-        otherwise."""
-        return self._master_weights.master(p)
+    def _master_placement(self) -> LocalPlacement:
+        return _MuonPlacement()
 
     # -- groups -------------------------------------------------------------------------------
 
@@ -377,7 +370,7 @@ class Muon(ScaleOptimizer):
             return
         work = self._master_weights.joined(view)
         w = local_piece(work[0])
-        _move(w, update.to(w.device, non_blocking=False), group, p.shape)
+        _move(w, update.to(w.device), group, p.shape)
         self._master_weights.split_back(view, work)
         self._master_weights.commit(view, False)
 
@@ -420,7 +413,7 @@ def _move(w: Tensor, update: Tensor, group: Dict[str, Any], shape: Any) -> None:
 def _working_dtype(group: Dict[str, Any], p: Tensor) -> torch.dtype:
     """The dtype a matrix's momentum is computed in: float32 for a low-precision parameter
     with master weights, else the parameter's."""
-    if group["master_weights"] and p.dtype in LOW_PRECISION + (torch.float32,):
+    if group["master_weights"] and p.dtype in LOW_PRECISION:
         return torch.float32
     return p.dtype
 
