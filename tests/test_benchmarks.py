@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -86,7 +87,8 @@ def test_bench_builds_finds_a_build_and_its_copy_give_the_same_bits_and_times_bo
 
 
 @pytest.mark.parametrize("script", ["bench_step.py", "bench_offload.py", "bench_fsdp.py",
-                                    "bench_muon.py", "bench_memory.py"])
+                                    "bench_muon.py", "bench_memory.py",
+                                    "bench_in_backward_dist.py"])
 def test_bench_scripts_answer_help(script):
     assert "usage" in run(script, "--help")
 
@@ -107,6 +109,24 @@ def test_scaleopt_bench_world_times_every_optimizer_on_fsdp2_shards(tmp_path):
     assert result["world"] == 2 and result["rows"]["scaleopt.LAMB"]["collectives"] == 1
     plot = tmp_path / "scaleopt-runs" / "bench-custom-world2" / "bench.png"
     assert plot.read_bytes().startswith(b"\x89PNG")
+
+
+def test_bench_in_backward_dist_times_each_row_and_counts_its_collectives():
+    """2 ranks, 3 blocks of 32: on FSDP2 LAMB in backward makes one all-reduce per module (the
+    ordinary step one in all), LANS two; under DDP the steps in backward add no collective."""
+    out = run("bench_in_backward_dist.py", "--rounds", "1", "--layers", "3", "--width", "32",
+              "--batch", "4")
+    cells = [re.split(r"\s{2,}", line.strip()) for line in out.splitlines()[2:] if line.strip()]
+    assert len(cells) == 15, out
+    for row, ms, *_ in cells:
+        assert float(ms) > 0, row
+    counts = {row: dict(kv.rsplit(" ", 1) for kv in cell[-1].split(", "))
+              for row, *cell in cells}
+    assert counts["FSDP2, LAMB, ordinary"]["allreduce"] == "1"
+    assert counts["FSDP2, LAMB, in backward, a module a piece"]["allreduce"] == "3"
+    assert counts["FSDP2, LANS, in backward, a module a piece"]["allreduce"] == "6"
+    for name in ("LAMB", "LANS", "AdamW"):
+        assert counts[f"DDP, {name}, in backward"] == counts[f"DDP, {name}, ordinary"]
 
 
 def test_bench_soak_reports_each_optimizers_steady_state_in_one_process_and_sharded(tmp_path):

@@ -10,6 +10,13 @@ optimizer's step for those tensors: LAMB's and LANS's trust ratios are per tenso
 element-wise, Muon iterates each matrix alone, so the bits are those of one step over all
 parameters.
 
+On FSDP2 (and HSDP) the same hooks run on the shards: FSDP2 calls a sharded parameter's
+post-accumulate-grad hooks once its reduce-scatter (and HSDP's all-reduce) has set the shard's
+gradient. A piece there is made of whole modules: a module's shards, views of one
+reduce-scatter's output, are never split, so LAMB's and LANS's norms of a module's tensors are
+totalled in one all-reduce; the bucket counts whole tensors' bytes, the same on every rank, so
+every rank steps the same pieces. The weights are the ordinary sharded step's bits.
+
 Global clipping (``max_grad_norm``) and ``nonfinite="skip"`` need every gradient before the
 first update. ``clip="exact"`` takes two passes (:meth:`StepsInBackward.backward`): the first
 forward and backward only gather each tensor's piece of the global norm (and whether any
@@ -24,14 +31,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import types
+import warnings
 import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional, Set
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from ._intake import NormParts
-from ._sharding import is_dtensor
+from ._sharding import is_dtensor, local_piece
 
 __all__ = ["step_in_backward", "StepsInBackward"]
 
@@ -60,25 +69,15 @@ class StepsInBackward:
     """The steps of one optimizer inside backward (made by :func:`step_in_backward`)."""
 
     def __init__(self, optimizer: Any, *, clip: Optional[str] = None,
-                 bucket_bytes: int = 4 << 20) -> None:
-        from ._base import ScaleOptimizer
-
-        if not isinstance(optimizer, ScaleOptimizer) or ".compat" in type(optimizer).__module__:
-            raise TypeError(f"step_in_backward takes a scaleopt optimizer (LAMB, LANS, AdamW, "
-                            f"Muon, OffloadAdam, offload(...)), got {type(optimizer).__name__}")
-        if clip is not None and clip not in CLIPS:
-            raise ValueError(f"Invalid clip: {clip!r} (one of {list(CLIPS)} or None)")
-        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 0:
-            raise ValueError(f"Invalid bucket_bytes: {bucket_bytes!r} (an int >= 0)")
-        clipping = any(g.get("max_grad_norm") is not None for g in optimizer.param_groups)
-        if clipping and clip is None:
-            raise ValueError(
-                "max_grad_norm clips by the norm of all gradients, which backward knows only "
-                "at its end: pass clip='exact' (two passes, the ordinary step's bits: "
-                "steps.backward(closure)) or clip='previous' (the previous step's norm, an "
-                "approximation in one pass)")
+                 bucket_bytes: int = 4 << 20, ddp: Any = None) -> None:
+        self.clipping = _check(optimizer, clip, bucket_bytes)
+        if ddp is not None:
+            _check_ddp(ddp, optimizer)
         self.optimizer, self.clip, self.bucket_bytes = optimizer, clip, bucket_bytes
-        self.clipping = clipping
+        #: the DistributedDataParallel module whose buckets' all-reduces the steps follow
+        self.ddp = ddp
+        self._buckets: List[Any] = []  # DDP: (future, parameters) of buckets not stepped yet
+        self._stepped: List[Tensor] = []  # DDP: the parameters stepped in this backward
         self._accumulating = 0
         self._ready: List[Tensor] = []
         self._ready_bytes = 0
@@ -95,6 +94,13 @@ class StepsInBackward:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 self._hook(p, ref)
+        if ddp is not None:
+            _follow_ddp(self, ddp)
+        elif _data_parallel() and not all(map(is_dtensor, self._params)):
+            warnings.warn(
+                "steps in backward on several ranks without ddp= take each rank's own "
+                "gradients, before any all-reduce: under DistributedDataParallel pass "
+                "step_in_backward(opt, ddp=model)", stacklevel=3)
         self._guard_step()
         optimizer.__dict__["_steps_in_backward"] = self
 
@@ -107,11 +113,6 @@ class StepsInBackward:
         return (self.clipping and self.clip == "exact") or self.optimizer.nonfinite == "skip"
 
     def _hook(self, p: Tensor, ref: Any) -> None:
-        if is_dtensor(p):
-            raise NotImplementedError(
-                "steps in backward on sharded (DTensor) parameters are not supported: FSDP2 "
-                "writes a shard's gradient after its reduce-scatter, where no "
-                "post-accumulate-grad hook runs")
         owner = getattr(p, "_scaleopt_in_backward", None)
         if owner is not None and owner() is not None:
             raise ValueError("a parameter is already stepped in backward by another optimizer: "
@@ -145,7 +146,9 @@ class StepsInBackward:
         opt.step = types.MethodType(step, opt)  # a method, as LR schedulers wrap it
 
     def remove(self) -> None:
-        """Remove the hooks; the optimizer steps as usual again."""
+        """Remove the hooks; the optimizer steps as usual again. (Under ``ddp=`` the
+        communication hook stays, as DDP takes none back: it all-reduces as DDP's own.)"""
+        self.ddp = None
         for h in self._hooks:
             h.remove()
         self._hooks = []
@@ -181,9 +184,12 @@ class StepsInBackward:
             loss.backward()
             return loss
         rng = _rng_state()
-        self._held = {id(p): p.grad for p in self._params if p.grad is not None}
-        for p in self._params:
-            p.grad = None
+        if self.ddp is None:
+            self._held = {id(p): p.grad for p in self._params if p.grad is not None}
+            for p in self._params:
+                p.grad = None
+        else:  # DDP's buckets add the accumulated gradients in, before their all-reduce
+            self._held = {id(p): p.grad.clone() for p in self._params if p.grad is not None}
         self._pass = Piece(set(), measuring=True,
                            parts=NormParts() if self.clipping else None)
         try:
@@ -220,36 +226,75 @@ class StepsInBackward:
     _norm: Optional[Tensor] = None
     _second = False
 
-    def _on_ready(self, p: Tensor) -> None:
+    def _taking(self) -> bool:
+        """Whether this backward steps (not accumulating); the first call of a backward that
+        steps queues the end-of-backward flush."""
         if self._accumulating:
-            return
+            return False
         if self._pass is None and self.two_passes and not self._second:
             raise RuntimeError(
                 "this optimizer needs every gradient before its first update (max_grad_norm "
                 "with clip='exact', or nonfinite='skip'): run the step's last backward as "
                 "steps.backward(closure), where closure runs the forward and returns the loss")
-        if p.grad is None:
-            return
         if not self._queued:
             self._queued = True
             self.pieces = 0
             torch.autograd.Variable._execution_engine.queue_callback(self._flush)
+        return True
+
+    def _on_ready(self, p: Tensor) -> None:
+        if self.ddp is not None or p.grad is None or not self._taking():
+            return
+        sharded = is_dtensor(p)
+        if sharded and self._ready_bytes >= self.bucket_bytes and self._ready \
+                and not _one_reduce(self._ready[-1], p):
+            self._step_ready()  # a full bucket of whole FSDP2 modules
         if self._pass is not None:  # measuring: the norm of the accumulated gradient
             held = self._held.get(id(p))
             if held is not None:
                 p.grad = held + p.grad
         self._ready.append(p)
+        # the whole tensor's bytes (a DTensor's shape is global): the same count on every rank,
+        # so that every rank steps the same pieces and their collectives match
         self._ready_bytes += p.grad.numel() * p.grad.element_size()
-        if self._ready_bytes >= self.bucket_bytes:
+        if not sharded and self._ready_bytes >= self.bucket_bytes:
+            self._step_ready()
+
+    def _on_bucket(self, params: List[Tensor], future: Any) -> None:
+        """DDP handed a bucket to its all-reduce (``future``): the bucket before it steps once
+        its own all-reduce is complete, this one at the next bucket or at the end of
+        backward (after DDP's own end-of-backward work, which waits for every bucket)."""
+        if self.ddp is None or not self._taking():
+            return
+        self._buckets.append((future, params))
+        while len(self._buckets) > 1:
+            self._step_bucket(*self._buckets.pop(0))
+
+    def _step_bucket(self, future: Any, params: List[Tensor]) -> None:
+        future.wait()  # the bucket's gradients (the parameters' .grad, views of it) averaged
+        self._ready = [p for p in params if p.grad is not None]
+        self._stepped.extend(self._ready)
+        if self._ready:
             self._step_ready()
 
     def _flush(self) -> None:
         self._queued = False
+        while self._buckets:
+            self._step_bucket(*self._buckets.pop(0))
+        if self._stepped:  # after DDP's own end of backward, which points .grad at the buckets
+            torch.autograd.Variable._execution_engine.queue_callback(self._release)
         if self._ready:
             self._step_ready()
         if self._pass is None and self.clipping and self.clip == "previous":
             self._previous = self._parts.total() if self._parts is not None else None
             self._parts = None
+
+    def _release(self) -> None:
+        """DDP: the stepped parameters' gradients (views of DDP's buckets) dropped, so that the
+        next backward does not add to them."""
+        for p in self._stepped:
+            p.grad = None
+        self._stepped = []
 
     _parts: Optional[NormParts] = None
 
@@ -276,12 +321,75 @@ class StepsInBackward:
             self._internal = False
             del opt.__dict__["_backward_piece"]
         for p in ready:
+            _record_stream(p.grad)
             p.grad = None
         self.pieces += 1
 
 
+def _check(optimizer: Any, clip: Optional[str], bucket_bytes: Any) -> bool:
+    """Refuse what cannot step in backward; whether the optimizer clips by the global norm."""
+    from ._base import ScaleOptimizer
+
+    if not isinstance(optimizer, ScaleOptimizer) or ".compat" in type(optimizer).__module__:
+        raise TypeError(f"step_in_backward takes a scaleopt optimizer (LAMB, LANS, AdamW, "
+                        f"Muon, OffloadAdam, offload(...)), got {type(optimizer).__name__}")
+    if clip is not None and clip not in CLIPS:
+        raise ValueError(f"Invalid clip: {clip!r} (one of {list(CLIPS)} or None)")
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 0:
+        raise ValueError(f"Invalid bucket_bytes: {bucket_bytes!r} (an int >= 0)")
+    clipping = any(g.get("max_grad_norm") is not None for g in optimizer.param_groups)
+    if clipping and clip is None:
+        raise ValueError(
+            "max_grad_norm clips by the norm of all gradients, which backward knows only "
+            "at its end: pass clip='exact' (two passes, the ordinary step's bits: "
+            "steps.backward(closure)) or clip='previous' (the previous step's norm, an "
+            "approximation in one pass)")
+    return clipping
+
+
+def _data_parallel() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _check_ddp(ddp: Any, optimizer: Any) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(ddp, DistributedDataParallel):
+        raise TypeError(f"ddp= takes the DistributedDataParallel module, got "
+                        f"{type(ddp).__name__}")
+    if not ddp.gradient_as_bucket_view:
+        raise ValueError(
+            "steps in backward under DDP read the all-reduced gradients where DDP leaves them: "
+            "wrap the model with DistributedDataParallel(..., gradient_as_bucket_view=True), "
+            "so that each parameter's .grad is its view of the bucket")
+    inside = {id(p) for p in ddp.parameters()}
+    if any(id(p) not in inside for g in optimizer.param_groups for p in g["params"]):
+        raise ValueError("under ddp=, every parameter of the optimizer must be one of the "
+                         "DDP module's (the others would step on their local gradients)")
+
+
+def _follow_ddp(steps: StepsInBackward, ddp: Any) -> None:
+    """Step after each of ``ddp``'s buckets is all-reduced: a communication hook that
+    all-reduces as DDP's own (``allreduce_hook``: the average) and hands the bucket on."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    ref = weakref.ref(steps)
+
+    def hook(state: Any, bucket: Any) -> Any:
+        future = allreduce_hook(state, bucket)
+        live = ref()
+        if live is not None:
+            live._on_bucket(bucket.parameters(), future)
+        return future
+
+    # DDP checks the annotations as objects (this module's are strings)
+    hook.__annotations__ = {"state": object, "bucket": dist.GradBucket,
+                            "return": torch.futures.Future[torch.Tensor]}
+    ddp.register_comm_hook(None, hook)
+
+
 def step_in_backward(optimizer: Any, *, clip: Optional[str] = None,
-                     bucket_bytes: int = 4 << 20) -> StepsInBackward:
+                     bucket_bytes: int = 4 << 20, ddp: Any = None) -> StepsInBackward:
     """Step ``optimizer`` inside the backward pass: each parameter is updated as soon as its
     gradient is complete (in buckets of ``bucket_bytes`` of gradients; 0: one tensor at a time)
     and its gradient freed, so a full set of gradients never exists at once.
@@ -292,7 +400,14 @@ def step_in_backward(optimizer: Any, *, clip: Optional[str] = None,
     (two passes through ``steps.backward(closure)``: the ordinary step's bits) or
     ``"previous"`` (the previous step's norm, an approximation). ``nonfinite="skip"`` takes the
     two passes too: an inf/NaN anywhere skips the whole step before anything moves, counted in
-    ``skipped_steps``. See :doc:`/memory`.
+    ``skipped_steps``.
+
+    On FSDP2 and HSDP nothing more is needed: a module's shards step after its reduce-scatter,
+    a module never split between pieces. Under DDP pass the module, ``ddp=model`` (wrapped with
+    ``gradient_as_bucket_view=True``): a communication hook that all-reduces as DDP's own steps
+    each DDP bucket once its all-reduce is complete (``bucket_bytes`` is then DDP's
+    ``bucket_cap_mb``); without ``ddp=`` on several ranks the steps would take each rank's own
+    gradients, and a warning says so. See :doc:`/memory`.
 
     >>> import torch, scaleopt
     >>> model = torch.nn.Linear(4, 2)
@@ -302,7 +417,25 @@ def step_in_backward(optimizer: Any, *, clip: Optional[str] = None,
     >>> model.weight.grad is None
     True
     """
-    return StepsInBackward(optimizer, clip=clip, bucket_bytes=bucket_bytes)
+    return StepsInBackward(optimizer, clip=clip, bucket_bytes=bucket_bytes, ddp=ddp)
+
+
+def _record_stream(grad: Optional[Tensor]) -> None:
+    """A CUDA gradient freed after a step queued on the current stream: its memory is not
+    handed to another stream (FSDP2's reduce-scatter output, say) before that step has read
+    it."""
+    if grad is not None and grad.is_cuda:
+        local_piece(grad).record_stream(torch.cuda.current_stream())
+
+
+def _one_reduce(a: Tensor, b: Tensor) -> bool:
+    """Whether two FSDP2 shards' fresh gradients came from one reduce-scatter (one module's:
+    they are views of its output). Accumulated gradients have their own memory each, so each
+    then counts as its own."""
+    if not (is_dtensor(a) and a.grad is not None and b.grad is not None):
+        return False
+    return (a.grad.to_local().untyped_storage().data_ptr()
+            == b.grad.to_local().untyped_storage().data_ptr())
 
 
 def _rng_state() -> Any:
