@@ -20,7 +20,7 @@ import statistics
 import torch
 
 import scaleopt
-from scaleopt.benchmarking import interleaved, paired_ratio
+from scaleopt.benchmarking import interleaved, paired_ratio, paired_spread
 from scaleopt.cli import options
 from scaleopt.cli.bench_memory import MODELS, build_model
 
@@ -73,10 +73,9 @@ def main() -> None:
           f"{platform.machine()}, {args.rounds} rounds)")
     print(f"{'row':<36} {'median ms':>10} {'x ordinary':>11} {'spread':>15}")
     for row, ts in times.items():
-        ratios = sorted(t / b for t, b in zip(ts, times[pairs[row]]))
-        spread = f"{ratios[len(ratios) // 4]:.3f}-{ratios[3 * len(ratios) // 4]:.3f}"
-        print(f"{row:<36} {statistics.median(ts) * 1e3:>10.1f} "
-              f"{paired_ratio(ts, times[pairs[row]]):>11.3f} {spread:>15}")
+        base = times[pairs[row]]
+        print(f"{row:<36} {statistics.median(ts) * 1e3:>10.1f} {paired_ratio(ts, base):>11.3f} "
+              f"{paired_spread(ts, base):>15}")
 
 
 if __name__ == "__main__":

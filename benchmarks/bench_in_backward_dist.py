@@ -16,7 +16,6 @@ ratio, and the collectives of one step by kind (counted at the dispatcher).
 from __future__ import annotations
 
 import argparse
-import collections
 import copy
 import os
 import platform
@@ -29,7 +28,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import scaleopt
-from scaleopt.benchmarking import interleaved
+from scaleopt.benchmarking import collectives, interleaved, paired_ratio, paired_spread
 from scaleopt.cli import options
 from scaleopt.cli.launch import free_port
 
@@ -61,23 +60,9 @@ def wrapped(base: nn.Module, wrapper: str) -> nn.Module:
 
 def counted(step):
     """The collectives ``step()`` issues, by op."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Mode(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.counts = collections.Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = str(func.overloadpacket)
-            if name.startswith("c10d."):
-                self.counts[name.split(".")[1].strip("_")] += 1
-            return func(*args, **(kwargs or {}))
-
-    mode = Mode()
-    with mode:
+    with collectives() as counts:
         step()
-    return dict(mode.counts)
+    return {name.strip("_"): n for name, n in counts.items()}
 
 
 def rows(base: nn.Module, batch: torch.Tensor, wrapper: str):
@@ -157,11 +142,10 @@ def main() -> None:
           f"rank, gloo, torch {torch.__version__}, {platform.machine()}, {args.rounds} rounds)")
     print(f"{'row':<45} {'median ms':>10} {'x ordinary':>11} {'spread':>13}  collectives")
     for row, ts in times.items():
-        ratios = sorted(t / b for t, b in zip(ts, times[pairs[row]]))
-        spread = f"{ratios[len(ratios) // 4]:.2f}-{ratios[3 * len(ratios) // 4]:.2f}"
+        base = times[pairs[row]]
         shown = ", ".join(f"{k} {v}" for k, v in sorted(counts[row].items()))
-        print(f"{row:<45} {statistics.median(ts) * 1e3:>10.1f} "
-              f"{statistics.median(ratios):>11.3f} {spread:>13}  {shown}")
+        print(f"{row:<45} {statistics.median(ts) * 1e3:>10.1f} {paired_ratio(ts, base):>11.3f} "
+              f"{paired_spread(ts, base, 2):>13}  {shown}")
 
 
 if __name__ == "__main__":

@@ -4,9 +4,11 @@ the paired ratio against a baseline, and the bytes an optimizer holds."""
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import statistics
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -146,6 +148,31 @@ def wall_seconds(step: Callable[[], Any], device: str = "cpu") -> float:
 def paired_ratio(times: List[float], baseline: List[float]) -> float:
     """The median over rounds of ``times[r] / baseline[r]``: both were timed in the same round."""
     return statistics.median(t / b for t, b in zip(times, baseline))
+
+
+def paired_spread(times: List[float], baseline: List[float], digits: int = 3) -> str:
+    """The interquartile range over rounds of ``times[r] / baseline[r]``, as ``"q1-q3"``."""
+    ratios = sorted(t / b for t, b in zip(times, baseline))
+    return f"{ratios[len(ratios) // 4]:.{digits}f}-{ratios[3 * len(ratios) // 4]:.{digits}f}"
+
+
+@contextlib.contextmanager
+def collectives() -> Iterator["collections.Counter[str]"]:
+    """Counts the collectives issued inside (c10d's ops as the dispatcher sees them, by name:
+    ``allreduce_``, ``_reduce_scatter_base_``, ...), waits not counted."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    counts: "collections.Counter[str]" = collections.Counter()
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            name = str(func.overloadpacket)
+            if name.startswith(("c10d.", "_c10d_functional.")) and "wait" not in name:
+                counts[name.split(".", 1)[1]] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        yield counts
 
 
 def held_bytes(opt: torch.optim.Optimizer, named) -> Tuple[int, int]:

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import scaleopt
+from scaleopt.benchmarking import collectives
 from muon_workers import EXCLUDED, _full, model_of, shard
 
 #: configurations by name: (make(named_params), step_in_backward's keywords)
@@ -58,31 +59,8 @@ def train_reference(name, steps):
     return [p.detach().clone() for p in model.parameters()]
 
 
-class Collectives:
-    """The collectives issued inside, counted by op (``c10d.allreduce_``, ...): CommDebugMode's
-    count without its module tracker, which FSDP2's hooks confuse."""
-
-    def __new__(cls):
-        import collections
-
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        class Mode(TorchDispatchMode):
-            def __init__(self):
-                super().__init__()
-                self.counts = collections.Counter()
-
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                name = str(func.overloadpacket)
-                if name.startswith(("c10d.", "_c10d_functional.")) and "wait" not in name:
-                    self.counts[name] += 1
-                return func(*args, **(kwargs or {}))
-
-        return Mode()
-
-
-def _counts(mode):
-    return dict(mode.counts)
+def _counts(counts):
+    return {"c10d." + name: n for name, n in counts.items()}
 
 
 def _mesh(shape):
@@ -107,17 +85,16 @@ def train_sharded(rank, world, tmp, names, steps, mesh_shape=None):
             steps_ = scaleopt.step_in_backward(opt, **keywords) if in_backward else None
             for t in range(steps):
                 *first, (tokens, targets) = batches(t)
-                mode = Collectives()
                 if in_backward:
                     with steps_.accumulating():
                         for x, y in first:
                             loss_of(model, x, y).backward()
-                    with mode:
+                    with collectives() as mode:
                         steps_.backward(lambda: loss_of(model, tokens, targets))
                 else:
                     for x, y in first:
                         loss_of(model, x, y).backward()
-                    with mode:
+                    with collectives() as mode:
                         loss_of(model, tokens, targets).backward()
                         opt.step()
                     opt.zero_grad()
@@ -164,8 +141,7 @@ def train_ddp(rank, world, tmp, names, steps, no_sync=False, cap_mb=0.01):
                 with quiet, (steps_.accumulating() if in_backward else contextlib.nullcontext()):
                     for x, y in first:
                         loss_of(model, x, y).backward()
-                mode = Collectives()
-                with mode:
+                with collectives() as mode:
                     if in_backward:
                         steps_.backward(lambda: loss_of(model, tokens, targets))
                     else:
