@@ -39,6 +39,9 @@ def main() -> None:
     options.add_threads(ap, "intra-op threads (default: 2)", default=2)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--only", nargs="*", help="optimizers by name (default: all)")
+    ap.add_argument("--buckets", nargs="*", type=int, default=[],
+                    help="more rows in backward, one per bucket_bytes given (0: a tensor a "
+                         "piece), beside the default 4 MiB")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -50,13 +53,17 @@ def main() -> None:
     for name, make in OPTIMIZERS.items():
         if args.only and name not in args.only:
             continue
-        for mode in ("ordinary", "in backward", "ordinary, clipped", "in backward, exact clip"):
+        modes = {"ordinary": None, "in backward": 4 << 20}
+        modes.update({f"in backward, bucket {b}": b for b in args.buckets})
+        modes.update({"ordinary, clipped": None, "in backward, exact clip": 4 << 20})
+        for mode, bucket in modes.items():
             model = copy.deepcopy(base)
             clip = {"max_grad_norm": 1.0} if "clip" in mode else {}
             opt = make(list(model.named_parameters()), **clip, **extra)
             row = f"{name}, {mode}"
-            if mode.startswith("in backward"):
-                stepper = scaleopt.step_in_backward(opt, clip="exact" if clip else None)
+            if bucket is not None:
+                stepper = scaleopt.step_in_backward(opt, clip="exact" if clip else None,
+                                                    bucket_bytes=bucket)
 
                 def step(model=model, stepper=stepper):
                     stepper.backward(lambda: model(batch))
@@ -71,10 +78,10 @@ def main() -> None:
     print(f"training step, in backward against ordinary ({params:,} parameters, model "
           f"{args.model}, {args.dtype}, {args.threads} threads, torch {torch.__version__}, "
           f"{platform.machine()}, {args.rounds} rounds)")
-    print(f"{'row':<36} {'median ms':>10} {'x ordinary':>11} {'spread':>15}")
+    print(f"{'row':<40} {'median ms':>10} {'x ordinary':>11} {'spread':>15}")
     for row, ts in times.items():
         base = times[pairs[row]]
-        print(f"{row:<36} {statistics.median(ts) * 1e3:>10.1f} {paired_ratio(ts, base):>11.3f} "
+        print(f"{row:<40} {statistics.median(ts) * 1e3:>10.1f} {paired_ratio(ts, base):>11.3f} "
               f"{paired_spread(ts, base):>15}")
 
 
