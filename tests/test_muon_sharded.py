@@ -60,7 +60,9 @@ def test_compact_momentum_is_stored_as_one_process_stores_it(tmp_path):
         assert buf.dtype == (torch.int8 if "int8" in name else torch.bfloat16)
 
 
-@pytest.mark.parametrize("name", ["Muon", pytest.param("Muon(int8 state)", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["Muon", pytest.param("Muon(int8 state)", marks=pytest.mark.slow),
+                                  pytest.param("offload(Muon, int8 state)",
+                                               marks=pytest.mark.slow)])
 def test_hsdp_iterates_each_matrix_once_in_the_whole_mesh_as_one_process(name, tmp_path):
     """A (2 replicas x 2 shards) mesh: every rank ends with one process's bits, each matrix is
     iterated by one rank of the four (not once per replica), and a step takes the two
