@@ -157,6 +157,31 @@ def test_bf16_master_tracks_the_fp32_run(name, foreach):
         assert torch.all(err <= (master.to(torch.bfloat16).float() - master).abs())
 
 
+@pytest.mark.parametrize("foreach", [None, True, False])
+def test_adamw_joins_float32_masters_a_part_at_a_time_with_the_bits_of_one_call(
+        foreach, monkeypatch):
+    """AdamW's float32 moments on split masters run on torch's paths over joined float32
+    masters: joined a part of JOIN_ELEMENTS at a time (its transients bounded by that, not by
+    the model: docs/memory.md measures it), the bits of joining every tensor at once."""
+    from scaleopt import adamw
+
+    shapes = [(64, 32), (32,), (48, 64), (5,), (128, 16)]
+    runs = []
+    for join in (1 << 30, 64 * 32):  # one call, or a part per tensor here
+        monkeypatch.setattr(adamw, "JOIN_ELEMENTS", join)
+        torch.manual_seed(0)
+        ps = [nn.Parameter(torch.randn(s).to(torch.bfloat16)) for s in shapes]
+        opt = scaleopt.AdamW(ps, lr=1e-2, weight_decay=0.1, master_weights=True,
+                             foreach=foreach)
+        assert len(adamw._joined_parts(opt.param_groups[0], ps)) == (1 if join > 1e6 else 5)
+        for t in range(3):
+            for p, g in zip(ps, bf16_representable_grads(shapes, t)):
+                p.grad = g
+            opt.step()
+        runs.append([opt.master(p) for p in ps] + [opt.state[p]["exp_avg_sq"] for p in ps])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
 @pytest.mark.parametrize("name", sorted(MAKERS))
 def test_bf16_master_resume_is_bit_identical(name):
     pa = params(torch.bfloat16)

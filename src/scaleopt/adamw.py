@@ -229,6 +229,12 @@ def update(opt: Any, group: Dict[str, Any], idx: List[int], params: List[Tensor]
     if impl in _KERNELS:
         _kernel_step(opt, group, idx, params, grads, impl)
         return
+    parts = _joined_parts(group, params)
+    if len(parts) > 1:  # each part's float32 masters joined, stepped and split in turn
+        for part in parts:
+            update(opt, group, [idx[k] for k in part], [params[k] for k in part],
+                   [grads[k] for k in part])
+        return
     view, work, joined, lows = _working(opt, group, params)
     fused = takes_fused(group, work if view is None else [work[k] for k in joined])
     pending: List[_compact.Pending] = []
@@ -262,6 +268,32 @@ def update(opt: Any, group: Dict[str, Any], idx: List[int], params: List[Tensor]
     if view is not None:
         opt._master_weights.split_back(view.subset(joined), [work[k] for k in joined])
         opt._master_weights.commit(view, False)
+
+
+#: the elements of float32 masters torch's paths join at once (4 MiB of them; a larger tensor
+#: alone): the step's transients are bounded by that, not by the model
+JOIN_ELEMENTS = 1 << 20
+
+
+def _joined_parts(group: Dict[str, Any], params: List[Tensor]) -> List[List[int]]:
+    """Where torch's paths run on joined float32 masters (``master_weights`` with float32
+    moments, or no C kernel), the positions of ``params`` in parts of about
+    :data:`JOIN_ELEMENTS` elements each; one part otherwise. Each tensor's update is its own
+    (element-wise), so the parts give the bits of one call."""
+    if not group.get("master_weights") or len(params) < 2:
+        return [list(range(len(params)))]
+    if group["state_dtype"] != "float32" and _native.available() \
+            and _native.kernels_allowed(group):
+        return [list(range(len(params)))]  # split masters stay split on the C kernel
+    parts: List[List[int]] = [[]]
+    size = 0
+    for k, p in enumerate(params):
+        if parts[-1] and size + p.numel() > JOIN_ELEMENTS:
+            parts.append([])
+            size = 0
+        parts[-1].append(k)
+        size += p.numel()
+    return parts
 
 
 def _working(opt: Any, group: Dict[str, Any], params: List[Tensor]) -> Tuple[Any, ...]:
