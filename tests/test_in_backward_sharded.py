@@ -77,6 +77,16 @@ def test_each_fsdp2_modules_shards_step_together_in_one_piece(name, sharded):
     assert got == want, name
 
 
+@pytest.mark.parametrize("name", ["LAMB", "Muon(int8 state, one tensor a piece)"])
+def test_a_dcp_checkpoint_resumes_steps_in_backward_on_fsdp2_exactly(name, tmp_path):
+    """Saved with DCP after 2 of 3 steps and loaded into a new FSDP2 model and optimizer already
+    stepping in backward (DCP makes an empty optimizer's state with a step of zero gradients
+    and learning rates first): the third step gives the bits of the run that never stopped."""
+    (got,) = [r for r in W.run_workers(B.resumed_from_dcp, 2, tmp_path, name, 3, 2,
+                                       timeout=180) if r is not None]
+    assert all(torch.equal(a, b) for a, b in zip(got["resumed"], got["straight"])), name
+
+
 @pytest.mark.slow
 def test_on_hsdp_a_step_in_backward_is_the_ordinary_steps_bits(tmp_path):
     """2 replicas of 2 shards: the same bits as the ordinary HSDP step (and Muon's as one

@@ -134,6 +134,8 @@ class StepsInBackward:
 
         def step(self: Any, closure: Any = None) -> Any:
             steps = ref()
+            if steps is not None and not steps._internal and _making_state(opt):
+                return before(closure) if before is not None else type(opt).step(opt, closure)
             if steps is None or not steps._internal:
                 raise RuntimeError(
                     f"{type(opt).__name__} steps inside backward (step_in_backward): each "
@@ -345,6 +347,13 @@ def _check(optimizer: Any, clip: Optional[str], bucket_bytes: Any) -> bool:
             "steps.backward(closure)) or clip='previous' (the previous step's norm, an "
             "approximation in one pass)")
     return clipping
+
+
+def _making_state(opt: Any) -> bool:
+    """Whether a ``step()`` from outside is torch.distributed.checkpoint making an empty
+    optimizer's state before loading into it (``get_optimizer_state_dict``: a step of zero
+    gradients with every learning rate 0, which moves nothing): let through."""
+    return not opt.state and all(float(g["lr"]) == 0.0 for g in opt.param_groups)
 
 
 def _data_parallel() -> bool:

@@ -183,3 +183,49 @@ def ddp_refusals(rank, world, tmp):
         except (TypeError, ValueError) as exc:
             out[case] = f"{type(exc).__name__}: {exc}"
     return out if rank == 0 else None
+
+
+def _train_in_backward(model, steps_, ts):
+    for t in ts:
+        *first, (tokens, targets) = batches(t)
+        with steps_.accumulating():
+            for x, y in first:
+                loss_of(model, x, y).backward()
+        steps_.backward(lambda: loss_of(model, tokens, targets))
+
+
+def resumed_from_dcp(rank, world, tmp, name, steps, stop):
+    """``steps`` steps in backward on FSDP2 straight through, and the same run stopped after
+    ``stop`` steps, saved with DCP and resumed in a new model and optimizer whose steps in
+    backward were set up before the checkpoint was loaded into them: both runs' weights."""
+    import os
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+
+    make, keywords = OPTIMIZERS[name]
+
+    def fresh(seed):
+        model = shard(model_of(seed))
+        opt = make(list(model.named_parameters()))
+        return model, opt, scaleopt.step_in_backward(opt, **keywords)
+
+    def state(model, opt):
+        return {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}
+
+    model, opt, steps_ = fresh(0)
+    _train_in_backward(model, steps_, range(steps))
+    straight = [_full(p.detach()).clone() for p in model.parameters()]
+    model, opt, steps_ = fresh(0)
+    _train_in_backward(model, steps_, range(stop))
+    path = os.path.join(tmp, "ckpt")
+    dcp.save(state(model, opt), checkpoint_id=path)
+    model, opt, steps_ = fresh(1)  # other weights: the checkpoint must bring them
+    loaded = state(model, opt)  # DCP makes the new optimizer's state with a zero step first
+    dcp.load(loaded, checkpoint_id=path)
+    model.load_state_dict(loaded["model"])
+    set_optimizer_state_dict(model, opt, loaded["optim"])
+    _train_in_backward(model, steps_, range(stop, steps))
+    resumed = [_full(p.detach()).clone() for p in model.parameters()]
+    return {"straight": straight, "resumed": resumed} if rank == 0 else None
