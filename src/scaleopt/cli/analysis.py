@@ -1,8 +1,10 @@
-"""What a large-batch study's runs say (:func:`analyse`): each cell's tuned rate and its seeds'
-mean and spread, the differences between optimizers paired by seed, how the tuned rate grows
-with the batch, the steps to a target loss with McCandlish et al.'s fit
-S = S_min (1 + B_crit / B), and the gradient noise scale B_simple at the same loss. Pure
-Python over the study's JSON, so that the sentences of results can always be made again from it.
+"""What a large-batch study's runs say (:func:`analyse`): each cell's tuned rate, its seeds'
+mean and spread and its tuning resolution, the differences between optimizers paired by seed
+and called only where Holm's correction over the page's comparisons and the cells' tuning
+resolution leave them, how the tuned rate grows with the batch, the steps to a target loss
+(crossings after the warm-up) with McCandlish et al.'s fit S = S_min (1 + B_crit / B) and its
+lack-of-fit test, and the gradient noise scale B_simple at the same loss. Pure Python over the
+study's JSON, so that the sentences of results can always be made again from it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,64 @@ T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8:
 NOISE_NEAR = 10
 #: bootstrap resamples, and the generator's seed (the analysis is the same every time)
 RESAMPLES, BOOT_SEED = 400, 0
+#: the family-wise error rate of the page's comparisons (Holm), and the level of the fit's
+#: lack-of-fit test
+ALPHA = 0.05
+
+
+def _betacf(a: float, b: float, x: float) -> float:
+    """The continued fraction of the incomplete beta function (modified Lentz)."""
+    tiny, c, d = 1e-300, 1.0, 1.0 - (a + b) * x / (a + 1)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 300):
+        for num in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+                    -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1.0 + num * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + num / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1.0) < 1e-14:
+            break
+    return h
+
+
+def beta_inc(a: float, b: float, x: float) -> float:
+    """The regularized incomplete beta function I_x(a, b)."""
+    if x <= 0.0 or x >= 1.0:
+        return 0.0 if x <= 0.0 else 1.0
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
+                     + a * math.log(x) + b * math.log1p(-x))
+    if x < (a + 1) / (a + b + 2):
+        return front * _betacf(a, b, x) / a
+    return 1.0 - front * _betacf(b, a, 1.0 - x) / b
+
+
+def t_two_sided(t: float, df: int) -> float:
+    """P(|T| >= |t|) for Student's t with ``df`` degrees of freedom."""
+    if not math.isfinite(t):
+        return 0.0 if not math.isnan(t) else 1.0
+    return beta_inc(df / 2, 0.5, df / (df + t * t))
+
+
+def f_upper(f: float, d1: int, d2: int) -> float:
+    """P(F >= f) for Fisher's F with (``d1``, ``d2``) degrees of freedom."""
+    if f <= 0:
+        return 1.0
+    return beta_inc(d2 / 2, d1 / 2, d2 / (d2 + d1 * f))
+
+
+def holm(pvalues: Dict[Any, float], alpha: float = ALPHA) -> Dict[Any, bool]:
+    """Holm's step-down correction: which hypotheses are rejected with family-wise error rate
+    ``alpha`` (the smallest p against alpha / m, the next against alpha / (m - 1), ... until
+    one is not)."""
+    order = sorted(pvalues, key=lambda k: (pvalues[k], str(k)))
+    out, going = {}, True
+    for i, k in enumerate(order):
+        going = going and pvalues[k] <= alpha / (len(order) - i)
+        out[k] = going
+    return out
 
 
 def score_key(rows: Sequence[Dict[str, Any]]) -> str:
@@ -46,11 +106,38 @@ def mean_sd(values: Sequence[float]) -> Tuple[float, float]:
 
 def paired(a: Sequence[float], b: Sequence[float]) -> Dict[str, Any]:
     """The difference a - b paired by seed: its mean, the half-width of its 95% interval
-    (Student's t; none for one seed), and whether the interval excludes 0."""
+    (Student's t; none for one seed), the two-sided p of the paired t-test, and whether the
+    interval excludes 0 (``clear``; :func:`analyse` then corrects it for the family)."""
     d = [x - y for x, y in zip(a, b)]
     m, sd = mean_sd(d)
     half = T95.get(len(d) - 1, 1.96) * sd / math.sqrt(len(d)) if len(d) > 1 else math.inf
-    return {"mean": m, "half_width": half, "n": len(d), "clear": abs(m) > half}
+    if len(d) < 2:
+        p = 1.0
+    else:
+        p = t_two_sided(m / (sd / math.sqrt(len(d))) if sd > 0 else math.copysign(math.inf, m)
+                        if m else math.nan, len(d) - 1)
+    return {"mean": m, "half_width": half, "n": len(d), "p": p, "clear": abs(m) > half}
+
+
+def resolution(tried: Sequence[Sequence[float]], lr: float) -> float:
+    """How far the grid's chosen point may lie above the best rate between its neighbours:
+    the chosen development loss minus the minimum of the parabola in log(rate) through it and
+    its two neighbours (0 where that parabola opens downwards); inf on the grid's edge or next
+    to a diverged rate (the chosen point is then not bracketed)."""
+    rates = [r for r, _, _ in tried]
+    i = rates.index(lr)
+    if i == 0 or i == len(rates) - 1:
+        return math.inf
+    (x0, y0), (x1, y1), (x2, y2) = [(math.log(tried[j][0]), tried[j][1]) for j in (i - 1, i, i + 1)]
+    if not all(map(math.isfinite, (y0, y1, y2))):
+        return math.inf
+    denom = (x0 - x1) * (x0 - x2) * (x1 - x2)
+    a = (x2 * (y1 - y0) + x1 * (y0 - y2) + x0 * (y2 - y1)) / denom
+    b = (x2 * x2 * (y0 - y1) + x1 * x1 * (y2 - y0) + x0 * x0 * (y1 - y2)) / denom
+    if a <= 0:
+        return 0.0
+    c = y1 - a * x1 * x1 - b * x1
+    return max(0.0, y1 - (c - b * b / (4 * a)))
 
 
 def cells(study: Dict[str, Any]) -> Dict[str, Dict[int, Dict[str, Any]]]:
@@ -78,6 +165,7 @@ def cells(study: Dict[str, Any]) -> Dict[str, Dict[int, Dict[str, Any]]]:
                              and best["lr"] in (tried[0]["lr"], tried[-1]["lr"]))}
             if finite:
                 cell["mean"], cell["sd"] = mean_sd(scores)
+            cell["resolution"] = resolution(cell["tried"], best["lr"])
             out.setdefault(name, {})[b] = cell
     return out
 
@@ -127,35 +215,70 @@ def _interval(values: List[float]) -> Tuple[float, float]:
     return values[int(0.025 * len(values))], values[min(len(values) - 1, int(0.975 * len(values)))]
 
 
-def _seed_steps(cell_of: Dict[int, Dict[str, Any]], target: float,
-                unit: float) -> Dict[int, List[float]]:
-    """batch -> each seed's steps to ``target``, at the batch sizes where every seed has one."""
+def _seed_steps(cell_of: Dict[int, Dict[str, Any]], target: float, unit: float,
+                warmup: float = 0.0) -> Dict[int, List[float]]:
+    """batch -> each seed's steps to ``target``, at the batch sizes where every seed has one
+    after its warm-up (``warmup``: the share of a run's steps, or a number of steps)."""
     steps: Dict[int, List[float]] = {}
     for b, c in sorted(cell_of.items()):
         s = [crossing(r.get("curve", ()), target, unit) for r in c["runs"]]
-        if s and all(x is not None for x in s):
+        ends = [int(warmup * r["steps"]) if warmup < 1 else int(warmup) for r in c["runs"]]
+        if s and all(x is not None and x > end for x, end in zip(s, ends)):
             steps[b] = s
     return steps
 
 
-def steps_to(cell_of: Dict[int, Dict[str, Any]], target: float, unit: float) -> Dict[str, float]:
-    """batch (as a string) -> the seeds' mean steps to ``target``, where every seed has one."""
-    return {str(b): statistics.fmean(s) for b, s in _seed_steps(cell_of, target, unit).items()}
+def steps_to(cell_of: Dict[int, Dict[str, Any]], target: float, unit: float,
+             warmup: float = 0.0) -> Dict[str, float]:
+    """batch (as a string) -> the seeds' mean steps to ``target``, where every seed has one
+    after the warm-up."""
+    return {str(b): statistics.fmean(s)
+            for b, s in _seed_steps(cell_of, target, unit, warmup).items()}
 
 
-def bcrit(cell_of: Dict[int, Dict[str, Any]], target: float, unit: float) -> Optional[Dict[str, Any]]:
-    """The fit over the batch sizes whose every seed reached ``target``, with a bootstrap 95%
-    interval (seeds resampled within each batch size); None with fewer than three such
+def lack_of_fit(steps: Dict[int, List[float]], s_min: float, b_crit: float) -> Dict[str, Any]:
+    """The fit's lack-of-fit F test on log S: the residuals beyond the seeds' own scatter
+    (pure error) against that scatter; its p (None with no degree of freedom left), the
+    residuals of the batch means, and whether a larger batch divides the steps by more than
+    its own factor (a super-linear speed-up, which the model cannot give)."""
+    logs = {b: [math.log(x) for x in s] for b, s in steps.items()}
+    fitted = {b: math.log(s_min) + math.log1p(b_crit / b) for b in steps}
+    ss_res = sum((x - fitted[b]) ** 2 for b, xs in logs.items() for x in xs)
+    ss_pe = sum((x - statistics.fmean(xs)) ** 2 for xs in logs.values() for x in xs)
+    df_lof, df_pe = len(steps) - 2, sum(map(len, logs.values())) - len(steps)
+    p = None
+    if df_lof > 0 and df_pe > 0 and ss_pe > 0:
+        p = f_upper(((ss_res - ss_pe) / df_lof) / (ss_pe / df_pe), df_lof, df_pe)
+    sizes = sorted(steps)
+    means = {b: statistics.fmean(steps[b]) for b in sizes}
+    superlinear = [[b1, b2] for b1, b2 in zip(sizes, sizes[1:]) if means[b1] / means[b2] > b2 / b1]
+    return {"p": p, "residuals": {str(b): statistics.fmean(logs[b]) - fitted[b] for b in sizes},
+            "superlinear": superlinear}
+
+
+def bcrit(cell_of: Dict[int, Dict[str, Any]], target: float, unit: float,
+          warmup: float = 0.0) -> Optional[Dict[str, Any]]:
+    """The fit over the batch sizes whose every seed reached ``target`` after the warm-up, its
+    lack of fit (:func:`lack_of_fit`; ``holds`` only where the test leaves it and no speed-up
+    is super-linear), and a residual-bootstrap 95% interval (the fit's residuals resampled onto
+    its fitted values, so that the lack of fit widens it); None with fewer than three such
     batch sizes."""
-    steps = _seed_steps(cell_of, target, unit)
+    steps = _seed_steps(cell_of, target, unit, warmup)
     if len(steps) < 3:
         return None
-    smin, bc = fit_bcrit([(b, x) for b, s in steps.items() for x in s])
+    points = [(b, x) for b, s in steps.items() for x in s]
+    smin, bc = fit_bcrit(points)
+    fitted = [math.log(smin) + math.log1p(bc / b) for b, _ in points]
+    residuals = [math.log(x) - f for (_, x), f in zip(points, fitted)]
     rng, boots = random.Random(BOOT_SEED), []
     for _ in range(RESAMPLES):
-        boots.append(fit_bcrit([(b, rng.choice(s)) for b, s in steps.items() for _ in s])[1])
+        boots.append(fit_bcrit([(b, math.exp(f + rng.choice(residuals)))
+                                for (b, _), f in zip(points, fitted)])[1])
+    check = lack_of_fit(steps, smin, bc)
+    holds = (check["p"] is None or check["p"] >= ALPHA) and not check["superlinear"]
     return {"target": target, "s_min": smin, "b_crit": bc, "b_crit_95": _interval(boots),
-            "batches": list(steps), "steps": {b: statistics.fmean(s) for b, s in steps.items()}}
+            "batches": list(steps), "steps": {b: statistics.fmean(s) for b, s in steps.items()},
+            "lack_of_fit": check, "holds": holds}
 
 
 def b_simple(runs: Sequence[Dict[str, Any]], target: float, unit: float) -> Optional[Dict[str, Any]]:
@@ -199,6 +322,7 @@ def analyse(study: Dict[str, Any]) -> Dict[str, Any]:
     B_simple. Keys are strings (the JSON's)."""
     rows, proto = study["rows"], study["protocol"]
     unit, by = _per_unit(rows), cells(study)
+    warmup = proto.get("config", {}).get("warmup", 0.0) or 0.0
     out: Dict[str, Any] = {"score": score_key(rows), "cells": {}, "batches": {}, "optimizers": {}}
     for name, cell_of in by.items():
         out["cells"][name] = {str(b): {k: v for k, v in c.items() if k != "runs"}
@@ -206,13 +330,33 @@ def analyse(study: Dict[str, Any]) -> Dict[str, Any]:
         smallest = cell_of.get(min(cell_of)) if cell_of else None
         out["optimizers"][name] = {
             "rate_exponent": rate_exponent(cell_of), "scaling": proto["scaling"][name],
-            "targets": [{"fit": bcrit(cell_of, t, unit), "steps": steps_to(cell_of, t, unit),
+            "targets": [{"fit": bcrit(cell_of, t, unit, warmup),
+                         "steps": steps_to(cell_of, t, unit, warmup),
                          "noise": b_simple(smallest["runs"], t, unit) if smallest else None,
                          "noise_batch": min(cell_of) if cell_of else None, "target": t}
                         for t in proto["targets"]]}
     for b in proto["batch_sizes"]:
         out["batches"][str(b)] = _ranking(by, b)
+    _call(out, by)
     return out
+
+
+def _call(out: Dict[str, Any], by: Dict[str, Dict[int, Dict[str, Any]]]) -> None:
+    """Which differences are called: Holm's correction over every comparison the report makes
+    (each optimizer against the lowest and against AdamW, at every batch size), and then only
+    where the difference also exceeds both cells' tuning resolution (either tuned rate could
+    lie that much better between the grid's points). Each difference keeps its uncorrected
+    ``p``, ``holm`` and ``resolution``; ``clear`` is the call."""
+    family = {(b, kind, n): d["p"] for b, r in out["batches"].items()
+              for kind in ("against_best", "against_adamw") for n, d in r[kind].items()}
+    kept = holm(family)
+    for (b, kind, n), ok in kept.items():
+        r = out["batches"][b]
+        d = r[kind][n]
+        other = r["order"][0] if kind == "against_best" else "adamw"
+        res = by[n][int(b)]["resolution"] + by[other][int(b)]["resolution"]
+        d.update(holm=ok, resolution=res, clear=ok and abs(d["mean"]) > res)
+    out["comparisons"] = len(family)
 
 
 def _ranking(by: Dict[str, Dict[int, Dict[str, Any]]], b: int) -> Dict[str, Any]:

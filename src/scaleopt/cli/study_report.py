@@ -60,7 +60,7 @@ def _table(study: Dict[str, Any], a: Dict[str, Any]) -> List[str]:
     lines = [f"test {_unit(a['score'])} of each optimizer's tuned rate: mean ± standard "
              f"deviation over the seeds (the rate; † where it lies on the edge of the rates "
              f"tried)", "",
-             "| batch | steps | " + " | ".join(names) + " |",
+             "| batch | steps | " + " | ".join(map(_n, names)) + " |",
              "|---:|---:|" + "---:|" * len(names)]
     for b in proto["batch_sizes"]:
         row, steps = [str(b)], "-"
@@ -90,35 +90,69 @@ def _listed(items: List[str]) -> str:
     return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
 
+#: the optimizers as their classes are named (scaleopt.LAMB, ...)
+CLASSES = {"lamb": "LAMB", "lans": "LANS", "adamw": "AdamW", "muon": "Muon",
+           "momentum": "Momentum"}
+
+
+def _n(name: str) -> str:
+    return CLASSES.get(name, name)
+
+
+def _scale(study: Dict[str, Any]) -> str:
+    """The model and the budget: parameters (a gpt model's), tokens or examples, steps."""
+    cfg, rows = study["protocol"]["config"], study["rows"]
+    steps = {r["batch_size"]: r["steps"] for r in rows}
+    small, large = min(steps), max(steps)
+    what = f"{cfg['train_size']:,} examples once"
+    if cfg.get("model") == "gpt":
+        from . import models
+
+        params = sum(p.numel() for p in models.GPT(cfg["width"], cfg["layers"],
+                                                   cfg["context"]).parameters())
+        tokens = cfg["train_size"] * cfg["context"]
+        what = (f"a {params:,}-parameter transformer trained on {tokens:,} tokens once (about "
+                f"{tokens / params:.1g} tokens per parameter)")
+    return (f"{what}, in {steps[small]:,} steps at batch {small} to {steps[large]:,} at batch "
+            f"{large}")
+
+
 def headline(study: Dict[str, Any], a: Optional[Dict[str, Any]] = None) -> str:
-    """The study's results in one sentence (the README's): who is lowest at each batch size,
-    and where each optimizer is lower than AdamW, higher, or not told apart from it."""
+    """The study's results in plain sentences (the README's): the scale and the budget, who
+    is lowest, and where each optimizer is lower or higher than AdamW after the correction."""
     a = a if a is not None else analysis.analyse(study)
     batches = {b: r for b, r in a["batches"].items() if r["order"]}
     best = {b: r["order"][0] for b, r in batches.items()}
-    clear = all(d["clear"] for r in batches.values() for d in r["against_best"].values())
+    seeds = study["protocol"]["seeds"]
+    out = [f"on {_scale(study)}, each optimizer tuned at each batch size, {seeds} seed"
+           f"{'s' if seeds > 1 else ''} per chosen rate:"]
     if len(set(best.values())) == 1:
-        parts = [f"{next(iter(best.values()))} has the lowest test {_unit(a['score'])} at every "
-                 f"batch size" + (", beyond the uncertainty" if clear else "")]
+        out.append(f"{_n(next(iter(best.values())))} has the lowest mean test "
+                   f"{_unit(a['score'])} at every batch size.")
     else:
-        parts = ["the lowest test " + _unit(a["score"]) + ": "
-                 + _listed([f"{n} at batch {b}" for b, n in best.items()])]
+        out.append("the lowest mean test " + _unit(a["score"]) + ": "
+                   + _listed([f"{_n(n)} at batch {b}" for b, n in best.items()]) + ".")
+    said, none = [], []
     for n in study["protocol"]["optimizers"]:
         if n == "adamw":
             continue
-        verdicts: Dict[str, List[str]] = {"lower than": [], "higher than": [],
-                                          "not told apart from": []}
+        sides: Dict[str, List[str]] = {"lower": [], "higher": []}
         for b, r in batches.items():
             d = r["against_adamw"].get(n)
-            if d is not None:
-                key = ("not told apart from" if not d["clear"] else
-                       "lower than" if d["mean"] < 0 else "higher than")
-                verdicts[key].append(b)
-        said = [f"{k} AdamW at batch{'es' if len(v) > 1 else ''} {_listed(v)}"
-                for k, v in verdicts.items() if v]
-        if said:
-            parts.append(f"{n} is " + ", and ".join(said))
-    return "; ".join(parts) + "."
+            if d is not None and d["clear"]:
+                sides["lower" if d["mean"] < 0 else "higher"].append(b)
+        parts = [f"{side} at batch{'es' if len(v) > 1 else ''} {_listed(v)}"
+                 for side, v in sides.items() if v]
+        if parts:
+            said.append(f"{_n(n)} is " + " and ".join(parts))
+        else:
+            none.append(_n(n))
+    if said or none:
+        out.append(f"Against AdamW, after Holm's correction over the {a.get('comparisons', 0)} "
+                   "comparisons: " + "; ".join(said + ([
+                       f"{_listed(none)} {'is' if len(none) == 1 else 'are'} not told apart "
+                       "from it at any batch size"] if none else [])) + ".")
+    return " ".join(out)
 
 
 def _findings(study: Dict[str, Any], a: Dict[str, Any]) -> List[str]:
@@ -127,7 +161,9 @@ def _findings(study: Dict[str, Any], a: Dict[str, Any]) -> List[str]:
     seeds = study["protocol"]["seeds"]
     out = ["In short: " + headline(study, a), "",
            "What the runs say (differences paired by seed, ± the half-width of their 95% "
-           "interval; a difference counts only where it exceeds it):", ""]
+           "interval; a difference is called only where Holm's correction over the report's "
+           f"{a.get('comparisons', 0)} comparisons keeps it at a family-wise 5% and it exceeds "
+           "both cells' tuning resolution):", ""]
     if seeds < 2:
         out += ["- One seed per cell: no difference can be told from noise, so none is "
                 "called a win.", ""]
@@ -135,15 +171,15 @@ def _findings(study: Dict[str, Any], a: Dict[str, Any]) -> List[str]:
         if not r["order"]:
             continue
         best, cell = r["order"][0], a["cells"][r["order"][0]][b]
-        ties = [n for n, d in r["against_best"].items() if not d["clear"]]
-        behind = [f"{n} (+{d['mean']:.3f} ± {d['half_width']:.3f})"
+        ties = [_n(n) for n, d in r["against_best"].items() if not d["clear"]]
+        behind = [f"{_n(n)} (+{d['mean']:.3f} ± {d['half_width']:.3f})"
                   for n, d in r["against_best"].items() if d["clear"]]
-        line = (f"- Batch {b} ({cell['steps']} steps): lowest {best} ({cell['mean']:.3f}); "
+        line = (f"- Batch {b} ({cell['steps']} steps): lowest {_n(best)} ({cell['mean']:.3f}); "
                 + (f"not told apart from it: {', '.join(ties)}" if ties else
                    "no other within the uncertainty")
                 + (f"; behind: {', '.join(behind)}" if behind else "") + ".")
         if r["diverged"]:
-            line += f" Diverged at every rate kept: {', '.join(r['diverged'])}."
+            line += f" Diverged at every rate kept: {', '.join(map(_n, r['diverged']))}."
         out.append(line)
     out += [""] + _against_adamw(study, a) + [""] + _growth(study, a)
     return out
@@ -160,11 +196,13 @@ def _against_adamw(study: Dict[str, Any], a: Dict[str, Any]) -> List[str]:
             d = r["against_adamw"].get(n)
             if d is None:
                 continue
-            verdict = ((f"{n} lower" if d["mean"] < 0 else "AdamW lower") if d["clear"]
+            verdict = ((f"{_n(n)} lower" if d["mean"] < 0 else "AdamW lower") if d["clear"]
                        else "not told apart")
             half = f" ± {d['half_width']:.3f}" if math.isfinite(d["half_width"]) else ""
-            parts.append(f"batch {b}: {d['mean']:+.3f}{half} ({verdict})")
-        out.append(f"- {n} minus AdamW, each tuned at each batch: " + "; ".join(parts) + ".")
+            extra = (f", p {d['p']:.2g}, resolution {_g(d['resolution'])}"
+                     if "resolution" in d else "")
+            parts.append(f"batch {b}: {d['mean']:+.3f}{half}{extra} ({verdict})")
+        out.append(f"- {_n(n)} minus AdamW, each tuned at each batch: " + "; ".join(parts) + ".")
     return out
 
 
@@ -179,7 +217,7 @@ def _growth(study: Dict[str, Any], a: Dict[str, Any]) -> List[str]:
             continue
         d = analysis.paired(ends[1]["scores"], ends[0]["scores"])
         half = f" ± {d['half_width']:.3f}" if math.isfinite(d["half_width"]) else ""
-        parts.append((d["mean"], f"{n} {d['mean']:+.3f}{half}"))
+        parts.append((d["mean"], f"{_n(n)} {d['mean']:+.3f}{half}"))
         steps = (ends[1]["steps"], ends[0]["steps"])
     if not parts:
         return []
@@ -194,21 +232,27 @@ def _rates(study: Dict[str, Any], a: Dict[str, Any]) -> List[str]:
     rule = {"sqrt": 0.5, "linear": 1.0}
     out = ["Tuned rates against batch size (k in lr ~ B^k, by least squares over the batch "
            "sizes; the grid's points are a factor "
-           f"{_grid_step(study):g} apart, so k is coarse):", ""]
+           f"{_grid_step(study):g} apart, so k is coarse, and each batch's grid is centred on "
+           "the rule's scaling of the rate chosen at the batch before, so a k near the rule's "
+           "is consistent with it, not found by tuning alone):", ""]
     for n, o in a["optimizers"].items():
         k = o["rate_exponent"]
         rates = ", ".join(f"{c['lr']:.3g}" for c in a["cells"][n].values())
-        out.append(f"- {n}: {rates}" + (f"; k = {k:.2f} (its usual {o['scaling']} rule: "
+        out.append(f"- {_n(n)}: {rates}" + (f"; k = {k:.2f} (its usual {o['scaling']} rule: "
                                         f"{rule[o['scaling']]:g})" if k is not None else ""))
-    edges = [f"{n} at batch {b}" for n, cs in a["cells"].items() for b, c in cs.items() if c["edge"]]
+    edges = [f"{_n(n)} at batch {b}" for n, cs in a["cells"].items()
+             for b, c in cs.items() if c["edge"]]
     out += ["", "Rates on the edge of what was tried after the extensions: "
             + (", ".join(edges) if edges else "none") + ".", "",
-            f"Every rate tried (seed 0; development {_unit(a['score'])}):", ""]
+            f"Every rate tried (seed 0; development {_unit(a['score'])}), and the tuning "
+            "resolution: how far the chosen point lies above the minimum of the parabola in "
+            "log(rate) through it and its neighbours:", ""]
     for n, cs in a["cells"].items():
         for b, c in cs.items():
-            out.append(f"- {n}, batch {b}: " + ", ".join(
+            out.append(f"- {_n(n)}, batch {b}: " + ", ".join(
                 f"{lr:.3g}: " + (f"{dev:.4f}" if math.isfinite(dev) else "diverged")
-                for lr, dev, _ in c["tried"]))
+                for lr, dev, _ in c["tried"])
+                + (f"; resolution {_g(c['resolution'])}" if "resolution" in c else ""))
     return out
 
 
@@ -225,14 +269,18 @@ def _targets(study: Dict[str, Any], a: Dict[str, Any]) -> List[str]:
     per = study["protocol"]["config"]["context"] if text else 1
     unit = " sequences" if text else " examples"
     out = [f"Steps to a target loss in {_unit(a['score'])} (the mean over the seeds, where "
-           f"every seed reached it after its first evaluation" + ("; in brackets, tokens" if text else "")
-           + "), the fit S = S_min (1 + B_crit / B) over the batch sizes where they did (with "
-           "its 95% bootstrap interval over seeds), and B_simple at the same loss from the "
-           f"smallest batch's runs ({analysis.NOISE_NEAR} measurements nearest each run's "
-           "crossing, 95% bootstrap interval):"]
+           f"every seed reached it after its warm-up" + ("; in brackets, tokens" if text else "")
+           + "), and the fit S = S_min (1 + B_crit / B) over the batch sizes where they did, "
+           "with its 95% residual-bootstrap interval and its lack-of-fit F test (the "
+           "residuals beyond the seeds' scatter); a B_crit is given only where the test "
+           "leaves the fit at 5% and no larger batch divides the steps by more than its own "
+           "factor (a super-linear speed-up, which the model cannot give); elsewhere it is "
+           "withdrawn. B_simple is not reported: the runs measured it from micro-batches of "
+           "half a batch each against the whole, where |G|^2 came out negative in some "
+           "measurements and the value turned on the window of measurements taken."]
     names = [n for n in study["protocol"]["optimizers"] if n in a["optimizers"]]
     for i, t in enumerate(study["protocol"]["targets"]):
-        out += ["", f"target {t:g}:", "", "| batch | " + " | ".join(names) + " |",
+        out += ["", f"target {t:g}:", "", "| batch | " + " | ".join(map(_n, names)) + " |",
                 "|---:|" + "---:|" * len(names)]
         fits = {n: a["optimizers"][n]["targets"][i] for n in names}
         for b in study["protocol"]["batch_sizes"]:
@@ -242,46 +290,27 @@ def _targets(study: Dict[str, Any], a: Dict[str, Any]) -> List[str]:
                 row.append("-" if s is None else f"{s:.0f}" + (f" ({s * b * per:,.0f})" if text else ""))
             out.append(f"| {b} | " + " | ".join(row) + " |")
         out.append("")
-        out += [_fit_line(n, f, unit, per, text) for n, f in fits.items()]
-        out += _simple_against_crit(fits)
+        out += [_fit_line(_n(n), f, unit) for n, f in fits.items()]
     return out
 
 
-def _simple_against_crit(fits: Dict[str, Dict[str, Any]]) -> List[str]:
-    """Where B_simple lies against the fitted B_crit at a target: below or above, and whether
-    their intervals are apart."""
-    said: Dict[str, List[str]] = {"below": [], "above": []}
-    for n, t in fits.items():
-        if t["fit"] is None or t["noise"] is None:
-            continue
-        crit, simple = t["fit"], t["noise"]
-        side = "below" if simple["b_simple"] < crit["b_crit"] else "above"
-        apart = (simple["b_simple_95"][1] < crit["b_crit_95"][0] if side == "below"
-                 else simple["b_simple_95"][0] > crit["b_crit_95"][1])
-        said[side].append(n + (" (intervals apart)" if apart else ""))
-    if not any(said.values()):
-        return []
-    return ["- B_simple against B_crit: " + "; ".join(
-        f"{side} it for {_listed(names)}" for side, names in said.items() if names) + "."]
-
-
-def _fit_line(name: str, t: Dict[str, Any], unit: str, per: int, text: bool) -> str:
-    fit, noise = t["fit"], t["noise"]
+def _fit_line(name: str, t: Dict[str, Any], unit: str) -> str:
+    fit = t["fit"]
     line = f"- {name}: "
     if fit is None:
-        line += "fewer than three batch sizes reached it: no fit"
-    else:
-        lo, hi = fit["b_crit_95"]
-        line += (f"B_crit {_g(fit['b_crit'])}{unit} [{_g(lo)}, {_g(hi)}] over batches "
-                 f"{', '.join(map(str, fit['batches']))}, S_min {fit['s_min']:.0f} steps")
-    if noise is not None:
-        lo, hi = noise["b_simple_95"]
-        line += (f"; B_simple {_g(noise['b_simple'])}"
-                 + (unit if math.isfinite(noise["b_simple"]) else "")
-                 + f" [{_g(lo)}, {_g(hi)}]"
-                 + (f" ({noise['b_simple'] * per:,.0f} tokens)"
-                    if text and math.isfinite(noise["b_simple"]) else ""))
-    return line
+        return line + "fewer than three batch sizes reached it after the warm-up: no fit"
+    over = f"over batches {', '.join(map(str, fit['batches']))}"
+    check = fit.get("lack_of_fit", {})
+    p = check.get("p")
+    test = f"lack of fit p {p:.2g}" if p is not None else "no degree of freedom to test its fit"
+    if not fit.get("holds", True):
+        why = ([f"a super-linear speed-up from batch {b1} to {b2}"
+                for b1, b2 in check.get("superlinear", [])]
+               + ([test] if p is not None and p < analysis.ALPHA else []))
+        return line + f"the fit {over} does not hold ({'; '.join(why)}): B_crit withdrawn"
+    lo, hi = fit["b_crit_95"]
+    return line + (f"B_crit {_g(fit['b_crit'])}{unit} [{_g(lo)}, {_g(hi)}] {over}, S_min "
+                   f"{fit['s_min']:.0f} steps, {test}")
 
 
 def _cost(study: Dict[str, Any]) -> str:
@@ -300,10 +329,10 @@ def _plot(plt: Any, study: Dict[str, Any], a: Dict[str, Any], path: pathlib.Path
     for i, (n, cs) in enumerate(a["cells"].items()):
         pts = [(int(b), c["mean"], c["sd"]) for b, c in cs.items() if "mean" in c]
         left.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts],
-                      marker="o", capsize=3, label=n, color=f"C{i}")
+                      marker="o", capsize=3, label=_n(n), color=f"C{i}")
         rates = [(int(b), c["lr"]) for b, c in cs.items()]
         right.plot([r[0] for r in rates], [r[1] / rates[0][1] for r in rates], marker="o",
-                   label=n, color=f"C{i}")
+                   label=_n(n), color=f"C{i}")
     batches = sorted(int(b) for b in a["batches"])
     right.plot(batches, [(b / batches[0]) ** 0.5 for b in batches], "k--", label="square root")
     for ax in (left, right):
