@@ -12,7 +12,7 @@ import shlex
 
 import pytest
 
-from scaleopt.cli import analysis, main, models, study, study_report
+from scaleopt.cli import analysis, main, models, study, study_journal, study_report
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
 #: a gpt model small enough for tests: 1 block of width 32 on 16-byte windows
@@ -342,3 +342,30 @@ def test_a_fit_with_a_super_linear_speed_up_or_a_rejected_lack_of_fit_is_withdra
     # a crossing inside the warm-up (10% of 1000 steps) does not count
     assert analysis.steps_to({4: cell([50, 60, 70])}, 1.0, unit, warmup=0.1) == {}
     assert analysis.steps_to({4: cell([150, 160, 170])}, 1.0, unit, warmup=0.1) == {"4": 160.0}
+
+
+@pytest.mark.slow
+def test_a_killed_study_resumes_running_only_what_it_had_not_recorded(tiny_study, tmp_path,
+                                                                      capsys):
+    """The tiny study's journal cut to its first 7 runs (and a last line cut off mid-way, as
+    a kill leaves it): --resume runs the rest, and the study is the uninterrupted one's."""
+    out, whole = tiny_study
+    lines = (out / "runs.jsonl").read_text().splitlines()
+    assert len(lines) == len(whole["rows"])
+    part = tmp_path / "part"
+    part.mkdir()
+    (part / "protocol.json").write_text((out / "protocol.json").read_text())
+    (part / "runs.jsonl").write_text("\n".join(lines[:7]) + "\n" + lines[7][:40])
+    args = ["study", "large-batch", *MODEL, "--batch-sizes", "8", "32", "--optimizers",
+            "lamb", "adamw", "momentum", "--seeds", "2", "--extensions", "1",
+            "--targets", "5", "--jobs", "2", "--resume", str(part)]
+    assert main(args) == 0
+    again = json.loads((part / "study.json").read_text())
+    assert len((part / "runs.jsonl").read_text().splitlines()) == len(whole["rows"])
+    strip = lambda rows: sorted((study_journal.run_key(r), r["test_loss"]) for r in rows)  # noqa: E731
+    assert strip(again["rows"]) == strip(whole["rows"])
+    other = list(args)
+    other[other.index("--seeds") + 1] = "3"
+    capsys.readouterr()
+    assert main(other) == 2
+    assert "started with other options (seeds)" in capsys.readouterr().err

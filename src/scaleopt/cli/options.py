@@ -111,6 +111,11 @@ def add_output(g: Any, what: str = "the results", folder: str = "<run>") -> None
                    help="write into --out even if it holds an earlier run's results")
 
 
+def add_resume(g: Any, metavar: str, help: str) -> None:
+    """``--resume DIR``: continue a run (``scaleopt train``) or a study from what it wrote."""
+    g.add_argument("--resume", metavar=metavar, help=help)
+
+
 def add_optimizer(g: Any, names: Iterable[str], help: str) -> None:
     """``--optimizer NAME``, any case."""
     g.add_argument("--optimizer", choices=list(names), type=str.lower, metavar="NAME", help=help)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import dataclasses
+import json
 import math
 import multiprocessing
 import os
@@ -34,7 +35,7 @@ import sys
 import time
 from typing import Any, Dict, Generator, List, Optional, Sequence, Tuple
 
-from . import config, optimizers, options, report, study_report, world
+from . import config, optimizers, options, report, study_journal, study_report, world
 from .config import Config
 from .trainer import Diverged, run
 
@@ -77,6 +78,11 @@ class Protocol:
     targets: Sequence[float] = ()
     jobs: int = 1
     quick: bool = False
+    #: rows already recorded (a resumed study), by :func:`.study_journal.run_key`: their runs
+    #: are not run again
+    known: Dict[Tuple[Any, ...], Dict[str, Any]] = dataclasses.field(default_factory=dict)
+    #: where each finished run's row is appended as it finishes (``runs.jsonl``), or None
+    journal: Optional[str] = None
 
     def default_lr(self, name: str) -> float:
         """``name``'s default rate, at ``base_batch``."""
@@ -146,11 +152,17 @@ def _dev_score(row: Dict[str, Any]) -> float:
     return loss if math.isfinite(loss) else math.inf
 
 
-def large_batch(p: Protocol, out: Optional[str] = None) -> List[Dict[str, Any]]:
+def large_batch(p: Protocol, out: Optional[str] = None,
+                before_s: float = 0.0) -> List[Dict[str, Any]]:
     """Every run's row, in a fixed order; the study written into ``out`` if given (also when
-    interrupted: the runs finished so far)."""
+    interrupted: the runs finished so far), each run journalled there as it finishes (see
+    :func:`.study_journal.recorded`); ``before_s``: the wall time of earlier sittings."""
     start = time.perf_counter()
     world.STOP.clear()
+    if out:
+        pathlib.Path(out).mkdir(parents=True, exist_ok=True)
+        (pathlib.Path(out) / "protocol.json").write_text(json.dumps(p.describe(), indent=1))
+        p.journal = str(pathlib.Path(out) / "runs.jsonl")
     with world.interruptible(world.STOP):
         rows = (_run_inline if p.jobs == 1 else _run_pool)(p)
     rows.sort(key=lambda r: (list(p.names).index(r["optimizer"]), r["batch_size"], r["seed"],
@@ -158,7 +170,7 @@ def large_batch(p: Protocol, out: Optional[str] = None) -> List[Dict[str, Any]]:
     if out:
         study = {"title": title(p), "protocol": p.describe(), "rows": rows,
                  "complete": not world.STOP.is_set(),
-                 "time_s": time.perf_counter() - start}
+                 "time_s": before_s + time.perf_counter() - start}
         study_report.write(study, out)
     return rows
 
@@ -182,9 +194,12 @@ def _run_inline(p: Protocol) -> List[Dict[str, Any]]:
             while True:
                 done: List[Dict[str, Any]] = []
                 for cfg in wave:
-                    row = None if world.STOP.is_set() else cell(cfg)
-                    if row is None:  # interrupted: the wave's finished runs are kept
-                        return rows + done
+                    row = p.known.get(study_journal.run_key(cfg))
+                    if row is None:
+                        row = None if world.STOP.is_set() else cell(cfg)
+                        if row is None:  # interrupted: the wave's finished runs are kept
+                            return rows + done
+                        study_journal.finished(p, row)
                     done.append(row)
                 rows += done
                 wave = chain.send(done)
@@ -211,9 +226,19 @@ def _run_pool(p: Protocol) -> List[Dict[str, Any]]:
     running: Dict[cf.Future, Tuple[str, int]] = {}
 
     def submit(name: str, chain: Chain, wave: Wave) -> None:
-        waves[name] = (chain, [None] * len(wave))
+        while True:  # the waves whose every run is recorded go by at once
+            results: List[Any] = [p.known.get(study_journal.run_key(cfg)) for cfg in wave]
+            rows.extend(r for r in results if r is not None)
+            if any(r is None for r in results):
+                break
+            try:
+                wave = chain.send(results)
+            except StopIteration:
+                return
+        waves[name] = (chain, results)
         for i, cfg in enumerate(wave):
-            running[pool.submit(cell, dataclasses.replace(cfg, threads=threads))] = (name, i)
+            if results[i] is None:
+                running[pool.submit(cell, dataclasses.replace(cfg, threads=threads))] = (name, i)
 
     try:
         for name in p.names:
@@ -225,6 +250,8 @@ def _run_pool(p: Protocol) -> List[Dict[str, Any]]:
                 name, i = running.pop(future)
                 chain, results = waves[name]
                 results[i] = future.result()
+                if results[i] is not None:
+                    study_journal.finished(p, results[i])
                 rows.append(results[i])
                 if all(r is not None for r in results):
                     try:
@@ -327,6 +354,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     g = config.add_system_options(s)
     options.add_workers(g, "train each run in N processes (as scaleopt train --workers)")
     config.add_run_output(s)
+    options.add_resume(s.add_argument_group("resuming"), "DIR",
+                       "continue the study in DIR (with the options it was started with; "
+                       "--jobs and --threads may differ, though a run's thread count changes "
+                       "the last digits of its losses): the runs it recorded are not run "
+                       "again, a killed study loses only the runs that were in flight")
     s.set_defaults(func=command)
     return s
 
@@ -375,7 +407,7 @@ def protocol_of(args: argparse.Namespace) -> Protocol:
         options.fill(args, QUICK)
     options.fill(args, {k: v for k, v in DEFAULTS.items()
                         if k in ("epochs", "max_grad_norm", "betas")})
-    base = config.configured(args, given, gpt)
+    base = config.configured(args, given, gpt, resume=None)  # --resume is the study's
     if base.model == "gpt":
         options.fill(args, {k: gpt[k] for k in ("batch_sizes", "optimizers", "base_batch", "targets")})
     options.fill(args, DEFAULTS)
@@ -398,9 +430,15 @@ def protocol_of(args: argparse.Namespace) -> Protocol:
 
 def command(args: argparse.Namespace) -> int:
     p = protocol_of(args)
-    out = args.out or config.new_folder(pathlib.Path("scaleopt-runs") / "study-large-batch")
-    config.check_out(out, overwrite=bool(args.overwrite))
-    rows = large_batch(p, out=out)
+    before = 0.0
+    if args.resume:
+        out = args.resume
+        before = study_journal.resumed(p, out)
+        print(f"resuming {out}: {len(p.known)} runs recorded", file=sys.stderr)
+    else:
+        out = args.out or config.new_folder(pathlib.Path("scaleopt-runs") / "study-large-batch")
+        config.check_out(out, overwrite=bool(args.overwrite))
+    rows = large_batch(p, out=out, before_s=before)
     print(open(f"{out}/study.md").read())
     print(report.results_line(out, ["study.json", "study.csv", "study.md"], "study.png"))
     if world.STOP.is_set():

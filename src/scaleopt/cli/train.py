@@ -74,11 +74,11 @@ def _add_checkpoint_options(p: argparse.ArgumentParser) -> None:
                         "at most N times in a run (default: 3); under torchrun, its own "
                         "--max-restarts restarts the workers, and a restarted run resumes from "
                         "--out's newest checkpoint by itself")
-    g.add_argument("--resume", metavar="RUN_DIR",
-                   help="continue the run in RUN_DIR from its newest checkpoint that verifies "
-                        "(or from the checkpoint folder given), with its options; --workers, "
-                        "--shard, --offload, --threads, --device may differ (resharding as "
-                        "needed), the rest must be the same")
+    options.add_resume(g, "RUN_DIR",
+                       "continue the run in RUN_DIR from its newest checkpoint that verifies "
+                       "(or from the checkpoint folder given), with its options; --workers, "
+                       "--shard, --offload, --threads, --device may differ (resharding as "
+                       "needed), the rest must be the same")
 
 
 def _add_dgc_options(p: argparse.ArgumentParser) -> None:

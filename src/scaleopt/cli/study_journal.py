@@ -1,0 +1,75 @@
+"""A large-batch study's journal: each finished run's row appended to ``runs.jsonl`` in the
+study's folder as it finishes, and a stopped or killed study resumed from it (``scaleopt study
+large-batch --resume DIR``): the runs recorded are not run again."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from typing import Any, Dict, Tuple
+
+
+def run_key(row: Any) -> Tuple[Any, ...]:
+    """What names a study's run: optimizer, batch size, rate and seed (of a row or a Config)."""
+    get = row.get if isinstance(row, dict) else lambda k: getattr(row, k)
+    return (get("optimizer"), get("batch_size"), float(get("lr")), get("seed"))
+
+
+def finished(p: Any, row: Dict[str, Any]) -> None:
+    """A run's row, appended to the study's journal (flushed to disk: a killed study loses
+    only the runs in flight)."""
+    if p.journal is None or run_key(row) in p.known:
+        return
+    with open(p.journal, "a") as f:
+        f.write(json.dumps(row) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def recorded(out: str) -> Tuple[Dict[str, Any], Dict[Tuple[Any, ...], Dict[str, Any]], float]:
+    """A study folder's protocol, its journal's rows by :func:`run_key` (a last line cut off by
+    a kill is skipped) and the wall time of its sittings so far."""
+    folder = pathlib.Path(out)
+    try:
+        protocol = json.loads((folder / "protocol.json").read_text())
+    except FileNotFoundError:
+        raise ValueError(f"--resume {out}: no study there (no protocol.json)") from None
+    rows: Dict[Tuple[Any, ...], Dict[str, Any]] = {}
+    journal = folder / "runs.jsonl"
+    for line in journal.read_text().splitlines() if journal.exists() else []:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        rows[run_key(row)] = row
+    done = folder / "study.json"
+    before = json.loads(done.read_text()).get("time_s", 0.0) if done.exists() else 0.0
+    return protocol, rows, before
+
+
+#: what a resumed study may change: how many runs at once, and where and how it prints
+_FREE = ("jobs", "threads", "out", "progress")
+
+
+def resumed(p: Any, out: str) -> float:
+    """``p`` given the runs the study in ``out`` recorded (refused if its protocol is
+    another); the wall time of the sittings before."""
+    saved, p.known, before = recorded(out)
+    # the journal again, of whole lines only (a kill can leave its last one cut off)
+    (pathlib.Path(out) / "runs.jsonl").write_text(
+        "".join(json.dumps(row) + "\n" for row in p.known.values()))
+    now = p.describe()
+    for d in (saved, now):
+        for k in _FREE:
+            d.pop(k, None)
+            d["config"].pop(k, None)
+    if saved != now:
+        keys = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+        if "config" in keys:
+            keys.remove("config")
+            keys += sorted(k for k in set(saved["config"]) | set(now["config"])
+                           if saved["config"].get(k) != now["config"].get(k))
+        raise ValueError(f"--resume {out}: the study there was started with other options "
+                         f"({', '.join(keys)}): give the options it was started with")
+    return before
