@@ -369,3 +369,27 @@ def test_a_killed_study_resumes_running_only_what_it_had_not_recorded(tiny_study
     capsys.readouterr()
     assert main(other) == 2
     assert "started with other options (seeds)" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_warm_up_is_tuned_with_the_rate_where_it_can_bind(tmp_path):
+    """--warmups crossed with the rate grid at the largest batch only (--warmup-batches 1):
+    every warm-up with every rate there, the base's alone below; the seeds run the chosen
+    (rate, warm-up), which is the lowest development loss of all; the table names it."""
+    out = tmp_path / "study"
+    assert main(["study", "large-batch", *MODEL, "--batch-sizes", "8", "32", "--optimizers",
+                 "adamw", "--seeds", "2", "--extensions", "1", "--warmups", "0.05", "0.5",
+                 "--warmup-batches", "1", "--jobs", "2", "--out", str(out)]) == 0
+    s = json.loads((out / "study.json").read_text())
+    first = {r["warmup"] for r in s["rows"] if r["batch_size"] == 8}
+    assert first == {0.1}
+    tried = [r for r in s["rows"] if r["batch_size"] == 32 and r["seed"] == 0]
+    for w in (0.05, 0.5):
+        assert len({r["lr"] for r in tried if r["warmup"] == w}) >= 3
+    best = min(tried, key=lambda r: r["dev_loss"])
+    seeds = [r for r in s["rows"] if r["batch_size"] == 32 and r["seed"] > 0]
+    assert [(r["lr"], r["warmup"]) for r in seeds] == [(best["lr"], best["warmup"])]
+    cell = analysis.analyse(s)["cells"]["adamw"]["32"]
+    assert (cell["lr"], cell["warmup"]) == (best["lr"], best["warmup"])
+    assert f"warm-up {best['warmup']:g})" in (out / "study.md").read_text()
+    assert "--warmup " + repr(best["warmup"]) in seeds[0]["command"]

@@ -124,7 +124,7 @@ def resolution(tried: Sequence[Sequence[float]], lr: float) -> float:
     the chosen development loss minus the minimum of the parabola in log(rate) through it and
     its two neighbours (0 where that parabola opens downwards); inf on the grid's edge or next
     to a diverged rate (the chosen point is then not bracketed)."""
-    rates = [r for r, _, _ in tried]
+    rates = [t[0] for t in tried]
     i = rates.index(lr)
     if i == 0 or i == len(rates) - 1:
         return math.inf
@@ -141,25 +141,36 @@ def resolution(tried: Sequence[Sequence[float]], lr: float) -> float:
 
 
 def cells(study: Dict[str, Any]) -> Dict[str, Dict[int, Dict[str, Any]]]:
-    """optimizer -> batch -> the cell: the rates tried (seed 0), the chosen rate (lowest
-    development loss), whether it lies on the edge of what was tried, and the chosen rate's
-    runs by seed with their scores' mean and spread. ``tried``: (rate, development loss,
-    test score), the losses in the score's unit."""
+    """optimizer -> batch -> the cell: the rates (and warm-ups) tried (seed 0), the chosen
+    rate and warm-up (lowest development loss), whether the rate lies on the edge of what was
+    tried at that warm-up, and the chosen setting's runs by seed with their scores' mean and
+    spread. ``tried``: (rate, development loss, test score, warm-up) at the chosen warm-up,
+    ``warmups_tried``: warm-up -> its best development loss; losses in the score's unit."""
     rows, key = study["rows"], score_key(study["rows"])
     unit = _per_unit(rows)
     out: Dict[str, Dict[int, Dict[str, Any]]] = {}
     for name in study["protocol"]["optimizers"]:
         for b in study["protocol"]["batch_sizes"]:
             mine = [r for r in rows if r["optimizer"] == name and r["batch_size"] == b]
-            tried = sorted((r for r in mine if r["seed"] == 0), key=lambda r: r["lr"])
-            if not tried:
+            everything = [r for r in mine if r["seed"] == 0]
+            if not everything:
                 continue
-            best = min(tried, key=_dev)
-            runs = sorted((r for r in mine if r["lr"] == best["lr"]), key=lambda r: r["seed"])
+            best = min(everything, key=_dev)
+            warm = best.get("warmup")
+            tried = sorted((r for r in everything if r.get("warmup") == warm),
+                           key=lambda r: r["lr"])
+            runs = sorted((r for r in mine if r["lr"] == best["lr"] and r.get("warmup") == warm),
+                          key=lambda r: r["seed"])
+            warmups: Dict[str, float] = {}
+            for r in everything:
+                w = str(r.get("warmup"))
+                warmups[w] = min(warmups.get(w, math.inf), _dev(r) / unit)
             scores = [r[key] if _finite(r.get(key)) else math.inf for r in runs]
             finite = all(math.isfinite(s) for s in scores)
-            cell = {"tried": [[r["lr"], _dev(r) / unit, r.get(key, math.nan)] for r in tried],
-                    "lr": best["lr"], "runs": runs, "scores": scores,
+            cell = {"tried": [[r["lr"], _dev(r) / unit, r.get(key, math.nan), r.get("warmup")]
+                              for r in tried],
+                    "lr": best["lr"], "warmup": warm, "warmups_tried": warmups,
+                    "runs": runs, "scores": scores,
                     "steps": best["steps"], "tokens": best.get("tokens"),
                     "edge": (len(tried) > 1 and math.isfinite(_dev(best))
                              and best["lr"] in (tried[0]["lr"], tried[-1]["lr"]))}
@@ -222,7 +233,8 @@ def _seed_steps(cell_of: Dict[int, Dict[str, Any]], target: float, unit: float,
     steps: Dict[int, List[float]] = {}
     for b, c in sorted(cell_of.items()):
         s = [crossing(r.get("curve", ()), target, unit) for r in c["runs"]]
-        ends = [int(warmup * r["steps"]) if warmup < 1 else int(warmup) for r in c["runs"]]
+        shares = [r.get("warmup", warmup) or 0.0 for r in c["runs"]]
+        ends = [int(w * r["steps"]) if w < 1 else int(w) for w, r in zip(shares, c["runs"])]
         if s and all(x is not None and x > end for x, end in zip(s, ends)):
             steps[b] = s
     return steps

@@ -29,15 +29,14 @@ import math
 import multiprocessing
 import os
 import pathlib
-import shlex
 import signal
 import sys
 import time
 from typing import Any, Dict, Generator, List, Optional, Sequence, Tuple
 
-from . import config, optimizers, options, report, study_journal, study_report, world
+from . import (config, optimizers, options, report, study_journal, study_report, study_runs,
+               world)
 from .config import Config
-from .trainer import Diverged, run
 
 #: ``--model gpt``'s study: 8,192 windows of 64 bytes (0.5M tokens, one epoch) for each run,
 #: on a 3-block model; batch sizes over a 64x range
@@ -78,6 +77,10 @@ class Protocol:
     targets: Sequence[float] = ()
     jobs: int = 1
     quick: bool = False
+    #: warm-up lengths (shares of the examples) crossed with the rate grid at the
+    #: ``warmup_batches`` largest batch sizes, where the warm-up can bind; none: the base's
+    warmups: Sequence[float] = ()
+    warmup_batches: int = 2
     #: rows already recorded (a resumed study), by :func:`.study_journal.run_key`: their runs
     #: are not run again
     known: Dict[Tuple[Any, ...], Dict[str, Any]] = dataclasses.field(default_factory=dict)
@@ -88,11 +91,20 @@ class Protocol:
         """``name``'s default rate, at ``base_batch``."""
         return dataclasses.replace(self.base, optimizer=name, lr=None).resolved_lr()
 
-    def config(self, name: str, batch: int, lr: float, seed: int) -> Config:
-        """One run's configuration (betas only for the optimizers that have them)."""
+    def config(self, name: str, batch: int, lr: float, seed: int,
+               warmup: Optional[float] = None) -> Config:
+        """One run's configuration (betas only for the optimizers that have them; the base's
+        warm-up unless ``warmup`` is given)."""
         betas = self.base.betas if optimizers.OPTIMIZERS[name].betas else None
         return dataclasses.replace(self.base, optimizer=name, batch_size=batch, lr=lr, seed=seed,
-                                   betas=betas, out=None, progress=False, dev_split=True)
+                                   betas=betas, out=None, progress=False, dev_split=True,
+                                   warmup=self.base.warmup if warmup is None else warmup)
+
+    def warmups_at(self, batch: int) -> List[float]:
+        """The warm-ups tried at ``batch``: :attr:`warmups` at the largest
+        :attr:`warmup_batches` batch sizes, else the base's alone."""
+        tuned = sorted(self.batch_sizes)[-self.warmup_batches:] if self.warmup_batches else []
+        return list(self.warmups) if self.warmups and batch in tuned else [self.base.warmup]
 
     def step(self) -> float:
         """The ratio of neighbouring grid points (an extension's step)."""
@@ -105,6 +117,7 @@ class Protocol:
                 "base_batch": self.base_batch, "grid": list(self.grid),
                 "extensions": self.extensions, "seeds": self.seeds,
                 "targets": list(self.targets), "jobs": self.jobs, "quick": self.quick,
+                "warmups": list(self.warmups), "warmup_batches": self.warmup_batches,
                 "scaling": {n: optimizers.OPTIMIZERS[n].scaling for n in self.names},
                 "default_lr": {n: self.default_lr(n) for n in self.names},
                 "config": dataclasses.asdict(self.base)}
@@ -121,18 +134,20 @@ def _chain(p: Protocol, name: str) -> Chain:
     rule, seeds_out, batches = optimizers.OPTIMIZERS[name].scaling, [], sorted(p.batch_sizes)
     for b in batches:
         centre = scaled_lr(centre, b, prev, rule)
-        grid = [p.config(name, b, centre * f, 0) for f in p.grid]
+        grid = [p.config(name, b, centre * f, 0, w) for w in p.warmups_at(b) for f in p.grid]
         tried = yield seeds_out + grid
         tried = tried[len(seeds_out):]
-        for _ in range(p.extensions):
-            edge = _edge(tried)
+        for _ in range(p.extensions):  # along the rate, at the best warm-up
+            warm = min(tried, key=_dev_score)["warmup"]
+            line = [r for r in tried if r["warmup"] == warm]
+            edge = _edge(line)
             if edge == 0:
                 break
-            rate = (max if edge > 0 else min)(r["lr"] for r in tried) * p.step() ** edge
-            tried = tried + (yield [p.config(name, b, rate, 0)])
+            rate = (max if edge > 0 else min)(r["lr"] for r in line) * p.step() ** edge
+            tried = tried + (yield [p.config(name, b, rate, 0, warm)])
         best = min(tried, key=_dev_score)
         centre, prev = best["lr"], b
-        seeds_out = [p.config(name, b, best["lr"], s) for s in range(1, p.seeds)]
+        seeds_out = [p.config(name, b, best["lr"], s, best["warmup"]) for s in range(1, p.seeds)]
     if seeds_out:
         yield seeds_out
 
@@ -180,8 +195,10 @@ def title(p: Protocol) -> str:
     return (("QUICK FORM (one seed, few cells: not evidence): " if p.quick else "")
             + f"{base.dataset}, {base.train_size * base.epochs:,} examples per run, each "
             f"optimizer's rate tuned at each batch size, {p.seeds} seed"
-            f"{'s' if p.seeds != 1 else ''} per chosen rate, warm-up {base.warmup:g}, "
-            f"{base.schedule} decay")
+            f"{'s' if p.seeds != 1 else ''} per chosen rate, warm-up {base.warmup:g}"
+            + (f" (at the {p.warmup_batches} largest batch sizes tuned among "
+               f"{', '.join(f'{w:g}' for w in p.warmups)})" if p.warmups else "")
+            + f", {base.schedule} decay")
 
 
 def _run_inline(p: Protocol) -> List[Dict[str, Any]]:
@@ -196,7 +213,7 @@ def _run_inline(p: Protocol) -> List[Dict[str, Any]]:
                 for cfg in wave:
                     row = p.known.get(study_journal.run_key(cfg))
                     if row is None:
-                        row = None if world.STOP.is_set() else cell(cfg)
+                        row = None if world.STOP.is_set() else study_runs.cell(cfg)
                         if row is None:  # interrupted: the wave's finished runs are kept
                             return rows + done
                         study_journal.finished(p, row)
@@ -238,7 +255,8 @@ def _run_pool(p: Protocol) -> List[Dict[str, Any]]:
         waves[name] = (chain, results)
         for i, cfg in enumerate(wave):
             if results[i] is None:
-                running[pool.submit(cell, dataclasses.replace(cfg, threads=threads))] = (name, i)
+                running[pool.submit(study_runs.cell, dataclasses.replace(cfg, threads=threads))] = (
+                    name, i)
 
     try:
         for name in p.names:
@@ -264,66 +282,6 @@ def _run_pool(p: Protocol) -> List[Dict[str, Any]]:
                 process.kill()
         pool.shutdown(wait=True, cancel_futures=True)
     return rows
-
-
-def cell(cfg: Config) -> Optional[Dict[str, Any]]:
-    """One run's row, or None if the study was interrupted during it."""
-    print(f"{cfg.optimizer:8s} batch {cfg.batch_size:5d}  lr {cfg.lr:.4g}  seed {cfg.seed}  "
-          f"{cfg.total_steps()} steps", file=sys.stderr, flush=True)
-    row: Dict[str, Any] = {"optimizer": cfg.optimizer, "batch_size": cfg.batch_size,
-                           "lr": cfg.lr, "seed": cfg.seed, "steps": cfg.total_steps(),
-                           "command": command_line(cfg)}
-    if cfg.dataset == "text":
-        row["tokens"] = cfg.total_steps() * cfg.batch_size * cfg.context
-    try:
-        r = _train(cfg)
-    except Diverged:
-        row.update(diverged=True, dev_loss=math.nan, test_loss=math.nan)
-        return row
-    if r["interrupted"]:
-        return None  # the interrupted run's partial result is not a study point
-    keys = ("dev_loss", "test_loss", "dev_bits_per_byte", "test_bits_per_byte", "test_accuracy",
-            "time_s", "threads")
-    row.update({k: r[k] for k in keys if k in r})
-    row["curve"] = [[h["step"], h["test_loss"]] for h in r["history"]]
-    score = (f"test bits per byte {r['test_bits_per_byte']:.4f}" if "test_bits_per_byte" in r
-             else f"test accuracy {r['test_accuracy']:.4f}")
-    print(f"{cfg.optimizer:8s} batch {cfg.batch_size:5d}  lr {cfg.lr:.4g}  seed {cfg.seed}  "
-          f"{score}", file=sys.stderr, flush=True)
-    if "noise_scale" in r:
-        row["noise"] = [[m["step"], m["g2"], m["trace"]] for m in r["noise_scale"]["history"]]
-    return row
-
-
-def _train(cfg: Config) -> Dict[str, Any]:
-    """One run: in this process, or in ``cfg.workers`` processes started here."""
-    if cfg.workers == 1:
-        return run(cfg)
-    from .launch import workers
-
-    return workers(cfg)
-
-
-#: the options of ``scaleopt train`` that a study's run sets, by Config field
-_OPTIONS = ("model", "dataset", "optimizer", "lr", "batch_size", "train_size", "epochs",
-            "width", "layers", "context", "evals", "eval_spacing", "weight_decay", "warmup", "schedule", "seed",
-            "max_grad_norm", "betas", "state_dtype", "workers", "threads")
-
-
-def command_line(cfg: Config) -> str:
-    """The ``scaleopt train`` command that repeats ``cfg``'s run by hand."""
-    args = ["scaleopt", "train"]
-    for name in _OPTIONS:
-        value = getattr(cfg, name)
-        if value is None:
-            continue
-        flag = "--" + name.replace("_", "-")
-        args += [flag, *map(repr, value)] if isinstance(value, (list, tuple)) else [flag, str(
-            repr(value) if isinstance(value, float) else value)]
-    for name in ("measure_noise", "dev_split", "shard"):
-        if getattr(cfg, name):
-            args.append("--" + name.replace("_", "-"))
-    return shlex.join(args)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -381,6 +339,12 @@ def _add_protocol_options(s: argparse.ArgumentParser) -> None:
     g.add_argument("--extensions", type=options.non_negative_int, metavar="N",
                    help="points added one by one where the best rate lies on the grid's edge, "
                         "at most N per cell (default: 2)")
+    g.add_argument("--warmups", type=float, nargs="+", metavar="SHARE",
+                   help="warm-up lengths (shares of the examples) crossed with the rate grid at "
+                        "the --warmup-batches largest batch sizes (default: none, the "
+                        "--warmup alone everywhere)")
+    g.add_argument("--warmup-batches", type=options.non_negative_int, metavar="N",
+                   help="the largest batch sizes at which --warmups are tried (default: 2)")
     g.add_argument("--seeds", type=options.positive_int,
                    help="runs of each chosen rate, seeds 0 ... N-1 (default: 3)")
     g.add_argument("--targets", type=float, nargs="*", metavar="LOSS",
@@ -419,9 +383,12 @@ def protocol_of(args: argparse.Namespace) -> Protocol:
     jobs = args.jobs or (1 if base.workers > 1 else os.cpu_count() or 1)
     if jobs > 1 and base.workers > 1:
         raise ValueError("--jobs runs several one-process runs at once: use it without --workers")
+    if not all(0 <= w < 1 for w in args.warmups or []):
+        raise ValueError(f"--warmups are shares of the examples in [0, 1), got {args.warmups}")
     p = Protocol(sorted(args.batch_sizes), args.optimizers, base, args.base_batch,
                  sorted(args.grid), args.extensions, args.seeds, args.targets or [], jobs,
-                 bool(args.quick))
+                 bool(args.quick), warmups=sorted(args.warmups or []),
+                 warmup_batches=2 if args.warmup_batches is None else args.warmup_batches)
     for name in p.names:
         for b in p.batch_sizes:
             config.check(p.config(name, b, p.default_lr(name), 0))

@@ -11,9 +11,10 @@ from typing import Any, Dict, Tuple
 
 
 def run_key(row: Any) -> Tuple[Any, ...]:
-    """What names a study's run: optimizer, batch size, rate and seed (of a row or a Config)."""
+    """What names a study's run: optimizer, batch size, rate, seed and warm-up (of a row or a
+    Config)."""
     get = row.get if isinstance(row, dict) else lambda k: getattr(row, k)
-    return (get("optimizer"), get("batch_size"), float(get("lr")), get("seed"))
+    return (get("optimizer"), get("batch_size"), float(get("lr")), get("seed"), get("warmup"))
 
 
 def finished(p: Any, row: Dict[str, Any]) -> None:

@@ -71,6 +71,8 @@ def _table(study: Dict[str, Any], a: Dict[str, Any]) -> List[str]:
                 continue
             steps = str(c["steps"])
             mark = "†" if c["edge"] else ""
+            if len(c.get("warmups_tried", {})) > 1:  # the warm-up tuned too: the one chosen
+                mark += f", warm-up {c['warmup']:g}"
             row.append(f"diverged (lr {c['lr']:.3g}{mark})" if "mean" not in c else
                        f"{c['mean']:.3f} ± {c['sd']:.3f} (lr {c['lr']:.3g}{mark})")
         lines.append("| " + " | ".join([row[0], steps] + row[1:]) + " |")
@@ -249,9 +251,13 @@ def _rates(study: Dict[str, Any], a: Dict[str, Any]) -> List[str]:
             "log(rate) through it and its neighbours:", ""]
     for n, cs in a["cells"].items():
         for b, c in cs.items():
+            warm = c.get("warmups_tried", {})
             out.append(f"- {_n(n)}, batch {b}: " + ", ".join(
-                f"{lr:.3g}: " + (f"{dev:.4f}" if math.isfinite(dev) else "diverged")
-                for lr, dev, _ in c["tried"])
+                f"{t[0]:.3g}: " + (f"{t[1]:.4f}" if math.isfinite(t[1]) else "diverged")
+                for t in c["tried"])
+                + (f" (at warm-up {c['warmup']:g}; the best at each warm-up tried: "
+                   + ", ".join(f"{w}: {d:.4f}" for w, d in warm.items()) + ")"
+                   if len(warm) > 1 else "")
                 + (f"; resolution {_g(c['resolution'])}" if "resolution" in c else ""))
     return out
 
