@@ -26,16 +26,45 @@ def test_the_corpus_is_real_text_that_ships_with_python_and_names_itself():
     assert text.corpus() == (data, identity)  # the same bytes every time
     words = collections.Counter(data.decode("utf-8").split())
     assert {"the", "of", "is", "a"} <= {w for w, _ in words.most_common(20)}  # English prose
-    train, test = text.splits()
+    train, test = text.splits("tail")
     assert len(train) + len(test) == len(data) and len(test) == pytest.approx(0.1 * len(data), abs=1)
     assert bytes(train[:100].tolist()) == data[:100] and bytes(test[-100:].tolist()) == data[-100:]
+
+
+def _windows(t, n=64):
+    b = bytes(t.tolist())
+    return [b[i:i + n] for i in range(len(b) - n + 1)]
+
+
+def test_the_held_out_text_shares_no_64_byte_window_with_the_training_bytes():
+    """The default split holds out whole groups of topics: no 64-byte window of the
+    development or the test part occurs anywhere in the training bytes; every topic is in
+    exactly one part; the parts' sizes are the docs'."""
+    from pydoc_data.topics import topics
+
+    train, validation = text.splits()
+    dev, test = text.heldout()
+    seen = set(_windows(train))
+    for part in (dev, test):
+        assert not any(w in seen for w in _windows(part))
+    parts = [bytes(t.tolist()).decode("utf-8") for t in (train, dev, test)]
+    for body in topics.values():
+        assert sum(body in part for part in parts) == 1
+    assert torch.equal(validation, torch.cat([dev, torch.tensor([10, 10]), test]))
+    total = len(text.corpus()[0])
+    assert len(test) <= text.TEST_SHARE * total and len(dev) <= text.DEV_SHARE * total
+    assert (len(train), len(dev), len(test)) == (411_030, 18_055, 37_184)  # docs/cli.md
+    # the earlier split's test part does share text with training (why it is not the default)
+    old_train, _ = text.splits("tail")
+    old_seen = set(_windows(old_train))
+    assert any(w in old_seen for w in _windows(text.heldout("tail")[1]))
 
 
 def test_the_validation_bytes_split_into_a_development_and_a_test_part_at_a_topic():
     from pydoc_data.topics import topics
 
-    _, validation = text.splits()
-    dev, test = text.heldout()
+    _, validation = text.splits("tail")
+    dev, test = text.heldout("tail")
     assert torch.equal(torch.cat([dev, test]), validation)
     assert 0 < len(dev) <= len(validation) // 2 < len(test)
     whole = bytes(test.tolist()).decode("utf-8")
@@ -43,9 +72,13 @@ def test_the_validation_bytes_split_into_a_development_and_a_test_part_at_a_topi
     assert len(starts) == 1  # the test part begins where a topic begins
     assert whole.endswith(topics[sorted(topics)[-1]])  # and ends with the last topic
     # a run with --dev-split evaluates along the run on the test part, at the end on the dev one
-    x, y, xt, yt, _ = text.load(64, 16, split="test")
+    x, y, xt, yt, _ = text.load(64, 16, split="test", kind="tail")
     assert torch.equal(xt.flatten(), test[:xt.numel()])
-    assert torch.equal(text.load(64, 16, split="dev")[2].flatten(), dev[:len(dev) // 16 * 16])
+    assert torch.equal(text.load(64, 16, split="dev", kind="tail")[2].flatten(),
+                       dev[:len(dev) // 16 * 16])
+    test = text.heldout()[1]
+    xt = text.load(64, 16, split="test")[2]
+    assert xt.numel() > 0 and torch.equal(xt.flatten(), test[:xt.numel()])
 
 
 def test_windows_are_the_same_for_a_seed_and_targets_are_the_next_bytes():

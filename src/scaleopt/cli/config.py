@@ -37,6 +37,9 @@ class Config:
     width: int = 256
     layers: int = 2  # gpt: decoder blocks
     context: int = 64  # gpt: bytes per sequence (a training example)
+    #: the text dataset's split: "topics" (held-out text shares no 64-byte window with the
+    #: training bytes) or "tail" (the earlier one, kept to repeat runs made on it)
+    text_split: str = "topics"
     seed: int = 0
     offload: bool = False
     state_dtype: str = "float32"  # how the optimizer stores its moments (scaleopt._compact)
@@ -138,6 +141,8 @@ def check(cfg: Config) -> None:
                          f"{', '.join(optimizers.OPTIMIZERS)}")
     if cfg.dataset not in data.DATASETS:
         raise ValueError(f"unknown dataset {cfg.dataset!r}; choose one of {', '.join(data.DATASETS)}")
+    if cfg.text_split not in ("topics", "tail"):
+        raise ValueError(f"--text-split must be topics or tail, got {cfg.text_split!r}")
     _check_model(cfg)
     for name in ("train_size", "batch_size", "epochs", "width", "layers", "workers", "evals"):
         if getattr(cfg, name) < 1:
@@ -320,6 +325,11 @@ def add_model_options(p: argparse.ArgumentParser, gpt: Dict[str, Any]) -> None:
                    help=f"the gpt model's decoder blocks (default: {gpt['layers']})")
     g.add_argument("--context", type=options.positive_int,
                    help=f"the gpt model's sequence length in bytes (default: {gpt['context']})")
+    g.add_argument("--text-split", choices=["topics", "tail"],
+                   help="the text's held-out parts: whole groups of topics that share no "
+                        "64-byte window with the training bytes (topics, the default), or the "
+                        "earlier tail of the corpus (tail: it shares text with training; kept "
+                        "to repeat runs made on it)")
     g.add_argument("--measure-noise", action="store_true", default=None,
                    help="measure the gradient noise scale B_simple along the run (about 100 "
                         "times: the step's batch in two halves, from their gradients' norms)")

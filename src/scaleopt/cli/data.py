@@ -65,16 +65,16 @@ def topics(n: int, seed: int, vocab: int, length: int, classes: int, topic_words
 
 
 def load(name: str, train_size: int, test_size: int = 16384, context: int = 64,
-         split: str = "validation"):
+         split: str = "validation", text_split: str = "topics"):
     """``(x_train, y_train, x_test, y_test, classes)`` of a built-in dataset, evaluated on
     ``split``: ``"validation"`` (text: the whole validation bytes; the generated datasets: the
     test set), or a study's ``"dev"`` split that selects and ``"test"`` split that reports
     (text: :func:`text.heldout`'s parts; the generated datasets: a set drawn from another seed,
-    and the test set)."""
+    and the test set). ``text_split``: the text's split (:data:`.text.SPLITS`)."""
     if name == "text":
         from . import text
 
-        return text.load(train_size, context, split)
+        return text.load(train_size, context, split, text_split)
     held_seed = 3 if split == "dev" else 2
     if name == "topics":
         x, y = topics(train_size, seed=1, **TOPICS)

@@ -50,7 +50,8 @@ def _g(x: float) -> str:
 def markdown(study: Dict[str, Any], a: Optional[Dict[str, Any]] = None) -> str:
     """The study's tables and its sentences of results, from its JSON alone."""
     a = a if a is not None else analysis.analyse(study)
-    md = [study["title"], "", *_table(study, a), *_baseline(a), "", *_findings(study, a), "",
+    md = [study["title"], "", *_table(study, a),
+          *_baseline(a, study["protocol"]["config"].get("text_split", "tail")), "", *_findings(study, a), "",
           *_rates(study, a), "", *_targets(study, a), "", _cost(study)]
     return "\n".join(md) + "\n"
 
@@ -79,13 +80,15 @@ def _table(study: Dict[str, Any], a: Dict[str, Any]) -> List[str]:
     return lines
 
 
-def _baseline(a: Dict[str, Any]) -> List[str]:
+def _baseline(a: Dict[str, Any], kind: str = "tail") -> List[str]:
+    """The unigram baseline of the study's test split (``kind``: its text split; a study
+    recorded before the splits had names ran on the tail)."""
     if a["score"] != "test_bits_per_byte":
         return []
     from . import text
 
     return ["", f"The test split's unigram baseline (the bytes' frequencies alone): "
-                f"{text.unigram_bits_per_byte('test'):.3f} bits per byte."]
+                f"{text.unigram_bits_per_byte('test', kind):.3f} bits per byte."]
 
 
 def _listed(items: List[str]) -> str:

@@ -52,7 +52,7 @@ def _train(cfg: Config) -> Dict[str, Any]:
 
 #: the options of ``scaleopt train`` that a study's run sets, by Config field
 _OPTIONS = ("model", "dataset", "optimizer", "lr", "batch_size", "train_size", "epochs",
-            "width", "layers", "context", "evals", "eval_spacing", "weight_decay", "warmup", "schedule", "seed",
+            "width", "layers", "context", "text_split", "evals", "eval_spacing", "weight_decay", "warmup", "schedule", "seed",
             "max_grad_norm", "betas", "state_dtype", "workers", "threads")
 
 

@@ -5,11 +5,16 @@ The corpus is Python's own reference documentation as ``pydoc`` shows it (the mo
 ``pydoc_data.topics``, in every CPython install, under the Python Software Foundation License):
 about 0.45 MB of prose and code examples in UTF-8. Its bytes are the same on every run of the same
 install; :func:`corpus` gives them with their identity (name, size, SHA-256), which a run records.
-The first 90% of the bytes train; the last 10% (cut where the 90% falls, mid-topic) validate.
-For a study that selects on one split and reports another, :func:`heldout` cuts the validation
-bytes in two at the last topic boundary before their middle: a development part (which starts
-mid-topic; about a quarter of them) and a test part of whole topics that no training window
-touches.
+
+Its topics repeat one another (a topic on ``if`` is a part of the one on compound statements),
+so held-out text is chosen by content, not by position (``"topics"``, the default split): topics
+that share a 64-byte window are joined into one group, and whole groups are held out, so that
+no 64-byte window of the held-out text occurs in the training bytes. Going through the groups
+from the end of the topics' order, a group goes to the test part if it fits there within
+:data:`TEST_SHARE` of the corpus's bytes, else to the development part if it fits within
+:data:`DEV_SHARE`, else it trains; the training bytes keep the topics' order. The earlier split (``"tail"``)
+cut the last 10% of the bytes off for validation and its tail (whole topics) for the test part;
+its held-out parts share text with training, and it is kept only to repeat runs made on it.
 """
 
 from __future__ import annotations
@@ -22,8 +27,14 @@ from typing import Any, Dict, Tuple
 import torch
 from torch import Tensor
 
-#: the share of the corpus's bytes that trains (the rest, at the end, validates)
+#: the share of the corpus's bytes that trains in the ``"tail"`` split (the rest, at the end,
+#: validates)
 TRAIN_SHARE = 0.9
+#: the splits (:func:`splits`): whole groups of topics held out (the default), or the tail
+SPLITS = ("topics", "tail")
+#: the ``"topics"`` split: the window that groups topics, and the most of the bytes the test and
+#: the development parts may hold
+WINDOW, TEST_SHARE, DEV_SHARE = 64, 0.08, 0.04
 #: tokens are bytes
 VOCAB = 256
 
@@ -50,22 +61,74 @@ def _corpus() -> Tuple[bytes, Dict[str, Any]]:
                   "python": platform.python_version()}
 
 
-def splits() -> Tuple[Tensor, Tensor]:
-    """The training and validation bytes, as int64 tensors."""
-    text, _ = corpus()
-    data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
-    cut = int(len(data) * TRAIN_SHARE)
-    return data[:cut], data[cut:]
+def _tensor(data: bytes) -> Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
 
 
-def heldout() -> Tuple[Tensor, Tensor]:
-    """The validation bytes in two: the development part (up to the last topic boundary
-    before their middle) and the test part (whole topics from that boundary on)."""
-    _, validation = splits()
+def splits(kind: str = "topics") -> Tuple[Tensor, Tensor]:
+    """The training and validation bytes of split ``kind`` (:data:`SPLITS`), as int64
+    tensors; the validation bytes are :func:`heldout`'s two parts, development then test."""
+    if kind == "tail":
+        data = _tensor(corpus()[0])
+        cut = int(len(data) * TRAIN_SHARE)
+        return data[:cut], data[cut:]
+    train, dev, test = _topic_split()
+    return _tensor(train), _tensor(dev + b"\n\n" + test)
+
+
+def heldout(kind: str = "topics") -> Tuple[Tensor, Tensor]:
+    """The held-out bytes in two: the development part and the test part. ``"topics"``: whole
+    groups of topics (:func:`_topic_split`); ``"tail"``: the validation bytes cut at the last
+    topic boundary before their middle (the development part starts mid-topic)."""
+    if kind != "tail":
+        _, dev, test = _topic_split()
+        return _tensor(dev), _tensor(test)
+    _, validation = splits("tail")
     begin = len(corpus()[0]) - len(validation)
     starts = [s for s in _topic_starts() if s > begin]
     cut = max(s for s in starts if s <= begin + len(validation) // 2) - begin
     return validation[:cut], validation[cut:]
+
+
+@functools.lru_cache(maxsize=1)
+def _topic_split() -> Tuple[bytes, bytes, bytes]:
+    """The ``"topics"`` split's training, development and test bytes (each its topics joined
+    by blank lines, in the topics' order)."""
+    from pydoc_data.topics import topics
+
+    keys = sorted(topics)
+    texts = [topics[k].encode("utf-8") for k in keys]
+    group = list(range(len(keys)))
+
+    def root(i: int) -> int:
+        while group[i] != i:
+            group[i] = group[group[i]]
+            i = group[i]
+        return i
+
+    first: Dict[bytes, int] = {}
+    for i, t in enumerate(texts):  # topics that share a window: one group
+        for j in range(len(t) - WINDOW + 1):
+            k = first.setdefault(t[j:j + WINDOW], i)
+            if k != i:
+                group[root(i)] = root(k)
+    members: Dict[int, list] = {}
+    for i in range(len(keys)):
+        members.setdefault(root(i), []).append(i)
+    total = sum(map(len, texts))
+    parts: Dict[str, list] = {"test": [], "dev": []}
+    for m in sorted(members.values(), key=min, reverse=True):
+        size = sum(len(texts[i]) for i in m)
+        for name, share in (("test", TEST_SHARE), ("dev", DEV_SHARE)):
+            held = sum(len(texts[i]) for i in parts[name])
+            if held + size <= share * total:
+                parts[name] += m
+                break
+    out = {name: sorted(idx) for name, idx in parts.items()}
+    held = set(out["test"]) | set(out["dev"])
+    join = b"\n\n".join
+    return (join(texts[i] for i in range(len(keys)) if i not in held),
+            join(texts[i] for i in out["dev"]), join(texts[i] for i in out["test"]))
 
 
 @functools.lru_cache(maxsize=1)
@@ -97,25 +160,26 @@ def tiled(source: Tensor, context: int) -> Tuple[Tensor, Tensor]:
     return x, y
 
 
-def load(train_size: int, context: int,
-         split: str = "validation") -> Tuple[Tensor, Tensor, Tensor, Tensor, int]:
+def load(train_size: int, context: int, split: str = "validation",
+         kind: str = "topics") -> Tuple[Tensor, Tensor, Tensor, Tensor, int]:
     """``(x, y, x_test, y_test, classes)`` as :func:`scaleopt.cli.data.load` gives them:
     ``train_size`` training windows and the evaluation split ``split``: the whole validation
-    bytes (``"validation"``), or :func:`heldout`'s ``"dev"`` or ``"test"`` part."""
-    train, validation = splits()
+    bytes (``"validation"``), or :func:`heldout`'s ``"dev"`` or ``"test"`` part, of the split
+    ``kind`` (:data:`SPLITS`)."""
+    train, validation = splits(kind)
     x, y = windows(train, train_size, context, seed=1)
     if split != "validation":
-        validation = heldout()[split != "dev"]
+        validation = heldout(kind)[split != "dev"]
     return (x, y) + tiled(validation, context) + (VOCAB,)
 
 
-def unigram_bits_per_byte(split: str = "validation") -> float:
+def unigram_bits_per_byte(split: str = "validation", kind: str = "topics") -> float:
     """The baseline: bits per byte of an evaluation split (``"validation"``, or
-    :func:`heldout`'s ``"dev"`` or ``"test"``) under the training split's byte frequencies
-    (add-one smoothed), i.e. a model that ignores all context."""
-    train, test = splits()
+    :func:`heldout`'s ``"dev"`` or ``"test"``) of the split ``kind`` under the training
+    bytes' frequencies (add-one smoothed), i.e. a model that ignores all context."""
+    train, test = splits(kind)
     if split != "validation":
-        test = heldout()[split != "dev"]
+        test = heldout(kind)[split != "dev"]
     p = torch.bincount(train, minlength=VOCAB).double() + 1
     return float(-(p / p.sum()).log2()[test[1:]].mean())
 

@@ -151,7 +151,8 @@ def build(cfg: Config, rank: int, world: int) -> Trainer:
     device = torch.device(cfg.device if not cfg.device.startswith("cuda") or world == 1
                           else f"cuda:{rank % torch.cuda.device_count()}")
     x, y, xt, yt, classes = data.load(cfg.dataset, cfg.train_size, context=cfg.context,
-                                      split="test" if cfg.dev_split else "validation")
+                                      split="test" if cfg.dev_split else "validation",
+                                      text_split=cfg.text_split)
     model = models.make_model(cfg, x.shape[1], classes).to(device)
     mesh = models.hsdp_mesh(cfg.replicas, world, device) if cfg.shard else None
     if cfg.shard:  # with DGC, FSDP2 inside each replica and DGC between them
@@ -166,7 +167,8 @@ def build(cfg: Config, rank: int, world: int) -> Trainer:
                       opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule))
     if cfg.dev_split:
         trainer.dev = tuple(t.to(device) for t in data.load(
-            cfg.dataset, cfg.train_size, context=cfg.context, split="dev")[2:4])
+            cfg.dataset, cfg.train_size, context=cfg.context, split="dev",
+            text_split=cfg.text_split)[2:4])
     if cfg.measure_noise:
         trainer.noise = GradientNoiseScale(model.parameters())
     if cfg.resume:
@@ -404,7 +406,7 @@ def _text(t: Trainer) -> Dict[str, Any]:
 
     return {"corpus": text.corpus()[1], "tokens": t.step * t.cfg.batch_size * t.cfg.context,
             "test_bits_per_byte": text.bits_per_byte(t.history[-1]["test_loss"]),
-            "unigram_bits_per_byte": text.unigram_bits_per_byte()}
+            "unigram_bits_per_byte": text.unigram_bits_per_byte(kind=t.cfg.text_split)}
 
 
 def _noise(t: Trainer) -> Dict[str, Any]:
