@@ -15,12 +15,11 @@ from __future__ import annotations
 import argparse
 import copy
 import platform
-import statistics
 
 import torch
 
 import scaleopt
-from scaleopt.benchmarking import interleaved, paired_ratio, paired_spread
+from scaleopt.benchmarking import interleaved, paired_cells
 from scaleopt.cli import options
 from scaleopt.cli.bench_memory import MODELS, build_model
 
@@ -80,9 +79,7 @@ def main() -> None:
           f"{platform.machine()}, {args.rounds} rounds)")
     print(f"{'row':<40} {'median ms':>10} {'x ordinary':>11} {'spread':>15}")
     for row, ts in times.items():
-        base = times[pairs[row]]
-        print(f"{row:<40} {statistics.median(ts) * 1e3:>10.1f} {paired_ratio(ts, base):>11.3f} "
-              f"{paired_spread(ts, base):>15}")
+        print(f"{row:<40} {paired_cells(ts, times[pairs[row]])}")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ import argparse
 import copy
 import os
 import platform
-import statistics
 import time
 
 import torch
@@ -28,7 +27,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import scaleopt
-from scaleopt.benchmarking import collectives, interleaved, paired_ratio, paired_spread
+from scaleopt.benchmarking import collectives, interleaved, paired_cells
 from scaleopt.cli import options
 from scaleopt.cli.launch import free_port
 
@@ -142,10 +141,8 @@ def main() -> None:
           f"rank, gloo, torch {torch.__version__}, {platform.machine()}, {args.rounds} rounds)")
     print(f"{'row':<45} {'median ms':>10} {'x ordinary':>11} {'spread':>13}  collectives")
     for row, ts in times.items():
-        base = times[pairs[row]]
         shown = ", ".join(f"{k} {v}" for k, v in sorted(counts[row].items()))
-        print(f"{row:<45} {statistics.median(ts) * 1e3:>10.1f} {paired_ratio(ts, base):>11.3f} "
-              f"{paired_spread(ts, base, 2):>13}  {shown}")
+        print(f"{row:<45} {paired_cells(ts, times[pairs[row]], 2, 13)}  {shown}")
 
 
 if __name__ == "__main__":

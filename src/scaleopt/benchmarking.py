@@ -156,6 +156,14 @@ def paired_spread(times: List[float], baseline: List[float], digits: int = 3) ->
     return f"{ratios[len(ratios) // 4]:.{digits}f}-{ratios[3 * len(ratios) // 4]:.{digits}f}"
 
 
+def paired_cells(times: List[float], baseline: List[float], digits: int = 3,
+                 width: int = 15) -> str:
+    """A row's median milliseconds, its :func:`paired_ratio` to ``baseline`` and its
+    :func:`paired_spread`, as the scripts' tables print them."""
+    return (f"{statistics.median(times) * 1e3:>10.1f} {paired_ratio(times, baseline):>11.3f} "
+            f"{paired_spread(times, baseline, digits):>{width}}")
+
+
 @contextlib.contextmanager
 def collectives() -> Iterator["collections.Counter[str]"]:
     """Counts the collectives issued inside (c10d's ops as the dispatcher sees them, by name:

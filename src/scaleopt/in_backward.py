@@ -134,9 +134,7 @@ class StepsInBackward:
 
         def step(self: Any, closure: Any = None) -> Any:
             steps = ref()
-            if steps is not None and not steps._internal and _making_state(opt):
-                return before(closure) if before is not None else type(opt).step(opt, closure)
-            if steps is None or not steps._internal:
+            if steps is None or not (steps._internal or _making_state(opt)):
                 raise RuntimeError(
                     f"{type(opt).__name__} steps inside backward (step_in_backward): each "
                     f"parameter is updated as its gradient completes, so there is nothing left "
