@@ -143,6 +143,9 @@ def check(cfg: Config) -> None:
         raise ValueError(f"unknown dataset {cfg.dataset!r}; choose one of {', '.join(data.DATASETS)}")
     if cfg.text_split not in ("topics", "tail"):
         raise ValueError(f"--text-split must be topics or tail, got {cfg.text_split!r}")
+    if cfg.dataset == "stdlib" and cfg.text_split != "topics":
+        raise ValueError("--text-split chooses the text dataset's split; --dataset stdlib has "
+                         "one split (whole files held out, deduplicated)")
     _check_model(cfg)
     for name in ("train_size", "batch_size", "epochs", "width", "layers", "workers", "evals"):
         if getattr(cfg, name) < 1:
@@ -222,7 +225,7 @@ def _check_model(cfg: Config) -> None:
         raise ValueError(f"unknown model {cfg.model!r}; choose one of {', '.join(data.MODELS)}")
     if data.model_of(cfg.dataset) != cfg.model:
         raise ValueError(f"--model {cfg.model} does not train on --dataset {cfg.dataset}: the "
-                         f"gpt model trains on text, the mlp on the other datasets")
+                         f"gpt model trains on text and stdlib, the mlp on the other datasets")
     if cfg.model == "gpt" and (cfg.width % 32 or cfg.context < 2):
         raise ValueError(f"--model gpt needs a --width that is a multiple of 32 (heads of 32 "
                          f"dimensions) and a --context of at least 2; got {cfg.width} and "
@@ -329,7 +332,7 @@ def add_model_options(p: argparse.ArgumentParser, gpt: Dict[str, Any]) -> None:
                    help="the text's held-out parts: whole groups of topics that share no "
                         "64-byte window with the training bytes (topics, the default), or the "
                         "earlier tail of the corpus (tail: it shares text with training; kept "
-                        "to repeat runs made on it)")
+                        "to repeat runs made on it); --dataset text only")
     g.add_argument("--measure-noise", action="store_true", default=None,
                    help="measure the gradient noise scale B_simple along the run (about 100 "
                         "times: the step's batch in two halves, from their gradients' norms)")

@@ -16,7 +16,11 @@ DATASETS = {
               "topic words; an embedding-bag model, whose parameters sit in one large table",
     "text": "Python's reference documentation (0.45 MB of real English text, shipped with "
             "Python), byte by byte: the gpt model predicts each next byte",
+    "stdlib": "Python's standard library: its modules' sources and the reference documentation "
+              "(about 12.5 MB, shipped with Python), byte by byte, for the gpt model",
 }
+#: the datasets of bytes (the gpt model's)
+TEXTS = ("text", "stdlib")
 
 #: model name -> description (for --help); each dataset has one model
 MODELS = {
@@ -27,7 +31,15 @@ MODELS = {
 
 def model_of(dataset: str) -> str:
     """The model that trains on ``dataset``."""
-    return "gpt" if dataset == "text" else "mlp"
+    return "gpt" if dataset in TEXTS else "mlp"
+
+
+def corpus_of(dataset: str):
+    """The module that holds a text dataset's corpus and splits (:mod:`.text` or
+    :mod:`.sources`, with the same functions)."""
+    from . import sources, text
+
+    return sources if dataset == "stdlib" else text
 
 #: the ``topics`` data: vocabulary, words per document, classes, topic words per class and the
 #: share of a document's words drawn from its class's topic words (the rest: Zipf background)
@@ -71,10 +83,8 @@ def load(name: str, train_size: int, test_size: int = 16384, context: int = 64,
     test set), or a study's ``"dev"`` split that selects and ``"test"`` split that reports
     (text: :func:`text.heldout`'s parts; the generated datasets: a set drawn from another seed,
     and the test set). ``text_split``: the text's split (:data:`.text.SPLITS`)."""
-    if name == "text":
-        from . import text
-
-        return text.load(train_size, context, split, text_split)
+    if name in TEXTS:
+        return corpus_of(name).load(train_size, context, split, text_split)
     held_seed = 3 if split == "dev" else 2
     if name == "topics":
         x, y = topics(train_size, seed=1, **TOPICS)

@@ -49,8 +49,9 @@ def recorded(out: str) -> Tuple[Dict[str, Any], Dict[Tuple[Any, ...], Dict[str, 
     return protocol, rows, before
 
 
-#: what a resumed study may change: how many runs at once, and where and how it prints
-_FREE = ("jobs", "threads", "out", "progress")
+#: what a resumed study may change: how many runs at once, where and how it prints, and the
+#: loss targets (read from the curves after the runs, they change no run)
+_FREE = ("jobs", "threads", "out", "progress", "targets")
 
 
 def resumed(p: Any, out: str) -> float:

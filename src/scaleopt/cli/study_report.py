@@ -51,7 +51,7 @@ def markdown(study: Dict[str, Any], a: Optional[Dict[str, Any]] = None) -> str:
     """The study's tables and its sentences of results, from its JSON alone."""
     a = a if a is not None else analysis.analyse(study)
     md = [study["title"], "", *_table(study, a),
-          *_baseline(a, study["protocol"]["config"].get("text_split", "tail")), "", *_findings(study, a), "",
+          *_baseline(a, study["protocol"]["config"]), "", *_findings(study, a), "",
           *_rates(study, a), "", *_targets(study, a), "", _cost(study)]
     return "\n".join(md) + "\n"
 
@@ -80,15 +80,17 @@ def _table(study: Dict[str, Any], a: Dict[str, Any]) -> List[str]:
     return lines
 
 
-def _baseline(a: Dict[str, Any], kind: str = "tail") -> List[str]:
-    """The unigram baseline of the study's test split (``kind``: its text split; a study
-    recorded before the splits had names ran on the tail)."""
+def _baseline(a: Dict[str, Any], cfg: Dict[str, Any]) -> List[str]:
+    """The unigram baseline of the study's test split (``cfg``: its runs' configuration; a
+    text study recorded before the splits had names ran on the tail)."""
     if a["score"] != "test_bits_per_byte":
         return []
-    from . import text
+    from . import data
 
+    source = data.corpus_of(cfg.get("dataset", "text"))
     return ["", f"The test split's unigram baseline (the bytes' frequencies alone): "
-                f"{text.unigram_bits_per_byte('test', kind):.3f} bits per byte."]
+                f"{source.unigram_bits_per_byte('test', cfg.get('text_split', 'tail')):.3f} "
+                f"bits per byte."]
 
 
 def _listed(items: List[str]) -> str:

@@ -8,6 +8,7 @@ import shlex
 import sys
 from typing import Any, Dict, Optional
 
+from . import data
 from .config import Config
 from .trainer import Diverged, run
 
@@ -19,7 +20,7 @@ def cell(cfg: Config) -> Optional[Dict[str, Any]]:
     row: Dict[str, Any] = {"optimizer": cfg.optimizer, "batch_size": cfg.batch_size,
                            "lr": cfg.lr, "seed": cfg.seed, "warmup": cfg.warmup,
                            "steps": cfg.total_steps(), "command": command_line(cfg)}
-    if cfg.dataset == "text":
+    if cfg.dataset in data.TEXTS:
         row["tokens"] = cfg.total_steps() * cfg.batch_size * cfg.context
     try:
         r = _train(cfg)

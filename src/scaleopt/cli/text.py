@@ -166,10 +166,16 @@ def load(train_size: int, context: int, split: str = "validation",
     ``train_size`` training windows and the evaluation split ``split``: the whole validation
     bytes (``"validation"``), or :func:`heldout`'s ``"dev"`` or ``"test"`` part, of the split
     ``kind`` (:data:`SPLITS`)."""
-    train, validation = splits(kind)
+    return loaded(splits(kind), heldout(kind), train_size, context, split)
+
+
+def loaded(split_bytes: Tuple[Tensor, Tensor], held: Tuple[Tensor, Tensor], train_size: int,
+           context: int, split: str) -> Tuple[Tensor, Tensor, Tensor, Tensor, int]:
+    """:func:`load` from a corpus's ``(train, validation)`` bytes and its ``(dev, test)``."""
+    train, validation = split_bytes
     x, y = windows(train, train_size, context, seed=1)
     if split != "validation":
-        validation = heldout(kind)[split != "dev"]
+        validation = held[split != "dev"]
     return (x, y) + tiled(validation, context) + (VOCAB,)
 
 
@@ -177,9 +183,14 @@ def unigram_bits_per_byte(split: str = "validation", kind: str = "topics") -> fl
     """The baseline: bits per byte of an evaluation split (``"validation"``, or
     :func:`heldout`'s ``"dev"`` or ``"test"``) of the split ``kind`` under the training
     bytes' frequencies (add-one smoothed), i.e. a model that ignores all context."""
-    train, test = splits(kind)
+    return unigram(splits(kind), heldout(kind), split)
+
+
+def unigram(split_bytes: Tuple[Tensor, Tensor], held: Tuple[Tensor, Tensor], split: str) -> float:
+    """:func:`unigram_bits_per_byte` from a corpus's bytes, as :func:`loaded` takes them."""
+    train, test = split_bytes
     if split != "validation":
-        test = heldout(kind)[split != "dev"]
+        test = held[split != "dev"]
     p = torch.bincount(train, minlength=VOCAB).double() + 1
     return float(-(p / p.sum()).log2()[test[1:]].mean())
 

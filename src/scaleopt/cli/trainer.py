@@ -395,18 +395,17 @@ def _dev(t: Trainer) -> Dict[str, Any]:
     from . import text
 
     return {"dev_loss": t.dev_loss, **({"dev_bits_per_byte": text.bits_per_byte(t.dev_loss)}
-                                       if t.cfg.dataset == "text" else {})}
+                                       if t.cfg.dataset in data.TEXTS else {})}
 
 
 def _text(t: Trainer) -> Dict[str, Any]:
     """A text run's corpus, its validation loss in bits per byte, and the unigram baseline's."""
-    if t.cfg.dataset != "text":
+    if t.cfg.dataset not in data.TEXTS:
         return {}
-    from . import text
-
-    return {"corpus": text.corpus()[1], "tokens": t.step * t.cfg.batch_size * t.cfg.context,
-            "test_bits_per_byte": text.bits_per_byte(t.history[-1]["test_loss"]),
-            "unigram_bits_per_byte": text.unigram_bits_per_byte(kind=t.cfg.text_split)}
+    source = data.corpus_of(t.cfg.dataset)
+    return {"corpus": source.corpus()[1], "tokens": t.step * t.cfg.batch_size * t.cfg.context,
+            "test_bits_per_byte": source.bits_per_byte(t.history[-1]["test_loss"]),
+            "unigram_bits_per_byte": source.unigram_bits_per_byte(kind=t.cfg.text_split)}
 
 
 def _noise(t: Trainer) -> Dict[str, Any]:
@@ -415,7 +414,7 @@ def _noise(t: Trainer) -> Dict[str, Any]:
     if t.noise is None:
         return {}
     b = t.noise.b_simple
-    per_example = t.cfg.context if t.cfg.dataset == "text" else 1
+    per_example = t.cfg.context if t.cfg.dataset in data.TEXTS else 1
     return {"noise_scale": {"b_simple": b, "b_simple_tokens": b * per_example,
                             "every": t.cfg.noise_every(), "beta": t.noise.beta,
                             "history": t.noise_history}}
