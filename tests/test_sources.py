@@ -5,6 +5,7 @@ import hashlib
 import json
 import platform
 
+import pytest
 import torch
 
 from scaleopt.cli import data, main, sources, text
@@ -25,6 +26,7 @@ def test_no_64_byte_window_of_the_held_out_parts_occurs_in_the_training_bytes():
     assert not any(train[i:i + 64] in held for i in range(len(train) - 63))
 
 
+@pytest.mark.slow
 def test_the_held_out_parts_are_lines_of_whole_files_that_training_does_not_hold():
     files = sources._files()
     held = sources.held_files(files)
@@ -75,6 +77,7 @@ def test_window_hashes_are_equal_for_equal_windows_and_tell_random_ones_apart():
     assert len(sources.window_hashes(b"short")) == 0
 
 
+@pytest.mark.slow
 def test_a_gpt_run_on_the_stdlib_learns_and_records_its_corpus(tmp_path):
     out = tmp_path / "run"
     assert main(["train", "--model", "gpt", "--dataset", "stdlib", "--width", "32", "--layers",
