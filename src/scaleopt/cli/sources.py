@@ -37,6 +37,7 @@ SKIPPED = frozenset({"test", "tests", "idle_test", "site-packages", "__pycache__
 WINDOW = text.WINDOW
 
 
+@functools.lru_cache(maxsize=1)
 def _files() -> List[Tuple[str, bytes]]:
     import sysconfig
 
@@ -75,8 +76,7 @@ def _parts() -> Tuple[bytes, bytes, bytes, Dict[str, Any]]:
     """Training, development and test bytes, and the corpus's identity."""
     import platform
 
-    files, docs = _files(), text.corpus()[0]
-    whole = b"\n".join(_document(p, b) for p, b in files) + b"\n" + docs
+    files, docs, whole = _files(), text.corpus()[0], _whole()
     held = held_files(files)
     out = set(held["test"]) | set(held["dev"])
     train = b"\n".join(_document(*files[i]) for i in range(len(files)) if i not in out) + b"\n" + docs
@@ -124,27 +124,26 @@ def _deduplicated(train: bytes, parts: List[bytes]) -> List[bytes]:
     return out
 
 
+@functools.lru_cache(maxsize=1)
+def _whole() -> bytes:
+    return b"\n".join(_document(p, b) for p, b in _files()) + b"\n" + text.corpus()[0]
+
+
 def corpus() -> Tuple[bytes, Dict[str, Any]]:
     """The whole corpus's bytes (before the split) and its identity."""
-    files = _files()
-    whole = b"\n".join(_document(p, b) for p, b in files) + b"\n" + text.corpus()[0]
-    return whole, dict(_parts()[3])
-
-
-def _tensor(data: bytes) -> Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+    return _whole(), dict(_parts()[3])
 
 
 def splits(kind: str = "files") -> Tuple[Tensor, Tensor]:
     """The training bytes and the held-out bytes (development, a blank line, test)."""
     train, dev, test, _ = _parts()
-    return _tensor(train), _tensor(dev + b"\n\n" + test)
+    return text._tensor(train), text._tensor(dev + b"\n\n" + test)
 
 
 def heldout(kind: str = "files") -> Tuple[Tensor, Tensor]:
     """The development part and the test part."""
     _, dev, test, _ = _parts()
-    return _tensor(dev), _tensor(test)
+    return text._tensor(dev), text._tensor(test)
 
 
 def load(train_size: int, context: int, split: str = "validation",
