@@ -10,9 +10,19 @@ import sys
 import tempfile
 
 import pytest
+import torch
 
 #: the benchmark scripts run whole: the slow run (pytest -m slow)
 pytestmark = pytest.mark.slow
+
+#: Muon's default iteration multiplies bfloat16 matrices; torch does that with oneDNN where the
+#: CPU has AVX-512 (``_is_mkldnn_bf16_supported``), and otherwise in scalar loops, about 80
+#: times slower than float32 (a 1024 x 1024 product 2.3 s against 0.027 s on one core of an AVX2
+#: EPYC): one step of 24 such matrices then takes over ten minutes, the measurement six steps
+needs_bf16_products = pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+    reason="Muon's bfloat16 iteration on 25.2M parameters: this CPU multiplies bfloat16 "
+           "matrices without a vectorized kernel (no AVX-512), over an hour a measurement")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -172,26 +182,38 @@ def test_the_memory_method_reads_a_float32_model_alone_as_4_bytes_per_parameter(
 
 
 @pytest.mark.slow
-def test_measured_muon_and_in_backward_steps_peak_within_their_bounds():
+@needs_bf16_products
+def test_measured_muon_steps_peak_within_their_bounds():
     """Muon's step peaks at most 0.5 bytes per parameter above what it holds plus the
-    gradients, below fused AdamW's peak; LAMB in backward (bfloat16, split masters, int8 state)
-    at most 0.5 above what it holds."""
+    gradients, below fused AdamW's peak."""
     from scaleopt.cli import bench_memory
 
     names = ["model alone (float32)", "torch.AdamW(fused=True)", "scaleopt.Muon",
-             "scaleopt.Muon(state_dtype=int8)",
-             "scaleopt.LAMB(master_weights, state_dtype=int8), bf16 params, in backward"]
+             "scaleopt.Muon(state_dtype=int8)"]
     rows = {r["name"]: r for r in bench_memory.rows(
         [bench_memory.run_one(n, "matrices", "cpu", 1) for n in names])}
     adamw = rows["torch.AdamW(fused=True)"]["peak"]
-    for name in names[2:4]:
+    for name in names[2:]:
         r = rows[name]
         assert r["peak"] <= r["held"] + r["grads"] + 0.5 and r["peak"] < adamw, r
+
+
+@pytest.mark.slow
+def test_measured_in_backward_steps_peak_within_what_they_hold():
+    """LAMB in backward (bfloat16, split masters, int8 state) peaks at most 0.5 bytes per
+    parameter above what it holds, and holds no gradients."""
+    from scaleopt.cli import bench_memory
+
+    names = ["model alone (float32)",
+             "scaleopt.LAMB(master_weights, state_dtype=int8), bf16 params, in backward"]
+    rows = {r["name"]: r for r in bench_memory.rows(
+        [bench_memory.run_one(n, "matrices", "cpu", 1) for n in names])}
     r = rows[names[-1]]
     assert r["peak"] <= r["held"] + 0.5 and r["grads"] < 0.1, r
 
 
 @pytest.mark.slow
+@needs_bf16_products
 def test_scaleopt_bench_memory_writes_its_table_and_json(tmp_path):
     out = subprocess.run(
         [sys.executable, "-c", "import sys; from scaleopt.cli import console; sys.argv[0] = "

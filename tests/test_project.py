@@ -37,21 +37,29 @@ def test_the_default_run_leaves_out_the_slow_tests_and_ci_runs_them_after_it():
     assert ci.index("python -m pytest -q -m slow") > ci.index(readme_commands()[1])
 
 
-#: the conditions under which .ci/run runs the tests marked bits once more (docs/robustness.md)
+#: the conditions under which .ci/run runs the tests marked bits once more (docs/robustness.md),
+#: as its two runs set them: a thread count, an MKL path, one of torch's or scaleopt's kernels
+RUNS = [["OMP_NUM_THREADS=3", "MKL_CBWR=COMPATIBLE", "SCALEOPT_AVX512=0"],
+        ["OMP_NUM_THREADS=1", "MKL_ENABLE_INSTRUCTIONS=AVX2", "ATEN_CPU_CAPABILITY=default"]]
 CONDITIONS = ["OMP_NUM_THREADS=1", "OMP_NUM_THREADS=3", "MKL_CBWR=COMPATIBLE",
               "MKL_ENABLE_INSTRUCTIONS=AVX2", "ATEN_CPU_CAPABILITY=default", "SCALEOPT_AVX512=0"]
 
 
 def test_ci_runs_the_bit_tests_again_under_each_condition_the_docs_name():
-    """After the default and the slow runs, .ci/run runs the tests marked ``bits`` under each
-    condition, and the docs' table of what equal bits assume names the same conditions."""
+    """After the default and the slow runs, .ci/run runs the tests marked ``bits`` again, in
+    runs that together set every condition the docs' table of what equal bits assume names,
+    each once, and never MKL's two paths (either replaces the other) in one run."""
     ci = (ROOT / ".ci" / "run").read_text()
-    loop = ci.split("for condition in ", 1)[1].split("; do", 1)
-    assert loop[0].replace("\\\n", " ").split() == CONDITIONS
-    assert 'env "$condition" python -m pytest -q -p no:cacheprovider -m "bits and not slow"' \
+    loop = ci.split("for conditions in ", 1)[1].split("; do", 1)
+    runs = [r.split() for r in loop[0].replace("\\\n", " ").split('"')[1::2]]
+    assert runs == RUNS
+    assert sorted(c for run in runs for c in run) == sorted(CONDITIONS)
+    assert all(sum(c.startswith("MKL_") for c in run) == 1 for run in runs)
+    assert all(sum(c.startswith("OMP_NUM_THREADS=") for c in run) == 1 for run in runs)
+    assert 'env $conditions python -m pytest -q -n 2 -p no:cacheprovider -m "bits and not slow"' \
         in loop[1].split("done", 1)[0]
     lines = ci.splitlines()
-    assert ci.index("for condition in ") > ci.index("python -m pytest -q -m slow")
+    assert ci.index("for conditions in ") > ci.index("python -m pytest -q -m slow")
     assert lines.index("python -m pytest -q -m slow") > lines.index(readme_commands()[1])
     robustness = (ROOT / "docs" / "robustness.md").read_text()
     assert all(f"`{c}`" in robustness for c in CONDITIONS)
