@@ -409,3 +409,27 @@ def test_the_warm_up_is_tuned_with_the_rate_where_it_can_bind(tmp_path):
     assert (cell["lr"], cell["warmup"]) == (best["lr"], best["warmup"])
     assert f"warm-up {best['warmup']:g})" in (out / "study.md").read_text()
     assert "--warmup " + repr(best["warmup"]) in seeds[0]["command"]
+
+
+@pytest.mark.slow
+def test_a_resumed_study_may_try_more_warm_ups_and_then_is_the_study_that_tried_them_all(
+        tmp_path):
+    """Where the chosen warm-up lies on the edge of those tried, ``--resume DIR --warmups``
+    with one more: the runs recorded are kept, the new warm-up's run, each cell chooses again
+    over all, and the study is the one that tried every warm-up from the start; warm-ups
+    taken away are refused."""
+    base = ["study", "large-batch", *MODEL, "--batch-sizes", "8", "32", "--optimizers",
+            "adamw", "--seeds", "2", "--extensions", "1", "--warmup-batches", "1",
+            "--jobs", "2"]
+    part, whole = tmp_path / "part", tmp_path / "whole"
+    assert main([*base, "--warmups", "0.05", "0.2", "--out", str(part)]) == 0
+    first = (part / "runs.jsonl").read_text().splitlines()
+    assert main([*base, "--warmups", "0.05", "0.2", "0.5", "--resume", str(part)]) == 0
+    assert main([*base, "--warmups", "0.05", "0.2", "0.5", "--out", str(whole)]) == 0
+    again, fresh = (json.loads((d / "study.json").read_text()) for d in (part, whole))
+    assert (part / "runs.jsonl").read_text().splitlines()[:len(first)] == first
+    strip = lambda rows: sorted((study_journal.run_key(r), r["test_loss"]) for r in rows)  # noqa: E731
+    assert strip(again["rows"]) == strip(fresh["rows"])
+    assert {r["warmup"] for r in again["rows"] if r["batch_size"] == 32} >= {0.05, 0.2, 0.5}
+    assert again["protocol"]["warmups"] == [0.05, 0.2, 0.5]
+    assert main([*base, "--warmups", "0.05", "--resume", str(part)]) == 2

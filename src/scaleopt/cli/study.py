@@ -315,7 +315,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     options.add_resume(s.add_argument_group("resuming"), "DIR",
                        "continue the study in DIR (with the options it was started with; "
                        "--jobs and --threads may differ, though a run's thread count changes "
-                       "the last digits of its losses): the runs it recorded are not run "
+                       "the last digits of its losses, --targets too, and --warmups may add "
+                       "warm-ups to those tried): the runs it recorded are not run "
                        "again, a killed study loses only the runs that were in flight")
     s.set_defaults(func=command)
     return s

@@ -56,12 +56,16 @@ _FREE = ("jobs", "threads", "out", "progress", "targets")
 
 def resumed(p: Any, out: str) -> float:
     """``p`` given the runs the study in ``out`` recorded (refused if its protocol is
-    another); the wall time of the sittings before."""
+    another, but for :data:`_FREE` and warm-ups added to those it tried: its runs are kept,
+    the new warm-ups' run, and each cell's choice is made again over all); the wall time of
+    the sittings before."""
     saved, p.known, before = recorded(out)
     # the journal again, of whole lines only (a kill can leave its last one cut off)
     (pathlib.Path(out) / "runs.jsonl").write_text(
         "".join(json.dumps(row) + "\n" for row in p.known.values()))
     now = p.describe()
+    if set(saved.get("warmups", [])) <= set(now["warmups"]) and saved.get("warmups"):
+        saved["warmups"] = now["warmups"]  # widened: the axis tried further
     for d in (saved, now):
         for k in _FREE:
             d.pop(k, None)
