@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run(script, *args):
     done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *args],
-                          capture_output=True, text=True, timeout=300, cwd=tempfile.mkdtemp())
+                          capture_output=True, text=True, timeout=900, cwd=tempfile.mkdtemp())
     assert done.returncode == 0, done.stderr
     return done.stdout
 
