@@ -181,17 +181,22 @@ def test_the_memory_method_reads_a_float32_model_alone_as_4_bytes_per_parameter(
     assert 3.98 <= r["grads"] / r["params"] <= 4.12, r
 
 
+def _measured(names):
+    """``scaleopt bench --memory``'s rows of ``names`` on the ``matrices`` model, by name."""
+    from scaleopt.cli import bench_memory
+
+    return {r["name"]: r for r in bench_memory.rows(
+        [bench_memory.run_one(n, "matrices", "cpu", 1) for n in names])}
+
+
 @pytest.mark.slow
 @needs_bf16_products
 def test_measured_muon_steps_peak_within_their_bounds():
     """Muon's step peaks at most 0.5 bytes per parameter above what it holds plus the
     gradients, below fused AdamW's peak."""
-    from scaleopt.cli import bench_memory
-
     names = ["model alone (float32)", "torch.AdamW(fused=True)", "scaleopt.Muon",
              "scaleopt.Muon(state_dtype=int8)"]
-    rows = {r["name"]: r for r in bench_memory.rows(
-        [bench_memory.run_one(n, "matrices", "cpu", 1) for n in names])}
+    rows = _measured(names)
     adamw = rows["torch.AdamW(fused=True)"]["peak"]
     for name in names[2:]:
         r = rows[name]
@@ -202,12 +207,9 @@ def test_measured_muon_steps_peak_within_their_bounds():
 def test_measured_in_backward_steps_peak_within_what_they_hold():
     """LAMB in backward (bfloat16, split masters, int8 state) peaks at most 0.5 bytes per
     parameter above what it holds, and holds no gradients."""
-    from scaleopt.cli import bench_memory
-
     names = ["model alone (float32)",
              "scaleopt.LAMB(master_weights, state_dtype=int8), bf16 params, in backward"]
-    rows = {r["name"]: r for r in bench_memory.rows(
-        [bench_memory.run_one(n, "matrices", "cpu", 1) for n in names])}
+    rows = _measured(names)
     r = rows[names[-1]]
     assert r["peak"] <= r["held"] + 0.5 and r["grads"] < 0.1, r
 

@@ -1,7 +1,7 @@
 """A long run holds nothing per step: every optimizer of the registry, in one process and on
 FSDP2 shards (2 gloo ranks), keeps exactly as many live tensors after 300 steps (50 on the
-shards) as after its first ones (benchmarks/bench_soak.py measures the same over thousands of steps,
-with the resident memory and the host time per step)."""
+shards) as after its first ones (benchmarks/bench_soak.py measures the same over thousands of
+steps, with the resident memory and the host time per step)."""
 
 from __future__ import annotations
 

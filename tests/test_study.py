@@ -159,6 +159,11 @@ def test_the_trainer_clips_for_torchs_optimizers(tmp_path):
         losses.append(json.loads((out / "result.json").read_text())["test_loss"])
     start = math.log(256)  # the model starts near a uniform guess over the bytes
     assert losses[0] < start - 0.5 and abs(losses[1] - start) < 0.05, losses
+def _called(d):
+    """A comparison with AdamW as the page words it: -1 lower, +1 higher, 0 not told apart."""
+    return (1 if d["mean"] > 0 else -1) if d["clear"] else 0
+
+
 def _committed():
     return (json.loads((STUDY / "study.json").read_text()),
             (DOCS / "large_batch.md").read_text())
@@ -214,15 +219,12 @@ def test_the_pages_sentences_of_results_hold_in_the_committed_study():
         assert a["batches"][b]["order"][0] == "muon"
     for b in sizes:  # ahead of every other after the correction
         assert all(d["clear"] for d in a["batches"][b]["against_best"].values())
-    def called(d):  # -1 lower than AdamW, +1 higher, 0 not told apart
-        return (1 if d["mean"] > 0 else -1) if d["clear"] else 0
-
-    assert [called(vs["lamb"][b]) for b in sizes] == [-1, 0, 1, 1]
+    assert [_called(vs["lamb"][b]) for b in sizes] == [-1, 0, 1, 1]
     assert [round(vs["lamb"][b]["mean"], 3) for b in ("4", "64", "256")] == [-0.074, 0.188, 0.246]
-    assert [called(vs["lans"][b]) for b in sizes] == [0, 0, 1, -1]
+    assert [_called(vs["lans"][b]) for b in sizes] == [0, 0, 1, -1]
     assert [round(vs["lans"][b]["mean"], 3) for b in ("64", "256")] == [0.025, -0.273]
-    assert [called(vs["muon"][b]) for b in sizes] == [-1] * 4
-    assert [called(vs["momentum"][b]) for b in sizes] == [1] * 4
+    assert [_called(vs["muon"][b]) for b in sizes] == [-1] * 4
+    assert [_called(vs["momentum"][b]) for b in sizes] == [1] * 4
     rise = {n: analysis.paired(c[sizes[-1]]["scores"], c[sizes[0]]["scores"])["mean"]
             for n, c in a["cells"].items()}
     adam_family = {n: r for n, r in rise.items() if n != "momentum"}
@@ -454,10 +456,8 @@ def test_the_pages_words_on_longer_warm_ups_hold_in_their_study():
         (DOCS / "choosing.md").read_text().split())
     vs = {n: [a["batches"][b]["against_adamw"][n] for b in map(str, w["protocol"]["batch_sizes"])]
           for n in ("lamb", "lans", "muon", "momentum")}
-    called = {n: [(1 if d["mean"] > 0 else -1) if d["clear"] else 0 for d in ds]
-              for n, ds in vs.items()}
-    assert called == {"lamb": [-1, 0, 0, 0], "lans": [0] * 4, "muon": [-1] * 4,
-                      "momentum": [1] * 4}
+    assert {n: [_called(d) for d in ds] for n, ds in vs.items()} == {
+        "lamb": [-1, 0, 0, 0], "lans": [0] * 4, "muon": [-1] * 4, "momentum": [1] * 4}
     assert ("LAMB is lower at batch 4 and not told apart at 16, 64 and 256, and LANS is not told "
             "apart at any batch size; Muon stays lower and SGD with momentum higher at all four"
             in text)

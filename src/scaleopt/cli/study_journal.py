@@ -64,7 +64,7 @@ def resumed(p: Any, out: str) -> float:
     (pathlib.Path(out) / "runs.jsonl").write_text(
         "".join(json.dumps(row) + "\n" for row in p.known.values()))
     now = p.describe()
-    if set(saved.get("warmups", [])) <= set(now["warmups"]) and saved.get("warmups"):
+    if saved.get("warmups") and set(saved["warmups"]) <= set(now["warmups"]):
         saved["warmups"] = now["warmups"]  # widened: the axis tried further
     for d in (saved, now):
         for k in _FREE:
