@@ -9,6 +9,7 @@ import json
 import math
 import pathlib
 import shlex
+import shutil
 
 import pytest
 
@@ -313,6 +314,64 @@ def test_the_report_of_an_interrupted_study_says_what_finished(tiny_study):
         part = dict(s, rows=s["rows"][:keep], complete=False)
         md = study_report.markdown(part)
         assert "INTERRUPTED" in md and md.startswith(s["title"])
+
+
+@pytest.mark.slow
+def test_the_noise_scale_is_measured_at_checkpoints_of_the_chosen_runs(tiny_study, tmp_path):
+    """``scaleopt study noise-scale DIR``: each optimizer's chosen seed-0 run at the smallest
+    batch trained again to where its curve crossed the target, its evaluations there equal to
+    the recorded ones, its test loss at the checkpoint between the recorded evaluations around
+    the crossing; the measurements kept beside the study and given in its report."""
+    out, s = tiny_study
+    folder = tmp_path / "study"
+    shutil.copytree(out, folder)
+    assert main(["study", "noise-scale", str(folder), "--small", "2", "--large", "32",
+                 "--per-round", "256", "--rounds", "6"]) == 0
+    kept = json.loads((folder / "noise_scale.json").read_text())
+    assert kept["batch"] == 8 and (kept["small"], kept["large"]) == (2, 32)
+    cells, unit = analysis.cells(s), math.log(2)
+    reached = [m for m in kept["measurements"] if m["reached"]]
+    assert reached and {m["optimizer"] for m in kept["measurements"]} == {"lamb", "adamw",
+                                                                          "momentum"}
+    md = (folder / "study.md").read_text()
+    for m in kept["measurements"]:
+        cell = cells[m["optimizer"]][8]
+        assert (m["lr"], m["warmup"]) == (cell["lr"], cell["warmup"])
+        run = next(r for r in cell["runs"] if r["seed"] == 0)
+        at = analysis.crossing(run["curve"], m["target"], unit)
+        assert m["reached"] == (at is not None)
+        if at is None:
+            continue
+        assert m["reproduced"] and m["evaluations_compared"] >= 1 and m["step"] == round(at)
+        before = max(v for st, v in run["curve"] if st <= m["step"]) / unit
+        after = min(v for st, v in run["curve"] if st >= m["step"]) / unit
+        assert after <= m["test_at_step"] <= before
+        lo, hi = m["b_simple_95"]
+        assert m["settled"] == (m["g2_95"][0] > 0) and lo <= m["b_simple"] <= hi
+        assert f"{study_report.CLASSES[m['optimizer']]}: B_simple {m['b_simple']:.3g}" in md
+    assert md == study_report.markdown(json.loads((folder / "study.json").read_text()))
+
+
+@pytest.fixture
+def tiny_study_files(tmp_path):
+    """A study's folder with its protocol and no runs."""
+    folder = tmp_path / "protocol-only"
+    folder.mkdir()
+    (folder / "study.json").write_text(json.dumps({"protocol": {
+        "batch_sizes": [8, 32], "optimizers": ["lamb", "adamw"], "targets": [5.0]}, "rows": []}))
+    return folder
+
+
+def test_the_noise_scale_command_refuses_what_it_cannot_measure(tiny_study_files, tmp_path,
+                                                                capsys):
+    assert main(["study", "noise-scale", str(tmp_path)]) == 2
+    assert "no finished study there" in capsys.readouterr().err
+    assert main(["study", "noise-scale", str(tiny_study_files), "--batch", "16"]) == 2
+    assert "the study ran batches [8, 32]" in capsys.readouterr().err
+    assert main(["study", "noise-scale", str(tiny_study_files), "--optimizers", "muon"]) == 2
+    assert "the study ran ['lamb', 'adamw']" in capsys.readouterr().err
+    assert main(["study", "noise-scale", str(tiny_study_files), "--small", "256"]) == 2
+    assert "--small (256) must be below --large (256)" in capsys.readouterr().err
 
 
 def test_holm_keeps_the_smallest_ps_until_one_fails_its_share_of_the_error_rate():

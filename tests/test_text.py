@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import scaleopt
-from scaleopt.cli import main, models, text
+from scaleopt.cli import main, models, noise_scale, text
 
 #: a gpt model small enough for tests: 1 block of width 32 on 16-byte windows
 MODEL = ["--model", "gpt", "--width", "32", "--layers", "1", "--context", "16",
@@ -174,6 +174,26 @@ def _example_gradients(model, x, y):
     return torch.stack(rows).double()
 
 
+def _pool():
+    """A tiny GPT past its first steps (where |G| dwarfs the noise), a pool of 256 sequences,
+    and the pool's exact |G|^2 and tr(Sigma) (sampling with replacement: the pool's mean
+    gradient and covariance) from its per-example gradients."""
+    torch.manual_seed(0)
+    train, _ = text.splits()
+    x, y = text.windows(train, 256, 16, seed=3)
+    model = models.GPT(width=32, layers=1, context=16)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for i in range(60):
+        b = torch.randint(0, len(x), (32,))
+        opt.zero_grad()
+        F.cross_entropy(model(x[b]).flatten(0, 1), y[b].flatten()).backward()
+        opt.step()
+    per_example = _example_gradients(model, x, y)
+    mean = per_example.mean(0)
+    return model, x, y, {"g2": mean.square().sum().item(),
+                         "trace": ((per_example - mean) ** 2).sum(1).mean().item()}
+
+
 def test_the_noise_scale_from_two_batch_sizes_matches_a_direct_estimate():
     """At fixed weights, over a pool of N sequences sampled with replacement, the gradient's
     mean is exactly the pool's mean gradient G and its covariance the pool's, so the direct
@@ -183,19 +203,8 @@ def test_the_noise_scale_from_two_batch_sizes_matches_a_direct_estimate():
     other); the ratio of averages is then within a few tens of percent. A factor of 2 leaves
     room for that, and still fails an estimator that is off by a factor of the batch size or
     of k (the errors an estimator of this kind makes)."""
-    torch.manual_seed(0)
-    train, _ = text.splits()
-    x, y = text.windows(train, 256, 16, seed=3)
-    model = models.GPT(width=32, layers=1, context=16)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for i in range(60):  # past the first steps, where |G| dwarfs the noise
-        b = torch.randint(0, len(x), (32,))
-        opt.zero_grad()
-        F.cross_entropy(model(x[b]).flatten(0, 1), y[b].flatten()).backward()
-        opt.step()
-    per_example = _example_gradients(model, x, y)
-    mean = per_example.mean(0)
-    direct = ((per_example - mean) ** 2).sum(1).mean().item() / mean.square().sum().item()
+    model, x, y, exact = _pool()
+    direct = exact["trace"] / exact["g2"]
 
     noise = scaleopt.GradientNoiseScale(model.parameters(), beta=0.995)
     g = torch.Generator().manual_seed(1)
@@ -209,6 +218,37 @@ def test_the_noise_scale_from_two_batch_sizes_matches_a_direct_estimate():
         noise.end(micro_batch=8)
     assert 1 < direct < 200  # a regime where the test can tell estimators apart
     assert direct / 2 < noise.b_simple < direct * 2, (noise.b_simple, direct)
+
+
+def test_the_noise_scale_at_a_checkpoint_brackets_the_pools_exact_values():
+    """``scaleopt study noise-scale``'s measurement at fixed weights: independent batches of
+    2 and 64 sequences drawn with replacement from the pool. Its estimates of |G|^2 and
+    tr(Sigma) are unbiased, so their 95% bootstrap intervals hold the pool's exact values, and
+    B_simple's holds their ratio; an estimator off by a factor of a batch size misses them.
+    The measurement stops once |G|^2's interval lies above zero, and says so."""
+    model, x, y, exact = _pool()
+    e = noise_scale.measure(model, x, y, small=2, large=64, per_round=512, min_rounds=2,
+                            rounds=8)
+    assert e["settled"] and e["g2_95"][0] > 0 and 2 <= e["rounds"] <= 8
+    assert e["batches"] == [256 * e["rounds"], 8 * e["rounds"]]
+    direct = exact["trace"] / exact["g2"]
+    for key, value in (("g2", exact["g2"]), ("trace", exact["trace"]), ("b_simple", direct)):
+        lo, hi = e[key + "_95"]
+        assert lo <= value <= hi, (key, lo, value, hi)
+        assert lo <= e[key] <= hi
+    assert 1 < direct < 200 and hi / lo < 3  # an interval narrow enough to mean something
+
+
+def test_the_noise_scale_estimate_refuses_batches_it_cannot_use():
+    with pytest.raises(ValueError, match="below the large"):
+        noise_scale.estimate([1.0, 2.0], [1.0, 2.0], 8, 8)
+    with pytest.raises(ValueError, match="two measurements"):
+        noise_scale.estimate([1.0], [1.0, 2.0], 2, 8)
+    # |G|^2 estimated at or below zero: B_simple has no finite value
+    e = noise_scale.estimate([1.0, 1.0], [2.0, 2.0], 2, 8)
+    assert e["g2"] > 0 and e["trace"] < 0
+    e = noise_scale.estimate([10.0, 10.0], [0.1, 0.1], 2, 8)
+    assert e["g2"] < 0 and e["b_simple"] == math.inf and e["b_simple_95"][1] == math.inf
 
 
 def test_the_noise_scale_refuses_too_few_micro_batches():

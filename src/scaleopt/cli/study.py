@@ -34,8 +34,8 @@ import sys
 import time
 from typing import Any, Dict, Generator, List, Optional, Sequence, Tuple
 
-from . import (config, optimizers, options, report, study_journal, study_report, study_runs,
-               world)
+from . import (config, noise_scale, optimizers, options, report, study_journal, study_report,
+               study_runs, world)
 from .config import Config
 
 #: ``--model gpt``'s study: 8,192 windows of 64 bytes (0.5M tokens, one epoch) for each run,
@@ -297,7 +297,7 @@ DEFAULTS = dict(batch_sizes=[64, 256, 1024, 4096, 8192], optimizers=["lamb", "la
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
-    p = sub.add_parser("study", help="studies: large-batch",
+    p = sub.add_parser("study", help="studies: large-batch, noise-scale",
                        description="Run a study and write a table and a plot.")
     studies = p.add_subparsers(dest="study", metavar="STUDY")
     studies.required = True
@@ -319,6 +319,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                        "warm-ups to those tried): the runs it recorded are not run "
                        "again, a killed study loses only the runs that were in flight")
     s.set_defaults(func=command)
+    noise_scale.add_parser(studies)
     return s
 
 

@@ -11,7 +11,7 @@ import pathlib
 import textwrap
 from typing import Any, Dict, List, Optional
 
-from . import analysis, report
+from . import analysis, noise_scale, report
 
 
 def write(study: Dict[str, Any], out: str) -> Dict[str, str]:
@@ -28,6 +28,9 @@ def write(study: Dict[str, Any], out: str) -> Dict[str, str]:
         w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
         w.writeheader()
         w.writerows(study["rows"])
+    kept = folder / noise_scale.FILE  # measured at checkpoints by ``study noise-scale``
+    if kept.exists():
+        study["noise_scale"] = json.loads(kept.read_text())
     a = study["analysis"] = analysis.analyse(study)
     files["json"].write_text(json.dumps(study, indent=1))
     files["md"].write_text(markdown(study, a))
@@ -286,10 +289,9 @@ def _targets(study: Dict[str, Any], a: Dict[str, Any]) -> List[str]:
            "residuals beyond the seeds' scatter); a B_crit is given only where the test "
            "leaves the fit at 5% and no larger batch divides the steps by more than its own "
            "factor (a super-linear speed-up, which the model cannot give); elsewhere it is "
-           "withdrawn. B_simple is not reported: the runs measured it from micro-batches of "
-           "half a batch each against the whole, where |G|^2 came out negative in some "
-           "measurements and the value turned on the window of measurements taken."]
+           "withdrawn. " + _b_simple_how(study)]
     names = [n for n in study["protocol"]["optimizers"] if n in a["optimizers"]]
+    measured = noise_scale.current(study, a)
     for i, t in enumerate(study["protocol"]["targets"]):
         out += ["", f"target {t:g}:", "", "| batch | " + " | ".join(map(_n, names)) + " |",
                 "|---:|" + "---:|" * len(names)]
@@ -302,7 +304,26 @@ def _targets(study: Dict[str, Any], a: Dict[str, Any]) -> List[str]:
             out.append(f"| {b} | " + " | ".join(row) + " |")
         out.append("")
         out += [_fit_line(_n(n), f, unit) for n, f in fits.items()]
+        out += [f"- {_n(m['optimizer'])}: {noise_scale.line(m, unit)}" for m in measured
+                if m["target"] == t]
     return out
+
+
+def _b_simple_how(study: Dict[str, Any]) -> str:
+    """How B_simple was measured (under each target's fits), or why it is not given."""
+    noise = study.get("noise_scale")
+    if not noise:
+        return ("B_simple is not given: it is measured at checkpoints by `scaleopt study "
+                "noise-scale DIR`, which this study has not run.")
+    return (f"B_simple (sequences) at the step where each optimizer's seed-0 run at batch "
+            f"{noise['batch']} first reached the target: that run trained again to there "
+            f"(its evaluations equal to the recorded ones) and checkpointed, and at the "
+            f"checkpoint the squared gradient norms of independent batches of {noise['small']} "
+            f"and {noise['large']} sequences drawn from the training windows "
+            f"({noise['per_round']:,} sequences of each size per round, until |G|^2's 95% "
+            f"interval lies above zero, at most {noise['rounds']} rounds), with a bootstrap "
+            f"95% interval; one checkpoint per run and target, so no window of steps is "
+            f"pooled.")
 
 
 def _fit_line(name: str, t: Dict[str, Any], unit: str) -> str:

@@ -1,0 +1,249 @@
+"""The gradient noise scale at saved checkpoints: ``scaleopt study noise-scale DIR``.
+
+For each optimizer of a finished large-batch study, the seed-0 run of its chosen rate at one
+batch size (the smallest by default) is trained again, with a checkpoint at each step where
+its recorded test curve reached a target loss; the rerun's evaluations up to there must equal
+the recorded ones. At each checkpoint the squared norms of the gradients of independent
+batches of two sizes far apart (4 and 256 sequences by default, drawn with replacement from the
+run's training windows) give unbiased estimates of |G|^2 and tr(Sigma) (McCandlish et al.
+2018, appendix A.1)::
+
+    |G|^2     ~  (B mean|G_B|^2 - b mean|G_b|^2) / (B - b)
+    tr(Sigma) ~  (mean|G_b|^2 - mean|G_B|^2) / (1/b - 1/B)
+
+and B_simple = tr(Sigma) / |G|^2, each with a bootstrap 95% interval over the batches. The
+batches come in rounds (as many sequences of each size per round) until |G|^2's interval lies
+above zero, at least ``min_rounds`` and at most ``rounds`` of them; a measurement that ran out
+of rounds says so and gives B_simple no upper bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import pathlib
+import shlex
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+from . import analysis, config, options, trainer
+
+#: the two batch sizes (sequences) and the sequences of each drawn per round
+SMALL, LARGE, PER_ROUND = 4, 256, 2048
+#: rounds at least and at most per checkpoint
+MIN_ROUNDS, ROUNDS = 2, 16
+#: bootstrap resamples of the measurements, and the generators' seeds
+RESAMPLES, SEED = 2000, 0
+#: the file a study's folder keeps the measurements in
+FILE = "noise_scale.json"
+
+
+def squared_norms(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, size: int,
+                  count: int, generator: torch.Generator) -> List[float]:
+    """``count`` squared norms of the gradient of the mean training loss over ``size``
+    sequences drawn with replacement from ``(x, y)``, at the model's weights."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    out = []
+    for _ in range(count):
+        idx = torch.randint(0, len(x), (size,), generator=generator)
+        model.zero_grad(set_to_none=True)
+        trainer._loss(model(x[idx]), y[idx]).backward()
+        out.append(float(sum(p.grad.double().square().sum() for p in params
+                             if p.grad is not None)))
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def estimate(small: Sequence[float], large: Sequence[float], b: int, big: int,
+             resamples: int = RESAMPLES, seed: int = SEED) -> Dict[str, Any]:
+    """|G|^2, tr(Sigma) and B_simple from squared norms at batch sizes ``b < big``, each with a
+    percentile-bootstrap 95% interval (the measurements of each size resampled on their own);
+    B_simple is inf where |G|^2 is not positive, so an interval reaching there is unbounded."""
+    if not 0 < b < big:
+        raise ValueError(f"the small batch must be positive and below the large one, got {b}, {big}")
+    if len(small) < 2 or len(large) < 2:
+        raise ValueError("at least two measurements of each batch size are needed")
+
+    def parts(ms: torch.Tensor, ml: torch.Tensor) -> Dict[str, torch.Tensor]:
+        g2 = (big * ml - b * ms) / (big - b)
+        trace = (ms - ml) / (1 / b - 1 / big)
+        ratio = torch.where(g2 > 0, trace / g2.clamp_min(1e-300),
+                            torch.full_like(g2, math.inf))
+        return {"g2": g2, "trace": trace, "b_simple": ratio}
+
+    s = torch.tensor(small, dtype=torch.float64)
+    l_ = torch.tensor(large, dtype=torch.float64)
+    point = parts(s.mean(), l_.mean())
+    g = torch.Generator().manual_seed(seed)
+    boot = parts(s[torch.randint(0, len(s), (resamples, len(s)), generator=g)].mean(1),
+                 l_[torch.randint(0, len(l_), (resamples, len(l_)), generator=g)].mean(1))
+    out: Dict[str, Any] = {"small": b, "large": big, "batches": [len(small), len(large)]}
+    for k, v in point.items():
+        out[k] = float(v)
+        out[k + "_95"] = list(analysis._interval(boot[k].tolist()))
+    return out
+
+
+def measure(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, small: int = SMALL,
+            large: int = LARGE, per_round: int = PER_ROUND, min_rounds: int = MIN_ROUNDS,
+            rounds: int = ROUNDS, seed: int = SEED) -> Dict[str, Any]:
+    """The estimate at the model's weights, in rounds of ``per_round`` sequences of each size
+    until |G|^2's 95% interval lies above zero (``settled``) or ``rounds`` are spent."""
+    g = torch.Generator().manual_seed(seed)
+    norms_small: List[float] = []
+    norms_large: List[float] = []
+    for done in range(1, rounds + 1):
+        norms_small += squared_norms(model, x, y, small, max(1, per_round // small), g)
+        norms_large += squared_norms(model, x, y, large, max(1, per_round // large), g)
+        e = estimate(norms_small, norms_large, small, large)
+        if done >= min_rounds and e["g2_95"][0] > 0:
+            break
+    e.update(rounds=done, settled=e["g2_95"][0] > 0)
+    return e
+
+
+def _config(command: str, out: str) -> config.Config:
+    """The Config of a recorded run's ``scaleopt train`` command, writing into ``out``."""
+    from . import build_parser
+
+    args = build_parser().parse_args(shlex.split(command)[1:])
+    cfg = config.configured(args, options.given(args), config.GPT_DEFAULTS)
+    return dataclasses.replace(cfg, out=out, progress=False, checkpoint_every=None,
+                               keep_checkpoints=1)
+
+
+def at_checkpoints(folder: str, batch: Optional[int] = None,
+                   names: Optional[Sequence[str]] = None, **how: Any) -> Dict[str, Any]:
+    """B_simple for each optimizer of the study in ``folder`` (its ``study.json``) and each
+    target its chosen cell's seed-0 run at ``batch`` reached: that run trained again to the
+    crossing's step, checkpointed, and measured there (:func:`measure` with ``how``)."""
+    study = json.loads((pathlib.Path(folder) / "study.json").read_text())
+    proto, unit = study["protocol"], analysis._per_unit(study["rows"])
+    batch = batch or min(proto["batch_sizes"])
+    if batch not in proto["batch_sizes"]:
+        raise ValueError(f"--batch {batch}: the study ran batches {proto['batch_sizes']}")
+    unknown = [n for n in names or () if n not in proto["optimizers"]]
+    if unknown:
+        raise ValueError(f"--optimizers {unknown}: the study ran {proto['optimizers']}")
+    cells, start, found = analysis.cells(study), time.perf_counter(), []
+    for name in names or proto["optimizers"]:
+        cell = cells.get(name, {}).get(batch)
+        row = next((r for r in (cell or {}).get("runs", []) if r["seed"] == 0), None)
+        if row is None or not analysis._finite(row.get("test_loss")):
+            continue
+        at = {t: analysis.crossing(row["curve"], t, unit) for t in proto["targets"]}
+        for t, s in at.items():
+            if s is None:
+                found.append({"optimizer": name, "batch": batch, "lr": row["lr"],
+                              "warmup": row["warmup"], "target": t, "reached": False})
+        found += _measured_run(row, {t: s for t, s in at.items() if s is not None}, unit, how)
+    return {"batch": batch, "measurements": found, "time_s": time.perf_counter() - start,
+            **{k: how.get(k, v) for k, v in (("small", SMALL), ("large", LARGE),
+                                              ("per_round", PER_ROUND),
+                                              ("min_rounds", MIN_ROUNDS), ("rounds", ROUNDS))}}
+
+
+def _measured_run(row: Dict[str, Any], crossings: Dict[float, float], unit: float,
+                  how: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """``row``'s run trained again, stopping (with a checkpoint) at each crossing's step in
+    turn and measured there."""
+    found = []
+    recorded = {int(s): loss for s, loss in row["curve"]}
+    with tempfile.TemporaryDirectory(prefix="scaleopt-noise-") as tmp:
+        cfg = _config(row["command"], tmp)
+        resumed = False
+        for target, s in sorted(crossings.items(), key=lambda kv: kv[1]):
+            step = max(1, round(s))
+            r = trainer.run(dataclasses.replace(cfg, stop_after=step,
+                                                resume=tmp if resumed else None))
+            resumed = True
+            again = {h["step"]: h["test_loss"] for h in r["history"] if h["step"] in recorded}
+            t = trainer.build(dataclasses.replace(cfg, resume=tmp), 0, 1)
+            test = trainer._evaluate(t.model, t.data[2], t.data[3])[0] / unit
+            print(f"{row['optimizer']:8s} batch {row['batch_size']:5d}  target {target:g}  "
+                  f"step {step}", file=sys.stderr, flush=True)
+            e = measure(t.model, t.data[0], t.data[1], **how)
+            found.append({"optimizer": row["optimizer"], "batch": row["batch_size"],
+                          "lr": row["lr"], "warmup": row["warmup"], "seed": row["seed"],
+                          "target": target, "reached": True, "crossing": s, "step": step,
+                          "test_at_step": test,
+                          "reproduced": all(recorded[k] == v for k, v in again.items()),
+                          "evaluations_compared": len(again), **e})
+    return found
+
+
+def current(study: Dict[str, Any], a: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The measurements of ``study["noise_scale"]`` whose run is still its cell's choice."""
+    noise = study.get("noise_scale") or {}
+    out = []
+    for m in noise.get("measurements", []):
+        cell = a["cells"].get(m["optimizer"], {}).get(str(m["batch"]))
+        if cell and cell["lr"] == m["lr"] and cell.get("warmup") == m["warmup"]:
+            out.append(m)
+    return out
+
+
+def line(m: Dict[str, Any], unit: str) -> str:
+    """One measurement as the report gives it."""
+    if not m["reached"]:
+        return f"not reached by its batch-{m['batch']} run"
+    lo, hi = m["b_simple_95"]
+    bound = f"{hi:.3g}" if math.isfinite(hi) else "unbounded"
+    return (f"B_simple {m['b_simple']:.3g}{unit} [{lo:.3g}, {bound}] at step {m['step']} of "
+            f"its batch-{m['batch']} run (test {m['test_at_step']:.3f} there), from "
+            f"{m['batches'][0]:,} batches of {m['small']} and {m['batches'][1]:,} of "
+            f"{m['large']}" + ("" if m["settled"] else
+                               f"; |G|^2 not above zero after {m['rounds']} rounds")
+            + ("" if m["reproduced"] else "; the rerun did NOT reproduce the recorded curve"))
+
+
+# ------------------------------------------------------------------------------------------------
+# the command
+# ------------------------------------------------------------------------------------------------
+
+
+def add_parser(studies: Any) -> argparse.ArgumentParser:
+    s = studies.add_parser(
+        "noise-scale", help="B_simple at checkpoints of a large-batch study's runs",
+        description=options.plain(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("dir", metavar="DIR", help="a finished large-batch study's folder")
+    s.add_argument("--batch", type=options.positive_int,
+                   help="the batch size whose chosen runs are measured (default: the smallest)")
+    s.add_argument("--optimizers", nargs="+", metavar="NAME", type=str.lower,
+                   help="the optimizers measured (default: the study's)")
+    s.add_argument("--small", type=options.positive_int, default=SMALL,
+                   help=f"the small batch, in sequences (default: {SMALL})")
+    s.add_argument("--large", type=options.positive_int, default=LARGE,
+                   help=f"the large batch, in sequences (default: {LARGE})")
+    s.add_argument("--per-round", type=options.positive_int, default=PER_ROUND,
+                   help=f"sequences of each size per round (default: {PER_ROUND})")
+    s.add_argument("--rounds", type=options.positive_int, default=ROUNDS,
+                   help=f"rounds at most per checkpoint (default: {ROUNDS})")
+    s.set_defaults(func=command)
+    return s
+
+
+def command(args: argparse.Namespace) -> int:
+    from . import study_report
+
+    folder = pathlib.Path(args.dir)
+    if not (folder / "study.json").exists():
+        raise ValueError(f"{args.dir}: no finished study there (no study.json)")
+    if not args.small < args.large:
+        raise ValueError(f"--small ({args.small}) must be below --large ({args.large})")
+    result = at_checkpoints(args.dir, args.batch, args.optimizers, small=args.small,
+                            large=args.large, per_round=args.per_round, rounds=args.rounds)
+    (folder / FILE).write_text(json.dumps(result, indent=1))
+    study = json.loads((folder / "study.json").read_text())
+    study_report.write(study, str(folder))
+    for m in result["measurements"]:
+        print(f"{m['optimizer']}, target {m['target']:g}: {line(m, ' sequences')}")
+    print(f"written: {folder / FILE}, and the study's report again")
+    same = all(m.get("reproduced", True) for m in result["measurements"])
+    return options.EXIT_OK if same else options.EXIT_FAILED
