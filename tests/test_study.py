@@ -372,6 +372,8 @@ def test_the_noise_scale_command_refuses_what_it_cannot_measure(tiny_study_files
     assert "the study ran ['lamb', 'adamw']" in capsys.readouterr().err
     assert main(["study", "noise-scale", str(tiny_study_files), "--small", "256"]) == 2
     assert "--small (256) must be below --large (256)" in capsys.readouterr().err
+    assert main(["study", "noise-scale", str(tiny_study_files), "--rounds", "0"]) == 2
+    assert "--rounds must be at least 1" in capsys.readouterr().err
 
 
 def test_holm_keeps_the_smallest_ps_until_one_fails_its_share_of_the_error_rate():
@@ -493,6 +495,52 @@ def test_a_resumed_study_may_try_more_warm_ups_and_then_is_the_study_that_tried_
     assert {r["warmup"] for r in again["rows"] if r["batch_size"] == 32} >= {0.05, 0.2, 0.5}
     assert again["protocol"]["warmups"] == [0.05, 0.2, 0.5]
     assert main([*base, "--warmups", "0.05", "--resume", str(part)]) == 2
+
+
+@pytest.mark.slow
+def test_beta2_is_tuned_at_the_largest_batch_and_a_resumed_study_may_add_it(tmp_path):
+    """``--beta2s 0.95 0.99``: at the largest batch each Adam-family optimizer's rate grid runs
+    at each beta2 (crossed with the warm-ups), SGD's once; the seeds run the chosen (rate,
+    warm-up, beta2), which the table names. A study started without it and resumed with it
+    keeps its runs and is the study that tried both from the start."""
+    base = ["study", "large-batch", *MODEL, "--batch-sizes", "8", "32", "--optimizers",
+            "adamw", "momentum", "--seeds", "2", "--extensions", "1", "--warmups", "0.05",
+            "0.5", "--warmup-batches", "1", "--jobs", "2"]
+    part, whole = tmp_path / "part", tmp_path / "whole"
+    assert main([*base, "--out", str(part)]) == 0
+    first = (part / "runs.jsonl").read_text().splitlines()
+    assert main([*base, "--beta2s", "0.95", "0.99", "--resume", str(part)]) == 0
+    assert main([*base, "--beta2s", "0.95", "0.99", "--out", str(whole)]) == 0
+    again, fresh = (json.loads((d / "study.json").read_text()) for d in (part, whole))
+    assert (part / "runs.jsonl").read_text().splitlines()[:len(first)] == first
+    strip = lambda rows: sorted((study_journal.run_key(r), r["test_loss"]) for r in rows)  # noqa: E731
+    assert strip(again["rows"]) == strip(fresh["rows"])
+    s = fresh
+    assert s["protocol"]["beta2s"] == [0.95, 0.99] and s["protocol"]["beta2_batches"] == 1
+    beta2 = analysis.beta2_of
+    assert {beta2(r) for r in s["rows"] if r["optimizer"] == "adamw" and r["batch_size"] == 8} \
+        == {0.95}
+    assert {beta2(r) for r in s["rows"] if r["optimizer"] == "momentum"} == {None}
+    tried = [r for r in s["rows"] if r["optimizer"] == "adamw" and r["batch_size"] == 32
+             and r["seed"] == 0]
+    for b2 in (0.95, 0.99):
+        for w in (0.05, 0.5):
+            assert len({r["lr"] for r in tried if (r["warmup"], beta2(r)) == (w, b2)}) >= 3
+    best = min(tried, key=lambda r: r["dev_loss"])
+    seeds = [r for r in s["rows"] if r["optimizer"] == "adamw" and r["batch_size"] == 32
+             and r["seed"] > 0]
+    assert [(r["lr"], r["warmup"], beta2(r)) for r in seeds] == [
+        (best["lr"], best["warmup"], beta2(best))]
+    assert seeds[0]["betas"] == [0.9, beta2(best)]
+    assert f"--betas 0.9 {beta2(best)!r}" in seeds[0]["command"]
+    cell = analysis.analyse(s)["cells"]["adamw"]["32"]
+    assert (cell["lr"], cell["warmup"], cell["beta2"]) == (best["lr"], best["warmup"],
+                                                           beta2(best))
+    assert set(cell["beta2s_tried"]) == {"0.95", "0.99"}
+    md = (whole / "study.md").read_text()
+    assert f"warm-up {best['warmup']:g}, beta2 {beta2(best):g})" in md
+    assert "beta2 0.95 (at the largest batch size tuned among 0.95, 0.99)" in md
+    assert main([*base, "--beta2s", "0.99", "--resume", str(part)]) == 2
 
 
 def test_the_pages_words_on_longer_warm_ups_hold_in_their_study():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import random
+import shlex
 import statistics
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -95,6 +96,20 @@ def _finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
+def beta2_of(row: Dict[str, Any]) -> Optional[float]:
+    """A run's beta2 (None for an optimizer without betas): its row's ``betas``, or for rows
+    recorded before they were kept there, its command's ``--betas``."""
+    if row.get("betas"):
+        return float(row["betas"][1])
+    args = shlex.split(row.get("command", ""))
+    return float(args[args.index("--betas") + 2]) if "--betas" in args else None
+
+
+def setting(row: Dict[str, Any]) -> Tuple[Any, Optional[float]]:
+    """What a cell tunes beside the rate: the run's (warm-up, beta2)."""
+    return row.get("warmup"), beta2_of(row)
+
+
 def _dev(row: Dict[str, Any]) -> float:
     return row["dev_loss"] if _finite(row.get("dev_loss")) else math.inf
 
@@ -144,8 +159,9 @@ def cells(study: Dict[str, Any]) -> Dict[str, Dict[int, Dict[str, Any]]]:
     """optimizer -> batch -> the cell: the rates (and warm-ups) tried (seed 0), the chosen
     rate and warm-up (lowest development loss), whether the rate lies on the edge of what was
     tried at that warm-up, and the chosen setting's runs by seed with their scores' mean and
-    spread. ``tried``: (rate, development loss, test score, warm-up) at the chosen warm-up,
-    ``warmups_tried``: warm-up -> its best development loss; losses in the score's unit."""
+    spread. ``tried``: (rate, development loss, test score, warm-up) at the chosen warm-up
+    and beta2, ``warmups_tried`` and ``beta2s_tried``: each one tried -> its best development
+    loss; losses in the score's unit."""
     rows, key = study["rows"], score_key(study["rows"])
     unit = _per_unit(rows)
     out: Dict[str, Dict[int, Dict[str, Any]]] = {}
@@ -156,20 +172,22 @@ def cells(study: Dict[str, Any]) -> Dict[str, Dict[int, Dict[str, Any]]]:
             if not everything:
                 continue
             best = min(everything, key=_dev)
-            warm = best.get("warmup")
-            tried = sorted((r for r in everything if r.get("warmup") == warm),
+            warm, beta2 = chosen = setting(best)
+            tried = sorted((r for r in everything if setting(r) == chosen),
                            key=lambda r: r["lr"])
-            runs = sorted((r for r in mine if r["lr"] == best["lr"] and r.get("warmup") == warm),
+            runs = sorted((r for r in mine if r["lr"] == best["lr"] and setting(r) == chosen),
                           key=lambda r: r["seed"])
             warmups: Dict[str, float] = {}
+            beta2s: Dict[str, float] = {}
             for r in everything:
-                w = str(r.get("warmup"))
-                warmups[w] = min(warmups.get(w, math.inf), _dev(r) / unit)
+                for by, k in ((warmups, r.get("warmup")), (beta2s, beta2_of(r))):
+                    by[str(k)] = min(by.get(str(k), math.inf), _dev(r) / unit)
             scores = [r[key] if _finite(r.get(key)) else math.inf for r in runs]
             finite = all(math.isfinite(s) for s in scores)
             cell = {"tried": [[r["lr"], _dev(r) / unit, r.get(key, math.nan), r.get("warmup")]
                               for r in tried],
                     "lr": best["lr"], "warmup": warm, "warmups_tried": warmups,
+                    "beta2": beta2, "beta2s_tried": beta2s,
                     "runs": runs, "scores": scores,
                     "steps": best["steps"], "tokens": best.get("tokens"),
                     "edge": (len(tried) > 1 and math.isfinite(_dev(best))

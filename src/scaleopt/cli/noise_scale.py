@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from . import analysis, config, options, trainer
+from . import analysis, config, options, study_report, train, trainer
 
 #: the two batch sizes (sequences) and the sequences of each drawn per round
 SMALL, LARGE, PER_ROUND = 4, 256, 2048
@@ -40,8 +40,6 @@ SMALL, LARGE, PER_ROUND = 4, 256, 2048
 MIN_ROUNDS, ROUNDS = 2, 16
 #: bootstrap resamples of the measurements, and the generators' seeds
 RESAMPLES, SEED = 2000, 0
-#: the file a study's folder keeps the measurements in
-FILE = "noise_scale.json"
 
 
 def squared_norms(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, size: int,
@@ -110,9 +108,9 @@ def measure(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, small: int
 
 def _config(command: str, out: str) -> config.Config:
     """The Config of a recorded run's ``scaleopt train`` command, writing into ``out``."""
-    from . import build_parser
-
-    args = build_parser().parse_args(shlex.split(command)[1:])
+    parser = argparse.ArgumentParser(prog="scaleopt")
+    train.add_parser(parser.add_subparsers())
+    args = parser.parse_args(shlex.split(command)[1:])
     cfg = config.configured(args, options.given(args), config.GPT_DEFAULTS)
     return dataclasses.replace(cfg, out=out, progress=False, checkpoint_every=None,
                                keep_checkpoints=1)
@@ -178,31 +176,6 @@ def _measured_run(row: Dict[str, Any], crossings: Dict[float, float], unit: floa
     return found
 
 
-def current(study: Dict[str, Any], a: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """The measurements of ``study["noise_scale"]`` whose run is still its cell's choice."""
-    noise = study.get("noise_scale") or {}
-    out = []
-    for m in noise.get("measurements", []):
-        cell = a["cells"].get(m["optimizer"], {}).get(str(m["batch"]))
-        if cell and cell["lr"] == m["lr"] and cell.get("warmup") == m["warmup"]:
-            out.append(m)
-    return out
-
-
-def line(m: Dict[str, Any], unit: str) -> str:
-    """One measurement as the report gives it."""
-    if not m["reached"]:
-        return f"not reached by its batch-{m['batch']} run"
-    lo, hi = m["b_simple_95"]
-    bound = f"{hi:.3g}" if math.isfinite(hi) else "unbounded"
-    return (f"B_simple {m['b_simple']:.3g}{unit} [{lo:.3g}, {bound}] at step {m['step']} of "
-            f"its batch-{m['batch']} run (test {m['test_at_step']:.3f} there), from "
-            f"{m['batches'][0]:,} batches of {m['small']} and {m['batches'][1]:,} of "
-            f"{m['large']}" + ("" if m["settled"] else
-                               f"; |G|^2 not above zero after {m['rounds']} rounds")
-            + ("" if m["reproduced"] else "; the rerun did NOT reproduce the recorded curve"))
-
-
 # ------------------------------------------------------------------------------------------------
 # the command
 # ------------------------------------------------------------------------------------------------
@@ -215,35 +188,34 @@ def add_parser(studies: Any) -> argparse.ArgumentParser:
     s.add_argument("dir", metavar="DIR", help="a finished large-batch study's folder")
     s.add_argument("--batch", type=options.positive_int,
                    help="the batch size whose chosen runs are measured (default: the smallest)")
-    s.add_argument("--optimizers", nargs="+", metavar="NAME", type=str.lower,
-                   help="the optimizers measured (default: the study's)")
+    options.add_optimizers(s, "the optimizers measured (default: the study's)")
     s.add_argument("--small", type=options.positive_int, default=SMALL,
                    help=f"the small batch, in sequences (default: {SMALL})")
     s.add_argument("--large", type=options.positive_int, default=LARGE,
                    help=f"the large batch, in sequences (default: {LARGE})")
     s.add_argument("--per-round", type=options.positive_int, default=PER_ROUND,
                    help=f"sequences of each size per round (default: {PER_ROUND})")
-    s.add_argument("--rounds", type=options.positive_int, default=ROUNDS,
-                   help=f"rounds at most per checkpoint (default: {ROUNDS})")
+    options.add_rounds(s, ROUNDS, "rounds at most per checkpoint")
     s.set_defaults(func=command)
     return s
 
 
 def command(args: argparse.Namespace) -> int:
-    from . import study_report
-
     folder = pathlib.Path(args.dir)
     if not (folder / "study.json").exists():
         raise ValueError(f"{args.dir}: no finished study there (no study.json)")
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
     if not args.small < args.large:
         raise ValueError(f"--small ({args.small}) must be below --large ({args.large})")
     result = at_checkpoints(args.dir, args.batch, args.optimizers, small=args.small,
                             large=args.large, per_round=args.per_round, rounds=args.rounds)
-    (folder / FILE).write_text(json.dumps(result, indent=1))
+    (folder / study_report.NOISE_FILE).write_text(json.dumps(result, indent=1))
     study = json.loads((folder / "study.json").read_text())
     study_report.write(study, str(folder))
     for m in result["measurements"]:
-        print(f"{m['optimizer']}, target {m['target']:g}: {line(m, ' sequences')}")
-    print(f"written: {folder / FILE}, and the study's report again")
+        line = study_report.noise_line(m, " sequences")
+        print(f"{m['optimizer']}, target {m['target']:g}: {line}")
+    print(f"written: {folder / study_report.NOISE_FILE}, and the study's report again")
     same = all(m.get("reproduced", True) for m in result["measurements"])
     return options.EXIT_OK if same else options.EXIT_FAILED

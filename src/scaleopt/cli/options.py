@@ -121,6 +121,11 @@ def add_optimizer(g: Any, names: Iterable[str], help: str) -> None:
     g.add_argument("--optimizer", choices=list(names), type=str.lower, metavar="NAME", help=help)
 
 
+def add_optimizers(g: Any, help: str) -> None:
+    """``--optimizers NAME ...``, any case (a study's, or those a study's measurement takes)."""
+    g.add_argument("--optimizers", nargs="+", metavar="NAME", type=str.lower, help=help)
+
+
 def add_offload(g: Any, help: str) -> None:
     g.add_argument("--offload", action=argparse.BooleanOptionalAction, help=help)
 

@@ -34,8 +34,8 @@ import sys
 import time
 from typing import Any, Dict, Generator, List, Optional, Sequence, Tuple
 
-from . import (config, noise_scale, optimizers, options, report, study_journal, study_report,
-               study_runs, world)
+from . import (analysis, config, noise_scale, optimizers, options, report, study_journal,
+               study_report, study_runs, world)
 from .config import Config
 
 #: ``--model gpt``'s study: 8,192 windows of 64 bytes (0.5M tokens, one epoch) for each run,
@@ -81,6 +81,10 @@ class Protocol:
     #: ``warmup_batches`` largest batch sizes, where the warm-up can bind; none: the base's
     warmups: Sequence[float] = ()
     warmup_batches: int = 2
+    #: the Adam family's beta2s crossed with the rate grid (and the warm-ups) at the
+    #: ``beta2_batches`` largest batch sizes; none: the base's betas alone
+    beta2s: Sequence[float] = ()
+    beta2_batches: int = 1
     #: rows already recorded (a resumed study), by :func:`.study_journal.run_key`: their runs
     #: are not run again
     known: Dict[Tuple[Any, ...], Dict[str, Any]] = dataclasses.field(default_factory=dict)
@@ -92,10 +96,12 @@ class Protocol:
         return dataclasses.replace(self.base, optimizer=name, lr=None).resolved_lr()
 
     def config(self, name: str, batch: int, lr: float, seed: int,
-               warmup: Optional[float] = None) -> Config:
-        """One run's configuration (betas only for the optimizers that have them; the base's
-        warm-up unless ``warmup`` is given)."""
+               warmup: Optional[float] = None, beta2: Optional[float] = None) -> Config:
+        """One run's configuration (betas only for the optimizers that have them, the base's
+        unless ``beta2`` is given; the base's warm-up unless ``warmup`` is given)."""
         betas = self.base.betas if optimizers.OPTIMIZERS[name].betas else None
+        if betas and beta2 is not None:
+            betas = (betas[0], beta2)
         return dataclasses.replace(self.base, optimizer=name, batch_size=batch, lr=lr, seed=seed,
                                    betas=betas, out=None, progress=False, dev_split=True,
                                    warmup=self.base.warmup if warmup is None else warmup)
@@ -105,6 +111,16 @@ class Protocol:
         :attr:`warmup_batches` batch sizes, else the base's alone."""
         tuned = sorted(self.batch_sizes)[-self.warmup_batches:] if self.warmup_batches else []
         return list(self.warmups) if self.warmups and batch in tuned else [self.base.warmup]
+
+    def settings_at(self, name: str, batch: int) -> List[Tuple[float, Optional[float]]]:
+        """The (warm-up, beta2) pairs crossed with the rate grid at ``batch``: the warm-ups of
+        :meth:`warmups_at`, and for an optimizer with betas :attr:`beta2s` at the largest
+        :attr:`beta2_batches` batch sizes (else the base's beta2, or None)."""
+        tuned = sorted(self.batch_sizes)[-self.beta2_batches:] if self.beta2_batches else []
+        has = optimizers.OPTIMIZERS[name].betas and self.base.betas
+        beta2s = (list(self.beta2s) if self.beta2s and has and batch in tuned
+                  else [self.base.betas[1] if has else None])
+        return [(w, b2) for b2 in beta2s for w in self.warmups_at(batch)]
 
     def step(self) -> float:
         """The ratio of neighbouring grid points (an extension's step)."""
@@ -118,6 +134,8 @@ class Protocol:
                 "extensions": self.extensions, "seeds": self.seeds,
                 "targets": list(self.targets), "jobs": self.jobs, "quick": self.quick,
                 "warmups": list(self.warmups), "warmup_batches": self.warmup_batches,
+                **({"beta2s": list(self.beta2s), "beta2_batches": self.beta2_batches}
+                   if self.beta2s else {}),
                 "scaling": {n: optimizers.OPTIMIZERS[n].scaling for n in self.names},
                 "default_lr": {n: self.default_lr(n) for n in self.names},
                 "config": dataclasses.asdict(self.base)}
@@ -134,20 +152,22 @@ def _chain(p: Protocol, name: str) -> Chain:
     rule, seeds_out, batches = optimizers.OPTIMIZERS[name].scaling, [], sorted(p.batch_sizes)
     for b in batches:
         centre = scaled_lr(centre, b, prev, rule)
-        grid = [p.config(name, b, centre * f, 0, w) for w in p.warmups_at(b) for f in p.grid]
+        grid = [p.config(name, b, centre * f, 0, w, b2) for w, b2 in p.settings_at(name, b)
+                for f in p.grid]
         tried = yield seeds_out + grid
         tried = tried[len(seeds_out):]
-        for _ in range(p.extensions):  # along the rate, at the best warm-up
-            warm = min(tried, key=_dev_score)["warmup"]
-            line = [r for r in tried if r["warmup"] == warm]
+        for _ in range(p.extensions):  # along the rate, at the best warm-up and beta2
+            chosen = analysis.setting(min(tried, key=_dev_score))
+            line = [r for r in tried if analysis.setting(r) == chosen]
             edge = _edge(line)
             if edge == 0:
                 break
             rate = (max if edge > 0 else min)(r["lr"] for r in line) * p.step() ** edge
-            tried = tried + (yield [p.config(name, b, rate, 0, warm)])
+            tried = tried + (yield [p.config(name, b, rate, 0, *chosen)])
         best = min(tried, key=_dev_score)
         centre, prev = best["lr"], b
-        seeds_out = [p.config(name, b, best["lr"], s, best["warmup"]) for s in range(1, p.seeds)]
+        seeds_out = [p.config(name, b, best["lr"], s, *analysis.setting(best))
+                     for s in range(1, p.seeds)]
     if seeds_out:
         yield seeds_out
 
@@ -191,13 +211,17 @@ def large_batch(p: Protocol, out: Optional[str] = None,
 
 
 def title(p: Protocol) -> str:
-    base = p.base
+    base, n = p.base, p.beta2_batches
+    largest = "largest batch size" if n == 1 else f"{n} largest batch sizes"
     return (("QUICK FORM (one seed, few cells: not evidence): " if p.quick else "")
             + f"{base.dataset}, {base.train_size * base.epochs:,} examples per run, each "
             f"optimizer's rate tuned at each batch size, {p.seeds} seed"
             f"{'s' if p.seeds != 1 else ''} per chosen rate, warm-up {base.warmup:g}"
             + (f" (at the {p.warmup_batches} largest batch sizes tuned among "
                f"{', '.join(f'{w:g}' for w in p.warmups)})" if p.warmups else "")
+            + (f", beta2 {base.betas[1]:g}" if base.betas else "")
+            + (f" (at the {largest} tuned among "
+               f"{', '.join(f'{b:g}' for b in p.beta2s)})" if p.beta2s else "")
             + f", {base.schedule} decay")
 
 
@@ -328,9 +352,8 @@ def _add_protocol_options(s: argparse.ArgumentParser) -> None:
     g = s.add_argument_group("protocol")
     g.add_argument("--batch-sizes", type=options.positive_int, nargs="+", metavar="B",
                    help=f"batch sizes (default: 64 256 1024 4096 8192{gpt})")
-    g.add_argument("--optimizers", nargs="+", metavar="NAME", type=str.lower,
-                   help=f"optimizers to compare (default: lamb lans adamw muon; gpt: "
-                        f"{' '.join(GPT_OPTIMIZERS)})")
+    options.add_optimizers(g, f"optimizers to compare (default: lamb lans adamw muon; gpt: "
+                              f"{' '.join(GPT_OPTIMIZERS)})")
     g.add_argument("--base-batch", type=options.positive_int,
                    help="the batch at which each optimizer's default rate is taken, scaled from "
                         "there by its rule to centre the smallest batch's grid (default: 1024; "
@@ -347,6 +370,12 @@ def _add_protocol_options(s: argparse.ArgumentParser) -> None:
                         "--warmup alone everywhere)")
     g.add_argument("--warmup-batches", type=options.non_negative_int, metavar="N",
                    help="the largest batch sizes at which --warmups are tried (default: 2)")
+    g.add_argument("--beta2s", type=float, nargs="+", metavar="BETA2",
+                   help="the Adam-family optimizers' beta2s crossed with the rate grid (and "
+                        "the warm-ups) at the --beta2-batches largest batch sizes (default: "
+                        "none, --betas alone everywhere)")
+    g.add_argument("--beta2-batches", type=options.positive_int, metavar="N",
+                   help="the largest batch sizes at which --beta2s are tried (default: 1)")
     g.add_argument("--seeds", type=options.positive_int,
                    help="runs of each chosen rate, seeds 0 ... N-1 (default: 3)")
     g.add_argument("--targets", type=float, nargs="*", metavar="LOSS",
@@ -387,10 +416,13 @@ def protocol_of(args: argparse.Namespace) -> Protocol:
         raise ValueError("--jobs runs several one-process runs at once: use it without --workers")
     if not all(0 <= w < 1 for w in args.warmups or []):
         raise ValueError(f"--warmups are shares of the examples in [0, 1), got {args.warmups}")
+    if not all(0 <= b2 < 1 for b2 in args.beta2s or []):
+        raise ValueError(f"--beta2s must lie in [0, 1), got {args.beta2s}")
     p = Protocol(sorted(args.batch_sizes), args.optimizers, base, args.base_batch,
                  sorted(args.grid), args.extensions, args.seeds, args.targets or [], jobs,
                  bool(args.quick), warmups=sorted(args.warmups or []),
-                 warmup_batches=2 if args.warmup_batches is None else args.warmup_batches)
+                 warmup_batches=2 if args.warmup_batches is None else args.warmup_batches,
+                 beta2s=sorted(args.beta2s or []), beta2_batches=args.beta2_batches or 1)
     for name in p.names:
         for b in p.batch_sizes:
             config.check(p.config(name, b, p.default_lr(name), 0))

@@ -9,12 +9,18 @@ import os
 import pathlib
 from typing import Any, Dict, Tuple
 
+from . import analysis
+
 
 def run_key(row: Any) -> Tuple[Any, ...]:
-    """What names a study's run: optimizer, batch size, rate, seed and warm-up (of a row or a
-    Config)."""
-    get = row.get if isinstance(row, dict) else lambda k: getattr(row, k)
-    return (get("optimizer"), get("batch_size"), float(get("lr")), get("seed"), get("warmup"))
+    """What names a study's run: optimizer, batch size, rate, seed, warm-up and beta2 (of a
+    row or a Config)."""
+    if isinstance(row, dict):
+        get, beta2 = row.get, analysis.beta2_of(row)
+    else:
+        get, beta2 = (lambda k: getattr(row, k)), (float(row.betas[1]) if row.betas else None)
+    return (get("optimizer"), get("batch_size"), float(get("lr")), get("seed"), get("warmup"),
+            beta2)
 
 
 def finished(p: Any, row: Dict[str, Any]) -> None:
@@ -56,9 +62,9 @@ _FREE = ("jobs", "threads", "out", "progress", "targets")
 
 def resumed(p: Any, out: str) -> float:
     """``p`` given the runs the study in ``out`` recorded (refused if its protocol is
-    another, but for :data:`_FREE` and warm-ups added to those it tried: its runs are kept,
-    the new warm-ups' run, and each cell's choice is made again over all); the wall time of
-    the sittings before."""
+    another, but for :data:`_FREE` and warm-ups or beta2s added to those it tried: its runs
+    are kept, the new settings' run, and each cell's choice is made again over all); the wall
+    time of the sittings before."""
     saved, p.known, before = recorded(out)
     # the journal again, of whole lines only (a kill can leave its last one cut off)
     (pathlib.Path(out) / "runs.jsonl").write_text(
@@ -66,6 +72,9 @@ def resumed(p: Any, out: str) -> float:
     now = p.describe()
     if saved.get("warmups") and set(saved["warmups"]) <= set(now["warmups"]):
         saved["warmups"] = now["warmups"]  # widened: the axis tried further
+    base_beta2 = saved["config"].get("betas", [None, None])[1]
+    if now.get("beta2s") and set(saved.get("beta2s") or [base_beta2]) <= set(now["beta2s"]):
+        saved["beta2s"], saved["beta2_batches"] = now["beta2s"], now["beta2_batches"]
     for d in (saved, now):
         for k in _FREE:
             d.pop(k, None)

@@ -11,7 +11,10 @@ import pathlib
 import textwrap
 from typing import Any, Dict, List, Optional
 
-from . import analysis, noise_scale, report
+from . import analysis, report
+
+#: the file a study's folder keeps ``scaleopt study noise-scale``'s measurements in
+NOISE_FILE = "noise_scale.json"
 
 
 def write(study: Dict[str, Any], out: str) -> Dict[str, str]:
@@ -28,7 +31,7 @@ def write(study: Dict[str, Any], out: str) -> Dict[str, str]:
         w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
         w.writeheader()
         w.writerows(study["rows"])
-    kept = folder / noise_scale.FILE  # measured at checkpoints by ``study noise-scale``
+    kept = folder / NOISE_FILE  # measured at checkpoints by ``study noise-scale``
     if kept.exists():
         study["noise_scale"] = json.loads(kept.read_text())
     a = study["analysis"] = analysis.analyse(study)
@@ -77,6 +80,8 @@ def _table(study: Dict[str, Any], a: Dict[str, Any]) -> List[str]:
             mark = "†" if c["edge"] else ""
             if len(c.get("warmups_tried", {})) > 1:  # the warm-up tuned too: the one chosen
                 mark += f", warm-up {c['warmup']:g}"
+            if len(c.get("beta2s_tried", {})) > 1:  # and beta2
+                mark += f", beta2 {c['beta2']:g}"
             row.append(f"diverged (lr {c['lr']:.3g}{mark})" if "mean" not in c else
                        f"{c['mean']:.3f} ± {c['sd']:.3f} (lr {c['lr']:.3g}{mark})")
         lines.append("| " + " | ".join([row[0], steps] + row[1:]) + " |")
@@ -259,13 +264,16 @@ def _rates(study: Dict[str, Any], a: Dict[str, Any]) -> List[str]:
             "log(rate) through it and its neighbours:", ""]
     for n, cs in a["cells"].items():
         for b, c in cs.items():
-            warm = c.get("warmups_tried", {})
+            warm, beta2s = c.get("warmups_tried", {}), c.get("beta2s_tried", {})
+            at = ([f"warm-up {c['warmup']:g}"] if len(warm) > 1 else []) + (
+                [f"beta2 {c['beta2']:g}"] if len(beta2s) > 1 else [])
+            best = [f"the best at each {what} tried: " + ", ".join(
+                f"{w}: {d:.4f}" for w, d in tried.items())
+                for what, tried in (("warm-up", warm), ("beta2", beta2s)) if len(tried) > 1]
             out.append(f"- {_n(n)}, batch {b}: " + ", ".join(
                 f"{t[0]:.3g}: " + (f"{t[1]:.4f}" if math.isfinite(t[1]) else "diverged")
                 for t in c["tried"])
-                + (f" (at warm-up {c['warmup']:g}; the best at each warm-up tried: "
-                   + ", ".join(f"{w}: {d:.4f}" for w, d in warm.items()) + ")"
-                   if len(warm) > 1 else "")
+                + (f" (at {' and '.join(at)}; {'; '.join(best)})" if at else "")
                 + (f"; resolution {_g(c['resolution'])}" if "resolution" in c else ""))
     return out
 
@@ -291,7 +299,7 @@ def _targets(study: Dict[str, Any], a: Dict[str, Any]) -> List[str]:
            "factor (a super-linear speed-up, which the model cannot give); elsewhere it is "
            "withdrawn. " + _b_simple_how(study)]
     names = [n for n in study["protocol"]["optimizers"] if n in a["optimizers"]]
-    measured = noise_scale.current(study, a)
+    measured = noise_measured(study, a)
     for i, t in enumerate(study["protocol"]["targets"]):
         out += ["", f"target {t:g}:", "", "| batch | " + " | ".join(map(_n, names)) + " |",
                 "|---:|" + "---:|" * len(names)]
@@ -304,9 +312,34 @@ def _targets(study: Dict[str, Any], a: Dict[str, Any]) -> List[str]:
             out.append(f"| {b} | " + " | ".join(row) + " |")
         out.append("")
         out += [_fit_line(_n(n), f, unit) for n, f in fits.items()]
-        out += [f"- {_n(m['optimizer'])}: {noise_scale.line(m, unit)}" for m in measured
+        out += [f"- {_n(m['optimizer'])}: {noise_line(m, unit)}" for m in measured
                 if m["target"] == t]
     return out
+
+
+def noise_measured(study: Dict[str, Any], a: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The measurements of ``study["noise_scale"]`` whose run is still its cell's choice."""
+    noise = study.get("noise_scale") or {}
+    out = []
+    for m in noise.get("measurements", []):
+        cell = a["cells"].get(m["optimizer"], {}).get(str(m["batch"]))
+        if cell and cell["lr"] == m["lr"] and cell.get("warmup") == m["warmup"]:
+            out.append(m)
+    return out
+
+
+def noise_line(m: Dict[str, Any], unit: str) -> str:
+    """One measurement as the report gives it."""
+    if not m["reached"]:
+        return f"not reached by its batch-{m['batch']} run"
+    lo, hi = m["b_simple_95"]
+    bound = f"{hi:.3g}" if math.isfinite(hi) else "unbounded"
+    return (f"B_simple {m['b_simple']:.3g}{unit} [{lo:.3g}, {bound}] at step {m['step']} of "
+            f"its batch-{m['batch']} run (test {m['test_at_step']:.3f} there), from "
+            f"{m['batches'][0]:,} batches of {m['small']} and {m['batches'][1]:,} of "
+            f"{m['large']}" + ("" if m["settled"] else
+                               f"; |G|^2 not above zero after {m['rounds']} rounds")
+            + ("" if m["reproduced"] else "; the rerun did NOT reproduce the recorded curve"))
 
 
 def _b_simple_how(study: Dict[str, Any]) -> str:

@@ -20,6 +20,8 @@ def cell(cfg: Config) -> Optional[Dict[str, Any]]:
     row: Dict[str, Any] = {"optimizer": cfg.optimizer, "batch_size": cfg.batch_size,
                            "lr": cfg.lr, "seed": cfg.seed, "warmup": cfg.warmup,
                            "steps": cfg.total_steps(), "command": command_line(cfg)}
+    if cfg.betas:
+        row["betas"] = list(cfg.betas)
     if cfg.dataset in data.TEXTS:
         row["tokens"] = cfg.total_steps() * cfg.batch_size * cfg.context
     try:
