@@ -126,6 +126,18 @@ def add_optimizers(g: Any, help: str) -> None:
     g.add_argument("--optimizers", nargs="+", metavar="NAME", type=str.lower, help=help)
 
 
+def add_tuned(g: Any, name: str, metavar: str, what: str, also: str, batches: int,
+               alone: str) -> None:
+    """``--NAMEs`` and ``--NAME-batches``: a setting a study tunes beside the rate at its
+    largest batch sizes."""
+    g.add_argument(f"--{name}s", type=float, nargs="+", metavar=metavar,
+                   help=f"{what} crossed with the rate grid{also} at the --{name}-batches "
+                        f"largest batch sizes (default: none, {alone} alone everywhere)")
+    g.add_argument(f"--{name}-batches", type=non_negative_int, metavar="N",
+                   help=f"the largest batch sizes at which --{name}s are tried (default: "
+                        f"{batches})")
+
+
 def add_offload(g: Any, help: str) -> None:
     g.add_argument("--offload", action=argparse.BooleanOptionalAction, help=help)
 

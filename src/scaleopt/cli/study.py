@@ -339,9 +339,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     options.add_resume(s.add_argument_group("resuming"), "DIR",
                        "continue the study in DIR (with the options it was started with; "
                        "--jobs and --threads may differ, though a run's thread count changes "
-                       "the last digits of its losses, --targets too, and --warmups may add "
-                       "warm-ups to those tried): the runs it recorded are not run "
-                       "again, a killed study loses only the runs that were in flight")
+                       "the last digits of its losses, --targets too, and --warmups and "
+                       "--beta2s may add settings to those tried): the runs it recorded are "
+                       "not run again, a killed study loses only the runs that were in flight")
     s.set_defaults(func=command)
     noise_scale.add_parser(studies)
     return s
@@ -364,18 +364,10 @@ def _add_protocol_options(s: argparse.ArgumentParser) -> None:
     g.add_argument("--extensions", type=options.non_negative_int, metavar="N",
                    help="points added one by one where the best rate lies on the grid's edge, "
                         "at most N per cell (default: 2)")
-    g.add_argument("--warmups", type=float, nargs="+", metavar="SHARE",
-                   help="warm-up lengths (shares of the examples) crossed with the rate grid at "
-                        "the --warmup-batches largest batch sizes (default: none, the "
-                        "--warmup alone everywhere)")
-    g.add_argument("--warmup-batches", type=options.non_negative_int, metavar="N",
-                   help="the largest batch sizes at which --warmups are tried (default: 2)")
-    g.add_argument("--beta2s", type=float, nargs="+", metavar="BETA2",
-                   help="the Adam-family optimizers' beta2s crossed with the rate grid (and "
-                        "the warm-ups) at the --beta2-batches largest batch sizes (default: "
-                        "none, --betas alone everywhere)")
-    g.add_argument("--beta2-batches", type=options.positive_int, metavar="N",
-                   help="the largest batch sizes at which --beta2s are tried (default: 1)")
+    options.add_tuned(g, "warmup", "SHARE", "warm-up lengths (shares of the examples)", "", 2,
+                      "the --warmup")
+    options.add_tuned(g, "beta2", "BETA2", "the Adam-family optimizers' beta2s",
+                      " (and the warm-ups)", 1, "--betas")
     g.add_argument("--seeds", type=options.positive_int,
                    help="runs of each chosen rate, seeds 0 ... N-1 (default: 3)")
     g.add_argument("--targets", type=float, nargs="*", metavar="LOSS",
@@ -422,7 +414,7 @@ def protocol_of(args: argparse.Namespace) -> Protocol:
                  sorted(args.grid), args.extensions, args.seeds, args.targets or [], jobs,
                  bool(args.quick), warmups=sorted(args.warmups or []),
                  warmup_batches=2 if args.warmup_batches is None else args.warmup_batches,
-                 beta2s=sorted(args.beta2s or []), beta2_batches=args.beta2_batches or 1)
+                 beta2s=sorted(args.beta2s or []), beta2_batches=1 if args.beta2_batches is None else args.beta2_batches)
     for name in p.names:
         for b in p.batch_sizes:
             config.check(p.config(name, b, p.default_lr(name), 0))
