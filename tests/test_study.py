@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 
-from scaleopt.cli import analysis, main, models, study, study_journal, study_report
+from scaleopt.cli import analysis, build_parser, main, models, study, study_journal, study_report
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
 #: the committed study that docs/large_batch.md reports
@@ -486,12 +486,20 @@ def test_a_resumed_study_may_try_more_warm_ups_and_then_is_the_study_that_tried_
     part, whole = tmp_path / "part", tmp_path / "whole"
     assert main([*base, "--warmups", "0.05", "0.2", "--out", str(part)]) == 0
     first = (part / "runs.jsonl").read_text().splitlines()
+    before = json.loads((part / "study.json").read_text())
     assert main([*base, "--warmups", "0.05", "0.2", "0.5", "--resume", str(part)]) == 0
     assert main([*base, "--warmups", "0.05", "0.2", "0.5", "--out", str(whole)]) == 0
     again, fresh = (json.loads((d / "study.json").read_text()) for d in (part, whole))
     assert (part / "runs.jsonl").read_text().splitlines()[:len(first)] == first
     strip = lambda rows: sorted((study_journal.run_key(r), r["test_loss"]) for r in rows)  # noqa: E731
     assert strip(again["rows"]) == strip(fresh["rows"])
+    # the study before it was resumed, made again from the journal alone
+    journal = [json.loads(line) for line in (part / "runs.jsonl").read_text().splitlines()]
+    earlier = study.protocol_of(build_parser().parse_args([*base, "--warmups", "0.05", "0.2"]))
+    assert strip(study.replayed(earlier, journal)) == strip(before["rows"])
+    wider = study.protocol_of(build_parser().parse_args([*base, "--warmups", "0.05", "0.8"]))
+    with pytest.raises(ValueError, match="not recorded: scaleopt train .* --warmup 0.8"):
+        study.replayed(wider, journal)
     assert {r["warmup"] for r in again["rows"] if r["batch_size"] == 32} >= {0.05, 0.2, 0.5}
     assert again["protocol"]["warmups"] == [0.05, 0.2, 0.5]
     assert main([*base, "--warmups", "0.05", "--resume", str(part)]) == 2

@@ -13,8 +13,8 @@ run's training windows) give unbiased estimates of |G|^2 and tr(Sigma) (McCandli
 
 and B_simple = tr(Sigma) / |G|^2, each with a bootstrap 95% interval over the batches. The
 batches come in rounds (as many sequences of each size per round) until |G|^2's interval lies
-above zero, at least ``min_rounds`` and at most ``rounds`` of them; a measurement that ran out
-of rounds says so and gives B_simple no upper bound.
+above zero, at least two rounds and at most ``--rounds``; a measurement that ran out of rounds
+says so and gives B_simple no upper bound.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import pathlib
 import shlex
 import sys
@@ -35,7 +36,7 @@ import torch
 from . import analysis, config, options, study_report, train, trainer
 
 #: the two batch sizes (sequences) and the sequences of each drawn per round
-SMALL, LARGE, PER_ROUND = 4, 256, 2048
+SMALL, LARGE, PER_ROUND = 4, 256, 1024
 #: rounds at least and at most per checkpoint
 MIN_ROUNDS, ROUNDS = 2, 16
 #: bootstrap resamples of the measurements, and the generators' seeds
@@ -117,10 +118,12 @@ def _config(command: str, out: str) -> config.Config:
 
 
 def at_checkpoints(folder: str, batch: Optional[int] = None,
-                   names: Optional[Sequence[str]] = None, **how: Any) -> Dict[str, Any]:
+                   names: Optional[Sequence[str]] = None, threads: Optional[int] = None,
+                   **how: Any) -> Dict[str, Any]:
     """B_simple for each optimizer of the study in ``folder`` (its ``study.json``) and each
     target its chosen cell's seed-0 run at ``batch`` reached: that run trained again to the
-    crossing's step, checkpointed, and measured there (:func:`measure` with ``how``)."""
+    crossing's step (with its own thread count), checkpointed, and measured there
+    (:func:`measure` with ``how``, on ``threads`` threads: default, every core)."""
     study = json.loads((pathlib.Path(folder) / "study.json").read_text())
     proto, unit = study["protocol"], analysis._per_unit(study["rows"])
     batch = batch or min(proto["batch_sizes"])
@@ -140,15 +143,17 @@ def at_checkpoints(folder: str, batch: Optional[int] = None,
             if s is None:
                 found.append({"optimizer": name, "batch": batch, "lr": row["lr"],
                               "warmup": row["warmup"], "target": t, "reached": False})
-        found += _measured_run(row, {t: s for t, s in at.items() if s is not None}, unit, how)
+        found += _measured_run(row, {t: s for t, s in at.items() if s is not None}, unit,
+                               threads or os.cpu_count() or 1, how)
     return {"batch": batch, "measurements": found, "time_s": time.perf_counter() - start,
+            "threads": threads or os.cpu_count() or 1,
             **{k: how.get(k, v) for k, v in (("small", SMALL), ("large", LARGE),
                                               ("per_round", PER_ROUND),
                                               ("min_rounds", MIN_ROUNDS), ("rounds", ROUNDS))}}
 
 
 def _measured_run(row: Dict[str, Any], crossings: Dict[float, float], unit: float,
-                  how: Dict[str, Any]) -> List[Dict[str, Any]]:
+                  threads: int, how: Dict[str, Any]) -> List[Dict[str, Any]]:
     """``row``'s run trained again, stopping (with a checkpoint) at each crossing's step in
     turn and measured there."""
     found = []
@@ -166,6 +171,7 @@ def _measured_run(row: Dict[str, Any], crossings: Dict[float, float], unit: floa
             test = trainer._evaluate(t.model, t.data[2], t.data[3])[0] / unit
             print(f"{row['optimizer']:8s} batch {row['batch_size']:5d}  target {target:g}  "
                   f"step {step}", file=sys.stderr, flush=True)
+            torch.set_num_threads(threads)
             e = measure(t.model, t.data[0], t.data[1], **how)
             found.append({"optimizer": row["optimizer"], "batch": row["batch_size"],
                           "lr": row["lr"], "warmup": row["warmup"], "seed": row["seed"],
@@ -196,6 +202,8 @@ def add_parser(studies: Any) -> argparse.ArgumentParser:
     s.add_argument("--per-round", type=options.positive_int, default=PER_ROUND,
                    help=f"sequences of each size per round (default: {PER_ROUND})")
     options.add_rounds(s, ROUNDS, "rounds at most per checkpoint")
+    options.add_threads(s, "threads of the measurement (the runs are trained again with their "
+                           "own; default: every core)")
     s.set_defaults(func=command)
     return s
 
@@ -209,7 +217,8 @@ def command(args: argparse.Namespace) -> int:
     if not args.small < args.large:
         raise ValueError(f"--small ({args.small}) must be below --large ({args.large})")
     result = at_checkpoints(args.dir, args.batch, args.optimizers, small=args.small,
-                            large=args.large, per_round=args.per_round, rounds=args.rounds)
+                            threads=args.threads, large=args.large, per_round=args.per_round,
+                            rounds=args.rounds)
     (folder / study_report.NOISE_FILE).write_text(json.dumps(result, indent=1))
     study = json.loads((folder / "study.json").read_text())
     study_report.write(study, str(folder))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import pathlib
+import textwrap
 from typing import Any, Dict, List
 
 from .checkpoint import CHECKPOINTS, LATEST
@@ -224,3 +225,32 @@ def summary(cfg: Any, r: dict) -> None:
         print(f"checkpoints: {len(r['checkpoints'])}, the last {r['checkpoints'][-1]}")
     if not r.get("write_error"):
         print(results_line(cfg.out, ["result.json", "history.csv"], "curves.png"))
+
+
+def study_plot(plt: Any, title: str, a: Dict[str, Any], score: str, names: Dict[str, str],
+               path: Any) -> None:
+    """Left: each optimizer's mean test score against batch size (bars: its seeds' standard
+    deviation); right: its tuned rate against batch size, beside the square-root rule (a
+    large-batch study's analysis ``a``; ``names``: how the optimizers are written)."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for i, (n, cs) in enumerate(a["cells"].items()):
+        pts = [(int(b), c["mean"], c["sd"]) for b, c in cs.items() if "mean" in c]
+        left.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts],
+                      marker="o", capsize=3, label=names.get(n, n), color=f"C{i}")
+        rates = [(int(b), c["lr"]) for b, c in cs.items()]
+        right.plot([r[0] for r in rates], [r[1] / rates[0][1] for r in rates], marker="o",
+                   label=names.get(n, n), color=f"C{i}")
+    batches = sorted(int(b) for b in a["batches"])
+    right.plot(batches, [(b / batches[0]) ** 0.5 for b in batches], "k--", label="square root")
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size (same examples; each rate tuned at each batch)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    left.set_ylabel(score)
+    right.set_yscale("log", base=2)
+    right.set_ylabel("tuned rate / tuned rate at the smallest batch")
+    fig.suptitle(textwrap.fill(title, 120), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

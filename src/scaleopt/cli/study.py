@@ -90,6 +90,8 @@ class Protocol:
     known: Dict[Tuple[Any, ...], Dict[str, Any]] = dataclasses.field(default_factory=dict)
     #: where each finished run's row is appended as it finishes (``runs.jsonl``), or None
     journal: Optional[str] = None
+    #: run nothing: every run must be among :attr:`known` (:func:`replayed`)
+    recorded_only: bool = False
 
     def default_lr(self, name: str) -> float:
         """``name``'s default rate, at ``base_batch``."""
@@ -203,26 +205,20 @@ def large_batch(p: Protocol, out: Optional[str] = None,
     rows.sort(key=lambda r: (list(p.names).index(r["optimizer"]), r["batch_size"], r["seed"],
                              r["lr"]))
     if out:
-        study = {"title": title(p), "protocol": p.describe(), "rows": rows,
+        study = {"title": study_report.title(p), "protocol": p.describe(), "rows": rows,
                  "complete": not world.STOP.is_set(),
                  "time_s": before_s + time.perf_counter() - start}
         study_report.write(study, out)
     return rows
 
 
-def title(p: Protocol) -> str:
-    base, n = p.base, p.beta2_batches
-    largest = "largest batch size" if n == 1 else f"{n} largest batch sizes"
-    return (("QUICK FORM (one seed, few cells: not evidence): " if p.quick else "")
-            + f"{base.dataset}, {base.train_size * base.epochs:,} examples per run, each "
-            f"optimizer's rate tuned at each batch size, {p.seeds} seed"
-            f"{'s' if p.seeds != 1 else ''} per chosen rate, warm-up {base.warmup:g}"
-            + (f" (at the {p.warmup_batches} largest batch sizes tuned among "
-               f"{', '.join(f'{w:g}' for w in p.warmups)})" if p.warmups else "")
-            + (f", beta2 {base.betas[1]:g}" if base.betas else "")
-            + (f" (at the {largest} tuned among "
-               f"{', '.join(f'{b:g}' for b in p.beta2s)})" if p.beta2s else "")
-            + f", {base.schedule} decay")
+def replayed(p: Protocol, rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The rows of the study ``p`` from runs already recorded (``rows``, e.g. a resumed
+    study's journal): what ``p`` would have run and chosen, running nothing (``ValueError``
+    where a run it needs is not among them)."""
+    p = dataclasses.replace(p, known={study_journal.run_key(r): r for r in rows}, jobs=1,
+                            journal=None, recorded_only=True)
+    return large_batch(p)
 
 
 def _run_inline(p: Protocol) -> List[Dict[str, Any]]:
@@ -236,6 +232,8 @@ def _run_inline(p: Protocol) -> List[Dict[str, Any]]:
                 done: List[Dict[str, Any]] = []
                 for cfg in wave:
                     row = p.known.get(study_journal.run_key(cfg))
+                    if row is None and p.recorded_only:
+                        raise ValueError(f"not recorded: {study_runs.command_line(cfg)}")
                     if row is None:
                         row = None if world.STOP.is_set() else study_runs.cell(cfg)
                         if row is None:  # interrupted: the wave's finished runs are kept

@@ -8,7 +8,6 @@ import csv
 import json
 import math
 import pathlib
-import textwrap
 from typing import Any, Dict, List, Optional
 
 from . import analysis, report
@@ -41,8 +40,25 @@ def write(study: Dict[str, Any], out: str) -> Dict[str, str]:
     if plt is None:
         del files["png"]
     else:
-        _plot(plt, study, a, files["png"])
+        report.study_plot(plt, study["title"], a, f"test {_unit(a['score'])}", CLASSES,
+                          files["png"])
     return {k: str(v) for k, v in files.items()}
+
+
+def title(p: Any) -> str:
+    """A study's title, from its protocol (:class:`.study.Protocol`)."""
+    base, n = p.base, p.beta2_batches
+    largest = "largest batch size" if n == 1 else f"{n} largest batch sizes"
+    return (("QUICK FORM (one seed, few cells: not evidence): " if p.quick else "")
+            + f"{base.dataset}, {base.train_size * base.epochs:,} examples per run, each "
+            f"optimizer's rate tuned at each batch size, {p.seeds} seed"
+            f"{'s' if p.seeds != 1 else ''} per chosen rate, warm-up {base.warmup:g}"
+            + (f" (at the {p.warmup_batches} largest batch sizes tuned among "
+               f"{', '.join(f'{w:g}' for w in p.warmups)})" if p.warmups else "")
+            + (f", beta2 {base.betas[1]:g}" if base.betas else "")
+            + (f" (at the {largest} tuned among "
+               f"{', '.join(f'{b:g}' for b in p.beta2s)})" if p.beta2s else "")
+            + f", {base.schedule} decay")
 
 
 def _unit(key: str) -> str:
@@ -168,6 +184,32 @@ def headline(study: Dict[str, Any], a: Optional[Dict[str, Any]] = None) -> str:
                        f"{_listed(none)} {'is' if len(none) == 1 else 'are'} not told apart "
                        "from it at any batch size"] if none else [])) + ".")
     return " ".join(out)
+
+
+def summary_table(study: Dict[str, Any], a: Optional[Dict[str, Any]] = None) -> List[str]:
+    """The README's table: each cell's mean test score over the seeds, the lowest at each batch
+    in bold, and against AdamW "lower" or "higher" where the correction keeps the difference
+    (nothing where it does not)."""
+    a = a if a is not None else analysis.analyse(study)
+    names = [n for n in study["protocol"]["optimizers"] if n in a["cells"]]
+    out = ["| batch (steps) | " + " | ".join(map(_n, names)) + " |",
+           "|---|" + "---:|" * len(names)]
+    for b, r in a["batches"].items():
+        if not r["order"]:
+            continue
+        row = []
+        for n in names:
+            c = a["cells"][n].get(b, {})
+            if "mean" not in c:
+                row.append("-")
+                continue
+            d = r["against_adamw"].get(n)
+            mark = (" (lower)" if d["mean"] < 0 else " (higher)") if d and d["clear"] else ""
+            row.append((f"**{c['mean']:.3f}**" if n == r["order"][0] else f"{c['mean']:.3f}")
+                       + mark)
+        out.append(f"| {b} ({a['cells'][r['order'][0]][b]['steps']:,}) | " + " | ".join(row)
+                   + " |")
+    return out
 
 
 def _findings(study: Dict[str, Any], a: Dict[str, Any]) -> List[str]:
@@ -385,30 +427,3 @@ def _cost(study: Dict[str, Any]) -> str:
             + (", one thread each" if all(r.get("threads") == 1 for r in rows) else "") + ")"
             + ("" if study.get("complete", True) else "; INTERRUPTED: the runs finished so far")
             + ".")
-
-
-def _plot(plt: Any, study: Dict[str, Any], a: Dict[str, Any], path: pathlib.Path) -> None:
-    """Left: each optimizer's mean test score against batch size (bars: its seeds' standard
-    deviation); right: its tuned rate against batch size, beside the square-root rule."""
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for i, (n, cs) in enumerate(a["cells"].items()):
-        pts = [(int(b), c["mean"], c["sd"]) for b, c in cs.items() if "mean" in c]
-        left.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts],
-                      marker="o", capsize=3, label=_n(n), color=f"C{i}")
-        rates = [(int(b), c["lr"]) for b, c in cs.items()]
-        right.plot([r[0] for r in rates], [r[1] / rates[0][1] for r in rates], marker="o",
-                   label=_n(n), color=f"C{i}")
-    batches = sorted(int(b) for b in a["batches"])
-    right.plot(batches, [(b / batches[0]) ** 0.5 for b in batches], "k--", label="square root")
-    for ax in (left, right):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("batch size (same examples; each rate tuned at each batch)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    left.set_ylabel(f"test {_unit(a['score'])}")
-    right.set_yscale("log", base=2)
-    right.set_ylabel("tuned rate / tuned rate at the smallest batch")
-    fig.suptitle(textwrap.fill(study["title"], 120), fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
