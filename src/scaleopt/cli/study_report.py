@@ -365,7 +365,8 @@ def noise_measured(study: Dict[str, Any], a: Dict[str, Any]) -> List[Dict[str, A
     out = []
     for m in noise.get("measurements", []):
         cell = a["cells"].get(m["optimizer"], {}).get(str(m["batch"]))
-        if cell and cell["lr"] == m["lr"] and cell.get("warmup") == m["warmup"]:
+        if cell and (cell["lr"], cell.get("warmup"), cell.get("beta2")) == (
+                m["lr"], m["warmup"], m.get("beta2", cell.get("beta2"))):
             out.append(m)
     return out
 
@@ -381,7 +382,17 @@ def noise_line(m: Dict[str, Any], unit: str) -> str:
             f"{m['batches'][0]:,} batches of {m['small']} and {m['batches'][1]:,} of "
             f"{m['large']}" + ("" if m["settled"] else
                                f"; |G|^2 not above zero after {m['rounds']} rounds")
-            + ("" if m["reproduced"] else "; the rerun did NOT reproduce the recorded curve"))
+            + _rerun(m))
+
+
+def _rerun(m: Dict[str, Any]) -> str:
+    """How the rerun to the checkpoint compares with the recorded run."""
+    if m["reproduced"]:
+        return (f"; the rerun's {m['evaluations_compared']} evaluations there equal the "
+                "recorded ones")
+    d = m.get("largest_difference", math.inf)
+    return (f"; the rerun's {m['evaluations_compared']} evaluations there differ from the "
+            f"recorded ones by at most {d:.2g}")
 
 
 def _b_simple_how(study: Dict[str, Any]) -> str:
@@ -392,7 +403,7 @@ def _b_simple_how(study: Dict[str, Any]) -> str:
                 "noise-scale DIR`, which this study has not run.")
     return (f"B_simple (sequences) at the step where each optimizer's seed-0 run at batch "
             f"{noise['batch']} first reached the target: that run trained again to there "
-            f"(its evaluations equal to the recorded ones) and checkpointed, and at the "
+            f"(its evaluations compared with the recorded ones) and checkpointed, and at the "
             f"checkpoint the squared gradient norms of independent batches of {noise['small']} "
             f"and {noise['large']} sequences drawn from the training windows "
             f"({noise['per_round']:,} sequences of each size per round, until |G|^2's 95% "
