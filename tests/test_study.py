@@ -351,6 +351,26 @@ def test_the_pages_sentences_on_the_critical_batch_hold_in_the_committed_study()
     assert [k for k, v in fits.items() if v is None] == [
         k for k in fits if k not in {("lans", 3.6), ("lamb", 3.6)}]
     assert "Of the ten fits (five optimizers, two targets), one holds: LANS's at 3.6" in text
+    cells, unit = analysis.cells(s), math.log(2)
+
+    def crossings(n, b, t):
+        c = cells[n][b]
+        return [analysis.crossing(r["curve"], t, unit) for r in c["runs"]
+                if (r["lr"], r["warmup"], analysis.beta2_of(r)) == (c["lr"], c["warmup"],
+                                                                     c["beta2"])]
+
+    targets = s["protocol"]["targets"]
+    assert all(x is None for n in cells for t in targets for x in crossings(n, 256, t))
+    assert all(x is None for b in cells["momentum"] for t in targets
+               for x in crossings("momentum", b, t))
+    warm = {n: Config(**{**s["protocol"]["config"], "warmup": cells[n][64]["warmup"],
+                         "batch_size": 64}).warmup_steps() for n in ("adamw", "muon")}
+    assert {n: cells[n][64]["warmup"] for n in warm} == {"adamw": 0.8, "muon": 0.8}
+    assert all(x < warm["muon"] for t in targets for x in crossings("muon", 64, t))
+    assert sum(x < warm["adamw"] for x in crossings("adamw", 64, 3.6)) == 2
+    assert ("no run at batch 256 reaches either target, SGD's runs reach neither at any batch, "
+            "and at batch 64 Muon's crossings and two of AdamW's three fall inside the 80% "
+            "warm-ups they chose") in text
 
 
 @pytest.mark.slow
@@ -662,12 +682,16 @@ def test_the_pages_account_of_how_the_study_grew_is_its_journal_replayed():
         assert all(a["batches"][b]["order"][0] == "muon" for b in sizes)
         apart.append({(b, n) for b in sizes for n, d in a["batches"][b]["against_best"].items()
                       if not d["clear"]})
+        if k == len(sittings) - 1:
+            lans_before_beta2 = vs["lans"][sizes[-1]]["mean"]
         if k == len(sittings):
             assert sorted(map(study_journal.run_key, rows)) == sorted(
                 map(study_journal.run_key, s["rows"]))
     assert apart == [set(), {("256", "lans"), ("256", "lamb")}, set(), set()]
     assert ("every sitting but the second (there, at batch 256, it is not told apart from LANS "
             "and LAMB)") in " ".join(page.split())
+    assert round(lans_before_beta2, 3) == -0.172 and "same difference (0.172) was not called" in (
+        " ".join(page.split()))
 
 
 def test_the_pages_words_on_the_noise_scale_hold_in_its_measurements():
