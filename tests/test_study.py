@@ -513,6 +513,8 @@ def test_a_killed_study_resumes_running_only_what_it_had_not_recorded(tiny_study
     out, whole = tiny_study
     lines = (out / "runs.jsonl").read_text().splitlines()
     assert len(lines) == len(whole["rows"])
+    times = [json.loads(line)["study_s"] for line in lines]  # the study's clock at each
+    assert times == sorted(times) and 0 < times[0] and times[-1] <= whole["time_s"]
     part = tmp_path / "part"
     part.mkdir()
     (part / "protocol.json").write_text((out / "protocol.json").read_text())
@@ -525,6 +527,8 @@ def test_a_killed_study_resumes_running_only_what_it_had_not_recorded(tiny_study
     assert len((part / "runs.jsonl").read_text().splitlines()) == len(whole["rows"])
     strip = lambda rows: sorted((study_journal.run_key(r), r["test_loss"]) for r in rows)  # noqa: E731
     assert strip(again["rows"]) == strip(whole["rows"])
+    # no report was left by the kill: the wall time goes on from the journal's
+    assert again["time_s"] > times[6] and not any("study_s" in r for r in again["rows"])
     other = list(args)
     other[other.index("--seeds") + 1] = "3"
     capsys.readouterr()

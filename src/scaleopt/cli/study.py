@@ -92,6 +92,8 @@ class Protocol:
     journal: Optional[str] = None
     #: run nothing: every run must be among :attr:`known` (:func:`replayed`)
     recorded_only: bool = False
+    #: the clock's reading when the study's wall time, earlier sittings' included, was zero
+    started: float = 0.0
 
     def default_lr(self, name: str) -> float:
         """``name``'s default rate, at ``base_batch``."""
@@ -194,7 +196,7 @@ def large_batch(p: Protocol, out: Optional[str] = None,
     """Every run's row, in a fixed order; the study written into ``out`` if given (also when
     interrupted: the runs finished so far), each run journalled there as it finishes (see
     :func:`.study_journal.recorded`); ``before_s``: the wall time of earlier sittings."""
-    start = time.perf_counter()
+    start = p.started = time.perf_counter() - before_s
     world.STOP.clear()
     if out:
         pathlib.Path(out).mkdir(parents=True, exist_ok=True)
@@ -207,7 +209,7 @@ def large_batch(p: Protocol, out: Optional[str] = None,
     if out:
         study = {"title": study_report.title(p), "protocol": p.describe(), "rows": rows,
                  "complete": not world.STOP.is_set(),
-                 "time_s": before_s + time.perf_counter() - start}
+                 "time_s": time.perf_counter() - start}
         study_report.write(study, out)
     return rows
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-from typing import Any, Dict, Tuple
+import time
+from typing import Any, Dict, List, Tuple
 
 from . import analysis
 
@@ -25,34 +26,47 @@ def run_key(row: Any) -> Tuple[Any, ...]:
 
 def finished(p: Any, row: Dict[str, Any]) -> None:
     """A run's row, appended to the study's journal (flushed to disk: a killed study loses
-    only the runs in flight)."""
+    only the runs in flight) with the study's wall time so far (``study_s``, its earlier
+    sittings' included)."""
     if p.journal is None or run_key(row) in p.known:
         return
     with open(p.journal, "a") as f:
-        f.write(json.dumps(row) + "\n")
+        f.write(json.dumps({**row, "study_s": time.perf_counter() - p.started}) + "\n")
         f.flush()
         os.fsync(f.fileno())
 
 
 def recorded(out: str) -> Tuple[Dict[str, Any], Dict[Tuple[Any, ...], Dict[str, Any]], float]:
     """A study folder's protocol, its journal's rows by :func:`run_key` (a last line cut off by
-    a kill is skipped) and the wall time of its sittings so far."""
+    a kill is skipped) and the wall time of its sittings so far (its report's, or the last
+    run's journalled, whichever is later: a killed study writes no report)."""
     folder = pathlib.Path(out)
     try:
         protocol = json.loads((folder / "protocol.json").read_text())
     except FileNotFoundError:
         raise ValueError(f"--resume {out}: no study there (no protocol.json)") from None
     rows: Dict[Tuple[Any, ...], Dict[str, Any]] = {}
-    journal = folder / "runs.jsonl"
-    for line in journal.read_text().splitlines() if journal.exists() else []:
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
+    times = [0.0]
+    for line in _whole_lines(folder / "runs.jsonl"):
+        row = json.loads(line)
+        times.append(row.pop("study_s", 0.0))
         rows[run_key(row)] = row
     done = folder / "study.json"
-    before = json.loads(done.read_text()).get("time_s", 0.0) if done.exists() else 0.0
-    return protocol, rows, before
+    if done.exists():
+        times.append(json.loads(done.read_text()).get("time_s", 0.0))
+    return protocol, rows, max(times)
+
+
+def _whole_lines(journal: pathlib.Path) -> List[str]:
+    """The journal's lines that hold a whole row (a kill can cut its last one off)."""
+    out = []
+    for line in journal.read_text().splitlines() if journal.exists() else []:
+        try:
+            json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        out.append(line)
+    return out
 
 
 #: what a resumed study may change: how many runs at once, where and how it prints, and the
@@ -66,9 +80,8 @@ def resumed(p: Any, out: str) -> float:
     are kept, the new settings' run, and each cell's choice is made again over all); the wall
     time of the sittings before."""
     saved, p.known, before = recorded(out)
-    # the journal again, of whole lines only (a kill can leave its last one cut off)
-    (pathlib.Path(out) / "runs.jsonl").write_text(
-        "".join(json.dumps(row) + "\n" for row in p.known.values()))
+    journal = pathlib.Path(out) / "runs.jsonl"
+    journal.write_text("".join(line + "\n" for line in _whole_lines(journal)))
     now = p.describe()
     if saved.get("warmups") and set(saved["warmups"]) <= set(now["warmups"]):
         saved["warmups"] = now["warmups"]  # widened: the axis tried further
