@@ -662,7 +662,7 @@ def test_the_pages_account_of_how_the_study_grew_is_its_journal_replayed():
                 (["--warmups", "0.05", "0.2", "0.5", "0.8", "0.95"], "95% added to `--warmups`"),
                 (["--warmups", "0.05", "0.2", "0.5", "0.8", "0.95", "--beta2s", "0.95", "0.99"],
                  "`--beta2s 0.95 0.99`")]
-    apart = []
+    apart, means = [], []
     for k, (options, said) in enumerate(sittings, 1):
         p = study.protocol_of(build_parser().parse_args(
             ["study", "large-batch", "--model", "gpt", *options, "--jobs", "2", "--threads", "1"]))
@@ -688,12 +688,19 @@ def test_the_pages_account_of_how_the_study_grew_is_its_journal_replayed():
                       if not d["clear"]})
         if k == len(sittings) - 1:
             lans_before_beta2 = vs["lans"][sizes[-1]]["mean"]
+        means.append({n: [a["cells"][n][b]["mean"] for b in sizes[-2:]] for n in a["cells"]})
         if k == len(sittings):
             assert sorted(map(study_journal.run_key, rows)) == sorted(
                 map(study_journal.run_key, s["rows"]))
     assert apart == [set(), {("256", "lans"), ("256", "lamb")}, set(), set()]
     assert ("every sitting but the second (there, at batch 256, it is not told apart from LANS "
             "and LAMB)") in " ".join(page.split())
+    gain = {n: [before - after for before, after in zip(means[0][n], means[-1][n])]
+            for n in means[0]}
+    for i in range(2):  # AdamW's mean fell the most at both of the largest batch sizes
+        assert max(gain, key=lambda n: gain[n][i]) == "adamw"
+    assert (f"by {gain['adamw'][0]:.3f} bits per byte at 64 and {gain['adamw'][1]:.3f} at 256"
+            in " ".join(page.split()))
     assert round(lans_before_beta2, 3) == -0.172 and "same difference (0.172) was not called" in (
         " ".join(page.split()))
 
