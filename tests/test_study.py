@@ -103,6 +103,10 @@ def test_every_batch_is_tuned_on_the_development_split_and_its_choice_run_with_s
             assert all(r["lr"] == best["lr"] for r in mine if r["seed"] == 1)
             centre = study.scaled_lr(best["lr"], 32, b, rule)  # the next batch's centre
     assert all(r["threads"] == 1 and "curve" in r and "noise" in r for r in rows)
+    # what decides a run's last bits besides its command: torch's version and CPU kernels
+    import torch
+    assert {(r["torch"], r["cpu"]) for r in rows} == {
+        (torch.__version__, torch.backends.cpu.get_cpu_capability())}
 
 
 @pytest.mark.slow

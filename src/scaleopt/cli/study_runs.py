@@ -32,7 +32,7 @@ def cell(cfg: Config) -> Optional[Dict[str, Any]]:
     if r["interrupted"]:
         return None  # the interrupted run's partial result is not a study point
     keys = ("dev_loss", "test_loss", "dev_bits_per_byte", "test_bits_per_byte", "test_accuracy",
-            "time_s", "threads")
+            "time_s", "threads", "torch", "cpu")  # a run's last bits depend on the last three
     row.update({k: r[k] for k in keys if k in r})
     row["curve"] = [[h["step"], h["test_loss"]] for h in r["history"]]
     score = (f"test bits per byte {r['test_bits_per_byte']:.4f}" if "test_bits_per_byte" in r

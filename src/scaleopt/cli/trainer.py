@@ -381,7 +381,7 @@ def results(t: Trainer) -> Dict[str, Any]:
         "test_accuracy": last["test_accuracy"], "time_s": t.elapsed,
         "steps_per_s": steps / seconds, "samples_per_s": steps * cfg.batch_size / seconds,
         "history": t.history, "train_curve": t.curve, "torch": torch.__version__,
-        "threads": torch.get_num_threads(), "workers": t.world, "sharded": cfg.shard,
+        "cpu": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(), "workers": t.world, "sharded": cfg.shard,
         "checkpoints": t.checkpoints, "checkpoint_error": t.checkpoint_error,
         **sizes, **_traffic(t), **_torchrun_restarts(), **_text(t), **_noise(t), **_dev(t),
     }
