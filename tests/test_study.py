@@ -736,3 +736,26 @@ def test_the_pages_words_on_the_noise_scale_hold_in_its_measurements():
     assert f"to at most {worst['largest_difference']:.2g} bits per byte (AdamW's run at 3.2)" in (
         text)
     assert noise["within"] < worst["largest_difference"]
+
+
+def test_the_pages_words_on_seed_zeros_selection_bias_hold_in_the_committed_study():
+    """Seed 0's run chose each cell's setting: its test loss against the other seeds', over
+    every cell, as the page states it."""
+    import statistics
+
+    s, page = _committed()
+    gaps = []
+    for cs in analysis.cells(s).values():
+        for c in cs.values():
+            test = {r["seed"]: r["test_bits_per_byte"] for r in c["runs"]
+                    if (r["lr"], r["warmup"], analysis.beta2_of(r)) == (c["lr"], c["warmup"],
+                                                                         c["beta2"])}
+            assert sorted(test) == [0, 1, 2]
+            gaps.append(test[0] - (test[1] + test[2]) / 2)
+    mean, se = statistics.mean(gaps), statistics.stdev(gaps) / len(gaps) ** 0.5
+    assert abs(mean) < 2 * se  # not told apart from none
+    text = " ".join(page.split())
+    assert (f"Over the study's {len(gaps)} cells its test loss lies {-mean:.3f} bits per byte "
+            f"below the mean of seeds 1 and 2 (standard error {se:.3f}; below in "
+            f"{sum(g < 0 for g in gaps)} of the {len(gaps)})") in text
+
