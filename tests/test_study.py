@@ -408,7 +408,7 @@ def test_the_noise_scale_is_measured_at_checkpoints_of_the_chosen_runs(tiny_stud
     md = (folder / "study.md").read_text()
     for m in kept["measurements"]:
         cell = cells[m["optimizer"]][8]
-        assert (m["lr"], m["warmup"]) == (cell["lr"], cell["warmup"])
+        assert (m["lr"], m["warmup"], m["beta2"]) == (cell["lr"], cell["warmup"], cell["beta2"])
         run = next(r for r in cell["runs"] if r["seed"] == 0)
         at = analysis.crossing(run["curve"], m["target"], unit)
         assert m["reached"] == (at is not None)

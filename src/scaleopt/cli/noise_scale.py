@@ -146,7 +146,8 @@ def at_checkpoints(folder: str, batch: Optional[int] = None,
         for t, s in at.items():
             if s is None:
                 found.append({"optimizer": name, "batch": batch, "lr": row["lr"],
-                              "warmup": row["warmup"], "target": t, "reached": False})
+                              "warmup": row["warmup"], "beta2": analysis.beta2_of(row),
+                              "target": t, "reached": False})
         found += _measured_run(row, {t: s for t, s in at.items() if s is not None}, unit,
                                threads or os.cpu_count() or 1, how)
     return {"batch": batch, "measurements": found, "time_s": time.perf_counter() - start,
