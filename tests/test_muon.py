@@ -515,3 +515,133 @@ def test_offloaded_muon_is_muon_with_master_weights_bit_for_bit(dtype, state_dty
     back.load_state_dict(copy.deepcopy(host.state_dict()))
     for a, b in zip(here.state.values(), back.state.values()):
         assert a.keys() == b.keys()
+
+
+# -- parameters of more than two dimensions -----------------------------------------------------
+
+STACKS = [((8, 64, 96), "stack"), ((8, 96, 64), "stack"), ((4, 3, 40, 48), "stack"),
+          ((6, 4, 3, 3), "flatten"), ((64, 2, 3, 3), "flatten")]
+
+
+@pytest.mark.parametrize("shape, reading", STACKS, ids=str)
+@pytest.mark.parametrize("options", OPTIONS[:3], ids=str)
+def test_stacks_and_flattened_parameters_take_torch_muons_bits_matrix_by_matrix(shape, reading,
+                                                                               options):
+    """A stack is each of its matrices under torch.optim.Muon (each with its own learning-rate
+    adjustment); a flattened parameter is torch.optim.Muon on its [rows, rest] matrix: bit for
+    bit, wide and tall."""
+    w = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    ours = [nn.Parameter(w.clone())]
+    as2d = ((lambda x: list(x.reshape(-1, *shape[-2:]))) if reading == "stack"
+            else (lambda x: [x.reshape(shape[0], -1)]))
+    theirs = [nn.Parameter(m.clone()) for m in as2d(w)]
+
+    def grads(t):
+        return torch.randn(shape, generator=torch.Generator().manual_seed(100 + t))
+
+    on_gradients(scaleopt.Muon(ours, lr=0.02, nd_params=reading, **options), ours, range(3),
+                 lambda t: [grads(t)])
+    on_gradients(torch.optim.Muon(theirs, lr=0.02, **options), theirs, range(3),
+                 lambda t: as2d(grads(t)))
+    assert all(torch.equal(a, b) for a, b in zip(as2d(ours[0].detach()), theirs))
+
+
+def test_bfloat16_stacks_with_master_weights_are_their_matrices_with_master_weights():
+    shape = (3, 96, 128)
+
+    def run(separate):
+        w = torch.randn(shape, generator=torch.Generator().manual_seed(0)).bfloat16()
+        ps = [nn.Parameter(m.clone()) for m in w] if separate else [nn.Parameter(w.clone())]
+        grads = [torch.randn(shape, generator=torch.Generator().manual_seed(t)).bfloat16()
+                 for t in range(4)]
+        on_gradients(scaleopt.Muon(ps, lr=0.02, nd_params="stack", master_weights=True), ps,
+                     range(4), lambda t: list(grads[t]) if separate else [grads[t]])
+        return torch.stack([p.detach() for p in ps]) if separate else ps[0].detach()
+
+    assert torch.equal(run(False), run(True))
+
+
+class _Experts(nn.Module):
+    """A mixture of 4 experts, each a two-layer MLP, their weights stacked as torchtitan's
+    GroupedExperts keeps them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.router = nn.Linear(32, 4)
+        self.w1 = nn.Parameter(torch.randn(4, 32, 64) / 32 ** 0.5)
+        self.w2 = nn.Parameter(torch.randn(4, 64, 32) / 8)
+
+    def forward(self, x):
+        gate = torch.softmax(self.router(x), -1)
+        h = torch.relu(torch.einsum("nd,edh->neh", x, self.w1))
+        return (gate[..., None] * torch.einsum("neh,ehd->ned", h, self.w2)).sum(1)
+
+
+def test_a_mixture_of_experts_trains_with_its_experts_in_muon_in_every_state_dtype():
+    x = torch.randn(256, 32, generator=torch.Generator().manual_seed(1))
+    y = torch.sin(x)
+    losses = {}
+    for state_dtype in ("float32", "bfloat16", "int8"):
+        model = _Experts()
+        opt = scaleopt.Muon(model.named_parameters(), lr=0.02, adamw_lr=3e-3,
+                            nd_params="stack", state_dtype=state_dtype)
+        groups = {g["algorithm"]: g["param_names"] for g in opt.param_groups}
+        assert groups == {"muon": ["w1", "w2", "router.weight"], "adamw": ["router.bias"]}
+        for t in range(60):
+            opt.zero_grad()
+            loss = (model(x) - y).square().mean()
+            loss.backward()
+            losses.setdefault(state_dtype, [loss.item()]).append(loss.item())
+            opt.step()
+        if state_dtype == "int8":  # the experts' momentum as codes, about a byte each
+            st = opt.state[model.w1]
+            assert st["momentum_buffer"].dtype == torch.int8
+    assert losses["float32"][-1] < 0.1 * losses["float32"][0]
+    for state_dtype in ("bfloat16", "int8"):
+        assert abs(losses[state_dtype][-1] - losses["float32"][-1]) <= 0.02 * losses["float32"][-1]
+
+
+def test_how_parameters_of_more_dimensions_are_read_is_one_option():
+    model = _Model()  # its Conv1d weight is 3-D
+    kept = scaleopt.Muon(model.named_parameters(), lr=0.02)
+    assert "conv.weight" in next(g for g in kept.param_groups
+                                 if g["algorithm"] == "adamw")["param_names"]
+    stacked = scaleopt.Muon(model.named_parameters(), lr=0.02, nd_params="stack")
+    assert "conv.weight" in next(g for g in stacked.param_groups
+                                 if g["algorithm"] == "muon")["param_names"]
+    named = scaleopt.Muon(model.named_parameters(), lr=0.02, nd_params="flatten",
+                          exclude_from_muon="conv")
+    assert "conv.weight" in next(g for g in named.param_groups
+                                 if g["algorithm"] == "adamw")["param_names"]
+    with pytest.raises(ValueError, match="Invalid nd_params"):
+        scaleopt.Muon(model.parameters(), nd_params="batched")
+    with pytest.raises(ValueError, match=r"or more dimensions with nd_params.*\(8, 8, 1\)"):
+        scaleopt.Muon([{"params": [model.conv.weight], "algorithm": "muon"}])
+
+
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16", "int8"])
+def test_a_mixture_of_experts_offloaded_and_resumed_is_the_one_on_device(state_dtype):
+    """Stacks offloaded (state and update on the host) are the on-device optimizer with master
+    weights, bit for bit; and a run resumed from a state_dict is the run that went on."""
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
+    options = dict(lr=0.02, adamw_lr=1e-3, nd_params="stack", state_dtype=state_dtype)
+
+    def train(model, opt, steps):
+        for _ in range(steps):
+            opt.zero_grad()
+            (model(x) - torch.sin(x)).square().mean().backward()
+            opt.step()
+
+    here, there, later = _Experts(), _Experts(), _Experts()
+    opt = scaleopt.Muon(here.named_parameters(), master_weights=True, **options)
+    host = scaleopt.offload(scaleopt.Muon, there.named_parameters(), **options)
+    train(here, opt, 4)
+    train(there, host, 4)
+    assert all(torch.equal(a, b) for a, b in zip(here.parameters(), there.parameters()))
+    resumed = scaleopt.Muon(later.named_parameters(), master_weights=True, **options)
+    later.load_state_dict(here.state_dict())
+    resumed.load_state_dict(copy.deepcopy(opt.state_dict()))
+    train(here, opt, 3)
+    train(later, resumed, 3)
+    assert all(torch.equal(a, b) for a, b in zip(here.parameters(), later.parameters()))

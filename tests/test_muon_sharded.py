@@ -139,3 +139,14 @@ def test_an_offloaded_muons_checkpoint_resumes_resharded_in_the_on_device_one(sa
               if r is not None]
     want = M.train_reference("Muon(int8 state)", 4)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_a_stack_split_over_ranks_is_refused_at_construction_naming_its_placement(tmp_path):
+    """Stacks and flattened parameters are iterated on one process: one cut over 2 ranks is
+    refused when the optimizer is made, naming the parameter and its placement; by default it
+    takes AdamW."""
+    for rank in W.run_workers(M.stack_split, 2, tmp_path, timeout=120):
+        assert len(rank["errors"]) == 2 and rank["algorithms"] == ["adamw"], rank
+        for error in rank["errors"]:
+            assert "'experts' (shape (8, 16, 24))" in error, error
+            assert "split over ranks (placements (Shard(dim=0),))" in error, error

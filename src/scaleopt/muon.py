@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+import math
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -25,6 +26,9 @@ __all__ = ["Muon"]
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 #: what updates a group's parameters
 ALGORITHMS = ("muon", "adamw")
+#: how a parameter of 3 or more dimensions is read (``nd_params``): AdamW's, a stack of
+#: matrices over its leading dimensions, or one matrix of its first dimension's rows
+ND_READINGS = ("adamw", "stack", "flatten")
 #: the elements of a split master joined at a time (its float32 values exist only for these)
 SPLIT_CHUNK = 1 << 16
 #: the dtypes the iteration runs in (``ns_dtype``)
@@ -95,8 +99,16 @@ class Muon(WithMasterWeights, ScaleOptimizer):
         adamw_eps (float, default 1e-8): AdamW's :math:`\epsilon`.
         adamw_lr (float or None, default None): the learning rate of the AdamW part of a split
             group; None: the group's ``lr``.
-        exclude_from_muon (regex, list of regexes, callable(name) or None): 2-D parameters that
-            take AdamW (e.g. ``r"embed|head"``).
+        exclude_from_muon (regex, list of regexes, callable(name) or None): parameters that
+            would take Muon but take AdamW (e.g. ``r"embed|head"``).
+        nd_params (``"adamw"``, ``"stack"`` or ``"flatten"``, default ``"adamw"``): how a
+            parameter of 3 or more dimensions is read: AdamW's; a stack of matrices over its
+            leading dimensions (the last two are the matrix: a mixture of experts'
+            ``[experts, in, out]`` weight), each orthogonalized on its own, with its own
+            :math:`\eta'`, so that each gets torch.optim.Muon's bits for that matrix; or one
+            matrix of its first dimension's rows (a convolution's ``[out, in, kh, kw]`` as
+            ``[out, in * kh * kw]``, as Keller Jordan's Muon reads it). Stacks and flattened
+            parameters are whole on one process (a sharded one is refused at construction).
         exclude_from_weight_decay (name rule or None): names that get no decay.
         max_grad_norm (float or None, default None): global gradient-norm clipping.
         nonfinite (``"propagate"`` or ``"skip"``): as in :class:`LAMB` (see :doc:`/robustness`).
@@ -122,8 +134,9 @@ class Muon(WithMasterWeights, ScaleOptimizer):
             float32 for such parameters. Saved in ``state_dict`` as float32 ``master_param``.
 
     A step makes, applies and lets go of one matrix's update before the next one's (the
-    sharded matrices of an exchange together), so that its peak above what the optimizer
-    holds is the gradients and one matrix's iteration (see :doc:`/memory`).
+    sharded matrices of an exchange together, a stack's matrices together), so that its peak
+    above what the optimizer holds is the gradients and one matrix's (or stack's) update and
+    one matrix's iteration (see :doc:`/memory`).
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
@@ -159,6 +172,7 @@ class Muon(WithMasterWeights, ScaleOptimizer):
         adamw_eps: float = 1e-8,
         adamw_lr: Optional[float] = None,
         exclude_from_muon: NameRule = None,
+        nd_params: str = "adamw",
         exclude_from_weight_decay: NameRule = None,
         max_grad_norm: Optional[float] = None,
         nonfinite: str = "propagate",
@@ -174,7 +188,7 @@ class Muon(WithMasterWeights, ScaleOptimizer):
             ns_coefficients=_as_tuples(ns_coefficients),
             eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype,
             betas=tuple(betas) if isinstance(betas, list) else betas, adamw_eps=adamw_eps,
-            adamw_lr=adamw_lr, exclude_from_muon=exclude_from_muon,
+            adamw_lr=adamw_lr, exclude_from_muon=exclude_from_muon, nd_params=nd_params,
             exclude_from_weight_decay=exclude_from_weight_decay, max_grad_norm=max_grad_norm,
             state_dtype=state_dtype, exchange_buckets=exchange_buckets, foreach=foreach,
             fused=fused, adamw_implementation=adamw_implementation, algorithm=None,
@@ -202,7 +216,9 @@ class Muon(WithMasterWeights, ScaleOptimizer):
                              "'param_names'")
         excluded = match_names(rule, names) if rule_is_set(rule) else (False,) * len(
             group["params"])
-        matrix = [p.ndim == 2 and not x for p, x in zip(group["params"], excluded)]
+        reading = group.get("nd_params", self.defaults["nd_params"])
+        matrix = [(p.ndim == 2 or (p.ndim > 2 and reading != "adamw")) and not x
+                  for p, x in zip(group["params"], excluded)]
         parts = [(a, [i for i, m in enumerate(matrix) if m == (a == "muon")]) for a in ALGORITHMS]
         parts = [(a, idx) for a, idx in parts if idx] or [("muon", [])]
         for algorithm, idx in parts:
@@ -243,13 +259,22 @@ class Muon(WithMasterWeights, ScaleOptimizer):
         except ValueError as exc:
             raise ValueError(str(exc).replace("implementation", "adamw_implementation", 1)
                              ) from None
+        check_choice("nd_params", group["nd_params"], ND_READINGS)
         if group["algorithm"] == "muon":
             for i, p in enumerate(group["params"]):
-                if p.ndim != 2:
+                if p.ndim < 2 or (p.ndim > 2 and group["nd_params"] == "adamw"):
                     raise ValueError(
-                        f"a group with algorithm='muon' takes matrices (2-D parameters), and "
+                        f"a group with algorithm='muon' takes matrices (2-D parameters, or more "
+                        f"dimensions with nd_params 'stack' or 'flatten'), and "
                         f"{param_label(group, i)} has shape {tuple(p.shape)}: leave the group's "
                         f"algorithm unset to send it to AdamW")
+                if p.ndim > 2 and not whole_here(p):
+                    where = getattr(p, "placements", None)
+                    raise ValueError(
+                        f"{param_label(group, i)} (shape {tuple(p.shape)}) is read as "
+                        f"nd_params={group['nd_params']!r}, which Muon iterates on one process, "
+                        f"but it is split over ranks (placements {where}): send it to AdamW "
+                        f"(exclude_from_muon) or keep it whole")
 
     # -- loading ------------------------------------------------------------------------------
 
@@ -343,34 +368,44 @@ class Muon(WithMasterWeights, ScaleOptimizer):
         _compact.store(own)
         del own
         # the iteration runs where the parameter is (offloaded: its momentum comes over)
-        y = look.to(device=local_piece(p).device, dtype=NS_DTYPES[group["ns_dtype"]], copy=True)
-        del look
-        update = newton_schulz_(y, _as_tuples(group["ns_coefficients"]), group["ns_steps"],
-                                group["eps"])
-        self._move(group, p, update)
+        device, dtype = local_piece(p).device, NS_DTYPES[group["ns_dtype"]]
+        how = (_as_tuples(group["ns_coefficients"]), group["ns_steps"], group["eps"])
+        if p.ndim == 2 or group["nd_params"] == "flatten":
+            y = look.reshape(p.shape[0], -1).to(device=device, dtype=dtype, copy=True)
+            del look
+            self._move(group, p, newton_schulz_(y, *how).reshape(p.shape))
+            return
+        # a stack: each matrix iterated on its own, the updates gathered into one
+        flat = look.reshape(-1, *p.shape[-2:])
+        update = torch.empty(flat.shape, device=device, dtype=dtype)
+        for e in range(flat.shape[0]):
+            update[e] = newton_schulz_(flat[e].to(device=device, dtype=dtype, copy=True), *how)
+        del look, flat
+        self._move(group, p, update.view(p.shape))
 
     def _move(self, group: Dict[str, Any], p: Tensor, update: Tensor) -> None:
         """``p`` (its local piece), or its float32 master with ``master_weights``, decayed and
         moved by ``update``; a master's parameter then brought up to date (a split master's
         upper half is the parameter: joined, moved and split again)."""
         view = self._master_view(group, p)
+        shape = matrix_shape(group, p.shape)
         if view.weights[0] is p and view.lower_halves[0] is None:  # no master
-            _move(local_piece(p), update, group, p.shape)
+            _move(local_piece(p), update, group, shape)
             return
         if view.lower_halves[0] is not None:  # split: joined, moved and split a few rows at a time
             hi = local_piece(view.weights[0]).detach()
             lo = local_piece(view.lower_halves[0])
             update = update.to(hi.device)
-            rows = max(1, SPLIT_CHUNK // max(1, hi.shape[1]))
+            rows = max(1, SPLIT_CHUNK // max(1, math.prod(hi.shape[1:])))
             for r in range(0, hi.shape[0], rows):
                 w = split_join(hi[r:r + rows], lo[r:r + rows])
-                _move(w, update[r:r + rows], group, p.shape)
+                _move(w, update[r:r + rows], group, shape)
                 split_(w, hi[r:r + rows], lo[r:r + rows])
             self._master_weights.commit(view, False)
             return
         work = self._master_weights.joined(view)
         w = local_piece(work[0])
-        _move(w, update.to(w.device), group, p.shape)
+        _move(w, update.to(w.device), group, shape)
         self._master_weights.split_back(view, work)
         self._master_weights.commit(view, False)
 
@@ -408,6 +443,14 @@ def _move(w: Tensor, update: Tensor, group: Dict[str, Any], shape: Any) -> None:
     lr = float(lr)
     w.mul_(1 - lr * group["weight_decay"])
     w.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], shape))
+
+
+def matrix_shape(group: Dict[str, Any], shape: Sequence[int]) -> Tuple[int, int]:
+    """The shape of the matrix (or of each matrix of a stack) that ``shape`` is read as, whose
+    rows and columns set the learning rate's adjustment."""
+    if len(shape) == 2 or group.get("nd_params") == "stack":
+        return tuple(shape[-2:])  # type: ignore[return-value]
+    return shape[0], math.prod(shape[1:])
 
 
 def _working_dtype(group: Dict[str, Any], p: Tensor) -> torch.dtype:

@@ -225,3 +225,21 @@ def skip_on_one_rank(rank, world, tmp):
     counts = [None] * world
     dist.all_gather_object(counts, opt.skipped_steps)
     return (before, after, counts) if rank == 0 else None
+
+
+def stack_split(rank, world, tmp):
+    """A stack of 8 matrices cut over the ranks (``Shard(0)`` of its experts, and FSDP2's
+    ``Shard(0)``), read as a stack: the error each construction raises."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    experts = nn.Parameter(distribute_tensor(torch.randn(8, 16, 24), mesh, [Shard(0)]))
+    errors = []
+    for reading in ("stack", "flatten"):
+        try:
+            scaleopt.Muon([("experts", experts)], lr=0.02, nd_params=reading)
+        except ValueError as e:
+            errors.append(str(e))
+    kept = scaleopt.Muon([("experts", experts)], lr=0.02)  # the default: AdamW's
+    return dict(errors=errors, algorithms=[g["algorithm"] for g in kept.param_groups])
