@@ -141,12 +141,26 @@ def test_an_offloaded_muons_checkpoint_resumes_resharded_in_the_on_device_one(sa
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
-def test_a_stack_split_over_ranks_is_refused_at_construction_naming_its_placement(tmp_path):
-    """Stacks and flattened parameters are iterated on one process: one cut over 2 ranks is
-    refused when the optimizer is made, naming the parameter and its placement; by default it
-    takes AdamW."""
+def test_a_stack_whose_matrices_are_cut_is_refused_at_construction_naming_its_placement(
+        tmp_path):
+    """A stack's matrices are each iterated by one process: a stack cut through its matrices
+    (or a flattened parameter cut at all) over 2 ranks is refused when the optimizer is made,
+    naming the parameter and its placement; by default it takes AdamW."""
     for rank in W.run_workers(M.stack_split, 2, tmp_path, timeout=120):
         assert len(rank["errors"]) == 2 and rank["algorithms"] == ["adamw"], rank
         for error in rank["errors"]:
             assert "'experts' (shape (8, 16, 24))" in error, error
-            assert "split over ranks (placements (Shard(dim=0),))" in error, error
+            assert "split over ranks (placements (Shard(dim=1),))" in error, error
+
+
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16", "int8"])
+def test_a_stack_cut_by_its_experts_is_iterated_where_it_lies_as_one_process(state_dtype,
+                                                                           tmp_path):
+    """Expert parallelism (and FSDP2) cut a [8, 32, 48] stack by its leading dimension, so each
+    rank holds whole matrices: each iterates its own, with no collective in the step, and the
+    stack and its stored momentum are one process's, bit for bit."""
+    for rank in W.run_workers(M.stack_over_experts, 2, tmp_path, state_dtype, timeout=120):
+        assert torch.equal(rank["full"], rank["alone"])
+        assert rank["collectives"] == {}
+        assert rank["stored"] == {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                                  "int8": torch.int8}[state_dtype]

@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from . import _compact, _ops, adamw
+from . import _compact, _ops, _orthogonal, adamw
 from ._base import ScaleOptimizer, lr_of
 from ._checks import check_betas, check_bool, check_choice, check_number
 from ._dispatch import check_implementation
@@ -107,8 +107,11 @@ class Muon(WithMasterWeights, ScaleOptimizer):
             ``[experts, in, out]`` weight), each orthogonalized on its own, with its own
             :math:`\eta'`, so that each gets torch.optim.Muon's bits for that matrix; or one
             matrix of its first dimension's rows (a convolution's ``[out, in, kh, kw]`` as
-            ``[out, in * kh * kw]``, as Keller Jordan's Muon reads it). Stacks and flattened
-            parameters are whole on one process (a sharded one is refused at construction).
+            ``[out, in * kh * kw]``, as Keller Jordan's Muon reads it). A stack cut over ranks
+            by its leading dimensions (expert parallelism's or FSDP2's ``Shard(0)``) is
+            iterated where its matrices lie, with no exchange; one cut through its matrices,
+            replicated (HSDP), or a flattened parameter cut at all, is refused at
+            construction with its placement named.
         exclude_from_weight_decay (name rule or None): names that get no decay.
         max_grad_norm (float or None, default None): global gradient-norm clipping.
         nonfinite (``"propagate"`` or ``"skip"``): as in :class:`LAMB` (see :doc:`/robustness`).
@@ -268,7 +271,7 @@ class Muon(WithMasterWeights, ScaleOptimizer):
                         f"dimensions with nd_params 'stack' or 'flatten'), and "
                         f"{param_label(group, i)} has shape {tuple(p.shape)}: leave the group's "
                         f"algorithm unset to send it to AdamW")
-                if p.ndim > 2 and not whole_here(p):
+                if p.ndim > 2 and not _matrices_whole_here(group, p):
                     where = getattr(p, "placements", None)
                     raise ValueError(
                         f"{param_label(group, i)} (shape {tuple(p.shape)}) is read as "
@@ -318,7 +321,7 @@ class Muon(WithMasterWeights, ScaleOptimizer):
             decays = [not x for x in self._rule_flags(group, "exclude_from_weight_decay")]
             for i, p, g in zip(item.idx, item.params, item.grads):
                 each = group if decays[i] else dict(group, weight_decay=0.0)
-                if whole_here(p):  # made, applied and freed before the next matrix's
+                if p.ndim > 2 or whole_here(p):  # made, applied and freed before the next
                     self._step_matrix(each, p, g)
                 else:
                     matrices.append((each, p, Job(p, self._momentum_update(group, p, g,
@@ -375,13 +378,14 @@ class Muon(WithMasterWeights, ScaleOptimizer):
             del look
             self._move(group, p, newton_schulz_(y, *how).reshape(p.shape))
             return
-        # a stack: each matrix iterated on its own, the updates gathered into one
-        flat = look.reshape(-1, *p.shape[-2:])
+        # a stack (its local matrices, where its leading dimensions are cut over ranks): each
+        # matrix iterated on its own, the updates gathered into one
+        shape, flat = look.shape, look.reshape(-1, *p.shape[-2:])
         update = torch.empty(flat.shape, device=device, dtype=dtype)
         for e in range(flat.shape[0]):
             update[e] = newton_schulz_(flat[e].to(device=device, dtype=dtype, copy=True), *how)
         del look, flat
-        self._move(group, p, update.view(p.shape))
+        self._move(group, p, update.view(shape))
 
     def _move(self, group: Dict[str, Any], p: Tensor, update: Tensor) -> None:
         """``p`` (its local piece), or its float32 master with ``master_weights``, decayed and
@@ -443,6 +447,19 @@ def _move(w: Tensor, update: Tensor, group: Dict[str, Any], shape: Any) -> None:
     lr = float(lr)
     w.mul_(1 - lr * group["weight_decay"])
     w.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], shape))
+
+
+def _matrices_whole_here(group: Dict[str, Any], p: Tensor) -> bool:
+    """Whether each matrix of ``p`` (of 3 or more dimensions, read as ``nd_params`` says) is
+    whole on this process and iterated by it alone: nothing splits ``p``, or (a stack) one mesh
+    dimension cuts its leading dimensions with no replicas (FSDP2's or expert parallelism's
+    ``Shard(0)``), so that each matrix lives on one rank of the mesh."""
+    try:
+        split = _orthogonal._split(p)
+    except NotImplementedError:
+        return False
+    return split is None or (group["nd_params"] == "stack" and split[1] is None
+                             and split[2] < p.ndim - 2)
 
 
 def matrix_shape(group: Dict[str, Any], shape: Sequence[int]) -> Tuple[int, int]:

@@ -228,13 +228,13 @@ def skip_on_one_rank(rank, world, tmp):
 
 
 def stack_split(rank, world, tmp):
-    """A stack of 8 matrices cut over the ranks (``Shard(0)`` of its experts, and FSDP2's
-    ``Shard(0)``), read as a stack: the error each construction raises."""
+    """A stack of 8 matrices whose matrices are cut over the ranks (``Shard(1)``: their rows),
+    read as a stack or flattened: the error each construction raises."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (world,))
-    experts = nn.Parameter(distribute_tensor(torch.randn(8, 16, 24), mesh, [Shard(0)]))
+    experts = nn.Parameter(distribute_tensor(torch.randn(8, 16, 24), mesh, [Shard(1)]))
     errors = []
     for reading in ("stack", "flatten"):
         try:
@@ -243,3 +243,31 @@ def stack_split(rank, world, tmp):
             errors.append(str(e))
     kept = scaleopt.Muon([("experts", experts)], lr=0.02)  # the default: AdamW's
     return dict(errors=errors, algorithms=[g["algorithm"] for g in kept.param_groups])
+
+
+def stack_over_experts(rank, world, tmp, state_dtype, steps=3):
+    """A [8, 32, 48] stack cut over the ranks by its experts (``Shard(0)``, as expert
+    parallelism and FSDP2 place it), read as a stack: per rank, the full stack after ``steps``
+    steps, one process's stack after the same steps, and the last step's collectives."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.randn(8, 32, 48, generator=torch.Generator().manual_seed(0))
+    here = nn.Parameter(distribute_tensor(full.clone(), mesh, [Shard(0)]))
+    alone = nn.Parameter(full.clone())
+    opts = [scaleopt.Muon([p], lr=0.02, nd_params="stack", state_dtype=state_dtype)
+            for p in (here, alone)]
+    for t in range(steps):
+        g = torch.randn(8, 32, 48, generator=torch.Generator().manual_seed(100 + t))
+        here.grad = distribute_tensor(g.clone(), mesh, [Shard(0)])
+        alone.grad = g.clone()
+        mode = CommDebugMode()
+        with mode:
+            opts[0].step()
+        opts[1].step()
+    stored = opts[0].state[here]["momentum_buffer"]
+    return dict(full=here.full_tensor().detach().clone(), alone=alone.detach().clone(),
+                stored=getattr(stored, "_local_tensor", stored).dtype,
+                collectives={str(k): v for k, v in mode.get_comm_counts().items()})
