@@ -546,6 +546,16 @@ def test_stacks_and_flattened_parameters_take_torch_muons_bits_matrix_by_matrix(
     assert all(torch.equal(a, b) for a, b in zip(as2d(ours[0].detach()), theirs))
 
 
+@pytest.mark.parametrize("shape, reading", [((0, 8, 8), "stack"), ((2, 0, 8), "stack"),
+                                            ((0, 4, 3, 3), "flatten")])
+def test_empty_stacks_and_flattened_parameters_step_and_keep_their_shape(shape, reading):
+    p = nn.Parameter(torch.zeros(shape))
+    opt = scaleopt.Muon([p], lr=0.02, nd_params=reading)
+    p.grad = torch.zeros(shape)
+    opt.step()
+    assert p.shape == shape and opt.state[p]["momentum_buffer"].shape == shape
+
+
 def test_bfloat16_stacks_with_master_weights_are_their_matrices_with_master_weights():
     shape = (3, 96, 128)
 

@@ -374,13 +374,15 @@ class Muon(WithMasterWeights, ScaleOptimizer):
         device, dtype = local_piece(p).device, NS_DTYPES[group["ns_dtype"]]
         how = (_as_tuples(group["ns_coefficients"]), group["ns_steps"], group["eps"])
         if p.ndim == 2 or group["nd_params"] == "flatten":
-            y = look.reshape(p.shape[0], -1).to(device=device, dtype=dtype, copy=True)
+            if p.ndim > 2:
+                look = look.reshape(look.shape[0], math.prod(look.shape[1:]))
+            y = look.to(device=device, dtype=dtype, copy=True)
             del look
             self._move(group, p, newton_schulz_(y, *how).reshape(p.shape))
             return
         # a stack (its local matrices, where its leading dimensions are cut over ranks): each
         # matrix iterated on its own, the updates gathered into one
-        shape, flat = look.shape, look.reshape(-1, *p.shape[-2:])
+        shape, flat = look.shape, look.reshape(math.prod(look.shape[:-2]), *look.shape[-2:])
         update = torch.empty(flat.shape, device=device, dtype=dtype)
         for e in range(flat.shape[0]):
             update[e] = newton_schulz_(flat[e].to(device=device, dtype=dtype, copy=True), *how)
