@@ -374,9 +374,8 @@ class Muon(WithMasterWeights, ScaleOptimizer):
         device, dtype = local_piece(p).device, NS_DTYPES[group["ns_dtype"]]
         how = (_as_tuples(group["ns_coefficients"]), group["ns_steps"], group["eps"])
         if p.ndim == 2 or group["nd_params"] == "flatten":
-            if p.ndim > 2:
-                look = look.reshape(look.shape[0], math.prod(look.shape[1:]))
-            y = look.to(device=device, dtype=dtype, copy=True)
+            y = look.reshape(matrix_shape(group, look.shape)).to(device=device, dtype=dtype,
+                                                                  copy=True)
             del look
             self._move(group, p, newton_schulz_(y, *how).reshape(p.shape))
             return
