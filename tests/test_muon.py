@@ -103,7 +103,7 @@ class _Model(nn.Module):
         self.hidden = nn.Linear(8, 8)
         self.norm = nn.LayerNorm(8)
         self.head = nn.Linear(8, 10, bias=False)
-        self.conv = nn.Conv1d(8, 8, 1)  # 3-D: not a matrix
+        self.conv = nn.Conv1d(8, 8, 1)  # 3-D: a stack by default, AdamW's with nd_params
 
     def forward(self, tokens):
         x = self.norm(torch.relu(self.hidden(self.embed(tokens))))
@@ -125,7 +125,7 @@ def test_a_model_is_split_into_matrices_and_the_rest_and_each_part_is_what_its_o
     model = _Model()
     opt = scaleopt.Muon(model.named_parameters(), lr=0.02, adamw_lr=3e-3, weight_decay=0.05,
                         betas=(0.8, 0.9), adamw_eps=1e-6, exclude_from_muon=r"embed|head",
-                        exclude_from_weight_decay=r"bias|norm")
+                        exclude_from_weight_decay=r"bias|norm", nd_params="adamw")
     groups = {g["algorithm"]: g for g in opt.param_groups}
     assert groups["muon"]["param_names"] == ["hidden.weight"]
     assert sorted(groups["adamw"]["param_names"]) == sorted(
@@ -160,7 +160,8 @@ def test_groups_that_name_their_algorithm_are_kept_and_new_groups_split():
                         lr=0.02)
     assert [len(g["params"]) for g in opt.param_groups] == [2, 1]
     opt.add_param_group({"params": list(model.norm.parameters()) + [model.conv.weight]})
-    assert [g["algorithm"] for g in opt.param_groups] == ["muon", "adamw", "adamw"]
+    # split in two: the Conv1d weight a stack (3-D), the norm's parameters AdamW's
+    assert [g["algorithm"] for g in opt.param_groups] == ["muon", "adamw", "muon", "adamw"]
     with pytest.raises(ValueError, match=r"algorithm='muon' takes matrices.*shape \(8,\)"):
         opt.add_param_group({"params": [model.hidden.bias], "algorithm": "muon"})
 
@@ -246,13 +247,6 @@ def test_the_ranks_share_the_matrices_by_cost():
         # greedy, largest first: no rank exceeds another by more than one matrix's cost
         assert max(load) - min(load) <= max(map(_orthogonal.cost, shapes))
     assert sorted(_orthogonal.owners(shapes, 7)) == list(range(7))  # one each
-
-
-@pytest.mark.parametrize("rows, ranks", [(63, 2), (63, 3), (2, 3), (96, 5), (0, 2)])
-def test_row_blocks_are_torch_chunks(rows, ranks):
-    want = [c.shape[0] for c in torch.arange(rows).chunk(ranks)] if rows else []
-    got = _orthogonal.shard_rows(rows, ranks)
-    assert sum(got) == rows and got[:len(want)] == want and not any(got[len(want):])
 
 
 @pytest.mark.parametrize("shape", [(48, 80), (80, 48), (128, 128)])
@@ -614,12 +608,20 @@ def test_a_mixture_of_experts_trains_with_its_experts_in_muon_in_every_state_dty
 
 def test_how_parameters_of_more_dimensions_are_read_is_one_option():
     model = _Model()  # its Conv1d weight is 3-D
-    kept = scaleopt.Muon(model.named_parameters(), lr=0.02)
+    kept = scaleopt.Muon(model.named_parameters(), lr=0.02, nd_params="adamw")
     assert "conv.weight" in next(g for g in kept.param_groups
                                  if g["algorithm"] == "adamw")["param_names"]
-    stacked = scaleopt.Muon(model.named_parameters(), lr=0.02, nd_params="stack")
+    stacked = scaleopt.Muon(model.named_parameters(), lr=0.02)  # "auto": 3-D is a stack
     assert "conv.weight" in next(g for g in stacked.param_groups
                                  if g["algorithm"] == "muon")["param_names"]
+    kernel = torch.nn.Parameter(torch.randn(6, 4, 3, 3))  # 4-D: flattened to [6, 36]
+    want = torch.nn.Parameter(kernel.detach().clone())
+    def grads(t):
+        return [torch.randn(6, 4, 3, 3, generator=torch.Generator().manual_seed(t))]
+
+    on_gradients(scaleopt.Muon([kernel], lr=0.02), [kernel], range(2), grads)
+    on_gradients(scaleopt.Muon([want], lr=0.02, nd_params="flatten"), [want], range(2), grads)
+    assert torch.equal(kernel, want)
     named = scaleopt.Muon(model.named_parameters(), lr=0.02, nd_params="flatten",
                           exclude_from_muon="conv")
     assert "conv.weight" in next(g for g in named.param_groups
@@ -627,7 +629,8 @@ def test_how_parameters_of_more_dimensions_are_read_is_one_option():
     with pytest.raises(ValueError, match="Invalid nd_params"):
         scaleopt.Muon(model.parameters(), nd_params="batched")
     with pytest.raises(ValueError, match=r"or more dimensions with nd_params.*\(8, 8, 1\)"):
-        scaleopt.Muon([{"params": [model.conv.weight], "algorithm": "muon"}])
+        scaleopt.Muon([{"params": [model.conv.weight], "algorithm": "muon",
+                        "nd_params": "adamw"}])
 
 
 @pytest.mark.parametrize("state_dtype", ["float32", "bfloat16", "int8"])

@@ -66,12 +66,15 @@ def test_compact_momentum_is_stored_as_one_process_stores_it(tmp_path):
 def test_hsdp_iterates_each_matrix_once_in_the_whole_mesh_as_one_process(name, tmp_path):
     """A (2 replicas x 2 shards) mesh: every rank ends with one process's bits, each matrix is
     iterated by one rank of the four (not once per replica), and a step takes the two
-    all-to-alls inside the shard groups and one all-gather over the replicas."""
+    all-to-alls inside the shard group of a replica that iterates matrices (none in one that
+    iterates none) and one all-gather over the replicas."""
     want = M.train_reference(name, 3)
     got = W.run_workers(M.train_hsdp, 4, tmp_path, name, 3, timeout=180)
-    for rank in got:
+    iterating = {r // 2 for r, rank in enumerate(got) if rank["iterated"]}  # mesh (2, 2)
+    for r, rank in enumerate(got):
         assert all(torch.equal(a, b) for a, b in zip(rank["full"], want)), name
-        assert rank["collectives"] == {"c10d.alltoall_base_": 2, "c10d.allgather_": 1}
+        assert rank["collectives"] == ({"c10d.alltoall_base_": 2, "c10d.allgather_": 1}
+                                       if r // 2 in iterating else {"c10d.allgather_": 1})
     iterated = sorted(shape for rank in got for shape in rank["iterated"])
     model = M.model_of()
     matrices = sorted(tuple(p.shape) for p in (model.up.weight, model.down.weight))
@@ -98,31 +101,45 @@ def test_a_nan_in_one_ranks_rows_skips_the_step_on_every_rank(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(before, after))
 
 
-@pytest.mark.parametrize("placements,world", [("tp", 2), ("hsdp-tp", 4)])
-def test_tensor_parallel_matrices_are_iterated_whole_as_one_process(placements, world, tmp_path):
-    """Tensor parallelism's placements: a column-wise Shard(0) and a row-wise Shard(1) matrix on
-    one mesh dimension (one exchange for both), and Shard(1) under HSDP's Replicate(): the
-    owner joins the column blocks into the matrix one process holds, so every rank ends with
-    one process's bits."""
+#: what a step of each layout of the matrices exchanges on each rank: two all-to-alls inside
+#: the group of ranks that cut the matrices (over two mesh dimensions for FSDP x TP), none in
+#: a replica that iterates none of them, and one all-gather over the replicas
+MATRIX_LAYOUTS = [("tp", 2, "Muon"), ("hsdp-tp", 4, "Muon"), ("fsdp2-tp", 4, "Muon"),
+                  pytest.param("fsdp-tp", 4, "Muon", marks=pytest.mark.slow),
+                  pytest.param("fsdp-tp-strided", 4, "Muon", marks=pytest.mark.slow),
+                  pytest.param("fsdp2-tp", 4, "Muon(bfloat16 state)", marks=pytest.mark.slow),
+                  pytest.param("hsdp-fsdp-tp", 8, "Muon", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("placements,world,name", MATRIX_LAYOUTS)
+def test_matrices_on_every_mesh_are_iterated_once_as_one_process(placements, world, name,
+                                                                 tmp_path):
+    """Tensor parallelism's placements (column-wise Shard(0), row-wise Shard(1)), each under
+    HSDP's Replicate(), and FSDP x TP on a 2 x 2 mesh (Shard(0), Shard(1)), also as FSDP2
+    places it over torch's own tensor parallelism (an interleaved _StridedShard): the owner
+    joins the blocks into the matrix one process holds, every rank ends with one process's
+    bits (bfloat16 momentum too: its stochastic rounding draws by each element's place in the
+    whole matrix), and each matrix is iterated once per step in the whole mesh."""
     model = M.model_of()
-    opt = M.OPTIMIZERS["Muon"](list(model.named_parameters()))
-    M.train_reference("Muon", 3, model=model, opt=opt)
+    opt = M.OPTIMIZERS[name](list(model.named_parameters()))
+    M.train_reference(name, 3, model=model, opt=opt)
     want = [model.up.weight.detach(), model.down.weight.detach()]
-    got = W.run_workers(M.train_tensor_parallel, world, tmp_path, "Muon", 3, placements,
-                        timeout=180)
-    for rank in got:
+    got = W.run_workers(M.train_tensor_parallel, world, tmp_path, name, 3, placements,
+                        timeout=240)
+    if placements == "fsdp2-tp":  # what FSDP2 makes of tensor parallelism's blocks
+        assert got[0]["placements"] == ["(Shard(dim=0), Shard(dim=1))",
+                                        "(_StridedShard(dim=0, sf=2), Shard(dim=0))"]
+    iterated = sorted(shape for rank in got for shape in rank["iterated"])
+    assert iterated == sorted(3 * [tuple(w.shape) for w in want])  # once per step, all ranks
+    copies = 2 if placements.startswith("hsdp") else 1
+    group = world // copies
+    iterating = {r // group for r, rank in enumerate(got) if rank["iterated"]}
+    for r, rank in enumerate(got):
         assert all(torch.equal(a, b) for a, b in zip(rank["full"], want)), placements
-        assert rank["collectives"] == ({"c10d.alltoall_base_": 2} if placements == "tp" else
-                                       {"c10d.alltoall_base_": 2, "c10d.allgather_": 1})
-
-
-def test_a_matrix_cut_along_two_mesh_dimensions_is_refused_naming_its_placement(tmp_path):
-    """FSDP x TP ((Shard(0), Shard(1)) on a 2 x 2 mesh): a clear error, on every rank, that
-    names the placement and says why."""
-    got = W.run_workers(M.train_tensor_parallel, 4, tmp_path, "Muon", 1, "fsdp-tp", timeout=120)
-    for rank in got:
-        assert "Shard(dim=0), Shard(dim=1)" in rank["error"], rank
-        assert "cut along 2 mesh dimensions" in rank["error"] and "FSDP x TP" in rank["error"]
+        want_counts = {"c10d.alltoall_base_": 2} if r // group in iterating else {}
+        if copies > 1:
+            want_counts["c10d.allgather_"] = 1
+        assert rank["collectives"] == want_counts, (r, placements)
 
 
 @pytest.mark.slow
@@ -141,16 +158,44 @@ def test_an_offloaded_muons_checkpoint_resumes_resharded_in_the_on_device_one(sa
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
-def test_a_stack_whose_matrices_are_cut_is_refused_at_construction_naming_its_placement(
-        tmp_path):
-    """A stack's matrices are each iterated by one process: a stack cut through its matrices
-    (or a flattened parameter cut at all) over 2 ranks is refused when the optimizer is made,
-    naming the parameter and its placement; by default it takes AdamW."""
-    for rank in W.run_workers(M.stack_split, 2, tmp_path, timeout=120):
-        assert len(rank["errors"]) == 2 and rank["algorithms"] == ["adamw"], rank
-        for error in rank["errors"]:
-            assert "'experts' (shape (8, 16, 24))" in error, error
-            assert "split over ranks (placements (Shard(dim=1),))" in error, error
+def test_a_matrix_of_partial_sums_is_refused_at_construction_naming_its_placement(tmp_path):
+    """A Partial() placement holds no block of the matrix that an exchange could join: a clear
+    error when the optimizer is made, naming the parameter and the placement."""
+    for error in W.run_workers(M.refused_partial, 2, tmp_path, timeout=120):
+        assert error is not None and "'w'" in error and "Partial" in error, error
+
+
+#: a stack's placements: (name, world, collectives per rank of the last step). Cut by its
+#: leading dimensions alone, each matrix lies whole on one rank and is iterated there: no
+#: collective (with copies, one all-gather gives each replica the others' results);
+#: cut through its matrices, two all-to-alls in the group of ranks that cut them
+STACK_LAYOUTS = [
+    ("rows", 2, {"c10d.alltoall_base_": 2}),
+    ("ep-fsdp", 4, {"c10d.alltoall_base_": 2}),
+    pytest.param("ep-fsdp-experts", 4, {}, marks=pytest.mark.slow),
+    pytest.param("hsdp-ep", 4, {"c10d.allgather_": 1}, marks=pytest.mark.slow),
+    pytest.param("fsdp-tp", 4, {"c10d.alltoall_base_": 2}, marks=pytest.mark.slow),
+    pytest.param("hsdp-ep-fsdp", 8, {"c10d.alltoall_base_": 2, "c10d.allgather_": 1},
+                 marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("where,world,collectives", STACK_LAYOUTS)
+def test_a_stack_on_every_mesh_is_iterated_once_as_one_process(where, world, collectives,
+                                                               tmp_path):
+    """A [8, 32, 48] stack of experts cut by expert parallelism, by FSDP2 through its matrices,
+    by both (EP x FSDP), by FSDP x TP, with HSDP's copies: each expert's matrix is iterated
+    once per step in the whole mesh, the stack is one process's bits on every rank, and the
+    step's collectives are counted."""
+    got = W.run_workers(M.stack_placed, world, tmp_path, "float32", where, timeout=240)
+    alone = got[0]["alone"]
+    assert sorted(s for rank in got for s in rank["iterated"]) == 3 * 8 * [(32, 48)]
+    for r, rank in enumerate(got):
+        assert torch.equal(rank["full"], alone), (r, where)
+        counts = dict(collectives)
+        if "c10d.alltoall_base_" in counts and not any(
+                got[q]["iterated"] for q in range(world) if q // 4 == r // 4):
+            counts.pop("c10d.alltoall_base_")  # its replica iterates nothing
+        assert rank["collectives"] == counts, (r, where)
 
 
 @pytest.mark.parametrize("state_dtype", ["float32", "bfloat16", "int8"])
@@ -159,8 +204,26 @@ def test_a_stack_cut_by_its_experts_is_iterated_where_it_lies_as_one_process(sta
     """Expert parallelism (and FSDP2) cut a [8, 32, 48] stack by its leading dimension, so each
     rank holds whole matrices: each iterates its own, with no collective in the step, and the
     stack and its stored momentum are one process's, bit for bit."""
-    for rank in W.run_workers(M.stack_over_experts, 2, tmp_path, state_dtype, timeout=120):
+    got = W.run_workers(M.stack_placed, 2, tmp_path, state_dtype, timeout=120)
+    assert [len(rank["iterated"]) for rank in got] == [3 * 4, 3 * 4]  # its own 4 experts
+    for rank in got:
         assert torch.equal(rank["full"], rank["alone"])
         assert rank["collectives"] == {}
         assert rank["stored"] == {"float32": torch.float32, "bfloat16": torch.bfloat16,
                                   "int8": torch.int8}[state_dtype]
+
+
+@pytest.mark.parametrize("shape,where,reading", [((2, 4, 32, 48), "ep-fsdp", "stack"),
+                                                 ((64, 2, 3, 3), "rows", "flatten")])
+def test_four_dimensional_stacks_and_cut_kernels_step_as_one_process(shape, where, reading,
+                                                                    tmp_path):
+    """A [2, 4, 32, 48] stack cut over a 2 x 2 mesh by its leading dimensions and its rows,
+    and a convolution kernel read as one [64, 18] matrix and cut through its channels: the
+    bits of one process."""
+    world = 4 if where == "ep-fsdp" else 2
+    got = W.run_workers(M.stack_placed, world, tmp_path, "float32", where, shape, reading,
+                        timeout=240)
+    for rank in got:
+        assert torch.equal(rank["full"], rank["alone"]), (shape, where)
+    matrices = 8 if reading == "stack" else 1
+    assert len([s for rank in got for s in rank["iterated"]]) == 3 * matrices

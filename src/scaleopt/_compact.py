@@ -37,7 +37,8 @@ from torch import Tensor
 
 from . import _format, _native
 from ._format import Stored
-from ._sharding import is_dtensor, like, local_piece
+from ._layout import layout
+from ._sharding import cuts, is_dtensor, like, local_piece
 
 #: the choices of ``state_dtype``
 STATE_DTYPES = ("float32", "bfloat16", "int8")
@@ -214,34 +215,47 @@ def round_bf16(x: Tensor, index: Tensor, step: Tensor, salt: int) -> Tensor:
 
 def global_index(template: Tensor) -> Tensor:
     """Each element's flat index in the whole tensor (int64, shaped as the local piece): for a
-    DTensor, its local shard's place in the global tensor."""
+    DTensor, its local shard's place in the global tensor (interleaved blocks too)."""
     piece = local_piece(template)
-    if not is_dtensor(template):
+    held = _held(template)
+    if held is None:
         return torch.arange(piece.numel(), device=piece.device).view(piece.shape)
-    offsets = _global_offsets(template)
     gshape = tuple(template.shape)
-    strides = [math.prod(gshape[d + 1:]) for d in range(len(gshape))]
     index = torch.zeros(piece.shape, dtype=torch.int64, device=piece.device)
-    for d, (n, off, stride) in enumerate(zip(piece.shape, offsets, strides)):
+    for d, ix in enumerate(held):
         view = [1] * piece.dim()
-        view[d] = n
-        index += ((torch.arange(n, device=piece.device) + off) * stride).view(view)
+        view[d] = ix.numel()
+        index += (ix.to(piece.device) * math.prod(gshape[d + 1:])).view(view)
     return index
+
+
+def _held(t: Tensor) -> Optional[List[Tensor]]:
+    """The global indices of ``t``'s local piece along each dimension, or None where it is
+    whole here."""
+    if not is_dtensor(t):
+        return None
+    lay = layout(t)
+    return None if lay is None else lay.index[lay.me]
 
 
 def _split_across_rows(t: Tensor) -> bool:
     """Whether a DTensor is split along a dimension other than the first."""
-    return is_dtensor(t) and any(pl.is_shard() and pl.dim != 0 for pl in t.placements)
+    return is_dtensor(t) and any(cuts(pl) and pl.dim != 0 for pl in t.placements)
 
 
 def flat_offset(template: Tensor) -> Optional[int]:
     """Where the local piece of ``template`` starts in the whole tensor's flat order, when it
-    is one run of it (a plain tensor, or one split along dimension 0 only); else None."""
-    if not is_dtensor(template):
+    is one run of it (a plain tensor, or one cut into blocks of whole rows); else None."""
+    held = _held(template)
+    if held is None:
         return 0
-    if _split_across_rows(template):
+    if any(ix.numel() != size for ix, size in zip(held[1:], template.shape[1:])):
         return None
-    return _global_offsets(template)[0] * math.prod(template.shape[1:])
+    rows = held[0]
+    if rows.numel() and int(rows[-1]) - int(rows[0]) + 1 != rows.numel():
+        return None  # interleaved blocks (FSDP2's rows of tensor parallelism's)
+    return _global_offsets(template)[0] * math.prod(template.shape[1:]) if not rows.numel() \
+        else int(rows[0]) * math.prod(template.shape[1:])
 
 
 def _global_offsets(t: Tensor) -> Tuple[int, ...]:

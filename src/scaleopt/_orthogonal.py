@@ -1,5 +1,5 @@
-"""Muon's orthogonalization: the Newton-Schulz iteration, on whole matrices also when FSDP2
-(or HSDP, or tensor parallelism) shards them.
+"""Muon's orthogonalization: the Newton-Schulz iteration, on whole matrices also when FSDP2,
+HSDP, tensor or expert parallelism shard them.
 
 :func:`newton_schulz` is ``torch.optim.Muon``'s iteration operation for operation (bfloat16,
 the quintic polynomial, the norm clamped at ``eps``), so its results are torch's bits.
@@ -24,25 +24,31 @@ of the others' results: three collectives per step where one replica alone would
 about 1/R of the bytes through the first two, and 1/(R x S) of the iteration on each rank
 instead of 1/S.
 
-Tensor parallelism's placements are joined the same way: a ``Shard(1)`` matrix by its column
-blocks (the owner concatenates them into the contiguous matrix one process holds); a matrix
-cut along two mesh dimensions (FSDP x TP) is refused by name. With ``buckets`` > 1 the
-matrices go in runs of about equal cost whose all-to-alls are asynchronous, one run's blocks
-travelling while the run before is iterated (:class:`_Runs`). The iteration's coefficients
-are one triple, one per step, or a named iteration (:data:`NS_METHODS`, :func:`polar_express`).
+Every other placement that cuts a matrix into blocks is joined the same way, from where each
+element lies (:mod:`._layout`: for each rank of the ranks that cut it, the global indices it
+holds along each dimension): tensor parallelism's ``Shard(0)`` and ``Shard(1)``, FSDP x TP
+over two mesh dimensions (one process group over both), FSDP2's interleaved
+``_StridedShard``, each under HSDP's ``Replicate()``. A stack of matrices (a mixture of
+experts' ``[experts, in, out]``) is exchanged one matrix at a time, each with its owner; a
+matrix that lies whole on one rank is owned there (or by a replica of it), and a run in which
+no block leaves its rank takes no all-to-all. With ``buckets`` > 1 the matrices go in runs of
+about equal cost whose all-to-alls are asynchronous, one run's blocks travelling while the run
+before is iterated (:class:`_Runs`). The iteration's coefficients are one triple, one per step,
+or a named iteration (:data:`NS_METHODS`, :func:`polar_express`).
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ._sharding import _dtensor, _sharding_groups
+from ._layout import Layout, block_index, layout
 
 #: torch.optim.Muon's defaults (Keller Jordan's constants)
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -149,119 +155,159 @@ def cost(shape: Sequence[int]) -> int:
     return m * n * min(m, n)
 
 
-def owners(shapes: Sequence[Sequence[int]], ranks: int) -> List[int]:
+def owners(shapes: Sequence[Sequence[int]], ranks: int,
+           allowed: Optional[Sequence[Optional[Sequence[int]]]] = None) -> List[int]:
     """The rank that iterates each matrix: the costliest first, each to the rank with the least
-    work so far (the lowest such rank); the same answer on every rank."""
+    work so far (the lowest such rank), among ``allowed[j]`` where that is given (the ranks
+    that hold the whole matrix already); the same answer on every rank."""
     load = [0] * ranks
     owner = [0] * len(shapes)
     for j in sorted(range(len(shapes)), key=lambda j: (-cost(shapes[j]), j)):
-        r = min(range(ranks), key=lambda k: (load[k], k))
+        among = allowed[j] if allowed is not None and allowed[j] else range(ranks)
+        r = min(among, key=lambda k: (load[k], k))
         owner[j] = r
         load[r] += cost(shapes[j])
     return owner
 
 
-def shard_rows(rows: int, ranks: int) -> List[int]:
-    """The rows of each rank under ``Shard(0)`` (torch.chunk's cut: ceil(rows / ranks) each, the
-    last ones fewer or none)."""
-    full = -(-rows // ranks) if ranks else 0
-    return [max(0, min(rows, (k + 1) * full) - k * full) for k in range(ranks)]
-
-
 class Job:
-    """One matrix to orthogonalize: its parameter (for its layout), the local rows of the
-    matrix to iterate, and, once done, the local rows of the result."""
+    """One parameter's matrices to orthogonalize: the parameter (for its layout), how it is
+    read (``"matrix"``, ``"stack"`` of matrices over its leading dimensions, or ``"flatten"``ed
+    to one), its local piece of what to iterate, and, once done, its local piece of the
+    result."""
 
-    __slots__ = ("param", "local", "result")
+    __slots__ = ("param", "local", "reading", "result")
 
-    def __init__(self, param: Tensor, local: Tensor) -> None:
-        self.param, self.local, self.result = param, local, None
+    def __init__(self, param: Tensor, local: Tensor, reading: str = "matrix") -> None:
+        self.param, self.local, self.reading, self.result = param, local, reading, None
 
 
 def orthogonalize(jobs: Sequence[Job], coefficients: Any, steps: int, eps: float,
                   dtype: torch.dtype = torch.bfloat16, buckets: int = 1) -> None:
-    """Each job's ``result``: the local rows of the iteration (in ``dtype``) of its whole
-    matrix (see the module doc); one exchange each way per process group that shards any of
+    """Each job's ``result``: the local piece of the iteration (in ``dtype``) of its whole
+    matrices (see the module doc); one exchange each way per process group that cuts any of
     them, or with ``buckets`` > 1 that many, overlapped with the iteration."""
     iteration = functools.partial(newton_schulz, coefficients=coefficients, steps=steps,
                                   eps=eps, dtype=dtype)
-    by_group: Dict[Any, List[Tuple[Job, int]]] = {}
+    by_group: Dict[Any, List[Tuple[Job, Layout]]] = {}
     for job in jobs:
-        split = _split(job.param)
-        if split is None:
-            job.result = iteration(job.local)
+        lay = layout(job.param)
+        if lay is None:
+            job.result = iteration(job.local.reshape(_matrix(job.reading, job.local.shape))
+                                   ).view(job.local.shape)
         else:
-            by_group.setdefault(split[:2], []).append((job, split[2]))
+            by_group.setdefault((lay.group, lay.replicas), []).append((job, lay))
     for (group, replicas), members in by_group.items():
-        _exchange(group, replicas, [job for job, _ in members], [dim for _, dim in members],
-                  iteration, dtype, buckets)
+        _exchange(group, replicas, members, iteration, dtype, buckets)
 
 
 def whole_here(p: Tensor) -> bool:
     """Whether ``p`` is iterated where it is, with no exchange: nothing splits it over more
     than one rank. Such a matrix's update is made, applied and freed before the next one's is
     made, so that a step holds one update at a time."""
-    return _split(p) is None
+    return layout(p) is None
 
 
-def _split(p: Tensor) -> Any:
-    """How ``p`` is split: (the process group that cuts it into blocks along one dimension,
-    the one over which those blocks are replicated or None, that dimension): FSDP2's
-    ``Shard(0)``, tensor parallelism's ``Shard(0)`` (column-wise) and ``Shard(1)`` (row-wise),
-    each also under HSDP's ``Replicate()``. None where nothing splits ``p``; an error naming
-    the placement for a matrix cut along two mesh dimensions (FSDP x TP), which the exchange
-    does not assemble."""
-    if not isinstance(p, _dtensor()):
-        return None
-    groups = _sharding_groups(p)
-    if not groups:
-        return None
-    shards = [pl for pl in p.placements if pl.is_shard()]
-    copies = [d for d, pl in enumerate(p.placements) if pl.is_replicate()]
-    if len(groups) != 1 or type(shards[0]).__name__ != "Shard" or len(copies) > 1:
-        raise NotImplementedError(
-            f"Muon assembles a sharded matrix from blocks cut along one mesh dimension (FSDP2's "
-            f"Shard(0), tensor parallelism's Shard(0) or Shard(1), each also as HSDP's "
-            f"(Replicate(), Shard(d))); a {tuple(p.shape)} parameter is placed {p.placements}, "
-            f"cut along {len(groups)} mesh dimensions: the exchange would need a gather over "
-            f"both (FSDP x TP), which it does not do")
-    if dist.get_world_size(groups[0]) == 1:
-        return None
-    replicas = p.device_mesh.get_group(copies[0]) if copies else None
-    return (groups[0], replicas if replicas is not None and dist.get_world_size(replicas) > 1
-            else None, shards[0].dim)
+def stack_whole_here(p: Tensor) -> bool:
+    """Whether each matrix of the stack ``p`` lies whole on one rank, with no copy elsewhere
+    (expert parallelism's or FSDP2's cut of its leading dimensions alone): iterated where it
+    lies, with no exchange."""
+    lay = layout(p)
+    if lay is None:
+        return True
+    if lay.replicas is not None:
+        return False
+    return all(ix.numel() == size for k in range(lay.ranks)
+               for ix, size in zip(lay.index[k][-2:], p.shape[-2:]))
 
 
-def _exchange(group: Any, replicas: Any, jobs: Sequence[Job], dims: Sequence[int],
+def _matrix(reading: str, shape: Sequence[int]) -> Tuple[int, int]:
+    """The matrix a tensor of ``shape`` (a whole unit of an exchange) is iterated as."""
+    if len(shape) == 2:
+        return shape[0], shape[1]
+    return shape[0], math.prod(shape[1:])
+
+
+class _Unit:
+    """One matrix of an exchange: its job, where it lies in the job's local piece (``at``: its
+    leading positions in a stack, ``()`` for the whole piece, None where this rank holds none
+    of it), the shape it is joined in, the matrix it is iterated as, and each rank's block of
+    it (per dimension of the joined shape, the indices; None where the rank holds none)."""
+
+    __slots__ = ("job", "at", "shape", "matrix", "blocks", "sizes")
+
+    def __init__(self, job: int, at: Any, shape: Tuple[int, ...], matrix: Tuple[int, int],
+                 blocks: List[Any]) -> None:
+        self.job, self.at, self.shape, self.matrix, self.blocks = job, at, shape, matrix, blocks
+        self.sizes = [0 if b is None else math.prod(ix.numel() for ix in b) for b in blocks]
+
+    def holder(self) -> Optional[int]:
+        """The rank that holds the whole matrix, if one does."""
+        whole = math.prod(self.shape)
+        return next((k for k, n in enumerate(self.sizes) if n == whole and whole), None)
+
+
+def _units(j: int, job: Job, lay: Layout) -> List[_Unit]:
+    """The matrices of job ``j``: a stack's each, else its whole tensor."""
+    shape = tuple(job.param.shape)
+    ranks = lay.ranks
+    if job.reading != "stack" or len(shape) == 2:
+        blocks = [lay.index[k] for k in range(ranks)]
+        unit = _Unit(j, (), shape, _matrix(job.reading, shape), blocks)
+        if not unit.sizes[lay.me]:
+            unit.at = None
+        return [unit]
+    lead = len(shape) - 2
+    where = [[{int(g): i for i, g in enumerate(lay.index[k][d])} for d in range(lead)]
+             for k in range(ranks)]
+    units = []
+    for e in itertools.product(*(range(s) for s in shape[:lead])):
+        at = [tuple(where[k][d].get(e[d]) for d in range(lead)) for k in range(ranks)]
+        blocks = [None if None in at[k] else lay.index[k][lead:] for k in range(ranks)]
+        unit = _Unit(j, at[lay.me], shape[lead:], shape[lead:], blocks)
+        if not unit.sizes[lay.me]:
+            unit.at = None
+        units.append(unit)
+    return units
+
+
+def _exchange(group: Any, replicas: Any, members: Sequence[Tuple[Job, Layout]],
               iteration: Callable[[Tensor], Tensor], dtype: torch.dtype,
               buckets: int = 1) -> None:
-    """The jobs' results (see the module doc): ``group`` cuts job ``j``'s matrix along
-    ``dims[j]``, ``replicas`` (or None) holds the same blocks again."""
+    """The results of ``members``' jobs (see the module doc), all cut over ``group``, and
+    copied over ``replicas`` (or None)."""
     ranks, me = dist.get_world_size(group), dist.get_rank(group)
     copies, copy = ((dist.get_world_size(replicas), dist.get_rank(replicas))
                     if replicas is not None else (1, 0))
-    shapes = [tuple(job.param.shape) for job in jobs]
-    cuts = [shard_rows(shape[d], ranks) for shape, d in zip(shapes, dims)]
-    for job, d, cut in zip(jobs, dims, cuts):
-        if job.local.shape[d] != cut[me]:
+    jobs = [job for job, _ in members]
+    for job, lay in members:
+        if tuple(job.local.shape) != tuple(ix.numel() for ix in lay.index[me]):
             raise NotImplementedError(
-                f"Muon expects torch.chunk's blocks of a {tuple(job.param.shape)} parameter "
-                f"along dimension {d} over {ranks} ranks ({cut[me]} here), and the local shard "
-                f"has {job.local.shape[d]}")
+                f"Muon expects the local shard of a {tuple(job.param.shape)} parameter placed "
+                f"{job.param.placements} to be DTensor's block of "
+                f"{tuple(ix.numel() for ix in lay.index[me])}, and it is "
+                f"{tuple(job.local.shape)}")
+    units = [u for j, (job, lay) in enumerate(members) for u in _units(j, job, lay)]
+    for job in jobs:
+        job.result = (None if job.reading != "stack" or job.param.ndim == 2 else
+                      torch.empty(job.local.shape, dtype=dtype, device=job.local.device))
     # the runs of the exchange (one unless buckets > 1), by the iteration's cost, and in each
     # run the owners (slot // ranks: the replica, slot % ranks: its rank), so that every rank
-    # has about its share of each run's work
-    runs = buckets_of([cost(shape) for shape in shapes], buckets)
-    slot = [0] * len(jobs)
+    # has about its share of each run's work; a matrix whole on one rank stays on it
+    runs = buckets_of([cost(u.matrix) for u in units], buckets)
+    slot = [0] * len(units)
     for run in runs:
-        for j, o in zip(run, owners([shapes[j] for j in run], copies * ranks)):
-            slot[j] = o
-    ours = [[j for j in run if slot[j] // ranks == copy] for run in runs]
-    _iterate_ours(jobs, shapes, dims, cuts, [o % ranks for o in slot], ours, group, iteration,
-                  dtype, jobs[0].local.device)
+        holders = [units[u].holder() for u in run]
+        allowed = [None if h is None else [c * ranks + h for c in range(copies)]
+                   for h in holders]
+        for u, o in zip(run, owners([units[u].matrix for u in run], copies * ranks, allowed)):
+            slot[u] = o
+    ours = [[u for u in run if slot[u] // ranks == copy] for run in runs]
+    _iterate_ours(jobs, units, [o % ranks for o in slot], ours, group, iteration, dtype,
+                  jobs[0].local.device)
     if copies > 1:
-        _share_results(jobs, [slot[j] // ranks for j in range(len(jobs))], replicas, copy,
-                       dtype)
+        _share_results(jobs, units, [slot[u] // ranks for u in range(len(units))], replicas,
+                       copy, dtype)
 
 
 def buckets_of(sizes: Sequence[int], buckets: int) -> List[List[int]]:
@@ -277,22 +323,20 @@ def buckets_of(sizes: Sequence[int], buckets: int) -> List[List[int]]:
     return runs + [run] if run else runs
 
 
-def _iterate_ours(jobs: Sequence[Job], shapes: Sequence[Tuple[int, int]], dims: Sequence[int],
-                  cuts: Sequence[List[int]], owner: Sequence[int], runs: List[List[int]],
-                  group: Any, iteration: Callable[[Tensor], Tensor], dtype: torch.dtype,
-                  device: torch.device) -> None:
-    """The ``result`` (its local block) of each job of ``runs``: the matrix iterated by the rank
-    ``owner[j]`` of ``group``, to which the blocks travel in an all-to-all and from which they
-    come back in another. Job ``j``'s matrix is cut along ``dims[j]`` as ``cuts[j]`` says; the
-    owner joins the blocks into the matrix one process holds (contiguous) and cuts the result
-    the same way.
+def _iterate_ours(jobs: Sequence[Job], units: Sequence[_Unit], owner: Sequence[int],
+                  runs: List[List[int]], group: Any, iteration: Callable[[Tensor], Tensor],
+                  dtype: torch.dtype, device: torch.device) -> None:
+    """The results (this rank's blocks) of the matrices of ``runs``: each matrix iterated by
+    the rank ``owner[u]`` of ``group``, to which the blocks travel in an all-to-all and from
+    which they come back in another. The owner joins the blocks into the matrix one process
+    holds (contiguous) and cuts the result the same way.
 
     Each run's exchanges are asynchronous: the next run's blocks travel while this one's
     matrices are iterated, and each run's results go back while the next ones are iterated, so
     that with several runs the exchange hides behind the iteration (the same matrices, the same
-    bits). One run: two all-to-alls (both empty where it has no jobs: every rank of ``group``
-    takes part)."""
-    exchange = _Runs(jobs, shapes, dims, cuts, owner, group, dtype, device)
+    bits). One run: two all-to-alls (both empty where it has no matrices: every rank of
+    ``group`` takes part); none where every matrix of the run lies whole on its owner."""
+    exchange = _Runs(jobs, units, owner, group, dtype, device)
     runs = runs or [[]]
     posted = exchange.send(runs[0])
     returning = []
@@ -305,96 +349,140 @@ def _iterate_ours(jobs: Sequence[Job], shapes: Sequence[Tuple[int, int]], dims: 
         exchange.receive(back)
 
 
-class _Runs:
-    """The exchange of :func:`_iterate_ours`, run by run: what every run shares (the jobs, how
-    they are cut and owned, the process group)."""
+class _Done:
+    """A collective that did not need to run: nothing crosses ranks."""
 
-    def __init__(self, jobs: Sequence[Job], shapes: Sequence[Tuple[int, int]],
-                 dims: Sequence[int], cuts: Sequence[List[int]], owner: Sequence[int],
+    def wait(self) -> None:
+        return None
+
+
+class _Runs:
+    """The exchange of :func:`_iterate_ours`, run by run: what every run shares (the jobs and
+    their matrices, who owns each, the process group)."""
+
+    def __init__(self, jobs: Sequence[Job], units: Sequence[_Unit], owner: Sequence[int],
                  group: Any, dtype: torch.dtype, device: torch.device) -> None:
-        self.jobs, self.shapes, self.dims, self.cuts, self.owner = jobs, shapes, dims, cuts, owner
+        self.jobs, self.units, self.owner = jobs, units, owner
         self.group, self.dtype, self.device = group, dtype, device
         self.ranks, self.me = dist.get_world_size(group), dist.get_rank(group)
 
-    def block(self, j: int, k: int) -> Tuple[int, int]:
-        """The shape of rank ``k``'s block of job ``j``'s matrix."""
-        shape = list(self.shapes[j])
-        shape[self.dims[j]] = self.cuts[j][k]
-        return shape[0], shape[1]
-
-    def _all_to_all(self, send: Tensor, receive_sizes: List[int],
-                    send_sizes: List[int]) -> Tuple[Tensor, Any]:
+    def _all_to_all(self, send: Tensor, receive_sizes: List[int], send_sizes: List[int],
+                    moves: bool) -> Tuple[Tensor, Any]:
+        if not moves:  # every block stays where it is: this rank's to itself
+            return send, _Done()
         received = torch.empty(sum(receive_sizes), dtype=self.dtype, device=self.device)
         return received, dist.all_to_all_single(
             received, send, output_split_sizes=receive_sizes, input_split_sizes=send_sizes,
             group=self.group, async_op=True)
 
+    def _moves(self, run: List[int]) -> bool:
+        """Whether any block of the run lies on a rank other than its matrix's owner (the
+        same answer on every rank of the group)."""
+        return any(n for u in run for k, n in enumerate(self.units[u].sizes)
+                   if k != self.owner[u])
+
+    def _mine(self, u: int) -> Tensor:
+        unit = self.units[u]
+        local = self.jobs[unit.job].local
+        return local[unit.at] if unit.at else local
+
     def send(self, run: List[int]) -> Tuple[Any, ...]:
         """The run's blocks on their way to their owners (asynchronously)."""
-        mine = [j for j in run if self.owner[j] == self.me]
-        send = [[self.jobs[j].local.to(self.dtype).reshape(-1) for j in run
-                 if self.owner[j] == k] for k in range(self.ranks)]
+        mine = [u for u in run if self.owner[u] == self.me]
+        send = [[self._mine(u).to(self.dtype).reshape(-1) for u in run
+                 if self.owner[u] == k and self.units[u].at is not None]
+                for k in range(self.ranks)]
         sent = [sum(t.numel() for t in pieces) for pieces in send]
-        taken = [sum(math.prod(self.block(j, k)) for j in mine) for k in range(self.ranks)]
+        taken = [sum(self.units[u].sizes[k] for u in mine) for k in range(self.ranks)]
         flat = _flat(send, self.device, self.dtype)
-        return (run, mine, sent, taken, flat) + self._all_to_all(flat, taken, sent)
+        moves = self._moves(run)
+        return (run, mine, sent, taken, moves, flat) + self._all_to_all(flat, taken, sent,
+                                                                        moves)
 
     def iterate(self, posted: Tuple[Any, ...], iteration: Callable[[Tensor], Tensor]
                 ) -> Tuple[Any, ...]:
         """Once a run's blocks are here: this rank's matrices joined and iterated, and the
         results' blocks on their way back (asynchronously)."""
-        run, mine, sent, taken, _, got, work = posted
+        run, mine, sent, taken, moves, _, got, work = posted
         work.wait()
-        from_rank = [piece.split([math.prod(self.block(j, k)) for j in mine])
+        from_rank = [piece.split([self.units[u].sizes[k] for u in mine])
                      for k, piece in enumerate(got.split(taken))]
         back: List[List[Tensor]] = [[] for _ in range(self.ranks)]
-        for i, j in enumerate(mine):
-            whole = torch.cat([from_rank[k][i].view(self.block(j, k))
-                               for k in range(self.ranks)], dim=self.dims[j])
-            for k, piece in enumerate(iteration(whole).split(self.cuts[j], dim=self.dims[j])):
-                back[k].append(piece.reshape(-1))
+        for i, u in enumerate(mine):
+            unit = self.units[u]
+            where = [None if b is None or not n else block_index(b)
+                     for b, n in zip(unit.blocks, unit.sizes)]
+            whole = torch.empty(unit.shape, dtype=self.dtype, device=self.device)
+            for k, at in enumerate(where):
+                if at is not None:
+                    whole[at] = from_rank[k][i].view([ix.numel() for ix in unit.blocks[k]])
+            result = iteration(whole.view(unit.matrix)).view(unit.shape)
+            del whole
+            for k, at in enumerate(where):
+                if at is not None:
+                    back[k].append(result[at].reshape(-1))
         flat = _flat(back, self.device, self.dtype)
-        return (run, sent, flat) + self._all_to_all(flat, sent, taken)
+        return (run, sent, flat) + self._all_to_all(flat, sent, taken, moves)
 
     def receive(self, returning: Tuple[Any, ...]) -> None:
-        """Once a run's results are back: each job's ``result``, a view of its block."""
+        """Once a run's results are back: each matrix's block put in its job's ``result``."""
         run, sent, _, returned, work = returning
         work.wait()
-        jobs, owner = self.jobs, self.owner
-        pieces = [piece.split([jobs[j].local.numel() for j in run if owner[j] == k])
-                  for k, piece in enumerate(returned.split(sent))]
-        position = [0] * self.ranks
-        for j in run:
-            jobs[j].result = pieces[owner[j]][position[owner[j]]].view(jobs[j].local.shape)
-            position[owner[j]] += 1
+        held = [[u for u in run if self.owner[u] == k and self.units[u].at is not None]
+                for k in range(self.ranks)]
+        for k, piece in enumerate(returned.split(sent)):
+            for u, block in zip(held[k], piece.split([self.units[u].sizes[self.me]
+                                                      for u in held[k]])):
+                _put(self.jobs, self.units[u], block)
 
 
-def _share_results(jobs: Sequence[Job], replica: Sequence[int], replicas: Any, copy: int,
-                   dtype: torch.dtype) -> None:
-    """The results of the jobs that the other replicas iterated (``replica[j]``: the one that
-    iterated job ``j``; this rank's is ``copy``), from the ranks of ``replicas`` that hold the
-    same rows: one ``all_gather`` of each rank's rows of its replica's results, padded to the
-    largest such piece (every rank of ``replicas`` knows all their sizes from the shapes)."""
+def _put(jobs: Sequence[Job], unit: _Unit, block: Tensor) -> None:
+    """A matrix's result block (flat) into its job's ``result``."""
+    job = jobs[unit.job]
+    if unit.at == ():
+        job.result = block.view(job.local.shape)
+    else:
+        job.result[unit.at] = block.view(job.result.shape[len(unit.at):])
+
+
+def _share_results(jobs: Sequence[Job], units: Sequence[_Unit], replica: Sequence[int],
+                   replicas: Any, copy: int, dtype: torch.dtype) -> None:
+    """The results of the matrices that the other replicas iterated (``replica[u]``: the one
+    that iterated matrix ``u``; this rank's is ``copy``), from the ranks of ``replicas`` that
+    hold the same blocks: one ``all_gather`` of each rank's blocks of its replica's results,
+    padded to the largest such piece (every rank of ``replicas`` knows all their sizes from
+    the layout)."""
     copies = dist.get_world_size(replicas)
-    sizes = [sum(jobs[j].local.numel() for j in range(len(jobs)) if replica[j] == c)
-             for c in range(copies)]
+    held = [[u for u in range(len(units)) if replica[u] == c and units[u].at is not None]
+            for c in range(copies)]
+    sizes = [sum(_size(jobs, units[u]) for u in held[c]) for c in range(copies)]
     size = max(sizes)
     if size == 0:
         return
     device = jobs[0].local.device
-    mine = [jobs[j].result.reshape(-1) for j in range(len(jobs)) if replica[j] == copy]
     piece = torch.zeros(size, dtype=dtype, device=device)
-    if mine:
-        torch.cat(mine, out=piece[:sizes[copy]])
+    if held[copy]:
+        torch.cat([_result_of(jobs, units[u]).reshape(-1) for u in held[copy]],
+                  out=piece[:sizes[copy]])
     gathered = [torch.empty(size, dtype=dtype, device=device) for _ in range(copies)]
     dist.all_gather(gathered, piece, group=replicas)
     for c in range(copies):
         if c == copy:
             continue
-        theirs = [j for j in range(len(jobs)) if replica[j] == c]
-        for j, block in zip(theirs, gathered[c][:sizes[c]].split(
-                [jobs[j].local.numel() for j in theirs])):
-            jobs[j].result = block.view(jobs[j].local.shape)
+        for u, block in zip(held[c], gathered[c][:sizes[c]].split(
+                [_size(jobs, units[u]) for u in held[c]])):
+            _put(jobs, units[u], block)
+
+
+def _size(jobs: Sequence[Job], unit: _Unit) -> int:
+    """The elements of this rank's block of ``unit``."""
+    local = jobs[unit.job].local
+    return local.numel() if unit.at == () else math.prod(local.shape[len(unit.at):])
+
+
+def _result_of(jobs: Sequence[Job], unit: _Unit) -> Tensor:
+    result = jobs[unit.job].result
+    return result if unit.at == () else result[unit.at]
 
 
 def _flat(pieces: Sequence[Sequence[Tensor]], device: torch.device, dtype: torch.dtype) -> Tensor:

@@ -78,6 +78,12 @@ def any_dtensor(tensors: Sequence[Tensor]) -> bool:
                                              itertools.repeat(cls)))
 
 
+def cuts(placement: Any) -> bool:
+    """Whether a DTensor placement cuts a tensor dimension into blocks: ``Shard`` and FSDP2's
+    ``_StridedShard`` (which torch 2.13 does not count as ``is_shard()``)."""
+    return placement.is_shard() or type(placement).__name__ == "_StridedShard"
+
+
 def local_piece(t: Tensor) -> Tensor:
     """A DTensor's local shard (a view of its memory), another tensor itself."""
     return t.to_local() if isinstance(t, _dtensor()) else t
@@ -139,7 +145,7 @@ def _sharding_groups(t: Tensor) -> List[Any]:
     groups = known.get(placements)
     if groups is None:
         groups = known[placements] = [mesh.get_group(d) for d, pl in enumerate(placements)
-                                      if pl.is_shard()]
+                                      if cuts(pl)]
     return groups
 
 

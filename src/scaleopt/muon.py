@@ -8,15 +8,16 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from . import _compact, _ops, _orthogonal, adamw
+from . import _compact, _ops, adamw
 from ._base import ScaleOptimizer, lr_of
 from ._checks import check_betas, check_bool, check_choice, check_number
 from ._dispatch import check_implementation
 from ._loading import StateSpec, _pairs
 from ._masters import (LOW_PRECISION, LocalPlacement, MasterView, Storage, WithMasterWeights,
                        split_, split_join)
+from ._layout import layout
 from ._orthogonal import (EPS, NS_COEFFICIENTS, NS_METHODS, NS_STEPS, Job, adjusted_lr,
-                          newton_schulz_, orthogonalize, whole_here)
+                          newton_schulz_, orthogonalize, stack_whole_here, whole_here)
 from ._params import NameRule, match_names, normalize_group, param_label, rule_is_set
 from ._sharding import local_piece
 
@@ -26,9 +27,10 @@ __all__ = ["Muon"]
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 #: what updates a group's parameters
 ALGORITHMS = ("muon", "adamw")
-#: how a parameter of 3 or more dimensions is read (``nd_params``): AdamW's, a stack of
-#: matrices over its leading dimensions, or one matrix of its first dimension's rows
-ND_READINGS = ("adamw", "stack", "flatten")
+#: how a parameter of 3 or more dimensions is read (``nd_params``): a stack if 3-D and
+#: flattened if more ("auto"), AdamW's, a stack of matrices over its leading dimensions, or
+#: one matrix of its first dimension's rows
+ND_READINGS = ("auto", "adamw", "stack", "flatten")
 #: the elements of a split master joined at a time (its float32 values exist only for these)
 SPLIT_CHUNK = 1 << 16
 #: the dtypes the iteration runs in (``ns_dtype``)
@@ -70,10 +72,11 @@ class Muon(WithMasterWeights, ScaleOptimizer):
     is kept whole. So one optimizer, one ``state_dict`` and one LR scheduler (which scales
     each group's ``lr``) serve a whole model.
 
-    On FSDP2 (and HSDP) shards each matrix is iterated whole, by one rank of the whole mesh
-    (on HSDP not once per replica): the ranks share the matrices by cost, and the rows travel
-    in one batched exchange each way per step (on HSDP, and one all-gather over the replicas);
-    the results are one process's (see :doc:`/muon`).
+    On FSDP2, tensor-parallel, FSDP x TP and expert-parallel shards (each also under HSDP)
+    each matrix is iterated whole, by one rank of the whole mesh (on HSDP not once per
+    replica): the ranks share the matrices by cost, and the blocks travel in one batched
+    exchange each way per step (on HSDP, and one all-gather over the replicas); the results
+    are one process's (see :doc:`/muon`).
 
     Args:
         params: tensors, ``(name, tensor)`` pairs or param-group dicts.
@@ -101,17 +104,17 @@ class Muon(WithMasterWeights, ScaleOptimizer):
             group; None: the group's ``lr``.
         exclude_from_muon (regex, list of regexes, callable(name) or None): parameters that
             would take Muon but take AdamW (e.g. ``r"embed|head"``).
-        nd_params (``"adamw"``, ``"stack"`` or ``"flatten"``, default ``"adamw"``): how a
-            parameter of 3 or more dimensions is read: AdamW's; a stack of matrices over its
-            leading dimensions (the last two are the matrix: a mixture of experts'
+        nd_params (``"auto"``, ``"stack"``, ``"flatten"`` or ``"adamw"``, default
+            ``"auto"``): how a parameter of 3 or more dimensions is read: a stack of matrices
+            over its leading dimensions (the last two are the matrix: a mixture of experts'
             ``[experts, in, out]`` weight), each orthogonalized on its own, with its own
-            :math:`\eta'`, so that each gets torch.optim.Muon's bits for that matrix; or one
+            :math:`\eta'`, so that each gets torch.optim.Muon's bits for that matrix; one
             matrix of its first dimension's rows (a convolution's ``[out, in, kh, kw]`` as
-            ``[out, in * kh * kw]``, as Keller Jordan's Muon reads it). A stack cut over ranks
-            by its leading dimensions (expert parallelism's or FSDP2's ``Shard(0)``) is
-            iterated where its matrices lie, with no exchange; one cut through its matrices,
-            replicated (HSDP), or a flattened parameter cut at all, is refused at
-            construction with its placement named.
+            ``[out, in * kh * kw]``, as Keller Jordan's Muon reads it); AdamW's; or
+            (``"auto"``) a stack if 3-D, flattened if more. A stack cut over ranks by its
+            leading dimensions alone (expert parallelism's or FSDP2's ``Shard(0)``) is
+            iterated where its matrices lie, with no exchange; any other cut goes through the
+            exchange, one matrix of the stack at a time.
         exclude_from_weight_decay (name rule or None): names that get no decay.
         max_grad_norm (float or None, default None): global gradient-norm clipping.
         nonfinite (``"propagate"`` or ``"skip"``): as in :class:`LAMB` (see :doc:`/robustness`).
@@ -175,7 +178,7 @@ class Muon(WithMasterWeights, ScaleOptimizer):
         adamw_eps: float = 1e-8,
         adamw_lr: Optional[float] = None,
         exclude_from_muon: NameRule = None,
-        nd_params: str = "adamw",
+        nd_params: str = "auto",
         exclude_from_weight_decay: NameRule = None,
         max_grad_norm: Optional[float] = None,
         nonfinite: str = "propagate",
@@ -219,8 +222,8 @@ class Muon(WithMasterWeights, ScaleOptimizer):
                              "'param_names'")
         excluded = match_names(rule, names) if rule_is_set(rule) else (False,) * len(
             group["params"])
-        reading = group.get("nd_params", self.defaults["nd_params"])
-        matrix = [(p.ndim == 2 or (p.ndim > 2 and reading != "adamw")) and not x
+        nd = dict(nd_params=group.get("nd_params", self.defaults["nd_params"]))
+        matrix = [p.ndim >= 2 and _reading(nd, p) != "adamw" and not x
                   for p, x in zip(group["params"], excluded)]
         parts = [(a, [i for i, m in enumerate(matrix) if m == (a == "muon")]) for a in ALGORITHMS]
         parts = [(a, idx) for a, idx in parts if idx] or [("muon", [])]
@@ -265,19 +268,16 @@ class Muon(WithMasterWeights, ScaleOptimizer):
         check_choice("nd_params", group["nd_params"], ND_READINGS)
         if group["algorithm"] == "muon":
             for i, p in enumerate(group["params"]):
-                if p.ndim < 2 or (p.ndim > 2 and group["nd_params"] == "adamw"):
+                if p.ndim < 2 or _reading(group, p) == "adamw":
                     raise ValueError(
                         f"a group with algorithm='muon' takes matrices (2-D parameters, or more "
                         f"dimensions with nd_params 'stack' or 'flatten'), and "
                         f"{param_label(group, i)} has shape {tuple(p.shape)}: leave the group's "
                         f"algorithm unset to send it to AdamW")
-                if p.ndim > 2 and not _matrices_whole_here(group, p):
-                    where = getattr(p, "placements", None)
-                    raise ValueError(
-                        f"{param_label(group, i)} (shape {tuple(p.shape)}) is read as "
-                        f"nd_params={group['nd_params']!r}, which Muon iterates on one process, "
-                        f"but it is split over ranks (placements {where}): send it to AdamW "
-                        f"(exclude_from_muon) or keep it whole")
+                try:
+                    layout(p)
+                except NotImplementedError as exc:
+                    raise ValueError(f"{param_label(group, i)}: {exc}") from None
 
     # -- loading ------------------------------------------------------------------------------
 
@@ -321,11 +321,12 @@ class Muon(WithMasterWeights, ScaleOptimizer):
             decays = [not x for x in self._rule_flags(group, "exclude_from_weight_decay")]
             for i, p, g in zip(item.idx, item.params, item.grads):
                 each = group if decays[i] else dict(group, weight_decay=0.0)
-                if p.ndim > 2 or whole_here(p):  # made, applied and freed before the next
+                if _iterated_here(group, p):  # made, applied and freed before the next
                     self._step_matrix(each, p, g)
                 else:
                     matrices.append((each, p, Job(p, self._momentum_update(group, p, g,
-                                                                           pending))))
+                                                                           pending),
+                                                  _reading(group, p))))
         if matrices:
             self._apply(matrices)
         _compact.store(pending)
@@ -373,7 +374,7 @@ class Muon(WithMasterWeights, ScaleOptimizer):
         # the iteration runs where the parameter is (offloaded: its momentum comes over)
         device, dtype = local_piece(p).device, NS_DTYPES[group["ns_dtype"]]
         how = (_as_tuples(group["ns_coefficients"]), group["ns_steps"], group["eps"])
-        if p.ndim == 2 or group["nd_params"] == "flatten":
+        if _reading(group, p) != "stack":
             y = look.reshape(matrix_shape(group, look.shape)).to(device=device, dtype=dtype,
                                                                   copy=True)
             del look
@@ -450,23 +451,35 @@ def _move(w: Tensor, update: Tensor, group: Dict[str, Any], shape: Any) -> None:
     w.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], shape))
 
 
-def _matrices_whole_here(group: Dict[str, Any], p: Tensor) -> bool:
-    """Whether each matrix of ``p`` (of 3 or more dimensions, read as ``nd_params`` says) is
-    whole on this process and iterated by it alone: nothing splits ``p``, or (a stack) one mesh
-    dimension cuts its leading dimensions with no replicas (FSDP2's or expert parallelism's
-    ``Shard(0)``), so that each matrix lives on one rank of the mesh."""
-    try:
-        split = _orthogonal._split(p)
-    except NotImplementedError:
-        return False
-    return split is None or (group["nd_params"] == "stack" and split[1] is None
-                             and split[2] < p.ndim - 2)
+def _reading(group: Dict[str, Any], p: Tensor) -> str:
+    """How ``p`` (of 2 or more dimensions) is read: see :func:`_read_as`."""
+    return _read_as(group["nd_params"], p.ndim)
+
+
+def _read_as(nd_params: str, ndim: int) -> str:
+    """How a parameter of ``ndim`` (2 or more) dimensions is read: a ``"matrix"``, a
+    ``"stack"`` of matrices, one ``"flatten"``ed matrix, or ``"adamw"``'s (``nd_params``;
+    ``"auto"``: a stack if 3-D, flattened if more)."""
+    if ndim == 2:
+        return "matrix"
+    if nd_params == "auto":
+        return "stack" if ndim == 3 else "flatten"
+    return nd_params
+
+
+def _iterated_here(group: Dict[str, Any], p: Tensor) -> bool:
+    """Whether each matrix of ``p`` is whole on this process and iterated by it alone, with
+    no exchange: nothing cuts ``p`` over ranks, or (a stack) only its leading dimensions are
+    cut, with no copies (expert parallelism's or FSDP2's ``Shard(0)``)."""
+    if _reading(group, p) == "stack":
+        return stack_whole_here(p)
+    return whole_here(p)
 
 
 def matrix_shape(group: Dict[str, Any], shape: Sequence[int]) -> Tuple[int, int]:
     """The shape of the matrix (or of each matrix of a stack) that ``shape`` is read as, whose
     rows and columns set the learning rate's adjustment."""
-    if len(shape) == 2 or group.get("nd_params") == "stack":
+    if _read_as(group.get("nd_params", "auto"), len(shape)) in ("matrix", "stack"):
         return tuple(shape[-2:])  # type: ignore[return-value]
     return shape[0], math.prod(shape[1:])
 

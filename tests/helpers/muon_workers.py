@@ -146,36 +146,79 @@ def train_hsdp(rank, world, tmp, name, steps):
                 collectives={str(k): v for k, v in mode.get_comm_counts().items()})
 
 
+def _counting_iterations():
+    """The shapes of the matrices this process iterates, whichever path (the exchange's or a
+    whole matrix's) iterates them."""
+    from scaleopt import _orthogonal, muon
+
+    iterated = []
+    real = _orthogonal.newton_schulz_
+
+    def counted(y, *args, **kwargs):
+        iterated.append(tuple(y.shape))
+        return real(y, *args, **kwargs)
+
+    _orthogonal.newton_schulz_ = muon.newton_schulz_ = counted
+    return iterated
+
+
+def _layouts(world):
+    """The placements of ``up`` and ``down`` by name, with the mesh's shape."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return {
+        "tp": ((world,), [Shard(0)], [Shard(1)]),
+        "hsdp-tp": ((2, 2), [Replicate(), Shard(1)], [Replicate(), Shard(1)]),
+        "fsdp-tp": ((2, 2), [Shard(0), Shard(1)], [Shard(0), Shard(1)]),
+        # FSDP2's rows of tensor parallelism's column-wise blocks: interleaved row blocks
+        "fsdp-tp-strided": ((2, 2), [Shard(0), Shard(1)],
+                            [_StridedShard(0, split_factor=2), Shard(0)]),
+        "hsdp-fsdp-tp": ((2, 2, 2), [Replicate(), Shard(0), Shard(1)],
+                         [Replicate(), _StridedShard(0, split_factor=2), Shard(0)]),
+    }
+
+
 def train_tensor_parallel(rank, world, tmp, name, steps, placements):
-    """The matrices as tensor parallelism places them on a mesh of ``world`` ranks (``"tp"``:
-    1-D, ``up`` column-wise ``Shard(0)``, ``down`` row-wise ``Shard(1)``; ``"hsdp-tp"``: 2 x 2,
-    ``(Replicate(), Shard(1))`` for both; ``"fsdp-tp"``: 2 x 2, ``(Shard(0), Shard(1))``), the
-    other parameters plain tensors. Per rank: the full matrices after ``steps`` steps and the
-    collectives of the last step, or the error the step raised."""
+    """The matrices placed as :func:`_layouts` names them (``"fsdp2-tp"``: by torch's own
+    tensor parallelism, row-wise ``up`` and column-wise ``down`` on the mesh's ``tp``
+    dimension, and FSDP2 over its ``dp`` one), the other parameters plain tensors. Per rank:
+    the full matrices after ``steps`` steps, the matrices' placements, the shapes it iterated
+    (all steps) and the collectives of the last step."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import distribute_tensor
     from torch.distributed.tensor.debug import CommDebugMode
 
-    mesh = init_device_mesh("cpu", (world,) if placements == "tp" else (2, world // 2))
-    layout = {"tp": {"up": [Shard(0)], "down": [Shard(1)]},
-              "hsdp-tp": {"up": [Replicate(), Shard(1)], "down": [Replicate(), Shard(1)]},
-              "fsdp-tp": {"up": [Shard(0), Shard(1)], "down": [Shard(0), Shard(1)]}}[placements]
+    iterated = _counting_iterations()
     model = model_of()
-    for key, where in layout.items():
-        layer = getattr(model, key)
-        layer.weight = nn.Parameter(distribute_tensor(layer.weight.detach(), mesh, where))
+    if placements == "fsdp2-tp":
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                       parallelize_module)
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        # (column-wise the 96-row matrix: DTensor cuts interleaved blocks only evenly)
+        parallelize_module(model, mesh["tp"], {"up": RowwiseParallel(),
+                                               "down": ColwiseParallel()})
+        for m in (model.up, model.down):
+            fully_shard(m, mesh=mesh["dp"])
+    else:
+        shape, up, down = _layouts(world)[placements]
+        mesh = init_device_mesh("cpu", shape)
+        for key, where in (("up", up), ("down", down)):
+            layer = getattr(model, key)
+            layer.weight = nn.Parameter(distribute_tensor(layer.weight.detach(), mesh, where))
     opt = OPTIMIZERS[name](list(model.named_parameters()))
-    try:
-        for t in range(steps):
-            give_grads(model, t)
-            mode = CommDebugMode()
-            with mode:
-                opt.step()
-    except NotImplementedError as e:
-        return dict(error=str(e))
+    for t in range(steps):
+        give_grads(model, t)
+        mode = CommDebugMode()
+        with mode:
+            opt.step()
     full = [model.up.weight.full_tensor().detach().clone(),
             model.down.weight.full_tensor().detach().clone()]
-    return dict(full=full, collectives={str(k): v for k, v in mode.get_comm_counts().items()})
+    return dict(full=full, iterated=iterated,
+                placements=[str(p.placements) for p in (model.up.weight, model.down.weight)],
+                collectives={str(k): v for k, v in mode.get_comm_counts().items()})
 
 
 def _checkpoint(model, opt):
@@ -227,47 +270,70 @@ def skip_on_one_rank(rank, world, tmp):
     return (before, after, counts) if rank == 0 else None
 
 
-def stack_split(rank, world, tmp):
-    """A stack of 8 matrices whose matrices are cut over the ranks (``Shard(1)``: their rows),
-    read as a stack or flattened: the error each construction raises."""
+def refused_partial(rank, world, tmp):
+    """A matrix placed as partial sums (``Partial()``): the error Muon's construction raises."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Partial
 
     mesh = init_device_mesh("cpu", (world,))
-    experts = nn.Parameter(distribute_tensor(torch.randn(8, 16, 24), mesh, [Shard(1)]))
-    errors = []
-    for reading in ("stack", "flatten"):
-        try:
-            scaleopt.Muon([("experts", experts)], lr=0.02, nd_params=reading)
-        except ValueError as e:
-            errors.append(str(e))
-    kept = scaleopt.Muon([("experts", experts)], lr=0.02)  # the default: AdamW's
-    return dict(errors=errors, algorithms=[g["algorithm"] for g in kept.param_groups])
+    partial = nn.Parameter(DTensor.from_local(torch.randn(16, 24), mesh, [Partial()]))
+    try:
+        scaleopt.Muon([("w", partial)], lr=0.02)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
-def stack_over_experts(rank, world, tmp, state_dtype, steps=3):
-    """A [8, 32, 48] stack cut over the ranks by its experts (``Shard(0)``, as expert
-    parallelism and FSDP2 place it), read as a stack: per rank, the full stack after ``steps``
-    steps, one process's stack after the same steps, and the last step's collectives."""
+def _stack_layouts():
+    """Placements of a stack by name: the mesh's shape and the placements."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return {
+        "ep": ((2,), [Shard(0)]),  # expert parallelism (or FSDP2) alone: whole experts
+        "rows": ((2,), [Shard(1)]),  # each expert's rows cut
+        "ep-fsdp": ((2, 2), [Shard(0), Shard(1)]),  # experts over EP, their rows over FSDP
+        "ep-fsdp-experts": ((2, 2), [_StridedShard(0, split_factor=2), Shard(0)]),
+        "hsdp-ep": ((2, 2), [Replicate(), Shard(0)]),  # whole experts, two copies
+        "fsdp-tp": ((2, 2), [Shard(1), Shard(2)]),  # each expert cut both ways
+        "hsdp-ep-fsdp": ((2, 2, 2), [Replicate(), Shard(0), Shard(2)]),
+    }
+
+
+def stack_placed(rank, world, tmp, state_dtype, where="ep", shape=(8, 32, 48),
+                 reading="stack", steps=3):
+    """A stack of ``shape`` placed as :func:`_stack_layouts` names it, read as ``reading``:
+    per rank, the full stack after ``steps`` steps, one process's stack after the same steps,
+    the shapes this rank iterated, the last step's collectives and the momentum's dtype."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import distribute_tensor
     from torch.distributed.tensor.debug import CommDebugMode
 
-    mesh = init_device_mesh("cpu", (world,))
-    full = torch.randn(8, 32, 48, generator=torch.Generator().manual_seed(0))
-    here = nn.Parameter(distribute_tensor(full.clone(), mesh, [Shard(0)]))
+    mesh_shape, placements = _stack_layouts()[where]
+    placements = [pl for pl in placements]
+    if len(shape) > 3:  # the same cuts, one leading dimension further on
+        from torch.distributed.tensor import Shard
+
+        placements = [Shard(pl.dim + 1) if pl.is_shard() and type(pl) is Shard else pl
+                      for pl in placements]
+    mesh = init_device_mesh("cpu", mesh_shape)
+    full = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    here = nn.Parameter(distribute_tensor(full.clone(), mesh, placements))
     alone = nn.Parameter(full.clone())
-    opts = [scaleopt.Muon([p], lr=0.02, nd_params="stack", state_dtype=state_dtype)
+    opts = [scaleopt.Muon([p], lr=0.02, nd_params=reading, state_dtype=state_dtype)
             for p in (here, alone)]
+    iterated = _counting_iterations()
     for t in range(steps):
-        g = torch.randn(8, 32, 48, generator=torch.Generator().manual_seed(100 + t))
-        here.grad = distribute_tensor(g.clone(), mesh, [Shard(0)])
+        g = torch.randn(shape, generator=torch.Generator().manual_seed(100 + t))
+        here.grad = distribute_tensor(g.clone(), mesh, placements)
         alone.grad = g.clone()
         mode = CommDebugMode()
         with mode:
             opts[0].step()
+        counted = len(iterated)
         opts[1].step()
+        del iterated[counted:]  # one process's, not this rank's
     stored = opts[0].state[here]["momentum_buffer"]
-    return dict(full=here.full_tensor().detach().clone(), alone=alone.detach().clone(),
-                stored=getattr(stored, "_local_tensor", stored).dtype,
+    return dict(full=_full(here.detach()).clone(), alone=alone.detach().clone(),
+                stored=getattr(stored, "_local_tensor", stored).dtype, iterated=iterated,
                 collectives={str(k): v for k, v in mode.get_comm_counts().items()})
