@@ -100,11 +100,13 @@ def make_assets(folder: pathlib.Path) -> None:
          "add_eos_token": True}))
 
 
-def run_job(folder: pathlib.Path, optimizer: str, steps: int) -> dict:
-    """torchrun, 2 processes, the job in ``folder``: rank 0's loss at each step it ran."""
+def run_job(folder: pathlib.Path, optimizer: str, steps: int, model: str = "llama3") -> dict:
+    """torchrun, 2 processes, the job in ``folder`` (torchtitan's debug ``model``): rank 0's
+    loss at each step it ran."""
     from scaleopt.cli.launch import free_port
 
     env = dict(os.environ, JOB_DIR=str(folder), OPTIMIZER=optimizer, STEPS=str(steps),
+               MODEL=model,
                OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
                    [str(HELPERS), *filter(None, [os.environ.get("PYTHONPATH")])]))
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
@@ -148,17 +150,20 @@ def equal(a, b) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("optimizer", ["LAMB", "LANS", "Muon"])
-def test_torchtitan_trains_with_it_and_resumes_bit_for_bit(titan, tmp_path, optimizer):
+@pytest.mark.parametrize("optimizer,model", [("LAMB", "llama3"), ("LANS", "llama3"),
+                                            ("Muon", "llama3"), ("Muon", "deepseek_v3")])
+def test_torchtitan_trains_with_it_and_resumes_bit_for_bit(titan, tmp_path, optimizer, model):
+    """(deepseek_v3: its mixture-of-experts debug model, whose experts' [8, 256, 256] weights
+    Muon takes as stacks of matrices, each expert's whole on one of the 2 FSDP2 ranks.)"""
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     make_assets(full)
-    losses = run_job(full, optimizer, steps=4)
+    losses = run_job(full, optimizer, steps=4, model=model)
     assert sorted(losses) == [1, 2, 3, 4] and losses[4] < losses[1], losses
 
     shutil.copytree(full / "data", resumed / "data")
     shutil.copytree(full / "tokenizer", resumed / "tokenizer")
     shutil.copytree(full / "checkpoints" / "step-2", resumed / "checkpoints" / "step-2")
-    again = run_job(resumed, optimizer, steps=4)
+    again = run_job(resumed, optimizer, steps=4, model=model)
     assert again == {3: losses[3], 4: losses[4]}
 
     mine, theirs = (checkpoint(f / "checkpoints" / "step-4") for f in (full, resumed))
@@ -174,3 +179,7 @@ def test_torchtitan_trains_with_it_and_resumes_bit_for_bit(titan, tmp_path, opti
     assert {"fused", "foreach", "max_grad_norm", "state_dtype"} <= groups
     assert ("lower_bound" in groups) == (optimizer in ("LAMB", "LANS"))
     assert ("ns_steps" in groups) == (optimizer == "Muon")
+    if model == "deepseek_v3":  # every expert stack has Muon's momentum, one per expert
+        stacks = {k: v for k, v in mine.items() if k.startswith("optimizer.state.")
+                  and "routed_experts" in k and k.endswith(".momentum_buffer")}
+        assert len(stacks) == 3 * 5 and all(v.shape == (8, 256, 256) for v in stacks.values())

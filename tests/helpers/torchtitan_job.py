@@ -53,7 +53,9 @@ import torchtitan.distributed.fsdp as titan_fsdp  # noqa: E402
 import torchtitan.distributed.utils as titan_dist  # noqa: E402
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader  # noqa: E402
 from torchtitan.models.common.attention import FlexAttention  # noqa: E402
-from torchtitan.models.llama3 import config_registry, model_registry  # noqa: E402
+from torchtitan.models import deepseek_v3, llama3  # noqa: E402
+from torchtitan.models.deepseek_v3 import config_registry as deepseek_v3_configs  # noqa: E402
+from torchtitan.models.llama3 import config_registry as llama3_configs  # noqa: E402
 
 from scaleopt.integrations.torchtitan import optimizer_config  # noqa: E402
 
@@ -88,17 +90,27 @@ OPTIONS = {"LAMB": dict(lr=2e-3, weight_decay=0.01), "LANS": dict(lr=2e-3, weigh
 
 
 def scaleopt_debugmodel():
-    """torchtitan's ``llama3_debugmodel`` (6 layers of width 256) on the job's assets, 2 x 64
-    tokens per rank and step, a checkpoint every 2 steps, seeded, deterministic, trained by
-    the scaleopt optimizer ``OPTIMIZER`` (with :data:`OPTIONS`)."""
+    """torchtitan's debug model ``MODEL`` (``llama3``, the default: 6 layers of width 256;
+    ``deepseek_v3``: 6 layers of width 256, 5 of them mixtures of 8 experts whose weights are
+    3-D stacks) on the job's assets, 2 x 64 tokens per rank and step, a checkpoint every 2
+    steps, seeded, deterministic, trained by the scaleopt optimizer ``OPTIMIZER`` (with
+    :data:`OPTIONS`)."""
     work = pathlib.Path(os.environ["JOB_DIR"])
     name = os.environ["OPTIMIZER"]
-    config = config_registry.llama3_debugmodel()
-    config.model_spec = model_registry("debugmodel")
+    family = os.environ.get("MODEL", "llama3")
+    module, configs = {"llama3": (llama3, llama3_configs),
+                       "deepseek_v3": (deepseek_v3, deepseek_v3_configs)}[family]
+    config = getattr(configs, f"{family}_debugmodel")()
+    config.model_spec = module.model_registry("debugmodel")
     config.hf_assets_path = str(work / "tokenizer")
     config.dataloader = HuggingFaceTextDataLoader.Config(dataset="c4_test",
                                                          dataset_path=str(work / "data"))
-    config.optimizer = optimizer_config(name, **OPTIONS[name])
+    options = dict(OPTIONS[name])
+    if name == "Muon" and family == "deepseek_v3":
+        # a CPU without bfloat16 matrix units (AVX-512 BF16, AMX) iterates this model's
+        # matrices 36x slower in bfloat16 than in float32 (one step: 295 s against 8.1 s)
+        options["ns_dtype"] = "float32"
+    config.optimizer = optimizer_config(name, **options)
     config.training.local_batch_size = 2
     config.training.seq_len = 64
     config.training.steps = int(os.environ["STEPS"])

@@ -63,19 +63,19 @@ class EveryReplicaIterating:
         self.opt = muon(named)
 
     def step(self) -> None:
-        from scaleopt import _orthogonal
+        from scaleopt import _layout, _orthogonal
 
-        real = _orthogonal._split
+        real = _orthogonal.layout
 
-        def split(p):
+        def without_replicas(p):
             got = real(p)
-            return None if got is None else (got[0], None, got[2])
+            return None if got is None else _layout.Layout(got.group, None, got.index)
 
-        _orthogonal._split = split
+        _orthogonal.layout = without_replicas
         try:
             self.opt.step()
         finally:
-            _orthogonal._split = real
+            _orthogonal.layout = real
 
 
 def candidates(kind: str = "layerwise", replicas: int = 1):
