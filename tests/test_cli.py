@@ -129,6 +129,10 @@ def test_bench_muon_times_muon_against_torch_muon_and_sharded_against_one_proces
     assert result["rows"]["scaleopt.Muon"]["collectives"] == 3  # and the replicas' all-gather
     assert result["rows"]["scaleopt.Muon, every replica iterating"]["collectives"] == 2
     assert result["iteration_ratio"] > 0 and result["step_ratio_to_every_replica"] > 0
+    # owners by measured pace: the same exchange, and at the third step (the last of a warm-up
+    # round and 2 rounds) the two all-gathers that share the paces
+    assert result["rows"]["scaleopt.Muon(exchange_balance=measured)"]["collectives"] == 3 + 2
+    assert result["balance_step_ratio"] > 0
 
 
 def test_the_bench_splits_a_wait_into_waiting_for_ranks_and_waiting_for_bytes():

@@ -247,6 +247,9 @@ def test_the_ranks_share_the_matrices_by_cost():
         # greedy, largest first: no rank exceeds another by more than one matrix's cost
         assert max(load) - min(load) <= max(map(_orthogonal.cost, shapes))
     assert sorted(_orthogonal.owners(shapes, 7)) == list(range(7))  # one each
+    # a rank measured twice as slow gets about a third of the work of two
+    owner = _orthogonal.owners([(64, 64)] * 30, 2, speeds=[1.0, 2.0])
+    assert owner.count(0) == 20 and owner.count(1) == 10
 
 
 @pytest.mark.parametrize("shape", [(48, 80), (80, 48), (128, 128)])

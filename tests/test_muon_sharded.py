@@ -142,6 +142,22 @@ def test_matrices_on_every_mesh_are_iterated_once_as_one_process(placements, wor
         assert rank["collectives"] == want_counts, (r, placements)
 
 
+def test_owners_balanced_by_measured_pace_give_the_same_bits(tmp_path):
+    """exchange_balance="measured" on HSDP 2 x 2: each rank times its iteration in the
+    exchanges of steps 2 and 3, the paces are shared once at step 3 (an all-gather in the
+    shard group and one over the replicas) and every rank holds the same four; the bits are
+    one process's, and later steps take only the exchange's collectives."""
+    want = M.train_reference("Muon", 4)
+    got = W.run_workers(M.measured_balance, 4, tmp_path, timeout=180)
+    for rank in got:
+        assert all(torch.equal(a, b) for a, b in zip(rank["full"], want))
+        (paces,) = rank["paces"]
+        assert len(paces) == 4 and all(p > 0 for p in paces)
+        assert paces == got[0]["paces"][0]
+        gathers = [step.get("c10d.allgather_", 0) for step in rank["collectives"]]
+        assert gathers == [1, 1, 3, 1]  # the replicas' results; at step 3 the paces too
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("saved,resumed", [("offload(Muon, int8 state)", "Muon(int8 state)"),
                                            ("Muon(int8 state)", "offload(Muon, int8 state)")])

@@ -42,6 +42,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -156,18 +157,31 @@ def cost(shape: Sequence[int]) -> int:
 
 
 def owners(shapes: Sequence[Sequence[int]], ranks: int,
-           allowed: Optional[Sequence[Optional[Sequence[int]]]] = None) -> List[int]:
-    """The rank that iterates each matrix: the costliest first, each to the rank with the least
-    work so far (the lowest such rank), among ``allowed[j]`` where that is given (the ranks
-    that hold the whole matrix already); the same answer on every rank."""
-    load = [0] * ranks
+           allowed: Optional[Sequence[Optional[Sequence[int]]]] = None,
+           speeds: Optional[Sequence[float]] = None) -> List[int]:
+    """The rank that iterates each matrix: the costliest first, each to the rank that would
+    finish it first (the least work so far, each rank's work its cost times its measured
+    seconds per unit of cost, ``speeds``, where given; the lowest such rank), among
+    ``allowed[j]`` where that is given (the ranks that hold the whole matrix already); the
+    same answer on every rank."""
+    load = [0.0] * ranks
+    pace = list(speeds) if speeds is not None else [1.0] * ranks
     owner = [0] * len(shapes)
     for j in sorted(range(len(shapes)), key=lambda j: (-cost(shapes[j]), j)):
         among = allowed[j] if allowed is not None and allowed[j] else range(ranks)
-        r = min(among, key=lambda k: (load[k], k))
+        work = cost(shapes[j])
+        r = min(among, key=lambda k: (load[k] + work * pace[k], k))
         owner[j] = r
-        load[r] += cost(shapes[j])
+        load[r] += work * pace[r]
     return owner
+
+
+#: the exchanges timed before the ranks' paces are shared (``balance="measured"``): the first
+#: is left out (it makes the buffers), the next ones summed
+TIMED_EXCHANGES = (1, 3)
+#: per (process group, replicas), for the callers that keep none: this rank's seconds and
+#: cost iterated in the timed exchanges, and once shared, every rank's seconds per unit of cost
+_PACES: Dict[Any, Dict[str, Any]] = {}
 
 
 class Job:
@@ -183,10 +197,14 @@ class Job:
 
 
 def orthogonalize(jobs: Sequence[Job], coefficients: Any, steps: int, eps: float,
-                  dtype: torch.dtype = torch.bfloat16, buckets: int = 1) -> None:
+                  dtype: torch.dtype = torch.bfloat16, buckets: int = 1,
+                  balance: str = "cost", timings: Optional[Dict[Any, Any]] = None) -> None:
     """Each job's ``result``: the local piece of the iteration (in ``dtype``) of its whole
     matrices (see the module doc); one exchange each way per process group that cuts any of
-    them, or with ``buckets`` > 1 that many, overlapped with the iteration."""
+    them, or with ``buckets`` > 1 that many, overlapped with the iteration. The owners share
+    the work by the iteration's cost, or (``balance="measured"``) by it times each rank's
+    measured pace (:data:`TIMED_EXCHANGES`), kept in ``timings`` (the caller's, per process
+    group: ``timings[(group, replicas)]["paces"]``, by slot, once shared)."""
     iteration = functools.partial(newton_schulz, coefficients=coefficients, steps=steps,
                                   eps=eps, dtype=dtype)
     by_group: Dict[Any, List[Tuple[Job, Layout]]] = {}
@@ -198,7 +216,8 @@ def orthogonalize(jobs: Sequence[Job], coefficients: Any, steps: int, eps: float
         else:
             by_group.setdefault((lay.group, lay.replicas), []).append((job, lay))
     for (group, replicas), members in by_group.items():
-        _exchange(group, replicas, members, iteration, dtype, buckets)
+        _exchange(group, replicas, members, iteration, dtype, buckets, balance,
+                  _PACES if timings is None else timings)
 
 
 def whole_here(p: Tensor) -> bool:
@@ -273,7 +292,8 @@ def _units(j: int, job: Job, lay: Layout) -> List[_Unit]:
 
 def _exchange(group: Any, replicas: Any, members: Sequence[Tuple[Job, Layout]],
               iteration: Callable[[Tensor], Tensor], dtype: torch.dtype,
-              buckets: int = 1) -> None:
+              buckets: int = 1, balance: str = "cost",
+              timings: Optional[Dict[Any, Any]] = None) -> None:
     """The results of ``members``' jobs (see the module doc), all cut over ``group``, and
     copied over ``replicas`` (or None)."""
     ranks, me = dist.get_world_size(group), dist.get_rank(group)
@@ -295,19 +315,53 @@ def _exchange(group: Any, replicas: Any, members: Sequence[Tuple[Job, Layout]],
     # run the owners (slot // ranks: the replica, slot % ranks: its rank), so that every rank
     # has about its share of each run's work; a matrix whole on one rank stays on it
     runs = buckets_of([cost(u.matrix) for u in units], buckets)
+    timing = (_PACES if timings is None else timings).setdefault((group, replicas), dict(exchanges=0, seconds=0.0, cost=0,
+                                                        paces=None))
     slot = [0] * len(units)
     for run in runs:
         holders = [units[u].holder() for u in run]
         allowed = [None if h is None else [c * ranks + h for c in range(copies)]
                    for h in holders]
-        for u, o in zip(run, owners([units[u].matrix for u in run], copies * ranks, allowed)):
+        for u, o in zip(run, owners([units[u].matrix for u in run], copies * ranks, allowed,
+                                    timing["paces"] if balance == "measured" else None)):
             slot[u] = o
     ours = [[u for u in run if slot[u] // ranks == copy] for run in runs]
-    _iterate_ours(jobs, units, [o % ranks for o in slot], ours, group, iteration, dtype,
-                  jobs[0].local.device)
+    timed = (balance == "measured" and timing["paces"] is None
+             and TIMED_EXCHANGES[0] <= timing["exchanges"] < TIMED_EXCHANGES[1])
+    seconds = _iterate_ours(jobs, units, [o % ranks for o in slot], ours, group, iteration,
+                            dtype, jobs[0].local.device, timed)
+    if balance == "measured" and timing["paces"] is None:
+        timing["exchanges"] += 1
+        if timed:
+            timing["seconds"] += seconds
+            timing["cost"] += sum(cost(units[u].matrix) for run in ours for u in run
+                                  if slot[u] % ranks == me)
+        if timing["exchanges"] == TIMED_EXCHANGES[1]:
+            timing["paces"] = _share_paces(timing, group, replicas, copies,
+                                           jobs[0].local.device)
     if copies > 1:
         _share_results(jobs, units, [slot[u] // ranks for u in range(len(units))], replicas,
                        copy, dtype)
+
+
+def _share_paces(timing: Dict[str, Any], group: Any, replicas: Any, copies: int,
+                 device: torch.device) -> List[float]:
+    """Every rank's seconds per unit of cost (by slot), from each rank's timed exchanges: one
+    all-gather over ``group`` and one over ``replicas``. A rank that iterated nothing takes
+    the others' mean pace."""
+    ranks = dist.get_world_size(group)
+    mine = timing["seconds"] / timing["cost"] if timing["cost"] else float("nan")
+    here = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(ranks)]
+    dist.all_gather(here, torch.tensor([mine], dtype=torch.float64, device=device), group=group)
+    row = torch.cat(here)
+    rows = [row]
+    if copies > 1:
+        rows = [torch.empty_like(row) for _ in range(copies)]
+        dist.all_gather(rows, row, group=replicas)
+    every = torch.cat(rows).cpu()
+    known = every[~every.isnan()]
+    fill = float(known.mean()) if known.numel() else 1.0
+    return [fill if v != v else float(v) for v in every.tolist()]
 
 
 def buckets_of(sizes: Sequence[int], buckets: int) -> List[List[int]]:
@@ -325,7 +379,7 @@ def buckets_of(sizes: Sequence[int], buckets: int) -> List[List[int]]:
 
 def _iterate_ours(jobs: Sequence[Job], units: Sequence[_Unit], owner: Sequence[int],
                   runs: List[List[int]], group: Any, iteration: Callable[[Tensor], Tensor],
-                  dtype: torch.dtype, device: torch.device) -> None:
+                  dtype: torch.dtype, device: torch.device, timed: bool = False) -> float:
     """The results (this rank's blocks) of the matrices of ``runs``: each matrix iterated by
     the rank ``owner[u]`` of ``group``, to which the blocks travel in an all-to-all and from
     which they come back in another. The owner joins the blocks into the matrix one process
@@ -335,8 +389,9 @@ def _iterate_ours(jobs: Sequence[Job], units: Sequence[_Unit], owner: Sequence[i
     matrices are iterated, and each run's results go back while the next ones are iterated, so
     that with several runs the exchange hides behind the iteration (the same matrices, the same
     bits). One run: two all-to-alls (both empty where it has no matrices: every rank of
-    ``group`` takes part); none where every matrix of the run lies whole on its owner."""
-    exchange = _Runs(jobs, units, owner, group, dtype, device)
+    ``group`` takes part); none where every matrix of the run lies whole on its owner.
+    Returns the seconds this rank spent iterating where ``timed`` (else 0)."""
+    exchange = _Runs(jobs, units, owner, group, dtype, device, timed)
     runs = runs or [[]]
     posted = exchange.send(runs[0])
     returning = []
@@ -347,6 +402,7 @@ def _iterate_ours(jobs: Sequence[Job], units: Sequence[_Unit], owner: Sequence[i
         returning.append(exchange.iterate(this, iteration))
     for back in returning:
         exchange.receive(back)
+    return exchange.seconds
 
 
 class _Done:
@@ -361,10 +417,12 @@ class _Runs:
     their matrices, who owns each, the process group)."""
 
     def __init__(self, jobs: Sequence[Job], units: Sequence[_Unit], owner: Sequence[int],
-                 group: Any, dtype: torch.dtype, device: torch.device) -> None:
+                 group: Any, dtype: torch.dtype, device: torch.device,
+                 timed: bool = False) -> None:
         self.jobs, self.units, self.owner = jobs, units, owner
         self.group, self.dtype, self.device = group, dtype, device
         self.ranks, self.me = dist.get_world_size(group), dist.get_rank(group)
+        self.timed, self.seconds = timed, 0.0
 
     def _all_to_all(self, send: Tensor, receive_sizes: List[int], send_sizes: List[int],
                     moves: bool) -> Tuple[Tensor, Any]:
@@ -416,13 +474,27 @@ class _Runs:
             for k, at in enumerate(where):
                 if at is not None:
                     whole[at] = from_rank[k][i].view([ix.numel() for ix in unit.blocks[k]])
-            result = iteration(whole.view(unit.matrix)).view(unit.shape)
+            result = self._iterate(iteration, whole.view(unit.matrix)).view(unit.shape)
             del whole
             for k, at in enumerate(where):
                 if at is not None:
                     back[k].append(result[at].reshape(-1))
         flat = _flat(back, self.device, self.dtype)
         return (run, sent, flat) + self._all_to_all(flat, sent, taken, moves)
+
+    def _iterate(self, iteration: Callable[[Tensor], Tensor], matrix: Tensor) -> Tensor:
+        """``iteration(matrix)``, its seconds added to :attr:`seconds` where timed (on an
+        accelerator, synchronized around it)."""
+        if not self.timed:
+            return iteration(matrix)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        out = iteration(matrix)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.seconds += time.perf_counter() - t0
+        return out
 
     def receive(self, returning: Tuple[Any, ...]) -> None:
         """Once a run's results are back: each matrix's block put in its job's ``result``."""

@@ -25,6 +25,8 @@ __all__ = ["Muon"]
 
 #: the choices of ``adjust_lr_fn`` (torch.optim.Muon's)
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+#: how the ranks share the sharded matrices (``exchange_balance``)
+BALANCES = ("cost", "measured")
 #: what updates a group's parameters
 ALGORITHMS = ("muon", "adamw")
 #: how a parameter of 3 or more dimensions is read (``nd_params``): a stack if 3-D and
@@ -124,6 +126,11 @@ class Muon(WithMasterWeights, ScaleOptimizer):
             runs, each run's blocks travelling (asynchronously) while the run before is
             iterated and its results going back while the next is: the same bits, two
             all-to-alls per run (see :doc:`/muon`).
+        exchange_balance (``"cost"`` or ``"measured"``, default ``"cost"``): how the ranks
+            share the sharded matrices: by the iteration's cost, or by it times each rank's
+            pace, measured in the exchanges of steps 2 and 3 and shared once (two all-gathers
+            of one number, then never again), so that a slower rank gets less: the same
+            bits either way.
         foreach (bool or None, default None), fused (bool or None, default None): the AdamW
             part's path, as in :class:`AdamW` (torch's fused kernel, multi-tensor ops or
             per-tensor loop); the matrices' iteration has one form and ignores them.
@@ -184,6 +191,7 @@ class Muon(WithMasterWeights, ScaleOptimizer):
         nonfinite: str = "propagate",
         state_dtype: str = "float32",
         exchange_buckets: int = 1,
+        exchange_balance: str = "cost",
         foreach: Optional[bool] = None,
         fused: Optional[bool] = None,
         adamw_implementation: Optional[str] = None,
@@ -196,10 +204,13 @@ class Muon(WithMasterWeights, ScaleOptimizer):
             betas=tuple(betas) if isinstance(betas, list) else betas, adamw_eps=adamw_eps,
             adamw_lr=adamw_lr, exclude_from_muon=exclude_from_muon, nd_params=nd_params,
             exclude_from_weight_decay=exclude_from_weight_decay, max_grad_norm=max_grad_norm,
-            state_dtype=state_dtype, exchange_buckets=exchange_buckets, foreach=foreach,
+            state_dtype=state_dtype, exchange_buckets=exchange_buckets,
+            exchange_balance=exchange_balance, foreach=foreach,
             fused=fused, adamw_implementation=adamw_implementation, algorithm=None,
             master_weights=master_weights,
         )
+        #: the ranks' measured paces per process group (``exchange_balance="measured"``)
+        self._paces: Dict[Any, Dict[str, Any]] = {}
         super().__init__(params, defaults, nonfinite=nonfinite)
 
     def _master_placement(self) -> LocalPlacement:
@@ -250,6 +261,7 @@ class Muon(WithMasterWeights, ScaleOptimizer):
         buckets = group["exchange_buckets"]
         if isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 1:
             raise ValueError(f"Invalid exchange_buckets: {buckets!r} (an int >= 1)")
+        check_choice("exchange_balance", group["exchange_balance"], BALANCES)
         check_choice("adjust_lr_fn", group["adjust_lr_fn"], ADJUST_LR_FNS)
         check_choice("ns_dtype", group["ns_dtype"], tuple(NS_DTYPES))
         check_betas(group["betas"])
@@ -428,10 +440,12 @@ class Muon(WithMasterWeights, ScaleOptimizer):
         settings: Dict[Tuple[Any, ...], List[Job]] = {}
         for group, _, job in matrices:
             key = (_as_tuples(group["ns_coefficients"]), group["ns_steps"], group["eps"],
-                   NS_DTYPES[group["ns_dtype"]], group["exchange_buckets"])
+                   NS_DTYPES[group["ns_dtype"]], group["exchange_buckets"],
+                   group["exchange_balance"])
             settings.setdefault(key, []).append(job)
-        for (coefficients, steps, eps, dtype, buckets), jobs in settings.items():
-            orthogonalize(jobs, coefficients, steps, eps, dtype, buckets)
+        for (coefficients, steps, eps, dtype, buckets, balance), jobs in settings.items():
+            orthogonalize(jobs, coefficients, steps, eps, dtype, buckets, balance,
+                          self._paces)
         for group, p, job in matrices:
             self._move(group, p, job.result)
 

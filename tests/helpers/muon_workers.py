@@ -146,6 +146,28 @@ def train_hsdp(rank, world, tmp, name, steps):
                 collectives={str(k): v for k, v in mode.get_comm_counts().items()})
 
 
+def measured_balance(rank, world, tmp, steps=4):
+    """HSDP (2 replicas x 2 shards) with ``exchange_balance="measured"``: per rank, the full
+    parameters after ``steps`` steps, each step's collectives, and the paces it holds."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = shard(model_of(), mesh)
+    opt = scaleopt.Muon(list(model.named_parameters()), lr=0.02, adamw_lr=1e-2,
+                        exchange_balance="measured", **EXCLUDED)
+    counts = []
+    for t in range(steps):
+        give_grads(model, t)
+        mode = CommDebugMode()
+        with mode:
+            opt.step()
+        counts.append({str(k): v for k, v in mode.get_comm_counts().items()})
+    paces = [timing["paces"] for timing in opt._paces.values()]
+    full = [p.full_tensor().detach().clone() for p in model.parameters()]
+    return dict(full=full, collectives=counts, paces=paces)
+
+
 def _counting_iterations():
     """The shapes of the matrices this process iterates, whichever path (the exchange's or a
     whole matrix's) iterates them."""

@@ -94,6 +94,8 @@ def candidates(kind: str = "layerwise", replicas: int = 1):
         rows = {"torch.AdamW(fused=True), local shards": local_fused_adamw,
                 "scaleopt.Muon": muon,
                 "scaleopt.Muon(exchange_buckets=4)": lambda n: muon(n, exchange_buckets=4),
+                "scaleopt.Muon(exchange_balance=measured)": lambda n: muon(
+                    n, exchange_balance="measured"),
                 "scaleopt.Muon(state_dtype=int8)": lambda n: muon(n, state_dtype="int8")}
         if replicas > 1:
             rows["scaleopt.Muon, every replica iterating"] = EveryReplicaIterating

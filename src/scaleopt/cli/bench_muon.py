@@ -132,6 +132,14 @@ def sharded(shapes, world: int, threads: int, rounds: int, label: str,
           f"hidden; waiting for the other ranks {bucketed['peers_ms']:.1f} against "
           f"{row['peers_ms']:.1f} ms; all waits {bucketed['collective_ms']:.1f} against "
           f"{row['collective_ms']:.1f} ms ({result['wait_ratio']:.2f}x)")
+    measured = rows["scaleopt.Muon(exchange_balance=measured)"]
+    result.update(balance_step_ratio=paired_ratio(measured["rounds_s"], row["rounds_s"]),
+                  balance_peers_ratio=(measured["peers_ms"] / row["peers_ms"]
+                                       if row["peers_ms"] else float("nan")))
+    print(f"owners by measured pace: waiting for the other ranks {measured['peers_ms']:.1f} "
+          f"against {row['peers_ms']:.1f} ms by cost ({result['balance_peers_ratio']:.2f}x), "
+          f"for the bytes {measured['transfer_ms']:.1f} against {row['transfer_ms']:.1f} ms; "
+          f"the step {result['balance_step_ratio']:.2f}x (paired)")
     if replicas > 1:
         old = rows["scaleopt.Muon, every replica iterating"]
         result.update(iteration_ratio=paired_ratio(row["iteration_s"], old["iteration_s"]),
