@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import scaleopt
+
 import dgc_workers as W
 import muon_workers as M
 
@@ -140,6 +142,22 @@ def test_matrices_on_every_mesh_are_iterated_once_as_one_process(placements, wor
         if copies > 1:
             want_counts["c10d.allgather_"] = 1
         assert rank["collectives"] == want_counts, (r, placements)
+
+
+def test_lamb_on_fsdp2_over_tensor_parallelism_takes_whole_norms(tmp_path):
+    """The trust ratio of a matrix that FSDP2 cuts into interleaved blocks over tensor
+    parallelism's (a _StridedShard, which torch 2.13 does not count as a shard) sums its norm
+    over both mesh dimensions: one process's weights, to the sums' order."""
+    model = M.model_of()
+    opt = scaleopt.LAMB([model.up.weight, model.down.weight], lr=0.01)
+    for t in range(3):
+        for p, g in zip(model.parameters(), M.full_grads(model, t)):
+            p.grad = g
+        opt.step()
+    got = W.run_workers(M.lamb_fsdp_tp, 4, tmp_path, timeout=180)
+    for rank in got:
+        for a, b in zip(rank, (model.up.weight.detach(), model.down.weight.detach())):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_owners_balanced_by_measured_pace_give_the_same_bits(tmp_path):

@@ -67,12 +67,10 @@ def _layout_of(p: Tensor, mesh: Any, placements: Tuple[Any, ...]) -> Optional[La
     copies = [d for d, pl in enumerate(placements) if pl.is_replicate() and mesh.size(d) > 1]
     group = group_over(mesh, cut)
     replicas = group_over(mesh, copies) if copies else None
-    here = mesh.get_coordinate()
     index = []
     for r in dist.get_process_group_ranks(group):
         coordinate = [int(c) for c in (mesh.mesh == r).nonzero()[0]]
         index.append([_held(p.shape, d, placements, mesh, coordinate) for d in range(p.ndim)])
-    assert all(here[d] == c for d, c in enumerate(here) if d not in cut)
     return Layout(group, replicas, index)
 
 

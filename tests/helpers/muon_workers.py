@@ -146,6 +146,28 @@ def train_hsdp(rank, world, tmp, name, steps):
                 collectives={str(k): v for k, v in mode.get_comm_counts().items()})
 
 
+def lamb_fsdp_tp(rank, world, tmp, steps=3):
+    """LAMB on FSDP2 over torch's tensor parallelism (2 x 2: ``up`` row-wise, ``down``
+    column-wise, whose rows FSDP2 cuts into interleaved blocks): the full matrices after
+    ``steps`` steps, whose trust ratios need each matrix's whole norms."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = model_of()
+    parallelize_module(model, mesh["tp"], {"up": RowwiseParallel(), "down": ColwiseParallel()})
+    for m in (model.up, model.down):
+        fully_shard(m, mesh=mesh["dp"])
+    opt = scaleopt.LAMB([model.up.weight, model.down.weight], lr=0.01)
+    for t in range(steps):
+        give_grads(model, t)
+        opt.step()
+    return [model.up.weight.full_tensor().detach().clone(),
+            model.down.weight.full_tensor().detach().clone()]
+
+
 def measured_balance(rank, world, tmp, steps=4):
     """HSDP (2 replicas x 2 shards) with ``exchange_balance="measured"``: per rank, the full
     parameters after ``steps`` steps, each step's collectives, and the paces it holds."""
