@@ -317,14 +317,8 @@ def _exchange(group: Any, replicas: Any, members: Sequence[Tuple[Job, Layout]],
     runs = buckets_of([cost(u.matrix) for u in units], buckets)
     timing = (_PACES if timings is None else timings).setdefault((group, replicas), dict(exchanges=0, seconds=0.0, cost=0,
                                                         paces=None))
-    slot = [0] * len(units)
-    for run in runs:
-        holders = [units[u].holder() for u in run]
-        allowed = [None if h is None else [c * ranks + h for c in range(copies)]
-                   for h in holders]
-        for u, o in zip(run, owners([units[u].matrix for u in run], copies * ranks, allowed,
-                                    timing["paces"] if balance == "measured" else None)):
-            slot[u] = o
+    slot = _slots(units, runs, ranks, copies,
+                  timing["paces"] if balance == "measured" else None)
     ours = [[u for u in run if slot[u] // ranks == copy] for run in runs]
     timed = (balance == "measured" and timing["paces"] is None
              and TIMED_EXCHANGES[0] <= timing["exchanges"] < TIMED_EXCHANGES[1])
@@ -342,6 +336,21 @@ def _exchange(group: Any, replicas: Any, members: Sequence[Tuple[Job, Layout]],
     if copies > 1:
         _share_results(jobs, units, [slot[u] // ranks for u in range(len(units))], replicas,
                        copy, dtype)
+
+
+def _slots(units: Sequence[_Unit], runs: List[List[int]], ranks: int, copies: int,
+           speeds: Optional[List[float]]) -> List[int]:
+    """Each matrix's owner in each run, as a slot (replica x ranks + rank): a matrix that lies
+    whole on one rank goes to that rank of one replica."""
+    slot = [0] * len(units)
+    for run in runs:
+        holders = [units[u].holder() for u in run]
+        allowed = [None if h is None else [c * ranks + h for c in range(copies)]
+                   for h in holders]
+        for u, o in zip(run, owners([units[u].matrix for u in run], copies * ranks, allowed,
+                                    speeds)):
+            slot[u] = o
+    return slot
 
 
 def _share_paces(timing: Dict[str, Any], group: Any, replicas: Any, copies: int,
