@@ -100,13 +100,14 @@ def make_assets(folder: pathlib.Path) -> None:
          "add_eos_token": True}))
 
 
-def run_job(folder: pathlib.Path, optimizer: str, steps: int, model: str = "llama3") -> dict:
-    """torchrun, 2 processes, the job in ``folder`` (torchtitan's debug ``model``): rank 0's
-    loss at each step it ran."""
+def run_job(folder: pathlib.Path, optimizer: str, steps: int, model: str = "llama3",
+            ep: int = 1) -> dict:
+    """torchrun, 2 processes, the job in ``folder`` (torchtitan's debug ``model``, with expert
+    parallelism of degree ``ep``): rank 0's loss at each step it ran."""
     from scaleopt.cli.launch import free_port
 
     env = dict(os.environ, JOB_DIR=str(folder), OPTIMIZER=optimizer, STEPS=str(steps),
-               MODEL=model,
+               MODEL=model, EP=str(ep),
                OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
                    [str(HELPERS), *filter(None, [os.environ.get("PYTHONPATH")])]))
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
@@ -150,20 +151,23 @@ def equal(a, b) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("optimizer,model", [("LAMB", "llama3"), ("LANS", "llama3"),
-                                            ("Muon", "llama3"), ("Muon", "deepseek_v3")])
-def test_torchtitan_trains_with_it_and_resumes_bit_for_bit(titan, tmp_path, optimizer, model):
+@pytest.mark.parametrize("optimizer,model,ep", [
+    ("LAMB", "llama3", 1), ("LANS", "llama3", 1), ("Muon", "llama3", 1),
+    ("Muon", "deepseek_v3", 1), ("Muon", "deepseek_v3", 2)])
+def test_torchtitan_trains_with_it_and_resumes_bit_for_bit(titan, tmp_path, optimizer, model,
+                                                          ep):
     """(deepseek_v3: its mixture-of-experts debug model, whose experts' [8, 256, 256] weights
-    Muon takes as stacks of matrices, each expert's whole on one of the 2 FSDP2 ranks.)"""
+    Muon takes as stacks of matrices, each expert's whole on one of the 2 ranks: cut by FSDP2,
+    or with ``ep`` 2 by torchtitan's expert parallelism.)"""
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     make_assets(full)
-    losses = run_job(full, optimizer, steps=4, model=model)
+    losses = run_job(full, optimizer, steps=4, model=model, ep=ep)
     assert sorted(losses) == [1, 2, 3, 4] and losses[4] < losses[1], losses
 
     shutil.copytree(full / "data", resumed / "data")
     shutil.copytree(full / "tokenizer", resumed / "tokenizer")
     shutil.copytree(full / "checkpoints" / "step-2", resumed / "checkpoints" / "step-2")
-    again = run_job(resumed, optimizer, steps=4, model=model)
+    again = run_job(resumed, optimizer, steps=4, model=model, ep=ep)
     assert again == {3: losses[3], 4: losses[4]}
 
     mine, theirs = (checkpoint(f / "checkpoints" / "step-4") for f in (full, resumed))

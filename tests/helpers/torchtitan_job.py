@@ -117,6 +117,7 @@ def scaleopt_debugmodel():
     config.training.disable_cuda_graphs = True
     config.parallelism.spmd_backend = "partial_dtensor"
     config.parallelism.data_parallel_shard_degree = int(os.environ["WORLD_SIZE"])
+    config.parallelism.expert_parallel_degree = int(os.environ.get("EP", "1"))
     config.validator.enable = False
     config.checkpoint.enable = True
     config.checkpoint.interval = 2
