@@ -106,7 +106,8 @@ def test_a_nan_in_one_ranks_rows_skips_the_step_on_every_rank(tmp_path):
 #: what a step of each layout of the matrices exchanges on each rank: two all-to-alls inside
 #: the group of ranks that cut the matrices (over two mesh dimensions for FSDP x TP), none in
 #: a replica that iterates none of them, and one all-gather over the replicas
-MATRIX_LAYOUTS = [("tp", 2, "Muon"), ("hsdp-tp", 4, "Muon"), ("fsdp2-tp", 4, "Muon"),
+MATRIX_LAYOUTS = [("tp", 2, "Muon"), ("hsdp-tp", 4, "Muon"),
+                  pytest.param("fsdp2-tp", 4, "Muon", marks=pytest.mark.slow),
                   pytest.param("fsdp-tp", 4, "Muon", marks=pytest.mark.slow),
                   pytest.param("fsdp-tp-strided", 4, "Muon", marks=pytest.mark.slow),
                   pytest.param("fsdp2-tp", 4, "Muon(bfloat16 state)", marks=pytest.mark.slow),
@@ -144,6 +145,7 @@ def test_matrices_on_every_mesh_are_iterated_once_as_one_process(placements, wor
         assert rank["collectives"] == want_counts, (r, placements)
 
 
+@pytest.mark.slow
 def test_lamb_on_fsdp2_over_tensor_parallelism_takes_whole_norms(tmp_path):
     """The trust ratio of a matrix that FSDP2 cuts into interleaved blocks over tensor
     parallelism's (a _StridedShard, which torch 2.13 does not count as a shard) sums its norm
@@ -160,6 +162,7 @@ def test_lamb_on_fsdp2_over_tensor_parallelism_takes_whole_norms(tmp_path):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_owners_balanced_by_measured_pace_give_the_same_bits(tmp_path):
     """exchange_balance="measured" on HSDP 2 x 2: each rank times its iteration in the
     exchanges of steps 2 and 3, the paces are shared once at step 3 (an all-gather in the
@@ -205,7 +208,7 @@ def test_a_matrix_of_partial_sums_is_refused_at_construction_naming_its_placemen
 #: cut through its matrices, two all-to-alls in the group of ranks that cut them
 STACK_LAYOUTS = [
     ("rows", 2, {"c10d.alltoall_base_": 2}),
-    ("ep-fsdp", 4, {"c10d.alltoall_base_": 2}),
+    pytest.param("ep-fsdp", 4, {"c10d.alltoall_base_": 2}, marks=pytest.mark.slow),
     pytest.param("ep-fsdp-experts", 4, {}, marks=pytest.mark.slow),
     pytest.param("hsdp-ep", 4, {"c10d.allgather_": 1}, marks=pytest.mark.slow),
     pytest.param("fsdp-tp", 4, {"c10d.alltoall_base_": 2}, marks=pytest.mark.slow),
@@ -247,8 +250,9 @@ def test_a_stack_cut_by_its_experts_is_iterated_where_it_lies_as_one_process(sta
                                   "int8": torch.int8}[state_dtype]
 
 
-@pytest.mark.parametrize("shape,where,reading", [((2, 4, 32, 48), "ep-fsdp", "stack"),
-                                                 ((64, 2, 3, 3), "rows", "flatten")])
+@pytest.mark.parametrize("shape,where,reading", [
+    pytest.param((2, 4, 32, 48), "ep-fsdp", "stack", marks=pytest.mark.slow),
+    ((64, 2, 3, 3), "rows", "flatten")])
 def test_four_dimensional_stacks_and_cut_kernels_step_as_one_process(shape, where, reading,
                                                                     tmp_path):
     """A [2, 4, 32, 48] stack cut over a 2 x 2 mesh by its leading dimensions and its rows,
