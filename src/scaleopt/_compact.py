@@ -37,7 +37,7 @@ from torch import Tensor
 
 from . import _format, _native
 from ._format import Stored
-from ._layout import layout
+from ._layout import is_run, layout
 from ._sharding import cuts, is_dtensor, like, local_piece
 
 #: the choices of ``state_dtype``
@@ -217,15 +217,19 @@ def global_index(template: Tensor) -> Tensor:
     """Each element's flat index in the whole tensor (int64, shaped as the local piece): for a
     DTensor, its local shard's place in the global tensor (interleaved blocks too)."""
     piece = local_piece(template)
-    held = _held(template)
-    if held is None:
+    lay = layout(template) if is_dtensor(template) else None
+    if lay is None:
         return torch.arange(piece.numel(), device=piece.device).view(piece.shape)
-    gshape = tuple(template.shape)
+    key = ("strides", piece.device)
+    if key not in lay.kept:  # each dimension's indices times its stride, on the piece's device
+        gshape = tuple(template.shape)
+        lay.kept[key] = [
+            (ix * math.prod(gshape[d + 1:])).to(piece.device).view(
+                [ix.numel() if i == d else 1 for i in range(piece.dim())])
+            for d, ix in enumerate(lay.index[lay.me])]
     index = torch.zeros(piece.shape, dtype=torch.int64, device=piece.device)
-    for d, ix in enumerate(held):
-        view = [1] * piece.dim()
-        view[d] = ix.numel()
-        index += (ix.to(piece.device) * math.prod(gshape[d + 1:])).view(view)
+    for part in lay.kept[key]:
+        index += part
     return index
 
 
@@ -252,7 +256,7 @@ def flat_offset(template: Tensor) -> Optional[int]:
     if any(ix.numel() != size for ix, size in zip(held[1:], template.shape[1:])):
         return None
     rows = held[0]
-    if rows.numel() and int(rows[-1]) - int(rows[0]) + 1 != rows.numel():
+    if not is_run(rows):
         return None  # interleaved blocks (FSDP2's rows of tensor parallelism's)
     return _global_offsets(template)[0] * math.prod(template.shape[1:]) if not rows.numel() \
         else int(rows[0]) * math.prod(template.shape[1:])

@@ -33,11 +33,14 @@ class Layout:
     it (its rank ``k`` holds ``index[k]``: per tensor dimension, the global indices held, in
     local order); ``replicas``, the group over the dimensions that copy it, or None."""
 
-    __slots__ = ("group", "replicas", "index", "ranks", "me", "__weakref__")
+    __slots__ = ("group", "replicas", "index", "ranks", "me", "kept", "__weakref__")
 
     def __init__(self, group: Any, replicas: Any, index: List[List[Tensor]]) -> None:
         self.group, self.replicas, self.index = group, replicas, index
         self.ranks, self.me = len(index), dist.get_rank(group)
+        #: what users of the layout derive from it once (Muon's matrices of a parameter), by
+        #: their own keys
+        self.kept: Dict[Any, Any] = {}
 
 
 def layout(p: Tensor) -> Optional[Layout]:
@@ -104,10 +107,14 @@ def group_over(mesh: Any, dims: Sequence[int]) -> Any:
 def block_index(indices: Sequence[Tensor]) -> Tuple[Any, ...]:
     """An index of a tensor whose entries along each dimension are ``indices``' (the block
     they make): slices where they are runs, else broadcast index tensors."""
-    runs = [ix.numel() == 0 or (int(ix[-1]) - int(ix[0]) + 1 == ix.numel() and bool(
-        (ix.diff() == 1).all())) for ix in indices]
-    if all(runs):
+    if all(is_run(ix) for ix in indices):
         return tuple(slice(int(ix[0]), int(ix[0]) + ix.numel()) if ix.numel() else slice(0, 0)
                      for ix in indices)
     n = len(indices)
     return tuple(ix.view([-1 if i == d else 1 for i in range(n)]) for d, ix in enumerate(indices))
+
+
+def is_run(ix: Tensor) -> bool:
+    """Whether the indices ``ix`` are consecutive and increasing (or none)."""
+    return ix.numel() == 0 or (int(ix[-1]) - int(ix[0]) + 1 == ix.numel()
+                               and bool((ix.diff() == 1).all()))

@@ -267,7 +267,15 @@ class _Unit:
 
 
 def _units(j: int, job: Job, lay: Layout) -> List[_Unit]:
-    """The matrices of job ``j``: a stack's each, else its whole tensor."""
+    """The matrices of job ``j``: a stack's each, else its whole tensor (made once per
+    layout, reading and position in the exchange)."""
+    key = ("units", j, job.reading, tuple(job.param.shape))
+    if key not in lay.kept:
+        lay.kept[key] = _units_of(j, job, lay)
+    return lay.kept[key]
+
+
+def _units_of(j: int, job: Job, lay: Layout) -> List[_Unit]:
     shape = tuple(job.param.shape)
     ranks = lay.ranks
     if job.reading != "stack" or len(shape) == 2:
