@@ -250,6 +250,23 @@ def test_a_stack_cut_by_its_experts_is_iterated_where_it_lies_as_one_process(sta
                                   "int8": torch.int8}[state_dtype]
 
 
+@pytest.mark.parametrize("state_dtype,saved,resumed", [
+    ("int8", "ep", "ep"), pytest.param("bfloat16", "ep", "rows", marks=pytest.mark.slow)])
+def test_a_stacks_checkpoint_of_two_ranks_resumes_on_three_as_one_process_goes_on(
+        state_dtype, saved, resumed, tmp_path):
+    """A stack of experts and its compact momentum saved by DCP on 2 ranks (4 whole experts
+    each) resume on 3 (experts split 3, 3, 2; or every expert's rows cut) and go on as one
+    process does, bit for bit."""
+    W.run_workers(M.stack_checkpointed, 2, tmp_path / "save", state_dtype, saved, 0, 2,
+                  timeout=120)
+    got = W.run_workers(M.stack_checkpointed, 3, tmp_path / "resume", state_dtype, resumed, 2,
+                        2, str(tmp_path / "save"), timeout=120)
+    want = M.stack_alone(state_dtype, 4)
+    assert not torch.equal(want, M.stack_alone(state_dtype, 2))
+    for rank in got:
+        assert torch.equal(rank, want)
+
+
 @pytest.mark.parametrize("shape,where,reading", [
     pytest.param((2, 4, 32, 48), "ep-fsdp", "stack", marks=pytest.mark.slow),
     ((64, 2, 3, 3), "rows", "flatten")])

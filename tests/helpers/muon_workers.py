@@ -381,3 +381,43 @@ def stack_placed(rank, world, tmp, state_dtype, where="ep", shape=(8, 32, 48),
     return dict(full=_full(here.detach()).clone(), alone=alone.detach().clone(),
                 stored=getattr(stored, "_local_tensor", stored).dtype, iterated=iterated,
                 collectives={str(k): v for k, v in mode.get_comm_counts().items()})
+
+
+def stack_checkpointed(rank, world, tmp, state_dtype, where, first, steps, load=None):
+    """A [8, 32, 48] stack of experts placed as :func:`_stack_layouts` names ``where`` (on a
+    1-D mesh of ``world`` ranks), its DCP checkpoint loaded from ``load`` if given, stepped
+    from step ``first`` for ``steps`` steps and saved under ``tmp``: the full stack."""
+    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    _, placements = _stack_layouts()[where]
+    mesh = init_device_mesh("cpu", (world,))
+    model = nn.Module()
+    full = torch.randn(8, 32, 48, generator=torch.Generator().manual_seed(1 if load else 0))
+    model.experts = nn.Parameter(distribute_tensor(full, mesh, placements))
+    opt = scaleopt.Muon(list(model.named_parameters()), lr=0.02, state_dtype=state_dtype)
+    if load is not None:  # other weights: the checkpoint must bring them
+        state = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}
+        dcp.load(state, checkpoint_id=os.path.join(load, "ckpt"))
+        model.load_state_dict(state["model"])
+        set_optimizer_state_dict(model, opt, state["optim"])
+    for t in range(first, first + steps):
+        g = torch.randn(8, 32, 48, generator=torch.Generator().manual_seed(100 + t))
+        model.experts.grad = distribute_tensor(g, mesh, placements)
+        opt.step()
+    dcp.save({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)},
+             checkpoint_id=os.path.join(tmp, "ckpt"))
+    return _full(model.experts.detach()).clone()
+
+
+def stack_alone(state_dtype, steps):
+    """The [8, 32, 48] stack of :func:`stack_checkpointed` after ``steps`` steps in one
+    process."""
+    experts = nn.Parameter(torch.randn(8, 32, 48, generator=torch.Generator().manual_seed(0)))
+    opt = scaleopt.Muon([experts], lr=0.02, state_dtype=state_dtype)
+    for t in range(steps):
+        experts.grad = torch.randn(8, 32, 48, generator=torch.Generator().manual_seed(100 + t))
+        opt.step()
+    return experts.detach().clone()
