@@ -1,0 +1,116 @@
+"""The shaped-link cluster (scaleopt.links): nodes in network namespaces of their own, joined by
+tc-shaped veth links; made and removed by the harness. Needs root and iproute2: the tests skip
+with the reason where either is missing."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from scaleopt import links
+from scaleopt.cli.launch import free_port
+
+pytestmark = pytest.mark.skipif(links.unavailable() is not None,
+                                reason=str(links.unavailable()))
+WORKER = os.path.join(os.path.dirname(__file__), "helpers", "link_worker.py")
+
+
+def _namespaces():
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.split()}
+
+
+def test_a_cluster_is_made_and_every_namespace_it_made_is_removed_after():
+    with links.ShapedCluster(nodes=3, rate="10mbit") as cluster:
+        made = set(cluster.namespaces) | {cluster.switch}
+        assert made <= _namespaces()
+        for k in range(3):
+            shown = subprocess.run(cluster.command(k, ["ip", "-o", "addr", "show", "eth0"]),
+                                   capture_output=True, text=True, check=True).stdout
+            assert f"inet {cluster.address(k)}/24" in shown
+            qdisc = subprocess.run(cluster.command(k, ["tc", "qdisc", "show", "dev", "eth0"]),
+                                   capture_output=True, text=True, check=True).stdout
+            assert "tbf" in qdisc and "10Mbit" in qdisc
+    assert not made & _namespaces()
+
+
+def test_an_error_inside_and_a_failing_step_while_making_leave_no_namespace(monkeypatch):
+    with pytest.raises(KeyError):
+        with links.ShapedCluster(nodes=2) as cluster:
+            made = set(cluster.namespaces) | {cluster.switch}
+            raise KeyError("inside")
+    assert not made & _namespaces()
+    real = links._run
+
+    def failing_at_the_queue(argv):
+        if "tbf" in argv:
+            raise links.LinkError("refused")
+        return real(argv)
+
+    monkeypatch.setattr(links, "_run", failing_at_the_queue)
+    cluster = links.ShapedCluster(nodes=2)
+    with pytest.raises(links.LinkError, match="refused"):
+        cluster.open()
+    assert not ({cluster.switch, *cluster.namespaces} & _namespaces())
+
+
+def test_namespaces_of_a_process_that_is_gone_are_swept():
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    name = f"{links.PREFIX}{gone.pid}-0-n0"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    assert name in links.sweep()
+    assert name not in _namespaces()
+
+
+def _all_reduce(tmp_path, nodes, per_node, numel):
+    tmp_path.mkdir(parents=True)
+    with links.ShapedCluster(nodes=nodes, rate="100mbit") as cluster:
+        procs = cluster.launch(per_node, [sys.executable, WORKER, str(tmp_path), str(numel)],
+                               free_port())
+        try:
+            codes = [p.wait(timeout=120) for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+        sent = [cluster.bytes_sent(k) for k in range(nodes)]
+    world = nodes * per_node
+    assert codes == [0] * world
+    for r in range(world):
+        assert (tmp_path / f"rank{r}.txt").read_text() == f"{float(world)} {float(world)}"
+    return sent
+
+
+def test_gloo_between_nodes_passes_the_shaped_links_and_within_a_node_it_does_not(tmp_path):
+    numel = 1_000_000  # 4 MB
+    between = _all_reduce(tmp_path / "between", 2, 1, numel)
+    for node in between:  # each rank sends and receives its half twice (ring all-reduce)
+        assert node["up"] >= 4 * numel and node["down"] >= 4 * numel, between
+    (within,) = _all_reduce(tmp_path / "within", 1, 2, numel)
+    assert within["up"] < 64 * 1024 and within["down"] < 64 * 1024, within
+
+
+def test_delay_and_loss_are_refused_by_name_where_the_kernel_has_no_netem():
+    reason = links.netem_unavailable()
+    if reason is None:
+        with links.ShapedCluster(nodes=2, rate="10mbit", delay_ms=5) as cluster:
+            qdisc = subprocess.run(cluster.command(0, ["tc", "qdisc", "show", "dev", "eth0"]),
+                                   capture_output=True, text=True, check=True).stdout
+            assert "netem" in qdisc and "delay 5ms" in qdisc and "tbf" in qdisc
+    else:
+        with pytest.raises(links.LinkError, match="netem"):
+            links.ShapedCluster(nodes=2, delay_ms=5).open()
+
+
+def test_a_rate_is_read_as_tc_writes_it_and_bad_ones_are_refused():
+    assert links.rate_bits("100mbit") == 100e6
+    assert links.rate_bits("1gbit") == 1e9
+    assert links.rate_bits("12.5mbps") == 100e6
+    for bad in ("fast", "0mbit", "10 furlongs"):
+        with pytest.raises(ValueError, match="rate"):
+            links.ShapedCluster(rate=bad)
+    with pytest.raises(ValueError, match="nodes"):
+        links.ShapedCluster(nodes=0)
