@@ -114,3 +114,27 @@ def test_a_rate_is_read_as_tc_writes_it_and_bad_ones_are_refused():
             links.ShapedCluster(rate=bad)
     with pytest.raises(ValueError, match="nodes"):
         links.ShapedCluster(nodes=0)
+
+
+def test_the_link_benchmark_times_every_row_and_its_bytes_pass_the_shaped_links(tmp_path):
+    """``scaleopt bench --link``: each row's step over a 1 Gbit link between 2 nodes; DGC
+    sends over 100x fewer bytes than the dense all-reduce, and the shaping queues passed at
+    least what the dense rounds sent."""
+    import json
+
+    from scaleopt.cli import bench, bench_links
+
+    bench.main(["--link", "1gbit", "--rounds", "1", "--hidden", "256", "--layers", "2",
+                "--out", str(tmp_path / "out")])
+    result = json.loads((tmp_path / "out" / "links.json").read_text())
+    one = result["links"]["1gbit"]
+    assert one["parameters"] == 2 * (256 * 256 + 256) and one["world"] == 2
+    rows = one["rows"]
+    assert list(rows) == bench_links.ROWS
+    assert all(len(row["step_s"]) == 1 and row["median_ms"] > 0 for row in rows.values())
+    dense = rows[bench_links.DENSE]["bytes_sent"]
+    assert rows["DGC 99.9% (DDP hook)"]["bytes_sent"] * 100 < dense
+    assert rows["DGCMomentum 99.9%"]["bytes_sent"] * 100 < dense
+    rounds = bench_links.WARMUP + 1
+    for node in one["sent_per_node"]:
+        assert node["up"] >= rounds * dense and node["down"] >= rounds * dense

@@ -16,9 +16,10 @@ and :meth:`ShapedCluster.restore` brings it back.
 
 Making and removing namespaces needs root and the ``ip`` and ``tc`` tools (iproute2);
 :func:`unavailable` says why a cluster cannot be made here, :func:`netem_unavailable` why
-delay and loss cannot. Every namespace the cluster made is removed when it closes, on an
-error too, and :func:`sweep` removes those of processes that no longer exist. Addresses exist
-only inside the namespaces made.
+delay and loss cannot. Every namespace the cluster made (and its ``/etc/netns`` hosts file,
+naming the nodes ``node<k>``) is removed when it closes, on an error too, and :func:`sweep`
+removes those of processes that no longer exist. Addresses exist only inside the namespaces
+made.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from typing import Dict, List, Optional, Sequence
 PREFIX = "scaleopt-"
 #: the interface of a node and the first three parts of its address
 INTERFACE, SUBNET = "eth0", "10.0.0"
+#: where ``ip netns exec`` finds a namespace's own /etc files
+ETC = "/etc/netns"
 _COUNTER = itertools.count()
 _CLONE_NEWNET = 0x40000000
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)\s*([kmg]?)(bit|bps)$", re.IGNORECASE)
@@ -49,8 +52,8 @@ def rate_bits(rate: str) -> float:
     """Bits per second of a rate as tc writes it (``10mbit``, ``1gbit``, ``12.5mbps``)."""
     m = _RATE.match(rate.strip())
     if not m:
-        raise ValueError(f"rate {rate!r}: a number and kbit, mbit, gbit (or kbps, mbps, gbps, "
-                         f"bytes), e.g. 100mbit")
+        raise ValueError(f"rate {rate!r}: a number and kbit, mbit or gbit (or kbps, mbps or "
+                         f"gbps for bytes per second), e.g. 100mbit")
     bits = float(m.group(1)) * _SCALE[m.group(2).lower()]
     bits *= 8 if m.group(3).lower() == "bps" else 1
     if bits <= 0:
@@ -112,9 +115,14 @@ def sweep() -> List[str]:
         name = line.split()[0] if line.split() else ""
         m = re.match(rf"^{re.escape(PREFIX)}(\d+)-", name)
         if m and not os.path.exists(f"/proc/{m.group(1)}"):
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+            _remove(name)
             removed.append(name)
     return removed
+
+
+def _remove(ns: str) -> None:
+    subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    shutil.rmtree(os.path.join(ETC, ns), ignore_errors=True)
 
 
 def enter(namespace: str) -> None:
@@ -169,10 +177,16 @@ class ShapedCluster:
         return self
 
     def _make(self) -> None:
+        hosts = "127.0.0.1 localhost\n" + "".join(
+            f"{self.address(k)} node{k}\n" for k in range(self.nodes))
         for ns in [self.switch, *self.namespaces]:
             _run(["ip", "netns", "add", ns])
             self._made.append(ns)
             _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            # `ip netns exec` mounts /etc/netns/<ns>/hosts over /etc/hosts: names for the nodes
+            os.makedirs(os.path.join(ETC, ns), exist_ok=True)
+            with open(os.path.join(ETC, ns, "hosts"), "w") as f:
+                f.write(hosts)
         _run(["ip", "-n", self.switch, "link", "add", "br0", "type", "bridge"])
         _run(["ip", "-n", self.switch, "link", "set", "br0", "up"])
         tag = next(_COUNTER)
@@ -213,8 +227,7 @@ class ShapedCluster:
     def close(self) -> None:
         """Remove every namespace this cluster made (with them its links and queues)."""
         while self._made:
-            ns = self._made.pop()
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            _remove(self._made.pop())
 
     def __enter__(self) -> "ShapedCluster":
         return self.open()

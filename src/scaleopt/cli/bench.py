@@ -24,7 +24,7 @@ import torch
 
 import scaleopt
 
-from . import bench_fsdp, bench_gpu, bench_memory, bench_muon, options
+from . import bench_fsdp, bench_gpu, bench_links, bench_memory, bench_muon, options
 from ..benchmarking import (NO_DECAY, SIZES, held_bytes, interleaved, make_params, paired_ratio,
                             shapes_of, size_options)
 from .report import NO_PLOTS, write_bench_plot
@@ -147,6 +147,9 @@ def command(args: argparse.Namespace) -> int:
     if args.memory:
         memory(args)
         return options.EXIT_OK
+    if args.link:
+        link(args)
+        return options.EXIT_OK
     check_arguments(args)
     run(args)
     return options.EXIT_OK
@@ -186,6 +189,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "process of its own, on MODEL: matrices (the default: 24 matrices of "
                          "1024 x 1024, 25.2M parameters) or llama (a llama-like stack of 12 "
                          "layers of width 768 over bytes, 85M) (see docs/memory.md)")
+    ap.add_argument("--link", nargs="+", metavar="RATE[,DELAY_MS]",
+                    help="time instead data-parallel steps over links of these rates (tc's "
+                         "notation: 10mbit, 1gbit; a delay in ms where the kernel has netem), "
+                         "each in a cluster of network namespaces made for it (needs root): "
+                         "dense all-reduce, PowerSGD, DGC (see docs/dgc.md)")
+    ap.add_argument("--per-node", type=options.positive_int, default=1, metavar="K",
+                    help="with --link: ranks per node (their traffic unshaped; default: 1)")
     ap.add_argument("--only", nargs="*", metavar="NAME",
                     help="time only optimizers whose name contains one of these (the fused "
                          "AdamW baseline always runs)")
@@ -308,13 +318,33 @@ def memory(args: argparse.Namespace) -> None:
     print(f"wrote {out / 'memory.json'}")
 
 
+def link(args: argparse.Namespace) -> None:
+    """``--link``: the table of :mod:`scaleopt.cli.bench_links`, into ``--out`` (and
+    ``--json``)."""
+    if args.muon or args.device != "cpu" or args.only:
+        raise ValueError("--link times a fixed set of data-parallel steps on the CPU: --muon, "
+                         "--device and --only do not apply")
+    world = 2 if args.world == 1 else args.world
+    out = pathlib.Path(args.out if args.out is not None else new_folder(
+        pathlib.Path("scaleopt-runs") / f"bench-links-world{world}"))
+    check_out(str(out), overwrite=args.overwrite)
+    result = bench_links.run(args.link, world, args.per_node, args.rounds,
+                             args.hidden or bench_links.HIDDEN, args.layers or bench_links.LAYERS,
+                             args.threads or 1)
+    text = json.dumps(result, indent=1)
+    (out / "links.json").write_text(text)
+    if args.json:
+        pathlib.Path(args.json).write_text(text)
+    print(f"wrote {out / 'links.json'}")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(ap)
     args = ap.parse_args(argv)
-    if args.memory:
+    if args.memory or args.link:
         try:
-            memory(args)
+            memory(args) if args.memory else link(args)
         except ValueError as exc:
             ap.error(str(exc))
         return
