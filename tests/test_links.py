@@ -116,6 +116,7 @@ def test_a_rate_is_read_as_tc_writes_it_and_bad_ones_are_refused():
         links.ShapedCluster(nodes=0)
 
 
+@pytest.mark.slow
 def test_the_link_benchmark_times_every_row_and_its_bytes_pass_the_shaped_links(tmp_path):
     """``scaleopt bench --link``: each row's step over a 1 Gbit link between 2 nodes; DGC
     sends over 100x fewer bytes than the dense all-reduce, and the shaping queues passed at
@@ -138,3 +139,133 @@ def test_the_link_benchmark_times_every_row_and_its_bytes_pass_the_shaped_links(
     rounds = bench_links.WARMUP + 1
     for node in one["sent_per_node"]:
         assert node["up"] >= rounds * dense and node["down"] >= rounds * dense
+
+
+# --------------------------------------------------------------------------------------------
+# faults on the link: a `scaleopt train` run of 2 ranks on 2 nodes (each rank as one rank of a
+# launch across machines: RANK, WORLD_SIZE, MASTER_ADDR in its environment)
+# --------------------------------------------------------------------------------------------
+
+RUN = ["--shard", "--steps", "200", "--checkpoint-every", "10", "--train-size", "8192",
+       "--batch-size", "256", "--width", "64", "--no-progress", "--threads", "1"]
+#: the process group's timeout in these runs, and how long past it a rank may take to exit
+TIMEOUT_S, GRACE_S = 20, 30
+
+
+def _numbers(result):
+    return [{k: v for k, v in h.items() if k != "time_s"} for h in result["history"]]
+
+
+@pytest.fixture(scope="module")
+def never_cut(tmp_path_factory):
+    """The same run on 2 local workers, never interrupted."""
+    import json
+
+    from scaleopt.cli import main
+
+    out = tmp_path_factory.mktemp("whole") / "run"
+    assert main(["train", "--workers", "2", *RUN, "--out", str(out)]) == 0
+    return json.loads((out / "result.json").read_text())
+
+
+def _launch(cluster, run, resume=False):
+    """Rank r of the run on node r (or its resumption from ``run``'s last checkpoint)."""
+    import tempfile
+
+    logs = [tempfile.TemporaryFile("w+") for _ in range(2)]
+    env = {"SCALEOPT_TIMEOUT": str(TIMEOUT_S), "PYTHONFAULTHANDLER": "1"}
+    argv = [sys.executable, "-m", "scaleopt", "train",
+            *(["--resume", str(run)] if resume else [*RUN, "--out", str(run)])]
+    procs = []
+    for rank in range(2):
+        environment = {**os.environ, **env, **cluster.environment(rank), "RANK": str(rank),
+                       "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "29500"}
+        procs.append(subprocess.Popen(cluster.command(rank, argv), env=environment,
+                                      stdout=logs[rank], stderr=subprocess.STDOUT,
+                                      start_new_session=True))
+    return procs, logs
+
+
+def _wait_for_checkpoint(procs, run, step):
+    import time
+
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        try:
+            latest = int((run / "checkpoints" / "latest").read_text().split("-")[1])
+        except (OSError, ValueError, IndexError):
+            latest = -1
+        if latest >= step:
+            return
+        assert all(p.poll() is None for p in procs), "the run ended before its link was cut"
+        time.sleep(0.01)
+    pytest.fail("the run did not reach its checkpoint in time")
+
+
+def _ended(procs, logs, within):
+    """Each rank's exit code and output; a rank still running after ``within`` seconds is
+    killed (its session, by id) and fails the test."""
+    import signal
+
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=within))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                if q.poll() is None:
+                    os.killpg(q.pid, signal.SIGKILL)
+            pytest.fail(f"a rank was still running {within} s after its link was cut")
+    texts = []
+    for log in logs:
+        log.seek(0)
+        texts.append(log.read())
+    return codes, texts
+
+
+@pytest.mark.slow
+def test_a_link_cut_for_five_seconds_is_ridden_through_with_the_uncut_numbers(tmp_path,
+                                                                           never_cut):
+    import json
+    import time
+
+    run = tmp_path / "run"
+    with links.ShapedCluster(nodes=2, rate="1gbit") as cluster:
+        procs, logs = _launch(cluster, run)
+        _wait_for_checkpoint(procs, run, 20)
+        cluster.cut(1)
+        time.sleep(5)
+        cluster.restore(1)
+        codes, texts = _ended(procs, logs, 240)
+    assert codes == [0, 0], texts
+    assert _numbers(json.loads((run / "result.json").read_text())) == _numbers(never_cut)
+
+
+@pytest.mark.slow
+def test_a_link_cut_for_good_ends_every_rank_naming_the_lost_peer_and_the_run_resumes(
+        tmp_path, never_cut):
+    """A node cut off for good: both ranks end within the process group's timeout and a grace,
+    each with a message of its own (rank 0: it lost rank 1; rank 1: not even the store on rank
+    0's node answers) naming what the run was doing and the resume command; resumed, the run
+    ends with the uncut numbers."""
+    import json
+
+    run = tmp_path / "run"
+    with links.ShapedCluster(nodes=2, rate="1gbit") as cluster:
+        procs, logs = _launch(cluster, run)
+        _wait_for_checkpoint(procs, run, 20)
+        cluster.cut(1)
+        codes, texts = _ended(procs, logs, TIMEOUT_S + GRACE_S)
+        assert all(code not in (0, None) for code in codes), texts
+        for text in texts:
+            assert "Traceback" not in text, text[-3000:]
+            assert f"`scaleopt train --resume {run}`" in text, text[-3000:]
+            assert "during step " in text or "during the all-reduce" in text, text[-3000:]
+        assert "rank 0 lost rank 1" in texts[0], texts[0][-3000:]
+        assert "rank 1 lost every other rank" in texts[1], texts[1][-3000:]
+        cluster.restore(1)
+        procs, logs = _launch(cluster, run, resume=True)
+        codes, texts = _ended(procs, logs, 240)
+    assert codes == [0, 0], texts
+    result = json.loads((run / "result.json").read_text())
+    assert result["complete"] and _numbers(result) == _numbers(never_cut)

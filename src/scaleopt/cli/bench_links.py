@@ -13,7 +13,9 @@ parameters, 25 MB of float32 gradients by default) stepped by:
 
 - DDP's all-reduce with momentum SGD (dense);
 - DDP with torch's PowerSGD hook at rank 4 (error feedback, warm start), momentum SGD;
-- DDP with the DGC hook (99.9%, momentum correction) and plain SGD;
+- DDP with the DGC hook (99.9%, momentum correction) and plain SGD (both hooks with all
+  gradients in one bucket: with several, gloo may start a hook's chained collectives in
+  another order on each rank);
 - ``scaleopt.DGCMomentum`` (99.9%) on the unwrapped model;
 - the same step with no communication at all (momentum SGD alone in each process): the floor.
 
@@ -145,7 +147,10 @@ def _steppers(hidden: int, layers: int) -> Dict[str, Tuple[Callable[[], None], C
     dense = nn.parallel.DistributedDataParallel(model_of(hidden, layers))
     steps[ROWS[0]] = (make(dense, torch.optim.SGD(dense.parameters(), lr=1e-3, momentum=0.9)),
                       lambda: ring)
-    low = nn.parallel.DistributedDataParallel(model_of(hidden, layers))
+    # the hooks' chained collectives in one bucket: with several, gloo's threads may start
+    # them in another order on each rank (a collective mismatch at 4 ranks)
+    one_bucket = 1 + 4 * numel / 2 ** 20
+    low = nn.parallel.DistributedDataParallel(model_of(hidden, layers), bucket_cap_mb=one_bucket)
     state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=4,
                                    start_powerSGD_iter=2)
     low.register_comm_hook(state, powersgd.powerSGD_hook)
@@ -153,7 +158,8 @@ def _steppers(hidden: int, layers: int) -> Dict[str, Tuple[Callable[[], None], C
     low_numel = sum(4 * sum(p.shape) if p.ndim == 2 else p.numel() for p in low.parameters())
     steps[ROWS[1]] = (make(low, torch.optim.SGD(low.parameters(), lr=1e-3, momentum=0.9)),
                       lambda: 4 * low_numel * 2 * (world - 1) / world)
-    hooked = nn.parallel.DistributedDataParallel(model_of(hidden, layers))
+    hooked = nn.parallel.DistributedDataParallel(model_of(hidden, layers),
+                                                 bucket_cap_mb=one_bucket)
     hook = DGCHookState(hooked, momentum=0.9, sparsity=[0.999], rampup_begin_step=0,
                         min_numel=16384)
     hooked.register_comm_hook(hook, ddp_comm_hook)

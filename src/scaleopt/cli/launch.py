@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import json
 import os
 import pathlib
@@ -14,13 +15,15 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
+import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from . import checkpoint, config, resume, trainer, world
+from . import checkpoint, config, report, resume, trainer, world
 from .config import Config
 
 
@@ -59,7 +62,7 @@ def free_port() -> int:
 #: the markers of an error that says another worker died: its collectives lost their peer
 #: (gloo's and NCCL's errors), not an error of the worker's own
 LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "NCCL communicator was aborted",
-             "Broken pipe")
+             "Broken pipe", "Timed out waiting")
 
 
 def lost_a_peer(error: BaseException) -> bool:
@@ -160,6 +163,50 @@ def failure(folder: str, error: BaseException) -> Optional[Dict[str, Any]]:
 
 class WorkersLost(RuntimeError):
     """Workers died more often than ``--max-restarts`` allows; the message says when and how."""
+
+
+class PeerLost(WorkersLost):
+    """A rank of a multi-node launch lost another (its collective failed or timed out): the
+    message names the rank or ranks lost, what the run was doing and how to continue."""
+
+
+#: how long a rank that lost a peer waits for the others to report to the rendezvous store
+REPORT_S = 10.0
+
+
+def lost_peers(rank: int, size: int, timeout_s: float = REPORT_S) -> str:
+    """Who this rank lost, found through the rendezvous store: every rank whose collective
+    failed says so there; the ranks that did not within ``timeout_s`` are the lost ones (a
+    rank that cannot reach the store at all is the one cut off). A sentence. (The store's
+    calls are made in a thread of their own: on a dead link they can block past any timeout.)"""
+    found: Dict[str, Any] = {}
+
+    def ask() -> None:
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(datetime.timedelta(seconds=timeout_s))
+        store.set(f"scaleopt/lost/{rank}", "failed")
+        deadline = time.monotonic() + timeout_s
+        waiting = [r for r in range(size) if r != rank]
+        while waiting and time.monotonic() < deadline:
+            waiting = [r for r in waiting if not store.check([f"scaleopt/lost/{r}"])]
+            time.sleep(0.2)
+        found["waiting"] = waiting
+
+    asking = threading.Thread(target=ask, daemon=True)
+    asking.start()
+    asking.join(timeout_s + 5.0)
+    if "waiting" not in found:  # the store (on rank 0's node) does not answer either
+        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        return (f"rank {rank} lost every other rank: not even the rendezvous store at {where} "
+                f"(rank 0's node) answers, so this rank's own link is probably down")
+    waiting = found["waiting"]
+    if not waiting:
+        return (f"rank {rank} lost a peer: every rank reports a failed collective, none stopped "
+                f"answering the store")
+    names = ", ".join(str(r) for r in waiting)
+    return (f"rank {rank} lost rank{'s' if len(waiting) > 1 else ''} {names}: "
+            f"{'they' if len(waiting) > 1 else 'it'} did not report to the rendezvous store "
+            f"within {timeout_s:.0f} s (cut off, or dead)")
 
 
 #: where a run's workers' process ids are written while they run (``scaleopt train
@@ -306,11 +353,28 @@ def torchrun_rank(cfg: Config) -> Dict[str, Any]:
         dist.all_gather_object(pids, os.getpid())  # this node's and the others' (their ids)
         if rank == 0:
             _write_pids(cfg, pids, world.torchrun_restart())
-        with world.interruptible(world.STOP):
-            result = trainer.run(cfg, rank, size)
-        dist.barrier()  # no rank leaves the group while another still uses it
+        try:
+            with world.interruptible(world.STOP):
+                result = trainer.run(cfg, rank, size)
+            dist.barrier()  # no rank leaves the group while another still uses it
+        except Exception as exc:
+            if not lost_a_peer(exc):
+                raise
+            raise PeerLost(_peer_lost_message(cfg, rank, size, exc)) from None
         if rank == 0:
             _remove_pids(cfg)
         return result
     finally:
         world.end_group()
+
+
+def _peer_lost_message(cfg: Config, rank: int, size: int, exc: BaseException) -> str:
+    said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if cfg.out and (pathlib.Path(cfg.out) / report.CHECKPOINTS / report.LATEST).is_file():
+        how = (f"continue it from its last checkpoint by starting every rank again with "
+               f"`scaleopt train --resume {cfg.out}`")
+    else:
+        how = "no checkpoint was written, so it cannot be resumed (pass --checkpoint-every K)"
+    return (f"{lost_peers(rank, size)}, during {world.DOING[0]} (after the process group's "
+            f"timeout of {world.TIMEOUT.total_seconds():.0f} s; the backend said: "
+            f"{said[:300]}). The run ends here; {how}")

@@ -56,13 +56,15 @@ def _tqdm():
     return tqdm
 
 
-def _mean_over_ranks(value: torch.Tensor, world: int, stop: bool) -> Tuple[float, bool]:
-    """The batch loss over the global batch (each rank has its slice of it), and whether any
-    rank was asked to stop (in the same all-reduce, so that every rank stops at this step)."""
+def _mean_over_ranks(value: torch.Tensor, ranks: int, stop: bool) -> Tuple[float, bool]:
+    """The batch loss over the global batch (each of ``ranks`` ranks has its slice of it), and
+    whether any rank was asked to stop (in the same all-reduce, so that every rank stops at
+    this step)."""
     both = torch.stack([value.detach().float().reshape(()), torch.tensor(float(stop))])
-    if world > 1:
+    if ranks > 1:
+        world.doing("the all-reduce of the loss and the stop flag")
         dist.all_reduce(both)
-    return both[0].item() / world, bool(both[1].item() > 0)
+    return both[0].item() / ranks, bool(both[1].item() > 0)
 
 
 #: steps between the checks of several workers for a stop request (one tiny all-reduce)
@@ -200,12 +202,14 @@ def _train_step(t: Trainer, batch: torch.Tensor) -> torch.Tensor:
     (each rank its slice of each, the gradients accumulated)."""
     x, y = t.data[0], t.data[1]
     t.opt.zero_grad(set_to_none=True)
+    world.doing(f"step {t.step + 1}'s forward and backward passes (the gradients' collectives)")
     if t.noise is not None and t.step % t.cfg.noise_every() == 0:
         loss = _measured_backward(t, batch.view(2, t.world, -1)[:, t.rank])
     else:
         idx = batch.view(t.world, -1)[t.rank]
         loss = _loss(t.net(x[idx]), y[idx])
         loss.backward()
+    world.doing(f"step {t.step + 1}'s optimizer step (its collectives)")
     if t.cfg.max_grad_norm is not None and not optimizers.OPTIMIZERS[t.cfg.optimizer].clips:
         torch.nn.utils.clip_grad_norm_(t.model.parameters(), t.cfg.max_grad_norm)
     t.opt.step()
@@ -240,6 +244,7 @@ def _measured_backward(t: Trainer, halves: torch.Tensor) -> torch.Tensor:
 def _evaluated(t: Trainer, loss_value: float, start: float) -> None:
     """The test loss and accuracy now, in the history (every rank of a sharded model evaluates:
     its forward needs them all)."""
+    world.doing(f"the evaluation at step {t.step}")
     t.evaluated_at = t.step
     if t.rank == 0 or t.cfg.shard:
         test_loss, test_acc = _evaluate(t.model, t.data[2], t.data[3])
@@ -254,6 +259,7 @@ def _evaluated(t: Trainer, loss_value: float, start: float) -> None:
 
 def _save(t: Trainer, start: float) -> None:
     cfg = t.cfg
+    world.doing(f"writing the checkpoint of step {t.step}")
     meta = {"config": dataclasses.asdict(cfg), "total_steps": cfg.total_steps(),
             "optimizer_class": type(t.opt).__name__, "parameters": checkpoint.shapes(t.model),
             "scheduler": t.sched.state_dict(), "history": t.history, "train_curve": t.curve,

@@ -20,8 +20,17 @@ import torch.distributed as dist
 #: boundary
 STOP = threading.Event()
 
-#: how long a collective may wait for the other ranks
-TIMEOUT = datetime.timedelta(seconds=120)
+#: how long a collective may wait for the other ranks (``SCALEOPT_TIMEOUT`` seconds, default
+#: 120)
+TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("SCALEOPT_TIMEOUT") or 120))
+
+#: what this rank's run is doing (the collectives it is in, for a message when a peer is lost)
+DOING = ["starting"]
+
+
+def doing(what: str) -> None:
+    """Note what the run does now (the collectives it takes part in), for :data:`DOING`."""
+    DOING[0] = what
 
 #: the signals that ask a run to stop after its current step: Ctrl-C, and what a cluster sends
 #: a job before it kills it (preemption, a time limit)
