@@ -128,6 +128,7 @@ def test_the_link_benchmark_times_every_row_and_its_bytes_pass_the_shaped_links(
     bench.main(["--link", "1gbit", "--rounds", "1", "--hidden", "256", "--layers", "2",
                 "--out", str(tmp_path / "out")])
     result = json.loads((tmp_path / "out" / "links.json").read_text())
+    assert (tmp_path / "out" / "links.png").stat().st_size > 0
     one = result["links"]["1gbit"]
     assert one["parameters"] == 2 * (256 * 256 + 256) and one["world"] == 2
     rows = one["rows"]

@@ -335,7 +335,8 @@ def link(args: argparse.Namespace) -> None:
     (out / "links.json").write_text(text)
     if args.json:
         pathlib.Path(args.json).write_text(text)
-    print(f"wrote {out / 'links.json'}")
+    plot = bench_links.write_plot(result, str(out / "links.png"))
+    print(f"wrote {out / 'links.json'}" + (f" and {plot}" if plot else f" ({NO_PLOTS})"))
 
 
 def main(argv=None) -> None:

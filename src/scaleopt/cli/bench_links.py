@@ -208,3 +208,33 @@ def worker(out: str, rounds: int, hidden: int, layers: int, threads: int) -> Non
                            rows=rows), f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def write_plot(result: Dict[str, Any], path: str) -> Optional[str]:
+    """``links.png``: each row's median step time against the link rate (log-log). Returns the
+    path, or None where matplotlib is not installed."""
+    from .. import links
+    from .report import _plt
+
+    plt = _plt()
+    if plt is None:
+        return None
+    specs = list(result["links"])
+    rates = [links.rate_bits(parse_link(s)[0]) / 1e6 for s in specs]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in ROWS:
+        ax.plot(rates, [result["links"][s]["rows"][name]["median_ms"] for s in specs], "o-",
+                label=name)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("link rate (Mbit/s)")
+    ax.set_ylabel("step time (ms, median)")
+    one = result["links"][specs[0]]
+    ax.set_title(f"{one['parameters'] / 1e6:.1f}M parameters, {result['world']} ranks on "
+                 f"{result['nodes']} nodes", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
