@@ -292,3 +292,49 @@ def skip_on_one_rank(rank, world, tmp):
     flat = every_rank(model.parameters(), world)
     same = all(torch.equal(flat[0], f) for f in flat)
     return (opt.skipped_steps, kept, same, bool(torch.isfinite(flat[0]).all()))
+
+
+def hook_feeding(rank, world, tmp, optimizer, sparsity, steps=4):
+    """DDP with the DGC hook at momentum 0 (top-k with error feedback) feeding ``optimizer``
+    (a scaleopt class name): per step the gradient the optimizer was given, the mean over the
+    ranks of their own gradients (computed apart), and at the end the mean of the ranks'
+    residuals v, the parameters and the telemetry."""
+    model = model_of()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    state = DGCHookState(ddp, momentum=0.0, sparsity=[sparsity], min_numel=4096,
+                         selection="topk")
+    ddp.register_comm_hook(state, ddp_comm_hook)
+    named = list(model.named_parameters())
+    opt = getattr(scaleopt, optimizer)(named, lr=1e-3)
+    given, dense = [], []
+    for t in range(steps):
+        x, y = batch(rank, t)
+        own = torch.autograd.grad((model(x) - y).square().mean(), [p for _, p in named])
+        for g in own:
+            dist.all_reduce(g)
+            g /= world
+        dense.append([g.clone() for g in own])
+        opt.zero_grad()
+        (ddp(x) - y).square().mean().backward()
+        given.append([p.grad.clone() for _, p in named])
+        opt.step()
+    residual = []
+    for name, p in named:
+        v = state.residuals[name]["v"].clone() if name in state.residuals else torch.zeros_like(p)
+        dist.all_reduce(v)
+        residual.append(v / world)
+    return {"given": given, "dense": dense, "residual": residual,
+            "params": [p.detach().clone() for _, p in named], "telemetry": dict(state.telemetry)}
+
+
+def dense_feeding(rank, world, tmp, optimizer, steps=4):
+    """The same training through DDP's own all-reduce: the parameters."""
+    model = model_of()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = getattr(scaleopt, optimizer)(list(model.named_parameters()), lr=1e-3)
+    for t in range(steps):
+        x, y = batch(rank, t)
+        opt.zero_grad()
+        (ddp(x) - y).square().mean().backward()
+        opt.step()
+    return {"params": [p.detach().clone() for p in model.parameters()]}
