@@ -210,6 +210,23 @@ def test_bench_times_the_optimizers(tmp_path, capsys):
     assert "holds an earlier run" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_dgc_feeds_an_adaptive_optimizer_through_the_hook_and_reports_its_traffic(optimizer,
+                                                                               tmp_path):
+    """``--dgc`` with another optimizer than momentum: DDP with the DGC hook at momentum 0
+    (top-k with error feedback) and the optimizer itself; the run trains, sends a fraction of
+    the dense bytes, and its density is what the sparsity list asks."""
+    out = tmp_path / "run"
+    assert main(["train", *TINY, "--steps", "8", "--workers", "2", "--threads", "1",
+                 "--optimizer", optimizer, "--dgc", "--dgc-sparsity", "0.99",
+                 "--dgc-min-numel", "1000", "--out", str(out)]) == 0
+    result = json.loads((out / "result.json").read_text())
+    tel = result["dgc_final_telemetry"]
+    assert result["workers"] == 2 and result["config"]["optimizer"] == optimizer
+    assert 0 < tel["density"] < 0.5 and tel["bytes_sent"] < tel["dense_bytes"] / 2
+    assert result["history"][-1]["test_loss"] < result["history"][0]["test_loss"]
+
+
 def test_dgc_on_two_workers_reports_its_traffic(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["train", *TINY, "--steps", "8", "--workers", "2", "--threads", "1",
@@ -271,7 +288,9 @@ def test_dgc_between_hsdp_replicas_trains_resumes_bit_for_bit_and_reports_its_tr
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["train", "--dgc"], "--optimizer momentum"),
+    (["train", "--dgc"], "--workers 2 or more"),
+    (["train", "--dgc", "--shard", "--workers", "4", "--replicas", "2"], "--optimizer momentum"),
+    (["train", "--dgc", "--workers", "2", "--checkpoint-every", "5"], "not checkpointed yet"),
     (["train", "--optimizer", "momentum", "--dgc", "--dgc-sparsity", "1.0", "--workers", "2"],
      "--dgc-sparsity"),
     (["train", "--optimizer", "momentum", "--dgc"], "--workers 2 or more"),

@@ -82,10 +82,12 @@ def _add_checkpoint_options(p: argparse.ArgumentParser) -> None:
 
 
 def _add_dgc_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("deep gradient compression (with --optimizer momentum)")
+    g = p.add_argument_group("deep gradient compression")
     g.add_argument("--dgc", action="store_true", default=None,
-                   help="scaleopt.DGCMomentum: send only the largest accumulated gradients "
-                        "(exactly k per tensor, one all-gather); the rest stays local")
+                   help="send only the largest accumulated gradients (exactly k per tensor, "
+                        "one all-gather); the rest stays local: scaleopt.DGCMomentum with "
+                        "--optimizer momentum, else DDP with the DGC hook at momentum 0 (top-k "
+                        "with error feedback) feeding the optimizer (no checkpoints yet)")
     g.add_argument("--dgc-sparsity", type=float, nargs="+", metavar="S",
                    help="sparsity warm-up list; the last value holds (default: the paper's "
                         "0.75 0.9375 0.984375 0.996 0.999)")

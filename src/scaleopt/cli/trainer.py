@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..dgc import PAPER_SPARSITY, DGCMomentum
+from ..dgc import PAPER_SPARSITY, DGCHookState, DGCMomentum, ddp_comm_hook
 from .._sharding import local_piece
 from ..groups import param_groups
 from ..noise import GradientNoiseScale
@@ -94,6 +94,7 @@ class Trainer:
     curve: List[Any] = dataclasses.field(default_factory=list)
     checkpoints: List[str] = dataclasses.field(default_factory=list)
     dgc_totals: Dict[str, float] = dataclasses.field(default_factory=dict)
+    hook: Any = None  # the DGC hook's state (--dgc with an optimizer other than momentum)
     interrupted: bool = False
     #: the step of the last evaluation (on every rank)
     evaluated_at: int = -1
@@ -137,14 +138,33 @@ def write_results(result: Dict[str, Any], out: str) -> None:
         result["write_error"] = f"cannot write the results into {out}: {exc}"
 
 
+def _dgc_options(cfg: Config) -> Dict[str, Any]:
+    return dict(sparsity=cfg.dgc_sparsity or list(PAPER_SPARSITY),
+                rampup_begin_step=cfg.dgc_rampup_begin_step, rampup_step=cfg.dgc_rampup(),
+                min_numel=cfg.dgc_min_numel, value_dtype=getattr(torch, cfg.dgc_value_dtype))
+
+
 def _optimizer(cfg: Config, model: torch.nn.Module, mesh: Any) -> torch.optim.Optimizer:
-    if not cfg.dgc:
+    if not cfg.dgc or cfg.optimizer != "momentum":  # (others: the hook compresses, _net)
         return optimizers.build(model, cfg)
     return DGCMomentum(param_groups(model, weight_decay=cfg.weight_decay), lr=cfg.resolved_lr(),
-                       momentum=0.9, sparsity=cfg.dgc_sparsity or list(PAPER_SPARSITY),
-                       rampup_begin_step=cfg.dgc_rampup_begin_step, rampup_step=cfg.dgc_rampup(),
-                       min_numel=cfg.dgc_min_numel, value_dtype=getattr(torch, cfg.dgc_value_dtype),
-                       mesh=mesh)
+                       momentum=0.9, mesh=mesh, **_dgc_options(cfg))
+
+
+def _net(cfg: Config, model: torch.nn.Module, world: int, device: torch.device) -> Tuple[Any, Any]:
+    """What the step runs the batch through (DDP over several workers; DGCMomentum and FSDP2
+    communicate themselves) and, for ``--dgc`` with an optimizer other than momentum, the DGC
+    hook's state: DDP's all-reduce replaced by top-k with error feedback (the hook at momentum
+    0), the optimizer stepping on what it returns."""
+    if world == 1 or cfg.shard or (cfg.dgc and cfg.optimizer == "momentum"):
+        return model, None
+    net = torch.nn.parallel.DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None)
+    if not cfg.dgc:
+        return net, None
+    hook = DGCHookState(net, momentum=0.0, **_dgc_options(cfg))
+    net.register_comm_hook(hook, ddp_comm_hook)
+    return net, hook
 
 
 def build(cfg: Config, rank: int, world: int) -> Trainer:
@@ -161,12 +181,10 @@ def build(cfg: Config, rank: int, world: int) -> Trainer:
         models.shard(model, mesh["shard"] if mesh is not None and cfg.dgc else mesh)
     opt = _optimizer(cfg, model, mesh)
     schedule = optimizers.schedule(cfg.schedule, cfg.total_steps(), cfg.warmup_steps())
-    net = model
-    if world > 1 and not cfg.dgc and not cfg.shard:  # DGC communicates in its step
-        net = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None)
+    net, hook = _net(cfg, model, world, device)
     trainer = Trainer(cfg, rank, world, tuple(t.to(device) for t in (x, y, xt, yt)), model, net,
                       opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule))
+    trainer.hook = hook
     if cfg.dev_split:
         trainer.dev = tuple(t.to(device) for t in data.load(
             cfg.dataset, cfg.train_size, context=cfg.context, split="dev",
@@ -216,10 +234,11 @@ def _train_step(t: Trainer, batch: torch.Tensor) -> torch.Tensor:
     t.sched.step()
     t.step += 1
     if t.cfg.dgc:
+        telemetry = (t.hook or t.opt).telemetry
         for key in ("bytes_sent", "bytes_sent_measured", "dense_bytes", "payload_bytes",
                     "dense_payload_bytes",
                     "selected", "numel"):
-            t.dgc_totals[key] = t.dgc_totals.get(key, 0) + t.opt.telemetry[key]
+            t.dgc_totals[key] = t.dgc_totals.get(key, 0) + telemetry[key]
     return loss
 
 
@@ -342,7 +361,7 @@ def _traffic(t: Trainer) -> Dict[str, Any]:
                 "dgc_payload_bytes_per_rank_per_step": d["payload_bytes"] / steps,
                 "dense_payload_bytes_per_rank_per_step": d["dense_payload_bytes"] / steps,
                 "dgc_density": d["selected"] / d["numel"],
-                "dgc_final_telemetry": dict(t.opt.telemetry)}
+                "dgc_final_telemetry": dict((t.hook or t.opt).telemetry)}
     if t.cfg.shard and t.cfg.replicas > 1:
         # HSDP: each rank all-reduces its gradient shards with the same shard's replicas
         shard_bytes = sum(local_piece(p).numel() * p.element_size() for p in t.model.parameters())
