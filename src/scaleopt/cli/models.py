@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -112,3 +112,22 @@ def hsdp_mesh(replicas: int, world: int, device: torch.device) -> Any:
 
     return init_device_mesh(device.type, (replicas, world // replicas),
                             mesh_dim_names=("replicate", "shard"))
+
+
+def parallel(cfg: Any, model: nn.Module, world: int, device: torch.device) -> Tuple[Any, Any]:
+    """What the step runs the batch through (DDP over several workers; DGCMomentum and FSDP2
+    communicate themselves) and, for ``--dgc`` with an optimizer other than momentum, the DGC
+    hook's state: DDP's all-reduce replaced by top-k with error feedback (the hook at momentum
+    0), the optimizer stepping on what it returns."""
+    from ..dgc import DGCHookState, ddp_comm_hook
+    from .optimizers import dgc_options
+
+    if world == 1 or cfg.shard or (cfg.dgc and cfg.optimizer == "momentum"):
+        return model, None
+    net = nn.parallel.DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None)
+    if not cfg.dgc:
+        return net, None
+    hook = DGCHookState(net, momentum=0.0, **dgc_options(cfg))
+    net.register_comm_hook(hook, ddp_comm_hook)
+    return net, hook

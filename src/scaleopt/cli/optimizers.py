@@ -132,3 +132,12 @@ def schedule(kind: str, total: int, warmup: int) -> Callable[[int], float]:
             return 0.5 * (1.0 + math.cos(math.pi * progress))
         return 1.0 - progress
     return factor
+
+
+def dgc_options(cfg: Any) -> Dict[str, Any]:
+    """The DGC options of ``cfg`` (``--dgc-*``), for DGCMomentum and the DGC hook."""
+    from ..dgc import PAPER_SPARSITY
+
+    return dict(sparsity=cfg.dgc_sparsity or list(PAPER_SPARSITY),
+                rampup_begin_step=cfg.dgc_rampup_begin_step, rampup_step=cfg.dgc_rampup(),
+                min_numel=cfg.dgc_min_numel, value_dtype=getattr(torch, cfg.dgc_value_dtype))

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..dgc import PAPER_SPARSITY, DGCHookState, DGCMomentum, ddp_comm_hook
+from ..dgc import DGCMomentum
 from .._sharding import local_piece
 from ..groups import param_groups
 from ..noise import GradientNoiseScale
@@ -138,33 +138,11 @@ def write_results(result: Dict[str, Any], out: str) -> None:
         result["write_error"] = f"cannot write the results into {out}: {exc}"
 
 
-def _dgc_options(cfg: Config) -> Dict[str, Any]:
-    return dict(sparsity=cfg.dgc_sparsity or list(PAPER_SPARSITY),
-                rampup_begin_step=cfg.dgc_rampup_begin_step, rampup_step=cfg.dgc_rampup(),
-                min_numel=cfg.dgc_min_numel, value_dtype=getattr(torch, cfg.dgc_value_dtype))
-
-
 def _optimizer(cfg: Config, model: torch.nn.Module, mesh: Any) -> torch.optim.Optimizer:
-    if not cfg.dgc or cfg.optimizer != "momentum":  # (others: the hook compresses, _net)
+    if not cfg.dgc or cfg.optimizer != "momentum":  # (others: the DGC hook, models.parallel)
         return optimizers.build(model, cfg)
     return DGCMomentum(param_groups(model, weight_decay=cfg.weight_decay), lr=cfg.resolved_lr(),
-                       momentum=0.9, mesh=mesh, **_dgc_options(cfg))
-
-
-def _net(cfg: Config, model: torch.nn.Module, world: int, device: torch.device) -> Tuple[Any, Any]:
-    """What the step runs the batch through (DDP over several workers; DGCMomentum and FSDP2
-    communicate themselves) and, for ``--dgc`` with an optimizer other than momentum, the DGC
-    hook's state: DDP's all-reduce replaced by top-k with error feedback (the hook at momentum
-    0), the optimizer stepping on what it returns."""
-    if world == 1 or cfg.shard or (cfg.dgc and cfg.optimizer == "momentum"):
-        return model, None
-    net = torch.nn.parallel.DistributedDataParallel(
-        model, device_ids=[device.index] if device.type == "cuda" else None)
-    if not cfg.dgc:
-        return net, None
-    hook = DGCHookState(net, momentum=0.0, **_dgc_options(cfg))
-    net.register_comm_hook(hook, ddp_comm_hook)
-    return net, hook
+                       momentum=0.9, mesh=mesh, **optimizers.dgc_options(cfg))
 
 
 def build(cfg: Config, rank: int, world: int) -> Trainer:
@@ -181,7 +159,7 @@ def build(cfg: Config, rank: int, world: int) -> Trainer:
         models.shard(model, mesh["shard"] if mesh is not None and cfg.dgc else mesh)
     opt = _optimizer(cfg, model, mesh)
     schedule = optimizers.schedule(cfg.schedule, cfg.total_steps(), cfg.warmup_steps())
-    net, hook = _net(cfg, model, world, device)
+    net, hook = models.parallel(cfg, model, world, device)
     trainer = Trainer(cfg, rank, world, tuple(t.to(device) for t in (x, y, xt, yt)), model, net,
                       opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule))
     trainer.hook = hook
