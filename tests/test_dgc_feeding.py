@@ -11,7 +11,8 @@ import dgc_workers as W
 pytestmark = pytest.mark.usefixtures("as_workers")
 
 
-@pytest.mark.parametrize("optimizer", ["AdamW", "LAMB", "LANS", "Muon"])
+@pytest.mark.parametrize("optimizer", ["AdamW", pytest.param("LAMB", marks=pytest.mark.slow),
+                                       pytest.param("LANS", marks=pytest.mark.slow), "Muon"])
 def test_what_the_optimizer_is_given_plus_what_is_kept_is_the_mean_gradient(optimizer,
                                                                          tmp_path):
     """At 99% sparsity each optimizer is given the ranks' mean of the selected accumulated
@@ -31,7 +32,7 @@ def test_what_the_optimizer_is_given_plus_what_is_kept_is_the_mean_gradient(opti
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("optimizer", ["AdamW", "Muon"])
+@pytest.mark.parametrize("optimizer", ["AdamW", pytest.param("Muon", marks=pytest.mark.slow)])
 def test_at_no_sparsity_the_optimizer_trains_as_over_ddps_own_all_reduce(optimizer, tmp_path):
     """At sparsity 0 the hook sends every entry (dense): the optimizer's run is the one over
     DDP's all-reduce."""
