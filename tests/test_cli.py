@@ -215,7 +215,7 @@ def test_dgc_feeds_an_adaptive_optimizer_through_the_hook_and_reports_its_traffi
                                                                                tmp_path):
     """``--dgc`` with another optimizer than momentum: DDP with the DGC hook at momentum 0
     (top-k with error feedback) and the optimizer itself; the run trains, sends a fraction of
-    the dense bytes, and its density is what the sparsity list asks."""
+    the dense bytes, and stopped and resumed from its checkpoint it is the same run."""
     out = tmp_path / "run"
     assert main(["train", *TINY, "--steps", "8", "--workers", "2", "--threads", "1",
                  "--optimizer", optimizer, "--dgc", "--dgc-sparsity", "0.99",
@@ -225,6 +225,17 @@ def test_dgc_feeds_an_adaptive_optimizer_through_the_hook_and_reports_its_traffi
     assert result["workers"] == 2 and result["config"]["optimizer"] == optimizer
     assert 0 < tel["density"] < 0.5 and tel["bytes_sent"] < tel["dense_bytes"] / 2
     assert result["history"][-1]["test_loss"] < result["history"][0]["test_loss"]
+    # stopped after step 4 with a checkpoint (each rank's hook residuals in its own file) and
+    # resumed: the run of the whole
+    run = tmp_path / "stopped"
+    assert main(["train", *TINY, "--steps", "8", "--workers", "2", "--threads", "1",
+                 "--optimizer", optimizer, "--dgc", "--dgc-sparsity", "0.99",
+                 "--dgc-min-numel", "1000", "--checkpoint-every", "2", "--stop-after", "4",
+                 "--out", str(run)]) == 0
+    names = {f.name for f in (run / "checkpoints" / "step-00000004").iterdir()}
+    assert {"dgc-hook-rank0.pt", "dgc-hook-rank1.pt"} <= names
+    assert main(["train", "--resume", str(run)]) == 0
+    assert _curve(json.loads((run / "result.json").read_text())) == _curve(result)
 
 
 def test_dgc_on_two_workers_reports_its_traffic(tmp_path, capsys):
@@ -290,7 +301,6 @@ def test_dgc_between_hsdp_replicas_trains_resumes_bit_for_bit_and_reports_its_tr
 @pytest.mark.parametrize("argv, message", [
     (["train", "--dgc"], "--workers 2 or more"),
     (["train", "--dgc", "--shard", "--workers", "4", "--replicas", "2"], "--optimizer momentum"),
-    (["train", "--dgc", "--workers", "2", "--checkpoint-every", "5"], "not checkpointed yet"),
     (["train", "--optimizer", "momentum", "--dgc", "--dgc-sparsity", "1.0", "--workers", "2"],
      "--dgc-sparsity"),
     (["train", "--optimizer", "momentum", "--dgc"], "--workers 2 or more"),

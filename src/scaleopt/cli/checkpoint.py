@@ -160,9 +160,10 @@ def _write_atomically(path: pathlib.Path, text: str) -> None:
 
 
 def save(run_dir: str, step: int, model, opt, meta: Dict[str, Any], rank: int, world: int,
-         keep: Optional[int] = None) -> str:
+         keep: Optional[int] = None, hook: Any = None) -> str:
     """Write the checkpoint of ``step`` (every rank calls this) and keep the newest ``keep``
-    (all with None); its directory. :class:`CheckpointWriteError` on every rank if any could
+    (all with None); its directory. ``hook``: a DGC hook's state, each rank's in a file of its
+    own. :class:`CheckpointWriteError` on every rank if any could
     not write its part (the partial checkpoint removed, the complete ones kept)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
@@ -182,6 +183,8 @@ def save(run_dir: str, step: int, model, opt, meta: Dict[str, Any], rank: int, w
             with _one_process_is_fine():
                 if _per_rank(opt):
                     torch.save(opt.state_dict(), _rank_file(partial, rank))
+                if hook is not None:
+                    torch.save(hook.state_dict(), _rank_file(partial, rank, HOOK))
                 dcp.save(_dcp_part(model, opt), checkpoint_id=str(partial))
             if rank == 0:
                 _write_atomically(partial / META, json.dumps(dict(meta, step=step), indent=1))
@@ -213,8 +216,12 @@ def _per_rank(opt) -> bool:
     return isinstance(opt, DGCMomentum)
 
 
-def _rank_file(folder: pathlib.Path, rank: int) -> pathlib.Path:
-    return folder / f"optimizer-rank{rank}.pt"
+#: the name of the DGC hook's per-rank files in a checkpoint
+HOOK = "dgc-hook"
+
+
+def _rank_file(folder: pathlib.Path, rank: int, what: str = "optimizer") -> pathlib.Path:
+    return folder / f"{what}-rank{rank}.pt"
 
 
 def _dcp_part(model, opt) -> Dict[str, Any]:
@@ -228,12 +235,13 @@ def _dcp_part(model, opt) -> Dict[str, Any]:
     return {"model": model_sd, "optim": optim_sd}
 
 
-def _load_per_rank(path: pathlib.Path, opt) -> None:
-    """This rank's optimizer file (rank 0's where this rank had none: another number of
-    workers, whose residuals the optimizer resets with a warning)."""
+def _load_per_rank(path: pathlib.Path, opt, what: str = "optimizer") -> None:
+    """This rank's file of ``opt`` (an optimizer or a DGC hook's state) in the checkpoint
+    (rank 0's where this rank had none: another number of workers, whose residuals ``opt``
+    resets with a warning)."""
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    own = _rank_file(path, rank)
-    opt.load_state_dict(torch.load(own if own.exists() else _rank_file(path, 0),
+    own = _rank_file(path, rank, what)
+    opt.load_state_dict(torch.load(own if own.exists() else _rank_file(path, 0, what),
                                    weights_only=True))
 
 
@@ -266,9 +274,10 @@ def shapes(model) -> Dict[str, list]:
     return {n: list(p.shape) for n, p in model.named_parameters()}
 
 
-def load(path: pathlib.Path, meta: Dict[str, Any], model, opt) -> None:
+def load(path: pathlib.Path, meta: Dict[str, Any], model, opt, hook: Any = None) -> None:
     """Load the model and optimizer state of the checkpoint at ``path`` (every rank calls this),
-    whatever the world size and layout it was saved at."""
+    whatever the world size and layout it was saved at (and a DGC hook's state into
+    ``hook``)."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
     if type(opt).__name__ != meta["optimizer_class"]:
@@ -296,6 +305,11 @@ def load(path: pathlib.Path, meta: Dict[str, Any], model, opt) -> None:
         else:
             set_state_dict(model, opt, model_state_dict=state["model"],
                            optim_state_dict=state["optim"])
+        if hook is not None:
+            if not _rank_file(path, 0, HOOK).exists():
+                raise CheckpointError(f"the checkpoint {path} holds no DGC hook state: it was "
+                                      f"written by a run without --dgc")
+            _load_per_rank(path, hook, HOOK)
     except ValueError as exc:  # the optimizer's checks of its state (scaleopt._loading)
         raise CheckpointError(f"the checkpoint {path} holds optimizer state that does not fit: "
                               f"{exc}") from None

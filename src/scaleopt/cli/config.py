@@ -189,11 +189,6 @@ def check(cfg: Config) -> None:
         if cfg.optimizer != "momentum" and cfg.shard:
             raise ValueError("--dgc with --shard is DGC momentum SGD between HSDP replicas: use "
                              "it with --optimizer momentum")
-        if cfg.optimizer != "momentum" and (cfg.checkpoint_every or cfg.stop_after
-                                            or cfg.resume):
-            raise ValueError(f"--dgc with --optimizer {cfg.optimizer} compresses the gradients "
-                             f"in a DDP hook whose residuals are not checkpointed yet: it runs "
-                             f"without --checkpoint-every, --stop-after and --resume")
         if cfg.workers < 2 and not world.under_torchrun():
             raise ValueError("--dgc compresses the gradients the workers exchange: use it with "
                              "--workers 2 or more (one process exchanges nothing)")

@@ -172,7 +172,7 @@ def build(cfg: Config, rank: int, world: int) -> Trainer:
     if cfg.resume:
         path = resume.chosen(cfg.resume)
         meta = resume.read_meta(path)
-        checkpoint.load(path, meta, model, opt)
+        checkpoint.load(path, meta, model, opt, hook=hook)
         trainer.sched.load_state_dict(meta["scheduler"])
         trainer.step = trainer.first = meta["step"]
         trainer.before, trainer.history = meta["time_s"], meta["history"]
@@ -264,7 +264,7 @@ def _save(t: Trainer, start: float) -> None:
     if t.noise is not None:
         meta["noise"] = {"state": t.noise.state_dict(), "history": t.noise_history}
     t.checkpoints.append(checkpoint.save(cfg.out, t.step, t.model, t.opt, meta, t.rank, t.world,
-                                         keep=cfg.keep_checkpoints))
+                                         keep=cfg.keep_checkpoints, hook=t.hook))
 
 
 def loop(t: Trainer, stop: Any) -> None:
