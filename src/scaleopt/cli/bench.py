@@ -325,6 +325,7 @@ def link(args: argparse.Namespace) -> None:
         raise ValueError("--link times a fixed set of data-parallel steps on the CPU: --muon, "
                          "--device and --only do not apply")
     world = 2 if args.world == 1 else args.world
+    bench_links.check(args.link, world, args.per_node)
     out = pathlib.Path(args.out if args.out is not None else new_folder(
         pathlib.Path("scaleopt-runs") / f"bench-links-world{world}"))
     check_out(str(out), overwrite=args.overwrite)

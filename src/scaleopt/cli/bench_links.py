@@ -63,18 +63,28 @@ def parse_link(spec: str) -> Tuple[str, float]:
     return rate, delay_ms
 
 
+def check(specs: List[str], world: int, per_node: int) -> List[Tuple[str, float]]:
+    """``specs`` read as (rate, delay); ValueError for what cannot run here."""
+    from .. import links
+
+    parsed = [parse_link(s) for s in specs]
+    if world % per_node or world < 2:
+        raise ValueError(f"--world {world} --per-node {per_node}: at least 2 ranks, a "
+                         f"multiple of the ranks per node")
+    reason = links.unavailable()
+    if reason is not None:
+        raise ValueError(f"--link needs network namespaces: {reason}")
+    if any(delay for _, delay in parsed) and links.netem_unavailable() is not None:
+        raise ValueError(f"--link with a delay: {links.netem_unavailable()}")
+    return parsed
+
+
 def run(specs: List[str], world: int, per_node: int, rounds: int, hidden: int, layers: int,
         threads: int, timeout: float = 3600.0) -> Dict[str, Any]:
     """Every link of ``specs`` in turn: the results by link, as :func:`worker` writes them."""
     from .. import links
 
-    reason = links.unavailable()
-    if reason is not None:
-        raise ValueError(f"--link needs network namespaces: {reason}")
-    if world % per_node or world < 2:
-        raise ValueError(f"--world {world} --per-node {per_node}: at least 2 ranks, a "
-                         f"multiple of the ranks per node")
-    parsed = [parse_link(s) for s in specs]
+    parsed = check(specs, world, per_node)
     result: Dict[str, Any] = dict(world=world, per_node=per_node, nodes=world // per_node,
                                   rounds=rounds, hidden=hidden, layers=layers, threads=threads,
                                   torch=torch.__version__, links={})
