@@ -270,3 +270,20 @@ def test_a_link_cut_for_good_ends_every_rank_naming_the_lost_peer_and_the_run_re
     assert codes == [0, 0], texts
     result = json.loads((run / "result.json").read_text())
     assert result["complete"] and _numbers(result) == _numbers(never_cut)
+
+
+@pytest.mark.slow
+def test_with_two_ranks_per_node_the_benchmark_times_hsdp_with_dgc_between_the_nodes(tmp_path):
+    """``--per-node 2``: FSDP2 inside each node and the nodes replicas (HSDP), dense or with
+    DGCMomentum between them; DGC sends over 100x fewer bytes across the nodes."""
+    import json
+
+    from scaleopt.cli import bench, bench_links
+
+    bench.main(["--link", "1gbit", "--world", "4", "--per-node", "2", "--rounds", "1",
+                "--hidden", "256", "--layers", "2", "--out", str(tmp_path / "out")])
+    rows = json.loads((tmp_path / "out" / "links.json").read_text())["links"]["1gbit"]["rows"]
+    assert list(rows) == bench_links.ROWS + bench_links.HSDP_ROWS
+    dense, dgc = (rows[name]["bytes_sent"] for name in bench_links.HSDP_ROWS)
+    assert dense == 4 * (2 * (256 * 256 + 256)) / 2  # this rank's shard, once to the other node
+    assert 0 < dgc * 100 < dense

@@ -44,6 +44,8 @@ from torch import nn
 ROWS = ["dense all-reduce (DDP)", "PowerSGD rank 4 (DDP hook)", "DGC 99.9% (DDP hook)",
         "DGCMomentum 99.9%", "no communication"]
 DENSE = ROWS[0]
+#: with several ranks per node: FSDP2 inside each node, the nodes replicas (HSDP)
+HSDP_ROWS = ["HSDP, all-reduce between nodes", "HSDP, DGCMomentum 99.9% between nodes"]
 WARMUP = 2
 PORT = 29500
 #: the default model: 6 layers of 1024 x 1024 (6.3M parameters)
@@ -93,7 +95,7 @@ def run(specs: List[str], world: int, per_node: int, rounds: int, hidden: int, l
                 nodes=world // per_node, rate=rate, delay_ms=delay_ms) as cluster:
             argv = [sys.executable, "-c", "import sys; from scaleopt.cli.bench_links import "
                     "worker; worker(sys.argv[1], *map(int, sys.argv[2:]))", tmp, str(rounds),
-                    str(hidden), str(layers), str(threads)]
+                    str(hidden), str(layers), str(threads), str(per_node)]
             procs = cluster.launch(per_node, argv, PORT)
             try:
                 codes = [p.wait(timeout=timeout) for p in procs]
@@ -113,10 +115,10 @@ def run(specs: List[str], world: int, per_node: int, rounds: int, hidden: int, l
 def _print(spec: str, one: Dict[str, Any]) -> None:
     print(f"link {spec}: {one['parameters']:,} parameters, {one['world']} ranks "
           f"x {one['threads']} thread(s), median of {len(one['rows'][DENSE]['step_s'])} rounds")
-    print(f"  {'':32} {'step ms':>10} {'x dense':>8} {'bytes sent/rank':>16}")
-    for name in ROWS:
+    print(f"  {'':38} {'step ms':>10} {'x dense':>8} {'bytes sent/rank':>16}")
+    for name in one["rows"]:
         row = one["rows"][name]
-        print(f"  {name:32} {row['median_ms']:10.1f} {row['ratio_to_dense']:8.3f} "
+        print(f"  {name:38} {row['median_ms']:10.1f} {row['ratio_to_dense']:8.3f} "
               f"{row['bytes_sent']:16,.0f}")
 
 
@@ -131,7 +133,8 @@ def model_of(hidden: int, layers: int) -> nn.Module:
                                                              nn.ReLU())][:-1])
 
 
-def _steppers(hidden: int, layers: int) -> Dict[str, Tuple[Callable[[], None], Callable[[], float]]]:
+def _steppers(hidden: int, layers: int, per_node: int = 1
+              ) -> Dict[str, Tuple[Callable[[], None], Callable[[], float]]]:
     """Each row's step and the bytes this rank sent in its last step (counted or, for
     torch's own collectives, their ring's bytes)."""
     import torch.distributed as dist
@@ -182,21 +185,55 @@ def _steppers(hidden: int, layers: int) -> Dict[str, Tuple[Callable[[], None], C
     alone = model_of(hidden, layers)
     steps[ROWS[4]] = (make(alone, torch.optim.SGD(alone.parameters(), lr=1e-3, momentum=0.9)),
                       lambda: 0.0)
+    if per_node > 1:
+        steps.update(_hsdp_steppers(hidden, layers, per_node, make))
     return steps
 
 
-def worker(out: str, rounds: int, hidden: int, layers: int, threads: int) -> None:
+def _hsdp_steppers(hidden: int, layers: int, per_node: int, make: Callable) -> Dict[str, Any]:
+    """HSDP's rows: FSDP2 over the ranks of a node, the nodes replicas; the replicas'
+    all-reduce dense, or DGCMomentum's exchange between them. Their bytes: those that cross
+    the nodes' links (a ring all-reduce of this rank's shard over the replicas; DGC's
+    telemetry)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import scaleopt
+
+    nodes = dist.get_world_size() // per_node
+    mesh = init_device_mesh("cpu", (nodes, per_node), mesh_dim_names=("replicate", "shard"))
+    numel = sum(p.numel() for p in model_of(hidden, layers).parameters())
+    shard_bytes = 4 * numel / per_node * 2 * (nodes - 1) / nodes
+    both = []
+    for dim in (None, "shard"):  # HSDP on the 2-D mesh; FSDP2 in the node for DGC
+        model = model_of(hidden, layers)
+        for m in model:
+            if any(True for _ in m.parameters()):
+                fully_shard(m, mesh=mesh if dim is None else mesh[dim])
+        fully_shard(model, mesh=mesh if dim is None else mesh[dim])
+        both.append(model)
+    dense = torch.optim.SGD(both[0].parameters(), lr=1e-3, momentum=0.9)
+    dgc = scaleopt.DGCMomentum(both[1].parameters(), lr=1e-3, momentum=0.9, sparsity=[0.999],
+                               rampup_begin_step=0, mesh=mesh)
+    return {HSDP_ROWS[0]: (make(both[0], dense), lambda: shard_bytes),
+            HSDP_ROWS[1]: (make(both[1], dgc),
+                           lambda: dgc.telemetry.get("bytes_sent", float("nan")))}
+
+
+def worker(out: str, rounds: int, hidden: int, layers: int, threads: int,
+           per_node: int = 1) -> None:
     """One rank: the rows' steps interleaved over ``WARMUP + rounds`` rounds; rank 0 writes
     ``rank0.json``."""
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
-    steps = _steppers(hidden, layers)
-    times: Dict[str, List[float]] = {name: [] for name in ROWS}
+    steps = _steppers(hidden, layers, per_node)
+    times: Dict[str, List[float]] = {name: [] for name in steps}
     sent: Dict[str, float] = {}
     for r in range(WARMUP + rounds):
-        for name in ROWS:
+        for name in steps:
             step, count = steps[name]
             dist.barrier()
             t0 = time.perf_counter()
@@ -207,7 +244,7 @@ def worker(out: str, rounds: int, hidden: int, layers: int, threads: int) -> Non
             sent[name] = count()
     if dist.get_rank() == 0:
         rows = {}
-        for name in ROWS:
+        for name in steps:
             ratios = [t / d for t, d in zip(times[name], times[DENSE])]
             rows[name] = dict(median_ms=1e3 * statistics.median(times[name]),
                               ratio_to_dense=statistics.median(ratios),
@@ -232,7 +269,7 @@ def write_plot(result: Dict[str, Any], path: str) -> Optional[str]:
     specs = list(result["links"])
     rates = [links.rate_bits(parse_link(s)[0]) / 1e6 for s in specs]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name in ROWS:
+    for name in result["links"][specs[0]]["rows"]:
         ax.plot(rates, [result["links"][s]["rows"][name]["median_ms"] for s in specs], "o-",
                 label=name)
     ax.set_xscale("log")
