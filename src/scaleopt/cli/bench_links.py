@@ -147,7 +147,7 @@ def _steppers(hidden: int, layers: int, per_node: int = 1
     gen = torch.Generator().manual_seed(rank)
     x, y = torch.randn(64, hidden, generator=gen), torch.randn(64, hidden, generator=gen)
     numel = sum(p.numel() for p in model_of(hidden, layers).parameters())
-    ring = 4 * numel * 2 * (world - 1) / world
+    ring = _ring_bytes(numel, world)
     steps: Dict[str, Tuple[Callable[[], None], Callable[[], float]]] = {}
 
     def make(model: nn.Module, opt: Any) -> Callable[[], None]:
@@ -170,7 +170,7 @@ def _steppers(hidden: int, layers: int, per_node: int = 1
     # P and Q of each matrix (rank 4) and the vectors dense, each all-reduced in a ring
     low_numel = sum(4 * sum(p.shape) if p.ndim == 2 else p.numel() for p in low.parameters())
     steps[ROWS[1]] = (make(low, torch.optim.SGD(low.parameters(), lr=1e-3, momentum=0.9)),
-                      lambda: 4 * low_numel * 2 * (world - 1) / world)
+                      lambda: _ring_bytes(low_numel, world))
     hooked = nn.parallel.DistributedDataParallel(model_of(hidden, layers),
                                                  bucket_cap_mb=one_bucket)
     hook = DGCHookState(hooked, momentum=0.9, sparsity=[0.999], rampup_begin_step=0,
@@ -190,28 +190,30 @@ def _steppers(hidden: int, layers: int, per_node: int = 1
     return steps
 
 
+def _ring_bytes(numel: float, ranks: int) -> float:
+    """Bytes one rank sends in a ring all-reduce of ``numel`` float32 values over ``ranks``."""
+    return 4 * numel * 2 * (ranks - 1) / ranks
+
+
 def _hsdp_steppers(hidden: int, layers: int, per_node: int, make: Callable) -> Dict[str, Any]:
     """HSDP's rows: FSDP2 over the ranks of a node, the nodes replicas; the replicas'
     all-reduce dense, or DGCMomentum's exchange between them. Their bytes: those that cross
     the nodes' links (a ring all-reduce of this rank's shard over the replicas; DGC's
     telemetry)."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     import scaleopt
 
+    from . import models
+
     nodes = dist.get_world_size() // per_node
-    mesh = init_device_mesh("cpu", (nodes, per_node), mesh_dim_names=("replicate", "shard"))
+    mesh = models.hsdp_mesh(nodes, dist.get_world_size(), torch.device("cpu"))
     numel = sum(p.numel() for p in model_of(hidden, layers).parameters())
-    shard_bytes = 4 * numel / per_node * 2 * (nodes - 1) / nodes
+    shard_bytes = _ring_bytes(numel / per_node, nodes)
     both = []
-    for dim in (None, "shard"):  # HSDP on the 2-D mesh; FSDP2 in the node for DGC
+    for where in (mesh, mesh["shard"]):  # HSDP on the 2-D mesh; FSDP2 in the node for DGC
         model = model_of(hidden, layers)
-        for m in model:
-            if any(True for _ in m.parameters()):
-                fully_shard(m, mesh=mesh if dim is None else mesh[dim])
-        fully_shard(model, mesh=mesh if dim is None else mesh[dim])
+        models.shard(model, where)
         both.append(model)
     dense = torch.optim.SGD(both[0].parameters(), lr=1e-3, momentum=0.9)
     dgc = scaleopt.DGCMomentum(both[1].parameters(), lr=1e-3, momentum=0.9, sparsity=[0.999],
