@@ -193,7 +193,7 @@ def test_resume_is_bit_identical_and_a_new_world_size_resets_the_residuals():
     (dict(rampup_begin_step=-1), ValueError), (dict(min_numel=1.5), ValueError),
     (dict(local_grad_clip_norm=0.0), ValueError), (dict(selection="random"), ValueError),
     (dict(weight_decay_mode="l3"), ValueError), (dict(clip_mode="layer"), ValueError),
-    (dict(value_dtype=torch.int8), ValueError), (dict(nesterov=True, momentum=0.0), ValueError),
+    (dict(value_dtype=torch.int16), ValueError), (dict(nesterov=True, momentum=0.0), ValueError),
 ])
 def test_bad_options_are_clear_errors(kwargs, error):
     opts = dict(lr=0.1)
@@ -396,6 +396,55 @@ def test_half_precision_values_halve_the_value_bytes_and_keep_the_rounding_error
             sent = (w - p.detach()) / 0.1  # float16-rounded values, applied
             # what was not sent, the rounding error included, is still in v
             torch.testing.assert_close(sent + opt.state[p]["v"], g, rtol=0, atol=1e-6)
+
+
+def test_int8_values_cost_one_byte_each_and_keep_the_rounding_error():
+    model = W.model_of()
+    opt = DGCMomentum(model.parameters(), lr=0.1, sparsity=[0.99], min_numel=4096,
+                      value_dtype=torch.int8)
+    x, y = W.batch(0, 0)
+    (model(x) - y).square().mean().backward()
+    u0 = [p.grad.clone() for p in model.parameters()]
+    w0 = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    big = [p for p in model.parameters() if p.numel() >= 4096]
+    ks = [k_of(p.numel(), 0.99) for p in big]
+    # an int32 index and an int8 value per pair, and one float32 scale per tensor
+    assert opt.telemetry["bytes_gathered"] == sum(ks) * (4 + 1) + 4 * len(big)
+    sizes = iter(ks)
+    for p, g, w in zip(model.parameters(), u0, w0):
+        if p.numel() >= 4096:
+            sent = (w - p.detach()) / 0.1
+            # what was not sent, the rounding error included, is still in v
+            torch.testing.assert_close(sent + opt.state[p]["v"], g, rtol=0, atol=1e-6)
+            chosen = sent != 0
+            assert 0 < chosen.sum() <= next(sizes)
+            # 127 levels of the largest sent magnitude: each sent value within half a level
+            top = g[chosen].abs().max()
+            assert (sent[chosen] - g[chosen]).abs().max() <= top / 127 / 2 * (1 + 1e-5)
+
+
+def test_int8_codec_round_trips_through_the_all_gather_path():
+    from scaleopt.dgc import comm
+
+    gen = torch.Generator().manual_seed(1)
+    values = [torch.randn(k, generator=gen) * 1e-4 for k in (1, 6, 33)] + [torch.zeros(3)]
+    indices = [torch.arange(v.numel(), dtype=torch.int32) * 2 for v in values]
+    sent = [comm.encode(v, torch.int8) for v in values]
+    assert [s.numel() for s in sent] == [v.numel() + 4 for v in values]
+    for v, s in zip(values, sent):
+        back = comm.decode(s)
+        assert back.dtype == torch.float32
+        step = v.abs().max() / 127
+        assert (back - v).abs().max() <= step / 2 * (1 + 1e-5)  # all zeros: exact
+    # mixed with other dtypes in one buffer, decoded by the receiver's path
+    means = comm.sparse_allgather_mean(indices + [torch.tensor([5], dtype=torch.int64)],
+                                       sent + [torch.tensor([2.5], dtype=torch.float16)],
+                                       [80] * 5, None)
+    for i, s, d in zip(indices, sent, means):
+        want = torch.zeros(80).index_add_(0, i.long(), comm.decode(s))
+        assert torch.equal(d, want)
+    assert means[-1][5] == 2.5 and means[-1].dtype == torch.float16
 
 
 def test_pack_keeps_every_segment_aligned_with_odd_k_and_mixed_dtypes():

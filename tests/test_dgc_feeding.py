@@ -32,6 +32,24 @@ def test_what_the_optimizer_is_given_plus_what_is_kept_is_the_mean_gradient(opti
         assert torch.equal(a, b)
 
 
+def test_int8_values_lose_nothing_either(tmp_path):
+    """Values sent in 8 bits: their rounding error stays in the residuals, so what AdamW was
+    given plus the ranks' mean residual is still the sum of the dense mean gradients, at
+    about 1 + 4 bytes per sent pair."""
+    got = W.run_workers(W.hook_feeding, 2, tmp_path, "AdamW", 0.99, 4, torch.int8,
+                        timeout=120)
+    for rank in got:
+        for p in range(len(rank["params"])):
+            given = sum(step[p] for step in rank["given"])
+            dense = sum(step[p] for step in rank["dense"])
+            torch.testing.assert_close(given + rank["residual"][p], dense, rtol=1e-5,
+                                       atol=1e-6)
+        tel = rank["telemetry"]
+        assert tel["bytes_sent"] < tel["selected"] * 6  # float32 values: 8 per pair
+    for a, b in zip(got[0]["params"], got[1]["params"]):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("optimizer", ["AdamW", pytest.param("Muon", marks=pytest.mark.slow)])
 def test_at_no_sparsity_the_optimizer_trains_as_over_ddps_own_all_reduce(optimizer, tmp_path):
     """At sparsity 0 the hook sends every entry (dense): the optimizer's run is the one over

@@ -294,7 +294,7 @@ def skip_on_one_rank(rank, world, tmp):
     return (opt.skipped_steps, kept, same, bool(torch.isfinite(flat[0]).all()))
 
 
-def hook_feeding(rank, world, tmp, optimizer, sparsity, steps=4):
+def hook_feeding(rank, world, tmp, optimizer, sparsity, steps=4, value_dtype=None):
     """DDP with the DGC hook at momentum 0 (top-k with error feedback) feeding ``optimizer``
     (a scaleopt class name): per step the gradient the optimizer was given, the mean over the
     ranks of their own gradients (computed apart), and at the end the mean of the ranks'
@@ -302,7 +302,7 @@ def hook_feeding(rank, world, tmp, optimizer, sparsity, steps=4):
     model = model_of()
     ddp = nn.parallel.DistributedDataParallel(model)
     state = DGCHookState(ddp, momentum=0.0, sparsity=[sparsity], min_numel=4096,
-                         selection="topk")
+                         selection="topk", value_dtype=value_dtype)
     ddp.register_comm_hook(state, ddp_comm_hook)
     named = list(model.named_parameters())
     opt = getattr(scaleopt, optimizer)(named, lr=1e-3)

@@ -98,9 +98,10 @@ def _add_dgc_options(p: argparse.ArgumentParser) -> None:
                         "--dgc-rampup-begin-step (default: the first quarter of the run)")
     g.add_argument("--dgc-min-numel", type=int,
                    help="smaller tensors are sent dense (default: 16384, as Paddle)")
-    g.add_argument("--dgc-value-dtype", choices=("float32", "float16", "bfloat16"),
-                   help="dtype of the gradient values sent; their rounding error stays in "
-                        "the local residual (default: float32)")
+    g.add_argument("--dgc-value-dtype", choices=("float32", "float16", "bfloat16", "int8"),
+                   help="dtype of the gradient values sent (int8: each tensor's values "
+                        "scaled by their largest magnitude, the scale sent too); their "
+                        "rounding error stays in the local residual (default: float32)")
 
 
 def _resumed(args: argparse.Namespace, given: set) -> Config:

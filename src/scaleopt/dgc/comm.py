@@ -47,6 +47,31 @@ def any_rank(flags: List[bool], group: Optional[dist.ProcessGroup],
     return [bool(f) for f in t.tolist()]
 
 
+#: bytes of the scale sent before a tensor's int8 values
+SCALE_BYTES = 4
+
+
+def encode(values: Tensor, dtype: torch.dtype) -> Tensor:
+    """The values as sent: cast to ``dtype``, or for ``torch.int8`` rounded to 127 levels of
+    their largest magnitude, that scale (float32) sent first as 4 int8 bytes."""
+    if dtype != torch.int8:
+        return values.to(dtype)
+    x = values.float()
+    top = x.abs().max() if x.numel() else x.new_zeros(())
+    scale = torch.where(top > 0, top / 127, torch.ones_like(top)).reshape(1)
+    q = torch.round(x / scale).clamp_(-127, 127).to(torch.int8)
+    return torch.cat([scale.view(torch.int8), q])
+
+
+def decode(sent: Tensor) -> Tensor:
+    """The values :func:`encode` sent, as the receiver (and the sender's residual) reads them:
+    float32 for int8, else as sent."""
+    if sent.dtype != torch.int8:
+        return sent
+    scale = sent[:SCALE_BYTES].clone().view(torch.float32)
+    return sent[SCALE_BYTES:].float() * scale
+
+
 def _order(sizes: Sequence[int]) -> List[int]:
     """Segments by decreasing element size (stable): each segment's bytes are a multiple of its
     element size, so every segment starts aligned for its dtype."""
@@ -64,8 +89,10 @@ def pack(indices: Sequence[Tensor], values: Sequence[Tensor]) -> Tensor:
 
 def unpack(buf: Tensor, layout: Sequence[Tuple[int, torch.dtype, torch.dtype]]):
     """Inverse of :func:`pack` for one rank's buffer: ``layout`` is (k, index dtype, value dtype)
-    per tensor, the same on every rank. Returns (indices, values) per tensor."""
-    specs = [(k, dt) for k, idt, vdt in layout for dt in (idt, vdt)]
+    per tensor, the same on every rank (int8 values: :func:`encode`'s, the scale first).
+    Returns (indices, values) per tensor."""
+    specs = [(k + SCALE_BYTES * (vdt == torch.int8), dt) if dt is vdt else (k, dt)
+             for k, idt, vdt in layout for dt in (idt, vdt)]
     views: List[Optional[Tensor]] = [None] * len(specs)
     at = 0
     for j in _order([dt.itemsize for _, dt in specs]):
@@ -87,8 +114,9 @@ def sparse_allgather_mean(indices: List[Tensor], values: List[Tensor], numels: L
                           group: Optional[dist.ProcessGroup],
                           sent: Optional[Dict[str, float]] = None) -> List[Tensor]:
     """Every rank sends its k (index, value) pairs per tensor in one all-gather; returns, per
-    tensor, the dense mean over ranks of the scattered values (flat, the values' dtype).
-    ``sent`` counts the buffer (a ring all-gather sends it to N - 1 ranks)."""
+    tensor, the dense mean over ranks of the scattered values (flat, in the decoded values'
+    dtype: see :func:`encode`). ``sent`` counts the buffer (a ring all-gather sends it to
+    N - 1 ranks)."""
     world = world_of(group)
     layout = [(i.numel(), i.dtype, v.dtype) for i, v in zip(indices, values)]
     buf = pack(indices, values)
@@ -98,10 +126,11 @@ def sparse_allgather_mean(indices: List[Tensor], values: List[Tensor], numels: L
         _collective(lambda: dist.all_gather(chunks, buf, group=group), "all-gather")
     else:
         chunks = [buf]
-    dense = [torch.zeros(n, dtype=v.dtype, device=v.device) for n, v in zip(numels, values)]
+    dense = [torch.zeros(n, dtype=torch.float32 if v.dtype == torch.int8 else v.dtype,
+                         device=v.device) for n, v in zip(numels, values)]
     for chunk in chunks:
         for d, (i, v) in zip(dense, unpack(chunk, layout)):
-            d.index_add_(0, i.long(), v)
+            d.index_add_(0, i.long(), decode(v))
     if world > 1:
         for d in dense:
             d.div_(world)

@@ -69,7 +69,9 @@ class DGCMomentum(ScaleOptimizer):
         selection (``"sample"`` or ``"topk"``, default ``"sample"``): threshold estimated from
             a ~1% sample then refined (exact top-k of the candidates), or ``torch.topk``.
         value_dtype (torch.dtype or None, default None): dtype of the values sent (float16,
-            bfloat16 or float32; None: the gradient's).
+            bfloat16 or float32; None: the gradient's; ``torch.int8``: each tensor's k values
+            rounded to 127 levels of their largest magnitude, that float32 scale sent with
+            them). The rounding error stays in :math:`v`.
         process_group (default None: the default group, or no communication when
             ``torch.distributed`` is not initialized).
         mesh (DeviceMesh or None, default None): for sharded parameters, a 2-D
@@ -151,8 +153,9 @@ class DGCMomentum(ScaleOptimizer):
             local_grad_clip_norm=local_grad_clip_norm, clip_mode=clip_mode,
             min_numel=min_numel, momentum_masking=momentum_masking, selection=selection,
             clip_grad_norm_per_tensor=clip_grad_norm_per_tensor, foreach=foreach, fused=fused)
-        if value_dtype not in (None, torch.float16, torch.bfloat16, torch.float32):
-            raise ValueError(f"Invalid value_dtype: {value_dtype!r} (float16, bfloat16, float32 or None)")
+        if value_dtype not in (None, torch.float16, torch.bfloat16, torch.float32, torch.int8):
+            raise ValueError(f"Invalid value_dtype: {value_dtype!r} (float16, bfloat16, float32, "
+                             f"int8 or None)")
         self.value_dtype = value_dtype
         self.process_group = process_group
         self.dgc_step = 0
@@ -395,7 +398,7 @@ def _momentum_and_selection(grads, states, sparse, opts, generator):
         else:
             idx = select.topk_sampled(flat, k, generator=generator)
         indices.append(idx.to(idt))
-        values.append(flat[idx].to(vdt))
+        values.append(comm.encode(flat[idx], vdt))
     return indices, values
 
 
@@ -430,12 +433,13 @@ def dgc_updates(grads: List[Tensor], states: List[Dict[str, Tensor]], opts: Dict
             st = states[j]
             idx = idx.long()
             # what was sent leaves the residual (a rounding error of a low-precision value stays)
-            st["v"].view(-1).index_add_(0, idx, val.to(st["v"].dtype), alpha=-1)
+            st["v"].view(-1).index_add_(0, idx, comm.decode(val).to(st["v"].dtype), alpha=-1)
             if opts["momentum_masking"]:
                 st["u"].view(-1)[idx] = 0
             updates[j] = G
-            tel["bytes_sent"] += k * pair * max(world - 1, 0)
-            tel["bytes_gathered"] += world * k * pair
-            tel["payload_bytes"] += k * pair
+            pairs = k * pair + comm.SCALE_BYTES * (vdt == torch.int8)
+            tel["bytes_sent"] += pairs * max(world - 1, 0)
+            tel["bytes_gathered"] += world * pairs
+            tel["payload_bytes"] += pairs
             tel["selected"] += k
     return updates  # type: ignore[return-value]
