@@ -210,14 +210,16 @@ def test_bench_times_the_optimizers(tmp_path, capsys):
     assert "holds an earlier run" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-def test_dgc_feeds_an_adaptive_optimizer_through_the_hook_and_reports_its_traffic(optimizer,
-                                                                               tmp_path):
+@pytest.mark.parametrize("optimizer, layout", [("adamw", []), ("muon", []),
+                                               ("lans", ["--shard", "--replicas", "2"])])
+def test_dgc_feeds_an_adaptive_optimizer_through_the_hook_and_reports_its_traffic(
+        optimizer, layout, tmp_path):
     """``--dgc`` with another optimizer than momentum: DDP with the DGC hook at momentum 0
-    (top-k with error feedback) and the optimizer itself; the run trains, sends a fraction of
-    the dense bytes, and stopped and resumed from its checkpoint it is the same run."""
+    (top-k with error feedback), or with ``--shard --replicas 2`` ReplicaCompression between
+    the replicas, and the optimizer itself; the run trains, sends a fraction of the dense
+    bytes, and stopped and resumed from its checkpoint it is the same run."""
     out = tmp_path / "run"
-    assert main(["train", *TINY, "--steps", "8", "--workers", "2", "--threads", "1",
+    assert main(["train", *TINY, "--steps", "8", "--workers", "2", "--threads", "1", *layout,
                  "--optimizer", optimizer, "--dgc", "--dgc-sparsity", "0.99",
                  "--dgc-min-numel", "1000", "--out", str(out)]) == 0
     result = json.loads((out / "result.json").read_text())
@@ -228,7 +230,7 @@ def test_dgc_feeds_an_adaptive_optimizer_through_the_hook_and_reports_its_traffi
     # stopped after step 4 with a checkpoint (each rank's hook residuals in its own file) and
     # resumed: the run of the whole
     run = tmp_path / "stopped"
-    assert main(["train", *TINY, "--steps", "8", "--workers", "2", "--threads", "1",
+    assert main(["train", *TINY, "--steps", "8", "--workers", "2", "--threads", "1", *layout,
                  "--optimizer", optimizer, "--dgc", "--dgc-sparsity", "0.99",
                  "--dgc-min-numel", "1000", "--checkpoint-every", "2", "--stop-after", "4",
                  "--out", str(run)]) == 0
@@ -300,7 +302,7 @@ def test_dgc_between_hsdp_replicas_trains_resumes_bit_for_bit_and_reports_its_tr
 
 @pytest.mark.parametrize("argv, message", [
     (["train", "--dgc"], "--workers 2 or more"),
-    (["train", "--dgc", "--shard", "--workers", "4", "--replicas", "2"], "--optimizer momentum"),
+    (["train", "--dgc", "--shard", "--workers", "4"], "give --replicas 2 or more"),
     (["train", "--optimizer", "momentum", "--dgc", "--dgc-sparsity", "1.0", "--workers", "2"],
      "--dgc-sparsity"),
     (["train", "--optimizer", "momentum", "--dgc"], "--workers 2 or more"),

@@ -193,3 +193,78 @@ def die_after_one_step(rank, world, tmp):
         except RuntimeError as exc:  # FSDP2's own collectives inside a replica
             return {"error": str(exc), "peer_failure": False}
     return {"error": None}
+
+
+def _full(piece, p):
+    """The whole tensor of which ``piece`` is this rank's shard (shaped and sharded as ``p``)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(piece, p.device_mesh, p.placements, shape=p.shape,
+                              stride=p.stride()).full_tensor()
+
+
+def replica_feeding(rank, world, tmp, shape, optimizer, sparsity, steps=4, resume_at=None):
+    """ReplicaCompression feeding ``optimizer`` (a scaleopt class name) on the model sharded
+    in each replica: per step the whole gradient the optimizer was given and the mean over
+    every rank of their own gradients (an unsharded copy, computed apart); at the end the
+    replicas' mean residual v (whole), the whole parameters and the telemetry. With
+    ``resume_at``, both are saved there and continued by new objects from their state dicts."""
+    mesh = mesh_of(shape)
+    replicate = mesh.get_group(0)
+    options = dict(sparsity=[sparsity], min_numel=4096, selection="topk")
+
+    def made(model):
+        return (scaleopt.dgc.ReplicaCompression(model, mesh, **options),
+                getattr(scaleopt, optimizer)(model.parameters(), lr=1e-3))
+
+    model = sharded(model_of(), mesh["shard"])
+    compress, opt = made(model)
+    given, dense = [], []
+    for t in range(steps):
+        if t == resume_at:
+            saved = {"compress": compress.state_dict(), "opt": opt.state_dict(),
+                     "model": pieces(model)}
+            torch.save(saved, os.path.join(tmp, f"ck{rank}.pt"))
+            model = sharded(model_of(seed=1), mesh["shard"])
+            saved = torch.load(os.path.join(tmp, f"ck{rank}.pt"), weights_only=True)
+            with torch.no_grad():
+                for p, piece in zip(model.parameters(), saved["model"]):
+                    p.to_local().copy_(piece)
+            compress, opt = made(model)
+            compress.load_state_dict(saved["compress"])
+            opt.load_state_dict(saved["opt"])
+        whole = model_of()
+        with torch.no_grad():
+            for q, p in zip(whole.parameters(), model.parameters()):
+                q.copy_(p.full_tensor())
+        own = torch.autograd.grad(loss_of(whole, rank, t), list(whole.parameters()))
+        for g in own:
+            dist.all_reduce(g)
+            g /= world
+        dense.append([g.clone() for g in own])
+        opt.zero_grad()
+        loss_of(model, rank, t).backward()
+        compress.exchange()
+        given.append([p.grad.full_tensor().clone() for p in model.parameters()])
+        opt.step()
+    residual = []
+    for name, p in model.named_parameters():
+        v = _full(compress.residuals[name]["v"], p)
+        dist.all_reduce(v, group=replicate)
+        residual.append(v / mesh.size(0))
+    return {"given": given, "dense": dense, "residual": residual,
+            "full": [p.full_tensor().detach() for p in model.parameters()],
+            "telemetry": dict(compress.telemetry)}
+
+
+def plain_hsdp(rank, world, tmp, shape, optimizer, steps=4):
+    """The same training on plain HSDP (fully_shard on the 2-D mesh: a dense all-reduce
+    between the replicas): the whole parameters."""
+    mesh = mesh_of(shape)
+    model = sharded(model_of(), mesh)
+    opt = getattr(scaleopt, optimizer)(model.parameters(), lr=1e-3)
+    for t in range(steps):
+        opt.zero_grad()
+        loss_of(model, rank, t).backward()
+        opt.step()
+    return {"full": [p.full_tensor().detach() for p in model.parameters()]}

@@ -186,9 +186,6 @@ def check(cfg: Config) -> None:
         if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
     if cfg.dgc:
-        if cfg.optimizer != "momentum" and cfg.shard:
-            raise ValueError("--dgc with --shard is DGC momentum SGD between HSDP replicas: use "
-                             "it with --optimizer momentum")
         if cfg.workers < 2 and not world.under_torchrun():
             raise ValueError("--dgc compresses the gradients the workers exchange: use it with "
                              "--workers 2 or more (one process exchanges nothing)")

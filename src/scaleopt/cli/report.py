@@ -210,7 +210,7 @@ def summary(cfg: Any, r: dict) -> None:
     print(f"per rank: {r['param_bytes_per_rank']:,} bytes of parameters and "
           f"{r['optimizer_state_bytes_per_rank']:,} of optimizer state "
           f"({per_param:.2f} bytes per parameter, state_dtype {cfg.state_dtype})"
-          + (f" ({r['workers']} shards; unsharded: {r['unsharded_param_bytes']:,} and "
+          + (f" ({r['workers'] // cfg.replicas} shards; unsharded: {r['unsharded_param_bytes']:,} and "
              f"{r['unsharded_optimizer_state_bytes']:,})" if r["sharded"] else ""))
     if "noise_scale" in r:
         n = r["noise_scale"]

@@ -86,8 +86,9 @@ def _add_dgc_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dgc", action="store_true", default=None,
                    help="send only the largest accumulated gradients (exactly k per tensor, "
                         "one all-gather); the rest stays local: scaleopt.DGCMomentum with "
-                        "--optimizer momentum, else DDP with the DGC hook at momentum 0 (top-k "
-                        "with error feedback) feeding the optimizer")
+                        "--optimizer momentum, else top-k with error feedback feeding the "
+                        "optimizer (the DGC hook at momentum 0 over DDP; with --shard "
+                        "--replicas R, scaleopt.dgc.ReplicaCompression between the replicas)")
     g.add_argument("--dgc-sparsity", type=float, nargs="+", metavar="S",
                    help="sparsity warm-up list; the last value holds (default: the paper's "
                         "0.75 0.9375 0.984375 0.996 0.999)")

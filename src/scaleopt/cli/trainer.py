@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..dgc import DGCMomentum
+from ..dgc import DGCMomentum, ReplicaCompression
 from .._sharding import local_piece
 from ..groups import param_groups
 from ..noise import GradientNoiseScale
@@ -94,7 +94,8 @@ class Trainer:
     curve: List[Any] = dataclasses.field(default_factory=list)
     checkpoints: List[str] = dataclasses.field(default_factory=list)
     dgc_totals: Dict[str, float] = dataclasses.field(default_factory=dict)
-    hook: Any = None  # the DGC hook's state (--dgc with an optimizer other than momentum)
+    hook: Any = None  # --dgc with an optimizer other than momentum: the DGC hook's state (DDP),
+    # or ReplicaCompression (--shard --replicas R: top-k between the replicas)
     interrupted: bool = False
     #: the step of the last evaluation (on every rank)
     evaluated_at: int = -1
@@ -160,6 +161,8 @@ def build(cfg: Config, rank: int, world: int) -> Trainer:
     opt = _optimizer(cfg, model, mesh)
     schedule = optimizers.schedule(cfg.schedule, cfg.total_steps(), cfg.warmup_steps())
     net, hook = models.parallel(cfg, model, world, device)
+    if cfg.shard and cfg.dgc and cfg.optimizer != "momentum":  # top-k between the replicas
+        hook = ReplicaCompression(model, mesh, **optimizers.dgc_options(cfg))
     trainer = Trainer(cfg, rank, world, tuple(t.to(device) for t in (x, y, xt, yt)), model, net,
                       opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule))
     trainer.hook = hook
@@ -206,6 +209,8 @@ def _train_step(t: Trainer, batch: torch.Tensor) -> torch.Tensor:
         loss = _loss(t.net(x[idx]), y[idx])
         loss.backward()
     world.doing(f"step {t.step + 1}'s optimizer step (its collectives)")
+    if isinstance(t.hook, ReplicaCompression):
+        t.hook.exchange()
     if t.cfg.max_grad_norm is not None and not optimizers.OPTIMIZERS[t.cfg.optimizer].clips:
         torch.nn.utils.clip_grad_norm_(t.model.parameters(), t.cfg.max_grad_norm)
     t.opt.step()
@@ -333,7 +338,8 @@ def _traffic(t: Trainer) -> Dict[str, Any]:
         d = t.dgc_totals
         return {"dgc_bytes_sent_per_rank_per_step": d["bytes_sent"] / steps,
                 "dgc_bytes_sent_measured_per_rank_per_step": d["bytes_sent_measured"] / steps,
-                "dgc_between": (f"{t.cfg.replicas} replicas of {t.world // t.cfg.replicas} shards"
+                "dgc_between": (f"{t.cfg.replicas} replicas of {t.world // t.cfg.replicas} "
+                                f"shard{'s' * (t.world > t.cfg.replicas)}"
                                 if t.cfg.shard else f"{t.world} workers"),
                 "dense_bytes_sent_per_rank_per_step": d["dense_bytes"] / steps,
                 "dgc_payload_bytes_per_rank_per_step": d["payload_bytes"] / steps,
