@@ -240,6 +240,21 @@ def test_dgc_feeds_an_adaptive_optimizer_through_the_hook_and_reports_its_traffi
     assert _curve(json.loads((run / "result.json").read_text())) == _curve(result)
 
 
+def test_powersgd_trains_through_torchs_hook(tmp_path, capsys):
+    """``--powersgd 1``: DDP's all-reduce replaced by torch's PowerSGD hook; the run trains,
+    and differs from the dense run (the hook ran) while starting from the same point."""
+    runs = {}
+    for name, extra in (("dense", []), ("powersgd", ["--powersgd", "1"])):
+        assert main(["train", *TINY, "--steps", "8", "--workers", "2", "--threads", "1",
+                     "--optimizer", "momentum", *extra, "--out", str(tmp_path / name)]) == 0
+        runs[name] = json.loads((tmp_path / name / "result.json").read_text())
+    low, dense = runs["powersgd"]["history"], runs["dense"]["history"]
+    assert low[-1]["test_loss"] < low[0]["test_loss"]
+    assert low[-1]["test_loss"] != dense[-1]["test_loss"]
+    assert runs["powersgd"]["config"]["powersgd"] == 1
+    assert "PowerSGD rank 1, 2 workers" in capsys.readouterr().out
+
+
 def test_dgc_on_two_workers_reports_its_traffic(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["train", *TINY, "--steps", "8", "--workers", "2", "--threads", "1",
@@ -303,6 +318,10 @@ def test_dgc_between_hsdp_replicas_trains_resumes_bit_for_bit_and_reports_its_tr
 @pytest.mark.parametrize("argv, message", [
     (["train", "--dgc"], "--workers 2 or more"),
     (["train", "--dgc", "--shard", "--workers", "4"], "give --replicas 2 or more"),
+    (["train", "--powersgd", "4"], "--workers 2 or more"),
+    (["train", "--powersgd", "4", "--workers", "2", "--dgc"], "without --shard, --dgc"),
+    (["train", "--powersgd", "4", "--workers", "2", "--checkpoint-every", "2"],
+     "not checkpointed"),
     (["train", "--optimizer", "momentum", "--dgc", "--dgc-sparsity", "1.0", "--workers", "2"],
      "--dgc-sparsity"),
     (["train", "--optimizer", "momentum", "--dgc"], "--workers 2 or more"),

@@ -66,6 +66,7 @@ class Config:
     dgc_rampup_steps: Optional[int] = None  # None: the first quarter of the run
     dgc_min_numel: int = 16384
     dgc_value_dtype: str = "float32"  # dtype of the values sent (the indices are int32)
+    powersgd: Optional[int] = None  # DDP with torch's PowerSGD hook at this rank
 
     def resolved_lr(self) -> float:
         if self.lr is not None:
@@ -195,6 +196,13 @@ def check(cfg: Config) -> None:
         if cfg.dgc_rampup_begin_step < 0 or cfg.dgc_rampup() < 1 or cfg.dgc_min_numel < 0:
             raise ValueError("--dgc-rampup-begin-step and --dgc-min-numel must be >= 0, "
                              "--dgc-rampup-steps >= 1")
+    if cfg.powersgd is not None and (cfg.shard or cfg.dgc or cfg.measure_noise or (
+            cfg.workers < 2 and not world.under_torchrun())):
+        raise ValueError("--powersgd compresses DDP's all-reduce: use it with --workers 2 or "
+                         "more, and without --shard, --dgc or --measure-noise")
+    if cfg.powersgd is not None and (cfg.checkpoint_every or cfg.stop_after or cfg.resume):
+        raise ValueError("--powersgd runs are not checkpointed: torch's PowerSGD state (its "
+                         "error feedback per DDP bucket) has no state dict to resume from")
     options.check_device(cfg.device)
     if cfg.threads is not None and cfg.threads < 1:
         raise ValueError(f"--threads must be at least 1, got {cfg.threads}")

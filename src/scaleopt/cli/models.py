@@ -124,10 +124,26 @@ def parallel(cfg: Any, model: nn.Module, world: int, device: torch.device) -> Tu
 
     if world == 1 or cfg.shard or (cfg.dgc and cfg.optimizer == "momentum"):
         return model, None
+    # PowerSGD's chained collectives in one bucket: with several, gloo may start them in
+    # another order on each rank
+    one_bucket = 1 + 4 * sum(p.numel() for p in model.parameters()) / 2 ** 20
     net = nn.parallel.DistributedDataParallel(
-        model, device_ids=[device.index] if device.type == "cuda" else None)
+        model, device_ids=[device.index] if device.type == "cuda" else None,
+        **({"bucket_cap_mb": one_bucket} if cfg.powersgd else {}))
+    if cfg.powersgd:
+        powersgd(net, cfg.powersgd)
     if not cfg.dgc:
         return net, None
     hook = DGCHookState(net, momentum=0.0, **dgc_options(cfg))
     net.register_comm_hook(hook, ddp_comm_hook)
     return net, hook
+
+
+
+def powersgd(net: nn.Module, rank: int) -> None:
+    """torch's PowerSGD hook on the DDP model ``net`` (``--powersgd RANK``): error feedback,
+    warm start, compressing from the second step."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as hook
+
+    net.register_comm_hook(hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
+                                              start_powerSGD_iter=2), hook.powerSGD_hook)

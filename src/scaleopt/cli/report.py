@@ -39,7 +39,9 @@ def describe(config: Dict[str, Any], workers: int) -> str:
     """How a run trained, for titles and summaries: e.g. "DGC, 4 workers" or "offloaded,
     sharded, 2 workers" ("" for one plain process)."""
     parts = [w for w, on in (("offloaded", config.get("offload")), ("sharded", config.get("shard")),
-                             ("DGC", config.get("dgc"))) if on]
+                             ("DGC", config.get("dgc")),
+                             (f"PowerSGD rank {config.get('powersgd')}", config.get("powersgd")))
+             if on]
     if workers > 1:
         replicas = config.get("replicas") or 1
         parts.append(f"{workers} workers" + (f" in {replicas} replicas" if replicas > 1 else ""))

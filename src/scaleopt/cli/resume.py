@@ -161,7 +161,7 @@ def check_resumable(meta: Dict[str, Any], given: Dict[str, Any],
     for key, value in given.items():
         if key in CHANGEABLE or key not in saved or saved[key] == value:
             continue
-        what = ("another optimizer" if key in ("optimizer", "dgc") else
+        what = ("another optimizer" if key in ("optimizer", "dgc", "powersgd") else
                 "another model" if key in ("width", "dataset", "seed", "model", "layers", "context")
                 else "another run")
         raise CheckpointError(

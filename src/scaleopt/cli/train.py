@@ -99,6 +99,10 @@ def _add_dgc_options(p: argparse.ArgumentParser) -> None:
                         "--dgc-rampup-begin-step (default: the first quarter of the run)")
     g.add_argument("--dgc-min-numel", type=int,
                    help="smaller tensors are sent dense (default: 16384, as Paddle)")
+    g.add_argument("--powersgd", type=options.positive_int, metavar="RANK",
+                   help="instead: DDP's all-reduce through torch's PowerSGD hook at this rank "
+                        "(error feedback, warm start, from the second step; one bucket; "
+                        "not checkpointed)")
     g.add_argument("--dgc-value-dtype", choices=("float32", "float16", "bfloat16", "int8"),
                    help="dtype of the gradient values sent (int8: each tensor's values "
                         "scaled by their largest magnitude, the scale sent too); their "

@@ -352,7 +352,7 @@ def _traffic(t: Trainer) -> Dict[str, Any]:
         r = t.cfg.replicas
         return {"replica_allreduce_bytes_per_step": shard_bytes,
                 "replica_bytes_sent_per_rank_per_step": int(2 * (r - 1) / r * shard_bytes)}
-    if t.world > 1 and not t.cfg.shard:
+    if t.world > 1 and not t.cfg.shard and not t.cfg.powersgd:
         # DDP all-reduces every gradient each step (ring all-reduce: each rank sends about
         # 2(N-1)/N of the gradient bytes)
         grad_bytes = sum(p.numel() * p.element_size() for p in t.model.parameters())
