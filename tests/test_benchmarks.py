@@ -98,7 +98,8 @@ def test_bench_builds_finds_a_build_and_its_copy_give_the_same_bits_and_times_bo
 
 @pytest.mark.parametrize("script", ["bench_step.py", "bench_offload.py", "bench_fsdp.py",
                                     "bench_muon.py", "bench_memory.py",
-                                    "bench_in_backward.py", "bench_in_backward_dist.py"])
+                                    "bench_in_backward.py", "bench_in_backward_dist.py",
+                                    "bench_links_accuracy.py"])
 def test_bench_scripts_answer_help(script):
     assert "usage" in run(script, "--help")
 
