@@ -35,7 +35,8 @@ def one_process(tmp_path_factory):
     return _train(tmp_path_factory.mktemp("one") / "run")
 
 
-@pytest.mark.parametrize("optimizer", [["--optimizer", "lamb"], ["--optimizer", "lans", "--offload"]])
+@pytest.mark.parametrize("optimizer", [["--optimizer", "lamb"], pytest.param(
+    ["--optimizer", "lans", "--offload"], marks=pytest.mark.slow)])
 def test_a_sharded_run_equals_the_ddp_run_and_holds_half_the_state(tmp_path, optimizer):
     ddp = _train(tmp_path / "ddp", "--workers", "2", *optimizer)
     fsdp = _train(tmp_path / "fsdp", "--workers", "2", "--shard", *optimizer)
@@ -49,8 +50,9 @@ def test_a_sharded_run_equals_the_ddp_run_and_holds_half_the_state(tmp_path, opt
         assert full / 2 <= fsdp[f"{kind}_per_rank"] <= 0.55 * full, kind
 
 
-@pytest.mark.parametrize("name", ["lans", "adamw", "offload-adam", "momentum", "torch-adamw",
-                                  "torch-sgd", "muon"])
+@pytest.mark.parametrize("name", ["lans", "adamw", "muon"] + [  # the rest in the slow run
+    pytest.param(n, marks=pytest.mark.slow) for n in ("offload-adam", "momentum", "torch-adamw",
+                                                       "torch-sgd")])
 def test_every_optimizer_trains_sharded_as_in_one_process(tmp_path, name):
     short = ["--optimizer", name, "--steps", "4"]
     fsdp = _train(tmp_path / "fsdp", "--workers", "2", "--shard", *short)
@@ -227,7 +229,8 @@ def test_ctrl_c_stops_cleanly_writes_the_results_so_far_and_leaves_no_process(tm
             time.sleep(0.1)
 
 
-@pytest.mark.parametrize("workers, group", [("1", False), ("2", False),
+@pytest.mark.parametrize("workers, group", [("1", False),
+                                             pytest.param("2", False, marks=pytest.mark.slow),
                                              pytest.param("2", True, marks=pytest.mark.slow)])
 def test_sigterm_stops_as_ctrl_c_does_and_the_run_resumes(tmp_path, workers, group):
     """SIGTERM, as a cluster sends before it ends a job (to the command's pid, or to every

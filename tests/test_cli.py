@@ -87,6 +87,7 @@ def test_two_workers_compute_what_one_process_computes(tmp_path):
     assert runs[2]["test_loss"] == pytest.approx(runs[1]["test_loss"], rel=1e-4)
 
 
+@pytest.mark.slow  # (the default run keeps the quicker ones)
 def test_muon_on_two_sharded_workers_computes_what_one_process_computes(tmp_path):
     """Each hidden matrix orthogonalized whole by one rank: the same run as one process (the
     gradients, averaged over the ranks, differ in their last bits)."""
@@ -173,6 +174,7 @@ def test_study_large_batch_on_the_mlp_writes_a_table_and_a_plot(tmp_path, capsys
     assert "| 512 |" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # (the default run keeps the quicker ones)
 def test_bench_times_the_optimizers(tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert main(["bench", "--hidden", "32", "--layers", "1", "--vocab", "500", "--rounds", "2",
@@ -210,8 +212,9 @@ def test_bench_times_the_optimizers(tmp_path, capsys):
     assert "holds an earlier run" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("optimizer, layout", [("adamw", []), ("muon", []),
-                                               ("lans", ["--shard", "--replicas", "2"])])
+@pytest.mark.parametrize("optimizer, layout", [
+    ("adamw", []), pytest.param("muon", [], marks=pytest.mark.slow),
+    pytest.param("lans", ["--shard", "--replicas", "2"], marks=pytest.mark.slow)])
 def test_dgc_feeds_an_adaptive_optimizer_through_the_hook_and_reports_its_traffic(
         optimizer, layout, tmp_path):
     """``--dgc`` with another optimizer than momentum: DDP with the DGC hook at momentum 0

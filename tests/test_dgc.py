@@ -286,7 +286,7 @@ def test_conservation_across_processes(tmp_path):
         at += numel
 
 
-@pytest.mark.parametrize("bucket_cap_mb", [25.0, 0.01])
+@pytest.mark.parametrize("bucket_cap_mb", [25.0, pytest.param(0.01, marks=pytest.mark.slow)])
 def test_the_ddp_hook_equals_the_optimizer(bucket_cap_mb, tmp_path):
     world, steps = 2, 5
     opts = dict(W.OPTIONS)
@@ -313,6 +313,7 @@ def test_a_parameter_used_on_one_rank_only(tmp_path):
     assert not torch.equal(unused[0]["history"][-1][0][-20:], unused[0]["history"][0][0][-20:])
 
 
+@pytest.mark.slow  # (the default run keeps the quicker ones)
 def test_the_ddp_hook_with_unused_parameters_equals_the_optimizer(tmp_path):
     # DDP(find_unused_parameters=True) hands the hook zeros for the branch rank 1 does not run;
     # the result equals the optimizer path, where rank 1 takes part with a zero gradient

@@ -121,6 +121,7 @@ def test_lightning_clips_under_bf16_for_optimizers_that_take_the_scalers_scale(l
                                                           _params(unclipped))) > 1e-3
 
 
+@pytest.mark.slow  # (the default run keeps the quicker ones)
 def test_dgc_under_lightning_ddp_on_cpu_is_used_and_resumes_bit_identically(lit, tmp_path):
     import lightning_dgc
 

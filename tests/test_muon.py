@@ -215,6 +215,7 @@ def test_a_state_dict_of_another_grouping_is_refused_by_name():
         whole.load_state_dict(sd)
 
 
+@pytest.mark.slow  # (the default run keeps the quicker ones)
 def test_int8_momentum_holds_about_one_byte_per_element_and_trains_as_float32_state():
     losses, held = {}, {}
     for state_dtype in ("float32", "int8"):
@@ -585,6 +586,7 @@ class _Experts(nn.Module):
         return (gate[..., None] * torch.einsum("neh,ehd->ned", h, self.w2)).sum(1)
 
 
+@pytest.mark.slow  # (the default run keeps the quicker ones)
 def test_a_mixture_of_experts_trains_with_its_experts_in_muon_in_every_state_dtype():
     x = torch.randn(256, 32, generator=torch.Generator().manual_seed(1))
     y = torch.sin(x)

@@ -251,7 +251,9 @@ def test_a_stack_cut_by_its_experts_is_iterated_where_it_lies_as_one_process(sta
 
 
 @pytest.mark.parametrize("state_dtype,saved,resumed", [
-    ("int8", "ep", "ep"), pytest.param("bfloat16", "ep", "rows", marks=pytest.mark.slow)])
+    # 3 processes: the slow run
+    pytest.param("int8", "ep", "ep", marks=pytest.mark.slow),
+    pytest.param("bfloat16", "ep", "rows", marks=pytest.mark.slow)])
 def test_a_stacks_checkpoint_of_two_ranks_resumes_on_three_as_one_process_goes_on(
         state_dtype, saved, resumed, tmp_path):
     """A stack of experts and its compact momentum saved by DCP on 2 ranks (4 whole experts

@@ -57,7 +57,8 @@ def _same_compact_state(got, want, name):
 
 @pytest.mark.parametrize("name, most", [("LAMB", 1), ("LANS", 2), ("LAMB(clipping)", 2),
                                         ("LANS(clipping)", 2), ("OffloadAdam", 1),
-                                        ("LAMB(two groups)", 1), ("LAMB(int8 state)", 1),
+                                        pytest.param("LAMB(two groups)", 1, marks=pytest.mark.slow),
+                                        pytest.param("LAMB(int8 state)", 1, marks=pytest.mark.slow),
                                         ("LANS(int8 state)", 2),
                                         ("LANS(two groups, clipping)", 2)])
 def test_one_reduction_of_all_norms_per_step(name, most, tmp_path):

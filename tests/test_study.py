@@ -154,6 +154,7 @@ def test_every_optimizer_takes_the_commands_clipping_and_the_adam_family_its_bet
             assert tuple(group["betas"]) == betas
 
 
+@pytest.mark.slow  # (the default run keeps the quicker ones)
 def test_the_trainer_clips_for_torchs_optimizers(tmp_path):
     """torch.optim.SGD has no max_grad_norm: the trainer clips its gradients, and a tight clip
     slows it down (SGD's step is the gradient's size)."""

@@ -145,6 +145,7 @@ def test_the_dataset_and_the_model_go_together(tmp_path, capsys):
     assert "two halves" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # (the default run keeps the quicker ones)
 def test_gpt_on_two_sharded_workers_computes_what_one_process_computes(tmp_path):
     """FSDP2 over the blocks: the same run as one process, noise scale included (the
     gradients, averaged over the ranks, differ in their last bits)."""
@@ -304,6 +305,7 @@ def test_muon_leaves_the_gpt_models_embeddings_and_head_to_adamw():
     assert muon == {f"blocks.{i}.{m}.weight" for i in range(2) for m in ("qkv", "proj", "fc", "out")}
 
 
+@pytest.mark.slow  # (the default run keeps the quicker ones)
 def test_a_resumed_gpt_run_with_noise_measurement_ends_where_an_unbroken_one_does(tmp_path):
     whole, part = tmp_path / "whole", tmp_path / "part"
     run = ["train", *TINY, "--steps", "10", "--measure-noise"]

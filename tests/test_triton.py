@@ -103,8 +103,9 @@ def test_triton_equals_the_reference_loop(info):
         assert launched["totals"] == len(o1.param_groups) * (1 + ("sum_squares" in launched))
 
 
-@pytest.mark.parametrize("cls, decoupled", [(scaleopt.LAMB, False), (scaleopt.LAMB, True),
-                                            (scaleopt.LANS, False)])
+@pytest.mark.parametrize("cls, decoupled", [
+    (scaleopt.LAMB, False), pytest.param(scaleopt.LAMB, True, marks=pytest.mark.slow),
+    pytest.param(scaleopt.LANS, False, marks=pytest.mark.slow)])
 def test_the_first_phases_sums_are_the_norms_of_the_update(cls, decoupled, monkeypatch):
     """The sums the trust ratios come from (the first phase's, totalled) are those of the
     update the step applies, computed in float64 from the weights before the step and the
@@ -114,6 +115,7 @@ def test_the_first_phases_sums_are_the_norms_of_the_update(cls, decoupled, monke
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
 
 
+@pytest.mark.slow  # (the default run keeps the quicker ones)
 def test_launches_do_not_grow_with_the_number_of_tensors():
     for count in (2, 40):
         params = [nn.Parameter(torch.randn(7)) for _ in range(count)]
@@ -241,7 +243,7 @@ def test_the_address_tables_are_built_once_per_set_of_storages(monkeypatch):
     assert made["_new_plan"] == 3  # its own plan, not the first optimizer's
 
 
-@pytest.mark.parametrize("cls", [scaleopt.LAMB, scaleopt.LANS])
+@pytest.mark.parametrize("cls", [scaleopt.LAMB, pytest.param(scaleopt.LANS, marks=pytest.mark.slow)])
 def test_a_compiled_step_launches_the_kernels_outside_the_graph(cls):
     """``torch.compile(opt.step)`` with the kernels asked for by name: the compiler does not
     trace into a launch (the kernels reach the tensors through tables of addresses), it runs
@@ -407,7 +409,7 @@ def test_capturable_reads_the_steps_and_a_tensor_lr_where_they_are(cls, monkeypa
     assert reads == []
 
 
-@pytest.mark.parametrize("form", ["bfloat16", "int8"])
+@pytest.mark.parametrize("form", ["bfloat16", pytest.param("int8", marks=pytest.mark.slow)])
 def test_capturable_steps_store_compact_moments_as_steps_with_host_numbers(form, monkeypatch):
     """With capturable=True the step counters are read on the device, bfloat16 rounding's key
     included: the stored moments are those of steps whose numbers the host made, bit for
@@ -721,6 +723,7 @@ def compiled(tmp_path_factory):
 RULES = ("fma", "unrounded", "atomics", "approx")
 
 
+@pytest.mark.slow  # (the default run keeps the quicker ones)
 def test_the_heaviest_variant_of_each_kernel_compiles_for_sm90_by_the_rules(tmp_path_factory):
     """The quick part of the cover: the heaviest variant of each kernel in each state form (a
     split master, float16 gradients, every option on) compiles for sm_90 with no spill and
@@ -911,7 +914,8 @@ def test_the_budget_is_the_bytes_moved_at_h100s_instructions_per_byte():
     assert SB.warps_per_sm(32, 4, 40000, 90) == 5 * 4  # shared memory's
 
 
-@pytest.mark.parametrize("cls", [scaleopt.LAMB, scaleopt.LANS], ids=["LAMB", "LANS"])
+@pytest.mark.parametrize("cls", [pytest.param(scaleopt.LAMB, id="LAMB"),
+                                 pytest.param(scaleopt.LANS, id="LANS", marks=pytest.mark.slow)])
 def test_the_order_the_programs_run_in_changes_no_bit(cls, monkeypatch):
     """Each chunk's partial sums go to its own slot and are totalled in a fixed order (no
     float atomics): with the chunk table reversed, the interpreter runs the programs in the
@@ -961,6 +965,7 @@ def test_an_address_used_again_by_a_tensor_of_another_size_or_dtype_gets_its_own
         torch.testing.assert_close(w, ref, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow  # (the default run keeps the quicker ones)
 def test_a_step_keeps_no_gradient_alive():
     """What the path keeps between steps (tables, the last signature) holds no tensor of the
     step: gradients set to None are freed, as the next backward needs their memory."""
@@ -985,7 +990,8 @@ def _step_each(models, opts, x):
         opt.step()
 
 
-@pytest.mark.parametrize("key", ["exp_avg", "exp_avg_sq", "step"])
+@pytest.mark.parametrize("key", ["exp_avg"] + [pytest.param(k, marks=pytest.mark.slow)
+                                                for k in ("exp_avg_sq", "step")])
 def test_a_replaced_state_tensor_is_the_one_the_next_step_takes(key):
     """The Adam state is given again while its tensors are the same objects: a moment or a
     counter replaced between steps by a new tensor (as a user or a tool may) is the one the
@@ -1009,8 +1015,9 @@ def test_a_replaced_state_tensor_is_the_one_the_next_step_takes(key):
         torch.testing.assert_close(sa[key], sb[key], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("change", ["lr", "tensor lr in place", "weight_decay", "always_adapt",
-                                    "exclude_from_weight_decay", "state dict replaced"])
+@pytest.mark.parametrize("change", ["lr"] + [pytest.param(c, marks=pytest.mark.slow) for c in (
+    "tensor lr in place", "weight_decay", "always_adapt", "exclude_from_weight_decay",
+    "state dict replaced")])
 def test_what_a_group_changes_between_steps_is_what_the_next_step_takes(change):
     """A step finds its state and its tables again from the last step while they are the same
     (a cost per tensor saved); a group option changed between steps (as a scheduler or a user
@@ -1349,6 +1356,7 @@ def _same_bits(a, oa, b, ob):
             assert torch.equal(value, ob.state[q][key]), key
 
 
+@pytest.mark.slow  # (the default run keeps the quicker ones)
 def test_lamb_moments_after_a_step_are_the_reference_loops_bits():
     """One LAMB step with the same gradients: the Triton kernels' moments are the reference
     loop's bit for bit (m = (1 - beta1) g, v = (1 - beta2) g^2: 1 - beta1 and 1 - beta2 rounded
@@ -1586,6 +1594,7 @@ def test_capturable_adamw_reads_nothing_on_the_host_and_takes_a_tensor_lr(clip, 
     assert reads == [] and launched == ["adam_apply"]
 
 
+@pytest.mark.slow  # (the default run keeps the quicker ones)
 def test_capturable_adamw_stores_compact_moments_as_with_host_numbers(monkeypatch):
     """With capturable=True the int8 codes' random bits take the step from the device: the
     stored moments are those of a step whose numbers the host made, bit for bit."""

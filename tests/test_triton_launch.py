@@ -194,6 +194,7 @@ def test_the_sweep_says_so_and_exits_3_without_a_cuda_device(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # (the default run keeps the quicker ones)
 def test_the_sweep_counts_each_kernels_elements_by_its_tensors_moments():
     """The bytes the sweep divides by: each (kernel, form) of a step gets the elements of the
     tensors whose moments are in that form (compact ones for the matrices, float32 for the
@@ -218,6 +219,7 @@ def test_the_sweep_counts_each_kernels_elements_by_its_tensors_moments():
                        **{(k, "float32"): 64 + 64 * 8 + 8 for k in kernels}}, name
 
 
+@pytest.mark.slow  # (the default run keeps the quicker ones)
 def test_the_sweep_times_each_kernel_and_form_of_real_steps_under_every_candidate():
     """``measure`` as the GPU sweep runs it, here on CPU tensors under the interpreter (the
     host clock instead of CUDA events): a LAMB, a LANS and an AdamW step per state form and
@@ -254,6 +256,7 @@ def test_the_sweep_times_each_kernel_and_form_of_real_steps_under_every_candidat
     assert {table.chunk(f) for f in S.L.FORMS} <= {2048, 4096}
 
 
+@pytest.mark.slow  # (the default run keeps the quicker ones)
 def test_the_sweep_compiles_in_processes_and_leaves_out_a_candidate_that_fails(monkeypatch,
                                                                                capsys):
     """``warm`` as the GPU sweep runs it, here in processes stepping CPU tensors under the
