@@ -2,6 +2,7 @@
 
     sudo python benchmarks/bench_links_accuracy.py --link 100mbit 1gbit --targets 0.6 0.75
     python benchmarks/bench_links_accuracy.py --link 10mbit --rows powersgd dgc --out DIR
+    python benchmarks/bench_links_accuracy.py --table A.json B.json --targets 0.4 0.75 --out DIR
 
 For each link, a :class:`scaleopt.links.ShapedCluster` of ``--ranks`` nodes (one network
 namespace each, the veth links shaped with tbf to the rate), and in it, one row after another,
@@ -11,7 +12,7 @@ parameters, 33.6 MB of float32 gradients; 2 epochs of batch 1024, 32 evaluations
 - ``dense``: momentum SGD over DDP's all-reduce;
 - ``powersgd``: the same through torch's PowerSGD hook at rank 4 (``--powersgd 4``);
 - ``dgc``: ``DGCMomentum`` (``--dgc``: the paper's sparsity warm-up over the first quarter,
-  then 99.9%);
+  then 99.9%), and ``dgc-8`` the same over 8 epochs (more, cheaper steps);
 - ``adamw`` and ``adamw-dgc``: AdamW over DDP's all-reduce, and fed by the DGC hook at
   momentum 0 (top-k with error feedback), over 1 epoch (AdamW gets there sooner).
 
@@ -39,6 +40,7 @@ ROWS = {
     "dense": ["--optimizer", "momentum"],
     "powersgd": ["--optimizer", "momentum", "--powersgd", "4"],
     "dgc": ["--optimizer", "momentum", "--dgc"],
+    "dgc-8": ["--optimizer", "momentum", "--dgc", "--epochs", "8"],
     "adamw": ["--optimizer", "adamw", "--epochs", "1"],
     "adamw-dgc": ["--optimizer", "adamw", "--dgc", "--epochs", "1"],
 }
@@ -67,11 +69,70 @@ def one_run(cluster: links.ShapedCluster, ranks: int, argv: List[str], out: path
     return json.loads((out / "result.json").read_text())
 
 
+def merged(paths: List[str]) -> Dict[str, Any]:
+    """The rows of several ``links_accuracy.json`` files in one result (by link, then row)."""
+    result: Dict[str, Any] = {"links": {}}
+    for p in paths:
+        one = json.loads(pathlib.Path(p).read_text())
+        result.update({k: v for k, v in one.items() if k != "links"})
+        for rate, rows in one["links"].items():
+            result["links"].setdefault(rate, {}).update(rows)
+    return result
+
+
+def table_and_plot(result: Dict[str, Any], targets: List[float], png: str) -> str:
+    """A markdown table of each row's time to each target (and its final accuracy) by link,
+    and ``png``: the time to the last target against the link rate (log-log; a row that did
+    not reach it is left out at that rate)."""
+    rates = sorted(result["links"], key=links.rate_bits)
+    rows = [r for r in ROWS if any(r in result["links"][x] for x in rates)]
+    head = "| row | " + " | ".join(rates) + " |"
+    lines = [head, "|---|" + "---:|" * len(rates)]
+    for row in rows:
+        cells = []
+        for rate in rates:
+            got = result["links"][rate].get(row)
+            if got is None:
+                cells.append("not run")
+                continue
+            times = [time_to(got["history"], t) for t in targets]
+            cells.append(" / ".join("-" if v is None else f"{v:,.1f}" for v in times)
+                         + f" ({got['final_accuracy']:.3f})")
+        lines.append(f"| {row} | " + " | ".join(cells) + " |")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "\n".join(lines)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for row in rows:
+        pts = [(links.rate_bits(x) / 1e6, time_to(result["links"][x][row]["history"], targets[-1]))
+               for x in rates if row in result["links"][x]]
+        pts = [(r, t) for r, t in pts if t is not None]
+        if pts:
+            ax.plot(*zip(*pts), "o-", label=row)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("link rate (Mbit/s)")
+    ax.set_ylabel(f"seconds to test accuracy {targets[-1]}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--link", nargs="+", required=True, metavar="RATE",
+    ap.add_argument("--link", nargs="+", metavar="RATE",
                     help="link rates, e.g. 10mbit 100mbit 1gbit 10gbit")
+    ap.add_argument("--table", nargs="+", metavar="JSON",
+                    help="instead of running: the table (and links_accuracy.png in --out) of "
+                         "these links_accuracy.json files, at --targets")
     ap.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS))
     ap.add_argument("--targets", nargs="+", type=float, default=[0.6, 0.75])
     ap.add_argument("--ranks", type=int, default=2, help="ranks, one per node (default: 2)")
@@ -79,6 +140,13 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds a run may take")
     ap.add_argument("--out", default=".", help="folder for links_accuracy.json")
     args = ap.parse_args()
+    if args.table:
+        os.makedirs(args.out, exist_ok=True)
+        print(table_and_plot(merged(args.table), args.targets,
+                             os.path.join(args.out, "links_accuracy.png")))
+        return
+    if not args.link:
+        ap.error("--link RATE ... (or --table JSON ...)")
     for rate in args.link:
         links.rate_bits(rate)
     reason = links.unavailable()

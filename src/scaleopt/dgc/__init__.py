@@ -11,5 +11,6 @@ from .optimizer import DGCMomentum
 from .schedule import PAPER_SPARSITY, sparsity_at
 from .select import k_of, topk_exact, topk_sampled
 
-__all__ = ["DGCMomentum", "DGCHookState", "ReplicaCompression", "ddp_comm_hook", "PeerFailure", "PAPER_SPARSITY", "sparsity_at",
+__all__ = ["DGCMomentum", "DGCHookState", "ReplicaCompression", "ddp_comm_hook", "PeerFailure",
+           "PAPER_SPARSITY", "sparsity_at",
            "k_of", "topk_exact", "topk_sampled"]

@@ -101,7 +101,8 @@ class DGCHookState:
         """(world size, rank) the residuals belong to."""
         return comm.world_of(self.process_group), _rank(self.process_group)
 
-    def residuals_of(self, named: Sequence[Tuple[str, torch.Tensor]]) -> List[Dict[str, torch.Tensor]]:
+    def residuals_of(self, named: Sequence[Tuple[str, torch.Tensor]]
+                     ) -> List[Dict[str, torch.Tensor]]:
         """The residuals (``u``, ``v``) of each (name, local tensor), made at zero the first
         time."""
         states = []

@@ -318,16 +318,17 @@ def finish_telemetry(tel: Dict[str, float]) -> None:
     tel["density"] = tel["selected"] / max(tel["numel"], 1)
 
 
-def _is_dense(opts, world: int, numel: int, k: int, vbytes: int, ibytes: int,
+def _is_dense(opts, world: int, numel: int, k: int, pair: float, gbytes: int,
               whole: int) -> bool:
     """Whether a tensor of ``numel`` local elements (``whole`` in the whole parameter: the
-    size threshold never depends on the sharding) goes dense."""
+    size threshold never depends on the sharding) goes dense: ``pair``, the bytes of a sent
+    (index, value) pair; ``gbytes``, those of a gradient element (what the all-reduce sends)."""
     if whole < opts["min_numel"]:
         return True
     if world <= 1:
         return False
-    # ring all-reduce: about 2(N-1)/N * n * value bytes per rank; all-gather: (N-1) * k pairs
-    return (world - 1) * k * (vbytes + ibytes) >= 2 * (world - 1) / world * numel * vbytes
+    # ring all-reduce: about 2(N-1)/N * n gradient elements per rank; all-gather: (N-1) k pairs
+    return (world - 1) * k * pair >= 2 * (world - 1) / world * numel * gbytes
 
 
 def local_gradients(grads: List[Tensor], params: List[Tensor], options: Dict[str, Any],
@@ -368,7 +369,8 @@ def _dense_and_sparse(grads: List[Tensor], opts: Dict[str, Any], s: Optional[flo
         tel["dense_bytes"] += allreduce_bytes
         tel["dense_payload_bytes"] += numel * g.element_size()
         tel["numel"] += numel
-        if s is None or _is_dense(opts, world, numel, k, vdt.itemsize, idt.itemsize, wholes[j]):
+        pair = vdt.itemsize + idt.itemsize + comm.SCALE_BYTES * (vdt == torch.int8) / max(k, 1)
+        if s is None or _is_dense(opts, world, numel, k, pair, g.element_size(), wholes[j]):
             dense.append(j)
             tel["bytes_sent"] += allreduce_bytes
             tel["payload_bytes"] += numel * g.element_size()
