@@ -287,3 +287,40 @@ def test_with_two_ranks_per_node_the_benchmark_times_hsdp_with_dgc_between_the_n
     dense, dgc = (rows[name]["bytes_sent"] for name in bench_links.HSDP_ROWS)
     assert dense == 4 * (2 * (256 * 256 + 256)) / 2  # this rank's shard, once to the other node
     assert 0 < dgc * 100 < dense
+
+
+@pytest.mark.slow
+def test_local_workers_whose_loopback_fails_end_saying_so_and_the_run_resumes(tmp_path,
+                                                                             never_cut):
+    """``scaleopt train --workers 2`` on one machine whose loopback goes down for good (here a
+    namespace of its own): the run ends within the process group's timeout and a grace with
+    one last line naming the worker, the lost connection, what the run was doing and the
+    resume command; resumed once the network is back, it ends with the uninterrupted numbers."""
+    import json
+    import tempfile
+
+    run = tmp_path / "run"
+    with links.ShapedCluster(nodes=1, rate=None) as cluster:
+        env = {**os.environ, "SCALEOPT_TIMEOUT": str(TIMEOUT_S)}
+        argv = [sys.executable, "-m", "scaleopt", "train", "--workers", "2", *RUN,
+                "--max-restarts", "0", "--out", str(run)]
+        log = tempfile.TemporaryFile("w+")
+        procs = [subprocess.Popen(cluster.command(0, argv), env=env, stdout=log,
+                                  stderr=subprocess.STDOUT, start_new_session=True)]
+        _wait_for_checkpoint(procs, run, 20)
+        subprocess.run(["ip", "-n", cluster.namespaces[0], "link", "set", "lo", "down"],
+                       check=True)
+        codes, texts = _ended(procs, [log], TIMEOUT_S + GRACE_S)
+        last = texts[0].strip().splitlines()[-1]
+        assert codes == [1], texts[0][-3000:]
+        assert "lost its connection to another worker" in last, last
+        assert "the network between them failed" in last and "during step " in last, last
+        assert f"--resume {run}" in last, last
+        subprocess.run(["ip", "-n", cluster.namespaces[0], "link", "set", "lo", "up"],
+                       check=True)
+        resumed = subprocess.run(cluster.command(0, [sys.executable, "-m", "scaleopt", "train",
+                                                     "--resume", str(run)]),
+                                 env=env, capture_output=True, text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    result = json.loads((run / "result.json").read_text())
+    assert result["complete"] and _numbers(result) == _numbers(never_cut)

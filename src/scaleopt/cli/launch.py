@@ -104,7 +104,8 @@ def _worker(rank: int, target: Callable[..., None], world_size: int, port: int, 
         finally:
             world.end_group()
     except BaseException as exc:
-        record = {"type": type(exc).__name__, "message": str(exc), "lost_peer": lost_a_peer(exc)}
+        record = {"type": type(exc).__name__, "message": str(exc), "lost_peer": lost_a_peer(exc),
+                  "doing": world.DOING[0]}
         _failure_file(folder, rank).write_text(json.dumps(record))
         raise
 
@@ -224,13 +225,16 @@ def _rank(rank: int, world_size: int, stop: Any, cfg: Config, result_file: str,
         pathlib.Path(result_file).write_text(json.dumps(result))
 
 
-def _how_it_died(exc: BaseException) -> str:
+def _how_it_died(exc: BaseException, record: Optional[Dict[str, Any]] = None) -> str:
     if isinstance(exc, mp.ProcessExitedException):
         how = (f"killed by {exc.signal_name}" if exc.signal_name
                else f"ended with exit code {exc.exit_code}")
         return f"worker {exc.error_index} (pid {exc.error_pid}) was {how}"
+    said = (record or {}).get("message", "").strip().splitlines()
     return (f"worker {exc.error_index} (pid {exc.error_pid}) lost its connection to another worker "
-            f"(which died)")
+            f"(which died or stopped answering, or the network between them failed)"
+            + (f" during {record['doing']}" if (record or {}).get("doing") else "")
+            + (f"; the backend said: {said[0][:200]}" if said else ""))
 
 
 def workers(cfg: Config) -> Dict[str, Any]:
@@ -262,7 +266,7 @@ def _attempt(cfg: Config, attempt: Config, reached: Any,
             if record is None:
                 raise
             if record["lost_peer"]:
-                return None, _how_it_died(exc)
+                return None, _how_it_died(exc, record)
             if record["type"] == "Diverged":
                 raise trainer.Diverged(record["message"]) from None
             if record["type"] == "CheckpointError":
