@@ -34,6 +34,8 @@ import time
 from typing import Any, Dict, List, Optional
 
 from scaleopt import links
+from scaleopt.cli import options
+from scaleopt.cli.config import new_folder
 
 #: the rows: the options each adds to the common run
 ROWS = {
@@ -138,8 +140,9 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=2, help="ranks, one per node (default: 2)")
     ap.add_argument("--train-size", type=int, help="a smaller training set (a quick look)")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds a run may take")
-    ap.add_argument("--out", default=".", help="folder for links_accuracy.json")
+    options.add_output(ap, "links_accuracy.json and links_accuracy.png", "links-accuracy")
     args = ap.parse_args()
+    args.out = args.out or new_folder(pathlib.Path("scaleopt-runs") / "links-accuracy")
     if args.table:
         os.makedirs(args.out, exist_ok=True)
         print(table_and_plot(merged(args.table), args.targets,
@@ -147,6 +150,8 @@ def main() -> None:
         return
     if not args.link:
         ap.error("--link RATE ... (or --table JSON ...)")
+    if (pathlib.Path(args.out) / "links_accuracy.json").exists() and not args.overwrite:
+        ap.error(f"--out {args.out} holds an earlier run's links_accuracy.json (--overwrite)")
     for rate in args.link:
         links.rate_bits(rate)
     reason = links.unavailable()

@@ -187,6 +187,7 @@ def test_a_folder_that_cannot_be_written_is_refused_before_training(stopped, tmp
     assert not (run / "checkpoints" / "step-00000006").exists()
 
 
+@pytest.mark.slow  # (the default run keeps the quicker ones)
 def test_a_disk_that_fills_during_the_run_ends_it_with_its_results(tmp_path):
     run = tmp_path / "run"
     proc = _limited(["train", *SMALL, "--checkpoint-every", "4", "--out", str(run)], 16384,

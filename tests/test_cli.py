@@ -43,6 +43,7 @@ def test_the_default_run_learns_the_task(tmp_path):
     assert json.loads((out / "result.json").read_text())["test_accuracy"] > 0.9
 
 
+@pytest.mark.slow  # (the default run keeps the quicker ones)
 def test_topics_data_is_learned_by_the_bag_of_words_model(tmp_path):
     from scaleopt.cli import data
 
@@ -243,6 +244,7 @@ def test_dgc_feeds_an_adaptive_optimizer_through_the_hook_and_reports_its_traffi
     assert _curve(json.loads((run / "result.json").read_text())) == _curve(result)
 
 
+@pytest.mark.slow  # (the default run keeps the quicker ones)
 def test_powersgd_trains_through_torchs_hook(tmp_path, capsys):
     """``--powersgd 1``: DDP's all-reduce replaced by torch's PowerSGD hook; the run trains,
     and differs from the dense run (the hook ran) while starting from the same point."""
@@ -536,6 +538,7 @@ def test_two_torchrun_launches_train_dgc_between_their_nodes_as_one_machine_does
     assert _curve(nodes_run) == _curve(hsdp_whole)
 
 
+@pytest.mark.slow  # (the default run keeps the quicker ones)
 def test_a_reader_that_leaves_early_is_not_an_error(tmp_path):
     """``scaleopt train | head -1``: the summary's later lines meet a closed pipe; the command
     ends quietly with the run's exit code, not a BrokenPipeError traceback."""

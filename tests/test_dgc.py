@@ -297,6 +297,7 @@ def test_the_ddp_hook_equals_the_optimizer(bucket_cap_mb, tmp_path):
     assert b[0]["telemetry"]["bytes_gathered"] == a[0]["telemetry"][-1]["bytes_gathered"]
 
 
+@pytest.mark.slow  # (the default run keeps the quicker ones)
 def test_a_parameter_used_on_one_rank_only(tmp_path):
     # rank 1 never touches the branch: it must still take part (as with a zero gradient) rather
     # than send a different set of tensors and hang or mix up the buffers
@@ -468,6 +469,7 @@ def test_pack_keeps_every_segment_aligned_with_odd_k_and_mixed_dtypes():
         assert torch.equal(d, want)
 
 
+@pytest.mark.slow  # (the default run keeps the quicker ones)
 def test_the_ddp_hook_state_resumes_from_each_ranks_checkpoint(tmp_path):
     """Each rank saves its own residuals (they differ from rank to rank); the resumed run is
     the uninterrupted one, bit for bit."""

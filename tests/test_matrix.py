@@ -199,7 +199,14 @@ def test_add_param_group(info):
         opt.add_param_group({"params": [extra], "param_names": ["again"]})
 
 
-@pytest.mark.parametrize("info", REGISTRY, ids=str)
+def _variants_slow(infos):
+    """Each optimizer's plain entry in the default run, its variants and front-ends (the ids
+    with an option or a framework's name) in the slow one."""
+    return [pytest.param(i, id=str(i), marks=[pytest.mark.slow] if set(str(i)) & set("-.(") else [])
+            for i in infos]
+
+
+@pytest.mark.parametrize("info", _variants_slow(REGISTRY))
 def test_compiled_step_matches_eager(info):
     torch._dynamo.reset()
     m1, o1 = fresh(info)
@@ -317,13 +324,6 @@ def test_device_path_reads_no_tensor_value_on_the_host(info, monkeypatch):
     monkeypatch.undo()
     assert reads == []
     assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-
-
-def _variants_slow(infos):
-    """Each optimizer's plain entry in the default run, its variants and front-ends (the ids
-    with an option or a framework's name) in the slow one."""
-    return [pytest.param(i, id=str(i), marks=[pytest.mark.slow] if set(str(i)) & set("-.(") else [])
-            for i in infos]
 
 
 @pytest.mark.parametrize("info", _variants_slow(i for i in REGISTRY if not i.host_step))

@@ -65,6 +65,7 @@ def test_ci_runs_the_bit_tests_again_under_each_condition_the_docs_name():
     assert all(f"`{c}`" in robustness for c in CONDITIONS)
 
 
+@pytest.mark.slow  # (the default run keeps the quicker ones)
 def test_the_bits_marker_falls_on_the_comparisons_of_bits():
     """The conftest marks a test ``bits`` by its name or its code: the sharded Muon test and
     the tests of the resumed runs are marked; the tests of bad arguments' errors are not."""

@@ -15,6 +15,7 @@ def _bytes(t):
     return bytes(t.tolist())
 
 
+@pytest.mark.slow  # (the default run keeps the quicker ones)
 def test_no_64_byte_window_of_the_held_out_parts_occurs_in_the_training_bytes():
     """Checked directly (every training window looked up among the held-out ones, no hashing),
     over the whole training bytes."""

@@ -655,6 +655,7 @@ def _sides(vs, sizes):
                      for k, v in sides.items())
 
 
+@pytest.mark.slow  # (the default run keeps the quicker ones)
 def test_the_pages_account_of_how_the_study_grew_is_its_journal_replayed():
     """Each sitting's study, made again from the committed journal with that sitting's options
     (as if it had been run alone), gives the page's row for it; the last is the study."""

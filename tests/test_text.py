@@ -195,6 +195,7 @@ def _pool():
                          "trace": ((per_example - mean) ** 2).sum(1).mean().item()}
 
 
+@pytest.mark.slow  # (the default run keeps the quicker ones)
 def test_the_noise_scale_from_two_batch_sizes_matches_a_direct_estimate():
     """At fixed weights, over a pool of N sequences sampled with replacement, the gradient's
     mean is exactly the pool's mean gradient G and its covariance the pool's, so the direct

@@ -380,7 +380,7 @@ def test_the_triton_path_reads_no_tensor_value_on_the_host(info, monkeypatch):
     assert reads == [] and launched
 
 
-@pytest.mark.parametrize("cls", [scaleopt.LAMB, scaleopt.LANS])
+@pytest.mark.parametrize("cls", [scaleopt.LAMB, pytest.param(scaleopt.LANS, marks=pytest.mark.slow)])
 def test_capturable_reads_the_steps_and_a_tensor_lr_where_they_are(cls, monkeypatch):
     """capturable=True: the step counters stay with the parameters and the learning rate may
     be a tensor that a scheduler changes in place; the numbers are the reference loop's with a
@@ -447,7 +447,8 @@ def test_capturable_needs_the_triton_kernels():
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy, in
-@pytest.mark.parametrize("capturable", [False, True])  # the interpreter's masked-off lanes
+@pytest.mark.parametrize("capturable", [False, pytest.param(True, marks=pytest.mark.slow)])  # the
+# interpreter's masked-off lanes
 @pytest.mark.parametrize("cls", [scaleopt.LAMB, scaleopt.LANS])
 def test_a_gradscaler_hands_the_kernels_its_scale_and_inf_flag(cls, capturable):
     """With a GradScaler, the kernels unscale the gradients as they read them (the scale stays
@@ -551,7 +552,7 @@ def _variants_launched(monkeypatch):
     return launched
 
 
-@pytest.mark.parametrize("cls", [scaleopt.LAMB, scaleopt.LANS])
+@pytest.mark.parametrize("cls", [scaleopt.LAMB, pytest.param(scaleopt.LANS, marks=pytest.mark.slow)])
 def test_int8_rows_of_16_byte_vectors_and_of_whole_blocks_step_as_the_loop(cls, monkeypatch):
     """int8 moments of rows whose lengths are multiples of 16 (80: one short block a row) and
     of 256 (512: the kernels place whole blocks without dividing, and sum each block inside a
