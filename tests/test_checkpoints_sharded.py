@@ -77,6 +77,7 @@ def _one_process(name, first, steps, full=None):
     return model, opt
 
 
+@pytest.mark.slow  # every optimizer's full state dict (the same size resume stays)
 def test_a_full_state_dict_of_a_sharded_run_resumes_in_one_process(tmp_path):
     full = _rank0(W.run_workers(D.save_full_after, 2, tmp_path, NAMES, 2, timeout=240))
     for name in NAMES:
