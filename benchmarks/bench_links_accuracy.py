@@ -60,12 +60,7 @@ def one_run(cluster: links.ShapedCluster, ranks: int, argv: List[str], out: path
             timeout: float) -> Dict[str, Any]:
     """``scaleopt train argv --out out``, rank r on node r; its result.json."""
     command = [sys.executable, "-m", "scaleopt", "train", *argv, "--out", str(out)]
-    procs = cluster.launch(1, command, PORT)
-    try:
-        codes = [p.wait(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    codes = cluster.run(1, command, PORT, timeout)
     if codes != [0] * ranks:
         raise RuntimeError(f"{' '.join(argv)}: the ranks exited with {codes}")
     return json.loads((out / "result.json").read_text())

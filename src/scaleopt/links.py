@@ -265,6 +265,17 @@ class ShapedCluster:
             procs.append(subprocess.Popen(self.command(node, argv), env=environment))
         return procs
 
+    def run(self, per_node: int, argv: Sequence[str], port: int, timeout: float,
+            env: Optional[Dict[str, str]] = None) -> List[int]:
+        """:meth:`launch`, then each rank's exit code; a rank still running after ``timeout``
+        seconds raises ``subprocess.TimeoutExpired``, and every rank is killed either way."""
+        procs = self.launch(per_node, argv, port, env)
+        try:
+            return [p.wait(timeout=timeout) for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+
     def cut(self, node: int) -> None:
         """Take ``node``'s link down at the switch: nothing passes to or from it."""
         _run(["ip", "-n", self.switch, "link", "set", f"n{node}", "down"])

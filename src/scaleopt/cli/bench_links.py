@@ -96,12 +96,7 @@ def run(specs: List[str], world: int, per_node: int, rounds: int, hidden: int, l
             argv = [sys.executable, "-c", "import sys; from scaleopt.cli.bench_links import "
                     "worker; worker(sys.argv[1], *map(int, sys.argv[2:]))", tmp, str(rounds),
                     str(hidden), str(layers), str(threads), str(per_node)]
-            procs = cluster.launch(per_node, argv, PORT)
-            try:
-                codes = [p.wait(timeout=timeout) for p in procs]
-            finally:
-                for p in procs:
-                    p.kill()
+            codes = cluster.run(per_node, argv, PORT, timeout)
             if codes != [0] * world:
                 raise RuntimeError(f"--link {spec}: the ranks exited with {codes}")
             with open(os.path.join(tmp, "rank0.json")) as f:
